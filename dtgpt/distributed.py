@@ -1,0 +1,83 @@
+"""Distributed start-up and shut-down: the only place that reads torchrun's environment.
+
+`python train.py` runs as one plain process (no process group); `torchrun` sets RANK and
+WORLD_SIZE, and then a process group is created (NCCL on CUDA, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtgpt.config import Config, validate
+from dtgpt.parallel.dims import ParallelDims
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dims: ParallelDims
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The last rank holds the last pipeline stage, where the loss is known (Megatron's choice)."""
+        return self.rank == self.world_size - 1
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("training.device='cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def initialize(cfg: Config) -> Runtime:
+    """Validate against the world size, start the process group if launched by torchrun, seed."""
+    world_size = world_size_from_env()
+    validate(cfg, world_size)  # before any process group: a config error costs no rendezvous
+    dims = ParallelDims.from_config(cfg, world_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.training.device, local_rank)
+    rank = 0
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = cfg.distributed.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        dims.build_mesh(device.type)
+    # Dropout differs between pipeline stages as in Megatron; weights and data order never
+    # depend on this seed (they have their own, see GPT.initial_value and the data order).
+    torch.manual_seed(cfg.training.seed + 100 * dims.pp_rank)
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, dims=dims)
+
+
+def shutdown() -> None:
+    """Always destroy the process group: gloo runs otherwise abort at exit now and then."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

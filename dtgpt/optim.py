@@ -1,0 +1,306 @@
+"""AdamW with weight-decay groups, the batch-size ramp-up and the learning-rate schedule.
+
+Every length here is counted in samples, as Megatron's OptimizerParamScheduler counts them when
+it trains by samples: an iteration-denominated key (lr_decay_iters, lr_warmup_iters, ...) is
+turned into samples by multiplying with the final global_batch_size, once, at construction.
+See docs/schedules.md for the definitions and where dtgpt deliberately differs from Megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dtgpt.config import Config, ConfigError, OptimizerConfig, TrainingConfig
+
+OPTIMIZER_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
+
+# ---------------------------------------------------------------------------------------------
+# AdamW
+
+
+def build_optimizer(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    cfg: OptimizerConfig,
+    *,
+    implementation: str = "foreach",
+) -> torch.optim.AdamW:
+    """AdamW with two groups: matrices decay, biases and norm weights (ndim < 2) do not.
+
+    Parameters may be DTensors (FSDP2 / TP shards); AdamW's kernels handle them as they are.
+    A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
+    is stepped once. Frozen parameters (requires_grad=False) are left out.
+    Both groups always exist, even when one is empty, so every pipeline stage builds an
+    optimizer with the same group layout and a checkpoint loads on any mesh.
+    """
+    if implementation not in OPTIMIZER_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"optimizer implementation={implementation!r} is not one of: "
+            f"{', '.join(map(repr, OPTIMIZER_IMPLEMENTATIONS))}"
+        )
+    seen: set[int] = set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for _name, param in named_params:
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    if not seen:
+        raise ValueError("build_optimizer got no trainable parameters")
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        foreach=implementation == "foreach",
+        fused=implementation == "fused",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-size ramp-up
+
+
+class BatchSizeSchedule:
+    """The global batch size as a function of samples consumed so far (Megatron's ramp-up).
+
+    With rampup_batch_size = [start, incr, ramp_samples], the batch grows from `start` by `incr`
+    in equal slices of ramp_samples / num_increments samples, and is global_batch_size once
+    ramp_samples have been consumed. The float division is kept as Megatron writes it, so the
+    batch sizes match Megatron's sample for sample.
+
+    dtgpt also allows the ramp-up with train_iters (Megatron refuses it): an iteration is one
+    optimizer step whose batch is global_batch_size(samples consumed before it), so the samples
+    consumed after i iterations are a function of i alone (see consumed_samples()).
+    """
+
+    def __init__(self, cfg: TrainingConfig):
+        self.final = cfg.global_batch_size
+        ramp = list(cfg.rampup_batch_size)
+        if ramp and len(ramp) != 3:
+            raise ConfigError(f"training.rampup_batch_size={ramp} must be [start, increment, ramp_samples]")
+        if ramp:
+            start, incr, samples = ramp
+            if start <= 0 or incr <= 0 or samples < 0 or start > self.final or (self.final - start) % incr:
+                raise ConfigError(
+                    f"training.rampup_batch_size={ramp} needs start > 0, increment > 0, samples >= 0 and "
+                    f"global_batch_size={self.final} - start a non-negative multiple of the increment"
+                )
+        # A ramp that starts at the final size or lasts no samples is no ramp at all.
+        self.enabled = bool(ramp) and ramp[0] < self.final and ramp[2] > 0
+        self.start, self.increment, self.ramp_samples = ramp if self.enabled else (self.final, 0, 0)
+        self.num_increments = (self.final - self.start) // self.increment if self.enabled else 0
+        self._samples_per_increment = self.ramp_samples / self.num_increments if self.enabled else 0.0
+
+    def global_batch_size(self, consumed_samples: int) -> int:
+        """The batch of the iteration that starts after `consumed_samples` samples."""
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples={consumed_samples} must be >= 0")
+        if not self.enabled or consumed_samples >= self.ramp_samples:
+            return self.final
+        steps = int(consumed_samples / self._samples_per_increment)
+        return min(self.start + steps * self.increment, self.final)
+
+    def _plateau_end(self, consumed: int) -> int:
+        """The first sample count after `consumed` at which the batch size changes."""
+        batch = self.global_batch_size(consumed)
+        steps = (batch - self.start) // self.increment
+        # Exact rational estimate, then nudged to where the float rule really switches.
+        end = min(-(-(steps + 1) * self.ramp_samples // self.num_increments), self.ramp_samples)
+        end = max(end, consumed + 1)
+        while end - 1 > consumed and self.global_batch_size(end - 1) != batch:
+            end -= 1
+        while self.global_batch_size(end) == batch:
+            end += 1
+        return end
+
+    def consumed_samples(self, iterations: int) -> int:
+        """Samples consumed by the first `iterations` iterations.
+
+        Walks whole plateaus of constant batch size, so the cost is O(num_increments), not
+        O(iterations).
+        """
+        if iterations < 0:
+            raise ValueError(f"iterations={iterations} must be >= 0")
+        consumed, left = 0, iterations
+        while left > 0:
+            batch = self.global_batch_size(consumed)
+            if batch == self.final:
+                return consumed + left * batch
+            span = -(-(self._plateau_end(consumed) - consumed) // batch)  # iterations at this batch
+            done = min(span, left)
+            consumed += done * batch
+            left -= done
+        return consumed
+
+
+def total_train_samples(cfg: TrainingConfig) -> int:
+    """Samples read over the whole run: the sum of the batches of train_iters iterations."""
+    return BatchSizeSchedule(cfg).consumed_samples(cfg.train_iters)
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """Micro-batches each data-parallel rank runs to make up one global batch."""
+    per_step = micro_batch_size * data_parallel_size
+    if per_step <= 0 or global_batch_size % per_step:
+        raise ConfigError(
+            f"global batch {global_batch_size} must be divisible by training.micro_batch_size="
+            f"{micro_batch_size} * data-parallel size {data_parallel_size} = {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedule
+
+_WSD_COEFF = {
+    "linear": lambda r: 1.0 - r,
+    "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+    "exponential": lambda r: 2.0 * 0.5**r - 1.0,
+    "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+}
+_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+
+class LRSchedule(Stateful):
+    """Megatron's learning-rate schedule over samples consumed by successful iterations.
+
+    Its only state is that sample count: the lengths come from the config, so a resumed run
+    may change them (as Megatron's --override-opt_param-scheduler would), and the count alone
+    resumes the same lr on any mesh. Skipped iterations (fp16 overflow, non-finite loss) do not
+    advance it, as in Megatron.
+    """
+
+    def __init__(self, cfg: Config):
+        o, gbs = cfg.optimizer, cfg.training.global_batch_size
+        if o.lr_decay_style not in _DECAY_STYLES:
+            raise ConfigError(f"optimizer.lr_decay_style={o.lr_decay_style!r} is not one of: {_DECAY_STYLES}")
+        self.style, self.wsd_style = o.lr_decay_style, o.lr_wsd_decay_style
+        self.max_lr, self.min_lr, self.init_lr = o.lr, o.min_lr, o.lr_warmup_init
+        self.decay_steps = _decay_samples(cfg)
+        self.warmup_steps = _warmup_samples(o, gbs, self.decay_steps)
+        self.wsd_decay_steps = _wsd_decay_samples(o, gbs) if self.style == "WSD" else 0
+        self._check()
+        self.num_samples = 0
+
+    def _check(self) -> None:
+        if self.style == "constant":
+            return
+        if self.warmup_steps >= self.decay_steps:
+            raise ConfigError(
+                f"the warmup ({self.warmup_steps:g} samples, from optimizer.lr_warmup_*) must be shorter "
+                f"than the decay ({self.decay_steps} samples, from optimizer.lr_decay_*)"
+            )
+        if self.style == "WSD" and self.wsd_decay_steps > self.decay_steps - self.warmup_steps:
+            raise ConfigError(
+                f"the WSD anneal ({self.wsd_decay_steps} samples, from optimizer.lr_wsd_decay_*) must fit "
+                f"between the end of warmup ({self.warmup_steps:g}) and the end of decay ({self.decay_steps})"
+            )
+
+    def lr_at(self, num_samples: float) -> float:
+        """The learning rate after `num_samples` samples of successful iterations."""
+        if self.warmup_steps > 0 and num_samples <= self.warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * num_samples / self.warmup_steps
+        if self.style == "constant":
+            return self.max_lr
+        if num_samples > self.decay_steps:
+            return self.min_lr
+        if self.style == "inverse-square-root":
+            warmup, n = max(self.warmup_steps, 1), max(num_samples, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(n))
+        if self.style == "WSD":
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            if num_samples <= anneal_start:
+                coeff = 1.0
+            else:
+                r = (num_samples - anneal_start) / self.wsd_decay_steps
+                coeff = _WSD_COEFF[self.wsd_style](r)
+        else:
+            ratio = (num_samples - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+            coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    @property
+    def current_lr(self) -> float:
+        return self.lr_at(self.num_samples)
+
+    def step(self, increment_samples: int) -> None:
+        """Count the samples of one successful iteration."""
+        if increment_samples < 0:
+            raise ValueError(f"increment_samples={increment_samples} must be >= 0")
+        self.num_samples += increment_samples
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> float:
+        """Set every group's lr to current_lr (call before optimizer.step); returns it."""
+        lr = self.current_lr
+        for group in optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # a tensor lr (capturable / compiled step) stays one
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_samples": self.num_samples}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.num_samples = int(state_dict["num_samples"])
+
+
+def _decay_samples(cfg: Config) -> int:
+    o, t = cfg.optimizer, cfg.training
+    if o.lr_decay_samples is not None:
+        key, value, samples = "optimizer.lr_decay_samples", o.lr_decay_samples, o.lr_decay_samples
+    else:
+        key = "optimizer.lr_decay_iters" if o.lr_decay_iters is not None else "training.train_iters"
+        value = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+        samples = value * t.global_batch_size
+    if samples <= 0:
+        raise ConfigError(f"{key}={value} must be > 0: it sets the decay length")
+    return samples
+
+
+def _warmup_samples(o: OptimizerConfig, global_batch_size: int, decay_samples: int) -> float:
+    if o.lr_warmup_fraction is not None:
+        if not 0.0 <= o.lr_warmup_fraction < 1.0:
+            raise ConfigError(f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1)")
+        return o.lr_warmup_fraction * decay_samples
+    if o.lr_warmup_samples < 0 or o.lr_warmup_iters < 0:
+        raise ConfigError(
+            f"optimizer.lr_warmup_samples={o.lr_warmup_samples} and optimizer.lr_warmup_iters="
+            f"{o.lr_warmup_iters} must be >= 0"
+        )
+    if o.lr_warmup_samples > 0:
+        return o.lr_warmup_samples
+    return o.lr_warmup_iters * global_batch_size
+
+
+def _wsd_decay_samples(o: OptimizerConfig, global_batch_size: int) -> int:
+    """The anneal length of WSD. It has no sensible default, so leaving it unset is an error."""
+    if o.lr_wsd_decay_samples is not None:
+        key, value, samples = "optimizer.lr_wsd_decay_samples", o.lr_wsd_decay_samples, o.lr_wsd_decay_samples
+    elif o.lr_wsd_decay_iters is not None:
+        key, value = "optimizer.lr_wsd_decay_iters", o.lr_wsd_decay_iters
+        samples = value * global_batch_size
+    else:
+        raise ConfigError(
+            "optimizer.lr_decay_style='WSD' needs the anneal length: set optimizer.lr_wsd_decay_iters "
+            "or optimizer.lr_wsd_decay_samples"
+        )
+    if samples <= 0:
+        raise ConfigError(f"{key}={value} must be > 0 under optimizer.lr_decay_style='WSD'")
+    if o.lr_wsd_decay_style not in _WSD_COEFF:
+        raise ConfigError(
+            f"optimizer.lr_wsd_decay_style={o.lr_wsd_decay_style!r} is not one of: {', '.join(_WSD_COEFF)}"
+        )
+    return samples

@@ -1,0 +1,140 @@
+"""Parallelise a GPT: the one place where TP, activation checkpointing, compile and FSDP meet.
+
+`parallelize()` applies them to one model (or pipeline stage) in that visible order;
+`build_model()` builds on meta, cuts pipeline stages, parallelises each, then materialises
+and initialises the weights so that every layout starts from bitwise-identical full weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dtgpt.config import Config, ConfigError
+from dtgpt.model import GPT
+from dtgpt.parallel.dims import ParallelDims
+from dtgpt.parallel.fsdp import apply_fsdp
+from dtgpt.parallel.model_parts import ModelParts
+from dtgpt.parallel.pipeline import (
+    ScheduleCache,
+    build_pipeline_stages,
+    build_stage_model,
+    stage_ids_on_rank,
+    stage_layer_counts,
+)
+from dtgpt.parallel.tensor import apply_tp
+from dtgpt.parallel.tied import build_tied_group
+
+__all__ = ["ParallelDims", "ModelParts", "build_model", "parallelize", "compute_dtype", "check_compile_supported"]
+
+
+def compute_dtype(cfg: Config) -> torch.dtype | None:
+    """The low-precision compute dtype, or None for fp32."""
+    if cfg.training.bf16:
+        return torch.bfloat16
+    if cfg.training.fp16:
+        return torch.float16
+    return None
+
+
+def check_compile_supported(cfg: Config) -> None:
+    """torch.compile is allowed only where a parity test shows it trains the same model."""
+    p = cfg.parallel
+    if cfg.training.compile and (p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1):
+        raise ConfigError(
+            "training.compile=true is not supported with parallel.tensor_model_parallel_size > 1 or "
+            "parallel.pipeline_model_parallel_size > 1: compiling parts of a tensor-parallel model is known to "
+            "fail or give wrong gradients, and no parity test covers these combinations yet; "
+            "set training.compile=false"
+        )
+
+
+def apply_ac(model: GPT, mode: str, every: int) -> None:
+    """Recompute block activations in backward: every block ('full') or every k-th ('selective')."""
+    for name, block in model.layers.items():
+        block.activation_checkpointing = mode == "full" or (mode == "selective" and int(name) % every == 0)
+
+
+def apply_compile(model: GPT, per_block: bool) -> None:
+    """Compile in place (names keep no `_orig_mod` prefix): per block under FSDP, else whole."""
+    if per_block:
+        for block in model.layers.values():
+            block.compile()
+    else:
+        model.compile()
+
+
+def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
+    """TP -> activation checkpointing -> compile -> FSDP, applied in place to one model/stage."""
+    if dims.tp_enabled:
+        apply_tp(
+            model,
+            dims.sub("tp"),
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            loss_parallel=cfg.parallel.loss_parallel,
+        )
+    if cfg.training.activation_checkpointing != "none":
+        apply_ac(model, cfg.training.activation_checkpointing, cfg.training.activation_checkpointing_every)
+    if cfg.training.compile:
+        check_compile_supported(cfg)
+        apply_compile(model, per_block=dims.fsdp_enabled)
+    if dims.fsdp_enabled:
+        reshard = cfg.parallel.fsdp_reshard_after_forward
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh(),
+            param_dtype=compute_dtype(cfg),
+            reshard_after_forward=(not dims.pp_enabled) if reshard == "default" else reshard == "always",
+        )
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # The loss is already divided by the global token count: sum gradients, never average.
+                module.set_gradient_divide_factor(1.0)
+                # Plain SUM collectives (gloo has no pre-multiplied sum; with factor 1 it is the same).
+                module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's slice of the full tensor `value` into a (possibly sharded) parameter."""
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the full value and keeps its own chunk, no comm.
+        local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(value)
+
+
+def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
+    """Cut `model` (built on meta) into this rank's stages, parallelise, materialise, init."""
+    if dims.pp_enabled:
+        counts = stage_layer_counts(cfg)
+        stage_ids = stage_ids_on_rank(
+            dims.pp_rank, dims.pp, cfg.parallel.virtual_pipeline_stages_per_rank, cfg.parallel.pipeline_schedule
+        )
+        parts = [build_stage_model(model, sid, counts) for sid in stage_ids]
+        num_stages = len(counts)
+    else:
+        parts, stage_ids, num_stages = [model], [0], 1
+    for part in parts:
+        parallelize(part, dims, cfg)
+        part.to_empty(device=device)
+        if part.tied and part.embedding is not None and part.output is not None:
+            part.output.weight = part.embedding.word.weight  # to_empty may give each user a copy
+        part.init_weights(cfg.training.seed, device=device, assign=assign_full_value)
+    schedules = None
+    if dims.pp_enabled:
+        stages = build_pipeline_stages(parts, stage_ids, num_stages, device, dims.sub("pp"))
+        schedules = ScheduleCache(stages, cfg.parallel.pipeline_schedule, loss_fn=None)
+    return ModelParts(
+        parts=parts,
+        stage_ids=stage_ids,
+        num_stages=num_stages,
+        dims=dims,
+        device=device,
+        schedules=schedules,
+        autocast_dtype=None if dims.fsdp_enabled else compute_dtype(cfg),
+        loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
+        tied_group=build_tied_group(dims, parts),
+    )

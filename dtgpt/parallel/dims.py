@@ -1,0 +1,103 @@
+"""ParallelDims: the one object that owns the DeviceMesh and answers "which group is X?".
+
+Mesh dimensions, outer to inner: pp, dp_replicate, dp_shard, tp. tp is innermost so its ranks
+are neighbours (one node); dp = dp_replicate * dp_shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dtgpt.config import Config, ConfigError, validate_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
+        """Resolve dp_shard = -1 to the rest and check the product (before any group exists)."""
+        validate_mesh(cfg, world_size)
+        p = cfg.parallel
+        pp, tp, dpr = p.pipeline_model_parallel_size, p.tensor_model_parallel_size, p.data_parallel_replicate_size
+        dps = p.data_parallel_shard_size
+        if dps == -1:
+            dps = world_size // (pp * tp * dpr)
+        if pp * dpr * dps * tp != world_size:
+            raise ConfigError(f"mesh pp={pp} x dp_replicate={dpr} x dp_shard={dps} x tp={tp} != world size {world_size}")
+        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp, world_size=world_size)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        # With one data-parallel rank FSDP would only add hooks; mixed precision then uses autocast.
+        return self.dp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """Create the named 4-D mesh (and the flattened 'dp' view); None in a one-process run."""
+        if not dist.is_initialized():
+            return None
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return self.mesh
+
+    def sub(self, name: str) -> DeviceMesh | None:
+        """mesh['tp'], mesh['pp'], mesh['dp'] ...; None when there is no mesh."""
+        return None if self.mesh is None else self.mesh[name]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """2-D (replicate, shard) for HSDP, else the shard dimension alone."""
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along mesh dimension `name` (0 without a mesh)."""
+        if self.mesh is None:
+            return 0
+        return self.mesh.get_local_rank(name)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate("pp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinate("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate("dp")
+
+    def all_reduce(self, tensor: torch.Tensor, names: tuple[str, ...], op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce over each named dimension of size > 1 (no-op without a mesh)."""
+        if self.mesh is None:
+            return tensor
+        for name in names:
+            if self.mesh[name].size() > 1:
+                dist.all_reduce(tensor, op=op, group=self.mesh[name].get_group())
+        return tensor

@@ -1,0 +1,44 @@
+"""Data parallelism with FSDP2 `fully_shard` (HSDP on a 2-D mesh), and its mixed precision.
+
+Each block is one FSDP unit (its parameters are gathered just before it runs); the embedding
+and norm+head get units of their own unless the model ties them, in which case the shared
+weight stays with the root unit, the only module that holds both users of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dtgpt.model import GPT
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Low-precision compute copies, fp32 gradient reduction; the sharded fp32 params are the master."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: GPT,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+) -> None:
+    mp = mixed_precision_policy(param_dtype)
+
+    def shard(module):
+        fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+    for block in model.layers.values():
+        shard(block)
+    tied_here = model.tied and model.embedding is not None and model.output is not None
+    if not tied_here:
+        if model.embedding is not None:
+            shard(model.embedding)
+        head = [m for m in (model.norm, model.output) if m is not None]
+        if head:
+            fully_shard(head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root unit holds what is left (the tied weight); its forward ends the step anyway.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

@@ -1,0 +1,106 @@
+"""ModelParts: what one rank holds of the parallel model, and how to run it.
+
+One part without pipelining, one or more pipeline stages with it. The object hides that
+difference from the trainer: it knows the compute context (autocast, loss parallel), which
+parameters count toward the gradient norm, and the per-micro-batch-count schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
+
+from dtgpt.model import GPT
+from dtgpt.parallel.dims import ParallelDims
+from dtgpt.parallel.tied import sync_tied_grads, tied_pair_on_rank
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses (fp32), skipping labels equal to IGNORE_INDEX."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+class GlobalBatchLoss:
+    """loss(micro-batch) = sum of its token losses / loss tokens in the whole global batch.
+
+    Summing this over micro-batches and data-parallel ranks gives the global-batch mean exactly,
+    whatever the layout (not a mean of means). `scale` is the fp16 loss scale.
+    """
+
+    def __init__(self):
+        self.denominator: torch.Tensor | float = 1.0
+        self.scale: float = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) * (self.scale / self.denominator)
+
+
+@dataclass
+class ModelParts:
+    parts: list[GPT]
+    stage_ids: list[int]
+    num_stages: int
+    dims: ParallelDims
+    device: torch.device
+    schedules: object | None  # ScheduleCache under pipeline parallelism
+    autocast_dtype: torch.dtype | None
+    loss_parallel: bool
+    tied_group: dist.ProcessGroup | None
+    loss_fn: GlobalBatchLoss = field(default_factory=GlobalBatchLoss)
+
+    def __post_init__(self):
+        if self.schedules is not None:
+            self.schedules.loss_fn = self.loss_fn
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen = set()
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose gradients count toward the global norm: the last stage's copy of a
+        split tied weight is left out, so the shared weight counts once, as in one process."""
+        _, tied_copy = tied_pair_on_rank(self.parts)
+        return [p for p in self.parameters() if p is not tied_copy]
+
+    def compute_context(self) -> contextlib.ExitStack:
+        """Autocast (when FSDP does not do mixed precision) and loss parallelism (under tp)."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        if self.loss_parallel:
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def sync_tied_grads(self) -> None:
+        if self.dims.pp_enabled:
+            sync_tied_grads(self.parts, self.tied_group)

@@ -1,0 +1,83 @@
+"""Pipeline parallelism: cut the meta-device model into stages and build the schedule.
+
+The model is built once, whole, on the meta device; each stage is a deep copy with the blocks
+of other stages deleted (ModuleDict keys keep their global names, so checkpoints are
+stage-free). The first stage keeps the embedding, the last the final norm and the head.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
+from dtgpt.model import GPT
+
+
+def stage_layer_counts(cfg: Config) -> list[int]:
+    """Blocks per stage: explicit counts, or an even split."""
+    if cfg.parallel.pipeline_layers_per_stage:
+        return list(cfg.parallel.pipeline_layers_per_stage)
+    stages = num_pipeline_stages(cfg)
+    return [cfg.model.num_layers // stages] * stages
+
+
+def stage_ids_on_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """Which stages a pp rank holds: looped (r, r+pp, ...) or, for V schedules, (r, 2pp-1-r)."""
+    if schedule in V_SHAPED_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
+    """A copy of `whole` (on meta) holding only the parts of `stage`."""
+    model = copy.deepcopy(whole)
+    first = sum(counts[:stage])
+    keep = {str(i) for i in range(first, first + counts[stage])}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.embedding = None
+    if stage != len(counts) - 1:
+        model.norm = None
+        model.output = None
+    elif model.tied and model.embedding is None:
+        # The last stage holds its own copy of the tied weight; gradients are summed with the
+        # first stage's every step (see dtgpt.parallel.tied), so the two stay equal.
+        model.output.weight = torch.nn.Parameter(torch.empty_like(model.output.weight))
+    return model
+
+
+def build_pipeline_stages(
+    parts: list[GPT], stage_ids: list[int], num_stages: int, device: torch.device, pp_mesh: DeviceMesh
+) -> list[PipelineStage]:
+    return [
+        PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_mesh.get_group())
+        for part, sid in zip(parts, stage_ids)
+    ]
+
+
+class ScheduleCache:
+    """One schedule per micro-batch count (batch-size ramp-up changes it), built on first use."""
+
+    def __init__(self, stages: list[PipelineStage], schedule_name: str, loss_fn: Callable):
+        self.stages = stages
+        self.schedule_cls = get_schedule_class(schedule_name)
+        self.loss_fn = loss_fn
+        self._cache: dict[int, object] = {}
+
+    def get(self, n_microbatches: int):
+        if n_microbatches not in self._cache:
+            single = issubclass(self.schedule_cls, PipelineScheduleSingle)
+            stages = self.stages[0] if single else self.stages
+            # scale_grads=False: the loss already divides by the global token count.
+            self._cache[n_microbatches] = self.schedule_cls(
+                stages, n_microbatches=n_microbatches, loss_fn=self.loss_fn, scale_grads=False
+            )
+        return self._cache[n_microbatches]

@@ -1,0 +1,93 @@
+"""Tensor parallelism as DTensor `parallelize_module` plans (Megatron's column/row split).
+
+Per block: QKV and MLP-in are column-parallel, attention-out and MLP-out row-parallel, so each
+block costs one all-reduce in forward (or, with sequence parallelism, one all-gather before and
+one reduce-scatter after each sub-layer). The word embedding is vocabulary-parallel, the output
+head column-parallel over the vocabulary; with loss parallelism the cross-entropy runs on the
+vocabulary-sharded logits without gathering them.
+
+Every parameter becomes a DTensor on the tp mesh, replicated ones included, so that FSDP and
+the gradient-norm computation see one uniform mesh and never count a replica twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from dtgpt.model import GPT
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over tp as DTensors; the module takes and returns local tensors.
+
+    No stock style does this: norms without sequence parallelism and the position table must be
+    DTensors (for FSDP and the norm) while the activations around them stay plain replicated
+    tensors. Their gradients come out identical on every tp rank, as Replicate.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_module, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            )
+
+        def to_local(_module, output, _mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def _norm_style(sequence_parallel: bool) -> ParallelStyle:
+    return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+
+def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place."""
+    seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
+    plan: dict[str, ParallelStyle] = {}
+    if model.embedding is not None:
+        plan["embedding.word"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if model.embedding.position is not None:
+            plan["embedding.position"] = ReplicateParallel()
+        if sequence_parallel:
+            # Positions are added to the full sequence; then each rank keeps its chunk (no comm).
+            plan["embedding"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    if model.norm is not None:
+        plan["norm"] = _norm_style(sequence_parallel)
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    for name in model.layers:
+        prefix = f"layers.{name}."
+        plan.update(
+            {
+                prefix + "input_norm": _norm_style(sequence_parallel),
+                prefix + "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                prefix + "attention.qkv": ColwiseParallel(),
+                prefix + "attention.proj": RowwiseParallel(output_layouts=seq),
+                prefix + "mlp_norm": _norm_style(sequence_parallel),
+                prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                prefix + "mlp.fc1": ColwiseParallel(),
+                prefix + "mlp.fc2": RowwiseParallel(output_layouts=seq),
+            }
+        )
+    parallelize_module(model, tp_mesh, plan)
+    if model.tied and model.embedding is not None and model.output is not None:
+        # Both are sharded Shard(0) over the vocabulary; re-tie to the one distributed parameter.
+        model.output.weight = model.embedding.word.weight

@@ -1,0 +1,64 @@
+"""Tied word embedding and output head across pipeline stages.
+
+With pp > 1 the first stage holds the embedding and the last the head, each as its own
+parameter. Both start equal (same init), and their gradients are summed every step, so the
+optimizer moves them identically: they stay one weight, as in a one-process run.
+
+No stock collective covers "the first and last pipeline stage only", so this file builds that
+process group (one per (dp, tp) coordinate) and all-reduces the local gradient shards over it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dtgpt.model import GPT
+from dtgpt.parallel.dims import ParallelDims
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tied_pair_on_rank(parts: list[GPT]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(first-stage embedding weight, last-stage head weight) held by this rank, when split."""
+    first = next((p.embedding.word.weight for p in parts if p.embedding is not None), None)
+    last = next((p.output.weight for p in parts if p.output is not None and p.embedding is None), None)
+    return first, last
+
+
+def build_tied_group(dims: ParallelDims, parts: list[GPT]) -> dist.ProcessGroup | None:
+    """The group {first pp rank, last pp rank} containing this rank, or None when not needed.
+
+    Every rank must call this (new_group is collective), even ranks that hold neither end.
+    """
+    if not dims.pp_enabled or not parts[0].tied or dims.mesh is None:
+        return None
+    ranks = dims.mesh.mesh  # (pp, dp_replicate, dp_shard, tp)
+    first, last = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
+    if first == last:
+        return None
+    mine = None
+    for a, b in zip(first, last):
+        group = dist.new_group([a, b])
+        if dist.get_rank() in (a, b):
+            mine = group
+    return mine
+
+
+@torch.no_grad()
+def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of the split tied weight so both copies take the same step."""
+    if not parts[0].tied:
+        return
+    first, last = tied_pair_on_rank(parts)
+    if first is not None and last is not None:  # V-shaped schedules: both ends on this rank
+        total = _local(first.grad) + _local(last.grad)
+        _local(first.grad).copy_(total)
+        _local(last.grad).copy_(total)
+        return
+    held = first if first is not None else last
+    if held is not None and group is not None:
+        dist.all_reduce(_local(held.grad), group=group)

@@ -1,0 +1,143 @@
+"""One training step: forward-backward over micro-batches, gradient sync and clip, optimizer.
+
+`forward_backward` hides the difference between one stage and a pipeline schedule. The loss of
+a global batch is the sum of its token losses over the number of loss tokens in the global
+batch (DESIGN invariant 1), so gradients are sums over micro-batches and ranks, never means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dtgpt.parallel.model_parts import IGNORE_INDEX, ModelParts
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor (under loss parallelism the loss is a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T+1) sample tokens -> inputs (B, T) and next-token labels (B, T)."""
+    return batch[:, :-1], batch[:, 1:]
+
+
+def forward_backward(
+    model: ModelParts,
+    batch: torch.Tensor,
+    num_microbatches: int,
+    *,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+) -> torch.Tensor:
+    """Run this rank's share of a global batch (num_microbatches micro-batches).
+
+    Returns this rank's part of the global-batch loss (unscaled): its micro-batch losses summed.
+    Under pipelining only ranks holding the last stage have a non-zero part.
+    """
+    tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
+    denominator = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    model.dims.all_reduce(denominator, ("dp",))
+    model.loss_fn.denominator = denominator
+    model.loss_fn.scale = loss_scale
+    grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+    with grad_mode:
+        if model.schedules is not None:
+            return _pipelined(model, tokens, labels, num_microbatches, forward_only) / loss_scale
+        total = torch.zeros((), device=model.device)
+        part = model.parts[0]
+        for tok, lab in zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches)):
+            # The loss-parallel context must cover backward as well as forward.
+            with model.compute_context():
+                loss = model.loss_fn(part(tok), lab)
+                if not forward_only:
+                    loss.backward()
+            total += _plain(loss)
+        return total / loss_scale
+
+
+def _pipelined(model: ModelParts, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+    schedule = model.schedules.get(num_microbatches)
+    args = (tokens,) if model.has_first_stage else ()
+    target = labels if model.has_last_stage else None
+    losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
+    with model.compute_context():
+        run = schedule.eval if forward_only else schedule.step
+        run(*args, target=target, losses=losses, return_outputs=False)
+    if not losses:
+        return torch.zeros((), device=model.device)
+    return torch.stack([_plain(loss).float() for loss in losses]).sum()
+
+
+def reduce_loss(model: ModelParts, local_loss: torch.Tensor) -> torch.Tensor:
+    """Sum the per-rank loss parts over dp (and pp, where only the last stage is non-zero)."""
+    return model.dims.all_reduce(local_loss.clone(), ("dp", "pp"))
+
+
+@torch.no_grad()
+def global_grad_norm(model: ModelParts) -> torch.Tensor:
+    """L2 norm of all gradients across tp, dp and pp (each shared weight counted once)."""
+    grads = [p.grad for p in model.norm_parameters() if p.grad is not None]
+    if grads:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # sums the squares over the mesh the DTensors live on
+    else:
+        norm = torch.zeros((), device=model.device)
+    squared = norm.float() ** 2
+    model.dims.all_reduce(squared, ("pp",))  # each pp stage saw only its own parameters
+    return squared.sqrt()
+
+
+@torch.no_grad()
+def clip_gradients(model: ModelParts, max_norm: float, total_norm: torch.Tensor) -> None:
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total_norm, foreach=True)
+
+
+def any_rank_true(model: ModelParts, flag: torch.Tensor) -> torch.Tensor:
+    """Agree on a flag across every rank (MAX), so all ranks skip the same iteration."""
+    flag = flag.float()
+    if model.dims.mesh is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    """No optimizer step was taken (fp16 overflow, or a non-finite loss/norm under 'skip')."""
+    nan: bool
+    """The loss or gradient norm was not finite."""
+    found_inf: bool
+
+
+def train_step(model: ModelParts, optimizer, scaler, batch: torch.Tensor, num_microbatches: int, clip_grad: float) -> StepResult:
+    """forward-backward -> tied-grad sync -> unscale -> global norm and clip -> optimizer step.
+
+    One host synchronisation per iteration: the loss, norm and overflow flag are read together.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    local_loss = forward_backward(model, batch, num_microbatches, loss_scale=scaler.scale)
+    model.sync_tied_grads()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    found_inf = any_rank_true(model, scaler.unscale_and_check_(grads))
+    grad_norm = global_grad_norm(model)
+    clip_gradients(model, clip_grad, grad_norm)
+    loss = reduce_loss(model, local_loss)
+    loss_value, norm_value, inf_value = torch.stack([loss, grad_norm, found_inf]).tolist()
+    overflow = inf_value > 0
+    nan = not (math.isfinite(loss_value) and math.isfinite(norm_value)) and not overflow
+    skipped = overflow or nan
+    if not skipped:
+        optimizer.step()
+    scaler.update(overflow)
+    return StepResult(loss=loss_value, grad_norm=norm_value, skipped=skipped, nan=nan, found_inf=overflow)

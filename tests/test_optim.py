@@ -1,0 +1,277 @@
+"""AdamW groups, the batch-size ramp-up and the LR schedule against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dtgpt.config import Config, ConfigError, OptimizerConfig, TrainingConfig
+from dtgpt.optim import (
+    BatchSizeSchedule,
+    LRSchedule,
+    build_optimizer,
+    num_microbatches,
+    total_train_samples,
+)
+
+# ---------------------------------------------------------------------------------------------
+# AdamW param groups
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+def test_param_groups(implementation):
+    model = _Tiny()
+    cfg = OptimizerConfig(weight_decay=0.1, lr=1e-3, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6)
+    # remove_duplicate=False yields the tied weight under both names, as FSDP/PP code may.
+    opt = build_optimizer(model.named_parameters(remove_duplicate=False), cfg, implementation=implementation)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
+    assert ids(decay) == {id(model.emb.weight), id(model.proj.weight)}
+    assert ids(no_decay) == {id(model.norm.weight), id(model.norm.bias), id(model.proj.bias)}
+    all_params = decay["params"] + no_decay["params"]
+    assert len(all_params) == len({id(p) for p in all_params}) == 5
+    assert decay["betas"] == (0.8, 0.95) and decay["eps"] == 1e-6 and decay["lr"] == 1e-3
+    assert opt.defaults["fused"] is (implementation == "fused")
+    assert opt.defaults["foreach"] is (implementation == "foreach")
+    # The chosen kernel really runs on these groups.
+    loss = model.head(model.proj(model.norm(model.emb(torch.tensor([1, 2]))))).sum()
+    loss.backward()
+    before = model.emb.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.emb.weight)
+
+
+def test_param_groups_reject_bad_implementation():
+    with pytest.raises(ConfigError, match="'sgd'"):
+        build_optimizer(_Tiny().named_parameters(), OptimizerConfig(), implementation="sgd")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-size ramp-up
+
+
+def _gpt3_training(**kw):
+    return TrainingConfig(global_batch_size=1536, rampup_batch_size=[16, 16, 5859375], **kw)
+
+
+@pytest.mark.parametrize(
+    "consumed, batch", [(0, 16), (61_677, 16), (61_678, 32), (3_000_000, 784), (5_859_374, 1520), (5_859_375, 1536), (10**9, 1536)]
+)
+def test_rampup_gpt3_175b(consumed, batch):
+    assert BatchSizeSchedule(_gpt3_training()).global_batch_size(consumed) == batch
+
+
+def _brute_force_samples(schedule, iters):
+    consumed = 0
+    for _ in range(iters):
+        consumed += schedule.global_batch_size(consumed)
+    return consumed
+
+
+@pytest.mark.parametrize(
+    "gbs, ramp, iters",
+    [(64, [8, 8, 1000], 50), (64, [8, 8, 1000], 3), (48, [4, 4, 997], 200), (96, [32, 32, 100], 40),
+     (30, [3, 3, 7], 20), (64, [], 17), (64, [64, 8, 1000], 9), (64, [8, 8, 0], 5)],
+)
+def test_total_train_samples_matches_loop(gbs, ramp, iters):
+    cfg = TrainingConfig(global_batch_size=gbs, rampup_batch_size=ramp, train_iters=iters)
+    schedule = BatchSizeSchedule(cfg)
+    assert total_train_samples(cfg) == _brute_force_samples(schedule, iters)
+    for i in range(iters + 1):
+        assert schedule.consumed_samples(i) == _brute_force_samples(schedule, i)
+
+
+def test_total_train_samples_gpt3_175b_is_fast_and_exact():
+    cfg = _gpt3_training(train_iters=500_000)
+    schedule = BatchSizeSchedule(cfg)
+    ramp_iters = consumed = last_batch = 0
+    while consumed < 5_859_375:
+        last_batch = schedule.global_batch_size(consumed)
+        consumed += last_batch
+        ramp_iters += 1
+    assert schedule.consumed_samples(ramp_iters) == consumed
+    assert last_batch == 1520  # the ramp climbs through every size...
+    assert schedule.global_batch_size(consumed) == 1536  # ...and ends at the full one
+    assert total_train_samples(cfg) == consumed + (500_000 - ramp_iters) * 1536
+
+
+def test_no_rampup_is_constant():
+    cfg = TrainingConfig(global_batch_size=24, train_iters=10)
+    schedule = BatchSizeSchedule(cfg)
+    assert [schedule.global_batch_size(c) for c in (0, 1, 23, 10**6)] == [24] * 4
+    assert total_train_samples(cfg) == 240
+
+
+def test_rampup_rejects_bad_values():
+    with pytest.raises(ConfigError, match="rampup_batch_size"):
+        BatchSizeSchedule(TrainingConfig(global_batch_size=64, rampup_batch_size=[8, 5, 100]))
+
+
+def test_num_microbatches():
+    assert num_microbatches(1536, 1, 96) == 16
+    assert num_microbatches(32, 2, 4) == 4
+    with pytest.raises(ConfigError, match="micro_batch_size=2"):
+        num_microbatches(30, 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# LR schedule
+
+
+def _cfg(train_iters=100, gbs=10, **optimizer):
+    return Config(
+        training=TrainingConfig(global_batch_size=gbs, train_iters=train_iters),
+        optimizer=OptimizerConfig(**optimizer),
+    )
+
+
+def test_gpt3_175b_cosine():
+    cfg = Config(
+        training=_gpt3_training(train_iters=500_000),
+        optimizer=OptimizerConfig(lr=6e-5, min_lr=6e-6, lr_decay_style="cosine", lr_warmup_fraction=0.001, lr_decay_iters=430_000),
+    )
+    s = LRSchedule(cfg)
+    decay = 430_000 * 1536
+    warmup = 0.001 * decay
+    assert s.decay_steps == decay and s.warmup_steps == pytest.approx(660_480)
+    assert s.lr_at(0) == 0.0
+    assert s.lr_at(warmup / 2) == pytest.approx(3e-5, rel=1e-12)
+    assert s.lr_at(warmup) == pytest.approx(6e-5, rel=1e-12)
+    assert s.lr_at((warmup + decay) / 2) == pytest.approx((6e-5 + 6e-6) / 2, rel=1e-12)
+    quarter = warmup + (decay - warmup) / 4
+    assert s.lr_at(quarter) == pytest.approx(6e-6 + 0.5 * (math.cos(math.pi / 4) + 1) * 5.4e-5, rel=1e-12)
+    assert s.lr_at(decay) == pytest.approx(6e-6, rel=1e-12)
+    assert s.lr_at(decay + 1) == 6e-6
+    assert s.lr_at(10**12) == 6e-6
+
+
+def test_linear_with_warmup_iters_and_init():
+    # decay = 100 iters * 10 = 1000 samples, warmup = 10 iters * 10 = 100 samples.
+    s = LRSchedule(_cfg(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_warmup_init=0.5))
+    assert (s.decay_steps, s.warmup_steps) == (1000, 100)
+    assert s.lr_at(0) == 0.5
+    assert s.lr_at(50) == pytest.approx(0.75)
+    assert s.lr_at(100) == pytest.approx(1.0)
+    assert s.lr_at(550) == pytest.approx(0.1 + 0.5 * 0.9)
+    assert s.lr_at(1000) == pytest.approx(0.1)
+    assert s.lr_at(1001) == 0.1
+
+
+def test_lengths_precedence():
+    assert LRSchedule(_cfg(lr_decay_samples=777, lr_decay_iters=5)).decay_steps == 777
+    assert LRSchedule(_cfg(lr_decay_iters=5)).decay_steps == 50
+    s = LRSchedule(_cfg(lr_warmup_samples=30, lr_warmup_iters=5))
+    assert s.warmup_steps == 30
+    s = LRSchedule(_cfg(lr_warmup_fraction=0.25, lr_warmup_samples=30))
+    assert s.warmup_steps == 250
+
+
+def test_constant_and_inverse_square_root():
+    s = LRSchedule(_cfg(lr=2.0, min_lr=0.0, lr_decay_style="constant", lr_warmup_samples=40))
+    assert [s.lr_at(n) for n in (20, 40, 500, 10**6)] == [1.0, 2.0, 2.0, 2.0]
+    s = LRSchedule(_cfg(lr=2.0, min_lr=0.5, lr_decay_style="inverse-square-root", lr_warmup_samples=100))
+    assert s.lr_at(100) == pytest.approx(2.0)
+    assert s.lr_at(400) == pytest.approx(1.0)  # 2 * sqrt(100 / 400)
+    assert s.lr_at(900) == pytest.approx(2.0 / 3.0)
+    assert s.lr_at(1000) == pytest.approx(max(0.5, 2.0 * math.sqrt(0.1)))
+    assert s.lr_at(1001) == 0.5  # beyond decay: min_lr
+    no_warmup = LRSchedule(_cfg(lr=2.0, lr_decay_style="inverse-square-root"))
+    assert no_warmup.lr_at(0) == 2.0 and no_warmup.lr_at(4) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "style, coeff",
+    [
+        ("linear", lambda r: 1 - r),
+        ("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1)),
+        ("exponential", lambda r: 2 * 0.5**r - 1),
+        ("minus_sqrt", lambda r: 1 - math.sqrt(r)),
+    ],
+)
+def test_wsd(style, coeff):
+    # decay 1000 samples, warmup 100, anneal the last 200 (lr_wsd_decay_iters=20 * gbs 10).
+    s = LRSchedule(_cfg(lr=1.0, min_lr=0.2, lr_decay_style="WSD", lr_warmup_samples=100,
+                        lr_wsd_decay_iters=20, lr_wsd_decay_style=style))
+    assert s.wsd_decay_steps == 200
+    assert s.lr_at(50) == pytest.approx(0.5)
+    assert s.lr_at(101) == 1.0 and s.lr_at(800) == 1.0  # stable phase
+    for n in (850, 900, 975, 1000):
+        r = (n - 800) / 200
+        assert s.lr_at(n) == pytest.approx(0.2 + 0.8 * coeff(r)), n
+    assert s.lr_at(1000) == pytest.approx(0.2)
+    assert s.lr_at(1200) == 0.2
+
+
+def test_wsd_samples_key_wins():
+    s = LRSchedule(_cfg(lr_decay_style="WSD", lr_wsd_decay_samples=123, lr_wsd_decay_iters=20))
+    assert s.wsd_decay_steps == 123
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(lr_decay_style="WSD"), "lr_wsd_decay_iters"),
+        (dict(lr_decay_style="WSD", lr_wsd_decay_samples=0), "lr_wsd_decay_samples=0"),
+        (dict(lr_decay_style="WSD", lr_wsd_decay_samples=2000), "lr_wsd_decay"),
+        (dict(lr_warmup_samples=1000), "warmup"),
+        (dict(lr_decay_samples=0), "lr_decay_samples=0"),
+        (dict(lr_warmup_iters=-1), "lr_warmup_iters=-1"),
+    ],
+)
+def test_impossible_schedules_raise(kwargs, key):
+    with pytest.raises(ConfigError, match=key):
+        LRSchedule(_cfg(**kwargs))
+
+
+def test_step_apply_and_resume():
+    cfg = _cfg(lr=1.0, min_lr=0.0, lr_warmup_samples=100)
+    s = LRSchedule(cfg)
+    param = nn.Parameter(torch.zeros(2, 2))
+    opt = build_optimizer([("w", param)], cfg.optimizer)
+    assert s.apply(opt) == 0.0 and all(g["lr"] == 0.0 for g in opt.param_groups)
+    s.step(30)
+    s.step(20)
+    assert s.num_samples == 50 and s.current_lr == pytest.approx(0.5)
+    assert s.apply(opt) == pytest.approx(0.5)
+    assert all(g["lr"] == pytest.approx(0.5) for g in opt.param_groups)
+
+    resumed = LRSchedule(cfg)
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.current_lr == s.current_lr
+    s.step(400)
+    resumed.step(400)
+    assert resumed.current_lr == s.current_lr == pytest.approx(1.0 - 350 / 900)
+
+
+def test_apply_keeps_tensor_lr():
+    s = LRSchedule(_cfg(lr=1.0, lr_warmup_samples=100))
+    s.step(25)
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=torch.tensor(0.0))
+    s.apply(opt)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert opt.param_groups[0]["lr"].item() == pytest.approx(0.25)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_round_trip(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    cfg = _cfg(lr=1.0, lr_decay_style="cosine", lr_warmup_samples=100)
+    s = LRSchedule(cfg)
+    s.step(640)
+    dcp.save({"lr_schedule": s}, checkpoint_id=str(tmp_path))
+    resumed = LRSchedule(cfg)
+    dcp.load({"lr_schedule": resumed}, checkpoint_id=str(tmp_path))
+    assert resumed.num_samples == 640 and resumed.current_lr == s.current_lr
