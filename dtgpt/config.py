@@ -195,6 +195,26 @@ class DistributedConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    profile_step_start: int = 0
+    """First iteration traced by torch.profiler; 0 disables profiling."""
+    profile_step_end: int = 0
+    """The trace is written when this iteration starts (exclusive)."""
+    trace_dir: str = ""
+    """Each rank writes rank{N}.*.pt.trace.json here (TensorBoard's profiler plugin reads it)."""
+    memory_snapshot_path: str = ""
+    """CUDA only: an allocator-history pickle over the window ('{rank}' is filled in)."""
+
+
+@dataclass
+class FaultsConfig:
+    """Deliberate faults for drills and tests; empty in real runs."""
+
+    nan_at_iterations: list[int] = field(default_factory=list)
+    """Make the loss and one gradient non-finite at these iterations (tests the NaN guard)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -205,6 +225,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 # Keys that parse but whose feature is not built yet: set to anything but the default, they are
@@ -623,6 +645,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         cfg.logging.timers_log_level in (0, 1, 2),
         f"logging.timers_log_level={cfg.logging.timers_log_level} must be 0, 1 or 2",
     )
+
+    prof = cfg.profiling
+    if prof.profile_step_start > 0 and prof.trace_dir:
+        _require(
+            prof.profile_step_end > prof.profile_step_start,
+            f"profiling.profile_step_end={prof.profile_step_end} must be > profiling.profile_step_start={prof.profile_step_start}",
+        )
 
     if world_size is not None:
         validate_mesh(cfg, world_size)

@@ -71,6 +71,30 @@ def build_optimizer(
 # Batch-size ramp-up
 
 
+class PartOptimizers:
+    """One AdamW per model part (one per pipeline stage a rank holds).
+
+    Each optimizer's state is then keyed by its own part's parameter names, which are the
+    whole model's names whatever the pipeline split, so optimizer checkpoints are mesh-free.
+    Behaves like one optimizer for the trainer: step, zero_grad, param_groups.
+    """
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, *, implementation: str = "foreach"):
+        self.optimizers = [build_optimizer(p.named_parameters(), cfg, implementation=implementation) for p in parts]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
 class BatchSizeSchedule:
     """The global batch size as a function of samples consumed so far (Megatron's ramp-up).
 

@@ -120,7 +120,22 @@ class StepResult:
     found_inf: bool
 
 
-def train_step(model: ModelParts, optimizer, scaler, batch: torch.Tensor, num_microbatches: int, clip_grad: float) -> StepResult:
+def _poison(local_loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Fault injection: a non-finite loss and gradient, as a diverging step would give."""
+    if grads:
+        (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).fill_(float("nan"))
+    return local_loss * float("nan")
+
+
+def train_step(
+    model: ModelParts,
+    optimizer,
+    scaler,
+    batch: torch.Tensor,
+    num_microbatches: int,
+    clip_grad: float,
+    inject_nan: bool = False,
+) -> StepResult:
     """forward-backward -> tied-grad sync -> unscale -> global norm and clip -> optimizer step.
 
     One host synchronisation per iteration: the loss, norm and overflow flag are read together.
@@ -129,6 +144,8 @@ def train_step(model: ModelParts, optimizer, scaler, batch: torch.Tensor, num_mi
     local_loss = forward_backward(model, batch, num_microbatches, loss_scale=scaler.scale)
     model.sync_tied_grads()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if inject_nan:
+        local_loss = _poison(local_loss, grads)
     found_inf = any_rank_true(model, scaler.unscale_and_check_(grads))
     grad_norm = global_grad_norm(model)
     clip_gradients(model, clip_grad, grad_norm)

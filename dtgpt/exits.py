@@ -1,0 +1,79 @@
+"""When to stop early: a signal (Slurm preemption, Ctrl-C), a time budget, or an iteration multiple.
+
+Every rank must stop at the same iteration, so each decision is all-reduced with MAX: if any
+rank saw a signal or ran out of time, all stop after the current iteration.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from dtgpt.config import CheckpointConfig
+
+
+class SignalFlag:
+    """Record SIGTERM/SIGINT instead of dying; a second signal while saving is ignored too."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool):
+        self.received: int | None = None
+        self._previous = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.received is None:
+            print(f"received signal {signal.Signals(signum).name}: finishing this iteration, then saving", flush=True)
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class ExitConditions:
+    def __init__(self, cfg: CheckpointConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.start = time.monotonic()
+        self.signals = SignalFlag(cfg.exit_signal_handler)
+
+    def _agreed(self, local: bool) -> bool:
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def reason(self, iteration: int) -> str | None:
+        """Why training should stop after `iteration`, agreed across ranks; None to go on."""
+        c = self.cfg
+        if c.exit_interval and iteration % c.exit_interval == 0:
+            return f"exit_interval={c.exit_interval} reached at iteration {iteration}"
+        checks = []
+        if c.exit_signal_handler:
+            checks.append(("signal", self.signals.received is not None))
+        if c.exit_duration_in_mins:
+            elapsed = (time.monotonic() - self.start) / 60.0
+            checks.append(("duration", elapsed > c.exit_duration_in_mins))
+        if not checks:
+            return None
+        # One collective for both checks; values are flags, so MAX means "any rank".
+        flags = torch.tensor([1.0 if hit else 0.0 for _, hit in checks], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        for (name, _), hit in zip(checks, flags.tolist()):
+            if hit > 0:
+                if name == "signal":
+                    return "exit signal received"
+                return f"exit_duration_in_mins={c.exit_duration_in_mins} exceeded"
+        return None
+
+    def close(self) -> None:
+        self.signals.restore()

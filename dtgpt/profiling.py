@@ -1,0 +1,104 @@
+"""A torch.profiler trace (and optionally a CUDA memory snapshot) over a window of iterations.
+
+Call `Profiler.step(iteration)` at the top of every iteration, before its work. The profiler
+starts when `iteration == start_iter` and stops, writing the trace, when `iteration == end_iter`,
+so the trace covers iterations start_iter .. end_iter - 1. `close()` writes whatever was being
+recorded if training ends inside the window. Traces go through
+`torch.profiler.tensorboard_trace_handler`, one `rank{N}.*.pt.trace.json` per rank, which both
+TensorBoard's profiler plugin and chrome://tracing / Perfetto open.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+def _snapshot_path(path: str, rank: int) -> str:
+    """Per-rank file name: '{rank}' in the path is filled in, else '_rank{N}' goes before the
+    extension, so ranks sharing a file system never overwrite each other."""
+    if "{rank}" in path:
+        return path.format(rank=rank)
+    root, ext = os.path.splitext(path)
+    return f"{root}_rank{rank}{ext}"
+
+
+class Profiler:
+    """Profiles iterations [start_iter, end_iter); a no-op when start_iter <= 0 or no trace_dir."""
+
+    def __init__(
+        self,
+        start_iter: int,
+        end_iter: int,
+        trace_dir: str,
+        memory_snapshot_path: str = "",
+        rank: int = 0,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.enabled = start_iter > 0 and bool(trace_dir)
+        if self.enabled and end_iter <= start_iter:
+            raise ValueError(
+                f"profiling.profile_step_end={end_iter} must be > profiling.profile_step_start={start_iter}"
+            )
+        self.start_iter = start_iter
+        self.end_iter = end_iter
+        self.trace_dir = trace_dir
+        self.rank = rank
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.on_cuda = device.type == "cuda"
+        self.memory_snapshot_path = _snapshot_path(memory_snapshot_path, rank) if memory_snapshot_path else ""
+        self._prof: Optional[torch.profiler.profile] = None
+
+    @property
+    def running(self) -> bool:
+        return self._prof is not None
+
+    def step(self, iteration: int) -> None:
+        if not self.enabled:
+            return
+        if iteration == self.start_iter and not self.running:
+            self._start()
+        elif self.running:
+            if iteration >= self.end_iter:
+                self._stop()
+            else:
+                self._prof.step()  # marks "ProfilerStep#N" boundaries in the trace
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.on_cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        os.makedirs(self.trace_dir, exist_ok=True)
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            record_shapes=True,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{self.rank}"),
+        )
+        if self.memory_snapshot_path:
+            if self.on_cuda:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+            else:
+                print(
+                    f"[rank{self.rank}] profiling: memory snapshot {self.memory_snapshot_path} skipped: "
+                    "it records CUDA allocations and this run is on CPU",
+                    flush=True,
+                )
+        self._prof.start()
+
+    def _stop(self) -> None:
+        self._prof.stop()  # calls the trace handler, which writes the file
+        self._prof = None
+        if self.memory_snapshot_path and self.on_cuda:
+            parent = os.path.dirname(os.path.abspath(self.memory_snapshot_path))
+            os.makedirs(parent, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(self.memory_snapshot_path)
+            torch.cuda.memory._record_memory_history(enabled=None)  # stop recording: it costs time
+        print(f"[rank{self.rank}] profiling: trace written to {self.trace_dir}", flush=True)
+
+    def close(self) -> None:
+        """Write a trace still being recorded (the run ended before end_iter)."""
+        if self.running:
+            self._stop()

@@ -1,0 +1,216 @@
+"""Named phase timers in Megatron's style: `timers("optimizer").start()` ... `.stop()`.
+
+Each timer has a level (1: coarse phases, 2: finer ones). `Timers(log_level)` builds real timers
+only for levels <= log_level; any other name gets a shared no-op object, so an instrumented
+trainer costs nothing at log_level 0 (the default): no clock reads, no CUDA sync.
+
+A real timer on CUDA calls `torch.cuda.synchronize()` before every clock read, because kernels
+run asynchronously and the clock would otherwise measure only the launch. That sync stalls the
+CPU's run-ahead and slows training, which is why it only happens when timers are asked for.
+
+Phase names the trainer uses (see PHASE_LEVELS): level 1 `forward-backward`, `optimizer`,
+`save-checkpoint`, `evaluate`; level 2 `batch-generator`, `grads-reduce-clip`,
+`optimizer-inner-step`, `pipeline-comm`.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+PHASE_LEVELS: Mapping[str, int] = types.MappingProxyType(
+    {
+        "forward-backward": 1,  # all micro-batches of one iteration, pipeline schedule included
+        "optimizer": 1,  # grad reduction/clipping + optimizer step + zero_grad
+        "save-checkpoint": 1,
+        "evaluate": 1,
+        "batch-generator": 2,  # fetching the next global batch from the data iterator
+        "grads-reduce-clip": 2,  # grad-norm all-reduce and clipping
+        "optimizer-inner-step": 2,  # optimizer.step() itself
+        "pipeline-comm": 2,  # send/recv between stages, where the schedule exposes it
+    }
+)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class NullTimer:
+    """Stands in for a timer above the configured level: every method does nothing."""
+
+    active = False
+
+    def start(self, barrier: bool = False) -> None:
+        pass
+
+    def stop(self, barrier: bool = False) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+    def __enter__(self) -> "NullTimer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Timer:
+    """Accumulates wall time over start/stop pairs until reset."""
+
+    active = True
+
+    def __init__(self, name: str, level: int, sync_cuda: Optional[torch.device]) -> None:
+        self.name = name
+        self.level = level
+        self._sync_device = sync_cuda
+        self._total = 0.0
+        self._started_at: Optional[float] = None
+
+    def _now(self) -> float:
+        if self._sync_device is not None:
+            torch.cuda.synchronize(self._sync_device)
+        return time.perf_counter()
+
+    @property
+    def running(self) -> bool:
+        return self._started_at is not None
+
+    def start(self, barrier: bool = False) -> None:
+        """`barrier=True` lines ranks up first so the time excludes waiting for stragglers."""
+        if self.running:
+            raise RuntimeError(f"timer {self.name!r} started twice")
+        if barrier:
+            _barrier()
+        self._started_at = self._now()
+
+    def stop(self, barrier: bool = False) -> None:
+        if not self.running:
+            raise RuntimeError(f"timer {self.name!r} stopped without start")
+        if barrier:
+            _barrier()
+        self._total += self._now() - self._started_at
+        self._started_at = None
+
+    def reset(self) -> None:
+        self._total = 0.0
+        if self.running:
+            self._started_at = self._now()
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Seconds accumulated so far, including a running span (which keeps running)."""
+        total = self._total
+        if self.running:
+            now = self._now()
+            total += now - self._started_at
+            if reset:
+                self._started_at = now
+        if reset:
+            self._total = 0.0
+        return total
+
+    def __enter__(self) -> "Timer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+_NULL_TIMER = NullTimer()  # stateless, so one instance serves every disabled name
+
+
+class Timers:
+    """The set of named timers of one rank, filtered by `log_level` (0, 1 or 2)."""
+
+    def __init__(self, log_level: int, device: torch.device) -> None:
+        if log_level not in (0, 1, 2):
+            raise ValueError(f"logging.timers_log_level={log_level} must be 0, 1 or 2")
+        self.log_level = log_level
+        self.device = torch.device(device)
+        self._sync = self.device if self.device.type == "cuda" and log_level > 0 else None
+        self._timers: dict[str, Timer] = {}
+
+    def __call__(self, name: str, log_level: Optional[int] = None) -> Timer | NullTimer:
+        """The timer `name`; its level defaults to PHASE_LEVELS[name]."""
+        level = PHASE_LEVELS.get(name) if log_level is None else log_level
+        if level not in (1, 2):
+            raise ValueError(f"timer {name!r}: log_level={level} must be 1 or 2 (not a known phase: pass it)")
+        if level > self.log_level:
+            return _NULL_TIMER
+        if name not in self._timers:
+            self._timers[name] = Timer(name, level, self._sync)
+        return self._timers[name]
+
+    def _min_max(self, names: Sequence[str], reset: bool) -> dict[str, tuple[float, float]]:
+        """Seconds per name, (min, max) over ranks. One all-reduce(MAX) of [-t..., t...] gives
+        both; a name this rank never timed enters as -inf so it does not pull the result."""
+        local = []
+        for name in names:
+            timer = self._timers.get(name)
+            local.append(timer.elapsed(reset=reset) if timer is not None else None)
+        neg_inf = float("-inf")
+        values = [-t if t is not None else neg_inf for t in local] + [t if t is not None else neg_inf for t in local]
+        if dist.is_available() and dist.is_initialized():
+            # NCCL only reduces CUDA tensors; gloo takes CPU ones.
+            where = self.device if self.device.type == "cuda" else torch.device("cpu")
+            buf = torch.tensor(values, dtype=torch.float64, device=where)
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+            values = buf.tolist()
+        n = len(names)
+        out = {}
+        for i, name in enumerate(names):
+            lo, hi = -values[i], values[n + i]
+            if hi != neg_inf:  # timed on at least one rank
+                out[name] = (lo, hi)
+        return out
+
+    def log(
+        self,
+        names: Sequence[str],
+        iteration: int,
+        normalizer: float = 1.0,
+        writer: Any = None,
+        print_rank: Optional[int] = None,
+    ) -> Optional[str]:
+        """Report and reset the named timers: ms divided by `normalizer` (e.g. log_interval for
+        a per-iteration figure), (min, max) over ranks. A collective when distributed: every rank
+        calls it with the same names. Prints on `print_rank` (default: the last rank, which
+        holds the loss under pipelining) and returns the text; None at log_level 0. With a
+        SummaryWriter, also writes each max as `<name>-time` at `iteration`."""
+        if self.log_level == 0:
+            return None
+        times = self._min_max(list(names), reset=True)
+        lines = ["(min, max) time across ranks (ms):"]
+        for name, (lo, hi) in times.items():
+            label = f"    {name} ".ljust(52, ".")
+            lines.append(f"{label}: ({1000 * lo / normalizer:.2f}, {1000 * hi / normalizer:.2f})")
+        text = "\n".join(lines)
+        if writer is not None:
+            for name, (_, hi) in times.items():
+                writer.add_scalar(f"{name}-time", 1000 * hi / normalizer, iteration)
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        if rank == (world - 1 if print_rank is None else print_rank):
+            print(text, flush=True)
+        return text
+
+    def write_tensorboard(self, writer: Any, iteration: int, names: Sequence[str], normalizer: float = 1.0) -> None:
+        """Write each named timer's max over ranks (ms / normalizer) without resetting it.
+        A collective when distributed; `writer` may be None on ranks that do not log."""
+        if self.log_level == 0:
+            return
+        times = self._min_max(list(names), reset=False)
+        if writer is not None:
+            for name, (_, hi) in times.items():
+                writer.add_scalar(f"{name}-time", 1000 * hi / normalizer, iteration)

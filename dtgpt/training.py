@@ -1,0 +1,259 @@
+"""pretrain(): Megatron's flow, initialize -> model and optimizer -> data -> train -> final eval.
+
+Everything it needs is passed in: the config, a model provider and a datasets provider, the
+way `pretrain_gpt.py` names its providers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dtgpt.config import Config, ConfigError, to_toml, unbuilt_keys
+from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
+from dtgpt.distributed import Runtime, initialize, shutdown
+from dtgpt.exits import ExitConditions
+from dtgpt.loss_scaler import build_loss_scaler
+from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
+from dtgpt.model import GPT, flops_per_token, padded_vocab_size
+from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers, total_train_samples
+from dtgpt.parallel import ModelParts, build_model
+from dtgpt.profiling import Profiler
+from dtgpt.step import forward_backward, reduce_loss, train_step
+from dtgpt.timers import Timers
+
+ModelProvider = Callable[[Config, int], GPT]
+DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss under nan_policy='stop')."""
+
+
+@dataclass
+class TrainState(Stateful):
+    """Progress that a checkpoint must carry, saved through DCP by name."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, int(state[f.name]))
+
+
+@dataclass
+class Trainer:
+    """The objects a training run threads through its loop."""
+
+    cfg: Config
+    runtime: Runtime
+    model: ModelParts
+    optimizer: PartOptimizers
+    lr_schedule: LRSchedule
+    scaler: object
+    batch_sizes: BatchSizeSchedule
+    state: TrainState
+    flops_per_token: float
+
+    def num_microbatches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.cfg.training.micro_batch_size * self.runtime.dims.dp)
+
+
+def log0(runtime: Runtime, message: str) -> None:
+    if runtime.is_main:
+        print(message, flush=True)
+
+
+def setup_model_and_optimizer(cfg: Config, runtime: Runtime, model_provider: ModelProvider, vocab_size: int):
+    """Model on meta -> parallelised parts on the device -> AdamW, LR schedule, loss scaler."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    if vocab_size % tp:
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size={tp} must divide the padded vocabulary {vocab_size}; "
+            f"choose model.make_vocab_size_divisible_by as a multiple of {tp}"
+        )
+    with torch.device("meta"):
+        whole = model_provider(cfg, vocab_size)
+    model = build_model(cfg, runtime.dims, whole, runtime.device)
+    implementation = "fused" if runtime.device.type == "cuda" else "foreach"
+    optimizer = PartOptimizers(model.parts, cfg.optimizer, implementation=implementation)
+    return model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg)
+
+
+def num_samples_needed(cfg: Config) -> tuple[int, int, int]:
+    """Samples of train, valid and test that the run will read (Megatron's accounting)."""
+    t, e = cfg.training, cfg.eval
+    evals = t.train_iters // e.eval_interval + 1
+    return total_train_samples(t), evals * e.eval_iters * t.global_batch_size, e.eval_iters * t.global_batch_size
+
+
+def cycle(make: Callable[[], Iterator]) -> Iterator:
+    """Loop over a finite loader forever (evaluation reads a fixed number of batches each time)."""
+    while True:
+        empty = True
+        for item in make():
+            empty = False
+            yield item
+        if empty:
+            return
+
+
+def build_data_iterators(cfg: Config, runtime: Runtime, datasets_provider: DatasetsProvider, tokenizer, consumed: int, batch_sizes: BatchSizeSchedule):
+    train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, num_samples_needed(cfg))
+    dims, workers = runtime.dims, cfg.data.num_workers
+
+    def loader(dataset, start, size_at):
+        return build_data_loader(dataset, start, size_at, dims.dp_rank, dims.dp, workers)
+
+    train_iter = iter(loader(train_ds, consumed, batch_sizes.global_batch_size))
+    eval_size = lambda _consumed: cfg.training.global_batch_size  # noqa: E731
+    valid_iter = cycle(lambda: loader(valid_ds, 0, eval_size)) if valid_ds is not None else None
+    test_iter = cycle(lambda: loader(test_ds, 0, eval_size)) if test_ds is not None else None
+    return train_iter, valid_iter, test_iter
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer, data_iter: Iterator, num_batches: int) -> float:
+    """Mean loss over `num_batches` global batches, forward only (through the pipeline if any)."""
+    model = trainer.model
+    model.train(False)
+    n_micro = trainer.num_microbatches(trainer.cfg.training.global_batch_size)
+    total = torch.zeros((), device=model.device)
+    for _ in range(num_batches):
+        total += reduce_loss(model, forward_backward(model, next(data_iter), n_micro, forward_only=True))
+    model.train(True)
+    return total.item() / max(num_batches, 1)
+
+
+def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, metrics: MetricsLogger, checkpointer) -> str:
+    """The loop; returns why it stopped."""
+    cfg, runtime, state = trainer.cfg, trainer.runtime, trainer.state
+    exits = ExitConditions(cfg.checkpoint, runtime.device)
+    timers = Timers(cfg.logging.timers_log_level, runtime.device)
+    prof = cfg.profiling
+    profiler = Profiler(prof.profile_step_start, prof.profile_step_end, prof.trace_dir, prof.memory_snapshot_path, rank=runtime.rank, device=runtime.device)
+    peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
+    seq = cfg.model.seq_length
+    reason = "train_iters reached"
+    trainer.model.train(True)
+    try:
+        while state.iteration < cfg.training.train_iters:
+            profiler.step(state.iteration + 1)
+            gbs = trainer.batch_sizes.global_batch_size(state.consumed_samples)
+            start = time.perf_counter()
+            timers("batch-generator").start()
+            batch = next(train_iter)
+            timers("batch-generator").stop()
+            lr = trainer.lr_schedule.apply(trainer.optimizer)
+            timers("forward-backward").start()
+            result = train_step(
+                trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs),
+                cfg.optimizer.clip_grad, inject_nan=state.iteration + 1 in cfg.faults.nan_at_iterations,
+            )  # fmt: skip
+            timers("forward-backward").stop()
+            elapsed = time.perf_counter() - start
+            state.iteration += 1
+            state.consumed_samples += gbs  # consumed even when skipped, as in Megatron
+            if result.skipped:
+                state.skipped_iters += 1
+            else:
+                trainer.lr_schedule.step(gbs)
+            if result.nan:
+                state.nan_iters += 1
+                if cfg.training.nan_policy == "stop":
+                    raise TrainingError(
+                        f"non-finite loss {result.loss} or grad norm {result.grad_norm} at iteration {state.iteration} "
+                        "(training.nan_policy='stop')"
+                    )
+                log0(runtime, f"iteration {state.iteration}: non-finite loss or grad norm, skipped")
+            rates = throughput_metrics(tokens=gbs * seq, flops_per_token=trainer.flops_per_token, elapsed_s=elapsed, world_size=runtime.world_size, peak=peak)
+            metrics.log(
+                {
+                    "iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": result.loss,
+                    "lr": lr, "grad_norm": result.grad_norm, "loss_scale": trainer.scaler.scale,
+                    "global_batch_size": gbs, "skipped": state.skipped_iters, "nan": state.nan_iters,
+                    "elapsed_ms": 1000 * elapsed, **rates, **memory_stats(runtime.device),
+                }
+            )  # fmt: skip
+            if state.iteration % cfg.logging.log_interval == 0:
+                timers.log(["batch-generator", "forward-backward", "evaluate", "save-checkpoint"], state.iteration)
+            if valid_iter is not None and cfg.eval.eval_iters and state.iteration % cfg.eval.eval_interval == 0:
+                timers("evaluate").start()
+                metrics.log_eval(state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
+                timers("evaluate").stop()
+            stop = exits.reason(state.iteration)
+            if checkpointer is not None and (stop or checkpointer.due(state.iteration)):
+                timers("save-checkpoint").start()
+                checkpointer.save(state.iteration)
+                timers("save-checkpoint").stop()
+            if stop:
+                reason = stop
+                break
+    finally:
+        exits.close()
+        profiler.close()
+    return reason
+
+
+def report_unbuilt(cfg: Config, runtime: Runtime) -> None:
+    for key in unbuilt_keys(cfg):
+        log0(runtime, f"WARNING: {key} is set but its feature is not built yet; it has no effect")
+
+
+def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
+    """Train per `cfg`; returns the final TrainState. Always shuts the process group down."""
+    runtime = initialize(cfg)
+    try:
+        report_unbuilt(cfg, runtime)
+        tokenizer = build_tokenizer(cfg.data)
+        vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
+        model, optimizer, lr_schedule, scaler = setup_model_and_optimizer(cfg, runtime, model_provider, vocab_size)
+        trainer = Trainer(
+            cfg, runtime, model, optimizer, lr_schedule, scaler, BatchSizeSchedule(cfg.training), TrainState(),
+            flops_per_token(cfg.model, vocab_size),
+        )  # fmt: skip
+        n_params = sum(p.numel() for p in model.parameters())
+        log0(runtime, f"> model: {n_params:,} parameters on rank 0 (padded vocabulary {vocab_size}), mesh {runtime.dims}")
+        checkpointer = build_checkpointer(trainer)
+        train_iter, valid_iter, test_iter = build_data_iterators(
+            cfg, runtime, datasets_provider, tokenizer, trainer.state.consumed_samples, trainer.batch_sizes
+        )
+        metrics = MetricsLogger(cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg))
+        try:
+            reason = train(trainer, train_iter, valid_iter, metrics, checkpointer)
+            log0(runtime, f"> training stopped: {reason}")
+            if checkpointer is not None and trainer.state.iteration and not checkpointer.saved(trainer.state.iteration):
+                checkpointer.save(trainer.state.iteration)
+            if reason == "train_iters reached" and cfg.eval.eval_iters:
+                if valid_iter is not None and trainer.state.iteration % cfg.eval.eval_interval:  # not just evaluated
+                    metrics.log_eval(trainer.state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
+                if test_iter is not None:
+                    metrics.log_eval(trainer.state.iteration, "test", evaluate(trainer, test_iter, cfg.eval.eval_iters))
+        finally:
+            metrics.close()
+            if checkpointer is not None:
+                checkpointer.finalize()
+        return trainer.state
+    finally:
+        shutdown()
+
+
+def build_checkpointer(trainer: Trainer):
+    """The checkpoint manager when saving or loading is configured (it loads on construction)."""
+    c = trainer.cfg.checkpoint
+    if not (c.save or c.load):
+        return None
+    from dtgpt.checkpoint import Checkpointer
+
+    return Checkpointer(trainer)

@@ -1,0 +1,176 @@
+"""Config: TOML loading, overrides, validation errors that name key, value and rule."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtgpt.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    load_toml,
+    split_overrides,
+    to_toml,
+    validate,
+    validate_mesh,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+
+def base(**overrides) -> Config:
+    cfg = Config()
+    cfg.data.mock_data = True
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def error_of(cfg: Config, world_size=None) -> str:
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg, world_size)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid_and_round_trip(path):
+    cfg = load_config(path)
+    again = config_from_dict(__import__("tomllib").loads(to_toml(cfg)))
+    assert again == cfg
+
+
+def test_gpt3_175b_carries_megatron_values():
+    cfg = load_config(REPO / "configs/gpt3_175b.toml")
+    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.max_position_embeddings) == (96, 12288, 96, 2048, 2048)
+    assert (t.micro_batch_size, t.global_batch_size, t.rampup_batch_size, t.train_iters) == (1, 1536, [16, 16, 5859375], 500000)
+    assert (o.weight_decay, o.adam_beta1, o.adam_beta2, m.init_method_std, o.clip_grad) == (0.1, 0.9, 0.95, 0.006, 1.0)
+    assert t.fp16 and not t.bf16
+    assert (o.lr, o.lr_decay_style, o.min_lr, o.lr_warmup_fraction, o.lr_decay_iters) == (6e-5, "cosine", 6e-6, 0.001, 430000)
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 16)
+    assert cfg.data.split == "949,50,1" and cfg.data.tokenizer_type == "GPT2BPETokenizer"
+    assert (cfg.logging.log_interval, cfg.checkpoint.save_interval, cfg.eval.eval_interval, cfg.eval.eval_iters) == (100, 10000, 1000, 10)
+    assert m.make_vocab_size_divisible_by == 1024
+
+
+def test_overrides_both_spellings_and_types(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "--data.mock_data=true",
+            "--training.train_iters", "20",
+            "--optimizer.lr=1e-3",
+            "--training.rampup_batch_size=[4, 4, 100]",
+            "--data.data_path", "0.3 prefA 0.7 prefB",
+            "--optimizer.lr_warmup_fraction=0.01",
+            "--model.untie_embeddings_and_output_weights=yes",
+        ],
+    )  # fmt: skip
+    assert cfg.training.train_iters == 20 and cfg.optimizer.lr == 1e-3
+    assert cfg.training.rampup_batch_size == [4, 4, 100]
+    assert cfg.data.data_path == ["0.3", "prefA", "0.7", "prefB"]
+    assert cfg.optimizer.lr_warmup_fraction == 0.01
+    assert cfg.model.untie_embeddings_and_output_weights is True
+
+
+def test_override_none_for_optional():
+    cfg = load_config(None, ["--data.mock_data=true", "--optimizer.lr_decay_iters=none"])
+    assert cfg.optimizer.lr_decay_iters is None
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--modle.hidden_size=3"], "unknown section in --modle.hidden_size; did you mean 'model'?"),
+        (["--model.hiden_size=3"], "did you mean 'hidden_size'?"),
+        (["--model.hidden_size=abc"], "model.hidden_size='abc' must be a int"),
+        (["--training.fp16=maybe"], "training.fp16='maybe' must be a bool"),
+        (["--training.rampup_batch_size=[1,"], "is not a valid list"),
+        (["--training.train_iters"], "has no value"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_override_errors(args, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["--data.mock_data=true"] + args)
+    assert expected in str(exc.value)
+
+
+def test_toml_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nnum_layers = = 3\n")
+    with pytest.raises(ConfigError, match=r"malformed TOML.*line 2"):
+        load_toml(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match=r"unknown key model.num_layer; did you mean 'num_layers'"):
+        config_from_dict({"model": {"num_layer": 2}}, "x.toml")
+    with pytest.raises(ConfigError, match=r"unknown section \[trainig\]; did you mean 'training'"):
+        config_from_dict({"trainig": {}}, "x.toml")
+    with pytest.raises(ConfigError, match=r"model.num_layers='2' must be a int"):
+        config_from_dict({"model": {"num_layers": "2"}})
+    with pytest.raises(ConfigError, match=r"training.fp16=1 must be a bool"):
+        config_from_dict({"training": {"fp16": 1}})
+    with pytest.raises(ConfigError, match=r"training.rampup_batch_size\[1\]=1.5 must be a int"):
+        config_from_dict({"training": {"rampup_batch_size": [1, 1.5, 3]}})
+
+
+@pytest.mark.parametrize(
+    "overrides,world,expected",
+    [
+        ({"parallel__tensor_model_parallel_size": 3, "model__num_attention_heads": 64, "model__hidden_size": 512},
+         None, "parallel.tensor_model_parallel_size=3 must divide model.num_attention_heads=64"),
+        ({"model__num_layers": 5, "parallel__pipeline_model_parallel_size": 2},
+         None, "model.num_layers=5 must be divisible by the number of pipeline stages"),
+        ({"training__fp16": True, "training__bf16": True}, None, "cannot both be set"),
+        ({"optimizer__lr_warmup_iters": 200, "training__train_iters": 100}, None, "warmup < decay"),
+        ({"optimizer__lr_warmup_fraction": 1.0}, None, "lr_warmup_fraction=1.0 must be in [0, 1)"),
+        ({"training__global_batch_size": 10, "training__micro_batch_size": 4}, None,
+         "training.micro_batch_size=4 must divide training.global_batch_size=10"),
+        ({"training__global_batch_size": 6, "training__micro_batch_size": 1}, 4,
+         "training.global_batch_size=6 must be divisible by micro_batch_size=1 * data-parallel size 4"),
+        ({"parallel__pipeline_schedule": "Interleaved1F1B", "parallel__pipeline_model_parallel_size": 2}, None,
+         "set parallel.virtual_pipeline_stages_per_rank >= 2"),
+        ({"parallel__data_parallel_shard_size": 3}, 4, "world size 4 != pipeline_model_parallel_size=1"),
+        ({"parallel__tensor_model_parallel_size": 3, "model__num_attention_heads": 3, "model__hidden_size": 48,
+          "model__ffn_hidden_size": 100}, None, "must divide the MLP width model.ffn_hidden_size=100"),
+        ({"data__mock_data": False}, None, "no training data"),
+        ({"parallel__pipeline_schedule": "Zig"}, None, "parallel.pipeline_schedule='Zig' is not one of: 'GPipe', '1F1B'"),
+        ({"training__rampup_batch_size": [3, 2, 100], "training__global_batch_size": 8}, None,
+         "must be a non-negative multiple of the increment"),
+        ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
+          "parallel__virtual_pipeline_stages_per_rank": 2, "training__global_batch_size": 2, "model__num_layers": 4}, 2,
+         "needs micro-batches per iteration >= stages (4)"),
+    ],
+)
+def test_validation_errors_name_key_value_rule(overrides, world, expected):
+    assert expected in error_of(base(**overrides), world)
+
+
+def test_mesh_rest_of_world():
+    cfg = base(parallel__tensor_model_parallel_size=2)
+    validate_mesh(cfg, 8)  # dp_shard = 8 / 2 = 4
+    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+        validate_mesh(base(parallel__tensor_model_parallel_size=4), 6)
+
+
+def test_split_overrides():
+    assert split_overrides(["--a.b=1", "--c.d", "2"]) == [("a.b", "1"), ("c.d", "2")]
+
+
+def _train(*args):
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_cli_print_config_and_clean_errors():
+    out = _train("--config", "configs/gpt3_175b.toml", "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert "num_layers = 96" in out.stdout and "rampup_batch_size = [16, 16, 5859375]" in out.stdout
+    bad = _train("--config", "configs/debug.toml", "--model.hiden_size=3")
+    assert bad.returncode == 2
+    assert "did you mean 'hidden_size'" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,227 @@
+"""The log line, the JSONL schema, TensorBoard output, MFU and the peak table."""
+
+import json
+import math
+import re
+from datetime import datetime
+
+import pytest
+import torch
+
+from dtgpt.config import LoggingConfig
+from dtgpt.metrics import (
+    DEVICE_PEAK_TFLOPS,
+    METRICS_KEYS,
+    MetricsLogger,
+    format_eval_block,
+    format_log_line,
+    lookup_peak_tflops,
+    memory_stats,
+    peak_tflops,
+    summarize_interval,
+    throughput_metrics,
+)
+
+
+def _field(line: str, name: str) -> str:
+    match = re.search(re.escape(name) + r":\s*([^|]+?)\s*\|", line)
+    assert match, f"{name!r} missing from {line!r}"
+    return match.group(1)
+
+
+def _record(it, loss=2.0, skipped=0, nan=0, elapsed_ms=100.0, **extra):
+    rec = {
+        "iteration": it,
+        "consumed_samples": 8 * it,
+        "loss": loss,
+        "lr": 3e-4,
+        "grad_norm": 1.5,
+        "loss_scale": 1.0,
+        "global_batch_size": 8,
+        "skipped": skipped,
+        "nan": nan,
+        "tokens_per_s": 1000.0,
+        "tflops_per_gpu": 2.0,
+        "mfu": None,
+        "elapsed_ms": elapsed_ms,
+    }
+    rec.update(extra)
+    return rec
+
+
+def test_format_log_line_has_megatron_fields_in_order():
+    line = format_log_line(
+        iteration=10, train_iters=100, consumed_samples=80, elapsed_ms=123.4, learning_rate=3e-4,
+        global_batch_size=8, loss=4.56789, loss_scale=1.0, grad_norm=1.234, skipped=0, nan=2,
+        tflops_per_gpu=1.25, tokens_per_s=5000.0, mfu=0.415,
+        memory={"mem_allocated_gib": 1.5, "mem_peak_gib": 2.25}, now=datetime(2026, 11, 22, 18, 0, 0),
+    )
+    assert line.startswith(" [2026-11-22 18:00:00] iteration       10/     100 | consumed samples:           80 |")
+    assert line.endswith(" |")
+    assert int(_field(line, "consumed samples")) == 80
+    assert float(_field(line, "elapsed time per iteration (ms)")) == pytest.approx(123.4)
+    assert float(_field(line, "throughput per GPU (TFLOP/s/GPU)")) == pytest.approx(1.2, abs=0.06)
+    assert _field(line, "learning rate") == "3.000000E-04"
+    assert int(_field(line, "global batch size")) == 8
+    assert _field(line, "lm loss") == "4.567890E+00"
+    assert float(_field(line, "loss scale")) == 1.0
+    assert float(_field(line, "grad norm")) == pytest.approx(1.234)
+    assert int(_field(line, "number of skipped iterations")) == 0
+    assert int(_field(line, "number of nan iterations")) == 2
+    assert float(_field(line, "tokens per second")) == 5000.0
+    assert _field(line, "MFU") == "41.50%"
+    assert float(_field(line, "memory allocated (GiB)")) == 1.5
+    assert float(_field(line, "memory peak allocated (GiB)")) == 2.25
+    assert "memory reserved" not in line
+    megatron = ["consumed samples", "elapsed time per iteration", "throughput per GPU", "learning rate",
+                "global batch size", "lm loss", "loss scale", "grad norm", "number of skipped",
+                "number of nan", "tokens per second", "MFU"]
+    positions = [line.index(name) for name in megatron]
+    assert positions == sorted(positions)
+
+
+def test_format_log_line_leaves_out_unknown_fields():
+    line = format_log_line(
+        iteration=1, train_iters=2, consumed_samples=8, elapsed_ms=1.0, learning_rate=1e-3,
+        global_batch_size=8, loss=None, loss_scale=1.0, grad_norm=None, skipped=1, nan=0,
+    )
+    for absent in ("lm loss", "grad norm", "throughput", "MFU", "tokens per second", "memory"):
+        assert absent not in line
+
+
+def test_small_throughput_keeps_significant_digits():
+    line = format_log_line(
+        iteration=1, train_iters=2, consumed_samples=8, elapsed_ms=1.0, learning_rate=1e-3,
+        global_batch_size=8, loss=1.0, loss_scale=1.0, grad_norm=1.0, skipped=0, nan=0, tflops_per_gpu=0.00312,
+    )
+    assert _field(line, "throughput per GPU (TFLOP/s/GPU)") == "0.00312"  # not Megatron's 0.0 on CPU
+
+
+def test_interval_averages_like_megatron():
+    records = [
+        _record(1, loss=2.0, elapsed_ms=100.0, tflops_per_gpu=1.0),
+        _record(2, loss=99.0, skipped=1, elapsed_ms=200.0, tflops_per_gpu=1.0),  # skipped: no loss
+        _record(3, loss=float("nan"), skipped=1, nan=1, elapsed_ms=300.0, tflops_per_gpu=4.0),
+        _record(4, loss=4.0, skipped=1, nan=1, elapsed_ms=400.0, tflops_per_gpu=4.0, lr=1e-4),
+    ]
+    s = summarize_interval(records, skipped_before=0, nan_before=0)
+    assert s["loss"] == pytest.approx(3.0)  # mean of iterations 1 and 4
+    assert s["elapsed_ms"] == pytest.approx(250.0)
+    assert s["skipped"] == 1 and s["nan"] == 1
+    assert s["learning_rate"] == 1e-4  # the latest, not an average
+    assert s["tflops_per_gpu"] == pytest.approx((100 + 200 + 1200 + 1600) / 1000)  # work / time
+    # Counts are per interval: a second interval after these records starts from 1/1.
+    later = summarize_interval([_record(5, skipped=3, nan=1)], skipped_before=1, nan_before=1)
+    assert later["skipped"] == 2 and later["nan"] == 0 and later["loss"] is None
+
+
+def test_eval_block():
+    text = format_eval_block(100, "validation", 2.0)
+    rule, line, rule2 = text.split("\n")
+    assert rule == rule2 and set(rule) == {"-"} and len(rule) == len(line) + 1
+    assert "validation loss at iteration 100 |" in line
+    assert float(_field(line, "lm loss value")) == pytest.approx(2.0)
+    assert float(_field(line, "lm loss PPL")) == pytest.approx(math.exp(2.0), rel=1e-6)
+    assert "on test set" in format_eval_block(100, "test", 1.0)
+
+
+def test_logger_writes_jsonl_prints_every_interval(tmp_path, capsys):
+    cfg = LoggingConfig(log_interval=2, metrics_file=str(tmp_path / "sub" / "metrics.jsonl"))
+    logger = MetricsLogger(cfg, total_iters=4, is_logging_rank=True)
+    logger.log(_record(1, loss=1.0))
+    assert capsys.readouterr().out == ""
+    logger.log(_record(2, loss=3.0, grad_norm=torch.tensor(2.5)))
+    out = capsys.readouterr().out
+    assert "iteration        2/       4" in out and _field(out, "lm loss") == "2.000000E+00"
+    logger.log(_record(3, loss=float("inf"), nan=1))
+    logger.log(_record(4, loss=5.0, nan=1, mem_peak_gib=0.5))
+    out = capsys.readouterr().out
+    assert _field(out, "lm loss") == "5.000000E+00" and int(_field(out, "number of nan iterations")) == 1
+    logger.close()
+
+    lines = (tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    objs = [json.loads(ln) for ln in lines]
+    for i, obj in enumerate(objs, start=1):
+        assert list(obj) == list(METRICS_KEYS)
+        assert obj["iteration"] == i and obj["mfu"] is None
+    assert objs[1]["grad_norm"] == 2.5 and objs[2]["loss"] is None  # inf -> null
+    # Append mode: a resumed run continues the same file.
+    logger = MetricsLogger(cfg, total_iters=4, is_logging_rank=True)
+    logger.log(_record(5))
+    logger.close()
+    assert len((tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_logger_rejects_misspelled_keys(tmp_path):
+    logger = MetricsLogger(LoggingConfig(), total_iters=4, is_logging_rank=True)
+    bad = _record(1)
+    bad["grad-norm"] = bad.pop("grad_norm")
+    with pytest.raises(ValueError, match="grad-norm"):
+        logger.log(bad)
+
+
+def test_non_logging_rank_is_silent(tmp_path, capsys):
+    cfg = LoggingConfig(log_interval=1, metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=str(tmp_path / "tb"))
+    logger = MetricsLogger(cfg, total_iters=1, is_logging_rank=False)
+    logger.log(_record(1))
+    logger.log_eval(1, "validation", 1.0)
+    logger.close()
+    assert capsys.readouterr().out == ""
+    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "tb").exists()
+
+
+def test_tensorboard_scalars(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    cfg = LoggingConfig(log_interval=1, tensorboard_dir=str(tb))
+    logger = MetricsLogger(cfg, total_iters=2, is_logging_rank=True, run_config_toml="[model]\nnum_layers = 2")
+    logger.log(_record(1, loss=3.0, mem_allocated_gib=1.0))
+    logger.log(_record(2, loss=2.5))
+    logger.log_eval(2, "validation", 2.25, consumed_samples=16)
+    logger.close()
+    assert "validation loss at iteration 2" in capsys.readouterr().out
+    assert any(p.name.startswith("events.out.tfevents") for p in tb.iterdir())
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("lm loss", "lm loss vs samples", "learning-rate", "grad-norm", "loss-scale", "batch-size",
+                "throughput", "tokens-per-second", "iteration-time", "mem-allocated-gib",
+                "lm loss validation", "lm loss validation ppl"):
+        assert tag in tags, tag
+    assert "mfu" not in tags  # None is never plotted
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 3.0), (2, 2.5)]
+    assert [e.step for e in acc.Scalars("lm loss vs samples")] == [8, 16]
+
+
+def test_peak_table_lookup_and_override():
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert lookup_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert lookup_peak_tflops("NVIDIA A10G") == 125.0
+    assert lookup_peak_tflops("NVIDIA L4") == 121.0
+    assert lookup_peak_tflops("NVIDIA L40S") == 362.0
+    assert lookup_peak_tflops("NVIDIA H200") == 989.0
+    assert lookup_peak_tflops("Tesla V100-SXM2-32GB") == 125.0
+    assert lookup_peak_tflops("Some Future Accelerator") is None
+    names = [name.lower() for name, _ in DEVICE_PEAK_TFLOPS]
+    for i, earlier in enumerate(names):  # an earlier name inside a later one would shadow it
+        assert not any(earlier in later for later in names[i + 1:]), earlier
+    with pytest.raises(TypeError):
+        DEVICE_PEAK_TFLOPS[0] = ("X", 1.0)  # immutable
+    cpu = torch.device("cpu")
+    assert peak_tflops(cpu, 0.0) is None
+    assert peak_tflops(cpu, 100.0) == 100.0
+
+
+def test_mfu_none_on_cpu_and_throughput_math():
+    peak = peak_tflops(torch.device("cpu"), 0.0)
+    m = throughput_metrics(tokens=4096, flops_per_token=6e9, elapsed_s=2.0, world_size=4, peak=peak)
+    assert m["mfu"] is None
+    assert m["tokens_per_s"] == 2048.0
+    assert m["tflops_per_gpu"] == pytest.approx(4096 * 6e9 / (2.0 * 4 * 1e12))
+    with_peak = throughput_metrics(tokens=4096, flops_per_token=6e9, elapsed_s=2.0, world_size=4, peak=10.0)
+    assert with_peak["mfu"] == pytest.approx(m["tflops_per_gpu"] / 10.0)
+    assert memory_stats(torch.device("cpu")) == {}

@@ -1,0 +1,71 @@
+"""DESIGN invariant 1: every parallel layout trains the same model as one process.
+
+Each layout runs the tiny fp32 model for 10 iterations on the same mock data and must match
+the one-process per-iteration losses to relative 1e-5. The CI set covers dp, tp+SP, pp 1F1B
+and dp x tp (with activation checkpointing); the rest are marked slow (make test-all).
+"""
+
+import pytest
+
+from tests.runs import train_losses
+
+RTOL = 1e-5
+
+LAYOUTS = {
+    # name: (ranks, overrides, slow)
+    "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"], False),
+    "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
+    "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
+    "dp2_tp2_ac": (
+        4,
+        ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--training.activation_checkpointing=full"],
+        False,
+    ),
+    "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"], True),
+    "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
+    "tp2": (2, ["--parallel.tensor_model_parallel_size=2"], True),
+    "tp4": (4, ["--parallel.tensor_model_parallel_size=4"], True),
+    "pp2_gpipe": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=GPipe"], True),
+    "pp2_interleaved": (
+        2,
+        ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=Interleaved1F1B", "--parallel.virtual_pipeline_stages_per_rank=2"],
+        True,
+    ),
+    "pp2_zbv": (
+        2,
+        ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=ZBVZeroBubble", "--parallel.virtual_pipeline_stages_per_rank=2"],
+        True,
+    ),
+    "pp2_untied_selective_ac": (
+        2,
+        ["--parallel.pipeline_model_parallel_size=2", "--model.untie_embeddings_and_output_weights=true", "--training.activation_checkpointing=selective"],
+        True,
+    ),
+    "pp2_dp2_tp2": (
+        8,
+        ["--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+        True,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reference")
+    losses = train_losses(path, [], name="single")
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    return losses
+
+
+def _params(name):
+    ranks, overrides, slow = LAYOUTS[name]
+    marks = [pytest.mark.slow] if slow else []
+    return pytest.param(ranks, overrides, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("ranks,overrides", [_params(n) for n in LAYOUTS])
+def test_layout_matches_single_process(tmp_path, reference, ranks, overrides):
+    losses = train_losses(tmp_path, overrides, nproc=ranks)
+    assert len(losses) == len(reference)
+    for it, (got, want) in enumerate(zip(losses, reference), start=1):
+        assert got == pytest.approx(want, rel=RTOL), f"iteration {it}: {got} vs one-process {want}"
