@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtgpt.parallel.model_parts import IGNORE_INDEX, ModelParts
+from dtgpt.timers import Timers
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
@@ -135,26 +136,37 @@ def train_step(
     num_microbatches: int,
     clip_grad: float,
     inject_nan: bool = False,
+    timers: Timers | None = None,
 ) -> StepResult:
     """forward-backward -> tied-grad sync -> unscale -> global norm and clip -> optimizer step.
 
     One host synchronisation per iteration: the loss, norm and overflow flag are read together.
     """
+    timers = timers or Timers(0, model.device)
     optimizer.zero_grad(set_to_none=True)
-    local_loss = forward_backward(model, batch, num_microbatches, loss_scale=scaler.scale)
-    model.sync_tied_grads()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if inject_nan:
-        local_loss = _poison(local_loss, grads)
-    found_inf = any_rank_true(model, scaler.unscale_and_check_(grads))
-    grad_norm = global_grad_norm(model)
-    clip_gradients(model, clip_grad, grad_norm)
-    loss = reduce_loss(model, local_loss)
-    loss_value, norm_value, inf_value = torch.stack([loss, grad_norm, found_inf]).tolist()
-    overflow = inf_value > 0
-    nan = not (math.isfinite(loss_value) and math.isfinite(norm_value)) and not overflow
+    with timers("forward-backward"):
+        local_loss = forward_backward(model, batch, num_microbatches, loss_scale=scaler.scale)
+    timers("optimizer").start()
+    with timers("grads-reduce-clip"):
+        model.sync_tied_grads()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if inject_nan:
+            local_loss = _poison(local_loss, grads)
+        # Without fp16 there is nothing to unscale: a NaN/inf gradient shows in the norm below.
+        found_inf = any_rank_true(model, scaler.unscale_and_check_(grads)) if scaler.enabled else torch.zeros(())
+        grad_norm = global_grad_norm(model)
+        clip_gradients(model, clip_grad, grad_norm)
+        loss = reduce_loss(model, local_loss)
+        loss_value, norm_value, inf_value = torch.stack([loss, grad_norm, found_inf.to(loss.device)]).tolist()
+    nonfinite = inf_value > 0 or not (math.isfinite(loss_value) and math.isfinite(norm_value))
+    # Under fp16 non-finite gradients are an overflow of the loss scale (skip, lower the scale);
+    # otherwise they are a NaN iteration, counted and handled by training.nan_policy.
+    overflow = scaler.enabled and inf_value > 0
+    nan = nonfinite and not overflow
     skipped = overflow or nan
     if not skipped:
-        optimizer.step()
+        with timers("optimizer-inner-step"):
+            optimizer.step()
     scaler.update(overflow)
+    timers("optimizer").stop()
     return StepResult(loss=loss_value, grad_norm=norm_value, skipped=skipped, nan=nan, found_inf=overflow)

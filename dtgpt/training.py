@@ -31,6 +31,12 @@ ModelProvider = Callable[[Config, int], GPT]
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
 
 
+TIMED_PHASES = (
+    "forward-backward", "optimizer", "evaluate", "save-checkpoint",
+    "batch-generator", "grads-reduce-clip", "optimizer-inner-step",
+)  # fmt: skip
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss under nan_policy='stop')."""
 
@@ -156,12 +162,10 @@ def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, m
             batch = next(train_iter)
             timers("batch-generator").stop()
             lr = trainer.lr_schedule.apply(trainer.optimizer)
-            timers("forward-backward").start()
             result = train_step(
                 trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs),
-                cfg.optimizer.clip_grad, inject_nan=state.iteration + 1 in cfg.faults.nan_at_iterations,
+                cfg.optimizer.clip_grad, inject_nan=state.iteration + 1 in cfg.faults.nan_at_iterations, timers=timers,
             )  # fmt: skip
-            timers("forward-backward").stop()
             elapsed = time.perf_counter() - start
             state.iteration += 1
             state.consumed_samples += gbs  # consumed even when skipped, as in Megatron
@@ -187,7 +191,7 @@ def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, m
                 }
             )  # fmt: skip
             if state.iteration % cfg.logging.log_interval == 0:
-                timers.log(["batch-generator", "forward-backward", "evaluate", "save-checkpoint"], state.iteration)
+                timers.log(TIMED_PHASES, state.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and state.iteration % cfg.eval.eval_interval == 0:
                 timers("evaluate").start()
                 metrics.log_eval(state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
@@ -229,6 +233,8 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         train_iter, valid_iter, test_iter = build_data_iterators(
             cfg, runtime, datasets_provider, tokenizer, trainer.state.consumed_samples, trainer.batch_sizes
         )
+        if checkpointer is not None:
+            checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
         metrics = MetricsLogger(cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg))
         try:
             reason = train(trainer, train_iter, valid_iter, metrics, checkpointer)

@@ -21,6 +21,12 @@ LAYOUTS = {
         ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--training.activation_checkpointing=full"],
         False,
     ),
+    # the 175B shape: tp x pp with dp = 1 (no FSDP), tied embedding split across stages
+    "pp2_tp2_sp_dp1": (
+        4,
+        ["--parallel.pipeline_model_parallel_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+        False,
+    ),
     "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"], True),
     "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
     "tp2": (2, ["--parallel.tensor_model_parallel_size=2"], True),

@@ -1,8 +1,9 @@
 """Parallelise a GPT: the one place where TP, activation checkpointing, compile and FSDP meet.
 
 `parallelize()` applies them to one model (or pipeline stage) in that visible order;
-`build_model()` builds on meta, cuts pipeline stages, parallelises each, then materialises
-and initialises the weights so that every layout starts from bitwise-identical full weights.
+`build_model()` builds on meta, cuts pipeline stages and parallelises each (`build_parts()`,
+all that the planner needs), then materialises and initialises the weights (`materialize()`)
+so that every layout starts from bitwise-identical full weights.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from dtgpt.parallel.pipeline import (
 from dtgpt.parallel.tensor import apply_tp
 from dtgpt.parallel.tied import build_tied_group
 
-__all__ = ["ParallelDims", "ModelParts", "build_model", "parallelize", "compute_dtype", "check_compile_supported"]
+__all__ = [
+    "ParallelDims", "ModelParts", "build_model", "build_parts", "materialize", "parallelize",
+    "compute_dtype", "check_compile_supported",
+]  # fmt: skip
 
 
 def compute_dtype(cfg: Config) -> torch.dtype | None:
@@ -106,8 +110,12 @@ def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
-def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
-    """Cut `model` (built on meta) into this rank's stages, parallelise, materialise, init."""
+def build_parts(cfg: Config, dims: ParallelDims, model: GPT) -> tuple[list[GPT], list[int], int]:
+    """Cut `model` (on meta) into this rank's stages and parallelise each; nothing is allocated.
+
+    Returns (parts, stage_ids, num_stages). The planner (dtgpt.plan) calls this alone, on the
+    meta device under a fake process group, so it counts exactly what training will hold.
+    """
     if dims.pp_enabled:
         counts = stage_layer_counts(cfg)
         stage_ids = stage_ids_on_rank(
@@ -119,10 +127,22 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         parts, stage_ids, num_stages = [model], [0], 1
     for part in parts:
         parallelize(part, dims, cfg)
-        part.to_empty(device=device)
-        if part.tied and part.embedding is not None and part.output is not None:
-            part.output.weight = part.embedding.word.weight  # to_empty may give each user a copy
-        part.init_weights(cfg.training.seed, device=device, assign=assign_full_value)
+    return parts, stage_ids, num_stages
+
+
+def materialize(part: GPT, cfg: Config, device: torch.device) -> None:
+    """Allocate a parallelised meta part on `device` and give it its seeded initial weights."""
+    part.to_empty(device=device)
+    if part.tied and part.embedding is not None and part.output is not None:
+        part.output.weight = part.embedding.word.weight  # to_empty may give each user a copy
+    part.init_weights(cfg.training.seed, device=device, assign=assign_full_value)
+
+
+def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
+    """Cut `model` (built on meta) into this rank's stages, parallelise, materialise, init."""
+    parts, stage_ids, num_stages = build_parts(cfg, dims, model)
+    for part in parts:
+        materialize(part, cfg, device)
     schedules = None
     if dims.pp_enabled:
         stages = build_pipeline_stages(parts, stage_ids, num_stages, device, dims.sub("pp"))

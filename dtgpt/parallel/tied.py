@@ -48,12 +48,27 @@ def build_tied_group(dims: ParallelDims, parts: list[GPT]) -> dist.ProcessGroup 
     return mine
 
 
+def align_grad_placement(param: torch.Tensor) -> None:
+    """Give a DTensor gradient its parameter's placements.
+
+    The vocabulary-parallel embedding's backward returns a *replicated* full-size gradient for
+    a Shard(0) weight; the head's gradient is Shard(0). Both ends must hold the same shard
+    before their gradients are summed (going from replicated to sharded needs no comm).
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 @torch.no_grad()
 def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None) -> None:
     """Sum the gradients of the split tied weight so both copies take the same step."""
     if not parts[0].tied:
         return
     first, last = tied_pair_on_rank(parts)
+    for param in (first, last):
+        if param is not None and param.grad is not None:
+            align_grad_placement(param)
     if first is not None and last is not None:  # V-shaped schedules: both ends on this rank
         total = _local(first.grad) + _local(last.grad)
         _local(first.grad).copy_(total)

@@ -1,0 +1,180 @@
+"""The planner's formulas: activation memory, micro-batches in flight, bubble, model-state bytes, time.
+
+Pure arithmetic on numbers the planner read from the real parallelised model (dtgpt.plan);
+nothing here touches torch.distributed. Every formula is written out in docs/plan.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dtgpt.config import MULTI_STAGE_SCHEDULES
+
+GIB = 2**30
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation formulas need: per micro-batch s, b, h, a, V and the tp layout."""
+
+    seq_length: int
+    micro_batch_size: int
+    hidden_size: int
+    num_heads: int
+    padded_vocab: int
+    tp: int
+    sequence_parallel: bool
+    bytes_scale: float = 1.0
+    """Korthikanti's counts assume 16-bit activations; fp32 training doubles them (2.0)."""
+
+    @property
+    def sbh(self) -> float:
+        return self.seq_length * self.micro_batch_size * self.hidden_size
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+
+def layer_activation_bytes(shape: ActivationShape, recompute: bool) -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch (Korthikanti et al. 2022).
+
+    no parallelism        s·b·h·(34 + 5·a·s/h)
+    tp with SP            s·b·h/t·(34 + 5·a·s/h)
+    tp without SP         s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    full recomputation    2·s·b·h, divided by t under SP (only the layer input is kept)
+    """
+    s, h, a, t = shape.seq_length, shape.hidden_size, shape.num_heads, shape.tp
+    if recompute:
+        kept = 2 * shape.sbh / (t if shape.sp else 1)
+    elif t == 1:
+        kept = shape.sbh * (34 + 5 * a * s / h)
+    elif shape.sp:
+        kept = shape.sbh / t * (34 + 5 * a * s / h)
+    else:
+        kept = shape.sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    return kept * shape.bytes_scale
+
+
+def embedding_activation_bytes(shape: ActivationShape) -> float:
+    """First stage: the 1-byte dropout mask of the embedding output (s·b·h, /t under SP)."""
+    return shape.sbh / (shape.tp if shape.sp else 1) * shape.bytes_scale
+
+
+def head_activation_bytes(shape: ActivationShape, compute_bytes: int) -> float:
+    """Last stage: final-norm input (2·s·b·h, /t under SP), the gathered head input (2·s·b·h),
+    and the vocabulary-sharded logits: compute dtype + an fp32 copy for the loss + its gradient."""
+    s, b, v, t = shape.seq_length, shape.micro_batch_size, shape.padded_vocab, shape.tp
+    norm_in = 2 * shape.sbh / (t if shape.sp else 1)
+    head_in = 2 * shape.sbh
+    logits = (compute_bytes + 4 + 4) * s * b * v / t
+    return (norm_in + head_in) * shape.bytes_scale + logits
+
+
+def chunks_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int, microbatches: int) -> int:
+    """How many (micro-batch, stage) activation sets a pp rank holds at its peak.
+
+    GPipe, LoopedBFS   every micro-batch of every local stage: m·v
+    1F1B               pp - pp_rank micro-batches (the first stage pp, the last 1), at most m
+    interleaved        Megatron's warm-up count + 1: 2·(pp - pp_rank - 1) + (v - 1)·pp + 1 chunks,
+                       at most m·v (assumed for the zero-bubble and V-shaped schedules too)
+    """
+    v, m = stages_per_rank, microbatches
+    if pp == 1:
+        return 1
+    if schedule in ("GPipe", "LoopedBFS"):
+        return m * v
+    if schedule not in MULTI_STAGE_SCHEDULES:
+        return min(pp - pp_rank, m)
+    return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v)
+
+
+def bubble_fraction(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """Idle fraction of an iteration: (p-1)/(m+p-1); interleaved schedules cut the bubble time
+    by v, giving (p-1)/(v·m+p-1). Zero-bubble schedules fill part of it: an upper bound there."""
+    if pp == 1 or microbatches <= 0:
+        return 0.0
+    v = stages_per_rank if schedule in MULTI_STAGE_SCHEDULES and schedule != "LoopedBFS" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+@dataclass
+class StateBytes:
+    """Model-state bytes on one rank (the activation terms are added by the planner)."""
+
+    params: float
+    """The fp32 parameters the optimizer updates (the master weights under fp16/bf16)."""
+    copies: float
+    """Low-precision compute copies: autocast's cast of each weight, or FSDP's gathered params."""
+    grads: float
+    adam: float
+
+
+def state_bytes(
+    local_params: int,
+    unsharded_params: int,
+    largest_unit: int,
+    *,
+    low_precision: bool,
+    fsdp: bool,
+    pipelined: bool,
+    reshard_after_forward: bool,
+) -> StateBytes:
+    """Bytes of parameters, compute copies, gradients and Adam m, v on one rank.
+
+    local_params      what the rank's optimizer holds (the dp shard under FSDP)
+    unsharded_params  the same parameters gathered over dp (tp-sharded only)
+    largest_unit      the largest FSDP unit (a block), gathered over dp
+
+    Without FSDP the fp32 parameters are the master; autocast keeps a 2-byte cast of each weight
+    for the whole forward-backward under fp16/bf16. With FSDP the fp32 parameters, gradients
+    and Adam state are dp shards. Its compute copies are gathered per unit: about two units at
+    a time (the running one and the prefetched one) when units reshard after forward, all of
+    them otherwise. Under pipelining every unit also stays gathered after backward and its
+    gradient stays unsharded, accumulated in fp32 over the micro-batches, until the last
+    micro-batch's reduce-scatter (torch.distributed.pipelining turns gradient sync off before).
+    """
+    compute = 2 if low_precision else 4
+    if not fsdp:
+        return StateBytes(
+            params=4 * local_params, copies=2 * local_params if low_precision else 0,
+            grads=4 * local_params, adam=8 * local_params,
+        )  # fmt: skip
+    if pipelined or not reshard_after_forward:
+        copies = compute * unsharded_params
+    else:
+        copies = compute * 2 * largest_unit
+    # Unsharded gradients: all of the stage's under pp, else one unit's (its compute-dtype
+    # gradient and the fp32 buffer it is reduce-scattered from).
+    unsharded_grads = 4 * unsharded_params if pipelined else (compute + 4) * largest_unit
+    return StateBytes(
+        params=4 * local_params, copies=copies, grads=4 * local_params + unsharded_grads, adam=8 * local_params
+    )
+
+
+# -- time ------------------------------------------------------------------------------------
+
+
+def layer_flops_per_token(hidden: int, ffn: int, seq: int) -> float:
+    """Forward + backward FLOPs of one block per token (the per-layer term of flops_per_token)."""
+    return 12 * hidden * hidden * (2 + seq / hidden + ffn / hidden)
+
+
+def hardware_flops_per_token(model_flops: float, recomputed_layers: int, layer_flops: float) -> float:
+    """Model FLOPs plus one more forward (a third of forward + backward) per recomputed layer."""
+    return model_flops + recomputed_layers * layer_flops / 3
+
+
+def training_seconds(tokens: float, flops_per_token: float, num_gpus: int, tflops_per_gpu: float) -> float:
+    """tokens · FLOPs per token / (n · X): X is the throughput each GPU achieves, bubble included."""
+    return tokens * flops_per_token / (num_gpus * tflops_per_gpu * 1e12)
+
+
+def classic_training_days(
+    tokens: float, params: float, num_gpus: int, tflops_per_gpu: float, recompute: bool = True
+) -> float:
+    """Narayanan et al. (2021), eq. 4: end-to-end time ≈ 8·T·P/(n·X) with full recomputation
+    (6·T·P/(n·X) without); 300B tokens of GPT-3 175B on 1024 GPUs at 140 TFLOP/s: ~34 days."""
+    factor = 8 if recompute else 6
+    return factor * tokens * params / (num_gpus * tflops_per_gpu * 1e12) / SECONDS_PER_DAY

@@ -1,0 +1,146 @@
+"""What the planner tells a person: warnings that matter and the per-rank table.
+
+Pure functions of a finished plan (dtgpt.plan.Plan); nothing here builds a model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dtgpt.config import MULTI_STAGE_SCHEDULES, Config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dtgpt.optim import BatchSizeSchedule
+    from dtgpt.parallel import ParallelDims
+    from dtgpt.plan import Plan, RankPlan
+
+RAMPUP_BUBBLE_WARNING = 0.2
+"""Warn when the first ramp-up iterations idle more than this fraction of the time."""
+
+MEMORY_TERMS = ("params", "copies", "grads", "adam", "activations")
+
+
+def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
+    """The settings that shrink `term` on the fullest rank, most effective first."""
+    t, p = cfg.training, cfg.parallel
+    if term == "activations":
+        knobs = []
+        if t.activation_checkpointing != "full":
+            knobs.append("training.activation_checkpointing='full' (keeps only each layer's input)")
+        if dims.tp > 1 and not p.sequence_parallel:
+            knobs.append("parallel.sequence_parallel=true (divides the norm/dropout activations by tp)")
+        if t.micro_batch_size > 1:
+            knobs.append(f"a smaller training.micro_batch_size (now {t.micro_batch_size})")
+        knobs.append("more parallel.tensor_model_parallel_size (1F1B's first stage keeps pp micro-batches of "
+                     "L/pp layers, so more pp alone does not help it)")  # fmt: skip
+        return knobs
+    if term == "copies" and dims.fsdp_enabled and dims.pp_enabled:
+        return ["parallel.fsdp_reshard_after_forward='always' (with pp every gathered stage is kept for backward)"]
+    return [
+        "more parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size (fewer parameters per GPU)",
+        "parallel.data_parallel_shard_size > 1 (FSDP shards parameters, gradients and Adam state over dp)",
+    ]
+
+
+def layout_warnings(cfg: Config, plan: "Plan", batches: "BatchSizeSchedule", dims: "ParallelDims") -> list[str]:
+    warnings = []
+    over = [r for r in plan.ranks if r.memory_gib > plan.gpu_memory_gib]
+    if over:
+        worst = max(over, key=lambda r: r.memory_gib)
+        term = max(MEMORY_TERMS, key=lambda k: worst.memory[k])
+        share = worst.memory[term] / worst.memory_gib
+        warnings.append(
+            f"{len(over)} of {len(plan.ranks)} planned ranks exceed {plan.gpu_memory_gib:g} GiB; the fullest "
+            f"(pp {worst.pp_rank}, tp {worst.tp_rank}) needs {worst.memory_gib:.3g} GiB, {share:.0%} of it "
+            f"{term} ({worst.memory[term]:.3g} GiB). Try: " + "; ".join(_knobs(cfg, dims, term))
+        )
+    pp, stages = dims.pp, dims.pp * cfg.parallel.virtual_pipeline_stages_per_rank
+    if dims.pp_enabled:
+        for label, micro in (("the final", plan.microbatches), ("the initial ramp-up", plan.microbatches_initial)):
+            if micro < stages:
+                warnings.append(
+                    f"{micro} micro-batches per iteration at {label} batch size are fewer than the {stages} pipeline "
+                    "stages: some stages idle for most of the iteration; raise the batch size or lower pp"
+                )
+                break
+    if batches.enabled and plan.bubble_fraction_initial > RAMPUP_BUBBLE_WARNING:
+        seq = cfg.model.seq_length
+        ramp_tokens = batches.ramp_samples * seq
+        warnings.append(
+            f"large pipeline bubble during ramp-up: at global batch {batches.start} ({plan.microbatches_initial} "
+            f"micro-batches on {pp} stages) {plan.bubble_fraction_initial:.0%} of each iteration idles, against "
+            f"{plan.bubble_fraction:.1%} at {batches.final}; the ramp lasts {batches.ramp_samples:,} samples "
+            f"({ramp_tokens / 1e9:.1f}B tokens, {ramp_tokens / plan.tokens:.1%} of {plan.tokens / 1e9:g}B)"
+        )
+    if cfg.parallel.pipeline_schedule in MULTI_STAGE_SCHEDULES and cfg.parallel.pipeline_schedule != "Interleaved1F1B":
+        plan.notes.append(
+            f"{cfg.parallel.pipeline_schedule}: activations in flight assumed as for Interleaved1F1B and the bubble "
+            "given is the interleaved one (an upper bound for zero-bubble schedules)"
+        )
+    return warnings
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def _layers(ids: list[int]) -> str:
+    if not ids:
+        return "-"
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return _span(ids)
+    return ",".join(map(str, ids))
+
+
+def _merged(ranks: list["RankPlan"]) -> list[tuple[list["RankPlan"], "RankPlan"]]:
+    """Rows that differ only in tp rank are shown once ("tp 0-7")."""
+    rows: list[tuple[list, RankPlan]] = []
+    for r in ranks:
+        if rows:
+            group, first = rows[-1]
+            key = lambda x: (x.pp_rank, x.dp_rank, x.local_params, x.memory)  # noqa: E731
+            same = key(first) == key(r)
+            if same and r.tp_rank == group[-1].tp_rank + 1:
+                group.append(r)
+                continue
+        rows.append(([r], r))
+    return rows
+
+
+def format_plan(cfg: Config, plan: "Plan") -> str:
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    mesh = plan.mesh
+    precision = "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
+    lines = [
+        f"model      {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
+        f"vocab {plan.vocab_size} -> {plan.padded_vocab_size} padded: {plan.total_params:,} parameters",
+        f"layout     {plan.world_size} GPUs = pp {mesh['pp']} x dp_replicate {mesh['dp_replicate']} x dp_shard "
+        f"{mesh['dp_shard']} x tp {mesh['tp']}"
+        + (f", {mesh['vpp']} virtual stages per rank" if mesh["vpp"] > 1 else "")
+        + f"; sequence_parallel={str(p.sequence_parallel).lower()}, {precision}, "
+        f"activation_checkpointing={t.activation_checkpointing!r}",
+        f"schedule   {p.pipeline_schedule}: {plan.microbatches} micro-batches per iteration (initial ramp-up: "
+        f"{plan.microbatches_initial}); bubble {plan.bubble_fraction:.1%} (initial {plan.bubble_fraction_initial:.1%})",
+        f"compute    {plan.flops_per_token / 1e9:.4g} GFLOP per token ({plan.hardware_flops_per_token / 1e9:.4g} with "
+        f"recomputation), {plan.flops_per_iteration:.3e} FLOP per iteration of {plan.tokens_per_iteration:,} tokens",
+        f"time       at {plan.tflops:g} TFLOP/s per GPU: {plan.est_iteration_s:.2f} s per iteration, "
+        f"{plan.est_days:.1f} days for {plan.tokens / 1e9:g}B tokens",
+        "",
+        f"memory per GPU in GiB (limit {plan.gpu_memory_gib:g}); 'acts': activations of N micro-batches in flight",
+        f"{'pp':>3} {'dp':>3} {'tp':>5} {'stage':>6} {'layers':>7} {'local params':>15} {'params':>7} {'copies':>7} "
+        f"{'grads':>7} {'adam':>7} {'acts':>7} {'(xN)':>5} {'total':>7}",
+    ]
+    for group, r in _merged(plan.ranks):
+        mem = r.memory
+        flag = "  OVER" if r.memory_gib > plan.gpu_memory_gib else ""
+        lines.append(
+            f"{r.pp_rank:>3} {r.dp_rank:>3} {_span([g.tp_rank for g in group]):>5} "
+            f"{','.join(map(str, r.stage_ids)):>6} "
+            f"{_layers(r.layer_ids):>7} {r.local_params:>15,} {mem['params']:>7.2f} {mem['copies']:>7.2f} "
+            f"{mem['grads']:>7.2f} {mem['adam']:>7.2f} {mem['activations']:>7.2f} {'x' + str(r.in_flight):>5} "
+            f"{r.memory_gib:>7.2f}{flag}"
+        )
+    lines.append(f"({plan.builds} distinct ranks built on the fake process group; rows equal but for tp are merged)")
+    lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines)

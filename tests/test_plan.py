@@ -1,0 +1,342 @@
+"""The layout planner: GPT-3 175B numbers, formulas, warnings, and a real CPU run as the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtgpt import plan_memory as pm
+from dtgpt.config import ConfigError, load_config
+from dtgpt.plan import plan_layout, tokenizer_vocab_size
+
+REPO = Path(__file__).resolve().parent.parent
+GPT3_175B = str(REPO / "configs" / "gpt3_175b.toml")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+# A small layout where every rank differs: uneven pipeline stages, two virtual stages per rank,
+# FSDP chunks of unequal size (129 vocabulary rows and 20 positions over dp 2), a tied head.
+SMALL = [
+    "--model.num_layers=5",
+    "--model.hidden_size=24",
+    "--model.num_attention_heads=2",
+    "--model.seq_length=16",
+    "--model.max_position_embeddings=20",
+    "--model.make_vocab_size_divisible_by=2",
+    "--training.micro_batch_size=1",
+    "--training.global_batch_size=8",
+    "--parallel.tensor_model_parallel_size=2",
+    "--parallel.pipeline_model_parallel_size=2",
+    "--parallel.data_parallel_shard_size=2",
+    "--parallel.pipeline_schedule=Interleaved1F1B",
+    "--parallel.virtual_pipeline_stages_per_rank=2",
+    "--parallel.pipeline_layers_per_stage=[2,1,1,1]",
+    "--parallel.sequence_parallel=true",
+    "--data.builtin_corpus=python-docstrings",
+    "--data.tokenizer_type=ByteTokenizer",
+]
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO / "scripts" / "plan.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def plan_175b() -> tuple[dict, float]:
+    """The CLI's JSON plan of configs/gpt3_175b.toml (128 GPUs), and how long it took."""
+    start = time.perf_counter()
+    proc = run_plan("--config", GPT3_175B, "--json")
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout), elapsed
+
+
+def test_planning_175b_allocates_no_parameter_memory(plan_175b):
+    # One 175B stage alone would take 1.46e9 x 4 B = 5.4 GiB; every child process so far
+    # (this fixture's planner included) peaked far below that.
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kib < 3 * 2**20
+
+
+def test_175b_parameters_per_rank(plan_175b):
+    plan, _ = plan_175b
+    assert plan["world_size"] == 128 and plan["padded_vocab_size"] == 51200
+    assert plan["total_params"] == 174_615_846_912
+    ranks = plan["ranks"]
+    assert len(ranks) == 128 and {(r["pp_rank"], r["tp_rank"]) for r in ranks} == {(p, t) for p in range(16) for t in range(8)}
+    by_pp = {}
+    for r in ranks:
+        by_pp.setdefault(r["pp_rank"], set()).add(r["local_params"])
+    assert all(len(v) == 1 for v in by_pp.values()), "every tp rank of a stage holds the same count"
+    assert by_pp[0] == {1_463_270_400}
+    assert all(by_pp[p] == {1_359_461_376} for p in range(1, 15))  # 6 layers x 226,576,896
+    assert by_pp[15] == {1_438_129_152}  # the last stage's own copy of the tied weight included
+    assert all(r["layers"] == 6 for r in ranks)
+    assert ranks[-1]["layer_ids"] == list(range(90, 96))
+
+
+def test_175b_schedule_and_time(plan_175b):
+    plan, _ = plan_175b
+    assert plan["microbatches"] == 1536 and plan["microbatches_initial"] == 16
+    assert plan["bubble_fraction"] == pytest.approx(15 / (1536 + 15))
+    assert plan["tokens_per_iteration"] == 1536 * 2048
+    assert plan["flops_per_iteration"] == pytest.approx(plan["flops_per_token"] * 1536 * 2048)
+    # No recomputation in this config: hardware FLOPs = model FLOPs; 128 GPUs at 140 TFLOP/s.
+    assert plan["est_iteration_s"] == pytest.approx(plan["flops_per_iteration"] / (128 * 140e12))
+    assert plan["est_days"] == pytest.approx(300e9 * plan["flops_per_token"] / (128 * 140e12) / 86400)
+    # 1F1B: the first stage keeps pp micro-batches in flight, the last one.
+    first = next(r for r in plan["ranks"] if r["pp_rank"] == 0)
+    last = next(r for r in plan["ranks"] if r["pp_rank"] == 15)
+    assert (first["in_flight"], last["in_flight"]) == (16, 1)
+    shape = pm.ActivationShape(2048, 1, 12288, 96, 51200, 8, True)
+    per_layer = pm.layer_activation_bytes(shape, recompute=False)
+    expected = (16 * (6 * per_layer + pm.embedding_activation_bytes(shape))) / pm.GIB
+    assert first["memory"]["activations"] == pytest.approx(expected)
+    # fp16 without FSDP: fp32 params + fp32 grads + Adam m, v + autocast's 2-byte copies = 18 B.
+    assert first["memory"]["params"] + first["memory"]["copies"] + first["memory"]["grads"] + first["memory"]["adam"] == pytest.approx(
+        18 * first["local_params"] / pm.GIB
+    )
+    assert plan["fits"] and all(r["memory_gib"] < 80 for r in plan["ranks"])
+
+
+def test_175b_warns_about_the_rampup_bubble(plan_175b):
+    plan, _ = plan_175b
+    assert any("ramp-up" in w and "16 micro-batches" in w and "48%" in w for w in plan["warnings"]), plan["warnings"]
+
+
+def test_cli_finishes_in_seconds(plan_175b):
+    _, elapsed = plan_175b
+    # Seconds of CPU on an idle machine; generous here because tests share the CPU with others.
+    assert elapsed < 90
+
+
+def test_classic_time_formula():
+    # Narayanan et al. 2021: 300B tokens of 175B on 1024 GPUs at 140 TFLOP/s -> ~34 days.
+    days = pm.classic_training_days(300e9, 175e9, 1024, 140)
+    assert days == pytest.approx(33.9, abs=0.1)
+    assert pm.classic_training_days(300e9, 175e9, 1024, 140, recompute=False) == pytest.approx(days * 6 / 8)
+
+
+def test_175b_on_1024_gpus_with_full_recomputation_takes_about_34_days():
+    cfg = load_config(GPT3_175B, ["--training.activation_checkpointing=full"])
+    plan = plan_layout(cfg, 1024)
+    assert plan.mesh["dp_shard"] == 8
+    # FSDP divides every rank's parameters by dp = 8.
+    assert {r.local_params for r in plan.ranks if r.pp_rank == 0} == {1_463_270_400 // 8}
+    # Recomputing all 96 layers adds one forward: 4/3 of the layer FLOPs.
+    layer = pm.layer_flops_per_token(12288, 4 * 12288, 2048)
+    assert plan.hardware_flops_per_token == pytest.approx(plan.flops_per_token + 96 * layer / 3)
+    assert plan.est_days == pytest.approx(34, abs=1.0)
+    assert plan.est_days == pytest.approx(
+        pm.classic_training_days(300e9, plan.total_params, 1024, 140), rel=0.05
+    )
+    # Ramp-up starts at 16 samples = 2 micro-batches per dp rank for 16 stages.
+    assert any("2 micro-batches" in w and "fewer than the 16 pipeline stages" in w for w in plan.warnings)
+
+
+def test_activation_formulas():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    base = dict(seq_length=s, micro_batch_size=b, hidden_size=h, num_heads=a, padded_vocab=51200)
+    none = pm.ActivationShape(**base, tp=1, sequence_parallel=False)
+    sp = pm.ActivationShape(**base, tp=t, sequence_parallel=True)
+    tp_only = pm.ActivationShape(**base, tp=t, sequence_parallel=False)
+    assert pm.layer_activation_bytes(none, False) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert pm.layer_activation_bytes(sp, False) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert pm.layer_activation_bytes(tp_only, False) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert pm.layer_activation_bytes(sp, True) == pytest.approx(2 * sbh / t)
+    assert pm.layer_activation_bytes(tp_only, True) == pytest.approx(2 * sbh)
+    fp32 = pm.ActivationShape(**base, tp=1, sequence_parallel=False, bytes_scale=2.0)
+    assert pm.layer_activation_bytes(fp32, False) == pytest.approx(2 * pm.layer_activation_bytes(none, False))
+
+
+def test_schedule_formulas():
+    assert [pm.chunks_in_flight("1F1B", 4, r, 1, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert pm.chunks_in_flight("1F1B", 4, 0, 1, 2) == 2  # never more than the micro-batches
+    assert pm.chunks_in_flight("GPipe", 4, 3, 1, 8) == 8
+    # Interleaved: Korthikanti's first stage keeps pp·(1 + (pp-1)/(pp·v)) micro-batches of L/pp layers.
+    pp, v = 4, 2
+    chunks = pm.chunks_in_flight("Interleaved1F1B", pp, 0, v, 64)
+    assert chunks / v == pytest.approx(pp * (1 + (pp - 1) / (pp * v)))
+    assert pm.bubble_fraction("1F1B", 4, 1, 8) == pytest.approx(3 / 11)
+    assert pm.bubble_fraction("GPipe", 4, 1, 8) == pytest.approx(3 / 11)
+    assert pm.bubble_fraction("Interleaved1F1B", 4, 2, 8) == pytest.approx(3 / 19)
+    assert pm.bubble_fraction("1F1B", 1, 1, 8) == 0.0
+
+
+def test_state_bytes():
+    kw = dict(low_precision=True, fsdp=False, pipelined=True, reshard_after_forward=False)
+    plain = pm.state_bytes(1000, 1000, 100, **kw)
+    assert (plain.params, plain.copies, plain.grads, plain.adam) == (4000, 2000, 4000, 8000)
+    assert pm.state_bytes(1000, 1000, 100, **{**kw, "low_precision": False}).copies == 0
+    # FSDP over dp = 4 under pp: gathered fp16 copies and fp32 unsharded gradients stay until
+    # the last micro-batch.
+    kw.update(fsdp=True)
+    piped = pm.state_bytes(250, 1000, 100, **kw)
+    assert (piped.params, piped.copies, piped.grads, piped.adam) == (1000, 2000, 1000 + 4000, 2000)
+    # Without pp, resharding after forward: about two gathered units and one unit's gradients.
+    alone = pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False, "reshard_after_forward": True})
+    assert (alone.copies, alone.grads) == (2 * 2 * 100, 1000 + (2 + 4) * 100)
+    assert pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False}).copies == 2000
+
+
+def test_planner_counts_match_a_real_cpu_run(tmp_path):
+    """The oracle: 8 ranks build the real model (tests/plan_real_counts.py) on CPU."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+           str(REPO / "tests" / "plan_real_counts.py"), *SMALL, f"--data.data_cache_path={tmp_path}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    plan = plan_layout(load_config(None, SMALL), 8, dp_ranks=(0, 1))
+    planned = {r.rank: (r.pp_rank, r.dp_rank, r.tp_rank, r.local_params) for r in plan.ranks}
+    measured = {r["rank"]: (r["pp_rank"], r["dp_rank"], r["tp_rank"], r["local_params"]) for r in real}
+    assert planned == measured
+    # The layout is uneven on purpose: the check would miss nothing by comparing equal numbers.
+    assert len({v[3] for v in measured.values()}) >= 4
+
+
+def test_deduplicated_builds_equal_building_every_rank():
+    cfg = load_config(None, SMALL + ["--parallel.pipeline_model_parallel_size=4", "--parallel.data_parallel_shard_size=1",
+                                     "--parallel.pipeline_schedule=1F1B", "--parallel.virtual_pipeline_stages_per_rank=1",
+                                     "--parallel.pipeline_layers_per_stage=[]", "--model.num_layers=8"])  # fmt: skip
+    fast, full = plan_layout(cfg, 8), plan_layout(cfg, 8, all_ranks=True)
+    assert fast.builds < full.builds == 8
+    key = lambda p: [(r.rank, r.layer_ids, r.local_params, r.memory) for r in p.ranks]  # noqa: E731
+    assert key(fast) == key(full)
+
+
+def test_selective_recomputation_follows_the_real_blocks():
+    cfg = load_config(None, SMALL + ["--training.activation_checkpointing=selective", "--training.activation_checkpointing_every=2"])
+    plan = plan_layout(cfg, 8)
+    # dtgpt's 'selective' recomputes every 2nd block: 0, 2, 4 of 5.
+    by_pp = {r.pp_rank: r.recomputed_layers for r in plan.ranks}
+    assert sum(by_pp.values()) == 3
+
+
+def test_impossible_layouts_are_refused_with_the_rule():
+    proc = run_plan("--config", GPT3_175B, "--parallel.tensor_model_parallel_size=5")
+    assert proc.returncode == 2
+    assert "impossible layout" in proc.stdout and "tensor_model_parallel_size=5 must divide model.num_attention_heads=96" in proc.stdout
+    proc = run_plan("--config", GPT3_175B, "--parallel.pipeline_model_parallel_size=7", "--json")
+    assert proc.returncode == 2
+    out = json.loads(proc.stdout)
+    assert out["possible"] is False and "model.num_layers=96 must be divisible" in out["errors"][0]
+    with pytest.raises(ConfigError, match="world size 100"):
+        plan_layout(load_config(GPT3_175B), 100)
+    with pytest.raises(ConfigError, match="padded vocabulary 258"):
+        plan_layout(load_config(None, SMALL + ["--parallel.tensor_model_parallel_size=4", "--parallel.pipeline_model_parallel_size=1",
+                                               "--parallel.pipeline_schedule=1F1B", "--parallel.virtual_pipeline_stages_per_rank=1",
+                                               "--parallel.pipeline_layers_per_stage=[]", "--model.num_attention_heads=4"]), 8)  # fmt: skip
+
+
+def test_over_memory_names_the_dominant_term_and_check_fails(tmp_path):
+    args = ["--config", str(REPO / "configs" / "debug_3d.toml"), "--training.micro_batch_size=8", "--training.global_batch_size=64", "--gpu-memory-gib=0.02"]
+    proc = run_plan(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # without --check the plan is only printed
+    assert "OVER" in proc.stdout
+    warning = next(line for line in proc.stdout.splitlines() if line.startswith("WARNING") and "exceed" in line)
+    assert "activations" in warning and "activation_checkpointing='full'" in warning
+    assert run_plan(*args, "--check").returncode == 1
+    assert run_plan("--config", str(REPO / "configs" / "debug_3d.toml"), "--check").returncode == 0
+
+
+def test_model_state_dominates_a_large_model_on_few_gpus():
+    cfg = load_config(GPT3_175B, ["--parallel.pipeline_model_parallel_size=4", "--training.activation_checkpointing=full"])
+    plan = plan_layout(cfg, 32)
+    warning = next(w for w in plan.warnings if "exceed" in w)
+    assert "adam" in warning and "data_parallel_shard_size" in warning
+    assert not plan.fits
+
+
+def test_train_py_dry_run_prints_the_plan():
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "debug_3d.toml"), "--dry-run"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "8 GPUs = pp 2 x dp_replicate 1 x dp_shard 2 x tp 2" in proc.stdout
+    assert "local params" in proc.stdout
+
+
+def test_vocabulary_follows_the_tokenizer(tmp_path):
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps({f"t{i}": i for i in range(300)}))
+    gpt2 = load_config(GPT3_175B, [f"--data.vocab_file={vocab}"])
+    assert tokenizer_vocab_size(gpt2) == (300, None)
+    size, note = tokenizer_vocab_size(load_config(GPT3_175B, ["--data.vocab_file=missing.json"]))
+    assert size == 50257 and "not found" in note
+    assert tokenizer_vocab_size(load_config(None, SMALL))[0] == 257
+    null = load_config(None, ["--data.mock_data=true", "--data.tokenizer_type=NullTokenizer", "--data.vocab_size=1000"])
+    assert tokenizer_vocab_size(null)[0] == 1000
+
+
+# -- launch scripts ------------------------------------------------------------------------------
+
+
+def _fake_tool(directory: Path, name: str, body: str) -> Path:
+    path = directory / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def _run_script(script: str, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    full = {**ENV, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(REPO / script), *args], cwd=REPO, env=full, capture_output=True, text=True, timeout=300)
+
+
+PATHS = ["/ckpt", "/tb", "/vocab.json", "/merges.txt", "0.3 /data/a_text_document 0.7 /data/b_text_document"]
+
+
+def test_launch_script_plans_then_runs_torchrun(tmp_path):
+    record = tmp_path / "torchrun.args"
+    torchrun = _fake_tool(tmp_path, "torchrun", f'printf "%s\\n" "$@" > {record}')
+    proc = _run_script("scripts/train_gpt3_175b_distributed.sh", PATHS, {"TORCHRUN": str(torchrun), "NODE_RANK": "3"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1,463,270,400" in proc.stdout  # the plan was printed first
+    args = record.read_text().splitlines()
+    assert args[:10] == ["--nproc-per-node", "8", "--nnodes", "16", "--node-rank", "3", "--master-addr", "localhost",
+                         "--master-port", "6000"]  # fmt: skip
+    assert args[10:13] == [str(REPO / "train.py"), "--config", GPT3_175B]
+    assert args[13:] == [
+        "--checkpoint.save=/ckpt", "--checkpoint.load=/ckpt", "--logging.tensorboard_dir=/tb",
+        "--data.vocab_file=/vocab.json", "--data.merge_file=/merges.txt", f"--data.data_path={PATHS[4]}",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "env, extra, code",
+    [
+        ({}, ["--parallel.tensor_model_parallel_size=5"], 2),  # 96 heads
+        ({"NUM_NODES": "3"}, [], 2),  # 24 GPUs for pp 16 x tp 8
+        ({"CONFIG": str(REPO / "configs" / "debug_3d.toml"), "NUM_NODES": "1", "GPU_MEMORY_GIB": "0.0001"}, [], 1),
+    ],
+    ids=["heads", "world-size", "memory"],
+)
+def test_launch_script_refuses_a_layout_the_planner_rejects(tmp_path, env, extra, code):
+    record = tmp_path / "launched"
+    torchrun = _fake_tool(tmp_path, "torchrun", f"touch {record}")
+    proc = _run_script("scripts/train_gpt3_175b_distributed.sh", PATHS + extra, {"TORCHRUN": str(torchrun), **env})
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "refusing to launch" in proc.stderr and not record.exists()
+
+
+def test_sbatch_plans_then_srun_torchrun_with_c10d_rendezvous(tmp_path):
+    _fake_tool(tmp_path, "scontrol", 'printf "gpu-node-017\\ngpu-node-018\\n"')
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "DTGPT_DRY_RUN": "1", "DTGPT_REPO": str(REPO),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-node-[017-018]",
+           "GPUS_PER_NODE": "4", "CONFIG": str(REPO / "configs" / "debug_3d.toml")}  # fmt: skip
+    proc = _run_script("scripts/slurm/gpt3_175b.sbatch", PATHS, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launch = proc.stdout.strip().splitlines()[-1]
+    assert launch.startswith("srun --nodes 2 --ntasks-per-node 1")
+    assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint gpu-node-017:29500 --rdzv-id 4242" in launch
+    assert "--checkpoint.save=/ckpt" in launch
+    refused = _run_script("scripts/slurm/gpt3_175b.sbatch", PATHS + ["--parallel.tensor_model_parallel_size=3"], env)
+    assert refused.returncode == 2 and "srun" not in refused.stdout

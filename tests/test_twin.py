@@ -1,0 +1,113 @@
+"""The GPT-3 175B twin: the 175B job's structure at a width that trains on 8 CPU processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+from runs import read_metrics, run_train
+
+from dtgpt.config import load_config
+from dtgpt.plan import plan_layout
+
+REPO = Path(__file__).resolve().parent.parent
+TWIN = str(REPO / "configs" / "gpt3_175b_twin.toml")
+GPT3_175B = str(REPO / "configs" / "gpt3_175b.toml")
+
+# Six iterations: the ramp-up (4 -> 16 samples within 8 samples), warmup then cosine decay
+# (decay over 4 x 16 samples, warmup 10% of it), two evaluations, two saves, and a loss-scale
+# window short enough for the dynamic fp16 scale to grow.
+BRIEF = [
+    "--training.train_iters=6",
+    "--training.rampup_batch_size=[4,4,8]",
+    "--optimizer.lr_decay_iters=4",
+    "--eval.eval_interval=3",
+    "--eval.eval_iters=1",
+    "--checkpoint.save_interval=3",
+    "--optimizer.loss_scale_window=2",
+    "--logging.log_interval=1",
+]
+
+
+def test_twin_keeps_the_structure_of_the_175b_job():
+    big, twin = load_config(GPT3_175B), load_config(TWIN)
+    for cfg in (big, twin):
+        p, t, o = cfg.parallel, cfg.training, cfg.optimizer
+        assert p.tensor_model_parallel_size > 1 and p.pipeline_model_parallel_size > 1 and p.sequence_parallel
+        assert p.pipeline_schedule == "1F1B" and p.virtual_pipeline_stages_per_rank == 1
+        assert t.fp16 and o.loss_scale is None  # the dynamic loss scaler
+        assert t.rampup_batch_size and o.lr_decay_style == "cosine" and o.lr_warmup_fraction
+        assert cfg.eval.eval_interval < t.train_iters and cfg.eval.eval_iters > 0
+        assert 0 < cfg.checkpoint.save_interval < t.train_iters and cfg.checkpoint.save
+    assert twin.model.untie_embeddings_and_output_weights == big.model.untie_embeddings_and_output_weights
+    # Both ramp-ups start with as many micro-batches as pipeline stages.
+    big_plan, twin_plan = plan_layout(big), plan_layout(twin, 8)
+    assert big_plan.microbatches_initial == big_plan.mesh["pp"]
+    assert twin_plan.microbatches_initial == twin_plan.mesh["pp"]
+    assert twin_plan.world_size == 8 and twin_plan.fits
+
+
+def _run_twin(tmp_path: Path, name: str, extra: list[str]):
+    metrics = tmp_path / f"{name}.jsonl"
+    args = ["--config", TWIN, *BRIEF, f"--data.data_cache_path={tmp_path / 'cache'}",
+            f"--logging.tensorboard_dir={tmp_path / 'tb' / name}", f"--logging.metrics_file={metrics}", *extra]  # fmt: skip
+    proc = run_train(tmp_path, args, nproc=8, name=name, timeout=600)
+    return proc, read_metrics(metrics)
+
+
+@pytest.mark.slow
+def test_twin_trains_evaluates_checkpoints_and_resumes(tmp_path):
+    has_checkpoint = importlib.util.find_spec("dtgpt.checkpoint") is not None
+    ckpt = tmp_path / "ckpt"
+    save = [f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}"] if has_checkpoint else ["--checkpoint.save=", "--checkpoint.load="]
+    proc, rows = _run_twin(tmp_path, "full", save)
+
+    assert [r["iteration"] for r in rows] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    sizes = [r["global_batch_size"] for r in rows]
+    assert sizes[0] == 4 and sizes[-1] == 16 and sizes == sorted(sizes)  # the ramp-up
+    lrs = [r["lr"] for r in rows]
+    peak = lrs.index(max(lrs))
+    assert 0 < peak < len(lrs) - 1 and lrs[0] < lrs[peak] > lrs[-1]  # warmup, then cosine decay
+    assert max(r["loss_scale"] for r in rows) > 4096  # fp16: the dynamic scale grew
+    assert "validation loss at iteration 3 |" in proc.stdout and "validation loss at iteration 6 |" in proc.stdout
+    assert "on test set" in proc.stdout
+    if not has_checkpoint:
+        pytest.skip("dtgpt.checkpoint is not built yet: the save/resume half of the twin is skipped")
+
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    # Resume from iteration 3 into another directory: iterations 4-6 must repeat exactly.
+    resumed_dir = tmp_path / "resumed"
+    _, resumed = _run_twin(
+        tmp_path, "resumed", [f"--checkpoint.load={ckpt}", "--checkpoint.load_iteration=3", f"--checkpoint.save={resumed_dir}"]
+    )
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert [r["consumed_samples"] for r in resumed] == [r["consumed_samples"] for r in rows[3:]]
+    for a, b in zip(rows[3:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+        assert b["loss_scale"] == a["loss_scale"] and b["lr"] == pytest.approx(a["lr"])
+
+
+TIED_GRAD_BUG = (
+    "known bug: with tp > 1 and dp = 1 (no FSDP) the vocabulary-parallel embedding's gradient is a Replicate "
+    "DTensor holding the full [V, h] table, so sync_tied_grads all-reduces [V, h] on the first stage against "
+    "[V/tp, h] on the last and gloo aborts"
+)
+
+
+@pytest.mark.slow
+def test_twin_at_the_175b_job_shape_dp1(tmp_path):
+    """pp 4 x tp 2 x dp 1: the 175B job's own 128-GPU shape (no FSDP, fp16 by autocast)."""
+    metrics = tmp_path / "dp1.jsonl"
+    args = ["--config", TWIN, "--parallel.pipeline_model_parallel_size=4", "--parallel.data_parallel_shard_size=1",
+            "--training.train_iters=2", "--eval.eval_iters=0", "--checkpoint.save=", "--checkpoint.load=",
+            "--logging.tensorboard_dir=", f"--data.data_cache_path={tmp_path / 'cache'}",
+            f"--logging.metrics_file={metrics}"]  # fmt: skip
+    proc = run_train(tmp_path, args, nproc=8, name="dp1", check=False, timeout=300)
+    if proc.returncode != 0 and "Received data size doesn't match expected size" in proc.stdout + proc.stderr:
+        pytest.xfail(TIED_GRAD_BUG)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2]
