@@ -192,6 +192,9 @@ class DistributedConfig:
     backend: str = "auto"
     """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
     timeout_minutes: float = 10.0
+    """Collective timeout: a dead or stuck peer becomes an error after this long, not a hang."""
+    heartbeat_factor: float = 10.0
+    """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ way `pretrain_gpt.py` names its providers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from dtgpt.model import GPT, flops_per_token, padded_vocab_size
 from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers, total_train_samples
 from dtgpt.parallel import ModelParts, build_model
 from dtgpt.profiling import Profiler
-from dtgpt.step import forward_backward, reduce_loss, train_step
+from dtgpt.step import StepResult, forward_backward, reduce_loss, train_step
 from dtgpt.timers import Timers
+from dtgpt.watchdog import Watchdog
 
 ModelProvider = Callable[[Config, int], GPT]
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
@@ -142,71 +144,112 @@ def evaluate(trainer: Trainer, data_iter: Iterator, num_batches: int) -> float:
     return total.item() / max(num_batches, 1)
 
 
+def run_iteration(trainer: Trainer, train_iter: Iterator, timers: Timers) -> tuple[StepResult, int, float, float]:
+    """Fetch global batch k, take one training step, advance the state; (result, gbs, lr, seconds)."""
+    cfg, state = trainer.cfg, trainer.state
+    gbs = trainer.batch_sizes.global_batch_size(state.consumed_samples)
+    start = time.perf_counter()
+    with timers("batch-generator"):
+        batch = next(train_iter)
+    lr = trainer.lr_schedule.apply(trainer.optimizer)
+    result = train_step(
+        trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs),
+        cfg.optimizer.clip_grad, inject_nan=state.iteration + 1 in cfg.faults.nan_at_iterations, timers=timers,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    state.iteration += 1
+    state.consumed_samples += gbs  # consumed even when skipped, as in Megatron
+    if result.skipped:
+        state.skipped_iters += 1
+    else:
+        trainer.lr_schedule.step(gbs)
+    if result.nan:
+        state.nan_iters += 1
+        if cfg.training.nan_policy == "stop":
+            raise TrainingError(
+                f"non-finite loss {result.loss} or grad norm {result.grad_norm} at iteration {state.iteration} "
+                "(training.nan_policy='stop')"
+            )
+        log0(trainer.runtime, f"iteration {state.iteration}: non-finite loss or grad norm, skipped")
+    return result, gbs, lr, elapsed
+
+
+def log_iteration(trainer: Trainer, metrics: MetricsLogger, result: StepResult, gbs: int, lr: float, elapsed: float, peak) -> None:
+    state, runtime = trainer.state, trainer.runtime
+    rates = throughput_metrics(
+        tokens=gbs * trainer.cfg.model.seq_length, flops_per_token=trainer.flops_per_token,
+        elapsed_s=elapsed, world_size=runtime.world_size, peak=peak,
+    )  # fmt: skip
+    metrics.log(
+        {
+            "iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": result.loss,
+            "lr": lr, "grad_norm": result.grad_norm, "loss_scale": trainer.scaler.scale,
+            "global_batch_size": gbs, "skipped": state.skipped_iters, "nan": state.nan_iters,
+            "elapsed_ms": 1000 * elapsed, **rates, **memory_stats(runtime.device),
+        }
+    )  # fmt: skip
+
+
+class Phase:
+    """Name what the rank is doing, for the watchdog's heartbeat and for errors.
+
+    An exception inside (a collective timing out on a dead peer, say) is re-raised naming the
+    rank, the phase and the iteration, instead of a bare backend message.
+    """
+
+    def __init__(self, watchdog: Watchdog, rank: int):
+        self.watchdog, self.rank = watchdog, rank
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, iteration: int, record: bool = False):
+        self.watchdog.enter(name, iteration)
+        try:
+            yield
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, TrainingError):
+                raise
+            raise TrainingError(f"rank {self.rank}: {name} of iteration {iteration} failed: {e}") from e
+        finally:
+            self.watchdog.leave(record=record)
+
+
 def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, metrics: MetricsLogger, checkpointer) -> str:
     """The loop; returns why it stopped."""
     cfg, runtime, state = trainer.cfg, trainer.runtime, trainer.state
     exits = ExitConditions(cfg.checkpoint, runtime.device)
     timers = Timers(cfg.logging.timers_log_level, runtime.device)
     prof = cfg.profiling
-    profiler = Profiler(prof.profile_step_start, prof.profile_step_end, prof.trace_dir, prof.memory_snapshot_path, rank=runtime.rank, device=runtime.device)
+    profiler = Profiler(
+        prof.profile_step_start, prof.profile_step_end, prof.trace_dir, prof.memory_snapshot_path,
+        rank=runtime.rank, device=runtime.device,
+    )  # fmt: skip
+    watchdog = Watchdog(runtime.rank, cfg.distributed.heartbeat_factor)
+    phase = Phase(watchdog, runtime.rank)
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
-    seq = cfg.model.seq_length
     reason = "train_iters reached"
     trainer.model.train(True)
     try:
         while state.iteration < cfg.training.train_iters:
             profiler.step(state.iteration + 1)
-            gbs = trainer.batch_sizes.global_batch_size(state.consumed_samples)
-            start = time.perf_counter()
-            timers("batch-generator").start()
-            batch = next(train_iter)
-            timers("batch-generator").stop()
-            lr = trainer.lr_schedule.apply(trainer.optimizer)
-            result = train_step(
-                trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs),
-                cfg.optimizer.clip_grad, inject_nan=state.iteration + 1 in cfg.faults.nan_at_iterations, timers=timers,
-            )  # fmt: skip
-            elapsed = time.perf_counter() - start
-            state.iteration += 1
-            state.consumed_samples += gbs  # consumed even when skipped, as in Megatron
-            if result.skipped:
-                state.skipped_iters += 1
-            else:
-                trainer.lr_schedule.step(gbs)
-            if result.nan:
-                state.nan_iters += 1
-                if cfg.training.nan_policy == "stop":
-                    raise TrainingError(
-                        f"non-finite loss {result.loss} or grad norm {result.grad_norm} at iteration {state.iteration} "
-                        "(training.nan_policy='stop')"
-                    )
-                log0(runtime, f"iteration {state.iteration}: non-finite loss or grad norm, skipped")
-            rates = throughput_metrics(tokens=gbs * seq, flops_per_token=trainer.flops_per_token, elapsed_s=elapsed, world_size=runtime.world_size, peak=peak)
-            metrics.log(
-                {
-                    "iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": result.loss,
-                    "lr": lr, "grad_norm": result.grad_norm, "loss_scale": trainer.scaler.scale,
-                    "global_batch_size": gbs, "skipped": state.skipped_iters, "nan": state.nan_iters,
-                    "elapsed_ms": 1000 * elapsed, **rates, **memory_stats(runtime.device),
-                }
-            )  # fmt: skip
+            with phase("train-step", state.iteration + 1, record=True):
+                result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
+            log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak)
             if state.iteration % cfg.logging.log_interval == 0:
                 timers.log(TIMED_PHASES, state.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and state.iteration % cfg.eval.eval_interval == 0:
-                timers("evaluate").start()
-                metrics.log_eval(state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
-                timers("evaluate").stop()
+                with phase("evaluate", state.iteration), timers("evaluate"):
+                    metrics.log_eval(state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
             stop = exits.reason(state.iteration)
             if checkpointer is not None and (stop or checkpointer.due(state.iteration)):
-                timers("save-checkpoint").start()
-                checkpointer.save(state.iteration)
-                timers("save-checkpoint").stop()
+                with phase("save-checkpoint", state.iteration), timers("save-checkpoint"):
+                    checkpointer.save(state.iteration)
             if stop:
                 reason = stop
                 break
     finally:
         exits.close()
         profiler.close()
+        watchdog.close()
     return reason
 
 

@@ -1,0 +1,61 @@
+"""The data pipeline: tokenizers, datasets of seq_length + 1 token samples, and the DP-aware loader.
+
+The training loop calls exactly these three functions:
+
+    tokenizer = build_tokenizer(cfg.data)
+    train, valid, test = build_datasets(cfg, tokenizer, (n_train, n_valid, n_test))
+    loader = build_data_loader(train, consumed_samples, batch_size_at, dp_rank, dp_size, cfg.data.num_workers)
+
+Where the samples come from, in order of precedence: `data.mock_data` (synthetic, no files),
+`data.builtin_corpus` (stdlib docstrings, built and cached on first use), then `data.data_path`
+(split by `data.split`) or `data.train_data_path`/`valid_data_path`/`test_data_path`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+from dtgpt.config import Config
+from dtgpt.data.blended import build_gpt_datasets
+from dtgpt.data.builtin import build_builtin_corpus
+from dtgpt.data.cache import cache_root
+from dtgpt.data.gpt_dataset import SPLIT_NAMES, parse_split
+from dtgpt.data.mock import MockGPTDataset
+from dtgpt.data.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = ["build_tokenizer", "build_datasets", "build_data_loader", "Tokenizer"]
+
+
+def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]) -> tuple[Optional[object], ...]:
+    """(train, valid, test) datasets; item i of each is an int64 array of seq_length + 1 tokens.
+
+    A split is None when it was asked for 0 samples or has weight 0 (in data.split, or no path).
+    The sample order depends on the data, training.seed, model.seq_length and the number of
+    samples asked for, never on the parallel layout.
+    """
+    d, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}")
+    if d.mock_data:
+        weights = parse_split(d.split)
+        return tuple(
+            MockGPTDataset(n, seq_length, tokenizer.vocab_size, tokenizer.eod, seed, name) if n > 0 and w > 0 else None
+            for n, w, name in zip(num_samples, weights, SPLIT_NAMES)
+        )
+    data_path = d.data_path
+    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
+    if d.builtin_corpus:
+        data_path, per_split = [build_builtin_corpus(cache_root(d.data_cache_path), d.builtin_corpus)], ([], [], [])
+    if not data_path and not any(per_split):
+        raise ValueError("no training data: set data.data_path (or data.train_data_path), "
+                         "data.builtin_corpus, or data.mock_data=true")
+    return build_gpt_datasets(data_path, d.split, per_split, num_samples, seq_length, seed, d.data_cache_path)
+
+
+def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,
+                      dp_size: int, num_workers: int) -> Iterable:
+    """This DP rank's (gbs_k / dp_size, seq_length + 1) LongTensors, global batch by global batch."""
+    # Imported here so that preprocessing and the built-in corpus never pay for importing torch.
+    from dtgpt.data.loader import build_data_loader as build
+
+    return build(dataset, consumed_samples, batch_size_at, dp_rank, dp_size, num_workers)

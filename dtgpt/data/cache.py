@@ -1,0 +1,90 @@
+"""On-disk cache for built data (index arrays, the built-in corpus): where it lives, how it is keyed,
+and the one place that makes rank 0 build it while the other ranks wait."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+DEFAULT_CACHE_ROOT = "~/.cache/dtgpt"
+
+
+def cache_root(data_cache_path: str) -> str:
+    """`data.data_cache_path`, or ~/.cache/dtgpt when it is unset."""
+    return os.path.expanduser(data_cache_path or DEFAULT_CACHE_ROOT)
+
+
+def index_cache_dir(data_cache_path: str, prefix: str) -> str:
+    """Where a dataset's index arrays go: data_cache_path if set, else next to the data
+    (Megatron's `<data dir>/cache/GPTDataset_indices`), else ~/.cache/dtgpt when that is read-only."""
+    if data_cache_path:
+        return os.path.join(os.path.expanduser(data_cache_path), "GPTDataset_indices")
+    beside = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
+    if _writable(beside):
+        return beside
+    return os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT), "GPTDataset_indices")
+
+
+def _writable(path: str) -> bool:
+    p = Path(path)
+    while not p.exists():
+        p = p.parent
+    return os.access(p, os.W_OK)
+
+
+def description_hash(description: dict) -> str:
+    """A stable key for everything a cached artefact depends on."""
+    text = json.dumps(description, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def file_fingerprint(path: str) -> dict:
+    """Identity of an input file for cache keys: path, size and modification time.
+
+    A copied or touched file makes a new key; rebuilding is deterministic, so that only costs time.
+    """
+    st = os.stat(path)
+    return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def save_npy(path: str, array: np.ndarray) -> None:
+    """np.save under a temporary name, then rename: readers never see a partial file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def load_npy(path: str) -> np.ndarray:
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def build_once(is_built: Callable[[], bool], build: Callable[[], None]) -> None:
+    """Run `build` on global rank 0 while the other ranks wait, unless `is_built()` already.
+
+    A rank that still finds nothing after the barrier (a node-local cache directory, or rank 0
+    failed) builds for itself: builds are deterministic and write atomically, so that is safe.
+    """
+    # No process group can exist unless torch.distributed was imported; looking it up instead of
+    # importing it keeps torch out of preprocessing and corpus building.
+    dist = sys.modules.get("torch.distributed")
+    distributed = dist is not None and dist.is_available() and dist.is_initialized()
+    error = None
+    if (not distributed or dist.get_rank() == 0) and not is_built():
+        try:
+            build()
+        except Exception as e:  # other ranks must still reach the barrier below
+            error = e
+    if distributed:
+        dist.barrier()
+    if error is not None:
+        raise error
+    if not is_built():
+        build()

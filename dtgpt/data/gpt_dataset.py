@@ -1,0 +1,222 @@
+"""GPT samples of seq_length + 1 tokens over an indexed dataset, with Megatron's GPTDataset semantics.
+
+Three index arrays define the sample order:
+
+- document index: the split's documents repeated for enough epochs, shuffled with
+  `numpy.random.RandomState(seed)` (the final epoch apart when it is used for < 80% of its samples);
+- sample index: row j = (position in the document index, token offset) where sample j starts;
+  sample j covers stream tokens [j * seq_length, (j + 1) * seq_length], so neighbours share a token;
+- shuffle index: a permutation of the samples, drawn from the same RandomState after the documents.
+
+The arrays depend on (sequence lengths, document range, num_samples, seq_length, seed) only; they
+are cached as .npy files keyed by a hash of those, built once by rank 0 and memory-mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+from dtgpt.data.cache import build_once, description_hash, file_fingerprint, load_npy, save_npy
+from dtgpt.data.indexed import IndexedDataset, bin_path, idx_path
+
+SPLIT_NAMES = ("train", "valid", "test")
+_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron: a final epoch used for less than this is shuffled apart
+_ARRAYS = ("document_index", "sample_index", "shuffle_index")
+
+
+def parse_split(split: str) -> list[float]:
+    """'949,50,1' -> [0.949, 0.05, 0.001]: up to three weights, missing ones 0, normalised."""
+    parts = [p for p in re.split(r"[,/]", split) if p.strip()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"data.split={split!r} must be comma-separated numbers like '949,50,1'") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"data.split={split!r} needs 1-3 non-negative weights with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / w.sum()).tolist()
+
+
+def split_document_ranges(split: str, num_documents: int) -> list[Optional[tuple[int, int]]]:
+    """Document range [lo, hi) of train/valid/test; None for a split of weight 0.
+
+    Boundaries are round(cumulative fraction * num_documents), as in Megatron.
+    """
+    fractions = parse_split(split)
+    bounds, total = [0.0], 0.0
+    for f in fractions:
+        total += f
+        bounds.append(total)
+    ranges: list[Optional[tuple[int, int]]] = []
+    for f, lo, hi in zip(fractions, bounds[:-1], bounds[1:]):
+        ranges.append(None if f <= 0 else (int(round(lo * num_documents)), int(round(hi * num_documents))))
+    return ranges
+
+
+def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) -> int:
+    """Fewest epochs whose tokens cover num_samples samples plus the one extra token."""
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """The documents repeated num_epochs times and shuffled (the last epoch on its own if separate)."""
+    if separate_final_epoch and num_epochs > 1:
+        first = build_document_index(documents, num_epochs - 1, rng, False)
+        last = build_document_index(documents, 1, rng, False)
+        return np.concatenate([first, last])
+    dtype = np.int32 if len(documents) == 0 or documents.max() < np.iinfo(np.int32).max else np.int64
+    index = np.tile(np.asarray(documents, dtype=dtype), num_epochs)
+    rng.shuffle(index)
+    return index
+
+
+def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
+    """(num_samples + 1, 2) array of (document index position, offset) where each sample starts.
+
+    Vectorised: sample j starts at stream position j * seq_length; searchsorted over the cumulative
+    document ends finds its document (skipping empty ones, as Megatron's loop does).
+    """
+    lengths = np.asarray(sequence_lengths)[document_index].astype(np.int64)
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if len(ends) else 0
+    num_samples = (total - 1) // seq_length
+    if num_samples < 1:
+        raise ValueError(f"{total} tokens cannot make one sample of seq_length + 1 = {seq_length + 1} tokens")
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    position = np.searchsorted(ends, starts, side="right")
+    offset = starts - (ends[position] - lengths[position])
+    big = len(document_index) >= np.iinfo(np.int32).max or lengths.max() >= np.iinfo(np.int32).max
+    return np.stack([position, offset], axis=1).astype(np.int64 if big else np.int32)
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """Shuffled [0, num_samples) followed by shuffled [num_samples, total_size)."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
+
+
+def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int,
+                      seed: int) -> dict[str, np.ndarray]:
+    """document/sample/shuffle index for `num_samples` samples, random draws in Megatron's order."""
+    tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
+    if tokens_per_epoch == 0:
+        raise ValueError(f"documents [{documents[0] if len(documents) else 0}, ...) hold no tokens")
+    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
+    separate_final_epoch = False
+    num_samples_sans_final = 0
+    if num_epochs > 1:
+        num_samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        from_final_epoch = num_samples - num_samples_sans_final
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        separate_final_epoch = from_final_epoch < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+    sample_index = build_sample_index(sequence_lengths, document_index, seq_length)
+    total = len(sample_index) - 1
+    shuffle_index = build_shuffle_index(num_samples_sans_final if separate_final_epoch else total, total, rng)
+    return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+
+class GPTDataset:
+    """Samples of exactly seq_length + 1 tokens (int64) from documents [lo, hi) of an IndexedDataset.
+
+    `len()` covers every sample of the epochs built (>= num_samples, as in Megatron).
+    With `cache_dir=None` the indices are built in memory and never written.
+    """
+
+    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int, seq_length: int,
+                 seed: int, cache_dir: Optional[str], split_name: str = "train"):
+        lo, hi = document_range
+        if not 0 <= lo < hi <= len(indexed):
+            raise ValueError(
+                f"{indexed.prefix}: the {split_name} split has documents [{lo}, {hi}) of {len(indexed)}: "
+                "no documents; use more data or a larger data.split weight"
+            )
+        if num_samples < 1 or seq_length < 1:
+            raise ValueError(f"num_samples={num_samples} and seq_length={seq_length} must be >= 1")
+        self.indexed, self.seq_length, self.split_name = indexed, seq_length, split_name
+        self.description = {
+            "class": "GPTDataset", "format": 1, "prefix": os.path.abspath(indexed.prefix),
+            "idx": file_fingerprint(idx_path(indexed.prefix)), "bin": file_fingerprint(bin_path(indexed.prefix)),
+            "split": split_name, "documents": [lo, hi], "num_samples": num_samples,
+            "seq_length": seq_length, "seed": seed,
+        }
+
+        def build() -> dict[str, np.ndarray]:
+            docs = np.arange(lo, hi, dtype=np.int64)
+            return build_gpt_indices(indexed.sequence_lengths, docs, num_samples, seq_length, seed)
+
+        self._paths = None
+        if cache_dir is None:
+            self._set_arrays(build())
+        else:
+            stem = os.path.join(cache_dir, f"{description_hash(self.description)}-GPTDataset-{split_name}")
+            self._paths = {name: f"{stem}-{name}.npy" for name in _ARRAYS}
+            build_once(lambda: all(os.path.isfile(p) for p in self._paths.values()),
+                       lambda: _save_all(self._paths, build()))
+            self._set_arrays({name: load_npy(path) for name, path in self._paths.items()})
+
+    def _set_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        # Plain ndarray views: indexing an np.memmap subclass is several times slower per sample.
+        self.document_index = arrays["document_index"].view(np.ndarray)
+        self.sample_index = arrays["sample_index"].view(np.ndarray)
+        self.shuffle_index = arrays["shuffle_index"].view(np.ndarray)
+
+    # Workers re-map the cached files rather than receiving a pickled copy of the arrays.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self._paths is not None:
+            for name in _ARRAYS:
+                del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._paths is not None:
+            self._set_arrays({name: load_npy(path) for name, path in self._paths.items()})
+
+    @property
+    def num_epochs(self) -> int:
+        lo, hi = self.description["documents"]
+        return len(self.document_index) // (hi - lo)
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        n = len(self.shuffle_index)
+        if not 0 <= idx < n:
+            raise IndexError(f"sample {idx} out of range for {self.split_name} dataset of {n} samples")
+        j = int(self.shuffle_index[idx])
+        (d0, o0), (d1, o1) = self.sample_index[j:j + 2].tolist()
+        doc, get = self.document_index, self.indexed.get
+        if d0 == d1:
+            return get(int(doc[d0]), o0, o1 - o0 + 1).astype(np.int64)
+        out = np.empty(self.seq_length + 1, dtype=np.int64)
+        piece = get(int(doc[d0]), o0)
+        pos = len(piece)
+        out[:pos] = piece
+        for d in range(d0 + 1, d1):
+            piece = get(int(doc[d]))
+            out[pos:pos + len(piece)] = piece
+            pos += len(piece)
+        out[pos:] = get(int(doc[d1]), 0, o1 + 1)
+        return out
+
+
+def _save_all(paths: dict[str, str], arrays: dict[str, np.ndarray]) -> None:
+    # Each file appears atomically under its name; the set counts as built once all three exist.
+    for name in _ARRAYS:
+        save_npy(paths[name], arrays[name])

@@ -1,0 +1,140 @@
+"""Tokenizers: GPT-2 BPE from vocab.json + merges.txt, a byte tokenizer, and a null tokenizer.
+
+All share one small interface: `.vocab_size`, `.eod`, `.tokenize(text) -> list[int]`,
+`.detokenize(ids) -> str`. `build_tokenizer(data_cfg)` picks one from the `[data]` section.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Protocol, runtime_checkable
+
+from dtgpt.config import DataConfig
+
+EOD_TEXT = "<|endoftext|>"
+GPT2_VOCAB_SIZE = 50257
+"""GPT-2's vocabulary (50,000 merges + 256 bytes + <|endoftext|>); mock data's default vocabulary."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod: int
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, eod = 256: no files, every text round-trips."""
+
+    vocab_size = 257
+    eod = 256
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i <= self.eod]
+        if bad:
+            raise ValueError(f"ByteTokenizer: ids {bad[:5]} are outside [0, {self.eod}]")
+        # eod separates documents; it has no text of its own.
+        return bytes(i for i in ids if i != self.eod).decode("utf-8", errors="replace")
+
+
+class NullTokenizer:
+    """Text is already token ids separated by spaces; eod = vocab_size - 1."""
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 2:
+            raise ValueError(f"NullTokenizer needs vocab_size >= 2 (ids plus eod), got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError as e:
+            raise ValueError(f"NullTokenizer: text must be space-separated integers ({e})") from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"NullTokenizer: ids {bad[:5]} are outside [0, {self.vocab_size})")
+        return ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from `vocab.json` + `merges.txt`, run by the `tokenizers` library."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for key, path in (("data.vocab_file", vocab_file), ("data.merge_file", merge_file)):
+            if not path:
+                raise ValueError(f"GPT2BPETokenizer needs {key} (GPT-2's vocab.json / merges.txt); it is not set")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{key}={path!r}: no such file")
+        try:
+            from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        except ImportError:
+            raise ImportError(
+                "GPT2BPETokenizer needs the 'tokenizers' library: pip install 'dtgpt[gpt2]'"
+            ) from None
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:
+            raise ValueError(f"cannot read GPT-2 BPE files {vocab_file!r} / {merge_file!r}: {e}") from None
+        tok = HFTokenizer(model)
+        # GPT-2 splits with its regex and maps bytes to printable characters; no leading space added.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        eod = tok.token_to_id(EOD_TEXT)
+        if eod is None:
+            raise ValueError(f"{vocab_file}: has no {EOD_TEXT} token, which GPT-2 uses as end of document")
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        self.eod = eod
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+
+    # The Rust tokenizer is rebuilt from its files in each worker process rather than pickled.
+    def __getstate__(self) -> dict:
+        return {"vocab_file": self.vocab_file, "merge_file": self.merge_file}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["vocab_file"], state["merge_file"])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
+    """The tokenizer `[data]` asks for.
+
+    - `builtin_corpus` is byte-tokenized when built, so it always uses ByteTokenizer.
+    - GPT2BPETokenizer with no vocab_file under `mock_data = true` needs no files: it becomes a
+      NullTokenizer of `vocab_size` (default 50257, GPT-2's), whose eod 50256 is GPT-2's too.
+    """
+    kind = data_cfg.tokenizer_type
+    if data_cfg.builtin_corpus and not data_cfg.mock_data:
+        if kind == "NullTokenizer" or data_cfg.vocab_file:
+            raise ValueError(
+                f"data.builtin_corpus={data_cfg.builtin_corpus!r} is byte-tokenized (ByteTokenizer); "
+                f"unset data.vocab_file and data.tokenizer_type={kind!r}"
+            )
+        return ByteTokenizer()
+    if kind == "ByteTokenizer":
+        return ByteTokenizer()
+    if kind == "NullTokenizer":
+        if data_cfg.vocab_size <= 0:
+            raise ValueError(f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {data_cfg.vocab_size})")
+        return NullTokenizer(data_cfg.vocab_size)
+    if kind == "GPT2BPETokenizer":
+        if data_cfg.mock_data and not data_cfg.vocab_file and not data_cfg.merge_file:
+            return NullTokenizer(data_cfg.vocab_size or GPT2_VOCAB_SIZE)
+        return GPT2BPETokenizer(data_cfg.vocab_file, data_cfg.merge_file)
+    raise ValueError(f"data.tokenizer_type={kind!r} is not one of 'GPT2BPETokenizer', 'ByteTokenizer', 'NullTokenizer'")

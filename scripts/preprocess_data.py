@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL file into Megatron-format indexed datasets, with Megatron's flag names.
+
+    python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \\
+        --append-eod --workers 8
+
+writes data/corpus_text_document.bin/.idx; use `data_path = ["data/corpus_text_document"]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+try:
+    import dtgpt  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtgpt.config import DataConfig
+from dtgpt.data.preprocess import PreprocessError, preprocess
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one dataset each")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   choices=["GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"])
+    p.add_argument("--vocab-file", default="", help="GPT-2 vocab.json")
+    p.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
+    p.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer vocabulary (eod = vocab_size - 1)")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--strict", action="store_true", help="refuse the file on any bad line (nothing written)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                          merge_file=args.merge_file, vocab_size=args.vocab_size)
+    try:
+        stats = preprocess(args.input, args.output_prefix, data_cfg, json_keys=args.json_keys,
+                           append_eod=args.append_eod, workers=args.workers, strict=args.strict)
+    except (PreprocessError, ValueError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(stats.summary())
+    for out in stats.outputs:
+        print(f"wrote {out}.bin and {out}.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Blends: the data_path grammar, Megatron's greedy blending index, per-split paths."""
+
+import numpy as np
+import pytest
+
+from dtgpt.data.blended import BlendedDataset, build_blending_indices, build_gpt_datasets, component_size, parse_blend
+from dtgpt.data.indexed import IndexedDatasetWriter
+
+SEQ = 16
+
+
+def make_prefix(path, low, high, docs=40, seed=0):
+    """Documents whose tokens all lie in [low, high): tells which dataset a sample came from."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(path, np.uint16) as w:
+        for _ in range(docs):
+            w.add_document(rng.integers(low, high, rng.integers(5, 60)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prefixes(tmp_path_factory):
+    d = tmp_path_factory.mktemp("blend")
+    return make_prefix(d / "a", 0, 500, seed=1), make_prefix(d / "b", 500, 1000, seed=2), str(d / "cache")
+
+
+def test_parse_blend():
+    assert parse_blend(["a"]) == (["a"], [1.0])
+    assert parse_blend(["a", "b"]) == (["a", "b"], [0.5, 0.5])
+    assert parse_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], pytest.approx([0.3, 0.7]))
+    assert parse_blend(["3 a 1 b"]) == (["a", "b"], pytest.approx([0.75, 0.25]))
+    assert parse_blend(["1", "a", "0", "b"]) == (["a"], [1.0])
+    for bad in (["0.3", "a", "b"], ["a", "0.3"], ["0.5", "a", "-1", "b"], []):
+        with pytest.raises(ValueError, match="data.data_path"):
+            parse_blend(bad)
+
+
+def test_blending_index_by_hand():
+    # target weight * (n + 1); ties go to the lower index
+    # deficits w*(n+1) - count: n=0: .25, .75 -> 1;  n=1: .5, .5 (tie) -> 0;
+    # n=2: -.25, 1.25 -> 1;  n=3: 0, 1 -> 1
+    assert build_blending_indices([0.25, 0.75], 4)[0].tolist() == [1, 0, 1, 1]
+    assert build_blending_indices([0.5, 0.5], 4)[0].tolist() == [0, 1, 0, 1]
+    ds, sample = build_blending_indices([1.0], 3)
+    assert ds.tolist() == [0, 0, 0] and sample.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.1, 0.2, 0.3, 0.4], [0.05, 0.9, 0.05]])
+def test_blend_proportions_within_one_sample(weights):
+    size = 5000
+    dataset_index, sample_index = build_blending_indices(weights, size)
+    onehot = np.eye(len(weights), dtype=np.int64)[dataset_index]
+    counts = np.cumsum(onehot, axis=0)  # counts[n - 1] = realised picks after n samples
+    target = np.outer(np.arange(1, size + 1), weights)
+    assert np.abs(counts - target).max() <= 1.0
+    for d in range(len(weights)):  # each dataset is read in order, 0, 1, 2, ...
+        assert sample_index[dataset_index == d].tolist() == list(range(counts[-1, d]))
+
+
+def test_blended_split_datasets(prefixes):
+    a, b, cache = prefixes
+    n = (300, 20, 0)
+    train, valid, test = build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", ([], [], []), n, SEQ, 5, cache)
+    assert isinstance(train, BlendedDataset) and len(train) == 300 and len(valid) == 20 and test is None
+    from_b = np.array([train[i].min() >= 500 for i in range(len(train))])
+    assert abs(from_b.sum() - 0.7 * 300) <= 1
+    assert all(train[i].shape == (SEQ + 1,) and train[i].dtype == np.int64 for i in range(0, 300, 37))
+    assert len(train.datasets[0]) >= component_size(300, 0.3) == 91
+    # the valid split reads only the documents after the train split's boundary (36 of 40)
+    for part in valid.datasets:
+        lo, hi = part.description["documents"]
+        assert (lo, hi) == (36, 40)
+    # rebuilt from the cache: identical samples
+    again = build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", ([], [], []), n, SEQ, 5, cache)[0]
+    assert all(np.array_equal(train[i], again[i]) for i in range(300))
+
+
+def test_single_prefix_is_not_blended(prefixes):
+    a, _, cache = prefixes
+    train, valid, test = build_gpt_datasets([a], "1", ([], [], []), (50, 10, 10), SEQ, 5, cache)
+    assert type(train).__name__ == "GPTDataset" and valid is None and test is None
+
+
+def test_per_split_paths(prefixes):
+    a, b, cache = prefixes
+    train, valid, test = build_gpt_datasets([], "969,30,1", ([a], [b], []), (40, 10, 5), SEQ, 5, cache)
+    assert all(train[i].max() < 500 for i in range(len(train)))
+    assert all(valid[i].min() >= 500 for i in range(len(valid)))
+    assert test is None
+    assert train.description["documents"] == [0, 40]  # whole datasets, no split
+    with pytest.raises(ValueError, match="not both"):
+        build_gpt_datasets([a], "1", ([a], [], []), (4, 0, 0), SEQ, 5, cache)
+
+
+def test_missing_prefix_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothere\.idx: no such file"):
+        build_gpt_datasets([str(tmp_path / "nothere")], "1", ([], [], []), (4, 0, 0), SEQ, 5, str(tmp_path))
