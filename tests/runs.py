@@ -61,8 +61,10 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def train_losses(tmp_path: Path, args: list[str], nproc: int = 1, name: str = "run", **kw) -> list[float]:
-    """Per-iteration losses of a run of TINY + args."""
+def train_losses(
+    tmp_path: Path, args: list[str], nproc: int = 1, name: str = "run", base: list[str] = TINY, **kw
+) -> list[float]:
+    """Per-iteration losses of a run of base (TINY by default) + args."""
     metrics = tmp_path / f"{name}.jsonl"
-    run_train(tmp_path, TINY + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name, **kw)
+    run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name, **kw)
     return [r["loss"] for r in read_metrics(metrics)]

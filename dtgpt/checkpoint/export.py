@@ -1,0 +1,154 @@
+"""Whole checkpoints in one process: read any checkpoint as full tensors, write one from tensors.
+
+Used by scripts/convert_checkpoint.py and scripts/generate.py. DCP reassembles the shards of
+whatever mesh saved the checkpoint into full tensors here, so nothing needs a process group.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dtgpt.checkpoint import layout
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.state import extra_problem, flat_keys, shape_problem
+from dtgpt.config import Config, config_from_dict, load_config, to_toml, validate
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+from dtgpt.model import GPT, OUTPUT_WEIGHT, WORD_EMBEDDING
+
+TORCH_FORMAT = "dtgpt-torch-1"
+
+
+def find_checkpoint(path: str | Path, iteration: int = 0) -> Path:
+    """An iteration directory: `path` itself when it is one, else the one its pointer names
+    (or `iteration`), with the usual fallback to the newest complete one."""
+    path = Path(path)
+    if (path / layout.DCP_METADATA).is_file() and iteration == 0:
+        why = layout.problem(path)
+        if why is not None:
+            raise CheckpointError(f"{path} is not a complete checkpoint: {why}")
+        return path
+    found = layout.resolve(str(path), iteration, fresh_ok=False)
+    for warning in found.warnings:
+        print(f"WARNING: {warning}")
+    return found.directory
+
+
+def read_config(directory: Path, config_path: str | None = None) -> Config:
+    """The config stored with the checkpoint, or `config_path` when given."""
+    path = Path(config_path) if config_path else directory / layout.CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {layout.CONFIG}; pass the run's config explicitly")
+    return load_config(path)
+
+
+def read_sections(directory: Path, sections: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """Every stored value of the chosen sections (all when None) as full tensors / objects:
+    {"model": {fqn: tensor}, "optimizer": {"state.<fqn>.exp_avg": tensor}, "train_state": {...}}."""
+    metadata = layout.read_metadata(directory)
+    flat: dict[str, object] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if sections is not None and key.split(".", 1)[0] not in sections:
+            continue
+        if isinstance(entry, TensorStorageMetadata):
+            flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        else:
+            flat[key] = None  # a pickled object; DCP replaces the placeholder
+    with layout.single_process():
+        dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
+    nested: dict[str, dict] = {}
+    for key, value in flat.items():
+        section, name = key.split(".", 1)
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def model_vocab_size(directory: Path) -> int:
+    """The padded vocabulary the checkpoint was trained with (rows of the word embedding)."""
+    entry = layout.read_metadata(directory).state_dict_metadata.get(f"model.{WORD_EMBEDDING}")
+    if entry is None:
+        raise CheckpointError(f"{directory} has no model.{WORD_EMBEDDING}")
+    return int(entry.size[0])
+
+
+def load_model(directory: Path, cfg: Config) -> GPT:
+    """A plain one-device GPT with the checkpoint's weights (tied head filled from the embedding)."""
+    model = GPT(cfg.model, model_vocab_size(directory))
+    state = {k: v for k, v in model.state_dict().items() if not (model.tied and k == OUTPUT_WEIGHT)}
+    metadata = layout.read_metadata(directory)
+    request = flat_keys("model", state)
+    problem = shape_problem(request, metadata, "model") or extra_problem(set(request), metadata)
+    if problem:
+        raise CheckpointError(f"checkpoint {directory} does not fit the config's model: {problem}")
+    with layout.single_process():
+        dcp.load({"model": state}, checkpoint_id=str(directory), no_dist=True)
+    model.load_state_dict(state, strict=False)  # state aliases the parameters; this is a no-op copy
+    return model
+
+
+def write_checkpoint(
+    root: str | Path, iteration: int, sections: dict[str, dict], cfg: Config, source: str, mesh: dict | None = None
+) -> Path:
+    """Write `sections` as a complete DCP checkpoint under root (directory, config, marker, pointer)."""
+    directory = layout.iteration_dir(root, iteration)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = sections.get("model", {})
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    if tied and OUTPUT_WEIGHT in model:  # stored once, as training stores it
+        model = {k: v for k, v in model.items() if k != OUTPUT_WEIGHT}
+        sections = {**sections, "model": model}
+    with layout.single_process():
+        dcp.save(sections, checkpoint_id=str(directory), no_dist=True)
+    layout.write_atomic(directory / layout.CONFIG, to_toml(cfg))
+    consumed = int(sections.get("train_state", {}).get("consumed_samples", 0))
+    layout.write_marker(directory, {
+        "format": "dtgpt-dcp-1", "iteration": iteration, "consumed_samples": consumed, "mesh": mesh,
+        "tied": tied, "time": time.time(), "converted_from": source,
+    })  # fmt: skip
+    layout.write_pointer(root, iteration)
+    return directory
+
+
+def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) -> None:
+    """One torch.save file of full tensors: every section, the iteration and the config text."""
+    sections = read_sections(directory, ("model",) if weights_only else None)
+    marker = layout.read_marker(directory)
+    config_text = (directory / layout.CONFIG).read_text() if (directory / layout.CONFIG).is_file() else ""
+    header = {"format": TORCH_FORMAT, "iteration": marker.get("iteration", 0), "config": config_text, "mesh": marker.get("mesh")}
+    torch.save({**header, **sections}, out)
+
+
+def from_torch_file(path: str | Path, root: str | Path, config_path: str | None = None, iteration: int | None = None) -> Path:
+    """A torch file (ours from to_torch_file, or a plain model state_dict) -> a DCP checkpoint."""
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a dict of tensors")
+    if data.get("format") == TORCH_FORMAT:
+        sections = {k: v for k, v in data.items() if k not in ("format", "iteration", "config", "mesh")}
+        step = data["iteration"] if iteration is None else iteration
+        if config_path:
+            cfg = load_config(config_path)
+        elif data["config"]:
+            cfg = _config_from_text(data["config"])
+        else:
+            raise CheckpointError(f"{path} carries no config; pass --config")
+    else:
+        if not config_path:
+            raise CheckpointError(f"{path} is a plain state_dict without a config; pass --config")
+        sections, step, cfg = {"model": dict(data)}, iteration or 0, load_config(config_path)
+    return write_checkpoint(root, step, sections, cfg, source=str(path), mesh=data.get("mesh"))
+
+
+def _config_from_text(text: str) -> Config:
+    cfg = config_from_dict(tomllib.loads(text), "the config stored in the torch file")
+    validate(cfg)
+    return cfg

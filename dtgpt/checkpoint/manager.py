@@ -1,0 +1,358 @@
+"""Checkpointer: when to save, saving (sync or async) with DCP, and loading on construction.
+
+A save writes the iteration directory with DCP, then (rank 0, once every rank's data and DCP's
+`.metadata` exist) the `complete` marker, then moves the pointer, then prunes. An async save
+stages a copy of the state, returns to training, and completes the same way when its future is
+found done (polled every iteration); at most one is in flight. See dtgpt/checkpoint/layout.py
+for the directory layout and dtgpt/checkpoint/state.py for what is saved.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from dtgpt.checkpoint import layout
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.state import (
+    STATEFUL_SECTIONS,
+    build_targets,
+    apply_loaded,
+    extra_problem,
+    has_section,
+    save_state,
+    set_rng_state,
+    shape_problem,
+)
+from dtgpt.config import to_toml
+
+FORMAT = "dtgpt-dcp-1"
+
+
+@dataclass
+class PendingSave:
+    iteration: int
+    directory: Path
+    future: Future
+    started: float
+
+
+def _same_path(a: str, b: str) -> bool:
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def mesh_info(trainer) -> dict:
+    """What decides which stages and shards a rank holds (RNG states are only reused if equal)."""
+    dims, p = trainer.runtime.dims, trainer.cfg.parallel
+    return {
+        "world_size": trainer.runtime.world_size, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard, "tp": dims.tp, "pipeline_schedule": p.pipeline_schedule if dims.pp > 1 else "",
+        "virtual_pipeline_stages_per_rank": p.virtual_pipeline_stages_per_rank if dims.pp > 1 else 1,
+    }  # fmt: skip
+
+
+def _mesh_text(mesh: dict | None) -> str:
+    if not mesh:
+        return "unknown mesh"
+    text = " ".join(f"{k}={mesh[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
+    if mesh["pp"] > 1:
+        text += f" {mesh['pipeline_schedule']} x{mesh['virtual_pipeline_stages_per_rank']}"
+    return text
+
+
+def derived_seed(seed: int, pp_rank: int, iteration: int) -> int:
+    """The RNG seed of a rank whose saved state does not apply (another mesh): a function of the
+    config seed, the stage (as at start-up, so tp/dp peers of a stage agree) and the iteration."""
+    return seed + 100 * pp_rank + 1_000_003 * iteration
+
+
+class Checkpointer:
+    """Saves every checkpoint.save_interval iterations; loads on construction (see module doc)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.cfg = trainer.cfg.checkpoint
+        self.runtime = trainer.runtime
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self._saved: set[int] = set()
+        self._pending: PendingSave | None = None
+        self._failures: list[str] = []
+        self._rng: dict | None = None  # loaded states, applied by restore_rng()
+        self._derive_rng_at: int | None = None
+        self.blocked_s: list[float] = []
+        """Seconds each save kept training waiting (for logs and the benchmark)."""
+        # DCP's own collectives of a background save run on a separate gloo group, so they
+        # never interleave with the training collectives of the main thread.
+        self._async_group = (
+            dist.new_group(backend="gloo") if self.cfg.async_save and self.cfg.save and self.distributed else None
+        )
+        self._stager: DefaultStager | None = None  # built by the first async save
+        if self.cfg.save and self.runtime.is_main:
+            os.makedirs(self.cfg.save, exist_ok=True)
+        self._load()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _build_stager(self) -> DefaultStager:
+        """Copies the state to CPU memory before async_save returns, so training may then change
+        it. Kept for the whole run: its CPU buffers are reused by the next save (only a copy,
+        no new allocation), at the cost of holding one CPU copy of this rank's state."""
+        cuda = self.runtime.device.type == "cuda"
+        return DefaultStager(
+            StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+        )
+
+    def _log(self, message: str) -> None:
+        if self.runtime.is_main:
+            print(f"> {message}", flush=True)
+
+    def _warn(self, message: str) -> None:
+        if self.runtime.is_main:
+            print(f"WARNING: {message}", flush=True)
+
+    def _from_rank0(self, fn):
+        """Run fn on rank 0 only and give every rank its result (or its CheckpointError)."""
+        result = None
+        if self.runtime.is_main:
+            try:
+                result = ("ok", fn())
+            except CheckpointError as e:
+                result = ("error", str(e))
+        if self.distributed:
+            box = [result]
+            dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        if result[0] == "error":
+            raise CheckpointError(result[1])
+        return result[1]
+
+    def _agree(self, message: str | None) -> None:
+        """Raise the same CheckpointError on every rank if any rank found a problem."""
+        messages = [message]
+        if self.distributed:
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, message)
+        first = next((m for m in messages if m), None)
+        if first:
+            raise CheckpointError(first)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        c = self.cfg
+        root = c.load or (c.save if c.auto_resume else "")
+        if not root:
+            return
+        fresh_ok = c.auto_resume or _same_path(root, c.save)
+        found = self._from_rank0(lambda: layout.resolve(root, c.load_iteration, fresh_ok))
+        for warning in found.warnings:
+            self._warn(warning)
+        if found.directory is None:
+            self._log(f"{found.note}: starting from scratch")
+            return
+        start = time.perf_counter()
+        self._load_from(found.directory)
+        s = self.trainer.state
+        self._log(
+            f"loaded checkpoint {found.directory} in {time.perf_counter() - start:.2f} s: iteration {s.iteration}, "
+            f"consumed samples {s.consumed_samples}" + ("" if c.load_optimizer else " (weights only: fresh optimizer and schedule)")
+        )
+        if _same_path(root, c.save):
+            self._saved.add(s.iteration)
+
+    def _load_from(self, directory: Path) -> None:
+        t, c = self.trainer, self.cfg
+        parts, optimizers = t.model.parts, t.optimizer.optimizers
+        metadata = layout.read_metadata(directory)
+        marker = layout.read_marker(directory)
+        where = f"checkpoint {directory} does not fit this model: "
+
+        has_optimizer = has_section(metadata, "optimizer")
+        if c.load_optimizer and not has_section(metadata, "train_state"):
+            raise CheckpointError(
+                f"checkpoint {directory} holds weights only (no optimizer or training state, e.g. a converted one); "
+                "set checkpoint.load_optimizer=false to start training from it"
+            )
+        targets = build_targets(parts, optimizers, c.load_optimizer and has_optimizer)
+        model_request = targets.flat("model")
+        problem = shape_problem(model_request, metadata, "model")
+        keys = [set(model_request)]
+        if self.distributed:
+            keys = [None] * dist.get_world_size()
+            dist.all_gather_object(keys, set(model_request))
+        problem = problem or extra_problem(set().union(*keys), metadata)
+        self._agree(problem and where + problem)
+        if targets.optimizer is not None:
+            problem = shape_problem(targets.flat("optimizer"), metadata, "optimizer")
+            self._agree(problem and where + problem)
+        elif c.load_optimizer:
+            self._log("the checkpoint has no optimizer state (saved before the first optimizer step): fresh AdamW state")
+
+        request = dict(targets.request)
+        rank, device = self.runtime.rank, self.runtime.device
+        same_mesh = marker.get("mesh") == mesh_info(t)
+        if c.load_optimizer:
+            for section in STATEFUL_SECTIONS:
+                request[section] = getattr(t, _STATEFUL_ATTR[section]).state_dict()
+            wanted = [f"rank_{rank}.cpu"] + ([f"rank_{rank}.cuda"] if device.type == "cuda" else [])
+            stored = [k for k in wanted if f"rng.{k}" in metadata.state_dict_metadata]
+            if same_mesh and wanted[0] in stored:
+                request["rng"] = {k: _rng_like(k, device).clone() for k in stored}
+
+        with layout.single_process():
+            dcp.load(request, checkpoint_id=str(directory), no_dist=not self.distributed)
+        apply_loaded(targets, parts, optimizers)
+        if c.load_optimizer:
+            for section in STATEFUL_SECTIONS:
+                getattr(t, _STATEFUL_ATTR[section]).load_state_dict(request[section])
+            if "rng" in request:
+                self._rng = request["rng"]
+            else:
+                self._derive_rng_at = t.state.iteration
+                self._log(
+                    f"RNG: the checkpoint was saved on another mesh ({_mesh_text(marker.get('mesh'))}; now "
+                    f"{_mesh_text(mesh_info(t))}): each rank's generator is re-derived from training.seed, "
+                    f"its pipeline stage and iteration {t.state.iteration}"
+                )
+
+    def restore_rng(self) -> None:
+        """Put the loaded (or re-derived) generator states in place. The trainer calls this after
+        building the data loaders, whose iterators draw from the global generator."""
+        rank, device = self.runtime.rank, self.runtime.device
+        if self._rng is not None:
+            set_rng_state(self._rng, rank, device)
+        elif self._derive_rng_at is not None:
+            torch.manual_seed(derived_seed(self.trainer.cfg.training.seed, self.runtime.dims.pp_rank, self._derive_rng_at))
+        self._rng, self._derive_rng_at = None, None
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def due(self, iteration: int) -> bool:
+        self._poll(wait=False)
+        return bool(self.cfg.save) and self.cfg.save_interval > 0 and iteration % self.cfg.save_interval == 0
+
+    def saved(self, iteration: int) -> bool:
+        return not self.cfg.save or iteration in self._saved
+
+    def save(self, iteration: int) -> None:
+        if not self.cfg.save:
+            return
+        start = time.perf_counter()
+        self._poll(wait=True)  # at most one save in flight
+        directory = layout.iteration_dir(self.cfg.save, iteration)
+        if self.runtime.is_main:
+            self._prepare(directory, iteration)
+        state = save_state(self.trainer)
+        if self.cfg.async_save:
+            self._stager = self._stager or self._build_stager()
+            # The stager has copied every tensor when async_save returns: training may go on.
+            with layout.single_process():  # (the background thread may still warn once)
+                future = dcp.async_save(
+                    state, checkpoint_id=str(directory), process_group=self._async_group,
+                    async_stager=self._stager, no_dist=not self.distributed,
+                )  # fmt: skip
+            future = getattr(future, "upload_completion", future)
+            self._pending = PendingSave(iteration, directory, future, start)
+            self._saved.add(iteration)
+            blocked = time.perf_counter() - start
+            self.blocked_s.append(blocked)
+            self._log(f"saving checkpoint {directory} in the background: training blocked {blocked:.3f} s")
+        else:
+            try:
+                with layout.single_process():
+                    dcp.save(state, checkpoint_id=str(directory), no_dist=not self.distributed)
+            except CheckpointException as e:  # a BaseException: give it a plain message
+                raise CheckpointError(
+                    f"saving checkpoint {directory} failed: {describe(e)}; {layout.POINTER} not moved"
+                ) from None
+            self._complete(iteration, directory)
+            self._saved.add(iteration)
+            elapsed = time.perf_counter() - start
+            self.blocked_s.append(elapsed)
+            self._log(f"saved checkpoint {directory} in {elapsed:.3f} s")
+
+    def _prepare(self, directory: Path, iteration: int) -> None:
+        """Rank 0, before any rank writes: the directory, no stale marker, the config."""
+        if directory.exists():
+            # A partial directory is garbage; a complete one is an earlier run's (e.g. this run
+            # resumed from an older iteration): either way it is replaced, marker first.
+            if (directory / layout.MARKER).exists():
+                self._warn(f"replacing the checkpoint {directory} of an earlier run")
+                if layout.read_pointer(self.cfg.save) == iteration:
+                    self._warn(f"{layout.POINTER} names it: until this save completes, a load falls back to an older one")
+                (directory / layout.MARKER).unlink()
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        layout.write_atomic(directory / layout.CONFIG, to_toml(self.trainer.cfg))
+
+    def _complete(self, iteration: int, directory: Path) -> None:
+        """Every rank's data and DCP's .metadata exist: mark complete, move the pointer, prune."""
+        if not self.runtime.is_main:
+            return
+        s = self.trainer.state
+        layout.write_marker(directory, {
+            "format": FORMAT, "iteration": iteration, "consumed_samples": s.consumed_samples,
+            "mesh": mesh_info(self.trainer), "tied": self.trainer.model.parts[0].tied, "time": time.time(),
+        })  # fmt: skip
+        layout.write_pointer(self.cfg.save, iteration)
+        for path in layout.prune(self.cfg.save, self.cfg.keep_last, iteration):
+            self._log(f"removed old checkpoint {path} (checkpoint.keep_last={self.cfg.keep_last})")
+
+    def _poll(self, wait: bool) -> None:
+        pending = self._pending
+        if pending is None or not (wait or pending.future.done()):
+            return
+        self._pending = None
+        wait_start = time.perf_counter()
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported now, raised by finalize()
+            message = f"async checkpoint save of {pending.directory} failed: {describe(e)}"
+            self._failures.append(message)
+            self._warn(message + f" ({layout.POINTER} not moved)")
+            return
+        self._complete(pending.iteration, pending.directory)
+        waited = f", training waited {time.perf_counter() - wait_start:.3f} s for it" if wait else ""
+        self._log(f"checkpoint {pending.directory} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has been written and completed."""
+        self._poll(wait=True)
+
+    def finalize(self) -> None:
+        """Wait for a save in flight and complete it; raise if any background save failed."""
+        self._poll(wait=True)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._failures:
+            raise CheckpointError("; ".join(self._failures))
+
+
+def describe(error: BaseException) -> str:
+    """A one-line reason: DCP wraps each failing rank's exception in a CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return f"{type(error).__name__}: {error}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    return "; ".join(parts)
+
+
+_STATEFUL_ATTR = {"train_state": "state", "lr_schedule": "lr_schedule", "loss_scaler": "scaler"}
+
+
+def _rng_like(key: str, device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if key.endswith("cuda") else torch.get_rng_state()

@@ -1,0 +1,90 @@
+"""Convert checkpoints between dtgpt's DCP layout, one torch.save file, and Hugging Face GPT-2.
+
+    python scripts/convert_checkpoint.py to-torch  CKPT out.pt [--iteration N] [--weights-only]
+    python scripts/convert_checkpoint.py to-gpt2   CKPT out_dir/ [--iteration N]
+    python scripts/convert_checkpoint.py from-torch in.pt NEW_CKPT_DIR [--config run.toml]
+    python scripts/convert_checkpoint.py from-gpt2  gpt2_dir/ NEW_CKPT_DIR [--config run.toml]
+
+CKPT is a checkpoint root (the pointer is followed) or one iter_XXXXXXX directory, saved on any
+mesh. Start training from a converted checkpoint with
+`--checkpoint.load=NEW_CKPT_DIR --checkpoint.load_optimizer=false` (weights only); a to-torch
+file of a whole checkpoint converts back to one that also resumes the optimizer and progress.
+Runs in one process; no process group is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from dtgpt.checkpoint import CheckpointError, gpt2  # noqa: E402
+from dtgpt.checkpoint.export import (  # noqa: E402
+    find_checkpoint,
+    from_torch_file,
+    model_vocab_size,
+    read_config,
+    read_sections,
+    to_torch_file,
+    write_checkpoint,
+)
+from dtgpt.config import Config, ConfigError, apply_override, load_config, validate  # noqa: E402
+from dtgpt.model import padded_vocab_size  # noqa: E402
+
+
+def to_gpt2(args) -> None:
+    directory = find_checkpoint(args.src, args.iteration)
+    cfg = read_config(directory, args.config)
+    model = read_sections(directory, ("model",))["model"]
+    vocab = model_vocab_size(directory)
+    gpt2.write(args.dst, gpt2.to_gpt2(model, cfg.model), gpt2.hf_config(cfg.model, vocab))
+    print(f"wrote {args.dst}/{gpt2.SAFETENSORS} and {gpt2.HF_CONFIG} from {directory} (vocab_size {vocab}, padded rows kept)")
+
+
+def from_gpt2(args) -> None:
+    tensors, hf = gpt2.read(args.src)
+    cfg = load_config(args.config) if args.config else Config()
+    for key, value in gpt2.model_overrides(hf).items():
+        apply_override(cfg, f"model.{key}", str(value))
+    cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
+    if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
+        cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train
+    validate(cfg)
+    vocab = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by)
+    model = gpt2.from_gpt2(tensors, cfg.model, vocab)
+    directory = write_checkpoint(args.dst, args.iteration or 0, {"model": model}, cfg, source=str(args.src))
+    print(f"wrote {directory} (vocabulary {hf['vocab_size']} padded to {vocab}); train from it with "
+          f"--checkpoint.load={args.dst} --checkpoint.load_optimizer=false")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("to-torch", "to-gpt2", "from-torch", "from-gpt2"))
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    parser.add_argument("--iteration", type=int, default=0, help="iteration to read (default: the pointer's) or to write")
+    parser.add_argument("--config", help="TOML config (default: the one stored with the checkpoint)")
+    parser.add_argument("--weights-only", action="store_true", help="to-torch: model tensors only")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-torch":
+            directory = find_checkpoint(args.src, args.iteration)
+            to_torch_file(directory, args.dst, weights_only=args.weights_only)
+            print(f"wrote {args.dst} from {directory}")
+        elif args.command == "to-gpt2":
+            to_gpt2(args)
+        elif args.command == "from-torch":
+            directory = from_torch_file(args.src, args.dst, args.config, args.iteration or None)
+            print(f"wrote {directory}")
+        else:
+            from_gpt2(args)
+    except (CheckpointError, ConfigError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

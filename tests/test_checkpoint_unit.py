@@ -1,0 +1,276 @@
+"""The Checkpointer in one process (no torchrun): exact restore, async == sync, atomicity,
+partial and truncated checkpoints, shape errors, keep_last, starting fresh, weights only."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_fs
+
+from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
+from dtgpt.checkpoint.export import read_sections
+from dtgpt.config import load_config
+from dtgpt.distributed import initialize
+from dtgpt.model import GPT, flops_per_token
+from dtgpt.optim import BatchSizeSchedule
+from dtgpt.step import train_step
+from dtgpt.training import Trainer, TrainState, setup_model_and_optimizer
+
+VOCAB = 128
+SMALL = [
+    "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+    "--model.hidden_dropout=0.1", "--model.attention_dropout=0.0", "--training.micro_batch_size=2",
+    "--training.global_batch_size=4", "--training.train_iters=10", "--data.mock_data=true",
+    "--data.tokenizer_type=NullTokenizer", f"--data.vocab_size={VOCAB}", "--data.num_workers=0",
+]  # fmt: skip
+
+
+def make_trainer(*overrides: str) -> Trainer:
+    cfg = load_config(None, SMALL + list(overrides))
+    runtime = initialize(cfg)
+    model, optimizer, lr, scaler = setup_model_and_optimizer(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB)
+    return Trainer(cfg, runtime, model, optimizer, lr, scaler, BatchSizeSchedule(cfg.training), TrainState(),
+                   flops_per_token(cfg.model, VOCAB))  # fmt: skip
+
+
+def step(trainer: Trainer, n: int = 1) -> None:
+    """n training iterations on random tokens, advancing the state as the trainer does."""
+    gbs = trainer.cfg.training.global_batch_size
+    for _ in range(n):
+        g = torch.Generator().manual_seed(trainer.state.iteration)  # the same data in every trainer
+        batch = torch.randint(0, VOCAB, (gbs, trainer.cfg.model.seq_length + 1), generator=g)
+        trainer.lr_schedule.apply(trainer.optimizer)
+        train_step(trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs), 1.0)
+        trainer.state.iteration += 1
+        trainer.state.consumed_samples += gbs
+        trainer.lr_schedule.step(gbs)
+
+
+def flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    part, opt = trainer.model.parts[0], trainer.optimizer.optimizers[0]
+    out = {f"p.{k}": v.detach().clone() for k, v in part.state_dict().items()}
+    names = {id(p): n for n, p in part.named_parameters()}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            out[f"o.{names[id(p)]}.{k}"] = v.clone()
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_save_load_restores_everything_exactly(tmp_path):
+    a = make_trainer(f"--checkpoint.save={tmp_path}")
+    step(a, 3)
+    ckpt = Checkpointer(a)
+    ckpt.save(3)
+    ckpt.finalize()
+    assert layout.read_pointer(tmp_path) == 3 and layout.problem(layout.iteration_dir(tmp_path, 3)) is None
+    rng = torch.get_rng_state()
+
+    torch.manual_seed(999)
+    b = make_trainer(f"--checkpoint.load={tmp_path}")
+    assert not b.optimizer.optimizers[0].state
+    assert any(not torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    loaded = Checkpointer(b)
+    loaded.restore_rng()
+    assert_same(flat_state(a), flat_state(b))
+    assert b.state == a.state and b.lr_schedule.num_samples == a.lr_schedule.num_samples
+    assert torch.equal(torch.get_rng_state(), rng)
+    # the tied head was stored once, under the embedding's name
+    keys = layout.read_metadata(layout.iteration_dir(tmp_path, 3)).state_dict_metadata
+    assert "model.embedding.word.weight" in keys and "model.output.weight" not in keys
+    assert not any(k.startswith("optimizer.param_groups") for k in keys)
+    # both continue identically (the same dropout draws: both start from the restored state)
+    step(a)
+    torch.set_rng_state(rng)
+    step(b)
+    assert_same(flat_state(a), flat_state(b))
+
+
+def slow_writes(monkeypatch, seconds: float) -> None:
+    """Make DCP's file writes slow, so a save is still in flight while training goes on."""
+    original = dcp_fs._FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        time.sleep(seconds)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", write_data)
+
+
+def test_async_save_equals_sync_save_while_training_mutates(tmp_path, monkeypatch):
+    sync_root, async_root = tmp_path / "sync", tmp_path / "async"
+    t = make_trainer(f"--checkpoint.save={sync_root}")
+    step(t, 2)
+    Checkpointer(t).save(2)
+    t.cfg.checkpoint.save, t.cfg.checkpoint.async_save = str(async_root), True
+    ckpt = Checkpointer(t)
+    slow_writes(monkeypatch, 0.5)
+    ckpt.save(2)
+    assert ckpt.blocked_s[-1] < 0.5  # training was not held for the write
+    step(t, 2)  # mutates parameters, exp_avg, step counters while the write is in flight
+    assert layout.read_pointer(async_root) is None, "pointer moved before the write completed"
+    assert not (layout.iteration_dir(async_root, 2) / layout.MARKER).exists()
+    ckpt.finalize()
+    assert layout.read_pointer(async_root) == 2
+    a = read_sections(layout.iteration_dir(sync_root, 2))
+    b = read_sections(layout.iteration_dir(async_root, 2))
+    assert a.keys() == b.keys() == {"model", "optimizer", "train_state", "lr_schedule", "loss_scaler", "rng"}
+    for section in a:
+        assert_same(a[section], b[section])
+
+
+def test_async_saves_one_in_flight_and_pointer_follows(tmp_path, monkeypatch):
+    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.async_save=true", "--checkpoint.keep_last=2")
+    ckpt = Checkpointer(t)
+    slow_writes(monkeypatch, 0.2)
+    for i in range(1, 5):
+        step(t)
+        ckpt.save(i)  # waits for the previous one, which then completes and moves the pointer
+        assert layout.read_pointer(tmp_path) == (i - 1 if i > 1 else None)
+    ckpt.finalize()
+    assert layout.read_pointer(tmp_path) == 4
+    assert layout.list_iterations(tmp_path) == [3, 4]  # keep_last=2 pruned 1 and 2
+
+
+def fail_finish(monkeypatch):
+    """DCP writes the data files, then fails before its .metadata: a partial directory."""
+
+    def finish(self, metadata, results):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(dcp_fs._FileSystemWriter, "finish", finish)
+
+
+def test_failed_save_keeps_pointer_and_is_skipped_on_load(tmp_path, monkeypatch, capsys):
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    step(t)
+    ckpt = Checkpointer(t)
+    ckpt.save(1)
+    step(t)
+    with monkeypatch.context() as m:
+        fail_finish(m)
+        with pytest.raises(Exception, match="disk full"):
+            ckpt.save(2)
+    assert layout.read_pointer(tmp_path) == 1
+    assert "no .metadata" in layout.problem(layout.iteration_dir(tmp_path, 2))
+    # a pointer that names the partial directory (e.g. written by hand) falls back to iteration 1
+    layout.write_pointer(tmp_path, 2)
+    b = make_trainer(f"--checkpoint.load={tmp_path}")
+    Checkpointer(b)
+    assert b.state.iteration == 1
+    out = capsys.readouterr().out
+    assert "iter_0000002 is not usable" in out and "falling back to" in out
+
+
+def test_failed_async_save_keeps_pointer_and_finalize_raises(tmp_path, monkeypatch):
+    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.async_save=true")
+    ckpt = Checkpointer(t)
+    step(t)
+    ckpt.save(1)
+    ckpt.finalize()
+    step(t)
+    fail_finish(monkeypatch)
+    ckpt.save(2)
+    with pytest.raises(CheckpointError, match="disk full"):
+        ckpt.finalize()
+    assert layout.read_pointer(tmp_path) == 1
+    assert not (layout.iteration_dir(tmp_path, 2) / layout.MARKER).exists()
+
+
+def test_truncated_checkpoint_is_detected(tmp_path, capsys):
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    ckpt = Checkpointer(t)
+    for i in (1, 2):
+        step(t)
+        ckpt.save(i)
+    data = layout.iteration_dir(tmp_path, 2) / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"load_iteration=2: .* truncated"):
+        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_iteration=2"))
+    b = make_trainer(f"--checkpoint.load={tmp_path}")
+    Checkpointer(b)
+    assert b.state.iteration == 1
+    assert "truncated" in capsys.readouterr().out
+    # with no complete checkpoint left, a load elsewhere than the save directory is an error
+    (layout.iteration_dir(tmp_path, 1) / layout.MARKER).unlink()
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path}"))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--model.hidden_size=64", r"embedding.word.weight has shape \(128, 32\) in the checkpoint but \(128, 64\)"),
+        ("--model.num_layers=3", r"model tensor layers.2.input_norm.weight \(32,\) is not in the checkpoint"),
+        ("--model.num_layers=1", r"checkpoint tensor layers.1.input_norm.weight \(32,\) has no counterpart"),
+        ("--model.untie_embeddings_and_output_weights=true", r"model tensor output.weight \(128, 32\) is not in"),
+    ],
+)
+def test_wrong_model_shape_names_the_tensor(tmp_path, override, message):
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    step(t)
+    Checkpointer(t).save(1)
+    with pytest.raises(CheckpointError, match=message):
+        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", override))
+
+
+def test_empty_load_dir_errors_unless_it_is_the_save_dir(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        Checkpointer(make_trainer(f"--checkpoint.load={empty}"))
+    for extra in ([f"--checkpoint.save={empty}"], [f"--checkpoint.auto_resume=true", f"--checkpoint.save={tmp_path / 'new'}"]):
+        t = make_trainer(f"--checkpoint.load={empty}", *extra)
+        Checkpointer(t)
+        assert t.state.iteration == 0
+        assert "starting from scratch" in capsys.readouterr().out
+
+
+def test_auto_resume_reads_the_save_dir_and_saved_is_known(tmp_path):
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    step(t, 2)
+    Checkpointer(t).save(2)
+    b = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.auto_resume=true")
+    ckpt = Checkpointer(b)
+    assert b.state.iteration == 2 and ckpt.saved(2) and not ckpt.saved(3)
+
+
+def test_weights_only_load(tmp_path):
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    step(t, 2)
+    Checkpointer(t).save(2)
+    b = make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_optimizer=false")
+    Checkpointer(b)
+    assert b.state.iteration == 0 and b.lr_schedule.num_samples == 0
+    assert not b.optimizer.optimizers[0].state
+    for (name, p), q in zip(t.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_keep_last_never_deletes_pointed_or_newer(tmp_path):
+    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.keep_last=2")
+    ckpt = Checkpointer(t)
+    for i in range(1, 5):
+        step(t)
+        ckpt.save(i)
+    assert layout.list_iterations(tmp_path) == [3, 4] and layout.read_pointer(tmp_path) == 4
+    # an older run's newer checkpoint (iteration 9) is left alone; a stale partial older one goes
+    (tmp_path / "iter_0000009").mkdir()
+    (tmp_path / "iter_0000002").mkdir()
+    step(t)
+    ckpt.save(5)
+    assert layout.list_iterations(tmp_path) == [4, 5, 9]
+    marker = json.loads((layout.iteration_dir(tmp_path, 5) / layout.MARKER).read_text())
+    assert marker["iteration"] == 5 and marker["mesh"]["world_size"] == 1
+    assert (layout.iteration_dir(tmp_path, 5) / layout.CONFIG).read_text().startswith("[model]")
