@@ -541,6 +541,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             sum(counts) == m.num_layers and min(counts) >= 0,
             f"parallel.pipeline_layers_per_stage={counts} must be >= 0 and sum to model.num_layers={m.num_layers}",
         )
+        empty = [i for i, c in enumerate(counts[1:-1], start=1) if c == 0]
+        _require(
+            not empty,
+            f"parallel.pipeline_layers_per_stage={counts}: middle stage {empty[0] if empty else ''} would hold "
+            "nothing (only the first stage may be just the embedding, the last just the head)",
+        )
     else:
         _require(
             m.num_layers % stages == 0,

@@ -82,6 +82,13 @@ class PartOptimizers:
     def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, *, implementation: str = "foreach"):
         self.optimizers = [build_optimizer(p.named_parameters(), cfg, implementation=implementation) for p in parts]
 
+    @classmethod
+    def wrap(cls, optimizers: list[torch.optim.Optimizer]) -> "PartOptimizers":
+        """Use optimizers built elsewhere (one per model part), e.g. a library user's own Adam."""
+        obj = cls.__new__(cls)
+        obj.optimizers = list(optimizers)
+        return obj
+
     @property
     def param_groups(self) -> list[dict]:
         return [group for opt in self.optimizers for group in opt.param_groups]

@@ -146,6 +146,9 @@ def test_toml_errors(tmp_path):
         ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
           "parallel__virtual_pipeline_stages_per_rank": 2, "training__global_batch_size": 2, "model__num_layers": 4}, 2,
          "needs micro-batches per iteration >= stages (4)"),
+        ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
+          "parallel__virtual_pipeline_stages_per_rank": 2, "model__num_layers": 2,
+          "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
     ],
 )
 def test_validation_errors_name_key_value_rule(overrides, world, expected):

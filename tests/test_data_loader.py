@@ -84,3 +84,17 @@ def test_batch_not_divisible_by_dp_is_an_error():
         next(iter(build_data_loader(Numbered(30), 0, lambda c: 6, 0, 4, 0)))
     with pytest.raises(ValueError, match="dp_rank=4"):
         build_data_loader(Numbered(30), 0, lambda c: 8, 4, 4, 0)
+
+
+def test_starting_a_loader_leaves_the_global_rng_alone():
+    """Dropout draws from the global RNG: evaluation loaders must not shift it."""
+    import torch
+
+    from dtgpt.data.loader import build_data_loader
+
+    dataset = [np.arange(5, dtype=np.int64) + i for i in range(16)]
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    next(iter(build_data_loader(dataset, 0, lambda consumed: 4, 0, 1, 0)))
+    assert torch.equal(torch.rand(3), expected)

@@ -73,5 +73,8 @@ def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[i
     with warnings.catch_warnings():
         # torchdata 0.11 calls torch.set_vital, which newer torch deprecates: noise on every loader.
         warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+        # A private generator: starting an iterator draws a base seed, and drawing it from the
+        # global RNG would shift dropout masks after every evaluation (resume would not be exact).
         return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                  collate_fn=collate_samples, pin_memory=torch.cuda.is_available(), **extra)
+                                  collate_fn=collate_samples, pin_memory=torch.cuda.is_available(),
+                                  generator=torch.Generator().manual_seed(0), **extra)

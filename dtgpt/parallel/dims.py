@@ -25,6 +25,8 @@ class ParallelDims:
     tp: int
     world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    dp_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """dp_replicate x dp_shard flattened; kept here because torch no longer slices it from the root."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
@@ -62,12 +64,14 @@ class ParallelDims:
             return None
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return self.mesh
 
     def sub(self, name: str) -> DeviceMesh | None:
         """mesh['tp'], mesh['pp'], mesh['dp'] ...; None when there is no mesh."""
-        return None if self.mesh is None else self.mesh[name]
+        if self.mesh is None:
+            return None
+        return self.dp_mesh if name == "dp" else self.mesh[name]
 
     def fsdp_mesh(self) -> DeviceMesh:
         """2-D (replicate, shard) for HSDP, else the shard dimension alone."""
@@ -79,7 +83,7 @@ class ParallelDims:
         """This rank's index along mesh dimension `name` (0 without a mesh)."""
         if self.mesh is None:
             return 0
-        return self.mesh.get_local_rank(name)
+        return self.sub(name).get_local_rank()
 
     @property
     def pp_rank(self) -> int:
@@ -98,6 +102,7 @@ class ParallelDims:
         if self.mesh is None:
             return tensor
         for name in names:
-            if self.mesh[name].size() > 1:
-                dist.all_reduce(tensor, op=op, group=self.mesh[name].get_group())
+            mesh = self.sub(name)
+            if mesh.size() > 1:
+                dist.all_reduce(tensor, op=op, group=mesh.get_group())
         return tensor

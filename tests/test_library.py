@@ -1,0 +1,69 @@
+"""The library API and examples/simple_train_loop.py (issue: a Megatron-Core-style loop)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dtgpt
+from tests.runs import REPO
+
+EXAMPLE = REPO / "examples/simple_train_loop.py"
+
+
+def one_process_losses() -> list[float]:
+    """The example's loop at tp 1 in this process (no process group)."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import simple_train_loop as ex
+    finally:
+        sys.path.pop(0)
+    cfg = dtgpt.make_config(model=ex.MODEL, data=ex.DATA, training=ex.TRAINING)
+    runtime = dtgpt.init_distributed(cfg)
+    model = dtgpt.build_model(cfg, runtime, vocab_size=100)
+    batches = dtgpt.build_train_iterator(cfg, runtime)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        losses.append(dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime)))
+        optimizer.step()
+    return losses
+
+
+def test_example_is_short():
+    assert len(EXAMPLE.read_text().splitlines()) <= 80
+
+
+def test_example_under_torchrun_matches_one_process(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE), str(tmp_path / "ckpt")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = [float(x) for x in re.findall(r"iteration \d: loss ([0-9.]+)", proc.stdout)]
+    assert len(printed) == 5
+    assert "into a TP 1 model: all 28 tensors equal" in proc.stdout
+    assert (tmp_path / "ckpt" / "iter_0000005").is_dir()
+    assert printed == pytest.approx(one_process_losses(), abs=2e-6)
+
+
+def test_forward_backward_returns_the_global_loss():
+    cfg = dtgpt.make_config(
+        model=dict(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, hidden_dropout=0.0, attention_dropout=0.0),
+        data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=32, num_workers=0),
+        training=dict(micro_batch_size=2, global_batch_size=4, train_iters=1),
+    )
+    runtime = dtgpt.init_distributed(cfg)
+    model = dtgpt.build_model(cfg, runtime, vocab_size=32)
+    batch = next(dtgpt.build_train_iterator(cfg, runtime))
+    loss = dtgpt.forward_backward(model, batch, 2, forward_only=True)
+    with torch.no_grad():
+        logits = model.parts[0](batch[:, :-1])
+        plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert loss == pytest.approx(plain, rel=1e-6)
+    with pytest.raises(Exception, match="unknown key model.layers"):
+        dtgpt.make_config(model=dict(layers=2))
