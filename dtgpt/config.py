@@ -165,7 +165,9 @@ class CheckpointConfig:
     async_save: bool = False
     keep_last: int = 0
     """Keep this many newest iterations (0 keeps all)."""
-    exit_signal_handler: bool = False
+    exit_signal_handler: Optional[bool] = None
+    """SIGTERM/SIGINT: every rank finishes the iteration, saves, exits 0. Unset: on when
+    checkpoint.save is set (Megatron's default is off; see docs/faults.md)."""
     exit_duration_in_mins: float = 0.0
     exit_interval: int = 0
 
@@ -195,6 +197,8 @@ class DistributedConfig:
     """Collective timeout: a dead or stuck peer becomes an error after this long, not a hang."""
     heartbeat_factor: float = 10.0
     """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
+    heartbeat_min_seconds: float = 30.0
+    """...and at least this long; the heartbeat then repeats at this interval."""
 
 
 @dataclass
@@ -215,6 +219,24 @@ class FaultsConfig:
 
     nan_at_iterations: list[int] = field(default_factory=list)
     """Make the loss and one gradient non-finite at these iterations (tests the NaN guard)."""
+    kill_at_iteration: int = 0
+    """SIGKILL rank kill_rank during this iteration (0: never). Like every fault below, only on
+    the first attempt: a group restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) runs clean."""
+    kill_rank: int = 0
+    kill_during_save: bool = False
+    """Kill in the checkpoint save of kill_at_iteration instead, after this rank wrote its data."""
+    hang_at_iteration: int = 0
+    """Rank hang_rank sleeps forever in this iteration (0: never): a stuck peer."""
+    hang_rank: int = 0
+    signal_at_iteration: int = 0
+    """Rank signal_rank sends itself signal_name in this iteration, and SIGTERM and SIGINT again
+    while the checkpoint that follows is written (0: never)."""
+    signal_rank: int = 0
+    signal_name: str = "SIGTERM"
+    disk_full_at_iteration: int = 0
+    """The checkpoint save of this iteration fails with ENOSPC on rank disk_full_rank, after
+    writing part of its data (0: never)."""
+    disk_full_rank: int = 0
 
 
 @dataclass
@@ -438,7 +460,10 @@ _CHOICES = {
     "data.tokenizer_type": ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"),
     "data.builtin_corpus": ("", "python-docstrings"),
     "distributed.backend": ("auto", "nccl", "gloo"),
+    "faults.signal_name": ("SIGTERM", "SIGINT"),
 }
+
+FAULT_RANKS = ("faults.kill_rank", "faults.hang_rank", "faults.signal_rank", "faults.disk_full_rank")
 
 _POSITIVE = (
     "model.num_layers",
@@ -575,6 +600,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                 f"parallel.virtual_pipeline_stages_per_rank=2 (got {vpp})",
             )
 
+    # compile: only where a parity test shows it trains the same model
+    _require(
+        not t.compile or (tp == 1 and pp == 1),
+        f"training.compile=true is not supported with parallel.tensor_model_parallel_size={tp} or "
+        f"parallel.pipeline_model_parallel_size={pp} (> 1): compiling parts of a tensor-parallel model fails or "
+        "gives wrong gradients, and no parity test covers these combinations yet; set training.compile=false",
+    )
+
     # batch sizes
     _require(
         t.global_batch_size % t.micro_batch_size == 0,
@@ -655,6 +688,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"logging.timers_log_level={cfg.logging.timers_log_level} must be 0, 1 or 2",
     )
 
+    _require(
+        cfg.distributed.heartbeat_min_seconds > 0,
+        f"distributed.heartbeat_min_seconds={cfg.distributed.heartbeat_min_seconds} must be > 0",
+    )
+    for key in FAULT_RANKS:
+        _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+        at = key.replace("_rank", "_at_iteration")
+        _require(get_key(cfg, at) >= 0, f"{at}={get_key(cfg, at)} must be >= 0 (0: never)")
+
     prof = cfg.profiling
     if prof.profile_step_start > 0 and prof.trace_dir:
         _require(
@@ -684,6 +726,8 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
             f"world size {world_size} != pipeline_model_parallel_size={pp} * data_parallel_replicate_size={dpr} "
             f"* data_parallel_shard_size={dps} * tensor_model_parallel_size={tp} = {pp * dpr * dps * tp}",
         )
+    for key in FAULT_RANKS:
+        _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")
     dp = data_parallel_size(cfg, world_size)
     per_step = t.micro_batch_size * dp
     batch_sizes = [t.global_batch_size] + t.rampup_batch_size[:2]

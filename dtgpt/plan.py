@@ -27,7 +27,7 @@ from dtgpt import plan_memory as pm
 from dtgpt.config import Config, ConfigError, apply_override, config_from_dict, load_toml, split_overrides, validate
 from dtgpt.model import GPT, flops_per_token, num_parameters, padded_vocab_size
 from dtgpt.optim import BatchSizeSchedule
-from dtgpt.parallel import ParallelDims, build_parts, check_compile_supported
+from dtgpt.parallel import ParallelDims, build_parts
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.plan_report import format_plan, layout_warnings
 
@@ -140,8 +140,7 @@ def layout_errors(cfg: Config, world_size: int, padded_vocab: int) -> list[str]:
     """Why this layout cannot run at all (empty when it can): the config and mesh rules."""
     errors = []
     try:
-        validate(cfg, world_size)
-        check_compile_supported(cfg)
+        validate(cfg, world_size)  # includes the torch.compile rule
     except ConfigError as e:
         errors.append(str(e))
     tp = cfg.parallel.tensor_model_parallel_size

@@ -149,6 +149,8 @@ def test_toml_errors(tmp_path):
         ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
           "parallel__virtual_pipeline_stages_per_rank": 2, "model__num_layers": 2,
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
+        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2}, None,
+         "training.compile=true is not supported with parallel.tensor_model_parallel_size=2"),
     ],
 )
 def test_validation_errors_name_key_value_rule(overrides, world, expected):

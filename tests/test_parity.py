@@ -27,6 +27,9 @@ LAYOUTS = {
         ["--parallel.pipeline_model_parallel_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
         False,
     ),
+    # torch.compile: whole model on one rank, per block under FSDP (tp/pp with compile are refused)
+    "compile_single": (1, ["--training.compile=true"], False),
+    "compile_dp2_per_block": (2, ["--training.compile=true", "--parallel.data_parallel_shard_size=2"], True),
     "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"], True),
     "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
     "tp2": (2, ["--parallel.tensor_model_parallel_size=2"], True),

@@ -12,11 +12,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dtgpt.config import Config, ConfigError
+from dtgpt.config import Config
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.fsdp import apply_fsdp
-from dtgpt.parallel.model_parts import ModelParts
+from dtgpt.parallel.model_parts import GlobalBatchLoss, ModelParts
 from dtgpt.parallel.pipeline import (
     ScheduleCache,
     build_pipeline_stages,
@@ -29,7 +29,7 @@ from dtgpt.parallel.tied import build_tied_group
 
 __all__ = [
     "ParallelDims", "ModelParts", "build_model", "build_parts", "materialize", "parallelize",
-    "compute_dtype", "check_compile_supported",
+    "compute_dtype",
 ]  # fmt: skip
 
 
@@ -40,18 +40,6 @@ def compute_dtype(cfg: Config) -> torch.dtype | None:
     if cfg.training.fp16:
         return torch.float16
     return None
-
-
-def check_compile_supported(cfg: Config) -> None:
-    """torch.compile is allowed only where a parity test shows it trains the same model."""
-    p = cfg.parallel
-    if cfg.training.compile and (p.tensor_model_parallel_size > 1 or p.pipeline_model_parallel_size > 1):
-        raise ConfigError(
-            "training.compile=true is not supported with parallel.tensor_model_parallel_size > 1 or "
-            "parallel.pipeline_model_parallel_size > 1: compiling parts of a tensor-parallel model is known to "
-            "fail or give wrong gradients, and no parity test covers these combinations yet; "
-            "set training.compile=false"
-        )
 
 
 def apply_ac(model: GPT, mode: str, every: int) -> None:
@@ -80,8 +68,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
         )
     if cfg.training.activation_checkpointing != "none":
         apply_ac(model, cfg.training.activation_checkpointing, cfg.training.activation_checkpointing_every)
-    if cfg.training.compile:
-        check_compile_supported(cfg)
+    if cfg.training.compile:  # config validation allows it only without tp and pp
         apply_compile(model, per_block=dims.fsdp_enabled)
     if dims.fsdp_enabled:
         reshard = cfg.parallel.fsdp_reshard_after_forward
@@ -157,4 +144,5 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         autocast_dtype=None if dims.fsdp_enabled else compute_dtype(cfg),
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts),
+        loss_fn=GlobalBatchLoss(compiled=cfg.training.compile),
     )

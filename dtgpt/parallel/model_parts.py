@@ -38,12 +38,15 @@ class GlobalBatchLoss:
     whatever the layout (not a mean of means). `scale` is the fp16 loss scale.
     """
 
-    def __init__(self):
+    def __init__(self, compiled: bool = False):
         self.denominator: torch.Tensor | float = 1.0
         self.scale: float = 1.0
+        # Compiled, the fp32 upcast and log-softmax of the (tokens x vocabulary) logits fuse
+        # instead of materialising an fp32 copy of them.
+        self.cross_entropy = torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) * (self.scale / self.denominator)
+        return self.cross_entropy(logits, labels) * (self.scale / self.denominator)
 
 
 @dataclass
