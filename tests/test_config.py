@@ -179,3 +179,12 @@ def test_cli_print_config_and_clean_errors():
     bad = _train("--config", "configs/debug.toml", "--model.hiden_size=3")
     assert bad.returncode == 2
     assert "did you mean 'hidden_size'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_unbuilt_keys_are_reported(monkeypatch):
+    import dtgpt.config as config
+
+    monkeypatch.setattr(config, "NOT_BUILT", ("training.compile", "model.rotary_base"))
+    cfg = base(training__compile=True)
+    assert config.unbuilt_keys(cfg) == ["training.compile"]  # set away from its default
+    assert config.unbuilt_keys(base()) == []

@@ -1,8 +1,10 @@
 """DESIGN invariant 1: every parallel layout trains the same model as one process.
 
 Each layout runs the tiny fp32 model for 10 iterations on the same mock data and must match
-the one-process per-iteration losses to relative 1e-5. The CI set covers dp, tp+SP, pp 1F1B
-and dp x tp (with activation checkpointing); the rest are marked slow (make test-all).
+the one-process per-iteration losses to relative 1e-5 (a model-changing override, e.g. an
+untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
+an untied head, tp x pp without FSDP, dp x tp with activation checkpointing and compile; the
+rest are marked slow (make test-all).
 """
 
 import pytest
@@ -10,6 +12,9 @@ import pytest
 from tests.runs import train_losses
 
 RTOL = 1e-5
+
+UNTIED = "--model.untie_embeddings_and_output_weights=true"
+MODEL_KEYS = ("--model.",)  # overrides that change the model itself: the reference gets them too
 
 LAYOUTS = {
     # name: (ranks, overrides, slow)
@@ -47,8 +52,8 @@ LAYOUTS = {
     ),
     "pp2_untied_selective_ac": (
         2,
-        ["--parallel.pipeline_model_parallel_size=2", "--model.untie_embeddings_and_output_weights=true", "--training.activation_checkpointing=selective"],
-        True,
+        [UNTIED, "--parallel.pipeline_model_parallel_size=2", "--training.activation_checkpointing=selective"],
+        False,
     ),
     "pp2_dp2_tp2": (
         8,
@@ -58,12 +63,24 @@ LAYOUTS = {
 }
 
 
+def model_overrides(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if o.startswith(MODEL_KEYS)]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reference")
-    losses = train_losses(path, [], name="single")
-    assert len(losses) == 10 and losses[-1] < losses[0]
-    return losses
+    """One-process losses per model variant (tied by default, untied ...), computed once."""
+    cache: dict[tuple, list[float]] = {}
+
+    def losses_for(model_args: list[str]) -> list[float]:
+        if tuple(model_args) not in cache:
+            path = tmp_path_factory.mktemp("reference")
+            losses = train_losses(path, model_args, name="single")
+            assert len(losses) == 10 and losses[-1] < losses[0]
+            cache[tuple(model_args)] = losses
+        return cache[tuple(model_args)]
+
+    return losses_for
 
 
 def _params(name):
@@ -74,7 +91,8 @@ def _params(name):
 
 @pytest.mark.parametrize("ranks,overrides", [_params(n) for n in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, reference, ranks, overrides):
+    expected = reference(model_overrides(overrides))
     losses = train_losses(tmp_path, overrides, nproc=ranks)
-    assert len(losses) == len(reference)
-    for it, (got, want) in enumerate(zip(losses, reference), start=1):
+    assert len(losses) == len(expected)
+    for it, (got, want) in enumerate(zip(losses, expected), start=1):
         assert got == pytest.approx(want, rel=RTOL), f"iteration {it}: {got} vs one-process {want}"

@@ -23,7 +23,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def tied_pair_on_rank(parts: list[GPT]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(first-stage embedding weight, last-stage head weight) held by this rank, when split."""
+    """(first-stage embedding weight, last-stage head weight) held by this rank, when the model
+    ties them and pipelining split them; (None, None) for an untied model."""
+    if not parts[0].tied:
+        return None, None
     first = next((p.embedding.word.weight for p in parts if p.embedding is not None), None)
     last = next((p.output.weight for p in parts if p.output is not None and p.embedding is None), None)
     return first, last
