@@ -1,7 +1,9 @@
 """The command line of train.py: --config, overrides, --print-config, --dry-run.
 
 Config errors print one line naming the key, the value and the rule, and exit 2 without a
-traceback; nothing has been started by then.
+traceback; nothing has been started by then. Bad data files and unusable checkpoints (a load
+directory without one, another model's, a save that failed) do the same; anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import sys
 
 from dtgpt.config import ConfigError, load_config, to_toml
+from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -40,4 +43,30 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not is_user_error(e):
+            raise
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
     return 0
+
+
+def is_user_error(error: BaseException) -> bool:
+    """A bad file or checkpoint the user can fix: the error or one it was raised from
+    (training re-raises errors naming the rank, phase and iteration)."""
+    from dtgpt.checkpoint.layout import CheckpointError  # torch is imported by now
+
+    while error is not None:
+        if isinstance(error, (ConfigError, DataError, DataFileNotFoundError, CheckpointError)):
+            return True
+        error = error.__cause__
+    return False
+
+
+def one_line(message: str) -> str:
+    """A DataLoader worker's error arrives with the worker's traceback in its message: keep its
+    last line, without the exception's class name."""
+    if "Original Traceback" not in message:
+        return message
+    last = message.strip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last

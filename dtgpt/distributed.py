@@ -24,6 +24,8 @@ class Runtime:
     local_rank: int
     device: torch.device
     dims: ParallelDims
+    restart_count: int = 0
+    """How often torchrun has restarted the group (TORCHELASTIC_RESTART_COUNT); 0 on the first attempt."""
 
     @property
     def is_main(self) -> bool:
@@ -33,6 +35,15 @@ class Runtime:
     def is_logging_rank(self) -> bool:
         """The last rank holds the last pipeline stage, where the loss is known (Megatron's choice)."""
         return self.rank == self.world_size - 1
+
+
+# torchrun >= 2.5 lets the workers share its rendezvous TCPStore, and keys the previous attempt
+# wrote (a dead rank's address) stay in it: a restarted group can then fail to connect.
+SHARED_STORE_HINT = (
+    "torchrun shares its TCPStore with the workers, so addresses of the previous attempt may linger "
+    "and break init_process_group (pytorch/pytorch#135712); launch torchrun with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when using --max-restarts"
+)
 
 
 def world_size_from_env() -> int:
@@ -58,26 +69,40 @@ def initialize(cfg: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.training.device, local_rank)
     rank = 0
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if restart_count > 0 and shared_store and os.environ.get("RANK") == "0":
+        print(f"WARNING: restart {restart_count} of this group: {SHARED_STORE_HINT}", flush=True)
     if "RANK" in os.environ and not dist.is_initialized():
         backend = cfg.distributed.backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend=backend,
-            timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
-            device_id=device if device.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                backend=backend,
+                timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
+                device_id=device if device.type == "cuda" else None,
+            )
+        except RuntimeError as e:
+            if restart_count > 0 and shared_store:
+                raise RuntimeError(f"{e}\n{SHARED_STORE_HINT}") from e
+            raise
     if dist.is_initialized():
         rank = dist.get_rank()
         dims.build_mesh(device.type)
     # Dropout differs between pipeline stages as in Megatron; weights and data order never
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
     torch.manual_seed(cfg.training.seed + 100 * dims.pp_rank)
-    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, dims=dims)
+    return Runtime(rank, world_size, local_rank, device, dims, restart_count)
 
 
-def shutdown() -> None:
-    """Always destroy the process group: gloo runs otherwise abort at exit now and then."""
+def shutdown(clean: bool = True) -> None:
+    """Always destroy the process group: gloo runs otherwise abort at exit now and then.
+
+    After an error (`clean=False`) there is no final barrier: a dead or stuck peer would hold
+    this rank in it until the collective timeout, hiding the error that is on its way out.
+    """
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

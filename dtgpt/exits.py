@@ -6,6 +6,8 @@ rank saw a signal or ran out of time, all stop after the current iteration.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 
@@ -15,12 +17,18 @@ import torch.distributed as dist
 from dtgpt.config import CheckpointConfig
 
 
+def signal_handler_enabled(cfg: CheckpointConfig) -> bool:
+    """checkpoint.exit_signal_handler, which when unset means "on whenever there is a save"."""
+    return bool(cfg.save) if cfg.exit_signal_handler is None else cfg.exit_signal_handler
+
+
 class SignalFlag:
     """Record SIGTERM/SIGINT instead of dying; a second signal while saving is ignored too."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, enabled: bool):
+        self.enabled = enabled
         self.received: int | None = None
         self._previous = {}
         if enabled:
@@ -28,9 +36,16 @@ class SignalFlag:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
         if self.received is None:
-            print(f"received signal {signal.Signals(signum).name}: finishing this iteration, then saving", flush=True)
-        self.received = signum
+            message = f"received signal {name}: finishing this iteration, then saving\n"
+        else:
+            message = f"received signal {name} again: ignored, already finishing and saving\n"
+        # os.write, not print: the main thread may be inside a print to stdout, and a buffered
+        # stream raises "reentrant call" when a signal handler writes to it then.
+        with contextlib.suppress(OSError):
+            os.write(1, message.encode())
+        self.received = self.received or signum
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -43,7 +58,7 @@ class ExitConditions:
         self.cfg = cfg
         self.device = device
         self.start = time.monotonic()
-        self.signals = SignalFlag(cfg.exit_signal_handler)
+        self.signals = SignalFlag(signal_handler_enabled(cfg))
 
     def _agreed(self, local: bool) -> bool:
         flag = torch.tensor([1.0 if local else 0.0], device=self.device)
@@ -57,7 +72,7 @@ class ExitConditions:
         if c.exit_interval and iteration % c.exit_interval == 0:
             return f"exit_interval={c.exit_interval} reached at iteration {iteration}"
         checks = []
-        if c.exit_signal_handler:
+        if self.signals.enabled:
             checks.append(("signal", self.signals.received is not None))
         if c.exit_duration_in_mins:
             elapsed = (time.monotonic() - self.start) / 60.0

@@ -19,6 +19,7 @@ from dtgpt.config import Config, ConfigError, to_toml, unbuilt_keys
 from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
+from dtgpt.faults import Faults
 from dtgpt.loss_scaler import build_loss_scaler
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model import GPT, flops_per_token, padded_vocab_size
@@ -213,17 +214,20 @@ class Phase:
             self.watchdog.leave(record=record)
 
 
-def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, metrics: MetricsLogger, checkpointer) -> str:
-    """The loop; returns why it stopped."""
+def train(
+    trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, metrics: MetricsLogger, checkpointer,
+    exits: ExitConditions,
+) -> str:
+    """The loop, then the final save; returns why it stopped."""
     cfg, runtime, state = trainer.cfg, trainer.runtime, trainer.state
-    exits = ExitConditions(cfg.checkpoint, runtime.device)
+    faults = Faults(cfg.faults, runtime.rank, runtime.restart_count)
     timers = Timers(cfg.logging.timers_log_level, runtime.device)
     prof = cfg.profiling
     profiler = Profiler(
         prof.profile_step_start, prof.profile_step_end, prof.trace_dir, prof.memory_snapshot_path,
         rank=runtime.rank, device=runtime.device,
     )  # fmt: skip
-    watchdog = Watchdog(runtime.rank, cfg.distributed.heartbeat_factor)
+    watchdog = Watchdog(runtime.rank, cfg.distributed.heartbeat_factor, cfg.distributed.heartbeat_min_seconds)
     phase = Phase(watchdog, runtime.rank)
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     reason = "train_iters reached"
@@ -232,6 +236,7 @@ def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, m
         while state.iteration < cfg.training.train_iters:
             profiler.step(state.iteration + 1)
             with phase("train-step", state.iteration + 1, record=True):
+                faults.in_iteration(state.iteration + 1)
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
             log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak)
             if state.iteration % cfg.logging.log_interval == 0:
@@ -246,8 +251,10 @@ def train(trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, m
             if stop:
                 reason = stop
                 break
+        if checkpointer is not None and state.iteration and not checkpointer.saved(state.iteration):
+            with phase("save-checkpoint", state.iteration), timers("save-checkpoint"):
+                checkpointer.save(state.iteration)
     finally:
-        exits.close()
         profiler.close()
         watchdog.close()
     return reason
@@ -261,6 +268,7 @@ def report_unbuilt(cfg: Config, runtime: Runtime) -> None:
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
     """Train per `cfg`; returns the final TrainState. Always shuts the process group down."""
     runtime = initialize(cfg)
+    clean = False
     try:
         report_unbuilt(cfg, runtime)
         tokenizer = build_tokenizer(cfg.data)
@@ -279,11 +287,11 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         if checkpointer is not None:
             checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
         metrics = MetricsLogger(cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg))
+        # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
+        exits = ExitConditions(cfg.checkpoint, runtime.device)
         try:
-            reason = train(trainer, train_iter, valid_iter, metrics, checkpointer)
+            reason = train(trainer, train_iter, valid_iter, metrics, checkpointer, exits)
             log0(runtime, f"> training stopped: {reason}")
-            if checkpointer is not None and trainer.state.iteration and not checkpointer.saved(trainer.state.iteration):
-                checkpointer.save(trainer.state.iteration)
             if reason == "train_iters reached" and cfg.eval.eval_iters:
                 if valid_iter is not None and trainer.state.iteration % cfg.eval.eval_interval:  # not just evaluated
                     metrics.log_eval(trainer.state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
@@ -291,11 +299,15 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
                     metrics.log_eval(trainer.state.iteration, "test", evaluate(trainer, test_iter, cfg.eval.eval_iters))
         finally:
             metrics.close()
-            if checkpointer is not None:
-                checkpointer.finalize()
+            try:
+                if checkpointer is not None:
+                    checkpointer.finalize()
+            finally:
+                exits.close()
+        clean = True
         return trainer.state
     finally:
-        shutdown()
+        shutdown(clean)
 
 
 def build_checkpointer(trainer: Trainer):

@@ -35,6 +35,7 @@ from dtgpt.checkpoint.state import (
     shape_problem,
 )
 from dtgpt.config import to_toml
+from dtgpt.faults import Faults
 
 FORMAT = "dtgpt-dcp-1"
 
@@ -97,6 +98,7 @@ class Checkpointer:
             dist.new_group(backend="gloo") if self.cfg.async_save and self.cfg.save and self.distributed else None
         )
         self._stager: DefaultStager | None = None  # built by the first async save
+        self._faults = Faults(trainer.cfg.faults, self.runtime.rank, self.runtime.restart_count)
         if self.cfg.save and self.runtime.is_main:
             os.makedirs(self.cfg.save, exist_ok=True)
         self._load()
@@ -253,12 +255,13 @@ class Checkpointer:
         if self.runtime.is_main:
             self._prepare(directory, iteration)
         state = save_state(self.trainer)
+        writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
         if self.cfg.async_save:
             self._stager = self._stager or self._build_stager()
             # The stager has copied every tensor when async_save returns: training may go on.
             with layout.single_process():  # (the background thread may still warn once)
                 future = dcp.async_save(
-                    state, checkpoint_id=str(directory), process_group=self._async_group,
+                    state, checkpoint_id=str(directory), storage_writer=writer, process_group=self._async_group,
                     async_stager=self._stager, no_dist=not self.distributed,
                 )  # fmt: skip
             future = getattr(future, "upload_completion", future)
@@ -270,7 +273,7 @@ class Checkpointer:
         else:
             try:
                 with layout.single_process():
-                    dcp.save(state, checkpoint_id=str(directory), no_dist=not self.distributed)
+                    dcp.save(state, checkpoint_id=str(directory), storage_writer=writer, no_dist=not self.distributed)
             except CheckpointException as e:  # a BaseException: give it a plain message
                 raise CheckpointError(
                     f"saving checkpoint {directory} failed: {describe(e)}; {layout.POINTER} not moved"

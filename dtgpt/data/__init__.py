@@ -49,7 +49,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
     if not data_path and not any(per_split):
         raise ValueError("no training data: set data.data_path (or data.train_data_path), "
                          "data.builtin_corpus, or data.mock_data=true")
-    return build_gpt_datasets(data_path, d.split, per_split, num_samples, seq_length, seed, d.data_cache_path)
+    return build_gpt_datasets(data_path, d.split, per_split, num_samples, seq_length, seed, d.data_cache_path,
+                              vocab_size=tokenizer.vocab_size)
 
 
 def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,

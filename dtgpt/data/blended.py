@@ -16,7 +16,7 @@ import numpy as np
 
 from dtgpt.data.cache import build_once, description_hash, index_cache_dir, load_npy, save_npy
 from dtgpt.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_document_ranges
-from dtgpt.data.indexed import IndexedDataset
+from dtgpt.data.indexed import IndexedDataset, check_token_ids
 
 SURPLUS = 0.005
 """Each component of a blend is built this much larger than its share (Megatron's 0.5%)."""
@@ -146,11 +146,12 @@ class BlendedDataset:
 
 
 def _build_split(prefixes: list[str], weights: list[float], ranges: list[tuple[int, int]], indexed: dict,
-                 num_samples: int, seq_length: int, seed: int, data_cache_path: str, split_name: str):
+                 num_samples: int, seq_length: int, seed: int, data_cache_path: str, split_name: str,
+                 vocab_size: Optional[int] = None):
     """One split: a GPTDataset for a single prefix, else a BlendedDataset over one per prefix."""
     def gpt(prefix: str, document_range: tuple[int, int], n: int) -> GPTDataset:
         return GPTDataset(indexed[prefix], document_range, n, seq_length, seed,
-                          index_cache_dir(data_cache_path, prefix), split_name)
+                          index_cache_dir(data_cache_path, prefix), split_name, vocab_size)
 
     if len(prefixes) == 1:
         return gpt(prefixes[0], ranges[0], num_samples)
@@ -159,8 +160,13 @@ def _build_split(prefixes: list[str], weights: list[float], ranges: list[tuple[i
 
 
 def build_gpt_datasets(data_path: Sequence[str], split: str, per_split_paths: Sequence[Sequence[str]],
-                       num_samples: Sequence[int], seq_length: int, seed: int, data_cache_path: str) -> tuple:
-    """(train, valid, test) from indexed datasets; None for a split with 0 samples or 0 weight."""
+                       num_samples: Sequence[int], seq_length: int, seed: int, data_cache_path: str,
+                       vocab_size: Optional[int] = None) -> tuple:
+    """(train, valid, test) from indexed datasets; None for a split with 0 samples or 0 weight.
+
+    With `vocab_size` (the tokenizer's), token ids outside [0, vocab_size) are an error: checked
+    on the first tokens of each file at once, and in every sample as it is read.
+    """
     if data_path and any(per_split_paths):
         raise ValueError("set either data.data_path (split by data.split) or data.train_data_path/"
                          "valid_data_path/test_data_path, not both")
@@ -170,6 +176,8 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, per_split_paths: Se
         for p in prefixes:
             if p not in indexed:
                 indexed[p] = IndexedDataset(p)
+                if vocab_size is not None:
+                    check_token_ids(indexed[p], vocab_size)
 
     out = []
     if data_path:
@@ -181,7 +189,7 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, per_split_paths: Se
                 out.append(None)
                 continue
             out.append(_build_split(prefixes, weights, [r[s] for r in ranges], indexed, num_samples[s],
-                                    seq_length, seed, data_cache_path, name))
+                                    seq_length, seed, data_cache_path, name, vocab_size))
         return tuple(out)
     for s, name in enumerate(SPLIT_NAMES):
         paths = per_split_paths[s] if s < len(per_split_paths) else []
@@ -192,5 +200,5 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, per_split_paths: Se
         open_all(prefixes)
         ranges = [(0, len(indexed[p])) for p in prefixes]
         out.append(_build_split(prefixes, weights, ranges, indexed, num_samples[s], seq_length, seed,
-                                data_cache_path, name))
+                                data_cache_path, name, vocab_size))
     return tuple(out)

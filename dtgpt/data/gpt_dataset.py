@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from dtgpt.data.cache import build_once, description_hash, file_fingerprint, load_npy, save_npy
-from dtgpt.data.indexed import IndexedDataset, bin_path, idx_path
+from dtgpt.data.indexed import DataError, IndexedDataset, bin_path, idx_path
 
 SPLIT_NAMES = ("train", "valid", "test")
 _FINAL_EPOCH_THRESHOLD = 0.80  # Megatron: a final epoch used for less than this is shuffled apart
@@ -133,11 +133,12 @@ class GPTDataset:
     """Samples of exactly seq_length + 1 tokens (int64) from documents [lo, hi) of an IndexedDataset.
 
     `len()` covers every sample of the epochs built (>= num_samples, as in Megatron).
-    With `cache_dir=None` the indices are built in memory and never written.
+    With `cache_dir=None` the indices are built in memory and never written. With `vocab_size`,
+    a sample holding an id outside [0, vocab_size) raises a DataError naming the file.
     """
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int, seq_length: int,
-                 seed: int, cache_dir: Optional[str], split_name: str = "train"):
+                 seed: int, cache_dir: Optional[str], split_name: str = "train", vocab_size: Optional[int] = None):
         lo, hi = document_range
         if not 0 <= lo < hi <= len(indexed):
             raise ValueError(
@@ -147,6 +148,7 @@ class GPTDataset:
         if num_samples < 1 or seq_length < 1:
             raise ValueError(f"num_samples={num_samples} and seq_length={seq_length} must be >= 1")
         self.indexed, self.seq_length, self.split_name = indexed, seq_length, split_name
+        self.vocab_size = vocab_size
         self.description = {
             "class": "GPTDataset", "format": 1, "prefix": os.path.abspath(indexed.prefix),
             "idx": file_fingerprint(idx_path(indexed.prefix)), "bin": file_fingerprint(bin_path(indexed.prefix)),
@@ -203,7 +205,7 @@ class GPTDataset:
         (d0, o0), (d1, o1) = self.sample_index[j:j + 2].tolist()
         doc, get = self.document_index, self.indexed.get
         if d0 == d1:
-            return get(int(doc[d0]), o0, o1 - o0 + 1).astype(np.int64)
+            return self._checked(get(int(doc[d0]), o0, o1 - o0 + 1).astype(np.int64), idx)
         out = np.empty(self.seq_length + 1, dtype=np.int64)
         piece = get(int(doc[d0]), o0)
         pos = len(piece)
@@ -213,7 +215,18 @@ class GPTDataset:
             out[pos:pos + len(piece)] = piece
             pos += len(piece)
         out[pos:] = get(int(doc[d1]), 0, o1 + 1)
-        return out
+        return self._checked(out, idx)
+
+    def _checked(self, sample: np.ndarray, idx: int) -> np.ndarray:
+        # A max and a min over seq_length + 1 ids: negligible next to reading them.
+        if self.vocab_size is not None and (sample.max() >= self.vocab_size or sample.min() < 0):
+            bad = sorted({int(t) for t in sample if not 0 <= t < self.vocab_size})
+            raise DataError(
+                f"{bin_path(self.indexed.prefix)}: sample {idx} of the {self.split_name} split holds token ids "
+                f"{bad[:5]} outside the tokenizer's vocabulary [0, {self.vocab_size}): the data was tokenized "
+                "with another vocabulary, or the file is corrupt"
+            )
+        return sample
 
 
 def _save_all(paths: dict[str, str], arrays: dict[str, np.ndarray]) -> None:

@@ -39,11 +39,19 @@ _CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D
 
 
-class IndexedDatasetError(ValueError):
+class DataError(ValueError):
+    """Training data a user must fix (bad files, ids outside the tokenizer); the message names it."""
+
+
+class IndexedDatasetError(DataError):
     """A `.bin`/`.idx` pair that is not a valid MMIDIDX dataset; the message names the file."""
 
 
-class IndexedDatasetNotFoundError(FileNotFoundError):
+class DataFileNotFoundError(FileNotFoundError):
+    """A data or tokenizer file that does not exist; the message names it."""
+
+
+class IndexedDatasetNotFoundError(DataFileNotFoundError):
     """A `.bin` or `.idx` file that does not exist; the message names it."""
 
 
@@ -186,6 +194,26 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+
+def check_token_ids(ds: IndexedDataset, vocab_size: int, num_tokens: int = 1 << 20) -> None:
+    """DataError when the first `num_tokens` tokens of `ds` hold an id outside [0, vocab_size).
+
+    Cheap by design (a few MB of the `.bin`; all of a large dataset would take minutes): data
+    tokenized with another vocabulary shows at once. The samples themselves are checked again
+    as they are read (GPTDataset), so a bad id further in is named when it is reached.
+    """
+    count = min(num_tokens, len(ds._bin) // ds.dtype.itemsize)
+    tokens = np.frombuffer(ds._bin, dtype=ds.dtype, count=count)
+    bad = np.flatnonzero((tokens >= vocab_size) | (tokens < 0)) if count else []
+    if len(bad):
+        ids = sorted({int(t) for t in tokens[bad[:1000]]})
+        raise DataError(
+            f"{bin_path(ds.prefix)}: token ids {ids[:5]}{' ...' if len(ids) > 5 else ''} (first at token {int(bad[0])}; "
+            f"{len(bad)} of the first {count} tokens) are outside the tokenizer's vocabulary [0, {vocab_size}): "
+            "the data was tokenized with another vocabulary; check data.tokenizer_type, data.vocab_file "
+            "and data.vocab_size"
+        )
 
 
 class IndexedDatasetWriter:

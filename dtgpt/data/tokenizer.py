@@ -10,6 +10,7 @@ import os
 from typing import Iterable, Protocol, runtime_checkable
 
 from dtgpt.config import DataConfig
+from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 EOD_TEXT = "<|endoftext|>"
 GPT2_VOCAB_SIZE = 50257
@@ -75,7 +76,7 @@ class GPT2BPETokenizer:
             if not path:
                 raise ValueError(f"GPT2BPETokenizer needs {key} (GPT-2's vocab.json / merges.txt); it is not set")
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{key}={path!r}: no such file")
+                raise DataFileNotFoundError(f"{key}={path!r}: no such file")
         try:
             from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
         except ImportError:
@@ -85,14 +86,22 @@ class GPT2BPETokenizer:
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:
-            raise ValueError(f"cannot read GPT-2 BPE files {vocab_file!r} / {merge_file!r}: {e}") from None
+            # e.g. a merges.txt of another vocabulary: "Token `ab` out of vocabulary"
+            raise DataError(f"cannot read GPT-2 BPE files {vocab_file!r} / {merge_file!r}: {e}") from None
         tok = HFTokenizer(model)
         # GPT-2 splits with its regex and maps bytes to printable characters; no leading space added.
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         eod = tok.token_to_id(EOD_TEXT)
         if eod is None:
-            raise ValueError(f"{vocab_file}: has no {EOD_TEXT} token, which GPT-2 uses as end of document")
+            raise DataError(f"{vocab_file}: has no {EOD_TEXT} token, which GPT-2 uses as end of document")
+        ids = tok.get_vocab().values()
+        if max(ids) + 1 != tok.get_vocab_size():
+            # The model's vocabulary is the token count: a larger id would index past the embedding.
+            raise DataError(
+                f"{vocab_file}: token ids are not 0..{tok.get_vocab_size() - 1} ({tok.get_vocab_size()} tokens, "
+                f"largest id {max(ids)}): vocab.json is not a GPT-2 vocabulary"
+            )
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
         self.eod = eod

@@ -1,0 +1,96 @@
+"""Deliberate faults (`[faults]`) for the fault-tolerance tests and `scripts/fault_drill.py`.
+
+A fault hits one rank at one iteration: SIGKILL (mid-iteration, or during a checkpoint save),
+a hang, a SIGTERM/SIGINT to itself, or a full disk while a checkpoint is written. Each fires on
+the first attempt only: a group that torchrun restarted (`Runtime.restart_count > 0`) runs
+clean, which is what lets a drill check that the restarted job recovers. `nan_at_iterations`
+is applied by the train step itself (`dtgpt/step.py`).
+
+Every fault prints a `fault:` line before it acts, so a log shows what was injected where.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from dtgpt.config import FaultsConfig
+
+
+def _announce(message: str) -> None:
+    print(f"fault: {message}", flush=True)
+
+
+def _kill(rank: int, where: str) -> None:
+    _announce(f"SIGKILL to rank {rank} {where}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Faults:
+    """The faults of `cfg` that apply to this rank, on this attempt."""
+
+    def __init__(self, cfg: FaultsConfig, rank: int, restart_count: int):
+        self.cfg, self.rank = cfg, rank
+        self.armed = restart_count == 0
+
+    def _hits(self, at_iteration: int, rank: int, iteration: int) -> bool:
+        return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
+
+    def in_iteration(self, iteration: int) -> None:
+        """Called inside the train-step phase of `iteration`, before its batch is read."""
+        c = self.cfg
+        if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and not c.kill_during_save:
+            _kill(self.rank, f"in iteration {iteration}")
+        if self._hits(c.signal_at_iteration, c.signal_rank, iteration):
+            _announce(f"{c.signal_name} to rank {self.rank} in iteration {iteration}")
+            os.kill(os.getpid(), getattr(signal, c.signal_name))
+        if self._hits(c.hang_at_iteration, c.hang_rank, iteration):
+            _announce(f"rank {self.rank} hangs in iteration {iteration}")
+            while True:
+                time.sleep(3600)
+
+    def storage_writer(self, directory: Path, iteration: int) -> FileSystemWriter | None:
+        """A DCP writer that fails as configured in the save of `iteration`; None for DCP's own."""
+        c = self.cfg
+        if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and c.kill_during_save:
+            action = "kill"
+        elif self._hits(c.disk_full_at_iteration, c.disk_full_rank, iteration):
+            action = "disk_full"
+        elif self._hits(c.signal_at_iteration, c.signal_rank, iteration):
+            action = "signal"
+        else:
+            return None
+        return FaultyWriter(directory, action=action, rank=self.rank, iteration=iteration)
+
+
+class FaultyWriter(FileSystemWriter):
+    """DCP's file writer, then a fault once this rank's data files are written (so the directory
+    is as a real failure leaves it: data without `.metadata` or the `complete` marker)."""
+
+    def __init__(self, path: Path, action: str, rank: int, iteration: int):
+        super().__init__(str(path))
+        self.action, self.fault_rank, self.iteration = action, rank, iteration
+
+    def write_data(self, plan, planner):
+        where = f"while saving the checkpoint of iteration {self.iteration}"
+        if self.action == "signal":
+            # A second (and third) signal during the save: the handler must ignore them.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                _announce(f"{sig.name} to rank {self.fault_rank} {where}")
+                os.kill(os.getpid(), sig)
+        future = super().write_data(plan, planner)
+        future.wait()
+        if self.action == "kill":
+            _kill(self.fault_rank, where)
+        if self.action == "disk_full":
+            # The disk filled up half-way through this rank's files.
+            for path in Path(self.path).glob(f"{plan.storage_data.prefix}*"):
+                os.truncate(path, path.stat().st_size // 2)
+            _announce(f"ENOSPC on rank {self.fault_rank} {where}")
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by faults.disk_full_at_iteration)")
+        return future

@@ -1,0 +1,195 @@
+"""Bad input: train.py prints ONE `error: ...` line and exits 2, with no traceback.
+
+One test per row of README's "Bad input" table. The runs are independent one-process
+`python train.py` invocations; a module fixture starts them all at once (a few at a time) so
+the start-up cost of torch is paid in parallel, and each test checks its own result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtgpt.checkpoint import layout
+from dtgpt.data.indexed import IndexedDatasetWriter
+from tests.runs import TRAIN
+
+TINY = [
+    "--model.num_layers=1", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+    "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=4",
+    "--training.train_iters=2", "--data.tokenizer_type=NullTokenizer", "--data.vocab_size=128",
+    "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=1",
+]  # fmt: skip
+MOCK = ["--data.mock_data=true"]
+BPE_TEXTS = ["the quick brown fox jumps over the lazy dog", "return the number of items in a container"] * 20
+
+
+def write_corpus(prefix: Path, high: int = 127, docs: int = 60, length: int = 40) -> None:
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix) as writer:
+        for _ in range(docs):
+            writer.add_document(rng.integers(0, high, length))
+
+
+def bpe_pair(d: Path) -> tuple[Path, Path]:
+    from tokenizers import ByteLevelBPETokenizer
+
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(BPE_TEXTS, vocab_size=300, min_frequency=2, special_tokens=["<|endoftext|>"])
+    trainer.save_model(str(d))
+    return d / "vocab.json", d / "merges.txt"
+
+
+def cases(tmp: Path) -> dict[str, list[str]]:
+    """name -> train.py arguments; the files each case needs are written here."""
+    (tmp / "malformed.toml").write_text("[model]\nnum_layers = = 2\n")
+    (tmp / "wrong_type.toml").write_text('[model]\nhidden_size = "64"\n')
+    write_corpus(tmp / "good")
+    write_corpus(tmp / "bad_idx")
+    with open(tmp / "bad_idx.idx", "r+b") as f:  # the header's sequence count
+        f.seek(18)
+        f.write((12345).to_bytes(8, "little"))
+    write_corpus(tmp / "short_bin")
+    os.truncate(tmp / "short_bin.bin", os.path.getsize(tmp / "short_bin.bin") // 2)
+    write_corpus(tmp / "wide_ids", high=1000)  # tokenized with a larger vocabulary than 128
+    data = ["--data.mock_data=false"]
+    out = {
+        "malformed_toml": ["--config", str(tmp / "malformed.toml")],
+        "unknown_key": TINY + MOCK + ["--model.hiden_size=64"],
+        "unknown_section": TINY + MOCK + ["--trainig.train_iters=2"],
+        "wrong_type_cli": TINY + MOCK + ["--model.hidden_size=abc"],
+        "wrong_type_toml": ["--config", str(tmp / "wrong_type.toml")],
+        "impossible_mesh": TINY + MOCK + ["--parallel.tensor_model_parallel_size=2"],
+        "missing_data_prefix": TINY + data + [f"--data.data_path={tmp / 'nothere'}"],
+        "corrupt_idx": TINY + data + [f"--data.data_path={tmp / 'bad_idx'}"],
+        "truncated_bin": TINY + data + [f"--data.data_path={tmp / 'short_bin'}"],
+        "ids_outside_vocabulary": TINY + data + [f"--data.data_path={tmp / 'wide_ids'}"],
+        "missing_vocab_file": TINY + data + [f"--data.data_path={tmp / 'good'}", "--data.tokenizer_type=GPT2BPETokenizer",
+                                             f"--data.vocab_file={tmp / 'nope.json'}", f"--data.merge_file={tmp / 'nope.txt'}"],
+        "load_dir_without_checkpoint": TINY + MOCK + [f"--checkpoint.load={tmp / 'empty'}"],
+        "other_model_shape": TINY + MOCK + ["--model.hidden_size=64", f"--checkpoint.load={tmp / 'ckpt'}"],
+    }  # fmt: skip
+    (tmp / "empty").mkdir()
+    try:
+        vocab, merges = bpe_pair(tmp)
+        table = json.loads(vocab.read_text())
+        first_merge = merges.read_text().splitlines()[1].split()
+        del table["".join(first_merge)]  # merges.txt now makes a token vocab.json lacks
+        (tmp / "other_vocab.json").write_text(json.dumps(table))
+        out["vocab_merges_mismatch"] = TINY + data + [
+            f"--data.data_path={tmp / 'good'}", "--data.tokenizer_type=GPT2BPETokenizer",
+            f"--data.vocab_file={tmp / 'other_vocab.json'}", f"--data.merge_file={merges}",
+        ]  # fmt: skip
+    except ImportError:  # tokenizers is an optional extra
+        pass
+    return out
+
+
+def run(tmp: Path, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, TRAIN] + args, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad_input")
+    saved = run(tmp, TINY + MOCK + [f"--checkpoint.save={tmp / 'ckpt'}"])  # for other_model_shape
+    assert saved.returncode == 0 and layout.read_pointer(tmp / "ckpt") == 2, saved.stderr[-2000:]
+    todo = cases(tmp)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        done = dict(zip(todo, pool.map(lambda args: run(tmp, args), todo.values())))
+    return tmp, done
+
+
+def single_error(results, name: str) -> str:
+    """The one `error:` line of case `name`, after checking exit status 2 and no traceback."""
+    tmp, done = results
+    if name not in done:
+        pytest.skip(f"{name}: needs the optional 'tokenizers' library")
+    proc = done[name]
+    output = proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert len(errors) == 1, output[-3000:]
+    return errors[0].replace(str(tmp) + "/", "")
+
+
+def test_malformed_toml_names_line_and_column(results):
+    assert "malformed.toml: malformed TOML: Invalid value (at line 2, column 14)" in single_error(results, "malformed_toml")
+
+
+def test_unknown_key_suggests_the_closest(results):
+    assert "unknown key --model.hiden_size; did you mean 'hidden_size'?" in single_error(results, "unknown_key")
+
+
+def test_unknown_section_suggests_the_closest(results):
+    assert "did you mean 'training'?" in single_error(results, "unknown_section")
+
+
+def test_wrong_type_on_the_command_line(results):
+    assert "model.hidden_size='abc' must be a int" in single_error(results, "wrong_type_cli")
+
+
+def test_wrong_type_in_toml(results):
+    assert "model.hidden_size='64' must be a int" in single_error(results, "wrong_type_toml")
+
+
+def test_impossible_mesh(results):
+    assert "world size 1 is not divisible by" in single_error(results, "impossible_mesh")
+
+
+def test_missing_data_prefix(results):
+    assert single_error(results, "missing_data_prefix").startswith("error: nothere.idx: no such file (indexed dataset prefix")
+
+
+def test_corrupt_idx(results):
+    message = single_error(results, "corrupt_idx")
+    assert "bad_idx.idx: index is" in message and "truncated or corrupt" in message
+
+
+def test_truncated_bin(results):
+    assert "short_bin.bin: truncated data file" in single_error(results, "truncated_bin")
+
+
+def test_token_ids_outside_the_tokenizer_vocabulary(results):
+    message = single_error(results, "ids_outside_vocabulary")
+    assert "wide_ids.bin: token ids [" in message
+    assert "outside the tokenizer's vocabulary [0, 128)" in message and "tokenized with another vocabulary" in message
+
+
+def test_missing_vocab_file(results):
+    message = single_error(results, "missing_vocab_file")
+    assert "data.vocab_file=" in message and "nope.json" in message and "no such file" in message
+
+
+def test_vocab_and_merges_that_do_not_match(results):
+    message = single_error(results, "vocab_merges_mismatch")
+    assert "cannot read GPT-2 BPE files" in message and "out of vocabulary" in message
+
+
+def test_load_dir_without_checkpoint(results):
+    message = single_error(results, "load_dir_without_checkpoint")
+    assert "checkpoint.load=empty holds no complete checkpoint" in message and "auto_resume" in message
+
+
+def test_checkpoint_of_another_model_shape(results):
+    message = single_error(results, "other_model_shape")
+    assert "does not fit this model" in message
+    assert "embedding.word.weight has shape (128, 32) in the checkpoint but (128, 64)" in message
+
+
+def test_load_equal_to_save_starts_fresh_and_says_so(tmp_path):
+    """Not an error: with checkpoint.load == checkpoint.save an empty directory means a first run."""
+    ckpt = tmp_path / "ckpt"
+    proc = run(tmp_path, TINY + MOCK + [f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "holds no complete checkpoint" in proc.stdout and "starting from scratch" in proc.stdout
+    assert layout.read_pointer(ckpt) == 2

@@ -1,0 +1,150 @@
+"""Recovery from faults, on 2 CPU ranks under torchrun: the scenarios of scripts/fault_drill.py.
+
+Each scenario injects one fault (`[faults]` keys, or a real signal to torchrun) into a tiny GPT
+run that checkpoints every 3 of 12 iterations with checkpoint.load == checkpoint.save, and
+compares the per-iteration losses with an uninterrupted run on the same mesh: bitwise equal
+(dropout on, so the RNG must come back too). CI runs one deterministic trial of each kind that
+matters most; the drill's remaining scenarios are @slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import time
+
+import pytest
+
+from dtgpt.checkpoint import layout
+from tests.runs import REPO
+
+
+def load_drill():
+    spec = importlib.util.spec_from_file_location("fault_drill", REPO / "scripts/fault_drill.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+fault_drill = load_drill()
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    return fault_drill.Drill(tmp_path_factory.mktemp("drill"), nproc=2)
+
+
+def explain(result) -> str:
+    return f"{result.row()}\n" + "\n".join(r.log[-4000:] for r in result.runs)
+
+
+def test_sigkill_mid_iteration_restarts_and_resumes_bitwise(drill):
+    """Rank 1 dies in iteration 5; torchrun --max-restarts=1 restarts the group, which resumes
+    from iteration 3 (the newest complete checkpoint) and finishes with the reference losses."""
+    result = drill.sigkill(rank=1, iteration=5)
+    assert result.ok, explain(result)
+    assert result.outcome == "restarted, resumed from 3" and result.lost == 1  # iteration 4 ran twice
+    assert result.equal and result.intact
+    assert "WARNING: restart 1" not in result.runs[0].log  # the shared-store hint: not needed here
+
+
+def test_sigint_to_one_rank_stops_every_rank_and_exits_zero(drill):
+    """One rank gets SIGINT in iteration 5 (then SIGTERM and SIGINT again while it saves): every
+    rank finishes iteration 5, the checkpoint is complete, every worker exits 0 (so torchrun
+    does), and the next launch continues with the reference losses."""
+    result = drill.signal_one_rank(rank=0, iteration=5, sig="SIGINT")
+    stopped = result.runs[0]
+    assert stopped.rc == 0, explain(result)
+    assert stopped.log.count("received signal SIGINT: finishing this iteration") == 1
+    assert stopped.log.count("again: ignored") == 2  # the second and third signal, during the save
+    assert stopped.log.count("> training stopped: exit signal received") == 1
+    assert not re.search(r"iteration\s+6/", stopped.log)  # nobody went on to iteration 6
+    assert result.ok and result.lost == 0 and result.equal, explain(result)
+
+
+def test_sigterm_to_torchrun_is_forwarded_and_every_rank_saves(drill):
+    """A preemption: SIGTERM to torchrun, which forwards it to its workers; they finish the
+    iteration, save it (the pointer moves to it) and stop; the relaunch resumes exactly."""
+    result = drill.stop_signal("SIGTERM", after=4)
+    stopped = result.runs[0]
+    assert stopped.log.count("received signal SIGTERM: finishing this iteration") == 2, explain(result)
+    saved = [int(m) for m in re.findall(r"saved checkpoint \S+iter_(\d+)", stopped.log)]
+    logged = [int(m) for m in re.findall(r"\] iteration\s+(\d+)/", stopped.log)]
+    assert saved and saved[-1] == max(logged) >= 4, explain(result)  # the last iteration run is saved
+    assert result.ok and result.lost == 0 and result.equal and result.intact, explain(result)
+
+
+def test_hang_times_out_naming_rank_phase_iteration_with_heartbeats(drill, tmp_path):
+    """Rank 1 sleeps forever in iteration 4. Rank 0 prints heartbeat lines, then its collective
+    times out after distributed.timeout_minutes (6 s): the error names rank 0, the phase and the
+    iteration, and the job ends in bounded time instead of hanging."""
+    args = ["--faults.hang_at_iteration=4", "--faults.hang_rank=1", "--distributed.timeout_minutes=0.1",
+            "--distributed.heartbeat_factor=2", "--distributed.heartbeat_min_seconds=1"]  # fmt: skip
+    start = time.monotonic()
+    run = drill.launch(tmp_path, "hang", args, restarts=0, timeout=180)
+    assert time.monotonic() - start < 120, run.log[-3000:]
+    assert run.rc != 0
+    assert "fault: rank 1 hangs in iteration 4" in run.log
+    assert re.search(r"heartbeat: rank 0 has been in 'train-step' of iteration 4 for \d+ s", run.log), run.log[-3000:]
+    assert re.search(r"TrainingError: rank 0: train-step of iteration 4 failed: .*Timed out", run.log), run.log[-3000:]
+    assert run.log.index("heartbeat: rank 0") < run.log.index("TrainingError: rank 0")
+
+
+def test_disk_full_during_save_keeps_the_previous_checkpoint(drill):
+    """ENOSPC on rank 1 while writing iteration 6: one clear error line per rank, exit status 2,
+    the pointer still names iteration 3, which is complete; the relaunch resumes from it."""
+    result = drill.disk_full(rank=1, iteration=6)
+    failed = result.runs[0]
+    errors = [ln for ln in failed.log.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2 and all("rank 1: OSError: [Errno 28] No space left on device" in e for e in errors), explain(result)
+    assert "save-checkpoint of iteration 6" in errors[0] and "latest_checkpointed_iteration.txt not moved" in errors[0]
+    assert result.ok and result.equal and result.lost == 3, explain(result)
+    assert "loaded checkpoint" in result.runs[1].log and "iteration 3, consumed samples 24" in result.runs[1].log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_during_save_falls_back_to_the_previous_checkpoint(drill, async_save):
+    result = drill.sigkill(rank=0, iteration=6, during_save=True, async_save=async_save)
+    assert result.ok and result.outcome == "restarted, resumed from 3" and result.lost == 3, explain(result)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_whole_group(drill):
+    """SIGINT to torchrun and its workers at once (a terminal's Ctrl-C): each worker sees it twice."""
+    result = drill.stop_signal("SIGINT", whole_group=True)
+    assert result.ok and result.lost == 0, explain(result)
+
+
+@pytest.mark.slow
+def test_hang_then_restart_recovers(drill):
+    result = drill.hang(rank=0, iteration=5)
+    assert result.ok, explain(result)
+
+
+@pytest.mark.slow
+def test_nan_batch_is_skipped(drill):
+    result = drill.nan_batch(iteration=5)
+    assert result.ok, explain(result)
+
+
+@pytest.mark.slow
+def test_deleted_shard_falls_back(drill):
+    result = drill.deleted_shard()
+    assert result.ok and result.lost == 3, explain(result)
+    assert layout.read_pointer(drill.workdir / "deleted-shard" / "ckpt") == fault_drill.ITERS
+
+
+@pytest.mark.slow
+def test_corrupt_idx_is_refused(drill):
+    result = drill.corrupt_idx()
+    assert result.ok, explain(result)
+
+
+@pytest.mark.slow
+def test_random_sigkill_trials(drill):
+    for name, scenario in fault_drill.scenarios(drill, trials=2, seed=1)[:2]:
+        result = scenario()
+        assert result.ok, explain(result)

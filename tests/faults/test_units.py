@@ -1,0 +1,120 @@
+"""The pieces behind fault tolerance, in one process: the signal flag and its default, fault
+injection only on the first attempt, a full disk during a save, the per-sample token-id check
+and how a DataLoader worker's data error reaches the command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
+from dtgpt.cli import is_user_error, one_line
+from dtgpt.config import CheckpointConfig, ConfigError, FaultsConfig, load_config, validate
+from dtgpt.data.gpt_dataset import GPTDataset
+from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, check_token_ids
+from dtgpt.data.loader import build_data_loader
+from dtgpt.exits import SignalFlag, signal_handler_enabled
+from dtgpt.faults import Faults, FaultyWriter
+from tests.test_checkpoint_unit import make_trainer, step
+
+
+def test_signal_handler_is_on_by_default_exactly_when_saving():
+    assert not signal_handler_enabled(CheckpointConfig())
+    assert signal_handler_enabled(CheckpointConfig(save="ckpt"))
+    assert not signal_handler_enabled(CheckpointConfig(save="ckpt", exit_signal_handler=False))
+    assert signal_handler_enabled(CheckpointConfig(exit_signal_handler=True))
+
+
+def test_signal_flag_records_the_first_signal_and_ignores_the_next(capfd):
+    before = signal.getsignal(signal.SIGINT)
+    flag = SignalFlag(True)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt without the flag
+        assert flag.received == signal.SIGTERM
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    out = capfd.readouterr().out
+    assert "received signal SIGTERM: finishing this iteration, then saving" in out
+    assert "received signal SIGINT again: ignored" in out
+
+
+def test_faults_fire_once_on_the_chosen_rank_and_iteration(tmp_path):
+    cfg = FaultsConfig(kill_at_iteration=4, kill_rank=1, kill_during_save=True, disk_full_at_iteration=6)
+    first, restarted = Faults(cfg, rank=1, restart_count=0), Faults(cfg, rank=1, restart_count=1)
+    assert isinstance(first.storage_writer(tmp_path, 4), FaultyWriter) and first.storage_writer(tmp_path, 4).action == "kill"
+    assert first.storage_writer(tmp_path, 5) is None
+    assert restarted.storage_writer(tmp_path, 4) is None  # torchrun restarted the group: run clean
+    assert Faults(cfg, rank=0, restart_count=0).storage_writer(tmp_path, 6).action == "disk_full"
+    assert Faults(cfg, rank=1, restart_count=0).storage_writer(tmp_path, 6) is None
+    first.in_iteration(4)  # kill_during_save: nothing happens in the iteration itself
+
+
+def test_fault_ranks_are_validated():
+    with pytest.raises(ConfigError, match=r"faults.hang_rank=2 must be < the world size 2"):
+        validate(load_config(None, ["--data.mock_data=true", "--faults.hang_rank=2"]), world_size=2)
+    with pytest.raises(ConfigError, match=r"faults.signal_name='SIGHUP' is not one of"):
+        load_config(None, ["--data.mock_data=true", "--faults.signal_name=SIGHUP"])
+    with pytest.raises(ConfigError, match=r"distributed.heartbeat_min_seconds=0.0 must be > 0"):
+        load_config(None, ["--data.mock_data=true", "--distributed.heartbeat_min_seconds=0"])
+
+
+def test_disk_full_during_save_leaves_pointer_and_previous_checkpoint(tmp_path):
+    t = make_trainer(f"--checkpoint.save={tmp_path}", "--faults.disk_full_at_iteration=2")
+    ckpt = Checkpointer(t)
+    step(t)
+    ckpt.save(1)
+    step(t)
+    with pytest.raises(CheckpointError, match=r"iter_0000002 failed: rank 0: OSError: \[Errno 28\] No space left"):
+        ckpt.save(2)
+    assert layout.read_pointer(tmp_path) == 1 and layout.problem(layout.iteration_dir(tmp_path, 1)) is None
+    assert "no .metadata" in layout.problem(layout.iteration_dir(tmp_path, 2))
+    step(t)
+    ckpt.save(3)  # the disk has room again: the next save works and the pointer moves on
+    assert layout.read_pointer(tmp_path) == 3
+
+
+@pytest.fixture
+def late_bad_id(tmp_path):
+    """60 documents of valid ids; one id 999 far from the start of the file."""
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(tmp_path / "docs") as writer:
+        for d in range(60):
+            tokens = rng.integers(0, 100, 20)
+            if d == 50:
+                tokens[7] = 999
+            writer.add_document(tokens)
+    return IndexedDataset(tmp_path / "docs")
+
+
+def test_a_bad_id_past_the_startup_scan_is_caught_in_its_sample(late_bad_id):
+    check_token_ids(late_bad_id, 128, num_tokens=500)  # the scan sees only the start: passes
+    with pytest.raises(DataError, match=r"token ids \[999\] \(first at token 1007"):
+        check_token_ids(late_bad_id, 128)
+    ds = GPTDataset(late_bad_id, (0, 60), 70, 16, 1234, cache_dir=None, vocab_size=128)
+    with pytest.raises(DataError, match=r"docs.bin: sample \d+ of the train split holds token ids \[999\] outside"):
+        for i in range(len(ds)):
+            ds[i]
+    unchecked = GPTDataset(late_bad_id, (0, 60), 70, 16, 1234, cache_dir=None)
+    assert max(int(unchecked[i].max()) for i in range(len(unchecked))) == 999
+
+
+def test_a_data_error_in_a_loader_worker_becomes_one_line(late_bad_id):
+    ds = GPTDataset(late_bad_id, (0, 60), 70, 16, 1234, cache_dir=None, vocab_size=128)
+    loader = build_data_loader(ds, 0, lambda _: 70, 0, 1, num_workers=1)
+    with pytest.raises(DataError) as info:
+        list(loader)
+    assert "Original Traceback" in str(info.value) and is_user_error(info.value)
+    line = one_line(str(info.value))
+    assert line.startswith(f"{late_bad_id.prefix}.bin: sample ") and "\n" not in line
+
+
+def test_a_bug_is_not_a_user_error():
+    assert not is_user_error(RuntimeError("shape mismatch in matmul"))
+    wrapped = RuntimeError("rank 0: save-checkpoint of iteration 3 failed")
+    wrapped.__cause__ = CheckpointError("disk full")
+    assert is_user_error(wrapped)
