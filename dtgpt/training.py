@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtgpt.config import Config, ConfigError, to_toml, unbuilt_keys
-from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
+from dtgpt.data import build_data_loader, build_tokenizer
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
 from dtgpt.faults import Faults

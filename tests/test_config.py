@@ -182,7 +182,7 @@ def test_cli_print_config_and_clean_errors():
 
 
 def test_unbuilt_keys_are_reported(monkeypatch):
-    import dtgpt.config as config
+    import dtgpt.config.validation as config
 
     monkeypatch.setattr(config, "NOT_BUILT", ("training.compile", "model.rotary_base"))
     cfg = base(training__compile=True)

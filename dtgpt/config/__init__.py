@@ -1,0 +1,46 @@
+"""Configuration: one dataclass per TOML section, Megatron's argument names in snake_case.
+
+Load a TOML file, apply `--section.key=value` overrides, validate once, then pass the `Config`
+object down explicitly. Nothing here reads global state.
+
+    sections.py    the dataclasses (the config contract of DESIGN.md)
+    loading.py     TOML, overrides, type coercion, closest-name suggestions, printing as TOML
+    validation.py  the cross-field rules
+"""
+
+from dtgpt.config.sections import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    DistributedConfig,
+    EvalConfig,
+    FaultsConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ProfilingConfig,
+    TrainingConfig,
+)
+from dtgpt.config.loading import apply_override, config_from_dict, load_config, load_toml, split_overrides, to_toml
+from dtgpt.config.validation import (
+    MULTI_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    V_SHAPED_SCHEDULES,
+    data_parallel_size,
+    get_key,
+    num_pipeline_stages,
+    unbuilt_keys,
+    validate,
+    validate_mesh,
+)
+
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
+    "FaultsConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
+    "ProfilingConfig", "TrainingConfig", "apply_override", "config_from_dict", "load_config",
+    "load_toml", "split_overrides", "to_toml", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES",
+    "V_SHAPED_SCHEDULES", "data_parallel_size", "get_key", "num_pipeline_stages", "unbuilt_keys",
+    "validate", "validate_mesh",
+]  # fmt: skip

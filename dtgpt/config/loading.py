@@ -1,0 +1,230 @@
+"""Reading a config: TOML files, `--section.key=value` overrides coerced to the field types,
+unknown names rejected with the closest match; and writing the resolved config back as TOML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+from dtgpt.config.sections import Config, ConfigError
+from dtgpt.config.validation import validate
+
+
+# ---------------------------------------------------------------------------------------------
+# Types and coercion
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    inner, optional = _unwrap_optional(tp)
+    if typing.get_origin(inner) is list:
+        name = f"list of {typing.get_args(inner)[0].__name__}"
+    else:
+        name = inner.__name__
+    return f"{name} (or unset)" if optional else name
+
+
+def _check_value(key: str, value: Any, tp: Any) -> Any:
+    """Check a value read from TOML against the field type; ints are accepted for floats."""
+    inner, optional = _unwrap_optional(tp)
+    if value is None and optional:
+        return None
+    if typing.get_origin(inner) is list:
+        elem = typing.get_args(inner)[0]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a {_type_name(tp)}")
+        return [_check_value(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
+    if inner is bool:
+        ok = isinstance(value, bool)
+    elif inner is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif inner is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, inner)
+    if not ok:
+        raise ConfigError(f"{key}={value!r} must be a {_type_name(tp)}")
+    return value
+
+
+def _coerce_text(key: str, text: str, tp: Any) -> Any:
+    """Turn a command-line string into the field's type."""
+    inner, optional = _unwrap_optional(tp)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    if typing.get_origin(inner) is list:
+        elem = typing.get_args(inner)[0]
+        stripped = text.strip()
+        if stripped.startswith("["):
+            try:
+                parsed = tomllib.loads(f"v = {stripped}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{key}={text!r} is not a valid list: {e}") from None
+            return _check_value(key, parsed, tp)
+        parts = [p for p in stripped.replace(",", " ").split() if p]
+        return [_coerce_text(f"{key}[{i}]", p, elem) for i, p in enumerate(parts)]
+    try:
+        if inner is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if inner is int:
+            return int(text)
+        if inner is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} must be a {_type_name(tp)}") from None
+    return text
+
+
+def _closest(name: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid names: {', '.join(choices)}"
+
+
+def _section_classes() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections and keys by name."""
+    sections = _section_classes()
+    cfg = Config()
+    for section_name, values in data.items():
+        if section_name not in sections:
+            raise ConfigError(
+                f"{source}: unknown section [{section_name}]{_closest(section_name, list(sections))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section_name}] must be a table of keys")
+        section = getattr(cfg, section_name)
+        types_ = _field_types(type(section))
+        for key, value in values.items():
+            if key not in types_:
+                raise ConfigError(
+                    f"{source}: unknown key {section_name}.{key}{_closest(key, list(types_))}"
+                )
+            setattr(section, key, _check_value(f"{section_name}.{key}", value, types_[key]))
+    return cfg
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+
+
+def apply_override(cfg: Config, dotted_key: str, text: str) -> None:
+    """Apply one `section.key=value` override given as text."""
+    sections = _section_classes()
+    if "." not in dotted_key:
+        raise ConfigError(f"override --{dotted_key} must look like --section.key=value")
+    section_name, key = dotted_key.split(".", 1)
+    if section_name not in sections:
+        raise ConfigError(f"unknown section in --{dotted_key}{_closest(section_name, list(sections))}")
+    section = getattr(cfg, section_name)
+    types_ = _field_types(type(section))
+    if key not in types_:
+        raise ConfigError(f"unknown key --{dotted_key}{_closest(key, list(types_))}")
+    setattr(section, key, _coerce_text(dotted_key, text, types_[key]))
+
+
+def split_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--a.b=1 --c.d 2` -> [("a.b", "1"), ("c.d", "2")]."""
+    pairs = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (or the defaults when path is None), apply overrides, validate."""
+    cfg = config_from_dict(load_toml(path), str(path)) if path else Config()
+    for key, value in split_overrides(list(overrides)):
+        apply_override(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isinf(value) or math.isnan(value):
+            return str(value).replace("inf", "inf").lower()
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML; unset optional keys appear as comments."""
+    lines = []
+    for section_field in dataclasses.fields(cfg):
+        section = getattr(cfg, section_field.name)
+        lines.append(f"[{section_field.name}]")
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if value is None:
+                lines.append(f"# {f.name} = (unset)")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,245 @@
+"""The config sections: one dataclass per TOML section, Megatron's argument names in snake_case.
+
+Loading and overrides live in dtgpt/config/loading.py, the rules in dtgpt/config/validation.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message names the key, the value and the rule."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    """Transformer blocks."""
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 0
+    """MLP width; 0 means 4 * hidden_size."""
+    seq_length: int = 128
+    max_position_embeddings: int = 0
+    """Rows of the learned position table; 0 means seq_length."""
+    init_method_std: float = 0.02
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' (GPT-3) or 'rope'."""
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"
+    """'LayerNorm' (GPT-3) or 'RMSNorm'."""
+    norm_epsilon: float = 1e-5
+    untie_embeddings_and_output_weights: bool = False
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this alone (never times tp), so the model is mesh-free."""
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    rampup_batch_size: list[int] = field(default_factory=list)
+    """[start, increment, ramp_samples]; empty means no ramp-up."""
+    train_iters: int = 100
+    seed: int = 1234
+    fp16: bool = False
+    bf16: bool = False
+    activation_checkpointing: str = "none"
+    """'none', 'full' (every block) or 'selective' (every k-th block, see activation_checkpointing_every)."""
+    activation_checkpointing_every: int = 2
+    compile: bool = False
+    """torch.compile the whole model (per stage under pipeline parallelism)."""
+    device: str = "auto"
+    """'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
+    nan_policy: str = "skip"
+    """What a non-finite loss does: 'skip' the iteration or 'stop' the run."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    """'constant', 'linear', 'cosine', 'inverse-square-root' or 'WSD'."""
+    lr_decay_iters: Optional[int] = None
+    """Decay length in iterations (times global_batch_size in samples); default train_iters."""
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of the decay length; wins over lr_warmup_iters."""
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    """Anneal of WSD: 'linear', 'cosine', 'exponential' or 'minus_sqrt'."""
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    loss_scale: Optional[float] = None
+    """A static fp16 loss scale; unset means dynamic scaling."""
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_shard_size: int = -1
+    """FSDP shard degree; -1 means whatever the world size leaves."""
+    data_parallel_replicate_size: int = 1
+    """HSDP replica count; > 1 replicates the FSDP shards."""
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1F1B"
+    virtual_pipeline_stages_per_rank: int = 1
+    pipeline_layers_per_stage: list[int] = field(default_factory=list)
+    """Explicit layer count per stage (pp * virtual entries); empty means an even split."""
+    loss_parallel: bool = True
+    """Under tp, cross-entropy on vocabulary-sharded logits (no full-logit gather)."""
+    fsdp_reshard_after_forward: str = "default"
+    """'default' (on without pp, off with pp), 'always' or 'never'."""
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)
+    """Megatron's blend list: ["0.3", "prefA", "0.7", "prefB"]; a bare prefix has weight 1."""
+    train_data_path: list[str] = field(default_factory=list)
+    valid_data_path: list[str] = field(default_factory=list)
+    test_data_path: list[str] = field(default_factory=list)
+    split: str = "969,30,1"
+    mock_data: bool = False
+    builtin_corpus: str = ""
+    """'python-docstrings': text gathered from the installed standard library, no download."""
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """'GPT2BPETokenizer', 'ByteTokenizer' or 'NullTokenizer'."""
+    vocab_file: str = ""
+    merge_file: str = ""
+    vocab_size: int = 0
+    """Vocabulary of NullTokenizer (and of mock data when no tokenizer file is given)."""
+    data_cache_path: str = ""
+    """Where index arrays (and the built-in corpus) are cached; default next to the data."""
+    num_workers: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    save: str = ""
+    load: str = ""
+    load_iteration: int = 0
+    """Load this iteration instead of the one latest_checkpointed_iteration.txt names."""
+    load_optimizer: bool = True
+    auto_resume: bool = False
+    save_interval: int = 0
+    async_save: bool = False
+    keep_last: int = 0
+    """Keep this many newest iterations (0 keeps all)."""
+    exit_signal_handler: Optional[bool] = None
+    """SIGTERM/SIGINT: every rank finishes the iteration, saves, exits 0. Unset: on when
+    checkpoint.save is set (Megatron's default is off; see docs/faults.md)."""
+    exit_duration_in_mins: float = 0.0
+    exit_interval: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    tensorboard_dir: str = ""
+    metrics_file: str = ""
+    """One JSON object per iteration."""
+    peak_tflops: float = 0.0
+    """Dense peak per device for MFU; 0 looks the device up in a table."""
+    timers_log_level: int = 0
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int = 1000
+    eval_iters: int = 10
+
+
+@dataclass
+class DistributedConfig:
+    backend: str = "auto"
+    """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
+    timeout_minutes: float = 10.0
+    """Collective timeout: a dead or stuck peer becomes an error after this long, not a hang."""
+    heartbeat_factor: float = 10.0
+    """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
+    heartbeat_min_seconds: float = 30.0
+    """...and at least this long; the heartbeat then repeats at this interval."""
+
+
+@dataclass
+class ProfilingConfig:
+    profile_step_start: int = 0
+    """First iteration traced by torch.profiler; 0 disables profiling."""
+    profile_step_end: int = 0
+    """The trace is written when this iteration starts (exclusive)."""
+    trace_dir: str = ""
+    """Each rank writes rank{N}.*.pt.trace.json here (TensorBoard's profiler plugin reads it)."""
+    memory_snapshot_path: str = ""
+    """CUDA only: an allocator-history pickle over the window ('{rank}' is filled in)."""
+
+
+@dataclass
+class FaultsConfig:
+    """Deliberate faults for drills and tests; empty in real runs."""
+
+    nan_at_iterations: list[int] = field(default_factory=list)
+    """Make the loss and one gradient non-finite at these iterations (tests the NaN guard)."""
+    kill_at_iteration: int = 0
+    """SIGKILL rank kill_rank during this iteration (0: never). Like every fault below, only on
+    the first attempt: a group restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) runs clean."""
+    kill_rank: int = 0
+    kill_during_save: bool = False
+    """Kill in the checkpoint save of kill_at_iteration instead, after this rank wrote its data."""
+    hang_at_iteration: int = 0
+    """Rank hang_rank sleeps forever in this iteration (0: never): a stuck peer."""
+    hang_rank: int = 0
+    signal_at_iteration: int = 0
+    """Rank signal_rank sends itself signal_name in this iteration, and SIGTERM and SIGINT again
+    while the checkpoint that follows is written (0: never)."""
+    signal_rank: int = 0
+    signal_name: str = "SIGTERM"
+    disk_full_at_iteration: int = 0
+    """The checkpoint save of this iteration fails with ENOSPC on rank disk_full_rank, after
+    writing part of its data (0: never)."""
+    disk_full_rank: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+
+
+# Keys that parse but whose feature is not built yet: set to anything but the default, they are
+# reported at start-up instead of being ignored.

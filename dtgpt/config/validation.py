@@ -1,0 +1,385 @@
+"""The rules a config must follow, checked once before any process group exists.
+
+Every error names the key, the value and the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtgpt.config.sections import Config, ConfigError
+
+
+# Keys that parse but whose feature is not built yet: set to anything but the default, they are
+# reported at start-up instead of being ignored.
+NOT_BUILT: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+# Schedules that place two or more stages on every rank.
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+_CHOICES = {
+    "model.position_embedding_type": ("learned_absolute", "rope"),
+    "model.normalization": ("LayerNorm", "RMSNorm"),
+    "training.activation_checkpointing": ("none", "full", "selective"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "training.nan_policy": ("skip", "stop"),
+    "optimizer.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    "optimizer.lr_wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
+    "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
+    "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
+    "data.tokenizer_type": ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"),
+    "data.builtin_corpus": ("", "python-docstrings"),
+    "distributed.backend": ("auto", "nccl", "gloo"),
+    "faults.signal_name": ("SIGTERM", "SIGINT"),
+}
+
+FAULT_RANKS = ("faults.kill_rank", "faults.hang_rank", "faults.signal_rank", "faults.disk_full_rank")
+
+_POSITIVE = (
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.seq_length",
+    "model.make_vocab_size_divisible_by",
+    "training.micro_batch_size",
+    "training.global_batch_size",
+    "training.train_iters",
+    "training.activation_checkpointing_every",
+    "parallel.tensor_model_parallel_size",
+    "parallel.pipeline_model_parallel_size",
+    "parallel.data_parallel_replicate_size",
+    "parallel.virtual_pipeline_stages_per_rank",
+    "logging.log_interval",
+    "eval.eval_interval",
+    "distributed.timeout_minutes",
+)
+
+
+def get_key(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def num_pipeline_stages(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.pipeline_model_parallel_size * p.virtual_pipeline_stages_per_rank
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """dp = world / (pp * tp) when dp_shard is -1, else dp_replicate * dp_shard."""
+    p = cfg.parallel
+    if p.data_parallel_shard_size == -1:
+        return world_size // (p.pipeline_model_parallel_size * p.tensor_model_parallel_size)
+    return p.data_parallel_replicate_size * p.data_parallel_shard_size
+
+
+def _check_model(cfg: Config) -> None:
+    """Rules of model shape."""
+    m = cfg.model
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"model.num_attention_heads={m.num_attention_heads} must divide model.hidden_size={m.hidden_size}",
+    )
+    head_dim = m.hidden_size // m.num_attention_heads
+    _require(
+        m.position_embedding_type != "rope" or head_dim % 2 == 0,
+        f"model.position_embedding_type='rope' needs an even head size, got hidden_size/heads={head_dim}",
+    )
+    _require(
+        m.seq_length <= m.max_positions,
+        f"model.seq_length={m.seq_length} must be <= model.max_position_embeddings={m.max_position_embeddings}",
+    )
+    _require(m.ffn_hidden_size >= 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 0 (0 = 4*hidden)")
+    _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
+    for key in ("model.hidden_dropout", "model.attention_dropout"):
+        _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """Rules of tensor parallel."""
+    m = cfg.model
+    p = cfg.parallel
+    tp = cfg.parallel.tensor_model_parallel_size
+    _require(
+        m.num_attention_heads % tp == 0,
+        f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={m.num_attention_heads}",
+    )
+    _require(
+        m.ffn_size % tp == 0,
+        f"parallel.tensor_model_parallel_size={tp} must divide the MLP width model.ffn_hidden_size={m.ffn_size}",
+    )
+    _require(
+        not (p.sequence_parallel and tp > 1) or m.seq_length % tp == 0,
+        f"parallel.tensor_model_parallel_size={tp} must divide model.seq_length={m.seq_length} "
+        "under parallel.sequence_parallel=true",
+    )
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """Rules of pipeline parallel."""
+    m = cfg.model
+    p = cfg.parallel
+    pp = cfg.parallel.pipeline_model_parallel_size
+    vpp = cfg.parallel.virtual_pipeline_stages_per_rank
+    stages = pp * vpp
+    if p.pipeline_layers_per_stage:
+        counts = p.pipeline_layers_per_stage
+        _require(
+            len(counts) == stages,
+            f"parallel.pipeline_layers_per_stage has {len(counts)} entries; it needs one per stage "
+            f"(pipeline_model_parallel_size * virtual_pipeline_stages_per_rank = {stages})",
+        )
+        _require(
+            sum(counts) == m.num_layers and min(counts) >= 0,
+            f"parallel.pipeline_layers_per_stage={counts} must be >= 0 and sum to model.num_layers={m.num_layers}",
+        )
+        empty = [i for i, c in enumerate(counts[1:-1], start=1) if c == 0]
+        _require(
+            not empty,
+            f"parallel.pipeline_layers_per_stage={counts}: middle stage {empty[0] if empty else ''} would hold "
+            "nothing (only the first stage may be just the embedding, the last just the head)",
+        )
+    else:
+        _require(
+            m.num_layers % stages == 0,
+            f"model.num_layers={m.num_layers} must be divisible by the number of pipeline stages "
+            f"(pipeline_model_parallel_size={pp} * virtual_pipeline_stages_per_rank={vpp} = {stages}); "
+            "or give parallel.pipeline_layers_per_stage",
+        )
+    if pp > 1 or vpp > 1:
+        multi = p.pipeline_schedule in MULTI_STAGE_SCHEDULES
+        if multi:
+            _require(
+                vpp >= 2,
+                f"parallel.pipeline_schedule={p.pipeline_schedule!r} places several stages per rank: "
+                f"set parallel.virtual_pipeline_stages_per_rank >= 2 (got {vpp})",
+            )
+        else:
+            _require(
+                vpp == 1,
+                f"parallel.virtual_pipeline_stages_per_rank={vpp} needs a multi-stage schedule "
+                f"({', '.join(MULTI_STAGE_SCHEDULES)}), not parallel.pipeline_schedule={p.pipeline_schedule!r}",
+            )
+        if p.pipeline_schedule in V_SHAPED_SCHEDULES:
+            _require(
+                vpp == 2,
+                f"parallel.pipeline_schedule={p.pipeline_schedule!r} is V-shaped and needs "
+                f"parallel.virtual_pipeline_stages_per_rank=2 (got {vpp})",
+            )
+
+
+def _check_compile(cfg: Config) -> None:
+    """Rules of compile."""
+    t = cfg.training
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(
+        not t.compile or (tp == 1 and pp == 1),
+        f"training.compile=true is not supported with parallel.tensor_model_parallel_size={tp} or "
+        f"parallel.pipeline_model_parallel_size={pp} (> 1): compiling parts of a tensor-parallel model fails or "
+        "gives wrong gradients, and no parity test covers these combinations yet; set training.compile=false",
+    )
+
+
+def _check_batch_sizes(cfg: Config) -> None:
+    """Rules of batch sizes."""
+    t = cfg.training
+    _require(
+        t.global_batch_size % t.micro_batch_size == 0,
+        f"training.micro_batch_size={t.micro_batch_size} must divide training.global_batch_size={t.global_batch_size}",
+    )
+    if t.rampup_batch_size:
+        _require(
+            len(t.rampup_batch_size) == 3,
+            f"training.rampup_batch_size={t.rampup_batch_size} must be [start, increment, ramp_samples]",
+        )
+        start, incr, samples = t.rampup_batch_size
+        _require(start > 0 and incr > 0 and samples >= 0, f"training.rampup_batch_size={t.rampup_batch_size} needs start > 0, increment > 0, samples >= 0")
+        _require(
+            start <= t.global_batch_size and (t.global_batch_size - start) % incr == 0,
+            f"training.rampup_batch_size={t.rampup_batch_size}: global_batch_size={t.global_batch_size} - start "
+            f"must be a non-negative multiple of the increment",
+        )
+
+
+def _check_precision(cfg: Config) -> None:
+    """Rules of precision."""
+    t = cfg.training
+    o = cfg.optimizer
+    _require(not (t.fp16 and t.bf16), "training.fp16=true and training.bf16=true cannot both be set")
+    _require(o.initial_loss_scale > 0 and o.min_loss_scale > 0, "optimizer.initial_loss_scale and min_loss_scale must be > 0")
+    _require(o.hysteresis >= 1, f"optimizer.hysteresis={o.hysteresis} must be >= 1")
+    _require(o.loss_scale_window >= 1, f"optimizer.loss_scale_window={o.loss_scale_window} must be >= 1")
+
+
+def _check_learning_rate(cfg: Config) -> None:
+    """Rules of learning rate."""
+    t = cfg.training
+    o = cfg.optimizer
+    _require(o.lr >= 0 and o.min_lr >= 0, f"optimizer.lr={o.lr} and optimizer.min_lr={o.min_lr} must be >= 0")
+    _require(o.min_lr <= o.lr, f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
+    _require(o.clip_grad >= 0, f"optimizer.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    if o.lr_warmup_fraction is not None:
+        _require(
+            0.0 <= o.lr_warmup_fraction < 1.0,
+            f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1) (warmup < decay)",
+        )
+    decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
+    _require(decay_iters > 0, f"optimizer.lr_decay_iters={o.lr_decay_iters} must be > 0")
+    if o.lr_decay_samples is None and o.lr_warmup_fraction is None and not o.lr_warmup_samples:
+        _require(
+            o.lr_warmup_iters < decay_iters,
+            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be < the decay length "
+            f"optimizer.lr_decay_iters={decay_iters} (warmup < decay)",
+        )
+    if o.lr_decay_samples is not None and o.lr_warmup_samples:
+        _require(
+            o.lr_warmup_samples < o.lr_decay_samples,
+            f"optimizer.lr_warmup_samples={o.lr_warmup_samples} must be < optimizer.lr_decay_samples={o.lr_decay_samples}",
+        )
+
+
+def _check_data(cfg: Config) -> None:
+    """Rules of data."""
+    d = cfg.data
+    has_data = d.mock_data or d.builtin_corpus or d.data_path or d.train_data_path
+    _require(
+        bool(has_data),
+        "no training data: set data.data_path (or data.train_data_path), data.builtin_corpus, or data.mock_data=true",
+    )
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
+    _require(
+        d.tokenizer_type != "NullTokenizer" or d.vocab_size > 0,
+        f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
+    )
+    split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
+    try:
+        weights = [float(s) for s in split]
+    except ValueError:
+        raise ConfigError(f"data.split={d.split!r} must be comma-separated numbers like '949,50,1'") from None
+    _require(
+        1 <= len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
+        f"data.split={d.split!r} needs 1-3 non-negative weights with a positive sum",
+    )
+
+
+def _check_checkpoint_logging_faults(cfg: Config) -> None:
+    """Rules of checkpoint and logging."""
+    c = cfg.checkpoint
+    for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration"):
+        _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+    _require(c.exit_duration_in_mins >= 0, f"checkpoint.exit_duration_in_mins={c.exit_duration_in_mins} must be >= 0")
+    _require(cfg.eval.eval_iters >= 0, f"eval.eval_iters={cfg.eval.eval_iters} must be >= 0")
+    _require(
+        cfg.logging.timers_log_level in (0, 1, 2),
+        f"logging.timers_log_level={cfg.logging.timers_log_level} must be 0, 1 or 2",
+    )
+
+    _require(
+        cfg.distributed.heartbeat_min_seconds > 0,
+        f"distributed.heartbeat_min_seconds={cfg.distributed.heartbeat_min_seconds} must be > 0",
+    )
+    for key in FAULT_RANKS:
+        _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+        at = key.replace("_rank", "_at_iteration")
+        _require(get_key(cfg, at) >= 0, f"{at}={get_key(cfg, at)} must be >= 0 (0: never)")
+
+    prof = cfg.profiling
+    if prof.profile_step_start > 0 and prof.trace_dir:
+        _require(
+            prof.profile_step_end > prof.profile_step_start,
+            f"profiling.profile_step_end={prof.profile_step_end} must be > profiling.profile_step_start={prof.profile_step_start}",
+        )
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every rule that needs no process group; with world_size, the mesh rules too."""
+    for key, choices in _CHOICES.items():
+        value = get_key(cfg, key)
+        _require(value in choices, f"{key}={value!r} is not one of: {', '.join(map(repr, choices))}")
+    for key in _POSITIVE:
+        value = get_key(cfg, key)
+        _require(value > 0, f"{key}={value} must be > 0")
+    _check_model(cfg)
+    _check_tensor_parallel(cfg)
+    _check_pipeline(cfg)
+    _check_compile(cfg)
+    _check_batch_sizes(cfg)
+    _check_precision(cfg)
+    _check_learning_rate(cfg)
+    _check_data(cfg)
+    _check_checkpoint_logging_faults(cfg)
+
+    if world_size is not None:
+        validate_mesh(cfg, world_size)
+
+
+def validate_mesh(cfg: Config, world_size: int) -> None:
+    """Rules that need the world size: the mesh product and the batch split over dp."""
+    p, t = cfg.parallel, cfg.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dpr, dps = p.data_parallel_replicate_size, p.data_parallel_shard_size
+    if dps == -1:
+        _require(
+            world_size % (pp * tp * dpr) == 0,
+            f"world size {world_size} is not divisible by pipeline_model_parallel_size={pp} * "
+            f"tensor_model_parallel_size={tp} * data_parallel_replicate_size={dpr}",
+        )
+    else:
+        _require(dps > 0, f"parallel.data_parallel_shard_size={dps} must be > 0 or -1 (the rest)")
+        _require(
+            pp * dpr * dps * tp == world_size,
+            f"world size {world_size} != pipeline_model_parallel_size={pp} * data_parallel_replicate_size={dpr} "
+            f"* data_parallel_shard_size={dps} * tensor_model_parallel_size={tp} = {pp * dpr * dps * tp}",
+        )
+    for key in FAULT_RANKS:
+        _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")
+    dp = data_parallel_size(cfg, world_size)
+    per_step = t.micro_batch_size * dp
+    batch_sizes = [t.global_batch_size] + t.rampup_batch_size[:2]
+    for name, size in zip(("training.global_batch_size", "training.rampup_batch_size start", "training.rampup_batch_size increment"), batch_sizes):
+        _require(
+            size % per_step == 0,
+            f"{name}={size} must be divisible by micro_batch_size={t.micro_batch_size} * data-parallel size {dp} = {per_step}",
+        )
+    if pp > 1:
+        stages = num_pipeline_stages(cfg)
+        smallest = (t.rampup_batch_size[0] if t.rampup_batch_size else t.global_batch_size) // per_step
+        if p.pipeline_schedule == "DualPipeV":
+            _require(
+                smallest >= stages,
+                f"parallel.pipeline_schedule='DualPipeV' needs micro-batches per iteration >= stages ({stages}); "
+                f"the smallest batch gives {smallest} (global_batch_size / (micro_batch_size * dp))",
+            )
+        elif p.pipeline_schedule in MULTI_STAGE_SCHEDULES and p.pipeline_schedule != "LoopedBFS":
+            _require(
+                smallest % pp == 0 or smallest >= stages,
+                f"parallel.pipeline_schedule={p.pipeline_schedule!r} needs micro-batches per iteration to be a "
+                f"multiple of pipeline_model_parallel_size={pp}; the smallest batch gives {smallest}",
+            )
+
+
+def unbuilt_keys(cfg: Config) -> list[str]:
+    """Keys from NOT_BUILT that are set away from their default."""
+    default = Config()
+    return [k for k in NOT_BUILT if get_key(cfg, k) != get_key(default, k)]
