@@ -60,12 +60,6 @@ class ExitConditions:
         self.start = time.monotonic()
         self.signals = SignalFlag(signal_handler_enabled(cfg))
 
-    def _agreed(self, local: bool) -> bool:
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
     def reason(self, iteration: int) -> str | None:
         """Why training should stop after `iteration`, agreed across ranks; None to go on."""
         c = self.cfg
