@@ -9,6 +9,7 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dtgpt.config import ConfigError, load_config, to_toml
@@ -41,14 +42,23 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
 
         pretrain(cfg, model_provider, datasets_provider)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     except Exception as e:
         if not is_user_error(e):
             raise
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        print_error(one_line(str(e)))
         return 2
     return 0
+
+
+def print_error(message: str) -> None:
+    """Print `error: message` to stderr as one write. Every rank of a job shares the same
+    stderr pipe; print() writes the text and the newline separately, so two ranks failing at
+    once could glue their lines together. A single write of at most PIPE_BUF bytes is atomic."""
+    sys.stderr.flush()
+    line = f"error: {message}\n".encode(errors="replace")
+    os.write(sys.stderr.fileno(), line)
 
 
 def is_user_error(error: BaseException) -> bool:

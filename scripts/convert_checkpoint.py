@@ -30,6 +30,7 @@ from dtgpt.checkpoint.export import (  # noqa: E402
     to_torch_file,
     write_checkpoint,
 )
+from dtgpt.cli import print_error  # noqa: E402
 from dtgpt.config import Config, ConfigError, apply_override, load_config, validate  # noqa: E402
 from dtgpt.model import padded_vocab_size  # noqa: E402
 
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> int:
         else:
             from_gpt2(args)
     except (CheckpointError, ConfigError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 2
     return 0
 

@@ -19,6 +19,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtgpt.cli import print_error
 from dtgpt.config import DataConfig
 from dtgpt.data.preprocess import PreprocessError, preprocess
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
         stats = preprocess(args.input, args.output_prefix, data_cfg, json_keys=args.json_keys,
                            append_eod=args.append_eod, workers=args.workers, strict=args.strict)
     except (PreprocessError, ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 1
     print(stats.summary())
     for out in stats.outputs:

@@ -95,3 +95,13 @@ def test_per_split_paths(prefixes):
 def test_missing_prefix_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nothere\.idx: no such file"):
         build_gpt_datasets([str(tmp_path / "nothere")], "1", ([], [], []), (4, 0, 0), SEQ, 5, str(tmp_path))
+
+
+def test_blend_order_does_not_depend_on_the_number_of_samples(prefixes):
+    """Invariant 2 for blends: a longer run (several epochs of each component) starts with exactly
+    the samples of a shorter one, so train_iters may change on resume."""
+    a, b, cache = prefixes
+    short, long = (build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", ([], [], []), (n, 0, 0), SEQ, 5, cache)[0]
+                   for n in (100, 900))
+    assert long.datasets[1].num_epochs > short.datasets[1].num_epochs
+    assert all(np.array_equal(short[i], long[i]) for i in range(len(short)))

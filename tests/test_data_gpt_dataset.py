@@ -93,35 +93,32 @@ def test_random_draws_follow_megatron_order(indexed):
     np.testing.assert_array_equal(ds.shuffle_index, shuffle)
 
 
-def test_separate_final_epoch(indexed):
+def test_each_epoch_is_shuffled_with_its_own_generator(indexed):
     tokens = int(indexed.sequence_lengths.sum())
     seq = 8
-    per_epoch = (tokens - 1) // seq
-    # two full epochs plus a few samples: the third epoch is shuffled on its own
-    num_samples = (2 * tokens - 1) // seq + 3
+    num_samples = (2 * tokens - 1) // seq + 3  # two full epochs plus a few samples: three epochs
     ds = GPTDataset(indexed, (0, 60), num_samples, seq, SEED, cache_dir=None)
     assert ds.num_epochs == 3
-    rng = np.random.RandomState(SEED)
-    first = np.tile(np.arange(60, dtype=np.int32), 2)
-    rng.shuffle(first)
-    last = np.arange(60, dtype=np.int32)
-    rng.shuffle(last)
-    np.testing.assert_array_equal(ds.document_index, np.concatenate([first, last]))
-    sans_final = (2 * tokens - 1) // seq
-    assert sorted(ds.shuffle_index[:sans_final].tolist()) == list(range(sans_final))
-    assert sorted(ds.shuffle_index[sans_final:].tolist()) == list(range(sans_final, len(ds)))
-    assert num_samples - sans_final < 0.8 * per_epoch
+    ends = [0] + [((e + 1) * tokens - 1) // seq for e in range(3)]
+    for e in range(3):
+        rng = np.random.RandomState(SEED) if e == 0 else np.random.RandomState([SEED, e])
+        docs = np.arange(60, dtype=np.int32)
+        rng.shuffle(docs)
+        samples = np.arange(ends[e], ends[e + 1], dtype=np.uint32)
+        rng.shuffle(samples)  # the samples whose last token lies in epoch e, after its documents
+        np.testing.assert_array_equal(ds.document_index[60 * e: 60 * (e + 1)], docs)
+        np.testing.assert_array_equal(ds.shuffle_index[ends[e]: ends[e + 1]], samples)
+    assert len(ds) == ends[-1]
 
 
-def test_final_epoch_mostly_used_is_shuffled_with_the_rest(indexed):
-    tokens = int(indexed.sequence_lengths.sum())
-    num_samples = (2 * tokens - 1) // 8 - 2  # nearly two epochs: the second is not separate
-    ds = GPTDataset(indexed, (0, 60), num_samples, 8, SEED, cache_dir=None)
-    rng = np.random.RandomState(SEED)
-    docs = np.tile(np.arange(60, dtype=np.int32), 2)
-    rng.shuffle(docs)
-    assert ds.num_epochs == 2
-    np.testing.assert_array_equal(ds.document_index, docs)
+@pytest.mark.parametrize("seq_length", [8, 16])
+def test_order_does_not_depend_on_the_number_of_samples(indexed, seq_length):
+    """Invariant 2: asking for more samples (a longer run, resumed) only appends epochs."""
+    datasets = [GPTDataset(indexed, (2, 58), n, seq_length, SEED, cache_dir=None) for n in (5, 150, 400, 401)]
+    assert [d.num_epochs for d in datasets][0] == 1 and datasets[-1].num_epochs > datasets[1].num_epochs > 1
+    longest = datasets[-1]
+    for ds in datasets[:-1]:
+        assert all(np.array_equal(ds[i], longest[i]) for i in range(len(ds)))
 
 
 def test_split_boundaries():
@@ -157,8 +154,11 @@ def test_cache_built_once_keyed_by_inputs(indexed, tmp_path, monkeypatch):
     GPTDataset(indexed, (0, 50), 40, 16, SEED + 1, cache)
     GPTDataset(indexed, (0, 50), 40, 8, SEED, cache)
     GPTDataset(indexed, (0, 49), 40, 16, SEED, cache)
-    GPTDataset(indexed, (0, 50), 41, 16, SEED, cache)
-    assert len(calls) == 5 and len(os.listdir(cache)) == 15
+    assert len(calls) == 4 and len(os.listdir(cache)) == 12
+    GPTDataset(indexed, (0, 50), 41, 16, SEED, cache)  # same epochs, same arrays: no rebuild
+    assert len(calls) == 4
+    more = GPTDataset(indexed, (0, 50), 4 * len(a), 16, SEED, cache)
+    assert len(calls) == 5 and len(os.listdir(cache)) == 15 and more.num_epochs > a.num_epochs
     # same inputs in a fresh cache: the same samples (order depends on the data and settings only)
     c = GPTDataset(indexed, (0, 50), 40, 16, SEED, str(tmp_path / "other"))
     assert all(np.array_equal(a[i], c[i]) for i in range(len(a)))

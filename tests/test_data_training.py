@@ -9,35 +9,53 @@ import sys
 
 import pytest
 
+from dtgpt.data.gpt_dataset import num_epochs_needed
+from dtgpt.data.indexed import IndexedDataset
 from tests.runs import REPO, TINY, train_losses
 
 
-def test_train_on_preprocessed_data_single_and_dp2(tmp_path):
+BASE = [a for a in TINY if not a.startswith(("--data.mock_data", "--data.vocab_size"))]
+
+
+def write_corpus(directory, documents: int) -> list[str]:
+    """A preprocessed corpus of `documents` runs of integers; returns the data args that read it."""
     rng = random.Random(0)
     lines = []
-    for _ in range(300):
+    for _ in range(documents):
         start = rng.randrange(0, 900)
         doc = " ".join(str(start + (i % 50)) for i in range(rng.randrange(20, 120)))
         lines.append('{"text": "%s"}' % doc)
-    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    (directory / "corpus.jsonl").write_text("\n".join(lines) + "\n")
     subprocess.run(
         [sys.executable, str(REPO / "scripts/preprocess_data.py"), "--input", "corpus.jsonl",
          "--output-prefix", "corpus", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
          "--append-eod", "--workers", "1"],
-        cwd=tmp_path, check=True, capture_output=True,
+        cwd=directory, check=True, capture_output=True,
     )  # fmt: skip
-    base = [a for a in TINY if not a.startswith(("--data.mock_data", "--data.vocab_size"))]
-    data = [
-        "--data.data_path=corpus_text_document",
-        "--data.vocab_size=1000",
-        "--data.split=90,10,0",
-        "--data.data_cache_path=cache",
-        "--eval.eval_iters=1",
-        "--eval.eval_interval=5",
-    ]
+    return ["--data.data_path=corpus_text_document", "--data.vocab_size=1000", "--data.data_cache_path=cache"]
+
+
+def test_train_on_preprocessed_data_single_and_dp2(tmp_path):
+    base = BASE
+    data = write_corpus(tmp_path, 300) + ["--data.split=90,10,0", "--eval.eval_iters=1", "--eval.eval_interval=5"]
     single = train_losses(tmp_path, data, name="single", base=base)
     dp2 = train_losses(tmp_path, data + ["--parallel.data_parallel_shard_size=2"], nproc=2, name="dp2", base=base)
     assert list((tmp_path / "cache").rglob("*.npy")), "the index cache was not built: the corpus was not read"
     assert single[-1] < single[0]
     assert dp2 == pytest.approx(single, rel=1e-5)
     assert "validation loss at iteration 5" in (tmp_path / "single.log").read_text()
+
+
+def test_raising_train_iters_on_resume_continues_the_same_tokens(tmp_path):
+    """A run stopped at iteration 6 and resumed with train_iters raised from 6 to 12 reads exactly
+    the samples of a 12-iteration run: the order does not depend on how many samples are asked
+    for, although the longer run needs a second epoch of this ~40-document corpus."""
+    data = write_corpus(tmp_path, 40) + ["--data.split=1", "--optimizer.lr_decay_iters=12"]
+    twelve = train_losses(tmp_path, data + ["--training.train_iters=12"], name="twelve", base=BASE)
+    six = data + ["--training.train_iters=6", "--checkpoint.save=ckpt", "--checkpoint.save_interval=6"]
+    first = train_losses(tmp_path, six, name="six", base=BASE)
+    rest = train_losses(tmp_path, data + ["--training.train_iters=12", "--checkpoint.load=ckpt"], name="rest", base=BASE)
+    assert len(twelve) == 12 and len(first) == 6 and len(rest) == 6
+    assert first + rest == twelve
+    tokens = int(IndexedDataset(str(tmp_path / "corpus_text_document")).sequence_lengths.sum())
+    assert [num_epochs_needed(tokens, 8 * iters, 32) for iters in (6, 12)] == [1, 2]

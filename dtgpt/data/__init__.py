@@ -30,8 +30,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
     """(train, valid, test) datasets; item i of each is an int64 array of seq_length + 1 tokens.
 
     A split is None when it was asked for 0 samples or has weight 0 (in data.split, or no path).
-    The sample order depends on the data, training.seed, model.seq_length and the number of
-    samples asked for, never on the parallel layout.
+    The sample order depends on the data, training.seed and model.seq_length only: never on the
+    parallel layout, nor on the number of samples asked for (which only decides how much is built).
     """
     d, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
     if len(num_samples) != 3:

@@ -2,14 +2,19 @@
 
 Three index arrays define the sample order:
 
-- document index: the split's documents repeated for enough epochs, shuffled with
-  `numpy.random.RandomState(seed)` (the final epoch apart when it is used for < 80% of its samples);
+- document index: the split's documents, each epoch shuffled on its own;
 - sample index: row j = (position in the document index, token offset) where sample j starts;
   sample j covers stream tokens [j * seq_length, (j + 1) * seq_length], so neighbours share a token;
-- shuffle index: a permutation of the samples, drawn from the same RandomState after the documents.
+- shuffle index: the samples ending in epoch e, shuffled among themselves, epoch after epoch.
 
-The arrays depend on (sequence lengths, document range, num_samples, seq_length, seed) only; they
-are cached as .npy files keyed by a hash of those, built once by rank 0 and memory-mapped.
+Epoch e draws from its own generator: epoch 0 from `numpy.random.RandomState(seed)`, documents
+first and then samples, exactly as Megatron does for a one-epoch dataset. A later epoch never
+changes an earlier one, so the order is a function of (data, document range, seq_length, seed)
+alone: asking for more samples (a longer run) only appends epochs. Megatron instead shuffles all
+epochs together, which makes its order depend on the number of samples asked for.
+
+The arrays are cached as .npy files keyed by a hash of their inputs, built once by rank 0 and
+memory-mapped.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from dtgpt.data.cache import build_once, description_hash, file_fingerprint, loa
 from dtgpt.data.indexed import DataError, IndexedDataset, bin_path, idx_path
 
 SPLIT_NAMES = ("train", "valid", "test")
-_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron: a final epoch used for less than this is shuffled apart
 _ARRAYS = ("document_index", "sample_index", "shuffle_index")
 
 
@@ -63,17 +67,14 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) 
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
-    """The documents repeated num_epochs times and shuffled (the last epoch on its own if separate)."""
-    if separate_final_epoch and num_epochs > 1:
-        first = build_document_index(documents, num_epochs - 1, rng, False)
-        last = build_document_index(documents, 1, rng, False)
-        return np.concatenate([first, last])
-    dtype = np.int32 if len(documents) == 0 or documents.max() < np.iinfo(np.int32).max else np.int64
-    index = np.tile(np.asarray(documents, dtype=dtype), num_epochs)
-    rng.shuffle(index)
-    return index
+def epoch_generator(seed: int, epoch: int) -> np.random.RandomState:
+    """Epoch 0: RandomState(seed), Megatron's generator. Epoch e > 0: RandomState([seed, e]),
+    seeded by array, a stream no integer seed produces (so seed + 1 never replays epoch 1)."""
+    return np.random.RandomState(seed) if epoch == 0 else np.random.RandomState([seed, epoch])
+
+
+def index_dtype(largest: int, small=np.int32, big=np.int64):
+    return small if largest < np.iinfo(small).max - 1 else big
 
 
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
@@ -95,44 +96,43 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     return np.stack([position, offset], axis=1).astype(np.int64 if big else np.int32)
 
 
-def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
-    """Shuffled [0, num_samples) followed by shuffled [num_samples, total_size)."""
-    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
-    first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
-    if num_samples == total_size:
-        return first
-    last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
-    return np.concatenate([first, last])
+def samples_ending_by_epoch(tokens_per_epoch: int, num_epochs: int, seq_length: int) -> list[int]:
+    """Cumulative sample counts: entry e is the number of samples whose last token lies in
+    epochs 0..e (sample j ends at stream position (j + 1) * seq_length)."""
+    return [((e + 1) * tokens_per_epoch - 1) // seq_length for e in range(num_epochs)]
 
 
-def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int,
+def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_epochs: int, seq_length: int,
                       seed: int) -> dict[str, np.ndarray]:
-    """document/sample/shuffle index for `num_samples` samples, random draws in Megatron's order."""
+    """document/sample/shuffle index over `num_epochs` epochs, each epoch shuffled on its own."""
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch == 0:
         raise ValueError(f"documents [{documents[0] if len(documents) else 0}, ...) hold no tokens")
-    num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
-    separate_final_epoch = False
-    num_samples_sans_final = 0
-    if num_epochs > 1:
-        num_samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
-        from_final_epoch = num_samples - num_samples_sans_final
-        per_epoch = (tokens_per_epoch - 1) // seq_length
-        separate_final_epoch = from_final_epoch < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
-    rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+    generators = [epoch_generator(seed, e) for e in range(num_epochs)]
+    doc_dtype = index_dtype(int(documents.max()) if len(documents) else 0)
+    epochs = []
+    for rng in generators:
+        order = np.asarray(documents, dtype=doc_dtype).copy()
+        rng.shuffle(order)
+        epochs.append(order)
+    document_index = np.concatenate(epochs)
     sample_index = build_sample_index(sequence_lengths, document_index, seq_length)
-    total = len(sample_index) - 1
-    shuffle_index = build_shuffle_index(num_samples_sans_final if separate_final_epoch else total, total, rng)
-    return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+    ends = samples_ending_by_epoch(tokens_per_epoch, num_epochs, seq_length)
+    assert ends[-1] == len(sample_index) - 1
+    sample_dtype = index_dtype(ends[-1], np.uint32)
+    blocks = []
+    for rng, lo, hi in zip(generators, [0] + ends[:-1], ends):
+        block = np.arange(lo, hi, dtype=sample_dtype)
+        rng.shuffle(block)  # drawn after the documents, from the same generator
+        blocks.append(block)
+    return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": np.concatenate(blocks)}
 
 
 class GPTDataset:
     """Samples of exactly seq_length + 1 tokens (int64) from documents [lo, hi) of an IndexedDataset.
 
-    `len()` covers every sample of the epochs built (>= num_samples, as in Megatron).
+    Enough epochs are built for `num_samples`; `len()` covers every sample of those epochs
+    (>= num_samples, as in Megatron), and sample i is the same whatever num_samples was.
     With `cache_dir=None` the indices are built in memory and never written. With `vocab_size`,
     a sample holding an id outside [0, vocab_size) raises a DataError naming the file.
     """
@@ -149,16 +149,18 @@ class GPTDataset:
             raise ValueError(f"num_samples={num_samples} and seq_length={seq_length} must be >= 1")
         self.indexed, self.seq_length, self.split_name = indexed, seq_length, split_name
         self.vocab_size = vocab_size
+        tokens_per_epoch = int(indexed.sequence_lengths[lo:hi].sum(dtype=np.int64))
+        self.num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length) if tokens_per_epoch else 1
         self.description = {
-            "class": "GPTDataset", "format": 1, "prefix": os.path.abspath(indexed.prefix),
+            "class": "GPTDataset", "format": 2, "prefix": os.path.abspath(indexed.prefix),
             "idx": file_fingerprint(idx_path(indexed.prefix)), "bin": file_fingerprint(bin_path(indexed.prefix)),
-            "split": split_name, "documents": [lo, hi], "num_samples": num_samples,
+            "split": split_name, "documents": [lo, hi], "num_epochs": self.num_epochs,
             "seq_length": seq_length, "seed": seed,
         }
 
         def build() -> dict[str, np.ndarray]:
             docs = np.arange(lo, hi, dtype=np.int64)
-            return build_gpt_indices(indexed.sequence_lengths, docs, num_samples, seq_length, seed)
+            return build_gpt_indices(indexed.sequence_lengths, docs, self.num_epochs, seq_length, seed)
 
         self._paths = None
         if cache_dir is None:
@@ -188,11 +190,6 @@ class GPTDataset:
         self.__dict__.update(state)
         if self._paths is not None:
             self._set_arrays({name: load_npy(path) for name, path in self._paths.items()})
-
-    @property
-    def num_epochs(self) -> int:
-        lo, hi = self.description["documents"]
-        return len(self.document_index) // (hi - lo)
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

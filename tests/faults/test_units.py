@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import numpy as np
 import pytest
 
 from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
-from dtgpt.cli import is_user_error, one_line
+from dtgpt.cli import is_user_error, one_line, print_error
 from dtgpt.config import CheckpointConfig, ConfigError, FaultsConfig, load_config, validate
 from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, check_token_ids
@@ -118,3 +119,14 @@ def test_a_bug_is_not_a_user_error():
     wrapped = RuntimeError("rank 0: save-checkpoint of iteration 3 failed")
     wrapped.__cause__ = CheckpointError("disk full")
     assert is_user_error(wrapped)
+
+
+def test_an_error_line_is_one_write_so_ranks_cannot_interleave(monkeypatch, capfd):
+    """Every rank of a job shares stderr: a line written in two pieces (text, then newline) was
+    once glued to another rank's line. print_error must hand the whole line to one write."""
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or real_write(fd, data))
+    print_error("rank 1: save-checkpoint of iteration 6 failed")
+    assert writes == [(sys.stderr.fileno(), b"error: rank 1: save-checkpoint of iteration 6 failed\n")]
+    assert capfd.readouterr().err == "error: rank 1: save-checkpoint of iteration 6 failed\n"
