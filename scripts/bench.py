@@ -8,10 +8,11 @@
 dtgpt runs exactly as the trainer runs it on one device: a Config, the mesh of one
 (`ParallelDims.from_config(cfg, 1)`), `setup_model_and_optimizer` (meta build -> parallelize ->
 materialise, AdamW, LR schedule, loss scaler), then `train_step` once per iteration with one
-micro-batch. The reference below is what one would write in a single file: pre-LN GPT, learned
-positions, fused QKV, tanh-GeLU MLP, biases, final LayerNorm, tied head, bf16 autocast,
-`torch.compile` of the model (loss included), AdamW (fused on CUDA), clipping at 1.0, and the loss
-read on the host once per iteration as a loop that logs every iteration does.
+micro-batch. The reference is what one would write in a single file: the model of
+scripts/reference_gpt.py (pre-LN GPT, learned positions, fused QKV, tanh-GeLU MLP, biases, final
+LayerNorm, tied head) and the step below: bf16 autocast, `torch.compile` of the model (loss
+included), AdamW (fused on CUDA), clipping at 1.0, and the loss read on the host once per
+iteration as a loop that logs every iteration does.
 
 The two are measured one after the other, never both in memory, alternating their order round by
 round (ABBA) so that drift in clocks or temperature falls on both alike. Warm-up iterations
@@ -25,7 +26,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import platform
 import sys
 import time
@@ -34,8 +34,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 try:
     import dtgpt  # noqa: F401
@@ -49,6 +47,9 @@ from dtgpt.model import GPT, flops_per_token, num_parameters, padded_vocab_size
 from dtgpt.parallel import ParallelDims
 from dtgpt.step import train_step
 from dtgpt.training import setup_model_and_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path
+from reference_gpt import ReferenceGPT  # noqa: E402
 
 # name: (layers, hidden, heads, seq_length, micro_batch_size)
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -117,54 +118,7 @@ def dtgpt_step(cfg: Config, device: torch.device) -> tuple[Step, GPT]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The plain reference: one file, the same math
-
-
-class RefBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, eps: float):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden, eps=eps)
-        self.qkv = nn.Linear(hidden, 3 * hidden)  # rows [q | k | v], each head by head
-        self.out = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden, eps=eps)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
-
-
-class ReferenceGPT(nn.Module):
-    """GPT-2/3 style: the forward takes tokens and next-token labels and returns the mean loss."""
-
-    def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int, eps: float = 1e-5):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(RefBlock(hidden, heads, eps) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden, eps=eps)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-        self.head.weight = self.tok.weight
-        for name, p in self.named_parameters():  # LayerNorm weights keep their ones
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.ndim >= 2:
-                scaled = name.endswith(("out.weight", "down.weight"))  # GPT-2's residual scaling
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if scaled else 0.02)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        T = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(T, device=tokens.device))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+# The plain reference's training step (its model: scripts/reference_gpt.py)
 
 
 def reference_step(cfg: Config, device: torch.device) -> tuple[Step, ReferenceGPT]:
@@ -195,34 +149,6 @@ def reference_step(cfg: Config, device: torch.device) -> tuple[Step, ReferenceGP
         return loss.item()
 
     return step, model
-
-
-@torch.no_grad()
-def copy_dtgpt_weights(src: GPT, ref: ReferenceGPT) -> None:
-    """Give the reference dtgpt's weights. dtgpt's QKV rows are [head, (q|k|v), head_dim]; the
-    reference's are [(q|k|v), head, head_dim], so those rows are regrouped."""
-    C = src.cfg.hidden_size
-    nh = src.cfg.num_attention_heads
-    hd = C // nh
-    value = {
-        "tok.weight": src.embedding.word.weight,
-        "pos.weight": src.embedding.position.weight,
-        "ln_f.weight": src.norm.weight,
-        "ln_f.bias": src.norm.bias,
-    }
-    for i, block in src.layers.items():
-        attn = block.attention
-        for ours, theirs in (("ln1", block.input_norm), ("out", attn.proj), ("ln2", block.mlp_norm),
-                             ("up", block.mlp.fc1), ("down", block.mlp.fc2)):  # fmt: skip
-            value[f"blocks.{i}.{ours}.weight"] = theirs.weight
-            value[f"blocks.{i}.{ours}.bias"] = theirs.bias
-        value[f"blocks.{i}.qkv.weight"] = attn.qkv.weight.view(nh, 3, hd, C).transpose(0, 1).reshape(3 * C, C)
-        value[f"blocks.{i}.qkv.bias"] = attn.qkv.bias.view(nh, 3, hd).transpose(0, 1).reshape(3 * C)
-    names = [name for name, _ in ref.named_parameters()]
-    if sorted(names) != sorted(value):
-        raise ValueError(f"parameter names differ: {sorted(set(names) ^ set(value))}")
-    for name, p in ref.named_parameters():
-        p.copy_(value[name])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ def test_tiny_cpu_run_writes_json(tmp_path):
 def test_reference_computes_dtgpt_losses_from_the_same_weights():
     """fp32 on CPU: the same weights and batches give the same losses, step after step."""
     bench = load_bench()
+    from reference_gpt import copy_dtgpt_weights  # scripts/, put on the path by bench.py
+
     cfg = bench.bench_config("tiny", "cpu", bf16=False)
     device = torch.device("cpu")
     dtgpt_step, dtgpt_model = bench.dtgpt_step(cfg, device)
@@ -53,7 +55,7 @@ def test_reference_computes_dtgpt_losses_from_the_same_weights():
     batches = bench.make_batches(cfg, device, 3, on_host=False)
     tokens, labels = batches[0][:, :-1], batches[0][:, 1:]
 
-    bench.copy_dtgpt_weights(dtgpt_model, reference_model)
+    copy_dtgpt_weights(dtgpt_model, reference_model)
     # The check has teeth: copying dtgpt's head-by-head QKV rows without regrouping them
     # (or not copying at all) moves the loss far more than the tolerance below.
     with torch.no_grad():
@@ -62,7 +64,7 @@ def test_reference_computes_dtgpt_losses_from_the_same_weights():
             reference_model.blocks[int(name)].qkv.weight.copy_(block.attention.qkv.weight)
         misordered = reference_model(tokens, labels).item()
     assert abs(misordered - copied) > 1e-4 * abs(copied)
-    bench.copy_dtgpt_weights(dtgpt_model, reference_model)
+    copy_dtgpt_weights(dtgpt_model, reference_model)
 
     dtgpt_losses = [dtgpt_step(b) for b in batches]
     reference_losses = [reference_step(b) for b in batches]
