@@ -67,13 +67,14 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int, seq_length: int) 
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
 
-def epoch_generator(seed: int, epoch: int) -> np.random.RandomState:
-    """Epoch 0: RandomState(seed), Megatron's generator. Epoch e > 0: RandomState([seed, e]),
-    seeded by array, a stream no integer seed produces (so seed + 1 never replays epoch 1)."""
-    return np.random.RandomState(seed) if epoch == 0 else np.random.RandomState([seed, epoch])
+def epoch_seed(seed: int, epoch: int) -> int | list[int]:
+    """Epoch 0: seed, Megatron's RandomState(seed). Epoch e > 0: [seed, e], an array seed, whose
+    stream no integer seed produces (so seed + 1 never replays epoch 1)."""
+    return seed if epoch == 0 else [seed, epoch]
 
 
 def index_dtype(largest: int, small=np.int32, big=np.int64):
+    """The smaller integer type when it holds `largest` (halves the cached index files)."""
     return small if largest < np.iinfo(small).max - 1 else big
 
 
@@ -108,23 +109,24 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_e
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch == 0:
         raise ValueError(f"documents [{documents[0] if len(documents) else 0}, ...) hold no tokens")
-    generators = [epoch_generator(seed, e) for e in range(num_epochs)]
     doc_dtype = index_dtype(int(documents.max()) if len(documents) else 0)
-    epochs = []
-    for rng in generators:
+    ends = samples_ending_by_epoch(tokens_per_epoch, num_epochs, seq_length)
+    sample_dtype = index_dtype(ends[-1], np.uint32)
+    epochs, blocks = [], []
+    rng = np.random.RandomState()
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+        # Re-seeding one generator is ~10x cheaper than a new one; a small corpus may be
+        # repeated for many thousands of epochs.
+        rng.seed(epoch_seed(seed, e))
         order = np.asarray(documents, dtype=doc_dtype).copy()
         rng.shuffle(order)
         epochs.append(order)
-    document_index = np.concatenate(epochs)
-    sample_index = build_sample_index(sequence_lengths, document_index, seq_length)
-    ends = samples_ending_by_epoch(tokens_per_epoch, num_epochs, seq_length)
-    assert ends[-1] == len(sample_index) - 1
-    sample_dtype = index_dtype(ends[-1], np.uint32)
-    blocks = []
-    for rng, lo, hi in zip(generators, [0] + ends[:-1], ends):
-        block = np.arange(lo, hi, dtype=sample_dtype)
+        block = np.arange(lo, hi, dtype=sample_dtype)  # the block depends on token counts only
         rng.shuffle(block)  # drawn after the documents, from the same generator
         blocks.append(block)
+    document_index = np.concatenate(epochs)
+    sample_index = build_sample_index(sequence_lengths, document_index, seq_length)
+    assert ends[-1] == len(sample_index) - 1
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": np.concatenate(blocks)}
 
 
