@@ -93,8 +93,8 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     position = np.searchsorted(ends, starts, side="right")
     offset = starts - (ends[position] - lengths[position])
-    big = len(document_index) >= np.iinfo(np.int32).max or lengths.max() >= np.iinfo(np.int32).max
-    return np.stack([position, offset], axis=1).astype(np.int64 if big else np.int32)
+    dtype = index_dtype(max(len(document_index), int(lengths.max())))
+    return np.stack([position, offset], axis=1).astype(dtype)
 
 
 def samples_ending_by_epoch(tokens_per_epoch: int, num_epochs: int, seq_length: int) -> list[int]:
