@@ -20,12 +20,12 @@ from typing import Iterator
 
 import torch
 
-from dtgpt.config import Config, ConfigError, config_from_dict, validate
+from dtgpt.config import Config, config_from_dict, derived, padded_vocabulary, validate
 from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
 from dtgpt.distributed import Runtime, initialize
 from dtgpt.distributed import shutdown as shutdown  # re-exported
 from dtgpt.loss_scaler import build_loss_scaler
-from dtgpt.model import GPT, flops_per_token, padded_vocab_size
+from dtgpt.model import GPT, flops_per_token
 from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers
 from dtgpt.parallel import ModelParts, ParallelDims
 from dtgpt.parallel import build_model as build_parallel_model
@@ -59,18 +59,15 @@ def _dims_for(cfg: Config, runtime: Runtime) -> ParallelDims:
 
 def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> ModelParts:
     """GPT of cfg.model built on meta, parallelised per cfg.parallel, initialised with the seed."""
-    padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by)
-    tp = cfg.parallel.tensor_model_parallel_size
-    if padded % tp:
-        raise ConfigError(f"parallel.tensor_model_parallel_size={tp} must divide the padded vocabulary {padded}")
+    padded = padded_vocabulary(cfg, vocab_size)
     with torch.device("meta"):
         whole = GPT(cfg.model, padded)
     return build_parallel_model(cfg, _dims_for(cfg, runtime), whole, runtime.device)
 
 
 def num_microbatches(cfg: Config, runtime: Runtime) -> int:
-    t = cfg.training
-    return t.global_batch_size // (t.micro_batch_size * runtime.dims.dp)
+    """Micro-batches per data-parallel rank in one global batch of cfg."""
+    return derived.num_microbatches(cfg, runtime.dims.dp, cfg.training.global_batch_size)
 
 
 def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 0) -> Iterator[torch.Tensor]:

@@ -20,14 +20,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dtgpt.config import ModelConfig
+from dtgpt.config import padded_vocab_size as padded_vocab_size  # re-exported: scripts and tests use it
 
 WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_WEIGHT = "output.weight"
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Pad the vocabulary to a multiple of `divisible_by` (never times tp: the model is mesh-free)."""
-    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:

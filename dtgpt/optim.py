@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtgpt.config import Config, ConfigError, OptimizerConfig, TrainingConfig
+from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
 
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "fused", "for-loop")
 
@@ -67,10 +68,6 @@ def build_optimizer(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Batch-size ramp-up
-
-
 class PartOptimizers:
     """One AdamW per model part (one per pipeline stage a rank holds).
 
@@ -102,6 +99,10 @@ class PartOptimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
 
+# ---------------------------------------------------------------------------------------------
+# Batch-size ramp-up
+
+
 class BatchSizeSchedule:
     """The global batch size as a function of samples consumed so far (Megatron's ramp-up).
 
@@ -117,16 +118,7 @@ class BatchSizeSchedule:
 
     def __init__(self, cfg: TrainingConfig):
         self.final = cfg.global_batch_size
-        ramp = list(cfg.rampup_batch_size)
-        if ramp and len(ramp) != 3:
-            raise ConfigError(f"training.rampup_batch_size={ramp} must be [start, increment, ramp_samples]")
-        if ramp:
-            start, incr, samples = ramp
-            if start <= 0 or incr <= 0 or samples < 0 or start > self.final or (self.final - start) % incr:
-                raise ConfigError(
-                    f"training.rampup_batch_size={ramp} needs start > 0, increment > 0, samples >= 0 and "
-                    f"global_batch_size={self.final} - start a non-negative multiple of the increment"
-                )
+        ramp = list(cfg.rampup_batch_size)  # validated: [start, increment, samples]
         # A ramp that starts at the final size or lasts no samples is no ramp at all.
         self.enabled = bool(ramp) and ramp[0] < self.final and ramp[2] > 0
         self.start, self.increment, self.ramp_samples = ramp if self.enabled else (self.final, 0, 0)
@@ -180,17 +172,6 @@ def total_train_samples(cfg: TrainingConfig) -> int:
     return BatchSizeSchedule(cfg).consumed_samples(cfg.train_iters)
 
 
-def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
-    """Micro-batches each data-parallel rank runs to make up one global batch."""
-    per_step = micro_batch_size * data_parallel_size
-    if per_step <= 0 or global_batch_size % per_step:
-        raise ConfigError(
-            f"global batch {global_batch_size} must be divisible by training.micro_batch_size="
-            f"{micro_batch_size} * data-parallel size {data_parallel_size} = {per_step}"
-        )
-    return global_batch_size // per_step
-
-
 # ---------------------------------------------------------------------------------------------
 # Learning-rate schedule
 
@@ -200,7 +181,6 @@ _WSD_COEFF = {
     "exponential": lambda r: 2.0 * 0.5**r - 1.0,
     "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
 }
-_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 
 class LRSchedule(Stateful):
@@ -213,30 +193,13 @@ class LRSchedule(Stateful):
     """
 
     def __init__(self, cfg: Config):
-        o, gbs = cfg.optimizer, cfg.training.global_batch_size
-        if o.lr_decay_style not in _DECAY_STYLES:
-            raise ConfigError(f"optimizer.lr_decay_style={o.lr_decay_style!r} is not one of: {_DECAY_STYLES}")
+        o = cfg.optimizer  # validated: warmup < decay, and the WSD anneal fits between them
         self.style, self.wsd_style = o.lr_decay_style, o.lr_wsd_decay_style
         self.max_lr, self.min_lr, self.init_lr = o.lr, o.min_lr, o.lr_warmup_init
-        self.decay_steps = _decay_samples(cfg)
-        self.warmup_steps = _warmup_samples(o, gbs, self.decay_steps)
-        self.wsd_decay_steps = _wsd_decay_samples(o, gbs) if self.style == "WSD" else 0
-        self._check()
+        self.decay_steps = lr_decay_length(cfg).samples
+        self.warmup_steps = lr_warmup_length(cfg).samples
+        self.wsd_decay_steps = lr_wsd_decay_length(cfg).samples if self.style == "WSD" else 0
         self.num_samples = 0
-
-    def _check(self) -> None:
-        if self.style == "constant":
-            return
-        if self.warmup_steps >= self.decay_steps:
-            raise ConfigError(
-                f"the warmup ({self.warmup_steps:g} samples, from optimizer.lr_warmup_*) must be shorter "
-                f"than the decay ({self.decay_steps} samples, from optimizer.lr_decay_*)"
-            )
-        if self.style == "WSD" and self.wsd_decay_steps > self.decay_steps - self.warmup_steps:
-            raise ConfigError(
-                f"the WSD anneal ({self.wsd_decay_steps} samples, from optimizer.lr_wsd_decay_*) must fit "
-                f"between the end of warmup ({self.warmup_steps:g}) and the end of decay ({self.decay_steps})"
-            )
 
     def lr_at(self, num_samples: float) -> float:
         """The learning rate after `num_samples` samples of successful iterations."""
@@ -287,51 +250,3 @@ class LRSchedule(Stateful):
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self.num_samples = int(state_dict["num_samples"])
 
-
-def _decay_samples(cfg: Config) -> int:
-    o, t = cfg.optimizer, cfg.training
-    if o.lr_decay_samples is not None:
-        key, value, samples = "optimizer.lr_decay_samples", o.lr_decay_samples, o.lr_decay_samples
-    else:
-        key = "optimizer.lr_decay_iters" if o.lr_decay_iters is not None else "training.train_iters"
-        value = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
-        samples = value * t.global_batch_size
-    if samples <= 0:
-        raise ConfigError(f"{key}={value} must be > 0: it sets the decay length")
-    return samples
-
-
-def _warmup_samples(o: OptimizerConfig, global_batch_size: int, decay_samples: int) -> float:
-    if o.lr_warmup_fraction is not None:
-        if not 0.0 <= o.lr_warmup_fraction < 1.0:
-            raise ConfigError(f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1)")
-        return o.lr_warmup_fraction * decay_samples
-    if o.lr_warmup_samples < 0 or o.lr_warmup_iters < 0:
-        raise ConfigError(
-            f"optimizer.lr_warmup_samples={o.lr_warmup_samples} and optimizer.lr_warmup_iters="
-            f"{o.lr_warmup_iters} must be >= 0"
-        )
-    if o.lr_warmup_samples > 0:
-        return o.lr_warmup_samples
-    return o.lr_warmup_iters * global_batch_size
-
-
-def _wsd_decay_samples(o: OptimizerConfig, global_batch_size: int) -> int:
-    """The anneal length of WSD. It has no sensible default, so leaving it unset is an error."""
-    if o.lr_wsd_decay_samples is not None:
-        key, value, samples = "optimizer.lr_wsd_decay_samples", o.lr_wsd_decay_samples, o.lr_wsd_decay_samples
-    elif o.lr_wsd_decay_iters is not None:
-        key, value = "optimizer.lr_wsd_decay_iters", o.lr_wsd_decay_iters
-        samples = value * global_batch_size
-    else:
-        raise ConfigError(
-            "optimizer.lr_decay_style='WSD' needs the anneal length: set optimizer.lr_wsd_decay_iters "
-            "or optimizer.lr_wsd_decay_samples"
-        )
-    if samples <= 0:
-        raise ConfigError(f"{key}={value} must be > 0 under optimizer.lr_decay_style='WSD'")
-    if o.lr_wsd_decay_style not in _WSD_COEFF:
-        raise ConfigError(
-            f"optimizer.lr_wsd_decay_style={o.lr_wsd_decay_style!r} is not one of: {', '.join(_WSD_COEFF)}"
-        )
-    return samples

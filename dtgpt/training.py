@@ -15,14 +15,14 @@ from typing import Callable, Iterator
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtgpt.config import Config, ConfigError, to_toml, unbuilt_keys
+from dtgpt.config import Config, num_microbatches, padded_vocabulary, to_toml
 from dtgpt.data import build_data_loader, build_tokenizer
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
 from dtgpt.faults import Faults
 from dtgpt.loss_scaler import build_loss_scaler
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
-from dtgpt.model import GPT, flops_per_token, padded_vocab_size
+from dtgpt.model import GPT, flops_per_token
 from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers, total_train_samples
 from dtgpt.parallel import ModelParts, build_model
 from dtgpt.profiling import Profiler
@@ -76,7 +76,7 @@ class Trainer:
     flops_per_token: float
 
     def num_microbatches(self, global_batch_size: int) -> int:
-        return global_batch_size // (self.cfg.training.micro_batch_size * self.runtime.dims.dp)
+        return num_microbatches(self.cfg, self.runtime.dims.dp, global_batch_size)
 
 
 def log0(runtime: Runtime, message: str) -> None:
@@ -86,12 +86,6 @@ def log0(runtime: Runtime, message: str) -> None:
 
 def setup_model_and_optimizer(cfg: Config, runtime: Runtime, model_provider: ModelProvider, vocab_size: int):
     """Model on meta -> parallelised parts on the device -> AdamW, LR schedule, loss scaler."""
-    tp = cfg.parallel.tensor_model_parallel_size
-    if vocab_size % tp:
-        raise ConfigError(
-            f"parallel.tensor_model_parallel_size={tp} must divide the padded vocabulary {vocab_size}; "
-            f"choose model.make_vocab_size_divisible_by as a multiple of {tp}"
-        )
     with torch.device("meta"):
         whole = model_provider(cfg, vocab_size)
     model = build_model(cfg, runtime.dims, whole, runtime.device)
@@ -260,19 +254,13 @@ def train(
     return reason
 
 
-def report_unbuilt(cfg: Config, runtime: Runtime) -> None:
-    for key in unbuilt_keys(cfg):
-        log0(runtime, f"WARNING: {key} is set but its feature is not built yet; it has no effect")
-
-
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
     """Train per `cfg`; returns the final TrainState. Always shuts the process group down."""
     runtime = initialize(cfg)
     clean = False
     try:
-        report_unbuilt(cfg, runtime)
         tokenizer = build_tokenizer(cfg.data)
-        vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
+        vocab_size = padded_vocabulary(cfg, tokenizer.vocab_size)
         model, optimizer, lr_schedule, scaler = setup_model_and_optimizer(cfg, runtime, model_provider, vocab_size)
         trainer = Trainer(
             cfg, runtime, model, optimizer, lr_schedule, scaler, BatchSizeSchedule(cfg.training), TrainState(),

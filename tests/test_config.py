@@ -10,8 +10,12 @@ from dtgpt.config import (
     Config,
     ConfigError,
     config_from_dict,
+    data_parallel_size,
     load_config,
     load_toml,
+    mesh_shape,
+    num_microbatches,
+    padded_vocabulary,
     split_overrides,
     to_toml,
     validate,
@@ -151,6 +155,18 @@ def test_toml_errors(tmp_path):
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2}, None,
          "training.compile=true is not supported with parallel.tensor_model_parallel_size=2"),
+        # The LR schedule's lengths, in samples (config/derived.py computes them for validation and optim).
+        ({"optimizer__lr_warmup_samples": 100_000}, None, "optimizer.lr_warmup_samples=100000 must be < the decay length"),
+        ({"optimizer__lr_decay_samples": 0}, None, "optimizer.lr_decay_samples=0 must be > 0"),
+        ({"optimizer__lr_warmup_iters": -1}, None, "optimizer.lr_warmup_iters=-1 must be >= 0"),
+        ({"optimizer__lr_decay_style": "WSD"}, None, "needs the anneal length: set optimizer.lr_wsd_decay_iters"),
+        ({"optimizer__lr_decay_style": "WSD", "optimizer__lr_wsd_decay_samples": 0}, None, "lr_wsd_decay_samples=0 must be > 0"),
+        ({"optimizer__lr_decay_style": "WSD", "optimizer__lr_wsd_decay_iters": 10**9}, None, "must fit between the end of warmup"),
+        ({"training__rampup_batch_size": [4, 2, 100], "training__global_batch_size": 8}, 4,
+         "training.rampup_batch_size increment=2 must be divisible by micro_batch_size=1 * data-parallel size 4"),
+        ({"data__tokenizer_type": "NullTokenizer", "data__vocab_size": 100, "model__make_vocab_size_divisible_by": 1,
+          "parallel__tensor_model_parallel_size": 8, "model__num_attention_heads": 8, "model__hidden_size": 64},
+         None, "parallel.tensor_model_parallel_size=8 must divide the padded vocabulary 100"),
     ],
 )
 def test_validation_errors_name_key_value_rule(overrides, world, expected):
@@ -181,10 +197,23 @@ def test_cli_print_config_and_clean_errors():
     assert "did you mean 'hidden_size'" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_unbuilt_keys_are_reported(monkeypatch):
-    import dtgpt.config.validation as config
+def test_derived_helpers_raise_validations_message():
+    """Builders call the helpers validation calls, so a value only known at run time (the tokenizer's
+    vocabulary, a ramp-up batch) fails with the message validation gives."""
+    cfg = base(parallel__tensor_model_parallel_size=8, model__num_attention_heads=8, model__hidden_size=64,
+               model__make_vocab_size_divisible_by=4)  # fmt: skip
+    assert padded_vocabulary(cfg, 262) == 264
+    with pytest.raises(ConfigError, match=r"^parallel.tensor_model_parallel_size=8 must divide the padded vocabulary 260; "):
+        padded_vocabulary(cfg, 257)
+    assert num_microbatches(base(training__micro_batch_size=2), 4, 32) == 4
+    validation_says = error_of(base(training__global_batch_size=6), 4)
+    with pytest.raises(ConfigError) as helper:
+        num_microbatches(base(), 4, 6)
+    assert str(helper.value) == validation_says
 
-    monkeypatch.setattr(config, "NOT_BUILT", ("training.compile", "model.rotary_base"))
-    cfg = base(training__compile=True)
-    assert config.unbuilt_keys(cfg) == ["training.compile"]  # set away from its default
-    assert config.unbuilt_keys(base()) == []
+
+def test_mesh_shape_resolves_the_rest():
+    cfg = base(parallel__tensor_model_parallel_size=2, parallel__pipeline_model_parallel_size=2,
+               parallel__data_parallel_replicate_size=2, model__num_layers=2)  # fmt: skip
+    assert mesh_shape(cfg, 16) == (2, 2, 2, 2)
+    assert data_parallel_size(cfg, 16) == 4

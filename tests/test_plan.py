@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dtgpt import plan_memory as pm
+from dtgpt.plan import memory as pm
 from dtgpt.config import ConfigError, load_config
 from dtgpt.plan import plan_layout, tokenizer_vocab_size
 
@@ -340,3 +340,27 @@ def test_sbatch_plans_then_srun_torchrun_with_c10d_rendezvous(tmp_path):
     assert "--checkpoint.save=/ckpt" in launch
     refused = _run_script("scripts/slurm/gpt3_175b.sbatch", PATHS + ["--parallel.tensor_model_parallel_size=3"], env)
     assert refused.returncode == 2 and "srun" not in refused.stdout
+
+
+def test_plan_package_imports_run_one_way():
+    """dtgpt/plan/ modules import each other without a cycle (report once imported the planner
+    that imported it)."""
+    import ast
+
+    package = REPO / "dtgpt" / "plan"
+    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    edges = {}
+    for name in modules:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dtgpt.plan"):
+                rest = node.module[len("dtgpt.plan"):].lstrip(".")
+                targets |= {rest} if rest else {alias.name for alias in node.names}
+        edges[name] = targets & modules
+    assert edges["results"] == set() and "layout" not in edges["report"]
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges[start])
+
+    assert not [m for m in modules if reaches(m, m)]

@@ -5,7 +5,9 @@ object down explicitly. Nothing here reads global state.
 
     sections.py    the dataclasses (the config contract of DESIGN.md)
     loading.py     TOML, overrides, type coercion, closest-name suggestions, printing as TOML
-    validation.py  the cross-field rules
+    validation.py  the cross-field rules: every rule lives here once
+    derived.py     one helper per derived quantity (mesh, micro-batches, padded vocabulary,
+                   LR schedule lengths), shared by validation and the builders
 """
 
 from dtgpt.config.sections import (
@@ -23,15 +25,20 @@ from dtgpt.config.sections import (
     ProfilingConfig,
     TrainingConfig,
 )
+from dtgpt.config.derived import (
+    data_parallel_size,
+    mesh_shape,
+    num_microbatches,
+    num_pipeline_stages,
+    padded_vocab_size,
+    padded_vocabulary,
+)
 from dtgpt.config.loading import apply_override, config_from_dict, load_config, load_toml, split_overrides, to_toml
 from dtgpt.config.validation import (
     MULTI_STAGE_SCHEDULES,
     PIPELINE_SCHEDULES,
     V_SHAPED_SCHEDULES,
-    data_parallel_size,
     get_key,
-    num_pipeline_stages,
-    unbuilt_keys,
     validate,
     validate_mesh,
 )
@@ -41,6 +48,6 @@ __all__ = [
     "FaultsConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
     "ProfilingConfig", "TrainingConfig", "apply_override", "config_from_dict", "load_config",
     "load_toml", "split_overrides", "to_toml", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES",
-    "V_SHAPED_SCHEDULES", "data_parallel_size", "get_key", "num_pipeline_stages", "unbuilt_keys",
-    "validate", "validate_mesh",
+    "V_SHAPED_SCHEDULES", "data_parallel_size", "get_key", "mesh_shape", "num_microbatches",
+    "num_pipeline_stages", "padded_vocab_size", "padded_vocabulary", "validate", "validate_mesh",
 ]  # fmt: skip

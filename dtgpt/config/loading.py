@@ -203,7 +203,7 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         if math.isinf(value) or math.isnan(value):
-            return str(value).replace("inf", "inf").lower()
+            return str(value)  # inf, -inf, nan: TOML's own spellings
         return repr(value)
     if isinstance(value, int):
         return str(value)

@@ -240,6 +240,3 @@ class Config:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
-
-# Keys that parse but whose feature is not built yet: set to anything but the default, they are
-# reported at start-up instead of being ignored.

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtgpt.config.derived import (
+    data_parallel_size,
+    lr_decay_length,
+    lr_warmup_length,
+    lr_wsd_decay_length,
+    mesh_shape,
+    num_microbatches,
+    num_pipeline_stages,
+    padded_vocabulary,
+)
 from dtgpt.config.sections import Config, ConfigError
-
-
-# Keys that parse but whose feature is not built yet: set to anything but the default, they are
-# reported at start-up instead of being ignored.
-NOT_BUILT: tuple[str, ...] = ()
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation
 
 PIPELINE_SCHEDULES = (
     "GPipe",
@@ -77,19 +78,6 @@ def get_key(cfg: Config, dotted: str) -> Any:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def num_pipeline_stages(cfg: Config) -> int:
-    p = cfg.parallel
-    return p.pipeline_model_parallel_size * p.virtual_pipeline_stages_per_rank
-
-
-def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """dp = world / (pp * tp) when dp_shard is -1, else dp_replicate * dp_shard."""
-    p = cfg.parallel
-    if p.data_parallel_shard_size == -1:
-        return world_size // (p.pipeline_model_parallel_size * p.tensor_model_parallel_size)
-    return p.data_parallel_replicate_size * p.data_parallel_shard_size
 
 
 def _check_model(cfg: Config) -> None:
@@ -233,7 +221,6 @@ def _check_precision(cfg: Config) -> None:
 
 def _check_learning_rate(cfg: Config) -> None:
     """Rules of learning rate."""
-    t = cfg.training
     o = cfg.optimizer
     _require(o.lr >= 0 and o.min_lr >= 0, f"optimizer.lr={o.lr} and optimizer.min_lr={o.min_lr} must be >= 0")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
@@ -244,18 +231,28 @@ def _check_learning_rate(cfg: Config) -> None:
             0.0 <= o.lr_warmup_fraction < 1.0,
             f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1) (warmup < decay)",
         )
-    decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else t.train_iters
-    _require(decay_iters > 0, f"optimizer.lr_decay_iters={o.lr_decay_iters} must be > 0")
-    if o.lr_decay_samples is None and o.lr_warmup_fraction is None and not o.lr_warmup_samples:
+    for key in ("optimizer.lr_warmup_iters", "optimizer.lr_warmup_samples"):
+        _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+    decay, warmup = lr_decay_length(cfg), lr_warmup_length(cfg)
+    _require(decay.samples > 0, f"{decay.key}={decay.value} must be > 0: it sets the decay length")
+    # Megatron asserts warmup < decay whatever the decay style.
+    _require(
+        warmup.samples < decay.samples,
+        f"{warmup.key}={warmup.value} must be < the decay length {decay.key}={decay.value} "
+        f"({warmup.samples:g} >= {decay.samples:g} samples; warmup < decay)",
+    )
+    if o.lr_decay_style == "WSD":
+        anneal = lr_wsd_decay_length(cfg)
         _require(
-            o.lr_warmup_iters < decay_iters,
-            f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be < the decay length "
-            f"optimizer.lr_decay_iters={decay_iters} (warmup < decay)",
+            anneal is not None,
+            "optimizer.lr_decay_style='WSD' needs the anneal length: set optimizer.lr_wsd_decay_iters "
+            "or optimizer.lr_wsd_decay_samples",
         )
-    if o.lr_decay_samples is not None and o.lr_warmup_samples:
+        _require(anneal.samples > 0, f"{anneal.key}={anneal.value} must be > 0 under optimizer.lr_decay_style='WSD'")
         _require(
-            o.lr_warmup_samples < o.lr_decay_samples,
-            f"optimizer.lr_warmup_samples={o.lr_warmup_samples} must be < optimizer.lr_decay_samples={o.lr_decay_samples}",
+            anneal.samples <= decay.samples - warmup.samples,
+            f"{anneal.key}={anneal.value}: the WSD anneal ({anneal.samples:g} samples) must fit between the end "
+            f"of warmup ({warmup.samples:g}) and the end of decay ({decay.samples:g})",
         )
 
 
@@ -272,6 +269,8 @@ def _check_data(cfg: Config) -> None:
         d.tokenizer_type != "NullTokenizer" or d.vocab_size > 0,
         f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
     )
+    if d.tokenizer_type == "NullTokenizer":
+        padded_vocabulary(cfg, d.vocab_size)  # the vocabulary is known now; others once the tokenizer is built
     split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
     try:
         weights = [float(s) for s in split]
@@ -355,16 +354,15 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
     for key in FAULT_RANKS:
         _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")
     dp = data_parallel_size(cfg, world_size)
-    per_step = t.micro_batch_size * dp
-    batch_sizes = [t.global_batch_size] + t.rampup_batch_size[:2]
-    for name, size in zip(("training.global_batch_size", "training.rampup_batch_size start", "training.rampup_batch_size increment"), batch_sizes):
-        _require(
-            size % per_step == 0,
-            f"{name}={size} must be divisible by micro_batch_size={t.micro_batch_size} * data-parallel size {dp} = {per_step}",
-        )
+    batch_sizes = {"training.global_batch_size": t.global_batch_size}
+    if t.rampup_batch_size:
+        start, incr, _ = t.rampup_batch_size
+        batch_sizes.update({"training.rampup_batch_size start": start, "training.rampup_batch_size increment": incr})
+    for key, size in batch_sizes.items():
+        num_microbatches(cfg, dp, size, key)  # raises when dp * micro_batch_size does not divide it
     if pp > 1:
         stages = num_pipeline_stages(cfg)
-        smallest = (t.rampup_batch_size[0] if t.rampup_batch_size else t.global_batch_size) // per_step
+        smallest = num_microbatches(cfg, dp, t.rampup_batch_size[0] if t.rampup_batch_size else t.global_batch_size)
         if p.pipeline_schedule == "DualPipeV":
             _require(
                 smallest >= stages,
@@ -378,8 +376,3 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
                 f"multiple of pipeline_model_parallel_size={pp}; the smallest batch gives {smallest}",
             )
 
-
-def unbuilt_keys(cfg: Config) -> list[str]:
-    """Keys from NOT_BUILT that are set away from their default."""
-    default = Config()
-    return [k for k in NOT_BUILT if get_key(cfg, k) != get_key(default, k)]

@@ -105,18 +105,17 @@ class _Encoder:
         return out
 
 
-# Set once per worker process by the pool initializer, so the tokenizer is built once per worker
-# rather than pickled with every chunk; the main process never touches it.
-_worker_encoder: Optional[_Encoder] = None
+# Filled once per worker process by the pool initializer, so the tokenizer is built once per
+# worker rather than pickled with every chunk; the main process never touches it.
+_worker: dict[str, _Encoder] = {}
 
 
 def _init_worker(data_cfg: DataConfig, json_keys: Sequence[str], append_eod: bool, dtype) -> None:
-    global _worker_encoder
-    _worker_encoder = _Encoder(build_tokenizer(data_cfg), json_keys, append_eod, dtype)
+    _worker["encoder"] = _Encoder(build_tokenizer(data_cfg), json_keys, append_eod, dtype)
 
 
 def _encode_in_worker(chunk: tuple[int, list[bytes]]) -> dict:
-    return _worker_encoder.encode_chunk(chunk)
+    return _worker["encoder"].encode_chunk(chunk)
 
 
 class _ReadAhead:

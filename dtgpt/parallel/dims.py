@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dtgpt.config import Config, ConfigError, validate_mesh
+from dtgpt.config import Config, mesh_shape, validate_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -32,13 +32,7 @@ class ParallelDims:
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
         """Resolve dp_shard = -1 to the rest and check the product (before any group exists)."""
         validate_mesh(cfg, world_size)
-        p = cfg.parallel
-        pp, tp, dpr = p.pipeline_model_parallel_size, p.tensor_model_parallel_size, p.data_parallel_replicate_size
-        dps = p.data_parallel_shard_size
-        if dps == -1:
-            dps = world_size // (pp * tp * dpr)
-        if pp * dpr * dps * tp != world_size:
-            raise ConfigError(f"mesh pp={pp} x dp_replicate={dpr} x dp_shard={dps} x tp={tp} != world size {world_size}")
+        pp, dpr, dps, tp = mesh_shape(cfg, world_size)
         return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp, world_size=world_size)
 
     @property

@@ -1,6 +1,6 @@
 """What the planner tells a person: warnings that matter and the per-rank table.
 
-Pure functions of a finished plan (dtgpt.plan.Plan); nothing here builds a model.
+Pure functions of a finished plan (dtgpt.plan.results.Plan); nothing here builds a model.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtgpt.config import MULTI_STAGE_SCHEDULES, Config
+from dtgpt.plan.results import Plan, RankPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from dtgpt.optim import BatchSizeSchedule
     from dtgpt.parallel import ParallelDims
-    from dtgpt.plan import Plan, RankPlan
 
 RAMPUP_BUBBLE_WARNING = 0.2
 """Warn when the first ramp-up iterations idle more than this fraction of the time."""
@@ -42,7 +42,7 @@ def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
     ]
 
 
-def layout_warnings(cfg: Config, plan: "Plan", batches: "BatchSizeSchedule", dims: "ParallelDims") -> list[str]:
+def layout_warnings(cfg: Config, plan: Plan, batches: "BatchSizeSchedule", dims: "ParallelDims") -> list[str]:
     warnings = []
     over = [r for r in plan.ranks if r.memory_gib > plan.gpu_memory_gib]
     if over:
@@ -92,7 +92,7 @@ def _layers(ids: list[int]) -> str:
     return ",".join(map(str, ids))
 
 
-def _merged(ranks: list["RankPlan"]) -> list[tuple[list["RankPlan"], "RankPlan"]]:
+def _merged(ranks: list[RankPlan]) -> list[tuple[list[RankPlan], RankPlan]]:
     """Rows that differ only in tp rank are shown once ("tp 0-7")."""
     rows: list[tuple[list, RankPlan]] = []
     for r in ranks:
@@ -107,7 +107,7 @@ def _merged(ranks: list["RankPlan"]) -> list[tuple[list["RankPlan"], "RankPlan"]
     return rows
 
 
-def format_plan(cfg: Config, plan: "Plan") -> str:
+def format_plan(cfg: Config, plan: Plan) -> str:
     m, t, p = cfg.model, cfg.training, cfg.parallel
     mesh = plan.mesh
     precision = "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"

@@ -1,6 +1,6 @@
 """The planner's formulas: activation memory, micro-batches in flight, bubble, model-state bytes, time.
 
-Pure arithmetic on numbers the planner read from the real parallelised model (dtgpt.plan);
+Pure arithmetic on numbers the planner read from the real parallelised model (dtgpt.plan.layout);
 nothing here touches torch.distributed. Every formula is written out in docs/plan.md.
 """
 

@@ -1,105 +1,28 @@
-"""Plan a layout on a laptop: per-rank parameters and memory, bubble, FLOPs and training time.
+"""Plan a layout: build each distinct rank on the fake process group, then apply the formulas.
 
 Every distinct (pp rank, tp rank) of the job is built on the meta device under PyTorch's "fake"
 process group at the job's full world size, through the same `build_parts()` -> `parallelize()`
-code path that training runs (dtgpt.plan_ranks), so the parameter counts are those of the real
+code path that training runs (dtgpt.plan.ranks), so the parameter counts are those of the real
 sharded DTensors. Nothing is allocated. Memory, bubble and time come from the formulas in
-dtgpt.plan_memory.
-
-    python scripts/plan.py --config configs/gpt3_175b.toml [--json] [--world-size N] [--check]
-    python train.py --config configs/gpt3_175b.toml --dry-run
+dtgpt.plan.memory.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-from dtgpt import plan_memory as pm
-from dtgpt.config import Config, ConfigError, apply_override, config_from_dict, load_toml, split_overrides, validate
-from dtgpt.model import flops_per_token, num_parameters, padded_vocab_size
+from dtgpt.config import Config, ConfigError, num_microbatches, padded_vocabulary, validate
+from dtgpt.model import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
-from dtgpt.plan_ranks import BuiltRank, build_ranks
-from dtgpt.plan_report import format_plan, layout_warnings
+from dtgpt.plan import memory as pm
+from dtgpt.plan.ranks import BuiltRank, build_ranks
+from dtgpt.plan.report import layout_warnings
+from dtgpt.plan.results import LayoutError, Plan, RankPlan
 
 GPT2_VOCAB_SIZE = 50257
-
-
-class LayoutError(ConfigError):
-    """The layout cannot run at all; `errors` lists every rule it breaks that the planner found."""
-
-    def __init__(self, errors: list[str]):
-        super().__init__("; ".join(errors))
-        self.errors = errors
-
-
-@dataclass
-class RankPlan:
-    rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_rank: int
-    stage_ids: list[int]
-    layer_ids: list[int]
-    recomputed_layers: int
-    local_params: int
-    """What this GPU holds: sum of p.to_local().numel() (the tp shard, and the dp shard under FSDP)."""
-    stage_params: int
-    """Full (unsharded) size of this rank's stages, the tied copy included."""
-    in_flight: int
-    memory: dict[str, float] = field(default_factory=dict)
-    """GiB per term: params, copies, grads, adam, activations, total."""
-    built_as: int = -1
-    """The global rank whose build this row reuses (itself when built)."""
-
-    @property
-    def layers(self) -> int:
-        return len(self.layer_ids)
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory["total"]
-
-
-@dataclass
-class Plan:
-    world_size: int
-    mesh: dict[str, int]
-    vocab_size: int
-    padded_vocab_size: int
-    total_params: int
-    microbatches: int
-    microbatches_initial: int
-    bubble_fraction: float
-    bubble_fraction_initial: float
-    flops_per_token: float
-    hardware_flops_per_token: float
-    flops_per_iteration: float
-    tokens_per_iteration: int
-    est_iteration_s: float
-    est_days: float
-    tflops: float
-    tokens: float
-    gpu_memory_gib: float
-    ranks: list[RankPlan]
-    builds: int
-    notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def fits(self) -> bool:
-        return all(r.memory_gib <= self.gpu_memory_gib for r in self.ranks)
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        for row, rank in zip(out["ranks"], self.ranks):
-            row["layers"] = rank.layers
-            row["memory_gib"] = rank.memory_gib
-        out["fits"] = self.fits
-        return out
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -130,19 +53,16 @@ def default_world_size(cfg: Config) -> int:
     return p.pipeline_model_parallel_size * p.data_parallel_replicate_size * dps * p.tensor_model_parallel_size
 
 
-def layout_errors(cfg: Config, world_size: int, padded_vocab: int) -> list[str]:
-    """Why this layout cannot run at all (empty when it can): the config and mesh rules."""
+def layout_errors(cfg: Config, world_size: int, vocab_size: int) -> list[str]:
+    """Why this layout cannot run at all (empty when it can): the config and mesh rules, and the
+    padded vocabulary split over tp (validation knows the vocabulary only for NullTokenizer)."""
     errors = []
-    try:
-        validate(cfg, world_size)  # includes the torch.compile rule
-    except ConfigError as e:
-        errors.append(str(e))
-    tp = cfg.parallel.tensor_model_parallel_size
-    if padded_vocab % tp:
-        errors.append(
-            f"parallel.tensor_model_parallel_size={tp} must divide the padded vocabulary {padded_vocab}; "
-            f"choose model.make_vocab_size_divisible_by as a multiple of {tp}"
-        )
+    for check in (lambda: validate(cfg, world_size), lambda: padded_vocabulary(cfg, vocab_size)):
+        try:
+            check()
+        except ConfigError as e:
+            if str(e) not in errors:
+                errors.append(str(e))
     return errors
 
 
@@ -173,18 +93,17 @@ def plan_layout(
     """Plan `cfg` at `world_size` GPUs; raises LayoutError listing why a layout is impossible."""
     world_size = world_size or default_world_size(cfg)
     vocab, vocab_note = tokenizer_vocab_size(cfg)
-    padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by)
-    errors = layout_errors(cfg, world_size, padded)
+    errors = layout_errors(cfg, world_size, vocab)
     if errors:
         raise LayoutError(errors)
+    padded = padded_vocabulary(cfg, vocab)
     dims = ParallelDims.from_config(cfg, world_size)
     m, t, p = cfg.model, cfg.training, cfg.parallel
     low = t.fp16 or t.bf16
     compute_bytes = 2 if low else 4
     v = p.virtual_pipeline_stages_per_rank
     batches = BatchSizeSchedule(t)
-    per_step = t.micro_batch_size * dims.dp
-    micro, micro0 = batches.final // per_step, batches.start // per_step
+    micro, micro0 = (num_microbatches(cfg, dims.dp, size) for size in (batches.final, batches.start))
     reshard_mode = p.fsdp_reshard_after_forward
     reshard = (not dims.pp_enabled) if reshard_mode == "default" else reshard_mode == "always"  # as parallelize()
     shape = pm.ActivationShape(
@@ -238,48 +157,3 @@ def plan_layout(
         plan.warnings.append(f"built model has {total:,} parameters, the closed form {expected:,}: a planner bug")
     plan.warnings += layout_warnings(cfg, plan, batches, dims)
     return plan
-
-
-# -- entry points ------------------------------------------------------------------------------
-
-
-def main(cfg: Config, world_size: int | None = None, **options) -> int:
-    """`train.py --dry-run`: print the plan; 0 when every rank fits, 1 when one does not,
-    2 when the layout is impossible."""
-    as_json = options.pop("as_json", False)
-    try:
-        plan = plan_layout(cfg, world_size, **options)
-    except LayoutError as e:
-        if as_json:
-            print(json.dumps({"possible": False, "errors": e.errors}))
-        else:
-            print("\n".join(f"error: impossible layout: {err}" for err in e.errors))
-        return 2
-    print(json.dumps(plan.to_dict()) if as_json else format_plan(cfg, plan))
-    return 0 if plan.fits else 1
-
-
-def cli(argv: list[str]) -> int:
-    """scripts/plan.py: --config F [--section.key=value ...] [--json] [--check] ..."""
-    parser = argparse.ArgumentParser(prog="plan.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="TOML config file")
-    parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*tp, dp_shard -1 as 1)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--tflops", type=float, default=140.0, help="achieved TFLOP/s per GPU (default 140)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
-    parser.add_argument("--tokens", type=float, default=300e9, help="tokens to train, for the time (default 300e9)")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a rank does not fit in --gpu-memory-gib")
-    parser.add_argument("--all-ranks", action="store_true", help="build every pp rank, not one per kind of stage")
-    args, overrides = parser.parse_known_args(argv)
-    try:
-        cfg = config_from_dict(load_toml(args.config), args.config)
-        for key, value in split_overrides(overrides):
-            apply_override(cfg, key, value)
-    except ConfigError as e:
-        print(f"error: {e}")
-        return 2
-    code = main(
-        cfg, args.world_size, as_json=args.json, tflops=args.tflops, tokens=args.tokens,
-        gpu_memory_gib=args.gpu_memory_gib, all_ranks=args.all_ranks,
-    )  # fmt: skip
-    return code if args.check or code == 2 else 0

@@ -1,0 +1,119 @@
+"""Quantities derived from a config: one helper each, used by validation and by every builder.
+
+Validation (validation.py) calls these to check the rules; builders call them again and trust
+the answer. A helper that can fail on values only known at run time (the tokenizer's vocabulary,
+a ramp-up batch size) raises the same ConfigError that validation would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from dtgpt.config.sections import Config, ConfigError
+
+
+# ---------------------------------------------------------------------------------------------
+# The mesh
+
+
+def mesh_shape(cfg: Config, world_size: int) -> tuple[int, int, int, int]:
+    """(pp, dp_replicate, dp_shard, tp) with dp_shard = -1 resolved to the rest of the world."""
+    p = cfg.parallel
+    pp, dpr, tp = p.pipeline_model_parallel_size, p.data_parallel_replicate_size, p.tensor_model_parallel_size
+    dps = p.data_parallel_shard_size
+    if dps == -1:
+        dps = world_size // (pp * dpr * tp)
+    return pp, dpr, dps, tp
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """dp = dp_replicate * dp_shard."""
+    _, dpr, dps, _ = mesh_shape(cfg, world_size)
+    return dpr * dps
+
+
+def num_pipeline_stages(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.pipeline_model_parallel_size * p.virtual_pipeline_stages_per_rank
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def num_microbatches(cfg: Config, dp: int, global_batch_size: int, key: str = "training.global_batch_size") -> int:
+    """Micro-batches each data-parallel rank runs to make up a global batch of that size."""
+    micro = cfg.training.micro_batch_size
+    per_step = micro * dp
+    if global_batch_size % per_step:
+        raise ConfigError(
+            f"{key}={global_batch_size} must be divisible by micro_batch_size={micro} * "
+            f"data-parallel size {dp} = {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Pad the vocabulary to a multiple of `divisible_by` (never times tp: the model is mesh-free)."""
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+def padded_vocabulary(cfg: Config, vocab_size: int) -> int:
+    """The model's vocabulary rows for a tokenizer of `vocab_size`; tp must divide them (the
+    output layer and the embedding are split by rows)."""
+    padded = padded_vocab_size(vocab_size, cfg.model.make_vocab_size_divisible_by)
+    tp = cfg.parallel.tensor_model_parallel_size
+    if padded % tp:
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size={tp} must divide the padded vocabulary {padded}; "
+            f"choose model.make_vocab_size_divisible_by as a multiple of {tp}"
+        )
+    return padded
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedule lengths, in samples (Megatron's iteration keys times the final batch)
+
+
+class Length(NamedTuple):
+    """A schedule length in samples and the key that set it (for error messages)."""
+
+    samples: float
+    key: str
+    value: float
+
+
+def lr_decay_length(cfg: Config) -> Length:
+    o, t = cfg.optimizer, cfg.training
+    if o.lr_decay_samples is not None:
+        return Length(o.lr_decay_samples, "optimizer.lr_decay_samples", o.lr_decay_samples)
+    if o.lr_decay_iters is not None:
+        return Length(o.lr_decay_iters * t.global_batch_size, "optimizer.lr_decay_iters", o.lr_decay_iters)
+    return Length(t.train_iters * t.global_batch_size, "training.train_iters", t.train_iters)
+
+
+def lr_warmup_length(cfg: Config) -> Length:
+    """A fraction of the decay wins over samples, samples over iterations."""
+    o = cfg.optimizer
+    if o.lr_warmup_fraction is not None:
+        fraction = o.lr_warmup_fraction
+        return Length(fraction * lr_decay_length(cfg).samples, "optimizer.lr_warmup_fraction", fraction)
+    if o.lr_warmup_samples > 0:
+        return Length(o.lr_warmup_samples, "optimizer.lr_warmup_samples", o.lr_warmup_samples)
+    return Length(o.lr_warmup_iters * cfg.training.global_batch_size, "optimizer.lr_warmup_iters", o.lr_warmup_iters)
+
+
+def lr_wsd_decay_length(cfg: Config) -> Length | None:
+    """WSD's anneal length; None when neither key is set (validation refuses that under WSD)."""
+    o = cfg.optimizer
+    if o.lr_wsd_decay_samples is not None:
+        return Length(o.lr_wsd_decay_samples, "optimizer.lr_wsd_decay_samples", o.lr_wsd_decay_samples)
+    if o.lr_wsd_decay_iters is not None:
+        samples = o.lr_wsd_decay_iters * cfg.training.global_batch_size
+        return Length(samples, "optimizer.lr_wsd_decay_iters", o.lr_wsd_decay_iters)
+    return None

@@ -1,0 +1,55 @@
+"""`scripts/plan.py` and `train.py --dry-run`: print a plan, or why the layout is impossible."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dtgpt.config import Config, ConfigError, apply_override, config_from_dict, load_toml, split_overrides
+from dtgpt.plan.layout import plan_layout
+from dtgpt.plan.report import format_plan
+from dtgpt.plan.results import LayoutError
+
+
+def main(cfg: Config, world_size: int | None = None, **options) -> int:
+    """`train.py --dry-run`: print the plan; 0 when every rank fits, 1 when one does not,
+    2 when the layout is impossible."""
+    as_json = options.pop("as_json", False)
+    try:
+        plan = plan_layout(cfg, world_size, **options)
+    except LayoutError as e:
+        if as_json:
+            print(json.dumps({"possible": False, "errors": e.errors}))
+        else:
+            print("\n".join(f"error: impossible layout: {err}" for err in e.errors))
+        return 2
+    print(json.dumps(plan.to_dict()) if as_json else format_plan(cfg, plan))
+    return 0 if plan.fits else 1
+
+
+def cli(argv: list[str]) -> int:
+    """scripts/plan.py: --config F [--section.key=value ...] [--json] [--check] ..."""
+    parser = argparse.ArgumentParser(
+        prog="plan.py", description="Plan a layout without GPUs: per-rank parameters and memory, bubble, training time."
+    )
+    parser.add_argument("--config", required=True, help="TOML config file")
+    parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*tp, dp_shard -1 as 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--tflops", type=float, default=140.0, help="achieved TFLOP/s per GPU (default 140)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
+    parser.add_argument("--tokens", type=float, default=300e9, help="tokens to train, for the time (default 300e9)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a rank does not fit in --gpu-memory-gib")
+    parser.add_argument("--all-ranks", action="store_true", help="build every pp rank, not one per kind of stage")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = config_from_dict(load_toml(args.config), args.config)
+        for key, value in split_overrides(overrides):
+            apply_override(cfg, key, value)
+    except ConfigError as e:
+        print(f"error: {e}")
+        return 2
+    code = main(
+        cfg, args.world_size, as_json=args.json, tflops=args.tflops, tokens=args.tokens,
+        gpu_memory_gib=args.gpu_memory_gib, all_ranks=args.all_ranks,
+    )  # fmt: skip
+    return code if args.check or code == 2 else 0
