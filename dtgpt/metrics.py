@@ -3,7 +3,8 @@
 The trainer builds one record per iteration (see `RECORD_KEYS`) and hands it to
 `MetricsLogger.log` on the logging rank. The logger writes the record to the JSONL file and
 TensorBoard at once, and every `log_interval` iterations prints one line averaged over the
-interval the way Megatron averages it. Formatting is the pure function `format_log_line`.
+interval the way Megatron averages it, then the phase timers' per-iteration (min, max) when
+`logging.timers_log_level` > 0. Formatting is dtgpt.log_format's.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from datetime import datetime
 from typing import Any, Mapping, Optional
 
 import torch
 
 from dtgpt.config import LoggingConfig
+from dtgpt.log_format import MEMORY_KEYS, format_eval_block, format_log_line, perplexity, summarize_interval
+from dtgpt.timers import Timers, format_times
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per device, fp16 for V100/T4 that
 # lack bf16. Matched as case-insensitive substrings of `torch.cuda.get_device_name()`, first
@@ -57,13 +59,10 @@ METRICS_KEYS: tuple[str, ...] = (
     "tflops_per_gpu",
     "mfu",
 )
-MEMORY_KEYS: tuple[str, ...] = ("mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib")
 # What `MetricsLogger.log` requires (memory keys are optional); anything else is a typo.
 RECORD_KEYS: tuple[str, ...] = METRICS_KEYS + ("elapsed_ms",)
 
 _GIB = float(2**30)
-# exp() of a diverged loss overflows; Megatron caps the exponent at 20 for the same reason.
-_MAX_PPL_EXPONENT = 20.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,128 +110,6 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# Pure formatting and averaging
-
-
-def format_log_line(
-    *,
-    iteration: int,
-    train_iters: int,
-    consumed_samples: int,
-    elapsed_ms: Optional[float],
-    learning_rate: Optional[float],
-    global_batch_size: int,
-    loss: Optional[float],
-    loss_scale: Optional[float],
-    grad_norm: Optional[float],
-    skipped: int,
-    nan: int,
-    tflops_per_gpu: Optional[float] = None,
-    tokens_per_s: Optional[float] = None,
-    mfu: Optional[float] = None,
-    memory: Optional[Mapping[str, float]] = None,
-    now: Optional[datetime] = None,
-) -> str:
-    """One training log line. Megatron's fields keep Megatron's names, widths and order so
-    existing log parsers work; the fields Megatron lacks (tokens/s, MFU, memory) come last.
-    A field whose value is None is left out, as Megatron leaves out an unknown grad norm."""
-    stamp = (now or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
-    fields = [
-        f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}",
-        f"consumed samples: {consumed_samples:12d}",
-    ]
-    if elapsed_ms is not None:
-        fields.append(f"elapsed time per iteration (ms): {elapsed_ms:.1f}")
-    if tflops_per_gpu is not None:
-        # Megatron's one decimal, except below 1 where it would print 0.0 for every CPU run.
-        shown = f"{tflops_per_gpu:.1f}" if tflops_per_gpu >= 1 else f"{tflops_per_gpu:.3g}"
-        fields.append(f"throughput per GPU (TFLOP/s/GPU): {shown}")
-    if learning_rate is not None:
-        fields.append(f"learning rate: {learning_rate:.6E}")
-    fields.append(f"global batch size: {global_batch_size:5d}")
-    if loss is not None:
-        fields.append(f"lm loss: {loss:.6E}")
-    if loss_scale is not None:
-        fields.append(f"loss scale: {loss_scale:.1f}")
-    if grad_norm is not None:
-        fields.append(f"grad norm: {grad_norm:.3f}")
-    fields.append(f"number of skipped iterations: {skipped:3d}")
-    fields.append(f"number of nan iterations: {nan:3d}")
-    if tokens_per_s is not None:
-        fields.append(f"tokens per second: {tokens_per_s:.1f}")
-    if mfu is not None:
-        fields.append(f"MFU: {100.0 * mfu:.2f}%")
-    memory = memory or {}
-    for key, label in zip(MEMORY_KEYS, ("memory allocated", "memory reserved", "memory peak allocated")):
-        if memory.get(key) is not None:
-            fields.append(f"{label} (GiB): {memory[key]:.2f}")
-    return " | ".join(fields) + " |"
-
-
-def format_eval_block(iteration: int, split_name: str, loss: float) -> str:
-    """Megatron's validation block: the result line framed by dashes of its length."""
-    where = f"iteration {iteration}"
-    if split_name not in ("valid", "validation"):
-        where += f" on {split_name} set"
-    ppl = math.exp(min(loss, _MAX_PPL_EXPONENT))
-    line = f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
-    rule = "-" * (len(line) + 1)
-    return f"{rule}\n{line}\n{rule}"
-
-
-def _is_number(value: Any) -> bool:
-    return value is not None and math.isfinite(value)
-
-
-def _time_weighted(records: list[Mapping[str, Any]], key: str) -> Optional[float]:
-    """A rate over the interval: sum(rate_i * t_i) / sum(t_i), i.e. total work / total time,
-    which a plain mean of per-iteration rates is not when iteration times differ."""
-    pairs = [(r[key], r.get("elapsed_ms")) for r in records if _is_number(r.get(key))]
-    if not pairs:
-        return None
-    if all(_is_number(t) and t > 0 for _, t in pairs):
-        return sum(v * t for v, t in pairs) / sum(t for _, t in pairs)
-    return sum(v for v, _ in pairs) / len(pairs)
-
-
-def summarize_interval(
-    records: list[Mapping[str, Any]], skipped_before: int, nan_before: int
-) -> dict[str, Any]:
-    """The averages of one log interval, as `format_log_line` keywords (less iteration,
-    train_iters, now). `skipped`/`nan` in records are counts since the run started; the
-    *_before arguments are those counts at the end of the previous interval.
-
-    Like Megatron: the loss is the mean over iterations that were neither skipped nor
-    non-finite, the time per iteration is the mean over all of them, skipped/nan are counts
-    within the interval, and lr, batch size, loss scale, grad norm, memory are the latest values.
-    """
-    last = records[-1]
-    losses = []
-    prev_skipped, prev_nan = skipped_before, nan_before
-    for r in records:
-        counted = r["skipped"] == prev_skipped and r["nan"] == prev_nan
-        if counted and _is_number(r["loss"]):
-            losses.append(r["loss"])
-        prev_skipped, prev_nan = r["skipped"], r["nan"]
-    times = [r["elapsed_ms"] for r in records if _is_number(r.get("elapsed_ms"))]
-    return {
-        "consumed_samples": last["consumed_samples"],
-        "elapsed_ms": sum(times) / len(times) if times else None,
-        "learning_rate": last["lr"],
-        "global_batch_size": last["global_batch_size"],
-        "loss": sum(losses) / len(losses) if losses else None,
-        "loss_scale": last["loss_scale"],
-        "grad_norm": last["grad_norm"] if _is_number(last["grad_norm"]) else None,
-        "skipped": last["skipped"] - skipped_before,
-        "nan": last["nan"] - nan_before,
-        "tflops_per_gpu": _time_weighted(records, "tflops_per_gpu"),
-        "tokens_per_s": _time_weighted(records, "tokens_per_s"),
-        "mfu": _time_weighted(records, "mfu"),
-        "memory": {k: last[k] for k in MEMORY_KEYS if k in last},
-    }
-
-
 def _json_value(value: Any) -> Any:
     """Plain JSON: 0-dim tensors become numbers, NaN/inf become null (strict JSON has neither)."""
     if value is None or isinstance(value, (bool, str)):
@@ -244,9 +121,13 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def metrics_json_line(record: Mapping[str, Any]) -> str:
-    """The JSONL line for one record: exactly METRICS_KEYS, in that order."""
-    return json.dumps({k: _json_value(record[k]) for k in METRICS_KEYS}, allow_nan=False)
+def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tuple[float, float]]] = None) -> str:
+    """The JSONL line for one record: exactly METRICS_KEYS, in that order, then `timers_ms`
+    ({phase: [min, max]} per iteration) on the lines that close a log interval with timers on."""
+    line = {k: _json_value(record[k]) for k in METRICS_KEYS}
+    if times:
+        line["timers_ms"] = {name: [lo, hi] for name, (lo, hi) in times.items()}
+    return json.dumps(line, allow_nan=False)
 
 
 def check_record(record: Mapping[str, Any]) -> None:
@@ -310,6 +191,7 @@ class MetricsLogger:
         self.total_iters = total_iters
         self.active = is_logging_rank
         self._interval: list[dict[str, Any]] = []
+        self._interval_iters = 0  # counted on every rank: the timers' reduction needs it everywhere
         # Counts at the end of the last printed interval; both start at 0 with the run.
         self._skipped_before = 0
         self._nan_before = 0
@@ -328,22 +210,30 @@ class MetricsLogger:
                 # Indented so TensorBoard's markdown renders it verbatim.
                 self.writer.add_text("config", "\n".join("    " + ln for ln in run_config_toml.splitlines()))
 
-    def log(self, record: Mapping[str, Any]) -> None:
-        """Record one iteration; prints the averaged line when iteration % log_interval == 0."""
+    def log(self, record: Mapping[str, Any], timers: Optional[Timers] = None) -> None:
+        """Record one iteration. When iteration % log_interval == 0, print the averaged line and,
+        with `timers`, their per-iteration (min, max) over ranks, also written to TensorBoard as
+        `<phase>-time` and to the metrics file. Call it on every rank: closing an interval reduces
+        the timers over ranks."""
+        self._interval_iters += 1
+        closes = record["iteration"] % self.cfg.log_interval == 0
+        times = timers.min_max(self._interval_iters) if closes and timers is not None else {}
+        if closes:
+            self._interval_iters = 0
         if not self.active:
             return
         check_record(record)
         record = {k: _json_value(v) for k, v in record.items()}
         if self._file is not None:
-            self._file.write(metrics_json_line(record) + "\n")
+            self._file.write(metrics_json_line(record, times) + "\n")
             self._file.flush()
         if self.writer is not None:
-            self._write_scalars(record)
+            self._write_scalars(record, times)
         self._interval.append(record)
-        if record["iteration"] % self.cfg.log_interval == 0:
-            self._print_interval(record["iteration"])
+        if closes:
+            self._print_interval(record["iteration"], times)
 
-    def _write_scalars(self, record: Mapping[str, Any]) -> None:
+    def _write_scalars(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]]) -> None:
         step = record["iteration"]
         for key, tag in _TB_SCALARS:
             if record.get(key) is not None:
@@ -353,10 +243,14 @@ class MetricsLogger:
                 self.writer.add_scalar(tag, record[key], record["consumed_samples"])
         if record.get("elapsed_ms") is not None:
             self.writer.add_scalar("iteration-time", record["elapsed_ms"] / 1000.0, step)
+        for name, (_, slowest) in times.items():  # the slowest rank sets the pace, as in Megatron
+            self.writer.add_scalar(f"{name}-time", slowest, step)
 
-    def _print_interval(self, iteration: int) -> None:
+    def _print_interval(self, iteration: int, times: Mapping[str, tuple[float, float]]) -> None:
         summary = summarize_interval(self._interval, self._skipped_before, self._nan_before)
         print(format_log_line(iteration=iteration, train_iters=self.total_iters, **summary), flush=True)
+        if times:
+            print(format_times(times), flush=True)
         self._skipped_before = self._interval[-1]["skipped"]
         self._nan_before = self._interval[-1]["nan"]
         self._interval = []
@@ -370,7 +264,7 @@ class MetricsLogger:
         loss = float(loss)
         print(format_eval_block(iteration, split_name, loss), flush=True)
         if self.writer is not None:
-            ppl = math.exp(min(loss, _MAX_PPL_EXPONENT))
+            ppl = perplexity(loss)
             self.writer.add_scalar(f"lm loss {split_name}", loss, iteration)
             self.writer.add_scalar(f"lm loss {split_name} ppl", ppl, iteration)
             if consumed_samples is not None:

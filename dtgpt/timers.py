@@ -10,14 +10,18 @@ CPU's run-ahead and slows training, which is why it only happens when timers are
 
 Phase names the trainer uses (see PHASE_LEVELS): level 1 `forward-backward`, `optimizer`,
 `save-checkpoint`, `evaluate`; level 2 `batch-generator`, `grads-reduce-clip`,
-`optimizer-inner-step`, `pipeline-comm`.
+`optimizer-inner-step`. Pipeline send/recv is not timed apart: torch.distributed.pipelining
+runs it inside the schedule, so it is part of `forward-backward`.
+
+`Timers.min_max()` turns a log interval's totals into per-iteration milliseconds, (min, max) over
+ranks; dtgpt.metrics.MetricsLogger prints them and writes them to TensorBoard and the metrics file.
 """
 
 from __future__ import annotations
 
 import time
 import types
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +35,6 @@ PHASE_LEVELS: Mapping[str, int] = types.MappingProxyType(
         "batch-generator": 2,  # fetching the next global batch from the data iterator
         "grads-reduce-clip": 2,  # grad-norm all-reduce and clipping
         "optimizer-inner-step": 2,  # optimizer.step() itself
-        "pipeline-comm": 2,  # send/recv between stages, where the schedule exposes it
     }
 )
 
@@ -152,14 +155,19 @@ class Timers:
             self._timers[name] = Timer(name, level, self._sync)
         return self._timers[name]
 
-    def _min_max(self, names: Sequence[str], reset: bool) -> dict[str, tuple[float, float]]:
-        """Seconds per name, (min, max) over ranks. One all-reduce(MAX) of [-t..., t...] gives
-        both; a name this rank never timed enters as -inf so it does not pull the result."""
-        local = []
-        for name in names:
-            timer = self._timers.get(name)
-            local.append(timer.elapsed(reset=reset) if timer is not None else None)
+    def min_max(self, iterations: int = 1, names: Sequence[str] = tuple(PHASE_LEVELS)) -> dict[str, tuple[float, float]]:
+        """Per-iteration milliseconds of each named timer, (min, max) over ranks, then reset.
+
+        `iterations` is how many iterations the totals cover (the log interval), so a phase that
+        runs once per iteration reads as its own duration. A collective when distributed: every
+        rank calls it at the same point. One all-reduce(MAX) of [-t..., t...] gives both ends; a
+        name this rank never timed enters as -inf so it does not pull the result, and a name
+        timed on no rank is left out. {} at log level 0, without a collective.
+        """
+        if self.log_level == 0:
+            return {}
         neg_inf = float("-inf")
+        local = [self._timers[n].elapsed() if n in self._timers else None for n in names]
         values = [-t if t is not None else neg_inf for t in local] + [t if t is not None else neg_inf for t in local]
         if dist.is_available() and dist.is_initialized():
             # NCCL only reduces CUDA tensors; gloo takes CPU ones.
@@ -167,50 +175,13 @@ class Timers:
             buf = torch.tensor(values, dtype=torch.float64, device=where)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX)
             values = buf.tolist()
-        n = len(names)
-        out = {}
-        for i, name in enumerate(names):
-            lo, hi = -values[i], values[n + i]
-            if hi != neg_inf:  # timed on at least one rank
-                out[name] = (lo, hi)
-        return out
+        n, ms = len(names), 1000.0 / iterations
+        return {name: (-values[i] * ms, values[n + i] * ms) for i, name in enumerate(names) if values[n + i] != neg_inf}
 
-    def log(
-        self,
-        names: Sequence[str],
-        iteration: int,
-        normalizer: float = 1.0,
-        writer: Any = None,
-        print_rank: Optional[int] = None,
-    ) -> Optional[str]:
-        """Report and reset the named timers: ms divided by `normalizer` (e.g. log_interval for
-        a per-iteration figure), (min, max) over ranks. A collective when distributed: every rank
-        calls it with the same names. Prints on `print_rank` (default: the last rank, which
-        holds the loss under pipelining) and returns the text; None at log_level 0. With a
-        SummaryWriter, also writes each max as `<name>-time` at `iteration`."""
-        if self.log_level == 0:
-            return None
-        times = self._min_max(list(names), reset=True)
-        lines = ["(min, max) time across ranks (ms):"]
-        for name, (lo, hi) in times.items():
-            label = f"    {name} ".ljust(52, ".")
-            lines.append(f"{label}: ({1000 * lo / normalizer:.2f}, {1000 * hi / normalizer:.2f})")
-        text = "\n".join(lines)
-        if writer is not None:
-            for name, (_, hi) in times.items():
-                writer.add_scalar(f"{name}-time", 1000 * hi / normalizer, iteration)
-        distributed = dist.is_available() and dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        if rank == (world - 1 if print_rank is None else print_rank):
-            print(text, flush=True)
-        return text
 
-    def write_tensorboard(self, writer: Any, iteration: int, names: Sequence[str], normalizer: float = 1.0) -> None:
-        """Write each named timer's max over ranks (ms / normalizer) without resetting it.
-        A collective when distributed; `writer` may be None on ranks that do not log."""
-        if self.log_level == 0:
-            return
-        times = self._min_max(list(names), reset=False)
-        if writer is not None:
-            for name, (_, hi) in times.items():
-                writer.add_scalar(f"{name}-time", 1000 * hi / normalizer, iteration)
+def format_times(times: dict[str, tuple[float, float]]) -> str:
+    """Megatron's timer block: one `name ....: (min, max)` line per phase, in ms."""
+    lines = ["(min, max) time across ranks (ms):"]
+    for name, (lo, hi) in times.items():
+        lines.append(f"{f'    {name} '.ljust(52, '.')}: ({lo:.2f}, {hi:.2f})")
+    return "\n".join(lines)

@@ -34,12 +34,6 @@ ModelProvider = Callable[[Config, int], GPT]
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
 
 
-TIMED_PHASES = (
-    "forward-backward", "optimizer", "evaluate", "save-checkpoint",
-    "batch-generator", "grads-reduce-clip", "optimizer-inner-step",
-)  # fmt: skip
-
-
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss under nan_policy='stop')."""
 
@@ -169,7 +163,9 @@ def run_iteration(trainer: Trainer, train_iter: Iterator, timers: Timers) -> tup
     return result, gbs, lr, elapsed
 
 
-def log_iteration(trainer: Trainer, metrics: MetricsLogger, result: StepResult, gbs: int, lr: float, elapsed: float, peak) -> None:
+def log_iteration(
+    trainer: Trainer, metrics: MetricsLogger, result: StepResult, gbs: int, lr: float, elapsed: float, peak, timers: Timers,
+) -> None:
     state, runtime = trainer.state, trainer.runtime
     rates = throughput_metrics(
         tokens=gbs * trainer.cfg.model.seq_length, flops_per_token=trainer.flops_per_token,
@@ -181,7 +177,8 @@ def log_iteration(trainer: Trainer, metrics: MetricsLogger, result: StepResult, 
             "lr": lr, "grad_norm": result.grad_norm, "loss_scale": trainer.scaler.scale,
             "global_batch_size": gbs, "skipped": state.skipped_iters, "nan": state.nan_iters,
             "elapsed_ms": 1000 * elapsed, **rates, **memory_stats(runtime.device),
-        }
+        },
+        timers,
     )  # fmt: skip
 
 
@@ -232,9 +229,7 @@ def train(
             with phase("train-step", state.iteration + 1, record=True):
                 faults.in_iteration(state.iteration + 1)
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
-            log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak)
-            if state.iteration % cfg.logging.log_interval == 0:
-                timers.log(TIMED_PHASES, state.iteration)
+            log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak, timers)
             if valid_iter is not None and cfg.eval.eval_iters and state.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", state.iteration), timers("evaluate"):
                     metrics.log_eval(state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from dtgpt.config import LoggingConfig
+from dtgpt.timers import Timers
+from dtgpt.log_format import format_eval_block, format_log_line, summarize_interval
 from dtgpt.metrics import (
     DEVICE_PEAK_TFLOPS,
     METRICS_KEYS,
     MetricsLogger,
-    format_eval_block,
-    format_log_line,
     lookup_peak_tflops,
     memory_stats,
     peak_tflops,
-    summarize_interval,
     throughput_metrics,
 )
 
@@ -194,6 +193,35 @@ def test_tensorboard_scalars(tmp_path, capsys):
     assert "mfu" not in tags  # None is never plotted
     assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(1, 3.0), (2, 2.5)]
     assert [e.step for e in acc.Scalars("lm loss vs samples")] == [8, 16]
+
+
+def test_timers_reach_the_line_tensorboard_and_the_file_per_iteration(tmp_path, capsys, monkeypatch):
+    """An interval's timer totals are divided by its iterations (a resumed run's first interval
+    is shorter than log_interval) and written as `<phase>-time` and `timers_ms`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    now = [0.0]
+    monkeypatch.setattr("dtgpt.timers.time.perf_counter", lambda: now[0])
+    timers = Timers(1, torch.device("cpu"))
+    cfg = LoggingConfig(log_interval=4, metrics_file=str(tmp_path / "m.jsonl"), tensorboard_dir=str(tmp_path / "tb"))
+    logger = MetricsLogger(cfg, total_iters=8, is_logging_rank=True)
+    for it, ms in ((3, 30.0), (4, 10.0), (5, 5.0), (6, 5.0), (7, 5.0), (8, 25.0)):  # resumed after iteration 2
+        with timers("forward-backward"):
+            now[0] += ms / 1000
+        logger.log(_record(it), timers)
+    logger.close()
+    out = capsys.readouterr().out
+    assert out.count("(min, max) time across ranks (ms):") == 2
+    assert re.search(r"forward-backward \.+: \(20\.00, 20\.00\)", out)  # (30 + 10) / 2 iterations
+    assert re.search(r"forward-backward \.+: \(10\.00, 10\.00\)", out)  # (5 + 5 + 5 + 25) / 4
+    lines = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [i for i, ln in enumerate(lines) if "timers_ms" in ln] == [1, 5]  # the lines closing an interval
+    assert lines[1]["timers_ms"]["forward-backward"] == pytest.approx([20.0, 20.0])
+    assert lines[5]["timers_ms"]["forward-backward"] == pytest.approx([10.0, 10.0])
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    scalars = acc.Scalars("forward-backward-time")
+    assert [e.step for e in scalars] == [4, 8] and [e.value for e in scalars] == pytest.approx([20.0, 10.0])
 
 
 def test_peak_table_lookup_and_override():
