@@ -1,12 +1,13 @@
 # `make train` and `make test` each set up .venv on first use, then run.
+# torch: a venv that has none gets the pinned release (on a machine without CUDA pip serves it
+# from the CPU wheel); a venv that already has a torch (CPU or CUDA, >= 2.11) keeps it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch; used only when the venv has no torch yet.
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all setup clean
+.PHONY: train test test-fast setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +21,13 @@ setup: $(STAMP)
 train: $(STAMP)
 	$(PY) train.py --config configs/debug.toml
 
+# Every test, slow ones included (what CI runs); the slowest 15 are listed at the end.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	DTGPT_SLOW=1 $(PY) -m pytest -q --durations=15
 
-test-all: $(STAMP)
-	DTGPT_SLOW=1 $(PY) -m pytest -q
+# The fast subset, for the edit-test loop: tests marked slow are skipped.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -52,6 +52,24 @@ SHUTDOWN_TIMEOUT = 10
 """torchrun's grace period between forwarding a signal and SIGKILL (default 30 s)."""
 
 
+OUR_CODE = (Path(layout.__file__).resolve().parents[1], REPO / "train.py")
+"""The dtgpt package directory and the trainer script: a traceback frame in them is ours."""
+FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+')
+
+
+def our_traceback_frames(log: str) -> list[str]:
+    """Traceback lines whose frame is dtgpt's own code, decided by the file's location, so a
+    checkout or virtual environment under a folder named `dtgpt` does not count."""
+    frames = []
+    for line in log.splitlines():
+        match = FRAME.match(line)
+        if match:
+            path = Path(match["path"]).resolve()
+            if any(path == root or root in path.parents for root in OUR_CODE):
+                frames.append(line)
+    return frames
+
+
 @dataclass
 class Run:
     rc: int
@@ -330,7 +348,7 @@ class Drill:
         run = self.launch(where, "run", self.job(where, ["--data.mock_data=false", f"--data.data_path={where / 'corpus'}"]),
                           restarts=0)  # fmt: skip
         errors = [ln for ln in run.log.splitlines() if ln.startswith("error: ")]
-        ours = [ln for ln in run.log.splitlines() if ln.strip().startswith("File ") and "/dtgpt/" in ln]  # a traceback of ours
+        ours = our_traceback_frames(run.log)
         ok = run.rc != 0 and errors and "corpus.idx" in errors[0] and not ours
         outcome = f"refused: {errors[0][7:].replace(str(where) + '/', '')[:60]}..." if ok else "FAILED"
         return Result(name, outcome, ok=bool(ok), seconds=run.seconds, runs=[run])

@@ -4,7 +4,7 @@ Each layout runs the tiny fp32 model for 20 iterations on the same mock data and
 the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figure) (a model-changing override, e.g. an
 untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
 an untied head, tp x pp without FSDP, dp x tp with activation checkpointing and compile; the
-rest are marked slow (make test-all).
+rest are marked slow (`make test` runs them, `make test-fast` skips them).
 """
 
 import pytest

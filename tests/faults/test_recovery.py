@@ -148,3 +148,21 @@ def test_random_sigkill_trials(drill):
     for name, scenario in fault_drill.scenarios(drill, trials=2, seed=1)[:2]:
         result = scenario()
         assert result.ok, explain(result)
+
+
+def test_our_traceback_frames_are_decided_by_module_location(tmp_path):
+    """A frame counts as ours only if its file lies in the dtgpt package (or is train.py); a
+    checkout or virtual environment under a folder named `dtgpt` is somebody else's code."""
+    package = REPO / "dtgpt"
+    foreign = tmp_path / "dtgpt" / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "run.py"
+    log = "\n".join([
+        "Traceback (most recent call last):",
+        f'  File "{foreign}", line 10, in main',
+        f'  File "{tmp_path / "dtgpt" / "scripts" / "other.py"}", line 3, in <module>',
+        f'  File "{package / "training.py"}", line 5, in pretrain',
+        f'  File "{REPO / "train.py"}", line 7, in <module>',
+        "error: corpus.idx is corrupt",
+    ])  # fmt: skip
+    ours = fault_drill.our_traceback_frames(log)
+    assert [line.split('"')[1] for line in ours] == [str(package / "training.py"), str(REPO / "train.py")]
+    assert fault_drill.our_traceback_frames(log.replace(str(package), str(tmp_path / "dtgpt" / "dtgpt"))) == [ours[1]]
