@@ -226,6 +226,16 @@ def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
         assert torch.equal(stored[key], reread[key]), key
 
 
+def test_reexport_into_the_same_directory_names_the_new_tokenizer(tmp_path, bpe_dir):
+    export(tmp_path / "first", "bpe", bpe_dir)
+    make_checkpoint(tmp_path / "byte", "byte", bpe_dir)
+    out = tmp_path / "first" / "hf"
+    assert load_script().main(["to-gpt2", str(tmp_path / "byte"), str(out)]) == 0
+    assert not (out / "vocab.json").exists() and not (out / "merges.txt").exists()
+    assert load_script().main(["from-gpt2", str(out), str(tmp_path / "back")]) == 0
+    assert read_config(layout.iteration_dir(tmp_path / "back", 0)).data.tokenizer_type == "ByteTokenizer"
+
+
 def save_like_hugging_face(out: Path, bpe_dir: Path, layout_name: str) -> transformers.GPT2LMHeadModel:
     """A GPT-2 directory written by transformers itself, in one of the layouts found in the wild."""
     vocab = len(json.loads((bpe_dir / "vocab.json").read_text()))

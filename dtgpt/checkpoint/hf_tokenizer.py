@@ -72,14 +72,16 @@ def write(directory: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
     eod = eod_text(tokenizer)
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
-        "model_max_length": max_length, "split_special_tokens": True,
-        "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+        "model_max_length": max_length, "split_special_tokens": True, "clean_up_tokenization_spaces": False,
     }  # fmt: skip
     if isinstance(tokenizer, GPT2BPETokenizer):
         shutil.copyfile(tokenizer.vocab_file, directory / VOCAB_JSON)
         shutil.copyfile(tokenizer.merge_file, directory / MERGES_TXT)
-        settings.update(tokenizer_class="GPT2Tokenizer", unk_token=eod)
+        settings.update(tokenizer_class="GPT2Tokenizer", unk_token=eod, add_prefix_space=False)
         written += [VOCAB_JSON, MERGES_TXT]
+    else:  # BPE files left by an earlier export into this directory would name the wrong tokenizer
+        for name in (VOCAB_JSON, MERGES_TXT):
+            (directory / name).unlink(missing_ok=True)
     (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
     return written
 
