@@ -98,9 +98,9 @@ def recognise(directory: Path, keep_in: Path) -> dict | None:
     if not (directory / TOKENIZER_JSON).is_file():
         return None
     model = json.loads((directory / TOKENIZER_JSON).read_text()).get("model", {})
-    vocab = model.get("vocab")
+    vocab = model.get("vocab") or {}
     if model.get("type") == "BPE" and not model.get("merges") and vocab == _byte_alphabet():
         return {"tokenizer_type": "ByteTokenizer", "vocab_file": "", "merge_file": ""}
-    if model.get("type") == "WordLevel" and vocab == {str(i): i for i in range(len(vocab))}:
+    if model.get("type") == "WordLevel" and len(vocab) >= 2 and vocab == {str(i): i for i in range(len(vocab))}:
         return {"tokenizer_type": "NullTokenizer", "vocab_file": "", "merge_file": "", "vocab_size": len(vocab)}
     return None
