@@ -1,7 +1,7 @@
 """Convert checkpoints between dtgpt's DCP layout, one torch.save file, and Hugging Face GPT-2.
 
     python scripts/convert_checkpoint.py to-torch  CKPT out.pt [--iteration N] [--weights-only]
-    python scripts/convert_checkpoint.py to-gpt2   CKPT out_dir/ [--iteration N]
+    python scripts/convert_checkpoint.py to-gpt2   CKPT out_dir/ [--iteration N]   (model + tokenizer)
     python scripts/convert_checkpoint.py from-torch in.pt NEW_CKPT_DIR [--config run.toml]
     python scripts/convert_checkpoint.py from-gpt2  gpt2_dir/ NEW_CKPT_DIR [--config run.toml]
 
@@ -20,44 +20,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dtgpt.checkpoint import CheckpointError, gpt2  # noqa: E402
+from dtgpt.checkpoint import CheckpointError  # noqa: E402
 from dtgpt.checkpoint.export import (  # noqa: E402
     find_checkpoint,
+    from_gpt2_dir,
     from_torch_file,
-    model_vocab_size,
     read_config,
-    read_sections,
+    to_gpt2_dir,
     to_torch_file,
-    write_checkpoint,
 )
 from dtgpt.cli import print_error  # noqa: E402
-from dtgpt.config import Config, ConfigError, apply_override, load_config, validate  # noqa: E402
-from dtgpt.model import padded_vocab_size  # noqa: E402
+from dtgpt.config import Config, ConfigError, load_config  # noqa: E402
 
 
 def to_gpt2(args) -> None:
     directory = find_checkpoint(args.src, args.iteration)
-    cfg = read_config(directory, args.config)
-    model = read_sections(directory, ("model",))["model"]
-    vocab = model_vocab_size(directory)
-    gpt2.write(args.dst, gpt2.to_gpt2(model, cfg.model), gpt2.hf_config(cfg.model, vocab))
-    print(f"wrote {args.dst}/{gpt2.SAFETENSORS} and {gpt2.HF_CONFIG} from {directory} (vocab_size {vocab}, padded rows kept)")
+    written = to_gpt2_dir(directory, read_config(directory, args.config), args.dst)
+    print(f"wrote {args.dst}: {', '.join(written)} from {directory} (padded vocabulary rows kept)")
 
 
 def from_gpt2(args) -> None:
-    tensors, hf = gpt2.read(args.src)
     cfg = load_config(args.config) if args.config else Config()
-    for key, value in gpt2.model_overrides(hf).items():
-        apply_override(cfg, f"model.{key}", str(value))
-    cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
-    if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
-        cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train
-    validate(cfg)
-    vocab = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by)
-    model = gpt2.from_gpt2(tensors, cfg.model, vocab)
-    directory = write_checkpoint(args.dst, args.iteration or 0, {"model": model}, cfg, source=str(args.src))
-    print(f"wrote {directory} (vocabulary {hf['vocab_size']} padded to {vocab}); train from it with "
-          f"--checkpoint.load={args.dst} --checkpoint.load_optimizer=false")
+    directory, summary = from_gpt2_dir(args.src, args.dst, cfg, args.iteration or 0)
+    print(f"wrote {directory} ({summary}); train from it with "
+          f"--checkpoint.load={args.dst} --checkpoint.load_optimizer=false")  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -81,7 +67,7 @@ def main(argv: list[str]) -> int:
             print(f"wrote {directory}")
         else:
             from_gpt2(args)
-    except (CheckpointError, ConfigError, ValueError, KeyError) as e:
+    except (CheckpointError, ConfigError, ValueError, KeyError, FileNotFoundError) as e:
         print_error(str(e))
         return 2
     return 0

@@ -5,6 +5,7 @@
     manager.py  Checkpointer: the trainer's interface (load on construction, due/save/finalize)
     export.py   one-process reading and writing of whole checkpoints (scripts, generation)
     gpt2.py     the Hugging Face GPT-2 layout
+    hf_tokenizer.py  the run's tokenizer as Hugging Face tokenizer files
 """
 
 from dtgpt.checkpoint.layout import CheckpointError

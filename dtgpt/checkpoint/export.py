@@ -1,4 +1,5 @@
-"""Whole checkpoints in one process: read any checkpoint as full tensors, write one from tensors.
+"""Whole checkpoints in one process: read any checkpoint as full tensors, write one from tensors,
+and convert to and from a Hugging Face GPT-2 directory.
 
 Used by scripts/convert_checkpoint.py and scripts/generate.py. DCP reassembles the shards of
 whatever mesh saved the checkpoint into full tensors here, so nothing needs a process group.
@@ -14,16 +15,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dtgpt.checkpoint import layout
+from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.state import extra_problem, flat_keys, shape_problem
-from dtgpt.config import Config, config_from_dict, load_config, to_toml, validate
+from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
+from dtgpt.data.tokenizer import build_tokenizer
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-from dtgpt.model import GPT, OUTPUT_WEIGHT, WORD_EMBEDDING
+from dtgpt.model import GPT, OUTPUT_WEIGHT, WORD_EMBEDDING, padded_vocab_size
 
 TORCH_FORMAT = "dtgpt-torch-1"
 
@@ -152,3 +154,49 @@ def _config_from_text(text: str) -> Config:
     cfg = config_from_dict(tomllib.loads(text), "the config stored in the torch file")
     validate(cfg)
     return cfg
+
+
+def to_gpt2_dir(directory: Path, cfg: Config, out: str | Path) -> list[str]:
+    """Write the checkpoint as a directory transformers loads whole: weights, config.json,
+    generation_config.json and the run's tokenizer. Returns the names of the files written."""
+    out = Path(out)
+    tokenizer = build_tokenizer(cfg.data)
+    vocab = model_vocab_size(directory)
+    _check_tokenizer_fits(tokenizer.vocab_size, vocab, directory)
+    tensors = gpt2.to_gpt2(read_sections(directory, ("model",))["model"], cfg.model)
+    gpt2.write(out, tensors, gpt2.hf_config(cfg.model, vocab, tokenizer.eod),
+               gpt2.generation_config(tokenizer.eod, tokenizer.vocab_size, vocab))  # fmt: skip
+    written = hf_tokenizer.write(out, tokenizer, cfg.model.max_positions)
+    return [gpt2.HF_CONFIG, gpt2.GENERATION_CONFIG, gpt2.SAFETENSORS, *written]
+
+
+def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int = 0) -> tuple[Path, str]:
+    """Import a GPT-2 directory (ours or Hugging Face's) into a DCP checkpoint under root.
+
+    The model keys come from config.json and the tokenizer keys from the tokenizer files found
+    (the rest of `cfg` is kept). Returns the iteration directory and a line saying what was read.
+    """
+    src = Path(src)
+    tensors, hf = gpt2.read(src)
+    for key, value in gpt2.model_overrides(hf, str(src / gpt2.HF_CONFIG)).items():
+        apply_override(cfg, f"model.{key}", str(value))
+    cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
+    directory = layout.iteration_dir(root, iteration)
+    found = hf_tokenizer.recognise(src, keep_in=directory)
+    for key, value in (found or {}).items():
+        setattr(cfg.data, key, value)
+    if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
+        cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train
+    validate(cfg)
+    vocab = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by)
+    if found:  # fail here, not at the first use, when the tokenizer does not fit the model
+        _check_tokenizer_fits(build_tokenizer(cfg.data).vocab_size, vocab, src)
+    model = gpt2.from_gpt2(tensors, cfg.model, vocab)
+    write_checkpoint(root, iteration, {"model": model}, cfg, source=str(src))
+    kind = cfg.data.tokenizer_type if found else f"none found, kept data.tokenizer_type={cfg.data.tokenizer_type!r}"
+    return directory, f"vocabulary {hf['vocab_size']} padded to {vocab}; tokenizer: {kind}"
+
+
+def _check_tokenizer_fits(tokens: int, rows: int, where: Path) -> None:
+    if tokens > rows:
+        raise CheckpointError(f"{where}: the tokenizer has {tokens} tokens but the model's vocabulary only {rows} rows")

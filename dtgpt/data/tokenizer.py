@@ -107,6 +107,11 @@ class GPT2BPETokenizer:
         self.eod = eod
         self.vocab_file, self.merge_file = vocab_file, merge_file
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` that encodes (for exporting it, e.g. to Hugging Face)."""
+        return self._tok
+
     # The Rust tokenizer is rebuilt from its files in each worker process rather than pickled.
     def __getstate__(self) -> dict:
         return {"vocab_file": self.vocab_file, "merge_file": self.merge_file}

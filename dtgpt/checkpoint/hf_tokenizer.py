@@ -1,0 +1,106 @@
+"""dtgpt's tokenizers as Hugging Face tokenizer files, and back.
+
+An export carries the run's tokenizer so that `AutoTokenizer.from_pretrained(dir)` gives the ids
+dtgpt gave in training:
+
+- GPT2BPETokenizer: its `vocab.json` and `merges.txt` (copied as the run used them), read by
+  transformers' `GPT2Tokenizer`.
+- ByteTokenizer: a byte-level BPE with no merges, so each UTF-8 byte is one token whose id is
+  the byte's value; `<|endoftext|>` is id 256, the eod.
+- NullTokenizer: a word-level vocabulary "0" ... "n-1" split on whitespace.
+
+Every kind is also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the special
+end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
+tokenizers read the literal text "<|endoftext|>" as ordinary characters, as Megatron's do.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from dtgpt.data.tokenizer import EOD_TEXT, ByteTokenizer, GPT2BPETokenizer, NullTokenizer, Tokenizer
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+VOCAB_JSON = "vocab.json"
+MERGES_TXT = "merges.txt"
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table, as character -> byte: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes take characters 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+def eod_text(tokenizer: Tokenizer) -> str:
+    """The token string of the tokenizer's eod."""
+    return str(tokenizer.eod) if isinstance(tokenizer, NullTokenizer) else EOD_TEXT
+
+
+def build_backend(tokenizer: Tokenizer):
+    """A `tokenizers.Tokenizer` that encodes and decodes as `tokenizer` does, eod marked special."""
+    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    if isinstance(tokenizer, GPT2BPETokenizer):
+        backend = Backend.from_str(tokenizer.backend.to_str())  # a copy: the run's own pipeline
+    elif isinstance(tokenizer, ByteTokenizer):
+        backend = Backend(models.BPE(vocab=_byte_alphabet(), merges=[]))
+        # use_regex=False: bytes need no word splitting when nothing merges
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+    elif isinstance(tokenizer, NullTokenizer):
+        backend = Backend(models.WordLevel({str(i): i for i in range(tokenizer.vocab_size)}, unk_token=None))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins with spaces
+    else:
+        raise ValueError(f"no Hugging Face equivalent for a {type(tokenizer).__name__}")
+    backend.add_special_tokens([AddedToken(eod_text(tokenizer), special=True)])
+    if backend.token_to_id(eod_text(tokenizer)) != tokenizer.eod:
+        raise ValueError(f"{type(tokenizer).__name__}: {eod_text(tokenizer)!r} is not id {tokenizer.eod}, the eod")
+    return backend
+
+
+def write(directory: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
+    """Write the tokenizer files into `directory`; returns their names."""
+    written = [TOKENIZER_JSON, TOKENIZER_CONFIG]
+    build_backend(tokenizer).save(str(directory / TOKENIZER_JSON))
+    eod = eod_text(tokenizer)
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
+        "model_max_length": max_length, "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+    }  # fmt: skip
+    if isinstance(tokenizer, GPT2BPETokenizer):
+        shutil.copyfile(tokenizer.vocab_file, directory / VOCAB_JSON)
+        shutil.copyfile(tokenizer.merge_file, directory / MERGES_TXT)
+        settings.update(tokenizer_class="GPT2Tokenizer", unk_token=eod, add_prefix_space=False)
+        written += [VOCAB_JSON, MERGES_TXT]
+    else:  # BPE files left by an earlier export into this directory would name the wrong tokenizer
+        for name in (VOCAB_JSON, MERGES_TXT):
+            (directory / name).unlink(missing_ok=True)
+    (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+    return written
+
+
+def recognise(directory: Path, keep_in: Path) -> dict | None:
+    """The `[data]` tokenizer keys of the tokenizer files in `directory`, or None when there are
+    none dtgpt reads. GPT-2 BPE files are copied into `keep_in`, so the keys outlive `directory`."""
+    if (directory / VOCAB_JSON).is_file() and (directory / MERGES_TXT).is_file():
+        keep_in.mkdir(parents=True, exist_ok=True)
+        for name in (VOCAB_JSON, MERGES_TXT):
+            shutil.copyfile(directory / name, keep_in / name)
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str((keep_in / VOCAB_JSON).resolve()),
+                "merge_file": str((keep_in / MERGES_TXT).resolve())}  # fmt: skip
+    if not (directory / TOKENIZER_JSON).is_file():
+        return None
+    model = json.loads((directory / TOKENIZER_JSON).read_text()).get("model", {})
+    vocab = model.get("vocab") or {}
+    if model.get("type") == "BPE" and not model.get("merges") and vocab == _byte_alphabet():
+        return {"tokenizer_type": "ByteTokenizer", "vocab_file": "", "merge_file": ""}
+    if model.get("type") == "WordLevel" and len(vocab) >= 2 and vocab == {str(i): i for i in range(len(vocab))}:
+        return {"tokenizer_type": "NullTokenizer", "vocab_file": "", "merge_file": "", "vocab_size": len(vocab)}
+    return None

@@ -1,0 +1,300 @@
+"""The Hugging Face round trip, checked with `transformers` itself (a pinned dev dependency).
+
+`to-gpt2` must write a directory that transformers loads whole and silently: the model gives
+dtgpt's logits, AutoTokenizer gives dtgpt's token ids, and the text-generation pipeline
+generates what dtgpt's own greedy sampler generates. `from-gpt2` must read such a directory,
+and a directory transformers itself saved, back into a checkpoint that knows its tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from dtgpt.checkpoint import layout
+from dtgpt.checkpoint.export import load_model, read_config, read_sections, write_checkpoint
+from dtgpt.config import load_config
+from dtgpt.data.tokenizer import build_tokenizer
+from dtgpt.model import GPT, padded_vocab_size
+from tests.runs import REPO
+from tests.test_checkpoint_convert import load_script
+
+MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32"]
+BPE_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Return the number of items in a container.",
+    "numbers 12345 and symbols {}[]() and the the the",
+    "héllo wörld ✓ naïve café",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory) -> Path:
+    """A GPT-2 style vocab.json + merges.txt trained here (no downloads)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    d = tmp_path_factory.mktemp("bpe")
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator(BPE_TEXTS, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
+    trainer.save_model(str(d))
+    return d
+
+
+def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
+    if kind == "byte":
+        return ["--data.tokenizer_type=ByteTokenizer"]
+    if kind == "null":
+        return ["--data.tokenizer_type=NullTokenizer", "--data.vocab_size=100"]
+    return ["--data.tokenizer_type=GPT2BPETokenizer", f"--data.vocab_file={bpe_dir / 'vocab.json'}",
+            f"--data.merge_file={bpe_dir / 'merges.txt'}"]  # fmt: skip
+
+
+def make_checkpoint(root: Path, kind: str, bpe_dir: Path, tied: bool = True) -> Path:
+    """A one-process checkpoint of a small GPT whose every parameter (biases and norms too) is random."""
+    args = [*MODEL, "--data.mock_data=true", f"--model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
+    cfg = load_config(None, args + tokenizer_args(kind, bpe_dir))
+    vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size, cfg.model.make_vocab_size_divisible_by)
+    model = GPT(cfg.model, vocab)
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in model.state_dict().items()}
+    write_checkpoint(root, 5, {"model": state}, cfg, source="test")
+    return layout.iteration_dir(root, 5)
+
+
+def export(tmp_path: Path, kind: str, bpe_dir: Path, tied: bool = True) -> tuple[Path, Path]:
+    """(checkpoint iteration directory, exported directory)."""
+    directory = make_checkpoint(tmp_path / "ckpt", kind, bpe_dir, tied)
+    assert load_script().main(["to-gpt2", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    return directory, tmp_path / "hf"
+
+
+class _Collect(logging.Handler):
+    def __init__(self, records: list):
+        super().__init__(logging.WARNING)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def no_transformers_warnings():
+    """Fail if transformers logs a warning (its logger does not propagate) or anything warns."""
+    records: list[logging.LogRecord] = []
+    handler = _Collect(records)
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert [r.getMessage() for r in records] == []
+    assert [str(w.message) for w in caught] == []
+
+
+def sample_texts(kind: str) -> list[str]:
+    """A few hundred strings: fixed ones with unicode and odd whitespace, then seeded random ones."""
+    rng = random.Random(0)
+    if kind == "null":
+        fixed = ["", "0", "99", "1 2 3", "  7\t8\n9  ", "42 42 42 0 99"]
+        return fixed + [" ".join(str(rng.randrange(100)) for _ in range(rng.randrange(1, 30))) for _ in range(300)]
+    fixed = ["", " ", "Hello, world!", " leading space", "trailing  ", "tabs\tand\nnewlines\r\n",
+             "héllo wörld ✓ naïve café", "日本語のテキスト", "emoji 🙂🚀 and ZWJ 👩‍💻", "Ελληνικά и кириллица",
+             "<|endoftext|> is text here", "a<|endoftext|>b", "don't   stop'll 've", "x" * 200]  # fmt: skip
+    pool = "abcdefghij ABC   0123456789.,;:!?'\"()[]{}\n\t-_/é∑ßüñ中文字🙂👍<|>"
+    return fixed + ["".join(rng.choice(pool) for _ in range(rng.randrange(1, 60))) for _ in range(300)]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_export_loads_silently_with_dtgpt_logits(tmp_path, bpe_dir, tied):
+    directory, out = export(tmp_path, "byte", bpe_dir, tied)
+    with no_transformers_warnings():
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        transformers.AutoTokenizer.from_pretrained(out)
+    assert isinstance(hf_model, transformers.GPT2LMHeadModel)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (256, 256, 384)
+    assert config["tie_word_embeddings"] is tied
+    ours = load_model(directory, read_config(directory)).eval()
+    ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    if not tied:  # the head is its own tensor, not the embedding
+        assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
+
+
+@pytest.mark.parametrize("kind", ["byte", "null", "bpe"])
+def test_autotokenizer_gives_dtgpt_ids(tmp_path, bpe_dir, kind):
+    directory, out = export(tmp_path, kind, bpe_dir)
+    ours = build_tokenizer(read_config(directory).data)
+    with no_transformers_warnings():
+        theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs.eos_token_id == ours.eod
+    texts = sample_texts(kind)
+    assert len(texts) >= 300
+    for text in texts:
+        ids = ours.tokenize(text)
+        assert theirs(text)["input_ids"] == ids, text
+        assert theirs.decode(ids) == ours.detokenize(ids), text
+    if kind == "bpe":  # the run's own BPE files travel with the export
+        for name in ("vocab.json", "merges.txt"):
+            assert (out / name).read_bytes() == (bpe_dir / name).read_bytes()
+
+
+def dtgpt_greedy(directory: Path, prompt_ids: list[int], n: int) -> list[int]:
+    spec = importlib.util.spec_from_file_location("generate", REPO / "scripts/generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    cfg = read_config(directory)
+    vocab = build_tokenizer(cfg.data).vocab_size
+    model = load_model(directory, cfg).eval()
+    return generate.sample(model, prompt_ids, n, 0.0, 0, vocab, torch.Generator())[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("kind,prompt", [("byte", "Hello"), ("null", "1 2 3"), ("bpe", "The quick")])
+def test_pipeline_generates_dtgpt_greedy_text(tmp_path, bpe_dir, kind, prompt):
+    directory, out = export(tmp_path, kind, bpe_dir)
+    with no_transformers_warnings():
+        generator = transformers.pipeline("text-generation", model=str(out))
+    text = generator(prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    ours = build_tokenizer(read_config(directory).data)
+    continuation = dtgpt_greedy(directory, ours.tokenize(prompt), 12)
+    if ours.eod in continuation:  # transformers stops at the eos, the eod
+        continuation = continuation[: continuation.index(ours.eod)]
+    assert continuation, "the greedy continuation is empty: the test would not show generation"
+    # the pipeline appends the decoded new tokens to the prompt as they are (with NullTokenizer, no space)
+    assert text == prompt + ours.detokenize(continuation)
+
+
+def test_docs_snippet_generates(tmp_path, bpe_dir, capsys):
+    """The three lines of docs/checkpoints.md, run on an export."""
+    _, out = export(tmp_path, "byte", bpe_dir)
+    docs = (REPO / "docs/checkpoints.md").read_text()
+    snippet = docs.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(snippet.strip().splitlines()) == 3 and '"gpt2_dir"' in snippet
+    capsys.readouterr()
+    torch.manual_seed(0)
+    exec(snippet.replace('"gpt2_dir"', repr(str(out))), {})
+    assert capsys.readouterr().out.startswith("Return the")
+
+
+def test_files_take_the_process_umask(tmp_path, bpe_dir):
+    old = os.umask(0o027)
+    try:
+        _, out = export(tmp_path, "bpe", bpe_dir)
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
+
+
+@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True)])
+def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
+    directory, out = export(tmp_path, kind, bpe_dir, tied)
+    convert = load_script()
+    assert convert.main(["from-gpt2", str(out), str(tmp_path / "back")]) == 0
+    back = layout.iteration_dir(tmp_path / "back", 0)
+    original, imported = read_config(directory), read_config(back)
+    assert imported.data.tokenizer_type == original.data.tokenizer_type
+    assert imported.model.untie_embeddings_and_output_weights is not tied
+    if kind == "null":
+        assert imported.data.vocab_size == 100
+    if kind == "bpe":  # copied into the checkpoint, so the export directory may go
+        assert Path(imported.data.vocab_file).parent == back.resolve()
+        assert Path(imported.data.vocab_file).read_bytes() == (bpe_dir / "vocab.json").read_bytes()
+    theirs, ours = build_tokenizer(imported.data), build_tokenizer(original.data)
+    assert [theirs.tokenize(t) for t in sample_texts(kind)] == [ours.tokenize(t) for t in sample_texts(kind)]
+    stored, reread = read_sections(directory, ("model",))["model"], read_sections(back, ("model",))["model"]
+    assert stored.keys() == reread.keys()
+    for key in stored:
+        assert torch.equal(stored[key], reread[key]), key
+
+
+def test_reexport_into_the_same_directory_names_the_new_tokenizer(tmp_path, bpe_dir):
+    export(tmp_path / "first", "bpe", bpe_dir)
+    make_checkpoint(tmp_path / "byte", "byte", bpe_dir)
+    out = tmp_path / "first" / "hf"
+    assert load_script().main(["to-gpt2", str(tmp_path / "byte"), str(out)]) == 0
+    assert not (out / "vocab.json").exists() and not (out / "merges.txt").exists()
+    assert load_script().main(["from-gpt2", str(out), str(tmp_path / "back")]) == 0
+    assert read_config(layout.iteration_dir(tmp_path / "back", 0)).data.tokenizer_type == "ByteTokenizer"
+
+
+def save_like_hugging_face(out: Path, bpe_dir: Path, layout_name: str) -> transformers.GPT2LMHeadModel:
+    """A GPT-2 directory written by transformers itself, in one of the layouts found in the wild."""
+    vocab = len(json.loads((bpe_dir / "vocab.json").read_text()))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=vocab,
+                                     bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # HF initialises biases and norms to constants; make every tensor count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, max_shard_size="20KB" if layout_name == "sharded" else "5GB")
+    if layout_name == "hub":  # openai-community/gpt2: no "transformer." prefix, the causal masks stored
+        tensors = {k.removeprefix("transformer."): v for k, v in load_file(out / "model.safetensors").items()}
+        tensors.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32).tril() for i in range(2)})
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    for name in ("vocab.json", "merges.txt"):
+        (out / name).write_bytes((bpe_dir / name).read_bytes())
+    return model
+
+
+@pytest.mark.parametrize("layout_name", ["save_pretrained", "hub", "sharded"])
+def test_hugging_face_gpt2_directory_imports(tmp_path, bpe_dir, layout_name):
+    hf_model = save_like_hugging_face(tmp_path / "gpt2", bpe_dir, layout_name)
+    assert (tmp_path / "gpt2" / "model.safetensors.index.json").is_file() == (layout_name == "sharded")
+    assert load_script().main(["from-gpt2", str(tmp_path / "gpt2"), str(tmp_path / "ckpt")]) == 0
+    directory = layout.iteration_dir(tmp_path / "ckpt", 0)
+    cfg = read_config(directory)
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+    assert build_tokenizer(cfg.data).tokenize(BPE_TEXTS[3]) == build_tokenizer(
+        load_config(None, ["--data.mock_data=true", *tokenizer_args("bpe", bpe_dir)]).data).tokenize(BPE_TEXTS[3])
+    ours = load_model(directory, cfg).eval()
+    vocab = hf_model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[..., :vocab], hf_model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("case", ["activation", "untied without lm_head", "tokenizer too big"])
+def test_bad_input_is_one_clear_line(tmp_path, bpe_dir, capfd, case):
+    if case == "tokenizer too big":  # a --config whose tokenizer does not fit the checkpoint's 128 rows
+        make_checkpoint(tmp_path / "ckpt", "null", bpe_dir)
+        (tmp_path / "big.toml").write_text("[data]\nmock_data = true\ntokenizer_type = 'NullTokenizer'\nvocab_size = 1000\n")
+        argv, expected = ["to-gpt2", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--config", str(tmp_path / "big.toml")], \
+            "the tokenizer has 1000 tokens but the model's vocabulary only 128 rows"  # fmt: skip
+    else:
+        save_like_hugging_face(tmp_path / "gpt2", bpe_dir, "save_pretrained")
+        if case == "activation":
+            edit_config(tmp_path / "gpt2", activation_function="relu")
+            expected = "gpt2/config.json: activation_function='relu' is not one of"
+        else:
+            edit_config(tmp_path / "gpt2", tie_word_embeddings=False)
+            expected = "the GPT-2 weights have no tensor 'lm_head.weight'"
+        argv = ["from-gpt2", str(tmp_path / "gpt2"), str(tmp_path / "ckpt")]
+    capfd.readouterr()  # transformers' progress bars
+    assert load_script().main(argv) == 2
+    err = capfd.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and expected in err, err
