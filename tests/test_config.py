@@ -62,7 +62,6 @@ def test_overrides_both_spellings_and_types(tmp_path):
     cfg = load_config(
         None,
         [
-            "--data.mock_data=true",
             "--training.train_iters", "20",
             "--optimizer.lr=1e-3",
             "--training.rampup_batch_size=[4, 4, 100]",
@@ -188,3 +187,71 @@ def test_unbuilt_keys_are_reported(monkeypatch):
     cfg = base(training__compile=True)
     assert config.unbuilt_keys(cfg) == ["training.compile"]  # set away from its default
     assert config.unbuilt_keys(base()) == []
+
+
+# --- which key wins (dtgpt/config/precedence.py) -------------------------------------------
+
+
+def _file(tmp_path, text: str) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_command_line_data_source_replaces_the_files(tmp_path):
+    """--data.data_path on a config that names the built-in corpus trains on the given data."""
+    cfg = load_config(REPO / "configs/debug.toml", ["--data.data_path=/data/corpus"])
+    assert cfg.data.data_path == ["/data/corpus"] and cfg.data.builtin_corpus == ""
+
+
+def test_builtin_corpus_on_the_command_line_drops_the_files_tokenizer():
+    """The README's small-mesh command: gpt3_175b.toml names GPT-2 BPE files; the built-in
+    corpus given on the command line implies the byte tokenizer."""
+    cfg = load_config(REPO / "configs/gpt3_175b.toml", ["--data.builtin_corpus=python-docstrings"])
+    d = cfg.data
+    assert (d.builtin_corpus, d.tokenizer_type, d.vocab_file, d.merge_file, d.data_path) == (
+        "python-docstrings", "ByteTokenizer", "", "", []
+    )
+
+
+def test_command_line_tokenizer_replaces_the_files_builtin_corpus(tmp_path):
+    cfg = load_config(
+        REPO / "configs/debug.toml",
+        ["--data.tokenizer_type=NullTokenizer", "--data.vocab_size=128", "--data.mock_data=true"],
+    )
+    assert cfg.data.builtin_corpus == "" and cfg.data.tokenizer_type == "NullTokenizer" and cfg.data.mock_data
+
+
+def test_command_line_warmup_replaces_the_files():
+    cfg = load_config(REPO / "configs/debug.toml", ["--optimizer.lr_warmup_iters=5"])
+    assert cfg.optimizer.lr_warmup_iters == 5 and cfg.optimizer.lr_warmup_fraction is None
+
+
+@pytest.mark.parametrize(
+    "text,overrides,keys",
+    [
+        ("[data]\nmock_data = true\ndata_path = ['x']\n", [], ("data.mock_data", "data.data_path")),
+        ("[data]\nmock_data = true\n", ["--data.builtin_corpus=python-docstrings", "--data.data_path=x"],
+         ("data.builtin_corpus", "data.data_path")),
+        ("[data]\nbuiltin_corpus = 'python-docstrings'\nvocab_file = 'v.json'\n", [],
+         ("data.builtin_corpus", "data.vocab_file")),
+        ("[data]\nmock_data = true\n[optimizer]\nlr_warmup_iters = 3\nlr_warmup_fraction = 0.1\n", [],
+         ("optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters")),
+    ],
+    ids=["file-file", "cli-cli", "corpus-vs-vocab", "two-warmups"],
+)
+def test_two_choices_in_one_place_are_refused_naming_both(tmp_path, text, overrides, keys):
+    with pytest.raises(ConfigError) as info:
+        load_config(_file(tmp_path, text), overrides)
+    message = str(info.value)
+    assert all(k in message for k in keys) and "cannot both be set" in message, message
+
+
+def test_make_config_refuses_two_data_sources():
+    with pytest.raises(ConfigError, match="data.mock_data=True and data.data_path"):
+        validate(config_from_dict({"data": {"mock_data": True, "data_path": ["x"]}}))
+
+
+def test_none_unsets_a_string_key():
+    cfg = load_config(REPO / "configs/gpt3_175b.toml", ["--data.vocab_file=none", "--data.merge_file=None"])
+    assert cfg.data.vocab_file == "" and cfg.data.merge_file == ""

@@ -18,6 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.validation import validate
 
@@ -76,6 +77,8 @@ def _coerce_text(key: str, text: str, tp: Any) -> Any:
     inner, optional = _unwrap_optional(tp)
     if optional and text.lower() in ("none", "null", ""):
         return None
+    if inner is str and text.lower() in ("none", "null"):
+        return ""  # a string key is unset by being empty
     if typing.get_origin(inner) is list:
         elem = typing.get_args(inner)[0]
         stripped = text.strip()
@@ -186,10 +189,17 @@ def split_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file (or the defaults when path is None), apply overrides, validate."""
-    cfg = config_from_dict(load_toml(path), str(path)) if path else Config()
+    """Read a TOML file (or the defaults when path is None), apply overrides, validate.
+
+    Where a command-line key and a file key cannot both hold, the command line wins (see
+    dtgpt/config/precedence.py)."""
+    data = load_toml(path) if path else {}
+    cfg = config_from_dict(data, str(path))
+    levels = {f"{s}.{k}": FILE for s, table in data.items() for k in table}
     for key, value in split_overrides(list(overrides)):
         apply_override(cfg, key, value)
+        levels[key] = COMMAND_LINE
+    resolve_conflicts(cfg, levels)
     validate(cfg)
     return cfg
 

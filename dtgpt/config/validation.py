@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.sections import Config, ConfigError
 
 
@@ -320,6 +321,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in _POSITIVE:
         value = get_key(cfg, key)
         _require(value > 0, f"{key}={value} must be > 0")
+    check_conflicts(cfg)
     _check_model(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
