@@ -87,7 +87,7 @@ def test_override_none_for_optional():
     [
         (["--modle.hidden_size=3"], "unknown section in --modle.hidden_size; did you mean 'model'?"),
         (["--model.hiden_size=3"], "did you mean 'hidden_size'?"),
-        (["--model.hidden_size=abc"], "model.hidden_size='abc' must be a int"),
+        (["--model.hidden_size=abc"], "model.hidden_size='abc' must be an int"),
         (["--training.fp16=maybe"], "training.fp16='maybe' must be a bool"),
         (["--training.rampup_batch_size=[1,"], "is not a valid list"),
         (["--training.train_iters"], "has no value"),
@@ -111,11 +111,11 @@ def test_toml_errors(tmp_path):
         config_from_dict({"model": {"num_layer": 2}}, "x.toml")
     with pytest.raises(ConfigError, match=r"unknown section \[trainig\]; did you mean 'training'"):
         config_from_dict({"trainig": {}}, "x.toml")
-    with pytest.raises(ConfigError, match=r"model.num_layers='2' must be a int"):
+    with pytest.raises(ConfigError, match=r"model.num_layers='2' must be an int"):
         config_from_dict({"model": {"num_layers": "2"}})
     with pytest.raises(ConfigError, match=r"training.fp16=1 must be a bool"):
         config_from_dict({"training": {"fp16": 1}})
-    with pytest.raises(ConfigError, match=r"training.rampup_batch_size\[1\]=1.5 must be a int"):
+    with pytest.raises(ConfigError, match=r"training.rampup_batch_size\[1\]=1.5 must be an int"):
         config_from_dict({"training": {"rampup_batch_size": [1, 1.5, 3]}})
 
 
@@ -159,8 +159,10 @@ def test_validation_errors_name_key_value_rule(overrides, world, expected):
 def test_mesh_rest_of_world():
     cfg = base(parallel__tensor_model_parallel_size=2)
     validate_mesh(cfg, 8)  # dp_shard = 8 / 2 = 4
-    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+    with pytest.raises(ConfigError, match="world size 6 is not divisible.*launch a multiple of 4 ranks"):
         validate_mesh(base(parallel__tensor_model_parallel_size=4), 6)
+    with pytest.raises(ConfigError, match="launch 4 ranks, or set parallel.data_parallel_shard_size=-1"):
+        validate_mesh(base(parallel__data_parallel_shard_size=4), 2)
 
 
 def test_split_overrides():

@@ -39,6 +39,10 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _with_article(name: str) -> str:
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
 def _type_name(tp: Any) -> str:
     inner, optional = _unwrap_optional(tp)
     if typing.get_origin(inner) is list:
@@ -56,7 +60,7 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     if typing.get_origin(inner) is list:
         elem = typing.get_args(inner)[0]
         if not isinstance(value, list):
-            raise ConfigError(f"{key}={value!r} must be a {_type_name(tp)}")
+            raise ConfigError(f"{key}={value!r} must be {_with_article(_type_name(tp))}")
         return [_check_value(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
     if inner is bool:
         ok = isinstance(value, bool)
@@ -68,7 +72,7 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     else:
         ok = isinstance(value, inner)
     if not ok:
-        raise ConfigError(f"{key}={value!r} must be a {_type_name(tp)}")
+        raise ConfigError(f"{key}={value!r} must be {_with_article(_type_name(tp))}")
     return value
 
 
@@ -103,7 +107,7 @@ def _coerce_text(key: str, text: str, tp: Any) -> Any:
         if inner is float:
             return float(text)
     except ValueError:
-        raise ConfigError(f"{key}={text!r} must be a {_type_name(tp)}") from None
+        raise ConfigError(f"{key}={text!r} must be {_with_article(_type_name(tp))}") from None
     return text
 
 
