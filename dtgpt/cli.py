@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from dtgpt.config import ConfigError, load_config, to_toml
+from dtgpt.config import ConfigError, load_config, to_toml, validate
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 
@@ -27,13 +27,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
+NO_CONFIG = (
+    "no --config given: name a config file, e.g. `python train.py --config configs/debug.toml` "
+    "(`--print-config` alone shows the defaults)"
+)
+
+
 def run_main(argv: list[str], model_provider, datasets_provider) -> int:
     args, overrides = parse_args(argv)
     try:
-        cfg = load_config(args.config, overrides)
         if args.print_config:
-            print(to_toml(cfg), end="")
-            return 0
+            return print_config(args.config, overrides)
+        if args.config is None and not overrides:
+            raise ConfigError(NO_CONFIG)
+        cfg = load_config(args.config, overrides)
         if args.dry_run:
             from dtgpt.plan import main as plan_main
 
@@ -41,6 +48,7 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
         from dtgpt.training import pretrain
 
         pretrain(cfg, model_provider, datasets_provider)
+        print_next_steps(cfg)
     except ConfigError as e:
         print_error(str(e))
         return 2
@@ -49,6 +57,29 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
             raise
         print_error(one_line(str(e)))
         return 2
+    return 0
+
+
+def print_next_steps(cfg) -> None:
+    """Rank 0's last line: where the run left its checkpoint and how to sample from it."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if cfg.checkpoint.save:
+        print(
+            f"> checkpoint in {cfg.checkpoint.save}; sample from it with: "
+            f'python scripts/generate.py {cfg.checkpoint.save} --prompt "def " --max-new-tokens 60 --temperature 0.8',
+            flush=True,
+        )
+    else:
+        print("> no checkpoint written (checkpoint.save is unset)", flush=True)
+
+
+def print_config(path: str | None, overrides: list[str]) -> int:
+    """Print the resolved config as TOML, even one that does not validate yet (the defaults
+    alone name no data); its first problem follows as an error line, and the exit code is 2."""
+    cfg = load_config(path, overrides, check=False)
+    print(to_toml(cfg), end="", flush=True)
+    validate(cfg)
     return 0
 
 

@@ -186,15 +186,18 @@ class MetricsLogger:
         total_iters: int,
         is_logging_rank: bool,
         run_config_toml: Optional[str] = None,
+        skipped_before: int = 0,
+        nan_before: int = 0,
     ) -> None:
         self.cfg = cfg
         self.total_iters = total_iters
         self.active = is_logging_rank
         self._interval: list[dict[str, Any]] = []
         self._interval_iters = 0  # counted on every rank: the timers' reduction needs it everywhere
-        # Counts at the end of the last printed interval; both start at 0 with the run.
-        self._skipped_before = 0
-        self._nan_before = 0
+        # Counts at the end of the last printed interval: those the run started with (a resumed
+        # run's records carry the checkpoint's cumulative counts).
+        self._skipped_before = skipped_before
+        self._nan_before = nan_before
         self._file = None
         self.writer = None
         if not self.active:

@@ -7,6 +7,7 @@ iterations of forward-backward with Adam, a distributed checkpoint, and that che
 into the same model built at tensor parallel 1 (here: FSDP over both ranks) with equal weights.
 """
 
+import shutil
 import sys
 import tempfile
 
@@ -22,7 +23,7 @@ TRAINING = dict(micro_batch_size=2, global_batch_size=8, train_iters=5)
 
 
 def shared_directory() -> str:
-    """A checkpoint directory every rank agrees on (rank 0 makes it)."""
+    """A checkpoint directory every rank agrees on (rank 0 makes a temporary one if none is given)."""
     box = [sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="dtgpt_simple_")]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
@@ -59,6 +60,10 @@ def main():
     assert all(torch.equal(saved[name], loaded[name]) for name in saved), "weights differ after loading"
     if runtime.is_main:
         print(f"loaded the TP 2 checkpoint from {directory} into a TP 1 model: all {len(saved)} tensors equal", flush=True)
+    if dist.is_initialized():
+        dist.barrier()  # every rank has read the checkpoint before it goes
+    if runtime.is_main and len(sys.argv) == 1:
+        shutil.rmtree(directory)
     dtgpt.shutdown()
 
 

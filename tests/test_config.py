@@ -66,7 +66,6 @@ def test_overrides_both_spellings_and_types(tmp_path):
     cfg = load_config(
         None,
         [
-            "--data.mock_data=true",
             "--training.train_iters", "20",
             "--optimizer.lr=1e-3",
             "--training.rampup_batch_size=[4, 4, 100]",
@@ -92,7 +91,7 @@ def test_override_none_for_optional():
     [
         (["--modle.hidden_size=3"], "unknown section in --modle.hidden_size; did you mean 'model'?"),
         (["--model.hiden_size=3"], "did you mean 'hidden_size'?"),
-        (["--model.hidden_size=abc"], "model.hidden_size='abc' must be a int"),
+        (["--model.hidden_size=abc"], "model.hidden_size='abc' must be an int"),
         (["--training.fp16=maybe"], "training.fp16='maybe' must be a bool"),
         (["--training.rampup_batch_size=[1,"], "is not a valid list"),
         (["--training.train_iters"], "has no value"),
@@ -116,11 +115,11 @@ def test_toml_errors(tmp_path):
         config_from_dict({"model": {"num_layer": 2}}, "x.toml")
     with pytest.raises(ConfigError, match=r"unknown section \[trainig\]; did you mean 'training'"):
         config_from_dict({"trainig": {}}, "x.toml")
-    with pytest.raises(ConfigError, match=r"model.num_layers='2' must be a int"):
+    with pytest.raises(ConfigError, match=r"model.num_layers='2' must be an int"):
         config_from_dict({"model": {"num_layers": "2"}})
     with pytest.raises(ConfigError, match=r"training.fp16=1 must be a bool"):
         config_from_dict({"training": {"fp16": 1}})
-    with pytest.raises(ConfigError, match=r"training.rampup_batch_size\[1\]=1.5 must be a int"):
+    with pytest.raises(ConfigError, match=r"training.rampup_batch_size\[1\]=1.5 must be an int"):
         config_from_dict({"training": {"rampup_batch_size": [1, 1.5, 3]}})
 
 
@@ -176,8 +175,10 @@ def test_validation_errors_name_key_value_rule(overrides, world, expected):
 def test_mesh_rest_of_world():
     cfg = base(parallel__tensor_model_parallel_size=2)
     validate_mesh(cfg, 8)  # dp_shard = 8 / 2 = 4
-    with pytest.raises(ConfigError, match="world size 6 is not divisible"):
+    with pytest.raises(ConfigError, match="world size 6 is not divisible.*launch a multiple of 4 ranks"):
         validate_mesh(base(parallel__tensor_model_parallel_size=4), 6)
+    with pytest.raises(ConfigError, match="launch 4 ranks, or set parallel.data_parallel_shard_size=-1"):
+        validate_mesh(base(parallel__data_parallel_shard_size=4), 2)
 
 
 def test_split_overrides():
@@ -217,3 +218,71 @@ def test_mesh_shape_resolves_the_rest():
                parallel__data_parallel_replicate_size=2, model__num_layers=2)  # fmt: skip
     assert mesh_shape(cfg, 16) == (2, 2, 2, 2)
     assert data_parallel_size(cfg, 16) == 4
+
+
+# --- which key wins (dtgpt/config/precedence.py) -------------------------------------------
+
+
+def _file(tmp_path, text: str) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_command_line_data_source_replaces_the_files(tmp_path):
+    """--data.data_path on a config that names the built-in corpus trains on the given data."""
+    cfg = load_config(REPO / "configs/debug.toml", ["--data.data_path=/data/corpus"])
+    assert cfg.data.data_path == ["/data/corpus"] and cfg.data.builtin_corpus == ""
+
+
+def test_builtin_corpus_on_the_command_line_drops_the_files_tokenizer():
+    """The README's small-mesh command: gpt3_175b.toml names GPT-2 BPE files; the built-in
+    corpus given on the command line implies the byte tokenizer."""
+    cfg = load_config(REPO / "configs/gpt3_175b.toml", ["--data.builtin_corpus=python-docstrings"])
+    d = cfg.data
+    assert (d.builtin_corpus, d.tokenizer_type, d.vocab_file, d.merge_file, d.data_path) == (
+        "python-docstrings", "ByteTokenizer", "", "", []
+    )
+
+
+def test_command_line_tokenizer_replaces_the_files_builtin_corpus(tmp_path):
+    cfg = load_config(
+        REPO / "configs/debug.toml",
+        ["--data.tokenizer_type=NullTokenizer", "--data.vocab_size=128", "--data.mock_data=true"],
+    )
+    assert cfg.data.builtin_corpus == "" and cfg.data.tokenizer_type == "NullTokenizer" and cfg.data.mock_data
+
+
+def test_command_line_warmup_replaces_the_files():
+    cfg = load_config(REPO / "configs/debug.toml", ["--optimizer.lr_warmup_iters=5"])
+    assert cfg.optimizer.lr_warmup_iters == 5 and cfg.optimizer.lr_warmup_fraction is None
+
+
+@pytest.mark.parametrize(
+    "text,overrides,keys",
+    [
+        ("[data]\nmock_data = true\ndata_path = ['x']\n", [], ("data.mock_data", "data.data_path")),
+        ("[data]\nmock_data = true\n", ["--data.builtin_corpus=python-docstrings", "--data.data_path=x"],
+         ("data.builtin_corpus", "data.data_path")),
+        ("[data]\nbuiltin_corpus = 'python-docstrings'\nvocab_file = 'v.json'\n", [],
+         ("data.builtin_corpus", "data.vocab_file")),
+        ("[data]\nmock_data = true\n[optimizer]\nlr_warmup_iters = 3\nlr_warmup_fraction = 0.1\n", [],
+         ("optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters")),
+    ],
+    ids=["file-file", "cli-cli", "corpus-vs-vocab", "two-warmups"],
+)
+def test_two_choices_in_one_place_are_refused_naming_both(tmp_path, text, overrides, keys):
+    with pytest.raises(ConfigError) as info:
+        load_config(_file(tmp_path, text), overrides)
+    message = str(info.value)
+    assert all(k in message for k in keys) and "cannot both be set" in message, message
+
+
+def test_make_config_refuses_two_data_sources():
+    with pytest.raises(ConfigError, match="data.mock_data=True and data.data_path"):
+        validate(config_from_dict({"data": {"mock_data": True, "data_path": ["x"]}}))
+
+
+def test_none_unsets_a_string_key():
+    cfg = load_config(REPO / "configs/gpt3_175b.toml", ["--data.vocab_file=none", "--data.merge_file=None"])
+    assert cfg.data.vocab_file == "" and cfg.data.merge_file == ""

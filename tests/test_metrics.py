@@ -152,6 +152,17 @@ def test_logger_writes_jsonl_prints_every_interval(tmp_path, capsys):
     assert len((tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()) == 5
 
 
+def test_resumed_logger_counts_from_the_checkpoints_totals(capsys):
+    """A run resumed with 13 skipped iterations behind it: its first interval reports the
+    iterations skipped within the interval (0), and averages the first resumed iteration too."""
+    logger = MetricsLogger(LoggingConfig(log_interval=2), total_iters=30, is_logging_rank=True, skipped_before=13, nan_before=1)
+    logger.log(_record(21, loss=1.0, skipped=13, nan=1))
+    logger.log(_record(22, loss=3.0, skipped=13, nan=1))
+    out = capsys.readouterr().out
+    assert int(_field(out, "number of skipped iterations")) == 0 and int(_field(out, "number of nan iterations")) == 0
+    assert _field(out, "lm loss") == "2.000000E+00"
+
+
 def test_logger_rejects_misspelled_keys(tmp_path):
     logger = MetricsLogger(LoggingConfig(), total_iters=4, is_logging_rank=True)
     bad = _record(1)

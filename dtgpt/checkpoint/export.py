@@ -39,7 +39,7 @@ def find_checkpoint(path: str | Path, iteration: int = 0) -> Path:
         if why is not None:
             raise CheckpointError(f"{path} is not a complete checkpoint: {why}")
         return path
-    found = layout.resolve(str(path), iteration, fresh_ok=False)
+    found = layout.resolve(str(path), iteration, fresh_ok=False, fix="give a checkpoint.save directory of a run, or one of its iter_* directories")
     for warning in found.warnings:
         print(f"WARNING: {warning}")
     return found.directory

@@ -138,7 +138,9 @@ class Resolved:
     """Why nothing is loaded, when directory is None."""
 
 
-def resolve(root: str, load_iteration: int, fresh_ok: bool) -> Resolved:
+def resolve(
+    root: str, load_iteration: int, fresh_ok: bool, fix: str = "fix the path, or set checkpoint.auto_resume=true to start from scratch"
+) -> Resolved:
     """Pick the checkpoint to load from `root`.
 
     load_iteration > 0 names one directory, which must be complete. Otherwise the pointer is
@@ -174,7 +176,7 @@ def resolve(root: str, load_iteration: int, fresh_ok: bool) -> Resolved:
         warnings.append(f"skipping partial checkpoint {iteration_dir(root, iteration)}: {why}")
     note = f"checkpoint.load={root} holds no complete checkpoint (no {POINTER} naming one, no complete iter_* directory)"
     if not fresh_ok:
-        raise CheckpointError(note + "; fix the path, or set checkpoint.auto_resume=true to start from scratch")
+        raise CheckpointError(note + "; " + fix)
     return Resolved(None, 0, warnings, note)
 
 

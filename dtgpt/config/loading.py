@@ -18,6 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.validation import validate
 
@@ -38,6 +39,10 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _with_article(name: str) -> str:
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
 def _type_name(tp: Any) -> str:
     inner, optional = _unwrap_optional(tp)
     if typing.get_origin(inner) is list:
@@ -55,7 +60,7 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     if typing.get_origin(inner) is list:
         elem = typing.get_args(inner)[0]
         if not isinstance(value, list):
-            raise ConfigError(f"{key}={value!r} must be a {_type_name(tp)}")
+            raise ConfigError(f"{key}={value!r} must be {_with_article(_type_name(tp))}")
         return [_check_value(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
     if inner is bool:
         ok = isinstance(value, bool)
@@ -67,7 +72,7 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     else:
         ok = isinstance(value, inner)
     if not ok:
-        raise ConfigError(f"{key}={value!r} must be a {_type_name(tp)}")
+        raise ConfigError(f"{key}={value!r} must be {_with_article(_type_name(tp))}")
     return value
 
 
@@ -76,6 +81,8 @@ def _coerce_text(key: str, text: str, tp: Any) -> Any:
     inner, optional = _unwrap_optional(tp)
     if optional and text.lower() in ("none", "null", ""):
         return None
+    if inner is str and text.lower() in ("none", "null"):
+        return ""  # a string key is unset by being empty
     if typing.get_origin(inner) is list:
         elem = typing.get_args(inner)[0]
         stripped = text.strip()
@@ -100,7 +107,7 @@ def _coerce_text(key: str, text: str, tp: Any) -> Any:
         if inner is float:
             return float(text)
     except ValueError:
-        raise ConfigError(f"{key}={text!r} must be a {_type_name(tp)}") from None
+        raise ConfigError(f"{key}={text!r} must be {_with_article(_type_name(tp))}") from None
     return text
 
 
@@ -185,12 +192,21 @@ def split_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file (or the defaults when path is None), apply overrides, validate."""
-    cfg = config_from_dict(load_toml(path), str(path)) if path else Config()
+def load_config(path: str | Path | None, overrides: list[str] = (), check: bool = True) -> Config:
+    """Read a TOML file (or the defaults when path is None), apply overrides, validate (unless
+    `check` is false).
+
+    Where a command-line key and a file key cannot both hold, the command line wins (see
+    dtgpt/config/precedence.py)."""
+    data = load_toml(path) if path else {}
+    cfg = config_from_dict(data, str(path))
+    levels = {f"{s}.{k}": FILE for s, table in data.items() for k in table}
     for key, value in split_overrides(list(overrides)):
         apply_override(cfg, key, value)
-    validate(cfg)
+        levels[key] = COMMAND_LINE
+    resolve_conflicts(cfg, levels)
+    if check:
+        validate(cfg)
     return cfg
 
 

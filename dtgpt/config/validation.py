@@ -17,6 +17,7 @@ from dtgpt.config.derived import (
     num_pipeline_stages,
     padded_vocabulary,
 )
+from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.sections import Config, ConfigError
 
 PIPELINE_SCHEDULES = (
@@ -319,6 +320,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in _POSITIVE:
         value = get_key(cfg, key)
         _require(value > 0, f"{key}={value} must be > 0")
+    check_conflicts(cfg)
     _check_model(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
@@ -342,14 +344,16 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
         _require(
             world_size % (pp * tp * dpr) == 0,
             f"world size {world_size} is not divisible by pipeline_model_parallel_size={pp} * "
-            f"tensor_model_parallel_size={tp} * data_parallel_replicate_size={dpr}",
+            f"tensor_model_parallel_size={tp} * data_parallel_replicate_size={dpr} = {pp * tp * dpr}; "
+            f"launch a multiple of {pp * tp * dpr} ranks (e.g. torchrun --nproc-per-node {pp * tp * dpr}) or lower those sizes",
         )
     else:
         _require(dps > 0, f"parallel.data_parallel_shard_size={dps} must be > 0 or -1 (the rest)")
         _require(
             pp * dpr * dps * tp == world_size,
             f"world size {world_size} != pipeline_model_parallel_size={pp} * data_parallel_replicate_size={dpr} "
-            f"* data_parallel_shard_size={dps} * tensor_model_parallel_size={tp} = {pp * dpr * dps * tp}",
+            f"* data_parallel_shard_size={dps} * tensor_model_parallel_size={tp} = {pp * dpr * dps * tp}; "
+            f"launch {pp * dpr * dps * tp} ranks, or set parallel.data_parallel_shard_size=-1 to take the rest",
         )
     for key in FAULT_RANKS:
         _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")

@@ -129,17 +129,13 @@ class GPT2BPETokenizer:
 def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
     """The tokenizer `[data]` asks for.
 
-    - `builtin_corpus` is byte-tokenized when built, so it always uses ByteTokenizer.
+    - `builtin_corpus` is byte-tokenized when built, so it always uses ByteTokenizer (validation
+      refuses another tokenizer named beside it: dtgpt/config/precedence.py).
     - GPT2BPETokenizer with no vocab_file under `mock_data = true` needs no files: it becomes a
       NullTokenizer of `vocab_size` (default 50257, GPT-2's), whose eod 50256 is GPT-2's too.
     """
     kind = data_cfg.tokenizer_type
-    if data_cfg.builtin_corpus and not data_cfg.mock_data:
-        if kind == "NullTokenizer" or data_cfg.vocab_file:
-            raise ValueError(
-                f"data.builtin_corpus={data_cfg.builtin_corpus!r} is byte-tokenized (ByteTokenizer); "
-                f"unset data.vocab_file and data.tokenizer_type={kind!r}"
-            )
+    if data_cfg.builtin_corpus:
         return ByteTokenizer()
     if kind == "ByteTokenizer":
         return ByteTokenizer()

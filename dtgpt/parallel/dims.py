@@ -59,6 +59,10 @@ class ParallelDims:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        # A parameter sharded over dp_shard and tp has a partial norm on both dimensions: with
+        # this flattened view DTensor reduces it in one all-reduce, in one order on every rank,
+        # instead of two in sequence.
+        self.mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
         return self.mesh
 
     def sub(self, name: str) -> DeviceMesh | None:

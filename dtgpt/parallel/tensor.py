@@ -50,6 +50,10 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def _own_storage(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
+    return output.clone() if output._is_view() else output
+
+
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
@@ -88,6 +92,11 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             }
         )
     parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel and model.embedding is not None:
+        # The sequence chunk is a view of the full embedding output. FSDP2 hooks its backward
+        # on the module's output and (rightly) distrusts views, which an in-place op later could
+        # detach from the hook; a copy of one (B, T/tp, h) chunk makes the output its own tensor.
+        model.embedding.register_forward_hook(_own_storage)
     if model.tied and model.embedding is not None and model.output is not None:
         # Both are sharded Shard(0) over the vocabulary; re-tie to the one distributed parameter.
         model.output.weight = model.embedding.word.weight

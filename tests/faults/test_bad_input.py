@@ -135,11 +135,11 @@ def test_unknown_section_suggests_the_closest(results):
 
 
 def test_wrong_type_on_the_command_line(results):
-    assert "model.hidden_size='abc' must be a int" in single_error(results, "wrong_type_cli")
+    assert "model.hidden_size='abc' must be an int" in single_error(results, "wrong_type_cli")
 
 
 def test_wrong_type_in_toml(results):
-    assert "model.hidden_size='64' must be a int" in single_error(results, "wrong_type_toml")
+    assert "model.hidden_size='64' must be an int" in single_error(results, "wrong_type_toml")
 
 
 def test_impossible_mesh(results):
