@@ -96,13 +96,17 @@ def test_recomputation_keeps_parameter_names():
 # -- the same numbers ----------------------------------------------------------------------------
 
 
-def _loss_and_grads(setting: str, dropout: float):
-    granularity, method, n = SETTINGS[setting]
-    cfg = _tiny(hidden_dropout=dropout, attention_dropout=dropout)
-    cfg.training.recompute_granularity, cfg.training.recompute_method, cfg.training.recompute_num_layers = granularity, method, n
+def _built(setting: str, cfg: Config):
+    """One process's model for `cfg` under a recompute setting, through parallelize()."""
+    t = cfg.training
+    t.recompute_granularity, t.recompute_method, t.recompute_num_layers = SETTINGS[setting]
     with torch.device("meta"):
         whole = GPT(cfg.model, 64)
-    model = build_model(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+    return build_model(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+
+
+def _loss_and_grads(setting: str, dropout: float):
+    model = _built(setting, _tiny(hidden_dropout=dropout, attention_dropout=dropout))
     batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(123)  # the dropout masks
     loss = forward_backward(model, batch, 2)
@@ -133,23 +137,20 @@ def peak_allocated_bytes(step) -> int:
     """The peak of CPU bytes allocated during step(), above what was allocated when it started.
 
     The profiler (profile_memory=True) records every allocation and free of the CPU allocator
-    with its running total; no timing is involved.
+    with its running total; its event tree is where torch exposes that total for the CPU (there
+    is no torch.cuda.max_memory_allocated for it). No timing is involved.
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted(_allocation_totals(prof.profiler.kineto_results.experimental_event_tree()))
+    events = sorted(_allocation_totals(prof.profiler.kineto_results.experimental_event_tree()), key=lambda e: e[0])
     _, first_size, first_total = events[0]
     return max(total for _, _, total in events) - (first_total - first_size)
 
 
 def _peak_activation_bytes(setting: str) -> int:
     """One forward-backward of a model whose attention scores dominate: seq 256, hidden 32, 8 heads."""
-    granularity, method, n = SETTINGS[setting]
     cfg = _tiny(num_layers=4, hidden_size=32, num_attention_heads=8, seq_length=256, hidden_dropout=0.0, attention_dropout=0.0)
-    cfg.training.recompute_granularity, cfg.training.recompute_method, cfg.training.recompute_num_layers = granularity, method, n
-    with torch.device("meta"):
-        whole = GPT(cfg.model, 64)
-    model = build_model(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+    model = _built(setting, cfg)
     batch = torch.randint(0, 64, (2, 257), generator=torch.Generator().manual_seed(0))
     # The math kernel keeps the (B, nh, T, T) attention probabilities for backward, as Megatron's
     # unfused core attention does; torch's CPU flash kernel (taken without dropout) keeps only
