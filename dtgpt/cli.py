@@ -44,7 +44,10 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
         if args.dry_run:
             from dtgpt.plan import main as plan_main
 
-            return plan_main(cfg)
+            # Under torchrun (or with WORLD_SIZE set by hand) plan for that many ranks; else the
+            # planner takes the smallest world the mesh allows (data_parallel_shard_size -1 as 1).
+            world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+            return plan_main(cfg, world_size)
         from dtgpt.training import pretrain
 
         pretrain(cfg, model_provider, datasets_provider)

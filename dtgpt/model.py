@@ -5,11 +5,16 @@ attention through `scaled_dot_product_attention`, a GeLU MLP, biases everywhere,
 head tied to the word embedding. This file never imports torch.distributed: parallelism is
 applied from the outside (dtgpt/parallel). What the model concedes to pipelining: blocks live in
 an `nn.ModuleDict` keyed "0".."L-1" (names survive deleting blocks), and the embedding, final
-norm and head may be None on a pipeline stage.
+norm and head may be None on a pipeline stage. What it concedes to recomputation: the attention
+core is a module of its own, and `block_runs` may group blocks (see dtgpt/parallel/recompute.py).
+
+Each module declares the initialisation of its own parameters (`declared_inits`); `init_weights`
+draws every value from a generator seeded by (seed, parameter name) on the full shape.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import zlib
 from typing import Callable
@@ -17,13 +22,43 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from dtgpt.config import ModelConfig
 from dtgpt.config import padded_vocab_size as padded_vocab_size  # re-exported: scripts and tests use it
 
 WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_WEIGHT = "output.weight"
+
+
+class Init(enum.Enum):
+    """The initialisations a module may declare for its parameters (Megatron's GPT init)."""
+
+    NORMAL = "normal"
+    """N(0, init_method_std): Megatron's init_method."""
+    SCALED_NORMAL = "scaled_normal"
+    """N(0, init_method_std / sqrt(2 * num_layers)): Megatron's output_layer_init_method, for the
+    projections that write into the residual stream."""
+    ZEROS = "zeros"
+    ONES = "ones"
+
+
+DeclaredInits = list[tuple[nn.Parameter, Init]]
+
+
+def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
+    """A linear layer's weight gets `weight`; its bias, if any, starts at zero."""
+    inits = [(linear.weight, weight)]
+    if linear.bias is not None:
+        inits.append((linear.bias, Init.ZEROS))
+    return inits
+
+
+def norm_inits(norm: nn.Module) -> DeclaredInits:
+    """A norm starts as the identity: scale one, shift (LayerNorm only) zero."""
+    inits = [(norm.weight, Init.ONES)]
+    if getattr(norm, "bias", None) is not None:
+        inits.append((norm.bias, Init.ZEROS))
+    return inits
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -56,12 +91,34 @@ class Embedding(nn.Module):
         )
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
+    def declared_inits(self) -> DeclaredInits:
+        inits = [(self.word.weight, Init.NORMAL)]
+        if self.position is not None:
+            inits.append((self.position.weight, Init.NORMAL))
+        return inits
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.word(tokens)  # (B, T, C)
         if self.position is not None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = h + self.position(positions)
         return self.dropout(h)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout; no parameters.
+
+    Megatron's "core attention": what selective recomputation recomputes in backward, since its
+    (B, nh, T, T) scores are the largest activations of a block when a kernel materialises them.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_dropout = cfg.attention_dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.attention_dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hd)
 
 
 class Attention(nn.Module):
@@ -75,9 +132,12 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.core = CoreAttention(cfg)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.attention_dropout = cfg.attention_dropout
         self.rotary_base = cfg.rotary_base if cfg.position_embedding_type == "rope" else 0
+
+    def declared_inits(self) -> DeclaredInits:
+        return linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -86,9 +146,7 @@ class Attention(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if self.rotary_base:
             q, k = apply_rotary(q, self.rotary_base), apply_rotary(k, self.rotary_base)
-        dropout = self.attention_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.proj(y)
 
 
@@ -97,6 +155,9 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_size)
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+
+    def declared_inits(self) -> DeclaredInits:
+        return linear_inits(self.fc1, Init.NORMAL) + linear_inits(self.fc2, Init.SCALED_NORMAL)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The tanh approximation, as GPT-2 and Megatron's fused bias-GeLU use.
@@ -111,17 +172,13 @@ class Block(nn.Module):
         self.mlp_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
-        # Set by dtgpt.parallel.apply_ac: recompute this block's activations in backward.
-        self.activation_checkpointing = False
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x)))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+    def declared_inits(self) -> DeclaredInits:
+        return norm_inits(self.input_norm) + norm_inits(self.mlp_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+        x = x + self.dropout(self.attention(self.input_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
 class GPT(nn.Module):
@@ -137,12 +194,16 @@ class GPT(nn.Module):
         self.tied = not cfg.untie_embeddings_and_output_weights
         if self.tied:
             self.output.weight = self.embedding.word.weight
+        # What forward runs between the embedding and the final norm; None: the blocks one by one.
+        # Full recomputation (dtgpt.parallel.recompute) replaces runs of blocks by groups that
+        # backward recomputes as one unit, as Megatron's recompute_method does.
+        self.block_runs: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds."""
         h = self.embedding(x) if self.embedding is not None else x
-        for block in self.layers.values():
-            h = block(h)
+        for run in self.block_runs if self.block_runs is not None else self.layers.values():
+            h = run(h)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -151,23 +212,45 @@ class GPT(nn.Module):
 
     # -- initialisation ------------------------------------------------------------------------
 
-    def initial_value(self, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
-        """The full initial tensor of parameter `name`, a function of (name, shape, seed) only.
+    def declared_inits(self) -> DeclaredInits:
+        inits = norm_inits(self.norm) if self.norm is not None else []
+        if self.output is not None:
+            inits.append((self.output.weight, Init.NORMAL))
+        return inits
+
+    def init_kinds(self) -> dict[str, Init]:
+        """Parameter name -> the init its module declares; every parameter must have one."""
+        declared: dict[int, Init] = {}  # by identity: a tied weight is one parameter, declared twice
+        for module in self.modules():
+            if not hasattr(module, "declared_inits"):
+                continue  # stock layers (nn.Linear, ...): their owner declares for them
+            for param, kind in module.declared_inits():
+                if declared.setdefault(id(param), kind) != kind:
+                    raise ValueError(
+                        f"{type(module).__name__} declares {kind} for a parameter already declared {declared[id(param)]}"
+                    )
+        kinds = {}
+        for name, param in self.named_parameters():
+            if id(param) not in declared:
+                raise ValueError(f"parameter {name} has no declared init: add it to its module's declared_inits()")
+            kinds[name] = declared[id(param)]
+        return kinds
+
+    def initial_value(self, name: str, kind: Init, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+        """The full initial tensor of parameter `name`, a function of (name, kind, shape, seed) only.
 
         Each parameter draws from its own generator seeded by its name, so the value does not
         depend on which other parameters a rank holds or in which order they are visited.
         """
-        if name == OUTPUT_WEIGHT and self.tied:
-            name = WORD_EMBEDDING  # the last pipeline stage's copy of the tied weight starts equal
-        leaf = name.rsplit(".", 1)[-1]
-        is_norm = "norm" in name
-        if leaf == "bias":
+        if kind is Init.ZEROS:
             return torch.zeros(shape, device=device)
-        if is_norm:
+        if kind is Init.ONES:
             return torch.ones(shape, device=device)
         std = self.cfg.init_method_std
-        if name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
-            std = std / math.sqrt(2.0 * self.cfg.num_layers)  # scaled init of output projections
+        if kind is Init.SCALED_NORMAL:
+            std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        if name == OUTPUT_WEIGHT and self.tied:
+            name = WORD_EMBEDDING  # the last pipeline stage's copy of the tied weight starts equal
         generator = torch.Generator(device=device)
         generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
         return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
@@ -185,8 +268,9 @@ class GPT(nn.Module):
         the default copies it whole.
         """
         device = torch.device(device)
+        kinds = self.init_kinds()
         for name, param in self.named_parameters():
-            value = self.initial_value(name, param.shape, seed, device)
+            value = self.initial_value(name, kinds[name], param.shape, seed, device)
             if assign is None:
                 param.copy_(value)
             else:

@@ -1,7 +1,7 @@
 """Plan a layout without GPUs: per-rank parameters and memory, pipeline bubble, training time.
 
     python scripts/plan.py --config configs/gpt3_175b.toml
-    python scripts/plan.py --config configs/gpt3_175b.toml --world-size 1024 --training.activation_checkpointing=full
+    python scripts/plan.py --config configs/gpt3_175b.toml --world-size 1024 --training.recompute_granularity=full --training.recompute_method=uniform --training.recompute_num_layers=1
     python scripts/plan.py --config configs/gpt3_175b.toml --json --check    # exit 1 if a rank does not fit
 
 Exit status: 0 (with --check: every rank fits), 1 (--check and a rank is over --gpu-memory-gib),

@@ -1,12 +1,14 @@
 """The GPT model: shapes, parameter count, initialisation, FLOPs formula, gradient accumulation."""
 
 import math
+import zlib
 
 import pytest
 import torch
+import torch.nn as nn
 
 from dtgpt.config import Config, ModelConfig
-from dtgpt.model import GPT, flops_per_token, num_parameters, padded_vocab_size
+from dtgpt.model import GPT, Init, flops_per_token, num_parameters, padded_vocab_size
 from dtgpt.parallel import ParallelDims, build_model
 from dtgpt.step import forward_backward
 
@@ -65,6 +67,53 @@ def test_init_statistics():
     assert torch.all(model.layers["1"].mlp.fc1.bias == 0)
     assert torch.all(model.layers["1"].input_norm.weight == 1) and torch.all(model.norm.bias == 0)
     assert model.embedding.word.weight.mean().abs() < 1e-3
+
+
+def _expected_inits(num_layers: int, layer_norm: bool, positions: bool, untied: bool) -> dict[str, Init]:
+    """Megatron's GPT init, parameter by parameter: a rename or a changed kind fails the test."""
+    N, S, Z, O = Init.NORMAL, Init.SCALED_NORMAL, Init.ZEROS, Init.ONES
+    table = {"embedding.word.weight": N}
+    if positions:
+        table["embedding.position.weight"] = N
+    for i in range(num_layers):
+        b = f"layers.{i}."
+        table.update({b + "input_norm.weight": O, b + "attention.qkv.weight": N, b + "attention.qkv.bias": Z,
+                      b + "attention.proj.weight": S, b + "attention.proj.bias": Z, b + "mlp_norm.weight": O,
+                      b + "mlp.fc1.weight": N, b + "mlp.fc1.bias": Z, b + "mlp.fc2.weight": S, b + "mlp.fc2.bias": Z})  # fmt: skip
+        if layer_norm:
+            table.update({b + "input_norm.bias": Z, b + "mlp_norm.bias": Z})
+    table["norm.weight"] = O
+    if layer_norm:
+        table["norm.bias"] = Z
+    if untied:
+        table["output.weight"] = N
+    return table
+
+
+@pytest.mark.parametrize("untie,rope,norm", [(False, False, "LayerNorm"), (True, False, "LayerNorm"), (True, True, "RMSNorm")])
+def test_modules_declare_megatrons_init(untie, rope, norm):
+    cfg = tiny(untie_embeddings_and_output_weights=untie, position_embedding_type="rope" if rope else "learned_absolute", normalization=norm)
+    model = materialise(cfg, 64, seed=5)
+    expected = _expected_inits(cfg.num_layers, norm == "LayerNorm", not rope, untie)
+    assert model.init_kinds() == expected
+    # The values are what the seeded draws always gave (the parity references depend on them).
+    std = {Init.NORMAL: cfg.init_method_std, Init.SCALED_NORMAL: cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
+    for name, param in model.named_parameters():
+        kind = expected[name]
+        if kind in std:
+            g = torch.Generator().manual_seed((5 * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            want = torch.empty(param.shape).normal_(0.0, std[kind], generator=g)
+        else:
+            want = torch.full(param.shape, 1.0 if kind is Init.ONES else 0.0)
+        assert torch.equal(param, want), name
+
+
+def test_a_parameter_without_a_declared_init_is_an_error():
+    with torch.device("meta"):
+        model = GPT(tiny(), 64)
+    model.layers["1"].mlp.gate = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"parameter layers\.1\.mlp\.gate\.weight has no declared init"):
+        model.init_kinds()
 
 
 def test_init_is_per_name_and_seeded():

@@ -3,8 +3,8 @@
 Each layout runs the tiny fp32 model for 20 iterations on the same mock data and must match
 the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figure) (a model-changing override, e.g. an
 untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
-an untied head, tp x pp without FSDP, dp x tp with activation checkpointing and compile; the
-rest are marked slow (`make test` runs them, `make test-fast` skips them).
+an untied head, tp x pp without FSDP, each recomputation setting (full uniform, full block,
+selective) and compile; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
 """
 
 import pytest
@@ -16,6 +16,7 @@ STEPS = 20
 RUN = [f"--training.train_iters={STEPS}"]  # what every run of the comparison shares
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
+FULL = ["--training.recompute_granularity=full"]  # Megatron's full recomputation; the method follows
 MODEL_KEYS = ("--model.",)  # overrides that change the model itself: the reference gets them too
 
 LAYOUTS = {
@@ -23,9 +24,16 @@ LAYOUTS = {
     "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"], False),
     "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
     "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
-    "dp2_tp2_ac": (
+    # full recomputation, 'uniform' in groups of 2 of the 4 blocks
+    "dp2_tp2_full_uniform_ac": (
         4,
-        ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--training.activation_checkpointing=full"],
+        ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", *FULL, "--training.recompute_method=uniform", "--training.recompute_num_layers=2"],
+        False,
+    ),
+    # full recomputation, 'block': the first block of each stage
+    "pp2_full_block_ac": (
+        2,
+        ["--parallel.pipeline_model_parallel_size=2", *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
         False,
     ),
     # the 175B shape: tp x pp with dp = 1 (no FSDP), tied embedding split across stages
@@ -54,7 +62,7 @@ LAYOUTS = {
     ),
     "pp2_untied_selective_ac": (
         2,
-        [UNTIED, "--parallel.pipeline_model_parallel_size=2", "--training.activation_checkpointing=selective"],
+        [UNTIED, "--parallel.pipeline_model_parallel_size=2", "--training.recompute_granularity=selective"],
         False,
     ),
     "pp2_dp2_tp2": (

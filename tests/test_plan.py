@@ -97,7 +97,7 @@ def test_175b_schedule_and_time(plan_175b):
     last = next(r for r in plan["ranks"] if r["pp_rank"] == 15)
     assert (first["in_flight"], last["in_flight"]) == (16, 1)
     shape = pm.ActivationShape(2048, 1, 12288, 96, 51200, 8, True)
-    per_layer = pm.layer_activation_bytes(shape, recompute=False)
+    per_layer = pm.layer_activation_bytes(shape, recompute="none")
     expected = (16 * (6 * per_layer + pm.embedding_activation_bytes(shape))) / pm.GIB
     assert first["memory"]["activations"] == pytest.approx(expected)
     # fp16 without FSDP: fp32 params + fp32 grads + Adam m, v + autocast's 2-byte copies = 18 B.
@@ -126,7 +126,7 @@ def test_classic_time_formula():
 
 
 def test_175b_on_1024_gpus_with_full_recomputation_takes_about_34_days():
-    cfg = load_config(GPT3_175B, ["--training.activation_checkpointing=full"])
+    cfg = load_config(GPT3_175B, ["--training.recompute_granularity=full", "--training.recompute_method=uniform", "--training.recompute_num_layers=1"])
     plan = plan_layout(cfg, 1024)
     assert plan.mesh["dp_shard"] == 8
     # FSDP divides every rank's parameters by dp = 8.
@@ -149,13 +149,17 @@ def test_activation_formulas():
     none = pm.ActivationShape(**base, tp=1, sequence_parallel=False)
     sp = pm.ActivationShape(**base, tp=t, sequence_parallel=True)
     tp_only = pm.ActivationShape(**base, tp=t, sequence_parallel=False)
-    assert pm.layer_activation_bytes(none, False) == pytest.approx(sbh * (34 + 5 * a * s / h))
-    assert pm.layer_activation_bytes(sp, False) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
-    assert pm.layer_activation_bytes(tp_only, False) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert pm.layer_activation_bytes(sp, True) == pytest.approx(2 * sbh / t)
-    assert pm.layer_activation_bytes(tp_only, True) == pytest.approx(2 * sbh)
+    assert pm.layer_activation_bytes(none, "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert pm.layer_activation_bytes(sp, "none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert pm.layer_activation_bytes(tp_only, "none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    # Korthikanti's selective recomputation drops the attention-core term 5·a·s/h.
+    assert pm.layer_activation_bytes(none, "selective") == pytest.approx(sbh * 34)
+    assert pm.layer_activation_bytes(sp, "selective") == pytest.approx(sbh / t * 34)
+    assert pm.layer_activation_bytes(tp_only, "selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert pm.layer_activation_bytes(sp, "full") == pytest.approx(2 * sbh / t)
+    assert pm.layer_activation_bytes(tp_only, "full") == pytest.approx(2 * sbh)
     fp32 = pm.ActivationShape(**base, tp=1, sequence_parallel=False, bytes_scale=2.0)
-    assert pm.layer_activation_bytes(fp32, False) == pytest.approx(2 * pm.layer_activation_bytes(none, False))
+    assert pm.layer_activation_bytes(fp32, "none") == pytest.approx(2 * pm.layer_activation_bytes(none, "none"))
 
 
 def test_schedule_formulas():
@@ -213,12 +217,17 @@ def test_deduplicated_builds_equal_building_every_rank():
     assert key(fast) == key(full)
 
 
-def test_selective_recomputation_follows_the_real_blocks():
-    cfg = load_config(None, SMALL + ["--training.activation_checkpointing=selective", "--training.activation_checkpointing_every=2"])
-    plan = plan_layout(cfg, 8)
-    # dtgpt's 'selective' recomputes every 2nd block: 0, 2, 4 of 5.
+def test_block_recomputation_follows_the_real_blocks():
+    args = ["--training.recompute_granularity=full", "--training.recompute_method=block", "--training.recompute_num_layers=1"]
+    plan = plan_layout(load_config(None, SMALL + args), 8)
+    # 'block' recomputes the first block of each of the 4 stages ([2, 1, 1, 1] blocks): 4 of 5.
     by_pp = {r.pp_rank: r.recomputed_layers for r in plan.ranks}
-    assert sum(by_pp.values()) == 3
+    assert sum(by_pp.values()) == 4
+    selective = plan_layout(load_config(None, SMALL + ["--training.recompute_granularity=selective"]), 8)
+    plain = plan_layout(load_config(None, SMALL), 8)
+    assert all(r.recomputed_layers == 0 for r in selective.ranks)
+    for r, q in zip(selective.ranks, plain.ranks):
+        assert 0 < r.memory["activations"] < q.memory["activations"]
 
 
 def test_impossible_layouts_are_refused_with_the_rule():
@@ -243,13 +252,13 @@ def test_over_memory_names_the_dominant_term_and_check_fails(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr  # without --check the plan is only printed
     assert "OVER" in proc.stdout
     warning = next(line for line in proc.stdout.splitlines() if line.startswith("WARNING") and "exceed" in line)
-    assert "activations" in warning and "activation_checkpointing='full'" in warning
+    assert "activations" in warning and "recompute_granularity='full'" in warning
     assert run_plan(*args, "--check").returncode == 1
     assert run_plan("--config", str(REPO / "configs" / "debug_3d.toml"), "--check").returncode == 0
 
 
 def test_model_state_dominates_a_large_model_on_few_gpus():
-    cfg = load_config(GPT3_175B, ["--parallel.pipeline_model_parallel_size=4", "--training.activation_checkpointing=full"])
+    cfg = load_config(GPT3_175B, ["--parallel.pipeline_model_parallel_size=4", "--training.recompute_granularity=full", "--training.recompute_method=uniform", "--training.recompute_num_layers=1"])
     plan = plan_layout(cfg, 32)
     warning = next(w for w in plan.warnings if "exceed" in w)
     assert "adam" in warning and "data_parallel_shard_size" in warning
@@ -258,7 +267,8 @@ def test_model_state_dominates_a_large_model_on_few_gpus():
 
 def test_train_py_dry_run_prints_the_plan():
     cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "debug_3d.toml"), "--dry-run"]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    # debug_3d takes data_parallel_shard_size from the world size: 8 ranks, as torchrun would say
+    proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "WORLD_SIZE": "8"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "8 GPUs = pp 2 x dp_replicate 1 x dp_shard 2 x tp 2" in proc.stdout
     assert "local params" in proc.stdout

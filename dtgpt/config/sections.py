@@ -56,9 +56,14 @@ class TrainingConfig:
     seed: int = 1234
     fp16: bool = False
     bf16: bool = False
-    activation_checkpointing: str = "none"
-    """'none', 'full' (every block) or 'selective' (every k-th block, see activation_checkpointing_every)."""
-    activation_checkpointing_every: int = 2
+    recompute_granularity: Optional[str] = None
+    """Megatron's activation recomputation: 'selective' (the attention core of every block) or
+    'full' (whole blocks, chosen by recompute_method); unset: none."""
+    recompute_method: Optional[str] = None
+    """With 'full': 'uniform' (every block, in groups of recompute_num_layers recomputed as one
+    unit) or 'block' (the first recompute_num_layers blocks of each pipeline stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With 'full': blocks per recomputed group ('uniform') or recomputed per stage ('block')."""
     compile: bool = False
     """torch.compile the whole model (per stage under pipeline parallelism)."""
     device: str = "auto"

@@ -36,7 +36,8 @@ V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 _CHOICES = {
     "model.position_embedding_type": ("learned_absolute", "rope"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
-    "training.activation_checkpointing": ("none", "full", "selective"),
+    "training.recompute_granularity": (None, "full", "selective"),  # None: no recomputation
+    "training.recompute_method": (None, "uniform", "block"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.nan_policy": ("skip", "stop"),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
@@ -60,7 +61,6 @@ _POSITIVE = (
     "training.micro_batch_size",
     "training.global_batch_size",
     "training.train_iters",
-    "training.activation_checkpointing_every",
     "parallel.tensor_model_parallel_size",
     "parallel.pipeline_model_parallel_size",
     "parallel.data_parallel_replicate_size",
@@ -187,6 +187,27 @@ def _check_compile(cfg: Config) -> None:
         f"parallel.pipeline_model_parallel_size={pp} (> 1): compiling parts of a tensor-parallel model fails or "
         "gives wrong gradients, and no parity test covers these combinations yet; set training.compile=false",
     )
+
+
+def _check_recompute(cfg: Config) -> None:
+    """Rules of recomputation: which of Megatron's three flags go together."""
+    t = cfg.training
+    granularity, method, n = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
+    _require(n is None or n >= 1, f"training.recompute_num_layers={n} must be >= 1")
+    if granularity == "full":
+        _require(
+            method is not None and n is not None,
+            "training.recompute_granularity='full' needs training.recompute_method ('uniform' or 'block') "
+            f"and training.recompute_num_layers >= 1 (got method={method!r}, num_layers={n})",
+        )
+    else:
+        for key, value in (("recompute_method", method), ("recompute_num_layers", n)):
+            why = "'selective' recomputes the attention core of every block" if granularity else "it is unset"
+            _require(
+                value is None,
+                f"training.{key}={value!r} applies only to training.recompute_granularity='full' ({why}); "
+                f"leave {key} unset",
+            )
 
 
 def _check_batch_sizes(cfg: Config) -> None:
@@ -325,6 +346,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
     _check_compile(cfg)
+    _check_recompute(cfg)
     _check_batch_sizes(cfg)
     _check_precision(cfg)
     _check_learning_rate(cfg)

@@ -1,4 +1,4 @@
-"""Parallelise a GPT: the one place where TP, activation checkpointing, compile and FSDP meet.
+"""Parallelise a GPT: the one place where TP, recomputation, compile and FSDP meet.
 
 `parallelize()` applies them to one model (or pipeline stage) in that visible order;
 `build_model()` builds on meta, cuts pipeline stages and parallelises each (`build_parts()`,
@@ -24,6 +24,7 @@ from dtgpt.parallel.pipeline import (
     stage_ids_on_rank,
     stage_layer_counts,
 )
+from dtgpt.parallel.recompute import apply_recompute
 from dtgpt.parallel.tensor import apply_tp
 from dtgpt.parallel.tied import build_tied_group
 
@@ -42,12 +43,6 @@ def compute_dtype(cfg: Config) -> torch.dtype | None:
     return None
 
 
-def apply_ac(model: GPT, mode: str, every: int) -> None:
-    """Recompute block activations in backward: every block ('full') or every k-th ('selective')."""
-    for name, block in model.layers.items():
-        block.activation_checkpointing = mode == "full" or (mode == "selective" and int(name) % every == 0)
-
-
 def apply_compile(model: GPT, per_block: bool) -> None:
     """Compile in place (names keep no `_orig_mod` prefix): per block under FSDP, else whole."""
     if per_block:
@@ -58,7 +53,7 @@ def apply_compile(model: GPT, per_block: bool) -> None:
 
 
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
-    """TP -> activation checkpointing -> compile -> FSDP, applied in place to one model/stage."""
+    """TP -> recomputation -> compile -> FSDP, applied in place to one model/stage."""
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -66,8 +61,8 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
         )
-    if cfg.training.activation_checkpointing != "none":
-        apply_ac(model, cfg.training.activation_checkpointing, cfg.training.activation_checkpointing_every)
+    t = cfg.training
+    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     if cfg.training.compile:  # config validation allows it only without tp and pp
         apply_compile(model, per_block=dims.fsdp_enabled)
     if dims.fsdp_enabled:

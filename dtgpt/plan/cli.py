@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dtgpt.config import Config, ConfigError, apply_override, config_from_dict, load_toml, split_overrides
+from dtgpt.config import Config, ConfigError, load_config
 from dtgpt.plan.layout import plan_layout
 from dtgpt.plan.report import format_plan
 from dtgpt.plan.results import LayoutError
@@ -42,9 +42,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--all-ranks", action="store_true", help="build every pp rank, not one per kind of stage")
     args, overrides = parser.parse_known_args(argv)
     try:
-        cfg = config_from_dict(load_toml(args.config), args.config)
-        for key, value in split_overrides(overrides):
-            apply_override(cfg, key, value)
+        # Validated by the planner, which reports an impossible layout in its own words.
+        cfg = load_config(args.config, overrides, check=False)
     except ConfigError as e:
         print(f"error: {e}")
         return 2

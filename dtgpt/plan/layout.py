@@ -76,7 +76,7 @@ def _activation_bytes(built: BuiltRank, shape: pm.ActivationShape, compute_bytes
         total += pm.embedding_activation_bytes(shape)
     if built.last:
         total += pm.head_activation_bytes(shape, compute_bytes)
-    working = pm.layer_activation_bytes(shape, recompute=False) if any(built.recompute) else 0.0
+    working = built.recompute_group * pm.layer_activation_bytes(shape, recompute="none")
     return total / max(len(built.stage_ids), 1), working
 
 
@@ -124,7 +124,7 @@ def plan_layout(
         memory = {k: val / pm.GIB for k, val in memory.items()}
         memory["total"] = sum(memory.values())
         ranks.append(RankPlan(
-            rank, pp_rank, dp_rank, tp_rank, b.stage_ids, b.layer_ids, sum(b.recompute), b.local,
+            rank, pp_rank, dp_rank, tp_rank, b.stage_ids, b.layer_ids, b.recompute.count("full"), b.local,
             b.stage_params, in_flight, memory, built_as,
         ))  # fmt: skip
 

@@ -37,23 +37,25 @@ class ActivationShape:
         return self.sequence_parallel and self.tp > 1
 
 
-def layer_activation_bytes(shape: ActivationShape, recompute: bool) -> float:
+def layer_activation_bytes(shape: ActivationShape, recompute: str) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch (Korthikanti et al. 2022).
 
     no parallelism        s·b·h·(34 + 5·a·s/h)
     tp with SP            s·b·h/t·(34 + 5·a·s/h)
     tp without SP         s·b·h·(10 + 24/t + 5·a·s/(h·t))
-    full recomputation    2·s·b·h, divided by t under SP (only the layer input is kept)
+    recompute 'selective' the same without the attention-core term 5·a·s/h (the scores)
+    recompute 'full'      2·s·b·h, divided by t under SP (only the layer input is kept)
     """
     s, h, a, t = shape.seq_length, shape.hidden_size, shape.num_heads, shape.tp
-    if recompute:
+    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    if recompute == "full":
         kept = 2 * shape.sbh / (t if shape.sp else 1)
     elif t == 1:
-        kept = shape.sbh * (34 + 5 * a * s / h)
+        kept = shape.sbh * (34 + scores)
     elif shape.sp:
-        kept = shape.sbh / t * (34 + 5 * a * s / h)
+        kept = shape.sbh / t * (34 + scores)
     else:
-        kept = shape.sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        kept = shape.sbh * (10 + 24 / t + scores / t)
     return kept * shape.bytes_scale
 
 

@@ -21,6 +21,7 @@ from dtgpt.config import Config
 from dtgpt.model import GPT
 from dtgpt.parallel import ParallelDims, build_parts
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
+from dtgpt.parallel.recompute import block_recompute, largest_recompute_group
 
 
 def _chunk(n: int, k: int, i: int) -> int:
@@ -71,7 +72,10 @@ class BuiltRank:
 
     stage_ids: list[int]
     layer_ids: list[int]
-    recompute: list[bool]
+    recompute: list[str]
+    """Per block: 'full', 'selective' or 'none', as dtgpt.parallel.recompute set it up."""
+    recompute_group: int
+    """The most blocks recomputed at once (0: no full recomputation)."""
     local: int
     gathered: int
     largest_unit: int
@@ -96,7 +100,8 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
         return BuiltRank(
             stage_ids=list(stage_ids),
             layer_ids=[n for n, _ in blocks],
-            recompute=[bool(b.activation_checkpointing) for _, b in blocks],
+            recompute=[kind for part in parts for kind in block_recompute(part).values()],
+            recompute_group=max(largest_recompute_group(part) for part in parts),
             local=sum(_local_numel(p) for p in params),
             gathered=sum(_numel_gathered_over_dp(p) for p in params),
             largest_unit=max((sum(_numel_gathered_over_dp(p) for p in _unique_params(u)) for u in units), default=0),
@@ -111,8 +116,8 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
 def build_ranks(cfg: Config, world_size: int, vocab: int, *, dp_ranks=(0,), all_ranks: bool = False):
     """Build every (pp rank, tp rank) at the given dp ranks; returns [(rank, coords, BuiltRank)], builds.
 
-    pp ranks whose stages hold the same kind of parts (layer counts, embedding, head, and under
-    'selective' recomputation the very layer indices) are built once unless all_ranks is set.
+    pp ranks whose stages hold the same kind of parts (layer counts, embedding, head) are built
+    once unless all_ranks is set (recomputation counts blocks within a stage, so it is the same).
     """
     if dist.is_initialized():
         raise RuntimeError("the planner needs its own (fake) process group: run it without torchrun")
@@ -129,7 +134,7 @@ def build_ranks(cfg: Config, world_size: int, vocab: int, *, dp_ranks=(0,), all_
         sids = sids if dims.pp_enabled else [0]
         names = _stage_layer_names(counts, sids)
         kind = (tuple(counts[s] for s in sids), 0 in sids, num_stages - 1 in sids)
-        if cfg.training.activation_checkpointing == "selective" or all_ranks:
+        if all_ranks:
             kind += (pp_rank,)
         for dp_rank in dp_ranks:
             for tp_rank in range(dims.tp):

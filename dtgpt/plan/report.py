@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtgpt.config import MULTI_STAGE_SCHEDULES, Config
+from dtgpt.config import MULTI_STAGE_SCHEDULES, Config, TrainingConfig
 from dtgpt.plan.results import Plan, RankPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,8 +25,11 @@ def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
     t, p = cfg.training, cfg.parallel
     if term == "activations":
         knobs = []
-        if t.activation_checkpointing != "full":
-            knobs.append("training.activation_checkpointing='full' (keeps only each layer's input)")
+        if t.recompute_granularity is None:
+            knobs.append("training.recompute_granularity='selective' (drops each layer's attention scores)")
+        if t.recompute_granularity != "full":
+            knobs.append("training.recompute_granularity='full' with recompute_method='uniform' and "
+                         "recompute_num_layers=1 (keeps only each layer's input)")  # fmt: skip
         if dims.tp > 1 and not p.sequence_parallel:
             knobs.append("parallel.sequence_parallel=true (divides the norm/dropout activations by tp)")
         if t.micro_batch_size > 1:
@@ -107,6 +110,12 @@ def _merged(ranks: list[RankPlan]) -> list[tuple[list[RankPlan], RankPlan]]:
     return rows
 
 
+def _recompute_text(t: TrainingConfig) -> str:
+    if t.recompute_granularity == "full":
+        return f"full ({t.recompute_method}, {t.recompute_num_layers} layers)"
+    return t.recompute_granularity or "none"
+
+
 def format_plan(cfg: Config, plan: Plan) -> str:
     m, t, p = cfg.model, cfg.training, cfg.parallel
     mesh = plan.mesh
@@ -118,7 +127,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"{mesh['dp_shard']} x tp {mesh['tp']}"
         + (f", {mesh['vpp']} virtual stages per rank" if mesh["vpp"] > 1 else "")
         + f"; sequence_parallel={str(p.sequence_parallel).lower()}, {precision}, "
-        f"activation_checkpointing={t.activation_checkpointing!r}",
+        f"recompute={_recompute_text(t)}",
         f"schedule   {p.pipeline_schedule}: {plan.microbatches} micro-batches per iteration (initial ramp-up: "
         f"{plan.microbatches_initial}); bubble {plan.bubble_fraction:.1%} (initial {plan.bubble_fraction_initial:.1%})",
         f"compute    {plan.flops_per_token / 1e9:.4g} GFLOP per token ({plan.hardware_flops_per_token / 1e9:.4g} with "
