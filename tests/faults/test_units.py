@@ -19,7 +19,7 @@ from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, 
 from dtgpt.data.loader import build_data_loader
 from dtgpt.exits import SignalFlag, signal_handler_enabled
 from dtgpt.faults import Faults, FaultyWriter
-from tests.test_checkpoint_unit import make_trainer, step
+from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 
 
 def test_signal_handler_is_on_by_default_exactly_when_saving():
@@ -66,7 +66,7 @@ def test_fault_ranks_are_validated():
 
 def test_disk_full_during_save_leaves_pointer_and_previous_checkpoint(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--faults.disk_full_at_iteration=2")
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     step(t)
     ckpt.save(1)
     step(t)
