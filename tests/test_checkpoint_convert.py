@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtgpt.checkpoint import CheckpointError, Checkpointer, gpt2, layout
+from dtgpt.checkpoint import CheckpointError, gpt2, layout
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from tests.runs import REPO
 from tests.test_checkpoint_resume import assert_same_tensors
