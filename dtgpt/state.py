@@ -166,14 +166,13 @@ class TrainState(Stateful):
 
     def load_state_dict(self, state: dict) -> None:
         """Take the sections present in `state` (the RNG is the caller's: see Checkpointer.restore_rng)."""
-        with_optimizer = "optimizer" in state
-        optimizer_dicts = self._optimizer_dicts() if with_optimizer else [None] * len(self.model.parts)
-        for part, opt, model_d, optim_d in zip(self.model.parts, self.optimizer.optimizers, self._model_dicts(), optimizer_dicts):
-            self._fill(model_d, state["model"])
-            set_model_state_dict(part, model_d)
-            if with_optimizer:
-                self._fill(optim_d, state["optimizer"], keep=_is_state_key)
-                set_optimizer_state_dict(part, opt, optim_d, options=FLAT_OPTIM)
+        for part, live in zip(self.model.parts, self._model_dicts()):
+            self._fill(live, state["model"])
+            set_model_state_dict(part, live)
+        if "optimizer" in state:
+            for part, opt, live in zip(self.model.parts, self.optimizer.optimizers, self._optimizer_dicts()):
+                self._fill(live, state["optimizer"], keep=_is_state_key)
+                set_optimizer_state_dict(part, opt, live, options=FLAT_OPTIM)
         for section, attr in self.STATEFUL.items():
             if section in state:
                 getattr(self, attr).load_state_dict(state[section])

@@ -93,6 +93,18 @@ def test_save_load_restores_everything_exactly(tmp_path):
     assert_same(flat_state(a), flat_state(b))
 
 
+def test_train_state_round_trips_through_its_own_state_dict():
+    """TrainState is a Stateful: another state takes it whole (weights, AdamW moments, progress,
+    LR schedule, scaler) from state_dict(), in memory, without a checkpoint in between."""
+    a, b = make_trainer(), make_trainer("--training.seed=7")
+    step(a, 2)
+    b.state.load_state_dict(a.state.state_dict())
+    assert_same(flat_state(a), flat_state(b))
+    assert b.state.progress == a.state.progress and b.state.progress.iteration == 2
+    assert b.state.lr_schedule.state_dict() == a.state.lr_schedule.state_dict()
+    assert b.state.scaler.state_dict() == a.state.scaler.state_dict()
+
+
 def slow_writes(monkeypatch, seconds: float) -> None:
     """Make DCP's file writes slow, so a save is still in flight while training goes on."""
     original = dcp_fs._FileSystemWriter.write_data
