@@ -13,8 +13,9 @@
 
 Each is the function the trainer itself calls (dtgpt.distributed, dtgpt.parallel, dtgpt.step,
 dtgpt.state, dtgpt.data, dtgpt.checkpoint): one code path for both. The checkpoint calls also
-take a bare model and your own optimizer instead of a TrainState: the weights and optimizer
-moments are saved then, with a fresh LR schedule and loss scaler (they were not yours).
+take a bare model and your own optimizer instead of a TrainState: then only the weights, the
+optimizer moments and the RNG are saved, no LR schedule, loss scale or progress (they were not
+dtgpt's), and train.py starts from such a checkpoint with checkpoint.load_optimizer=false.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from dtgpt.config import Config, ConfigError, config_from_dict, validate
 from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
 from dtgpt.distributed import Runtime, initialize
 from dtgpt.distributed import shutdown as shutdown  # re-exported
-from dtgpt.loss_scaler import build_loss_scaler
 from dtgpt.model import GPT, padded_vocab_size
-from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers
+from dtgpt.optim import BatchSizeSchedule, PartOptimizers
 from dtgpt.parallel import ModelParts, ParallelDims
 from dtgpt.parallel import build_model as build_parallel_model
 from dtgpt.state import Progress, TrainState
@@ -111,13 +111,13 @@ def train_step(state: TrainState, cfg: Config, runtime: Runtime, batch: torch.Te
 ModelOrState = Union[TrainState, ModelParts]
 
 
-def _as_state(cfg: Config, model: ModelOrState, optimizer, iteration: int) -> TrainState:
-    """A TrainState as is; a bare model (and optimizer) wrapped with a fresh schedule and scaler."""
+def _as_state(model: ModelOrState, optimizer, iteration: int) -> TrainState:
+    """A TrainState as is; a bare model (and optimizer) wrapped without schedule or scaler."""
     if isinstance(model, TrainState):
         return model
     if not isinstance(optimizer, PartOptimizers):
         optimizer = PartOptimizers.wrap([optimizer] if optimizer is not None else [])
-    return TrainState(model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg), Progress(iteration=iteration))
+    return TrainState(model, optimizer, lr_schedule=None, scaler=None, progress=Progress(iteration=iteration))
 
 
 def save_checkpoint(
@@ -128,7 +128,7 @@ def save_checkpoint(
     from dtgpt.checkpoint import Checkpointer
     from dtgpt.checkpoint.layout import iteration_dir
 
-    state = _as_state(cfg, model, optimizer, iteration)
+    state = _as_state(model, optimizer, iteration)
     run = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=str(directory), load="", async_save=False))
     checkpointer = Checkpointer(state, run, runtime)
     checkpointer.save(state.progress.iteration)
@@ -147,7 +147,7 @@ def load_checkpoint(directory: str | Path, cfg: Config, runtime: Runtime, model:
     run = dataclasses.replace(
         cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save="", load=str(directory), load_optimizer=whole)
     )
-    state = _as_state(cfg, model, optimizer, 0)
+    state = _as_state(model, optimizer, 0)
     Checkpointer(state, run, runtime).restore_rng()
     # A weights-only load does not read the training state; the pointer names the iteration.
     return state.progress.iteration or (read_pointer(directory) or 0)

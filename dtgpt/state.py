@@ -101,12 +101,18 @@ class TrainState(Stateful):
 
     model: ModelParts
     optimizer: PartOptimizers
-    lr_schedule: LRSchedule
-    scaler: LossScaler
+    lr_schedule: LRSchedule | None
+    scaler: LossScaler | None
     progress: Progress = field(default_factory=Progress)
 
     STATEFUL = {"train_state": "progress", "lr_schedule": "lr_schedule", "loss_scaler": "scaler"}
     """Sections saved through the objects' own state_dict (checkpoint key -> attribute)."""
+
+    @property
+    def resumable(self) -> bool:
+        """False for a bare model and optimizer of the library API: without a schedule and a
+        scaler of ours, only weights, optimizer moments and RNG are saved or loaded."""
+        return self.lr_schedule is not None and self.scaler is not None
 
     @property
     def tied(self) -> bool:
@@ -146,7 +152,7 @@ class TrainState(Stateful):
     def state_dict(self) -> dict:
         """The nested dict handed to dcp.save / dcp.async_save (values alias live tensors)."""
         state = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=False)}
-        for section, attr in self.STATEFUL.items():
+        for section, attr in self.STATEFUL.items() if self.resumable else ():
             state[section] = getattr(self, attr).state_dict()
         state["rng"] = rng_state(_rank(), self.model.device)
         if self.has_optimizer_state():

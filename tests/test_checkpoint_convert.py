@@ -104,7 +104,7 @@ def test_gpt2_import_starts_training_weights_only(saved, tmp_path):
     base = tmp_path / "base.toml"
     base.write_text((layout.iteration_dir(root, 2) / layout.CONFIG).read_text())
     assert convert.main(["from-gpt2", str(tmp_path / "hf"), str(tmp_path / "imported"), "--config", str(base)]) == 0
-    with pytest.raises(CheckpointError, match="holds weights only"):
+    with pytest.raises(CheckpointError, match="holds no training state"):
         checkpointer(make_trainer(f"--checkpoint.load={tmp_path / 'imported'}"))
     b = make_trainer(f"--checkpoint.load={tmp_path / 'imported'}", "--checkpoint.load_optimizer=false")
     checkpointer(b)

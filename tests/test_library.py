@@ -108,3 +108,23 @@ def read_metrics_of(tmp_path, args: list[str], name: str) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
     run_train(tmp_path, args + [f"--logging.metrics_file={metrics}"], name=name)
     return read_metrics(metrics)
+
+
+def test_bare_model_checkpoint_claims_no_training_state(tmp_path):
+    """Saved from a model and the caller's own optimizer, a checkpoint holds weights, moments and
+    RNG, and no LR schedule, loss scale or progress that dtgpt never ran; train.py's resume
+    refuses it with one clear line instead of restarting a schedule at zero."""
+    from dtgpt.checkpoint import CheckpointError, layout
+
+    cfg = load_config(None, TINY)
+    runtime = dtgpt.init_distributed(cfg)
+    model = dtgpt.build_model(cfg, runtime, vocab_size=128)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dtgpt.forward_backward(model, next(dtgpt.build_train_iterator(cfg, runtime)), dtgpt.num_microbatches(cfg, runtime))
+    optimizer.step()
+    directory = dtgpt.save_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer, iteration=3)
+    sections = {key.split(".")[0] for key in layout.read_metadata(directory).state_dict_metadata}
+    assert sections == {"model", "optimizer", "rng"}
+    assert dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer) == 3
+    with pytest.raises(CheckpointError, match="holds no training state .* checkpoint.load_optimizer=false"):
+        dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, dtgpt.build_train_state(cfg, model))

@@ -173,12 +173,14 @@ class Checkpointer:
         where = f"checkpoint {directory} does not fit this model: "
 
         has_optimizer = has_section(metadata, "optimizer")
-        if c.load_optimizer and not has_section(metadata, "train_state"):
+        stateful = c.load_optimizer and self.state.resumable
+        if stateful and not has_section(metadata, "train_state"):
             raise CheckpointError(
-                f"checkpoint {directory} holds weights only (no optimizer or training state, e.g. a converted one); "
-                "set checkpoint.load_optimizer=false to start training from it"
+                f"checkpoint {directory} holds no training state (LR schedule, loss scale, progress): a converted "
+                "checkpoint, or one saved by dtgpt.save_checkpoint from a bare model; set "
+                "checkpoint.load_optimizer=false to start training from its weights"
             )
-        request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=c.load_optimizer)
+        request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=stateful)
         model_request = flat_keys("model", request["model"])
         problem = shape_problem(model_request, metadata, "model")
         keys = [set(model_request)]
@@ -196,7 +198,7 @@ class Checkpointer:
         rank, device = self.runtime.rank, self.runtime.device
         here = mesh_info(self.run_cfg, self.state.model.dims)
         same_mesh = marker.get("mesh") == here
-        if c.load_optimizer:
+        if stateful:
             wanted = [f"rank_{rank}.cpu"] + ([f"rank_{rank}.cuda"] if device.type == "cuda" else [])
             stored = [k for k in wanted if f"rng.{k}" in metadata.state_dict_metadata]
             if same_mesh and wanted[0] in stored:
@@ -205,7 +207,7 @@ class Checkpointer:
         with layout.single_process():
             dcp.load(request, checkpoint_id=str(directory), no_dist=not self.distributed)
         self.state.load_state_dict(request)
-        if c.load_optimizer:
+        if stateful:
             if "rng" in request:
                 self._rng = request["rng"]
             else:
