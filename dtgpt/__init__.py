@@ -1,8 +1,8 @@
 """dtgpt: Megatron-LM's GPT pretraining on PyTorch's native distributed primitives.
 
 The library API (see README, "Library API"): make_config, init_distributed, build_model,
-build_train_iterator, num_microbatches, forward_backward, save_checkpoint, load_checkpoint,
-shutdown, and pretrain (the whole train.py flow). Imported lazily, so `import dtgpt.config`
+build_train_iterator, num_microbatches, forward_backward, build_train_state, train_step,
+save_checkpoint, load_checkpoint, shutdown, and pretrain (the whole train.py flow). Imported lazily, so `import dtgpt.config`
 stays light.
 """
 
@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 _API = (
     "make_config", "init_distributed", "build_model", "build_train_iterator", "num_microbatches",
-    "forward_backward", "save_checkpoint", "load_checkpoint", "shutdown",
+    "forward_backward", "build_train_state", "train_step", "save_checkpoint", "load_checkpoint", "shutdown",
 )  # fmt: skip
 __all__ = [*_API, "pretrain"]
 

@@ -5,18 +5,24 @@
     model = build_model(cfg, runtime, vocab_size)    # this rank's parallelised model parts
     batches = build_train_iterator(cfg, runtime)     # this rank's share of each global batch
     loss = forward_backward(model, next(batches), num_microbatches(cfg, runtime))
-    save_checkpoint(directory, cfg, runtime, model, optimizer, iteration)
-    load_checkpoint(directory, cfg, runtime, model, optimizer)
+
+    state = build_train_state(cfg, model)            # AdamW, LR schedule, loss scaler, progress
+    result = train_step(state, cfg, runtime, next(batches))   # train.py's step, state advanced
+    save_checkpoint(directory, cfg, runtime, state)  # resumable by train.py, exactly
+    load_checkpoint(directory, cfg, runtime, state)
 
 Each is the function the trainer itself calls (dtgpt.distributed, dtgpt.parallel, dtgpt.step,
-dtgpt.data, dtgpt.checkpoint): one code path for both.
+dtgpt.state, dtgpt.data, dtgpt.checkpoint): one code path for both. The checkpoint calls also
+take a bare model and your own optimizer instead of a TrainState: then only the weights, the
+optimizer moments and the RNG are saved, no LR schedule, loss scale or progress (they were not
+dtgpt's), and train.py starts from such a checkpoint with checkpoint.load_optimizer=false.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 
@@ -24,13 +30,14 @@ from dtgpt.config import Config, config_from_dict, derived, padded_vocabulary, v
 from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
 from dtgpt.distributed import Runtime, initialize
 from dtgpt.distributed import shutdown as shutdown  # re-exported
-from dtgpt.loss_scaler import build_loss_scaler
-from dtgpt.model import GPT, flops_per_token
-from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers
+from dtgpt.model import GPT
+from dtgpt.optim import BatchSizeSchedule, PartOptimizers
 from dtgpt.parallel import ModelParts, ParallelDims
 from dtgpt.parallel import build_model as build_parallel_model
+from dtgpt.state import Progress, TrainState
+from dtgpt.state import build_train_state as build_train_state  # re-exported
+from dtgpt.step import StepResult, reduce_loss
 from dtgpt.step import forward_backward as forward_backward_local
-from dtgpt.step import reduce_loss
 
 
 def make_config(**sections: dict) -> Config:
@@ -71,13 +78,14 @@ def num_microbatches(cfg: Config, runtime: Runtime) -> int:
 
 
 def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 0) -> Iterator[torch.Tensor]:
-    """This rank's (global_batch_size / dp, seq_length + 1) token batches, in the global order."""
-    tokenizer = build_tokenizer(cfg.data)
-    samples = (consumed_samples + cfg.training.train_iters * cfg.training.global_batch_size, 0, 0)
-    train, _, _ = build_datasets(cfg, tokenizer, samples)
-    size = cfg.training.global_batch_size
+    """This rank's (global batch size / dp, seq_length + 1) token batches, in the global order
+    that train.py reads (batch-size ramp-up included), from consumed_samples on."""
+    from dtgpt.training import num_samples_needed
+
+    train, _, _ = build_datasets(cfg, build_tokenizer(cfg.data), num_samples_needed(cfg))
+    size_at = BatchSizeSchedule(cfg.training).global_batch_size
     dims = runtime.dims
-    return iter(build_data_loader(train, consumed_samples, lambda _consumed: size, dims.dp_rank, dims.dp, cfg.data.num_workers))
+    return iter(build_data_loader(train, consumed_samples, size_at, dims.dp_rank, dims.dp, cfg.data.num_workers))
 
 
 def forward_backward(model: ModelParts, batch: torch.Tensor, num_microbatches: int, *, forward_only: bool = False) -> float:
@@ -87,44 +95,56 @@ def forward_backward(model: ModelParts, batch: torch.Tensor, num_microbatches: i
     return reduce_loss(model, local).item()
 
 
-def _trainer(cfg: Config, runtime: Runtime, model: ModelParts, optimizer, iteration: int):
-    """The trainer's own record of a run, around a model and optimizer built by the caller."""
-    from dtgpt.training import Trainer, TrainState
+def train_step(state: TrainState, cfg: Config, runtime: Runtime, batch: torch.Tensor | None) -> StepResult:
+    """train.py's training iteration on one global batch: set the LR, forward-backward, clip,
+    AdamW step (skipped on overflow or a non-finite loss), then advance `state`'s progress and
+    LR schedule. `result.nan` says the step was non-finite (train.py applies nan_policy)."""
+    from dtgpt.training import build_trainer, step_state
 
+    result, _, _ = step_state(build_trainer(cfg, runtime, state), batch)
+    return result
+
+
+ModelOrState = Union[TrainState, ModelParts]
+
+
+def _as_state(model: ModelOrState, optimizer, iteration: int) -> TrainState:
+    """A TrainState as is; a bare model (and optimizer) wrapped without schedule or scaler."""
+    if isinstance(model, TrainState):
+        return model
     if not isinstance(optimizer, PartOptimizers):
         optimizer = PartOptimizers.wrap([optimizer] if optimizer is not None else [])
-    vocab = model.parts[0].vocab_size
-    trainer = Trainer(
-        cfg, runtime, model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg), BatchSizeSchedule(cfg.training),
-        TrainState(iteration=iteration), flops_per_token(cfg.model, vocab),
-    )  # fmt: skip
-    return trainer
+    return TrainState(model, optimizer, lr_schedule=None, scaler=None, progress=Progress(iteration=iteration))
 
 
-def save_checkpoint(directory: str | Path, cfg: Config, runtime: Runtime, model: ModelParts, optimizer=None, iteration: int = 1) -> Path:
-    """Save model (and optimizer) state with DCP to directory/iter_NNNNNNN, as training does."""
+def save_checkpoint(
+    directory: str | Path, cfg: Config, runtime: Runtime, model: ModelOrState, optimizer=None, iteration: int = 1
+) -> Path:
+    """Save a TrainState (or a model and optimizer) with DCP to directory/iter_NNNNNNN, as training
+    does. A TrainState is saved at its own iteration, and train.py resumes from it exactly."""
     from dtgpt.checkpoint import Checkpointer
     from dtgpt.checkpoint.layout import iteration_dir
 
+    state = _as_state(model, optimizer, iteration)
     run = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=str(directory), load="", async_save=False))
-    checkpointer = Checkpointer(_trainer(run, runtime, model, optimizer, iteration))
-    checkpointer.save(iteration)
+    checkpointer = Checkpointer(state, run, runtime)
+    checkpointer.save(state.progress.iteration)
     checkpointer.finalize()
-    return iteration_dir(directory, iteration)
+    return iteration_dir(directory, state.progress.iteration)
 
 
-def load_checkpoint(directory: str | Path, cfg: Config, runtime: Runtime, model: ModelParts, optimizer=None) -> int:
-    """Load the latest checkpoint under directory into model (and optimizer), whatever mesh saved
-    it; returns its iteration. Without an optimizer only the weights are read."""
+def load_checkpoint(directory: str | Path, cfg: Config, runtime: Runtime, model: ModelOrState, optimizer=None) -> int:
+    """Load the latest checkpoint under directory into a TrainState (everything, the RNG too) or a
+    model (and optimizer), whatever mesh saved it; returns its iteration. Given a bare model
+    without an optimizer, only the weights are read."""
     from dtgpt.checkpoint import Checkpointer
-
-    run = dataclasses.replace(
-        cfg,
-        checkpoint=dataclasses.replace(cfg.checkpoint, save="", load=str(directory), load_optimizer=optimizer is not None),
-    )
     from dtgpt.checkpoint.layout import read_pointer
 
-    trainer = _trainer(run, runtime, model, optimizer, 0)
-    Checkpointer(trainer).restore_rng()
+    whole = isinstance(model, TrainState) or optimizer is not None
+    run = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save="", load=str(directory), load_optimizer=whole)
+    )
+    state = _as_state(model, optimizer, 0)
+    Checkpointer(state, run, runtime).restore_rng()
     # A weights-only load does not read the training state; the pointer names the iteration.
-    return trainer.state.iteration or (read_pointer(directory) or 0)
+    return state.progress.iteration or (read_pointer(directory) or 0)

@@ -4,18 +4,23 @@ A fault hits one rank at one iteration: SIGKILL (mid-iteration, or during a chec
 a hang, a SIGTERM/SIGINT to itself, or a full disk while a checkpoint is written. Each fires on
 the first attempt only: a group that torchrun restarted (`Runtime.restart_count > 0`) runs
 clean, which is what lets a drill check that the restarted job recovers. `nan_at_iterations`
-is applied by the train step itself (`dtgpt/step.py`).
+makes the model's outputs non-finite in those iterations (on every attempt).
+
+The training loop and the Checkpointer see one hook object: `NO_FAULTS`, whose hooks do
+nothing, unless `[faults]` sets something. The train step itself knows nothing of faults.
 
 Every fault prints a `fault:` line before it acts, so a log shows what was injected where.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -31,7 +36,39 @@ def _kill(rank: int, where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Faults:
+class FaultHooks:
+    """Where faults attach: around an iteration, and the writer of a checkpoint save. No-ops."""
+
+    @contextlib.contextmanager
+    def iteration(self, iteration: int, model_parts: list) -> Iterator[None]:
+        """Wraps the train step of `iteration` (batch read included) over `model_parts` (nn.Modules)."""
+        yield
+
+    def storage_writer(self, directory: Path, iteration: int) -> FileSystemWriter | None:
+        """A DCP writer for the save of `iteration`; None for DCP's own."""
+        return None
+
+
+NO_FAULTS = FaultHooks()
+
+
+def build_faults(cfg: FaultsConfig, rank: int, restart_count: int) -> FaultHooks:
+    """The hooks of `[faults]` for this rank: NO_FAULTS when the section is left at its defaults."""
+    return NO_FAULTS if cfg == FaultsConfig() else Faults(cfg, rank, restart_count)
+
+
+@contextlib.contextmanager
+def _non_finite_outputs(modules: list) -> Iterator[None]:
+    """Every module's output times NaN, as a diverging step gives: loss and gradients non-finite."""
+    handles = [m.register_forward_hook(lambda _m, _args, out: out * float("nan")) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class Faults(FaultHooks):
     """The faults of `cfg` that apply to this rank, on this attempt."""
 
     def __init__(self, cfg: FaultsConfig, rank: int, restart_count: int):
@@ -41,8 +78,15 @@ class Faults:
     def _hits(self, at_iteration: int, rank: int, iteration: int) -> bool:
         return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
 
+    @contextlib.contextmanager
+    def iteration(self, iteration: int, model_parts: list) -> Iterator[None]:
+        self.in_iteration(iteration)
+        poisoned = model_parts if iteration in self.cfg.nan_at_iterations else []
+        with _non_finite_outputs(poisoned):
+            yield
+
     def in_iteration(self, iteration: int) -> None:
-        """Called inside the train-step phase of `iteration`, before its batch is read."""
+        """Kill, signal or hang at the start of `iteration`, before its batch is read."""
         c = self.cfg
         if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and not c.kill_during_save:
             _kill(self.rank, f"in iteration {iteration}")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtgpt.parallel.model_parts import IGNORE_INDEX, ModelParts
+from dtgpt.parallel.model_parts import IGNORE_INDEX, GlobalBatchLoss, ModelParts
 from dtgpt.timers import Timers
 
 
@@ -29,9 +29,16 @@ def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
+def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float) -> GlobalBatchLoss:
+    """The loss of this global batch: its loss-token count is summed over dp (each rank has a share)."""
+    denominator = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    model.dims.all_reduce(denominator, ("dp",))
+    return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy)
+
+
 def forward_backward(
     model: ModelParts,
-    batch: torch.Tensor,
+    batch: torch.Tensor | None,
     num_microbatches: int,
     *,
     forward_only: bool = False,
@@ -40,40 +47,45 @@ def forward_backward(
     """Run this rank's share of a global batch (num_microbatches micro-batches).
 
     Returns this rank's part of the global-batch loss (unscaled): its micro-batch losses summed.
-    Under pipelining only ranks holding the last stage have a non-zero part.
+    Under pipelining only ranks holding the last stage have a non-zero part, and a rank holding
+    neither the first nor the last stage gets no batch (None).
     """
-    tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
-    denominator = (labels != IGNORE_INDEX).sum().to(torch.float32)
-    model.dims.all_reduce(denominator, ("dp",))
-    model.loss_fn.denominator = denominator
-    model.loss_fn.scale = loss_scale
+    tokens = labels = loss = None
+    if model.reads_batches:
+        tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
+    if model.has_last_stage:
+        loss = global_batch_loss(model, labels, loss_scale)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
         if model.schedules is not None:
-            return _pipelined(model, tokens, labels, num_microbatches, forward_only) / loss_scale
-        total = torch.zeros((), device=model.device)
-        part = model.parts[0]
-        for tok, lab in zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches)):
-            # The loss-parallel context must cover backward as well as forward.
-            with model.compute_context():
-                loss = model.loss_fn(part(tok), lab)
-                if not forward_only:
-                    loss.backward()
-            total += _plain(loss)
-        return total / loss_scale
+            total = _pipelined(model, loss, tokens, labels, num_microbatches, forward_only)
+        else:
+            total = _one_stage(model, loss, tokens, labels, num_microbatches, forward_only)
+    return total / loss_scale
 
 
-def _pipelined(model: ModelParts, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
-    schedule = model.schedules.get(num_microbatches)
+def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+    total = torch.zeros((), device=model.device)
+    part = model.parts[0]
+    for tok, lab in zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches)):
+        # The loss-parallel context must cover backward as well as forward.
+        with model.compute_context():
+            micro_loss = loss(part(tok), lab)
+            if not forward_only:
+                micro_loss.backward()
+        total += _plain(micro_loss)
+    return total
+
+
+def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     args = (tokens,) if model.has_first_stage else ()
     target = labels if model.has_last_stage else None
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     with model.compute_context():
-        run = schedule.eval if forward_only else schedule.step
-        run(*args, target=target, losses=losses, return_outputs=False)
+        model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False)
     if not losses:
         return torch.zeros((), device=model.device)
-    return torch.stack([_plain(loss).float() for loss in losses]).sum()
+    return torch.stack([_plain(micro_loss).float() for micro_loss in losses]).sum()
 
 
 def reduce_loss(model: ModelParts, local_loss: torch.Tensor) -> torch.Tensor:
@@ -121,21 +133,13 @@ class StepResult:
     found_inf: bool
 
 
-def _poison(local_loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    """Fault injection: a non-finite loss and gradient, as a diverging step would give."""
-    if grads:
-        (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).fill_(float("nan"))
-    return local_loss * float("nan")
-
-
 def train_step(
     model: ModelParts,
     optimizer,
     scaler,
-    batch: torch.Tensor,
+    batch: torch.Tensor | None,
     num_microbatches: int,
     clip_grad: float,
-    inject_nan: bool = False,
     timers: Timers | None = None,
 ) -> StepResult:
     """forward-backward -> tied-grad sync -> unscale -> global norm and clip -> optimizer step.
@@ -150,23 +154,23 @@ def train_step(
     with timers("grads-reduce-clip"):
         model.sync_tied_grads()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if inject_nan:
-            local_loss = _poison(local_loss, grads)
         # Without fp16 there is nothing to unscale: a NaN/inf gradient shows in the norm below.
         found_inf = any_rank_true(model, scaler.unscale_and_check_(grads)) if scaler.enabled else torch.zeros(())
         grad_norm = global_grad_norm(model)
         clip_gradients(model, clip_grad, grad_norm)
         loss = reduce_loss(model, local_loss)
         loss_value, norm_value, inf_value = torch.stack([loss, grad_norm, found_inf.to(loss.device)]).tolist()
-    nonfinite = inf_value > 0 or not (math.isfinite(loss_value) and math.isfinite(norm_value))
-    # Under fp16 non-finite gradients are an overflow of the loss scale (skip, lower the scale);
-    # otherwise they are a NaN iteration, counted and handled by training.nan_policy.
-    overflow = scaler.enabled and inf_value > 0
-    nan = nonfinite and not overflow
-    skipped = overflow or nan
-    if not skipped:
+    result = classify(loss_value, norm_value, overflow=scaler.enabled and inf_value > 0)
+    if not result.skipped:
         with timers("optimizer-inner-step"):
             optimizer.step()
-    scaler.update(overflow)
+    scaler.update(result.found_inf)
     timers("optimizer").stop()
-    return StepResult(loss=loss_value, grad_norm=norm_value, skipped=skipped, nan=nan, found_inf=overflow)
+    return result
+
+
+def classify(loss: float, grad_norm: float, overflow: bool) -> StepResult:
+    """Under fp16 non-finite gradients are an overflow of the loss scale (skip, lower the scale);
+    otherwise a non-finite loss or norm is a NaN iteration, handled by training.nan_policy."""
+    nan = not overflow and not (math.isfinite(loss) and math.isfinite(grad_norm))
+    return StepResult(loss=loss, grad_norm=grad_norm, skipped=overflow or nan, nan=nan, found_inf=overflow)

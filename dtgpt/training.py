@@ -7,25 +7,24 @@ way `pretrain_gpt.py` names its providers.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
 
 from dtgpt.config import Config, num_microbatches, padded_vocabulary, to_toml
 from dtgpt.data import build_data_loader, build_tokenizer
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
-from dtgpt.faults import Faults
-from dtgpt.loss_scaler import build_loss_scaler
+from dtgpt.faults import FaultHooks, build_faults
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model import GPT, flops_per_token
-from dtgpt.optim import BatchSizeSchedule, LRSchedule, PartOptimizers, total_train_samples
-from dtgpt.parallel import ModelParts, build_model
+from dtgpt.optim import BatchSizeSchedule, total_train_samples
+from dtgpt.parallel import build_model
 from dtgpt.profiling import Profiler
+from dtgpt.state import TrainState, build_train_state
 from dtgpt.step import StepResult, forward_backward, reduce_loss, train_step
 from dtgpt.timers import Timers
 from dtgpt.watchdog import Watchdog
@@ -39,38 +38,19 @@ class TrainingError(RuntimeError):
 
 
 @dataclass
-class TrainState(Stateful):
-    """Progress that a checkpoint must carry, saved through DCP by name."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
-    skipped_iters: int = 0
-    nan_iters: int = 0
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, int(state[f.name]))
-
-
-@dataclass
 class Trainer:
-    """The objects a training run threads through its loop."""
+    """What a training run threads through its loop: the config, the runtime and the train state
+    (everything a checkpoint restores, dtgpt.state), plus what is derived from the config."""
 
     cfg: Config
     runtime: Runtime
-    model: ModelParts
-    optimizer: PartOptimizers
-    lr_schedule: LRSchedule
-    scaler: object
-    batch_sizes: BatchSizeSchedule
     state: TrainState
+    batch_sizes: BatchSizeSchedule
     flops_per_token: float
+    faults: FaultHooks
 
     def num_microbatches(self, global_batch_size: int) -> int:
-        return num_microbatches(self.cfg, self.runtime.dims.dp, global_batch_size)
+        return num_microbatches(self.cfg, self.state.model.dims.dp, global_batch_size)
 
 
 def log0(runtime: Runtime, message: str) -> None:
@@ -78,14 +58,12 @@ def log0(runtime: Runtime, message: str) -> None:
         print(message, flush=True)
 
 
-def setup_model_and_optimizer(cfg: Config, runtime: Runtime, model_provider: ModelProvider, vocab_size: int):
-    """Model on meta -> parallelised parts on the device -> AdamW, LR schedule, loss scaler."""
+def build_model_and_state(cfg: Config, runtime: Runtime, model_provider: ModelProvider, vocab_size: int) -> TrainState:
+    """Model on meta -> parallelised parts on the device -> the train state (AdamW, LR schedule,
+    loss scaler) around them. The padded vocabulary was checked against tp by the caller."""
     with torch.device("meta"):
         whole = model_provider(cfg, vocab_size)
-    model = build_model(cfg, runtime.dims, whole, runtime.device)
-    implementation = "fused" if runtime.device.type == "cuda" else "foreach"
-    optimizer = PartOptimizers(model.parts, cfg.optimizer, implementation=implementation)
-    return model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg)
+    return build_train_state(cfg, build_model(cfg, runtime.dims, whole, runtime.device))
 
 
 def num_samples_needed(cfg: Config) -> tuple[int, int, int]:
@@ -106,8 +84,17 @@ def cycle(make: Callable[[], Iterator]) -> Iterator:
             return
 
 
-def build_data_iterators(cfg: Config, runtime: Runtime, datasets_provider: DatasetsProvider, tokenizer, consumed: int, batch_sizes: BatchSizeSchedule):
+def build_data_iterators(
+    cfg: Config, runtime: Runtime, datasets_provider: DatasetsProvider, tokenizer, consumed: int,
+    batch_sizes: BatchSizeSchedule, reads_batches: bool,
+):
+    """Train, validation and test iterators of this rank's batches. A middle pipeline stage reads
+    none (it gets None per batch) and starts no loader workers; it still builds the datasets,
+    whose index caches are built collectively."""
     train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, num_samples_needed(cfg))
+    if not reads_batches:
+        nothing = itertools.repeat(None)
+        return nothing, nothing if valid_ds is not None else None, nothing if test_ds is not None else None
     dims, workers = runtime.dims, cfg.data.num_workers
 
     def loader(dataset, start, size_at):
@@ -123,7 +110,7 @@ def build_data_iterators(cfg: Config, runtime: Runtime, datasets_provider: Datas
 @torch.no_grad()
 def evaluate(trainer: Trainer, data_iter: Iterator, num_batches: int) -> float:
     """Mean loss over `num_batches` global batches, forward only (through the pipeline if any)."""
-    model = trainer.model
+    model = trainer.state.model
     model.train(False)
     n_micro = trainer.num_microbatches(trainer.cfg.training.global_batch_size)
     total = torch.zeros((), device=model.device)
@@ -136,37 +123,40 @@ def evaluate(trainer: Trainer, data_iter: Iterator, num_batches: int) -> float:
 def run_iteration(trainer: Trainer, train_iter: Iterator, timers: Timers) -> tuple[StepResult, int, float, float]:
     """Fetch global batch k, take one training step, advance the state; (result, gbs, lr, seconds)."""
     cfg, state = trainer.cfg, trainer.state
-    gbs = trainer.batch_sizes.global_batch_size(state.consumed_samples)
     start = time.perf_counter()
     with timers("batch-generator"):
         batch = next(train_iter)
-    lr = trainer.lr_schedule.apply(trainer.optimizer)
-    result = train_step(
-        trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs),
-        cfg.optimizer.clip_grad, inject_nan=state.iteration + 1 in cfg.faults.nan_at_iterations, timers=timers,
-    )  # fmt: skip
+    result, gbs, lr = step_state(trainer, batch, timers)
     elapsed = time.perf_counter() - start
-    state.iteration += 1
-    state.consumed_samples += gbs  # consumed even when skipped, as in Megatron
-    if result.skipped:
-        state.skipped_iters += 1
-    else:
-        trainer.lr_schedule.step(gbs)
     if result.nan:
-        state.nan_iters += 1
+        iteration = state.progress.iteration
         if cfg.training.nan_policy == "stop":
             raise TrainingError(
-                f"non-finite loss {result.loss} or grad norm {result.grad_norm} at iteration {state.iteration} "
+                f"non-finite loss {result.loss} or grad norm {result.grad_norm} at iteration {iteration} "
                 "(training.nan_policy='stop')"
             )
-        log0(trainer.runtime, f"iteration {state.iteration}: non-finite loss or grad norm, skipped")
+        log0(trainer.runtime, f"iteration {iteration}: non-finite loss or grad norm, skipped")
     return result, gbs, lr, elapsed
+
+
+def step_state(trainer: Trainer, batch: torch.Tensor | None, timers: Timers | None = None) -> tuple[StepResult, int, float]:
+    """Set the LR, take one training step on global batch k, advance the state; (result, gbs, lr).
+    The library's dtgpt.train_step is this function."""
+    state = trainer.state
+    gbs = trainer.batch_sizes.global_batch_size(state.progress.consumed_samples)
+    lr = state.lr_schedule.apply(state.optimizer)
+    result = train_step(
+        state.model, state.optimizer, state.scaler, batch, trainer.num_microbatches(gbs),
+        trainer.cfg.optimizer.clip_grad, timers=timers,
+    )  # fmt: skip
+    state.record(skipped=result.skipped, nan=result.nan, global_batch_size=gbs)
+    return result, gbs, lr
 
 
 def log_iteration(
     trainer: Trainer, metrics: MetricsLogger, result: StepResult, gbs: int, lr: float, elapsed: float, peak, timers: Timers,
 ) -> None:
-    state, runtime = trainer.state, trainer.runtime
+    state, runtime = trainer.state.progress, trainer.runtime
     rates = throughput_metrics(
         tokens=gbs * trainer.cfg.model.seq_length, flops_per_token=trainer.flops_per_token,
         elapsed_s=elapsed, world_size=runtime.world_size, peak=peak,
@@ -174,7 +164,7 @@ def log_iteration(
     metrics.log(
         {
             "iteration": state.iteration, "consumed_samples": state.consumed_samples, "loss": result.loss,
-            "lr": lr, "grad_norm": result.grad_norm, "loss_scale": trainer.scaler.scale,
+            "lr": lr, "grad_norm": result.grad_norm, "loss_scale": trainer.state.scaler.scale,
             "global_batch_size": gbs, "skipped": state.skipped_iters, "nan": state.nan_iters,
             "elapsed_ms": 1000 * elapsed, **rates, **memory_stats(runtime.device),
         },
@@ -210,8 +200,7 @@ def train(
     exits: ExitConditions,
 ) -> str:
     """The loop, then the final save; returns why it stopped."""
-    cfg, runtime, state = trainer.cfg, trainer.runtime, trainer.state
-    faults = Faults(cfg.faults, runtime.rank, runtime.restart_count)
+    cfg, runtime, progress = trainer.cfg, trainer.runtime, trainer.state.progress
     timers = Timers(cfg.logging.timers_log_level, runtime.device)
     prof = cfg.profiling
     profiler = Profiler(
@@ -222,31 +211,37 @@ def train(
     phase = Phase(watchdog, runtime.rank)
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     reason = "train_iters reached"
-    trainer.model.train(True)
+    trainer.state.model.train(True)
     try:
-        while state.iteration < cfg.training.train_iters:
-            profiler.step(state.iteration + 1)
-            with phase("train-step", state.iteration + 1, record=True):
-                faults.in_iteration(state.iteration + 1)
+        while progress.iteration < cfg.training.train_iters:
+            upcoming = progress.iteration + 1
+            profiler.step(upcoming)
+            with phase("train-step", upcoming, record=True), trainer.faults.iteration(upcoming, trainer.state.model.parts):
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
             log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak, timers)
-            if valid_iter is not None and cfg.eval.eval_iters and state.iteration % cfg.eval.eval_interval == 0:
-                with phase("evaluate", state.iteration), timers("evaluate"):
-                    metrics.log_eval(state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
-            stop = exits.reason(state.iteration)
-            if checkpointer is not None and (stop or checkpointer.due(state.iteration)):
-                with phase("save-checkpoint", state.iteration), timers("save-checkpoint"):
-                    checkpointer.save(state.iteration)
+            if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
+                with phase("evaluate", progress.iteration), timers("evaluate"):
+                    metrics.log_eval(progress.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
+            stop = exits.reason(progress.iteration)
+            if checkpointer is not None and (stop or checkpointer.due(progress.iteration)):
+                with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
+                    checkpointer.save(progress.iteration)
             if stop:
                 reason = stop
                 break
-        if checkpointer is not None and state.iteration and not checkpointer.saved(state.iteration):
-            with phase("save-checkpoint", state.iteration), timers("save-checkpoint"):
-                checkpointer.save(state.iteration)
+        if checkpointer is not None and progress.iteration and not checkpointer.saved(progress.iteration):
+            with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
+                checkpointer.save(progress.iteration)
     finally:
         profiler.close()
         watchdog.close()
     return reason
+
+
+def build_trainer(cfg: Config, runtime: Runtime, state: TrainState) -> Trainer:
+    vocab_size = state.model.parts[0].vocab_size
+    faults = build_faults(cfg.faults, runtime.rank, runtime.restart_count)
+    return Trainer(cfg, runtime, state, BatchSizeSchedule(cfg.training), flops_per_token(cfg.model, vocab_size), faults)
 
 
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
@@ -256,30 +251,32 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
     try:
         tokenizer = build_tokenizer(cfg.data)
         vocab_size = padded_vocabulary(cfg, tokenizer.vocab_size)
-        model, optimizer, lr_schedule, scaler = setup_model_and_optimizer(cfg, runtime, model_provider, vocab_size)
-        trainer = Trainer(
-            cfg, runtime, model, optimizer, lr_schedule, scaler, BatchSizeSchedule(cfg.training), TrainState(),
-            flops_per_token(cfg.model, vocab_size),
-        )  # fmt: skip
-        n_params = sum(p.numel() for p in model.parameters())
+        trainer = build_trainer(cfg, runtime, build_model_and_state(cfg, runtime, model_provider, vocab_size))
+        n_params = sum(p.numel() for p in trainer.state.model.parameters())
         log0(runtime, f"> model: {n_params:,} parameters on rank 0 (padded vocabulary {vocab_size}), mesh {runtime.dims}")
         checkpointer = build_checkpointer(trainer)
         train_iter, valid_iter, test_iter = build_data_iterators(
-            cfg, runtime, datasets_provider, tokenizer, trainer.state.consumed_samples, trainer.batch_sizes
+            cfg, runtime, datasets_provider, tokenizer, trainer.state.progress.consumed_samples, trainer.batch_sizes,
+            trainer.state.model.reads_batches,
         )
         if checkpointer is not None:
             checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
-        metrics = MetricsLogger(cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg))
+        progress = trainer.state.progress  # a resumed run starts from the checkpoint's counts
+        metrics = MetricsLogger(
+            cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg),
+            skipped_before=progress.skipped_iters, nan_before=progress.nan_iters,
+        )  # fmt: skip
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
         exits = ExitConditions(cfg.checkpoint, runtime.device)
         try:
             reason = train(trainer, train_iter, valid_iter, metrics, checkpointer, exits)
             log0(runtime, f"> training stopped: {reason}")
+            iteration = trainer.state.progress.iteration
             if reason == "train_iters reached" and cfg.eval.eval_iters:
-                if valid_iter is not None and trainer.state.iteration % cfg.eval.eval_interval:  # not just evaluated
-                    metrics.log_eval(trainer.state.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
+                if valid_iter is not None and iteration % cfg.eval.eval_interval:  # not just evaluated
+                    metrics.log_eval(iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
                 if test_iter is not None:
-                    metrics.log_eval(trainer.state.iteration, "test", evaluate(trainer, test_iter, cfg.eval.eval_iters))
+                    metrics.log_eval(iteration, "test", evaluate(trainer, test_iter, cfg.eval.eval_iters))
         finally:
             metrics.close()
             try:
@@ -300,4 +297,4 @@ def build_checkpointer(trainer: Trainer):
         return None
     from dtgpt.checkpoint import Checkpointer
 
-    return Checkpointer(trainer)
+    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime, trainer.faults)

@@ -6,7 +6,7 @@
     python scripts/bench.py --sizes 1.3b --json results.json
 
 dtgpt runs exactly as the trainer runs it on one device: a Config, the mesh of one
-(`ParallelDims.from_config(cfg, 1)`), `setup_model_and_optimizer` (meta build -> parallelize ->
+(`ParallelDims.from_config(cfg, 1)`), `build_model_and_state` (meta build -> parallelize ->
 materialise, AdamW, LR schedule, loss scaler), then `train_step` once per iteration with one
 micro-batch. The reference is what one would write in a single file: the model of
 scripts/reference_gpt.py (pre-LN GPT, learned positions, fused QKV, tanh-GeLU MLP, biases, final
@@ -46,7 +46,7 @@ from dtgpt.metrics import peak_tflops
 from dtgpt.model import GPT, flops_per_token, num_parameters, padded_vocab_size
 from dtgpt.parallel import ParallelDims
 from dtgpt.step import train_step
-from dtgpt.training import setup_model_and_optimizer
+from dtgpt.training import build_model_and_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path
 from reference_gpt import ReferenceGPT  # noqa: E402
@@ -95,26 +95,25 @@ def bench_config(size: str, device_type: str, *, bf16: bool = True, compile: boo
 
 
 def build_dtgpt(cfg: Config, device: torch.device):
-    """(ModelParts, optimizer, LR schedule, scaler) through the trainer's own setup path."""
+    """The TrainState (model parts, optimizer, LR schedule, scaler) of the trainer's own setup path."""
     torch.manual_seed(cfg.training.seed)
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=device, dims=ParallelDims.from_config(cfg, 1))
     vocab = padded_vocab_size(VOCAB_SIZE, cfg.model.make_vocab_size_divisible_by)
-    return setup_model_and_optimizer(cfg, runtime, lambda c, v: GPT(c.model, v), vocab)
+    return build_model_and_state(cfg, runtime, lambda c, v: GPT(c.model, v), vocab)
 
 
 def dtgpt_step(cfg: Config, device: torch.device) -> tuple[Step, GPT]:
     """One trainer iteration (lr -> train_step -> schedule), and the model it trains."""
-    model, optimizer, lr_schedule, scaler = build_dtgpt(cfg, device)
+    state = build_dtgpt(cfg, device)
     gbs = cfg.training.global_batch_size
 
     def step(batch: torch.Tensor) -> float:
-        lr_schedule.apply(optimizer)
-        result = train_step(model, optimizer, scaler, batch, 1, cfg.optimizer.clip_grad)
-        if not result.skipped:
-            lr_schedule.step(gbs)
+        state.lr_schedule.apply(state.optimizer)
+        result = train_step(state.model, state.optimizer, state.scaler, batch, 1, cfg.optimizer.clip_grad)
+        state.record(skipped=result.skipped, nan=result.nan, global_batch_size=gbs)
         return result.loss
 
-    return step, model.parts[0]
+    return step, state.model.parts[0]
 
 
 # ---------------------------------------------------------------------------------------------

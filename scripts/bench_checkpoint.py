@@ -26,12 +26,12 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dtgpt.checkpoint import Checkpointer, layout  # noqa: E402
-from dtgpt.checkpoint.state import save_state  # noqa: E402
 from dtgpt.config import load_config  # noqa: E402
 from dtgpt.distributed import initialize  # noqa: E402
-from dtgpt.model import GPT, flops_per_token, num_parameters  # noqa: E402
-from dtgpt.optim import BatchSizeSchedule  # noqa: E402
-from dtgpt.training import Trainer, TrainState, setup_model_and_optimizer  # noqa: E402
+from dtgpt.model import GPT, num_parameters  # noqa: E402
+from dtgpt.state import Progress  # noqa: E402
+from dtgpt.training import Trainer, build_model_and_state  # noqa: E402
+from dtgpt.training import build_trainer as trainer_of  # noqa: E402
 
 VOCAB = 32768
 HIDDEN = 1024
@@ -54,13 +54,13 @@ def model_overrides(gb: float, device: str) -> list[str]:
 def build_trainer(overrides: list[str]) -> Trainer:
     cfg = load_config(None, overrides)
     runtime = initialize(cfg)
-    model, optimizer, lr, scaler = setup_model_and_optimizer(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB)
-    for p in model.parameters():  # one zero-gradient step creates the AdamW state
+    state = build_model_and_state(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB)
+    for p in state.model.parameters():  # one zero-gradient step creates the AdamW state
         p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad()
-    return Trainer(cfg, runtime, model, optimizer, lr, scaler, BatchSizeSchedule(cfg.training), TrainState(1, 8),
-                   flops_per_token(cfg.model, VOCAB))  # fmt: skip
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    state.progress = Progress(iteration=1, consumed_samples=8)
+    return trainer_of(cfg, runtime, state)
 
 
 def tensors_of(state: dict) -> dict[str, torch.Tensor]:
@@ -85,21 +85,21 @@ def torch_save_synced(obj, path: Path) -> None:
 
 def bench(trainer: Trainer, root: Path, repeat: int) -> dict[str, float]:
     cfg = trainer.cfg.checkpoint
-    flat = tensors_of(save_state(trainer))
+    flat = tensors_of(trainer.state.state_dict())
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     results = {"bytes": nbytes, "dcp_save": 1e9, "dcp_load": 1e9, "torch_save": 1e9, "torch_load": 1e9,
                "async_first": 1e9, "async_blocked": 1e9, "async_total": 1e9}  # fmt: skip
     for r in range(repeat):
         shutil.rmtree(root, ignore_errors=True)
         cfg.save, cfg.async_save = str(root / "sync"), False
-        ckpt = Checkpointer(trainer)
+        ckpt = Checkpointer(trainer.state, trainer.cfg, trainer.runtime)
         results["dcp_save"] = min(results["dcp_save"], timed(lambda: ckpt.save(1)))
         directory = layout.iteration_dir(root / "sync", 1)
-        request = {s: d for s, d in save_state(trainer).items() if s in ("model", "optimizer")}
+        request = {s: d for s, d in trainer.state.state_dict().items() if s in ("model", "optimizer")}
         results["dcp_load"] = min(results["dcp_load"], timed(lambda: dcp.load(request, checkpoint_id=str(directory), no_dist=True)))
 
         cfg.save, cfg.async_save = str(root / "async"), True
-        ackpt = Checkpointer(trainer)
+        ackpt = Checkpointer(trainer.state, trainer.cfg, trainer.runtime)
         start = time.perf_counter()
         ackpt.save(1)  # the first save also allocates the CPU staging buffers
         ackpt.wait()

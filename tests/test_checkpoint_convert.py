@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtgpt.checkpoint import CheckpointError, Checkpointer, gpt2, layout
+from dtgpt.checkpoint import CheckpointError, gpt2, layout
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from tests.runs import REPO
 from tests.test_checkpoint_resume import assert_same_tensors
-from tests.test_checkpoint_unit import make_trainer, step
+from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 
 
 def load_script():
@@ -33,7 +33,7 @@ def saved(tmp_path):
     root = tmp_path / "ckpt"
     t = make_trainer(f"--checkpoint.save={root}", "--model.hidden_dropout=0.0")
     step(t, 2)
-    Checkpointer(t).save(2)
+    checkpointer(t).save(2)
     return t, root
 
 
@@ -49,9 +49,9 @@ def test_torch_file_round_trip_is_identical_and_resumable(saved, tmp_path):
     assert data["model"]["embedding.word.weight"].shape == (128, 32)
     # the converted checkpoint resumes everything, as the original would
     b = make_trainer(f"--checkpoint.load={tmp_path / 'back'}", "--model.hidden_dropout=0.0")
-    Checkpointer(b)
-    assert b.state == t.state
-    for p, q in zip(t.model.parameters(), b.model.parameters()):
+    checkpointer(b)
+    assert b.state.progress == t.state.progress
+    for p, q in zip(t.state.model.parameters(), b.state.model.parameters()):
         assert torch.equal(p, q)
 
 
@@ -104,18 +104,18 @@ def test_gpt2_import_starts_training_weights_only(saved, tmp_path):
     base = tmp_path / "base.toml"
     base.write_text((layout.iteration_dir(root, 2) / layout.CONFIG).read_text())
     assert convert.main(["from-gpt2", str(tmp_path / "hf"), str(tmp_path / "imported"), "--config", str(base)]) == 0
-    with pytest.raises(CheckpointError, match="holds weights only"):
-        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path / 'imported'}"))
+    with pytest.raises(CheckpointError, match="holds no training state"):
+        checkpointer(make_trainer(f"--checkpoint.load={tmp_path / 'imported'}"))
     b = make_trainer(f"--checkpoint.load={tmp_path / 'imported'}", "--checkpoint.load_optimizer=false")
-    Checkpointer(b)
-    assert b.state.iteration == 0
-    for (name, p), q in zip(t.model.named_parameters(), b.model.parameters()):
+    checkpointer(b)
+    assert b.state.progress.iteration == 0
+    for (name, p), q in zip(t.state.model.named_parameters(), b.state.model.parameters()):
         assert torch.equal(p, q), name
 
 
 def test_plain_state_dict_with_config_converts(saved, tmp_path):
     t, root = saved
-    torch.save(t.model.parts[0].state_dict(), tmp_path / "plain.pt")  # holds output.weight too
+    torch.save(t.state.model.parts[0].state_dict(), tmp_path / "plain.pt")  # holds output.weight too
     config = layout.iteration_dir(root, 2) / layout.CONFIG
     convert = load_script()
     assert convert.main(["from-torch", str(tmp_path / "plain.pt"), str(tmp_path / "dcp")]) == 2  # no config
@@ -123,5 +123,5 @@ def test_plain_state_dict_with_config_converts(saved, tmp_path):
     directory = layout.iteration_dir(tmp_path / "dcp", 0)
     assert "model.output.weight" not in layout.read_metadata(directory).state_dict_metadata
     loaded = load_model(directory, read_config(directory))
-    for (name, p), q in zip(t.model.parts[0].named_parameters(), loaded.parameters()):
+    for (name, p), q in zip(t.state.model.parts[0].named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name

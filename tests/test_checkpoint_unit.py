@@ -14,10 +14,8 @@ from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
 from dtgpt.checkpoint.export import read_sections
 from dtgpt.config import load_config
 from dtgpt.distributed import initialize
-from dtgpt.model import GPT, flops_per_token
-from dtgpt.optim import BatchSizeSchedule
-from dtgpt.step import train_step
-from dtgpt.training import Trainer, TrainState, setup_model_and_optimizer
+from dtgpt.model import GPT
+from dtgpt.training import Trainer, build_model_and_state, build_trainer, step_state
 
 VOCAB = 128
 SMALL = [
@@ -31,26 +29,24 @@ SMALL = [
 def make_trainer(*overrides: str) -> Trainer:
     cfg = load_config(None, SMALL + list(overrides))
     runtime = initialize(cfg)
-    model, optimizer, lr, scaler = setup_model_and_optimizer(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB)
-    return Trainer(cfg, runtime, model, optimizer, lr, scaler, BatchSizeSchedule(cfg.training), TrainState(),
-                   flops_per_token(cfg.model, VOCAB))  # fmt: skip
+    return build_trainer(cfg, runtime, build_model_and_state(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB))
+
+
+def checkpointer(trainer: Trainer) -> Checkpointer:
+    """The Checkpointer of the trainer's state, as train.py builds it."""
+    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime, trainer.faults)
 
 
 def step(trainer: Trainer, n: int = 1) -> None:
     """n training iterations on random tokens, advancing the state as the trainer does."""
     gbs = trainer.cfg.training.global_batch_size
     for _ in range(n):
-        g = torch.Generator().manual_seed(trainer.state.iteration)  # the same data in every trainer
-        batch = torch.randint(0, VOCAB, (gbs, trainer.cfg.model.seq_length + 1), generator=g)
-        trainer.lr_schedule.apply(trainer.optimizer)
-        train_step(trainer.model, trainer.optimizer, trainer.scaler, batch, trainer.num_microbatches(gbs), 1.0)
-        trainer.state.iteration += 1
-        trainer.state.consumed_samples += gbs
-        trainer.lr_schedule.step(gbs)
+        g = torch.Generator().manual_seed(trainer.state.progress.iteration)  # the same data in every trainer
+        step_state(trainer, torch.randint(0, VOCAB, (gbs, trainer.cfg.model.seq_length + 1), generator=g))
 
 
 def flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    part, opt = trainer.model.parts[0], trainer.optimizer.optimizers[0]
+    part, opt = trainer.state.model.parts[0], trainer.state.optimizer.optimizers[0]
     out = {f"p.{k}": v.detach().clone() for k, v in part.state_dict().items()}
     names = {id(p): n for n, p in part.named_parameters()}
     for p, s in opt.state.items():
@@ -71,7 +67,7 @@ def assert_same(a: dict, b: dict) -> None:
 def test_save_load_restores_everything_exactly(tmp_path):
     a = make_trainer(f"--checkpoint.save={tmp_path}")
     step(a, 3)
-    ckpt = Checkpointer(a)
+    ckpt = checkpointer(a)
     ckpt.save(3)
     ckpt.finalize()
     assert layout.read_pointer(tmp_path) == 3 and layout.problem(layout.iteration_dir(tmp_path, 3)) is None
@@ -79,12 +75,12 @@ def test_save_load_restores_everything_exactly(tmp_path):
 
     torch.manual_seed(999)
     b = make_trainer(f"--checkpoint.load={tmp_path}")
-    assert not b.optimizer.optimizers[0].state
-    assert any(not torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
-    loaded = Checkpointer(b)
+    assert not b.state.optimizer.optimizers[0].state
+    assert any(not torch.equal(x, y) for x, y in zip(a.state.model.parameters(), b.state.model.parameters()))
+    loaded = checkpointer(b)
     loaded.restore_rng()
     assert_same(flat_state(a), flat_state(b))
-    assert b.state == a.state and b.lr_schedule.num_samples == a.lr_schedule.num_samples
+    assert b.state.progress == a.state.progress and b.state.lr_schedule.num_samples == a.state.lr_schedule.num_samples
     assert torch.equal(torch.get_rng_state(), rng)
     # the tied head was stored once, under the embedding's name
     keys = layout.read_metadata(layout.iteration_dir(tmp_path, 3)).state_dict_metadata
@@ -95,6 +91,18 @@ def test_save_load_restores_everything_exactly(tmp_path):
     torch.set_rng_state(rng)
     step(b)
     assert_same(flat_state(a), flat_state(b))
+
+
+def test_train_state_round_trips_through_its_own_state_dict():
+    """TrainState is a Stateful: another state takes it whole (weights, AdamW moments, progress,
+    LR schedule, scaler) from state_dict(), in memory, without a checkpoint in between."""
+    a, b = make_trainer(), make_trainer("--training.seed=7")
+    step(a, 2)
+    b.state.load_state_dict(a.state.state_dict())
+    assert_same(flat_state(a), flat_state(b))
+    assert b.state.progress == a.state.progress and b.state.progress.iteration == 2
+    assert b.state.lr_schedule.state_dict() == a.state.lr_schedule.state_dict()
+    assert b.state.scaler.state_dict() == a.state.scaler.state_dict()
 
 
 def slow_writes(monkeypatch, seconds: float) -> None:
@@ -112,9 +120,9 @@ def test_async_save_equals_sync_save_while_training_mutates(tmp_path, monkeypatc
     sync_root, async_root = tmp_path / "sync", tmp_path / "async"
     t = make_trainer(f"--checkpoint.save={sync_root}")
     step(t, 2)
-    Checkpointer(t).save(2)
+    checkpointer(t).save(2)
     t.cfg.checkpoint.save, t.cfg.checkpoint.async_save = str(async_root), True
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     slow_writes(monkeypatch, 0.5)
     ckpt.save(2)
     assert ckpt.blocked_s[-1] < 0.5  # training was not held for the write
@@ -132,7 +140,7 @@ def test_async_save_equals_sync_save_while_training_mutates(tmp_path, monkeypatc
 
 def test_async_saves_one_in_flight_and_pointer_follows(tmp_path, monkeypatch):
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.async_save=true", "--checkpoint.keep_last=2")
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     slow_writes(monkeypatch, 0.2)
     for i in range(1, 5):
         step(t)
@@ -155,7 +163,7 @@ def fail_finish(monkeypatch):
 def test_failed_save_keeps_pointer_and_is_skipped_on_load(tmp_path, monkeypatch, capsys):
     t = make_trainer(f"--checkpoint.save={tmp_path}")
     step(t)
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     ckpt.save(1)
     step(t)
     with monkeypatch.context() as m:
@@ -167,15 +175,15 @@ def test_failed_save_keeps_pointer_and_is_skipped_on_load(tmp_path, monkeypatch,
     # a pointer that names the partial directory (e.g. written by hand) falls back to iteration 1
     layout.write_pointer(tmp_path, 2)
     b = make_trainer(f"--checkpoint.load={tmp_path}")
-    Checkpointer(b)
-    assert b.state.iteration == 1
+    checkpointer(b)
+    assert b.state.progress.iteration == 1
     out = capsys.readouterr().out
     assert "iter_0000002 is not usable" in out and "falling back to" in out
 
 
 def test_failed_async_save_keeps_pointer_and_finalize_raises(tmp_path, monkeypatch):
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.async_save=true")
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     step(t)
     ckpt.save(1)
     ckpt.finalize()
@@ -190,22 +198,22 @@ def test_failed_async_save_keeps_pointer_and_finalize_raises(tmp_path, monkeypat
 
 def test_truncated_checkpoint_is_detected(tmp_path, capsys):
     t = make_trainer(f"--checkpoint.save={tmp_path}")
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     for i in (1, 2):
         step(t)
         ckpt.save(i)
     data = layout.iteration_dir(tmp_path, 2) / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"load_iteration=2: .* truncated"):
-        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_iteration=2"))
+        checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_iteration=2"))
     b = make_trainer(f"--checkpoint.load={tmp_path}")
-    Checkpointer(b)
-    assert b.state.iteration == 1
+    checkpointer(b)
+    assert b.state.progress.iteration == 1
     assert "truncated" in capsys.readouterr().out
     # with no complete checkpoint left, a load elsewhere than the save directory is an error
     (layout.iteration_dir(tmp_path, 1) / layout.MARKER).unlink()
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
-        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path}"))
+        checkpointer(make_trainer(f"--checkpoint.load={tmp_path}"))
 
 
 @pytest.mark.parametrize(
@@ -220,47 +228,47 @@ def test_truncated_checkpoint_is_detected(tmp_path, capsys):
 def test_wrong_model_shape_names_the_tensor(tmp_path, override, message):
     t = make_trainer(f"--checkpoint.save={tmp_path}")
     step(t)
-    Checkpointer(t).save(1)
+    checkpointer(t).save(1)
     with pytest.raises(CheckpointError, match=message):
-        Checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", override))
+        checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", override))
 
 
 def test_empty_load_dir_errors_unless_it_is_the_save_dir(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
-        Checkpointer(make_trainer(f"--checkpoint.load={empty}"))
+        checkpointer(make_trainer(f"--checkpoint.load={empty}"))
     for extra in ([f"--checkpoint.save={empty}"], [f"--checkpoint.auto_resume=true", f"--checkpoint.save={tmp_path / 'new'}"]):
         t = make_trainer(f"--checkpoint.load={empty}", *extra)
-        Checkpointer(t)
-        assert t.state.iteration == 0
+        checkpointer(t)
+        assert t.state.progress.iteration == 0
         assert "starting from scratch" in capsys.readouterr().out
 
 
 def test_auto_resume_reads_the_save_dir_and_saved_is_known(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}")
     step(t, 2)
-    Checkpointer(t).save(2)
+    checkpointer(t).save(2)
     b = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.auto_resume=true")
-    ckpt = Checkpointer(b)
-    assert b.state.iteration == 2 and ckpt.saved(2) and not ckpt.saved(3)
+    ckpt = checkpointer(b)
+    assert b.state.progress.iteration == 2 and ckpt.saved(2) and not ckpt.saved(3)
 
 
 def test_weights_only_load(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}")
     step(t, 2)
-    Checkpointer(t).save(2)
+    checkpointer(t).save(2)
     b = make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_optimizer=false")
-    Checkpointer(b)
-    assert b.state.iteration == 0 and b.lr_schedule.num_samples == 0
-    assert not b.optimizer.optimizers[0].state
-    for (name, p), q in zip(t.model.named_parameters(), b.model.parameters()):
+    checkpointer(b)
+    assert b.state.progress.iteration == 0 and b.state.lr_schedule.num_samples == 0
+    assert not b.state.optimizer.optimizers[0].state
+    for (name, p), q in zip(t.state.model.named_parameters(), b.state.model.parameters()):
         assert torch.equal(p, q), name
 
 
 def test_keep_last_never_deletes_pointed_or_newer(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.keep_last=2")
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     for i in range(1, 5):
         step(t)
         ckpt.save(i)

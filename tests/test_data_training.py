@@ -59,3 +59,45 @@ def test_raising_train_iters_on_resume_continues_the_same_tokens(tmp_path):
     assert first + rest == twelve
     tokens = int(IndexedDataset(str(tmp_path / "corpus_text_document")).sequence_lengths.sum())
     assert [num_epochs_needed(tokens, 8 * iters, 32) for iters in (6, 12)] == [1, 2]
+
+
+class Unreadable:
+    """A dataset whose samples must never be read (it counts how often it was asked)."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, index):
+        self.reads += 1
+        raise AssertionError("a middle pipeline stage read a sample")
+
+
+def test_middle_pipeline_stages_read_no_batches():
+    """Only the first stage needs tokens and the last labels: a rank holding neither builds the
+    datasets (their caches are built collectively) but reads nothing and starts no workers."""
+    from dtgpt.config import load_config
+    from dtgpt.distributed import initialize
+    from dtgpt.optim import BatchSizeSchedule
+    from dtgpt.training import build_data_iterators
+
+    cfg = load_config(None, TINY + ["--data.num_workers=2", "--eval.eval_iters=1"])
+    runtime = initialize(cfg)
+    datasets = (Unreadable(), Unreadable(), Unreadable())
+    provided = []
+
+    def provider(cfg, tokenizer, num_samples):
+        provided.append(num_samples)
+        return datasets
+
+    iterators = build_data_iterators(cfg, runtime, provider, None, 0, BatchSizeSchedule(cfg.training), reads_batches=False)
+    assert len(provided) == 1
+    assert [next(it) for it in iterators for _ in range(3)] == [None] * 9
+    assert [d.reads for d in datasets] == [0, 0, 0]
+    train_iter, _, _ = build_data_iterators(
+        cfg, runtime, provider, None, 0, BatchSizeSchedule(cfg.training), reads_batches=True
+    )  # fmt: skip
+    with pytest.raises(Exception, match="a middle pipeline stage read a sample"):
+        next(train_iter)

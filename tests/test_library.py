@@ -1,5 +1,6 @@
 """The library API and examples/simple_train_loop.py (issue: a Megatron-Core-style loop)."""
 
+import math
 import os
 import re
 import subprocess
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 import dtgpt
-from tests.runs import REPO
+from dtgpt.config import load_config
+from tests.runs import REPO, TINY, read_metrics, run_train
 
 EXAMPLE = REPO / "examples/simple_train_loop.py"
 
@@ -67,3 +69,62 @@ def test_forward_backward_returns_the_global_loss():
     assert loss == pytest.approx(plain, rel=1e-6)
     with pytest.raises(Exception, match="unknown key model.layers"):
         dtgpt.make_config(model=dict(layers=2))
+
+
+# Everything a resume must carry matters here: dropout draws (RNG), warmup then cosine decay
+# (LR schedule), fp16 overflows that skip iterations and lower the scale (loss scaler).
+RESUMED = ["--training.train_iters=8", "--model.hidden_dropout=0.1", "--training.fp16=true",
+           "--training.micro_batch_size=4", "--optimizer.initial_loss_scale=1048576", "--optimizer.loss_scale_window=2"]  # fmt: skip
+COMPARED = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped", "nan")
+
+
+def test_library_checkpoint_resumes_in_train_py_bitwise(tmp_path):
+    """4 iterations through the library API, dtgpt.save_checkpoint, then train.py resumes: its
+    iterations 5-8 are bitwise those of one uninterrupted train.py run."""
+    args = TINY + RESUMED
+    cfg = load_config(None, args)
+    runtime = dtgpt.init_distributed(cfg)
+    state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, vocab_size=128))
+    batches = dtgpt.build_train_iterator(cfg, runtime)
+    library = [dtgpt.train_step(state, cfg, runtime, next(batches)) for _ in range(4)]
+    gbs, skipped = cfg.training.global_batch_size, state.progress.skipped_iters
+    assert state.progress.consumed_samples == 4 * gbs and state.lr_schedule.num_samples == (4 - skipped) * gbs
+    assert 1 <= skipped < 4 and state.scaler.scale < 2.0**20  # the scaler has moved, the schedule too
+    dtgpt.save_checkpoint(tmp_path / "ckpt", cfg, runtime, state)
+
+    whole = read_metrics_of(tmp_path, args, "whole")
+    resumed = read_metrics_of(tmp_path, args + [f"--checkpoint.load={tmp_path / 'ckpt'}"], "resumed")
+    assert [r.loss for r in library] == [r["loss"] for r in whole[:4]]
+    assert [as_logged(r.grad_norm) for r in library] == [r["grad_norm"] for r in whole[:4]]
+    assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
+    assert [{k: r[k] for k in COMPARED} for r in resumed] == [{k: r[k] for k in COMPARED} for r in whole[4:]]
+
+
+def as_logged(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # the metrics file writes non-finite as null
+
+
+def read_metrics_of(tmp_path, args: list[str], name: str) -> list[dict]:
+    metrics = tmp_path / f"{name}.jsonl"
+    run_train(tmp_path, args + [f"--logging.metrics_file={metrics}"], name=name)
+    return read_metrics(metrics)
+
+
+def test_bare_model_checkpoint_claims_no_training_state(tmp_path):
+    """Saved from a model and the caller's own optimizer, a checkpoint holds weights, moments and
+    RNG, and no LR schedule, loss scale or progress that dtgpt never ran; train.py's resume
+    refuses it with one clear line instead of restarting a schedule at zero."""
+    from dtgpt.checkpoint import CheckpointError, layout
+
+    cfg = load_config(None, TINY)
+    runtime = dtgpt.init_distributed(cfg)
+    model = dtgpt.build_model(cfg, runtime, vocab_size=128)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dtgpt.forward_backward(model, next(dtgpt.build_train_iterator(cfg, runtime)), dtgpt.num_microbatches(cfg, runtime))
+    optimizer.step()
+    directory = dtgpt.save_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer, iteration=3)
+    sections = {key.split(".")[0] for key in layout.read_metadata(directory).state_dict_metadata}
+    assert sections == {"model", "optimizer", "rng"}
+    assert dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer) == 3
+    with pytest.raises(CheckpointError, match="holds no training state .* checkpoint.load_optimizer=false"):
+        dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, dtgpt.build_train_state(cfg, model))

@@ -3,7 +3,7 @@
 Each layout runs the tiny fp32 model for 20 iterations on the same mock data and must match
 the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figure) (a model-changing override, e.g. an
 untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
-an untied head, tp x pp without FSDP, each recomputation setting (full uniform, full block,
+an untied head, pp 4 (two middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform, full block,
 selective) and compile; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
 """
 
@@ -24,6 +24,8 @@ LAYOUTS = {
     "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"], False),
     "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
     "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
+    # stages 1 and 2 hold neither the first nor the last stage: they read no batches
+    "pp4_middle_stages": (4, ["--parallel.pipeline_model_parallel_size=4", "--parallel.pipeline_schedule=1F1B"], False),
     # full recomputation, 'uniform' in groups of 2 of the 4 blocks
     "dp2_tp2_full_uniform_ac": (
         4,

@@ -24,18 +24,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.state import (
-    STATEFUL_SECTIONS,
-    build_targets,
-    apply_loaded,
-    extra_problem,
-    has_section,
-    save_state,
-    set_rng_state,
-    shape_problem,
-)
-from dtgpt.config import to_toml
-from dtgpt.faults import Faults
+from dtgpt.checkpoint.state import extra_problem, flat_keys, has_section, shape_problem
+from dtgpt.config import Config, to_toml
+from dtgpt.distributed import Runtime
+from dtgpt.parallel import ParallelDims
+from dtgpt.faults import NO_FAULTS, FaultHooks
+from dtgpt.state import TrainState, set_rng_state
 
 FORMAT = "dtgpt-dcp-1"
 
@@ -52,11 +46,11 @@ def _same_path(a: str, b: str) -> bool:
     return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def mesh_info(trainer) -> dict:
+def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
     """What decides which stages and shards a rank holds (RNG states are only reused if equal)."""
-    dims, p = trainer.runtime.dims, trainer.cfg.parallel
+    p = cfg.parallel
     return {
-        "world_size": trainer.runtime.world_size, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+        "world_size": dims.world_size, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
         "dp_shard": dims.dp_shard, "tp": dims.tp, "pipeline_schedule": p.pipeline_schedule if dims.pp > 1 else "",
         "virtual_pipeline_stages_per_rank": p.virtual_pipeline_stages_per_rank if dims.pp > 1 else 1,
     }  # fmt: skip
@@ -78,12 +72,12 @@ def derived_seed(seed: int, pp_rank: int, iteration: int) -> int:
 
 
 class Checkpointer:
-    """Saves every checkpoint.save_interval iterations; loads on construction (see module doc)."""
+    """Saves `state` every checkpoint.save_interval iterations; loads it on construction (see
+    module doc). `faults` may make a save fail on purpose (dtgpt.faults)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.cfg = trainer.cfg.checkpoint
-        self.runtime = trainer.runtime
+    def __init__(self, state: TrainState, cfg: Config, runtime: Runtime, faults: FaultHooks = NO_FAULTS):
+        self.state, self.run_cfg, self.runtime = state, cfg, runtime
+        self.cfg = cfg.checkpoint
         self.distributed = dist.is_available() and dist.is_initialized()
         self._saved: set[int] = set()
         self._pending: PendingSave | None = None
@@ -98,7 +92,7 @@ class Checkpointer:
             dist.new_group(backend="gloo") if self.cfg.async_save and self.cfg.save and self.distributed else None
         )
         self._stager: DefaultStager | None = None  # built by the first async save
-        self._faults = Faults(trainer.cfg.faults, self.runtime.rank, self.runtime.restart_count)
+        self._faults = faults
         if self.cfg.save and self.runtime.is_main:
             os.makedirs(self.cfg.save, exist_ok=True)
         self._load()
@@ -164,7 +158,7 @@ class Checkpointer:
             return
         start = time.perf_counter()
         self._load_from(found.directory)
-        s = self.trainer.state
+        s = self.state.progress
         self._log(
             f"loaded checkpoint {found.directory} in {time.perf_counter() - start:.2f} s: iteration {s.iteration}, "
             f"consumed samples {s.consumed_samples}" + ("" if c.load_optimizer else " (weights only: fresh optimizer and schedule)")
@@ -173,20 +167,21 @@ class Checkpointer:
             self._saved.add(s.iteration)
 
     def _load_from(self, directory: Path) -> None:
-        t, c = self.trainer, self.cfg
-        parts, optimizers = t.model.parts, t.optimizer.optimizers
+        c, progress = self.cfg, self.state.progress
         metadata = layout.read_metadata(directory)
         marker = layout.read_marker(directory)
         where = f"checkpoint {directory} does not fit this model: "
 
         has_optimizer = has_section(metadata, "optimizer")
-        if c.load_optimizer and not has_section(metadata, "train_state"):
+        stateful = c.load_optimizer and self.state.resumable
+        if stateful and not has_section(metadata, "train_state"):
             raise CheckpointError(
-                f"checkpoint {directory} holds weights only (no optimizer or training state, e.g. a converted one); "
-                "set checkpoint.load_optimizer=false to start training from it"
+                f"checkpoint {directory} holds no training state (LR schedule, loss scale, progress): a converted "
+                "checkpoint, or one saved by dtgpt.save_checkpoint from a bare model; set "
+                "checkpoint.load_optimizer=false to start training from its weights"
             )
-        targets = build_targets(parts, optimizers, c.load_optimizer and has_optimizer)
-        model_request = targets.flat("model")
+        request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=stateful)
+        model_request = flat_keys("model", request["model"])
         problem = shape_problem(model_request, metadata, "model")
         keys = [set(model_request)]
         if self.distributed:
@@ -194,18 +189,16 @@ class Checkpointer:
             dist.all_gather_object(keys, set(model_request))
         problem = problem or extra_problem(set().union(*keys), metadata)
         self._agree(problem and where + problem)
-        if targets.optimizer is not None:
-            problem = shape_problem(targets.flat("optimizer"), metadata, "optimizer")
+        if "optimizer" in request:
+            problem = shape_problem(flat_keys("optimizer", request["optimizer"]), metadata, "optimizer")
             self._agree(problem and where + problem)
         elif c.load_optimizer:
             self._log("the checkpoint has no optimizer state (saved before the first optimizer step): fresh AdamW state")
 
-        request = dict(targets.request)
         rank, device = self.runtime.rank, self.runtime.device
-        same_mesh = marker.get("mesh") == mesh_info(t)
-        if c.load_optimizer:
-            for section in STATEFUL_SECTIONS:
-                request[section] = getattr(t, _STATEFUL_ATTR[section]).state_dict()
+        here = mesh_info(self.run_cfg, self.state.model.dims)
+        same_mesh = marker.get("mesh") == here
+        if stateful:
             wanted = [f"rank_{rank}.cpu"] + ([f"rank_{rank}.cuda"] if device.type == "cuda" else [])
             stored = [k for k in wanted if f"rng.{k}" in metadata.state_dict_metadata]
             if same_mesh and wanted[0] in stored:
@@ -213,18 +206,16 @@ class Checkpointer:
 
         with layout.single_process():
             dcp.load(request, checkpoint_id=str(directory), no_dist=not self.distributed)
-        apply_loaded(targets, parts, optimizers)
-        if c.load_optimizer:
-            for section in STATEFUL_SECTIONS:
-                getattr(t, _STATEFUL_ATTR[section]).load_state_dict(request[section])
+        self.state.load_state_dict(request)
+        if stateful:
             if "rng" in request:
                 self._rng = request["rng"]
             else:
-                self._derive_rng_at = t.state.iteration
+                self._derive_rng_at = progress.iteration
                 self._log(
                     f"RNG: the checkpoint was saved on another mesh ({_mesh_text(marker.get('mesh'))}; now "
-                    f"{_mesh_text(mesh_info(t))}): each rank's generator is re-derived from training.seed, "
-                    f"its pipeline stage and iteration {t.state.iteration}"
+                    f"{_mesh_text(here)}): each rank's generator is re-derived from training.seed, "
+                    f"its pipeline stage and iteration {progress.iteration}"
                 )
 
     def restore_rng(self) -> None:
@@ -234,7 +225,7 @@ class Checkpointer:
         if self._rng is not None:
             set_rng_state(self._rng, rank, device)
         elif self._derive_rng_at is not None:
-            torch.manual_seed(derived_seed(self.trainer.cfg.training.seed, self.runtime.dims.pp_rank, self._derive_rng_at))
+            torch.manual_seed(derived_seed(self.run_cfg.training.seed, self.runtime.dims.pp_rank, self._derive_rng_at))
         self._rng, self._derive_rng_at = None, None
 
     # -- saving ------------------------------------------------------------------------------
@@ -254,7 +245,7 @@ class Checkpointer:
         directory = layout.iteration_dir(self.cfg.save, iteration)
         if self.runtime.is_main:
             self._prepare(directory, iteration)
-        state = save_state(self.trainer)
+        state = self.state.state_dict()
         writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
         if self.cfg.async_save:
             self._stager = self._stager or self._build_stager()
@@ -296,16 +287,15 @@ class Checkpointer:
                 (directory / layout.MARKER).unlink()
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
-        layout.write_atomic(directory / layout.CONFIG, to_toml(self.trainer.cfg))
+        layout.write_atomic(directory / layout.CONFIG, to_toml(self.run_cfg))
 
     def _complete(self, iteration: int, directory: Path) -> None:
         """Every rank's data and DCP's .metadata exist: mark complete, move the pointer, prune."""
         if not self.runtime.is_main:
             return
-        s = self.trainer.state
         layout.write_marker(directory, {
-            "format": FORMAT, "iteration": iteration, "consumed_samples": s.consumed_samples,
-            "mesh": mesh_info(self.trainer), "tied": self.trainer.model.parts[0].tied, "time": time.time(),
+            "format": FORMAT, "iteration": iteration, "consumed_samples": self.state.progress.consumed_samples,
+            "mesh": mesh_info(self.run_cfg, self.state.model.dims), "tied": self.state.tied, "time": time.time(),
         })  # fmt: skip
         layout.write_pointer(self.cfg.save, iteration)
         for path in layout.prune(self.cfg.save, self.cfg.keep_last, iteration):
@@ -352,9 +342,6 @@ def describe(error: BaseException) -> str:
         exc = failure[0] if isinstance(failure, tuple) else failure
         parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     return "; ".join(parts)
-
-
-_STATEFUL_ATTR = {"train_state": "state", "lr_schedule": "lr_schedule", "loss_scaler": "scaler"}
 
 
 def _rng_like(key: str, device: torch.device) -> torch.Tensor:

@@ -1,19 +1,19 @@
-"""Global batch k -> this data-parallel rank's share, through torchdata's StatefulDataLoader.
+"""Global batch k -> this data-parallel rank's share, through torch's DataLoader.
 
 Global batch k is samples [consumed, consumed + gbs_k) of the dataset's global order, whatever
 the mesh; DP rank r takes the contiguous slice [consumed + r * gbs_k / dp, ... + gbs_k / dp).
 Resuming only needs `consumed_samples`, so a run may resume on another DP size (or micro-batch
-size: splitting a rank's share into micro-batches is the training loop's business).
+size: splitting a rank's share into micro-batches is the training loop's business). That is
+why the loader's own position is never checkpointed (docs/data.md, "Loader").
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader
 
 
 class GlobalBatchSampler:
@@ -61,7 +61,7 @@ def collate_samples(samples: list[np.ndarray]) -> torch.Tensor:
 
 
 def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,
-                      dp_size: int, num_workers: int) -> StatefulDataLoader:
+                      dp_size: int, num_workers: int) -> DataLoader:
     """Iterable of this rank's (gbs_k / dp_size, seq_length + 1) LongTensors, from consumed_samples on.
 
     With num_workers > 0, worker processes read and prefetch batches ahead of the training loop.
@@ -70,11 +70,7 @@ def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[i
         raise ValueError(f"num_workers={num_workers} must be >= 0")
     sampler = GlobalBatchSampler(len(dataset), consumed_samples, batch_size_at, dp_rank, dp_size)
     extra = {"prefetch_factor": 2, "persistent_workers": False} if num_workers > 0 else {}
-    with warnings.catch_warnings():
-        # torchdata 0.11 calls torch.set_vital, which newer torch deprecates: noise on every loader.
-        warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
-        # A private generator: starting an iterator draws a base seed, and drawing it from the
-        # global RNG would shift dropout masks after every evaluation (resume would not be exact).
-        return StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                  collate_fn=collate_samples, pin_memory=torch.cuda.is_available(),
-                                  generator=torch.Generator().manual_seed(0), **extra)
+    # A private generator: starting an iterator draws a base seed, and drawing it from the
+    # global RNG would shift dropout masks after every evaluation (resume would not be exact).
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_samples,
+                      pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(0), **extra)

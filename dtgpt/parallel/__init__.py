@@ -16,7 +16,7 @@ from dtgpt.config import Config
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.fsdp import apply_fsdp
-from dtgpt.parallel.model_parts import GlobalBatchLoss, ModelParts
+from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
 from dtgpt.parallel.pipeline import (
     ScheduleCache,
     build_pipeline_stages,
@@ -128,7 +128,7 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
     schedules = None
     if dims.pp_enabled:
         stages = build_pipeline_stages(parts, stage_ids, num_stages, device, dims.sub("pp"))
-        schedules = ScheduleCache(stages, cfg.parallel.pipeline_schedule, loss_fn=None)
+        schedules = ScheduleCache(stages, cfg.parallel.pipeline_schedule)
     return ModelParts(
         parts=parts,
         stage_ids=stage_ids,
@@ -139,5 +139,5 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         autocast_dtype=None if dims.fsdp_enabled else compute_dtype(cfg),
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts),
-        loss_fn=GlobalBatchLoss(compiled=cfg.training.compile),
+        cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
     )

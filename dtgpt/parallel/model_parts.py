@@ -2,14 +2,15 @@
 
 One part without pipelining, one or more pipeline stages with it. The object hides that
 difference from the trainer: it knows the compute context (autocast, loss parallel), which
-parameters count toward the gradient norm, and the per-micro-batch-count schedules.
+parameters count toward the gradient norm, the per-micro-batch-count schedules, and how to
+build the loss of one global batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,19 +32,24 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     )
 
 
+def build_cross_entropy(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    # Compiled, the fp32 upcast and log-softmax of the (tokens x vocabulary) logits fuse
+    # instead of materialising an fp32 copy of them.
+    return torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum
+
+
+@dataclass(frozen=True)
 class GlobalBatchLoss:
     """loss(micro-batch) = sum of its token losses / loss tokens in the whole global batch.
 
     Summing this over micro-batches and data-parallel ranks gives the global-batch mean exactly,
-    whatever the layout (not a mean of means). `scale` is the fp16 loss scale.
+    whatever the layout (not a mean of means). `scale` is the fp16 loss scale. One is built per
+    global batch (its denominator is that batch's), and never changed.
     """
 
-    def __init__(self, compiled: bool = False):
-        self.denominator: torch.Tensor | float = 1.0
-        self.scale: float = 1.0
-        # Compiled, the fp32 upcast and log-softmax of the (tokens x vocabulary) logits fuse
-        # instead of materialising an fp32 copy of them.
-        self.cross_entropy = torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum
+    denominator: torch.Tensor
+    scale: float
+    cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.cross_entropy(logits, labels) * (self.scale / self.denominator)
@@ -60,11 +66,7 @@ class ModelParts:
     autocast_dtype: torch.dtype | None
     loss_parallel: bool
     tied_group: dist.ProcessGroup | None
-    loss_fn: GlobalBatchLoss = field(default_factory=GlobalBatchLoss)
-
-    def __post_init__(self):
-        if self.schedules is not None:
-            self.schedules.loss_fn = self.loss_fn
+    cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
 
     @property
     def has_first_stage(self) -> bool:
@@ -73,6 +75,11 @@ class ModelParts:
     @property
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
+
+    @property
+    def reads_batches(self) -> bool:
+        """Only the first stage needs tokens and the last labels: middle stages read no data."""
+        return self.has_first_stage or self.has_last_stage
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:

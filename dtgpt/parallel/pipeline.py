@@ -64,20 +64,36 @@ def build_pipeline_stages(
 
 
 class ScheduleCache:
-    """One schedule per micro-batch count (batch-size ramp-up changes it), built on first use."""
+    """One schedule per micro-batch count (batch-size ramp-up changes it), built on first use.
 
-    def __init__(self, stages: list[PipelineStage], schedule_name: str, loss_fn: Callable):
+    A schedule takes its loss function once, when built; the loss of a global batch differs per
+    batch (its token count), so each run is handed its own loss, used for that run only.
+    """
+
+    def __init__(self, stages: list[PipelineStage], schedule_name: str):
         self.stages = stages
         self.schedule_cls = get_schedule_class(schedule_name)
-        self.loss_fn = loss_fn
         self._cache: dict[int, object] = {}
+        self._loss: Callable | None = None
 
-    def get(self, n_microbatches: int):
+    def run(self, n_microbatches: int, loss: Callable, forward_only: bool, *args, **kwargs) -> None:
+        """One schedule step (or eval) over n_microbatches with `loss` as the loss function."""
+        schedule = self._get(n_microbatches)
+        self._loss = loss
+        try:
+            (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
+        finally:
+            self._loss = None
+
+    def _loss_of_this_run(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss(output, target)
+
+    def _get(self, n_microbatches: int):
         if n_microbatches not in self._cache:
             single = issubclass(self.schedule_cls, PipelineScheduleSingle)
             stages = self.stages[0] if single else self.stages
             # scale_grads=False: the loss already divides by the global token count.
             self._cache[n_microbatches] = self.schedule_cls(
-                stages, n_microbatches=n_microbatches, loss_fn=self.loss_fn, scale_grads=False
+                stages, n_microbatches=n_microbatches, loss_fn=self._loss_of_this_run, scale_grads=False
             )
         return self._cache[n_microbatches]

@@ -7,19 +7,21 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
+from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.cli import is_user_error, one_line, print_error
 from dtgpt.config import CheckpointConfig, ConfigError, FaultsConfig, load_config, validate
 from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, check_token_ids
 from dtgpt.data.loader import build_data_loader
 from dtgpt.exits import SignalFlag, signal_handler_enabled
-from dtgpt.faults import Faults, FaultyWriter
-from tests.test_checkpoint_unit import make_trainer, step
+from dtgpt.faults import NO_FAULTS, Faults, FaultyWriter, build_faults
+from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 
 
 def test_signal_handler_is_on_by_default_exactly_when_saving():
@@ -55,6 +57,19 @@ def test_faults_fire_once_on_the_chosen_rank_and_iteration(tmp_path):
     first.in_iteration(4)  # kill_during_save: nothing happens in the iteration itself
 
 
+def test_fault_hooks_are_no_ops_unless_faults_are_set_and_nan_poisons_only_its_iteration():
+    assert build_faults(FaultsConfig(), rank=0, restart_count=0) is NO_FAULTS
+    assert NO_FAULTS.storage_writer(Path("unused"), 1) is None
+    faults = build_faults(FaultsConfig(nan_at_iterations=[2]), rank=0, restart_count=1)  # NaN: on every attempt
+    model = torch.nn.Linear(3, 2)
+    x = torch.ones(1, 3)
+    for iteration, finite in ((1, True), (2, False), (3, True)):
+        with faults.iteration(iteration, [model]):
+            y = model(x)
+        assert bool(torch.isfinite(y).all()) == finite, iteration
+    assert torch.isfinite(model(x)).all()  # the hook is gone after its iteration
+
+
 def test_fault_ranks_are_validated():
     with pytest.raises(ConfigError, match=r"faults.hang_rank=2 must be < the world size 2"):
         validate(load_config(None, ["--data.mock_data=true", "--faults.hang_rank=2"]), world_size=2)
@@ -66,7 +81,7 @@ def test_fault_ranks_are_validated():
 
 def test_disk_full_during_save_leaves_pointer_and_previous_checkpoint(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--faults.disk_full_at_iteration=2")
-    ckpt = Checkpointer(t)
+    ckpt = checkpointer(t)
     step(t)
     ckpt.save(1)
     step(t)

@@ -1,0 +1,213 @@
+"""The train state: one Stateful bundle of everything a checkpoint restores.
+
+    model        this rank's model parts            optimizer    AdamW per part
+    lr_schedule  where the LR schedule stands       scaler       the fp16 loss scale
+    progress     iteration, consumed samples, skipped and NaN iterations
+
+`state_dict()` is the dict DCP saves: its keys name the whole model's parameters, never the
+mesh (layout in dtgpt/checkpoint/state.py), so any mesh reads any other mesh's checkpoint.
+train.py and the library API (dtgpt.api) both build this object and save it, so a checkpoint
+from either resumes the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from dtgpt.config import Config
+from dtgpt.loss_scaler import LossScaler, build_loss_scaler
+from dtgpt.model import OUTPUT_WEIGHT, WORD_EMBEDDING
+from dtgpt.optim import LRSchedule, PartOptimizers
+from dtgpt.parallel import ModelParts
+
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class Progress(Stateful):
+    """How far training has come (saved as the `train_state` section)."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, int(state[f.name]))
+
+
+def tied_source(key: str) -> str | None:
+    """For the last stage's copy of the tied weight (or its optimizer state): the key it loads from."""
+    if key == OUTPUT_WEIGHT:
+        return WORD_EMBEDDING
+    prefix = f"state.{OUTPUT_WEIGHT}."
+    if key.startswith(prefix):
+        return f"state.{WORD_EMBEDDING}." + key[len(prefix):]
+    return None
+
+
+def _is_state_key(key: str) -> bool:
+    return key.startswith("state.")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    state = {f"rank_{rank}.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state[f"rank_{rank}.cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(states: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
+    torch.set_rng_state(states[f"rank_{rank}.cpu"])
+    if device.type == "cuda" and f"rank_{rank}.cuda" in states:
+        torch.cuda.set_rng_state(states[f"rank_{rank}.cuda"], device)
+
+
+@torch.no_grad()
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if isinstance(dst, DTensor) and isinstance(src, DTensor):
+        if dst.placements != src.placements or dst.to_local().shape != src.to_local().shape:
+            raise RuntimeError(f"tied copies are laid out differently: {dst.placements} vs {src.placements}")
+        dst, src = dst.to_local(), src.to_local()
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
+
+
+@dataclass(eq=False)
+class TrainState(Stateful):
+    """Everything a resumed run needs, owned in one place (see the module doc)."""
+
+    model: ModelParts
+    optimizer: PartOptimizers
+    lr_schedule: LRSchedule | None
+    scaler: LossScaler | None
+    progress: Progress = field(default_factory=Progress)
+
+    STATEFUL = {"train_state": "progress", "lr_schedule": "lr_schedule", "loss_scaler": "scaler"}
+    """Sections saved through the objects' own state_dict (checkpoint key -> attribute)."""
+
+    @property
+    def resumable(self) -> bool:
+        """False for a bare model and optimizer of the library API: without a schedule and a
+        scaler of ours, only weights, optimizer moments and RNG are saved or loaded."""
+        return self.lr_schedule is not None and self.scaler is not None
+
+    @property
+    def tied(self) -> bool:
+        return self.model.parts[0].tied
+
+    def _model_dicts(self) -> list[dict]:
+        return [get_model_state_dict(part) for part in self.model.parts]
+
+    def _optimizer_dicts(self) -> list[dict]:
+        """Flattened optimizer state per part. Careful: on an optimizer with no state yet this runs
+        a zero-lr step to create it (torch's way), so save it only once a step happened."""
+        pairs = zip(self.model.parts, self.optimizer.optimizers)
+        return [get_optimizer_state_dict(part, opt, options=FLAT_OPTIM) for part, opt in pairs]
+
+    def _merge(self, dicts: list[dict], keep: Callable[[str], bool], into_copy: bool) -> dict:
+        """One dict over all parts (keys are disjoint across stages). The tied copy is left out
+        (it equals the embedding, stored once), except that a rank holding only the copy reads
+        the stored embedding straight into it (`into_copy`, when loading)."""
+        merged, copies = {}, []
+        for d in dicts:
+            for key, value in d.items():
+                if not keep(key):
+                    continue
+                source = tied_source(key) if self.tied else None
+                if source is None:
+                    merged[key] = value
+                elif into_copy:
+                    copies.append((source, value))
+        for source, value in copies:
+            merged.setdefault(source, value)
+        return merged
+
+    def has_optimizer_state(self) -> bool:
+        # Steps are skipped on every rank together, so either all optimizers have state or none.
+        return all(opt.state for opt in self.optimizer.optimizers)
+
+    def state_dict(self) -> dict:
+        """The nested dict handed to dcp.save / dcp.async_save (values alias live tensors)."""
+        state = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=False)}
+        for section, attr in self.STATEFUL.items() if self.resumable else ():
+            state[section] = getattr(self, attr).state_dict()
+        state["rng"] = rng_state(_rank(), self.model.device)
+        if self.has_optimizer_state():
+            state["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=False)
+        return state
+
+    def load_request(self, optimizer: bool, stateful: bool) -> dict:
+        """A dict in state_dict()'s layout whose tensors alias the live state, for dcp.load to
+        fill in place; hand it to load_state_dict() afterwards."""
+        request = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=True)}
+        if optimizer:
+            request["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=True)
+        if stateful:
+            for section, attr in self.STATEFUL.items():
+                request[section] = getattr(self, attr).state_dict()
+        return request
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the sections present in `state` (the RNG is the caller's: see Checkpointer.restore_rng)."""
+        for part, live in zip(self.model.parts, self._model_dicts()):
+            self._fill(live, state["model"])
+            set_model_state_dict(part, live)
+        if "optimizer" in state:
+            for part, opt, live in zip(self.model.parts, self.optimizer.optimizers, self._optimizer_dicts()):
+                self._fill(live, state["optimizer"], keep=_is_state_key)
+                set_optimizer_state_dict(part, opt, live, options=FLAT_OPTIM)
+        for section, attr in self.STATEFUL.items():
+            if section in state:
+                getattr(self, attr).load_state_dict(state[section])
+
+    def _fill(self, live: dict, saved: dict, keep: Callable[[str], bool] = lambda k: True) -> None:
+        """Copy saved values into a part's live dict (a no-op where they already alias it)."""
+        for key, value in live.items():
+            if not keep(key):
+                continue
+            source = saved[(tied_source(key) if self.tied else None) or key]
+            if isinstance(value, torch.Tensor):
+                _copy(value, source)
+            else:
+                live[key] = source
+
+    def record(self, skipped: bool, nan: bool, global_batch_size: int) -> None:
+        """Advance past one iteration: samples are consumed even when it was skipped (as in
+        Megatron), the LR schedule moves only when the optimizer stepped."""
+        p = self.progress
+        p.iteration += 1
+        p.consumed_samples += global_batch_size
+        p.skipped_iters += skipped
+        p.nan_iters += nan
+        if not skipped:
+            self.lr_schedule.step(global_batch_size)
+
+
+def build_train_state(cfg: Config, model: ModelParts) -> TrainState:
+    """AdamW per part, LR schedule and loss scaler of cfg around `model`, at iteration 0."""
+    implementation = "fused" if model.device.type == "cuda" else "foreach"
+    optimizer = PartOptimizers(model.parts, cfg.optimizer, implementation=implementation)
+    return TrainState(model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg))
