@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtgpt.config.sections import Config, ConfigError
+from dtgpt.config.split import parse_split
 
 
 # Keys that parse but whose feature is not built yet: set to anything but the default, they are
@@ -43,6 +44,7 @@ _CHOICES = {
     "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
     "data.tokenizer_type": ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"),
     "data.builtin_corpus": ("", "python-docstrings"),
+    "data.order": ("megatron", "stable"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "faults.signal_name": ("SIGTERM", "SIGINT"),
 }
@@ -272,15 +274,7 @@ def _check_data(cfg: Config) -> None:
         d.tokenizer_type != "NullTokenizer" or d.vocab_size > 0,
         f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
     )
-    split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
-    try:
-        weights = [float(s) for s in split]
-    except ValueError:
-        raise ConfigError(f"data.split={d.split!r} must be comma-separated numbers like '949,50,1'") from None
-    _require(
-        1 <= len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
-        f"data.split={d.split!r} needs 1-3 non-negative weights with a positive sum",
-    )
+    parse_split(d.split)
 
 
 def _check_checkpoint_logging_faults(cfg: Config) -> None:
