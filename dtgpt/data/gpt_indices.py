@@ -53,23 +53,35 @@ def samples_before_final_epoch(tokens_per_epoch: int, num_epochs: int, seq_lengt
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
     """(num_samples + 1, 2) array of (document index position, offset) where each sample starts.
 
-    Sample j starts at stream position j * seq_length. Counting the starts that fall inside each
-    document (ceil(end / seq_length) - ceil(start / seq_length), 0 for an empty document, which
-    is skipped as Megatron's loop skips it) and repeating the document's position that many times
-    is one linear pass, no search.
+    Sample j starts at stream position j * seq_length, so ceil(end / seq_length) samples start
+    before a document's end: differencing that over the documents counts the starts in each (0
+    for an empty document, which is skipped as Megatron's loop skips it), and repeating each
+    position by its count is one linear pass, no search. Megatron's C++ loop is the reference.
     """
-    lengths = np.asarray(sequence_lengths)[document_index].astype(np.int64)
-    ends = np.cumsum(lengths)
-    total = int(ends[-1]) if len(ends) else 0
+    lengths = np.take(np.asarray(sequence_lengths), document_index)
+    total = int(lengths.sum(dtype=np.int64))
     num_samples = (total - 1) // seq_length
     if num_samples < 1:
         raise ValueError(f"{total} tokens cannot make one sample of seq_length + 1 = {seq_length + 1} tokens")
-    # ceil(end / seq_length) starts lie before each document's end: num_samples + 1 in all.
-    counts = np.diff(-(-ends // seq_length), prepend=0)
+    # Token positions in int32 whenever they fit: half the memory traffic of every pass below.
+    position_dtype = np.int32 if total + seq_length < np.iinfo(np.int32).max else np.int64
+    ends = np.cumsum(lengths, dtype=position_dtype)
+    if seq_length & (seq_length - 1) == 0:  # the usual power of two: a shift, not a division
+        before = (ends + (seq_length - 1)) >> (seq_length.bit_length() - 1)
+    else:
+        before = (ends + (seq_length - 1)) // seq_length
+    counts = np.empty(len(before), dtype=np.intp)  # np.repeat's own count type: no conversion pass
+    counts[0] = before[0]
+    np.subtract(before[1:], before[:-1], out=counts[1:])
     dtype = index_dtype(max(len(document_index), int(lengths.max())))
-    position = np.repeat(np.arange(len(document_index), dtype=dtype), counts)
-    offset = np.arange(num_samples + 1, dtype=np.int64) * seq_length - (ends - lengths)[position]
-    return np.stack([position, offset.astype(dtype)], axis=1)
+    out = np.empty((num_samples + 1, 2), dtype=dtype)
+    out[:, 0] = position = np.repeat(np.arange(len(document_index), dtype=dtype), counts)
+    # offset = sample start - document start = j * seq_length - (end - length)
+    offset = np.arange(0, (num_samples + 1) * seq_length, seq_length, dtype=position_dtype)
+    offset -= ends[position]
+    offset += lengths[position]
+    out[:, 1] = offset
+    return out
 
 
 def _shuffled(values: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
