@@ -24,8 +24,9 @@ class GPTDataset:
 
     Enough epochs are built for `num_samples` (None: one epoch, Megatron's None); `len()` covers
     every sample of those epochs (>= num_samples, as in Megatron). With `order="stable"` sample i
-    is the same whatever num_samples was. With `cache_dir=None` the indices are built in memory and never written. With `vocab_size`,
-    a sample holding an id outside [0, vocab_size) raises a DataError naming the file.
+    is the same whatever num_samples was. With `cache_dir=None` the indices are built in memory
+    and never written. With `vocab_size`, a sample holding an id outside [0, vocab_size) raises a
+    DataError naming the file.
     """
 
     def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int, seq_length: int,
