@@ -88,3 +88,27 @@ def test_per_split_blends(tmp_path, prefixes):
     a, b, c = prefixes
     per_split = (["0.6", a, "0.4", b], ["1", c], [a, b, c])
     compare(tmp_path, (FIRST, FIRST, 800), per_split_paths=per_split)
+
+
+def test_sample_index_is_megatrons_helper():
+    """build_sample_index against megatron-core's C++ build_sample_idx on random small streams:
+    empty documents anywhere (first ones included), several epochs, powers of two and others."""
+    from megatron.core.datasets.helpers import build_sample_idx
+
+    from dtgpt.data.gpt_indices import build_sample_index
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        documents = int(rng.integers(1, 50))
+        sizes = rng.integers(0, 40, documents).astype(np.int32)
+        sizes[rng.integers(0, documents)] += 1
+        epochs, seq = int(rng.integers(1, 4)), int(rng.choice([2, 3, 7, 16, 31, 32, 64, 69]))
+        document_index = np.tile(np.arange(documents, dtype=np.int32), epochs)
+        rng.shuffle(document_index)
+        tokens = int(sizes.sum())
+        if (epochs * tokens - 1) // seq < 1:
+            continue
+        ours = build_sample_index(sizes, document_index, seq)
+        theirs = build_sample_idx(sizes, document_index, seq, epochs, tokens)
+        np.testing.assert_array_equal(ours, theirs)
+        assert ours.dtype == theirs.dtype

@@ -53,10 +53,11 @@ def samples_before_final_epoch(tokens_per_epoch: int, num_epochs: int, seq_lengt
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
     """(num_samples + 1, 2) array of (document index position, offset) where each sample starts.
 
-    Sample j starts at stream position j * seq_length, so ceil(end / seq_length) samples start
-    before a document's end: differencing that over the documents counts the starts in each (0
-    for an empty document, which is skipped as Megatron's loop skips it), and repeating each
-    position by its count is one linear pass, no search. Megatron's C++ loop is the reference.
+    Sample j starts at stream position j * seq_length, so before[d] = ceil(end_d / seq_length)
+    samples start before document d ends, and sample j lies in the first document with
+    before[d] > j: the number of documents with before[d] <= j, a histogram of `before` summed
+    up. Empty documents are skipped as Megatron's C++ loop (the reference) skips them. A few
+    linear passes, no search.
     """
     lengths = np.take(np.asarray(sequence_lengths), document_index)
     total = int(lengths.sum(dtype=np.int64))
@@ -66,16 +67,18 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     # Token positions in int32 whenever they fit: half the memory traffic of every pass below.
     position_dtype = np.int32 if total + seq_length < np.iinfo(np.int32).max else np.int64
     ends = np.cumsum(lengths, dtype=position_dtype)
+    before = ends + (seq_length - 1)
     if seq_length & (seq_length - 1) == 0:  # the usual power of two: a shift, not a division
-        before = (ends + (seq_length - 1)) >> (seq_length.bit_length() - 1)
+        np.right_shift(before, seq_length.bit_length() - 1, out=before)
     else:
-        before = (ends + (seq_length - 1)) // seq_length
-    counts = np.empty(len(before), dtype=np.intp)  # np.repeat's own count type: no conversion pass
-    counts[0] = before[0]
-    np.subtract(before[1:], before[:-1], out=counts[1:])
-    dtype = index_dtype(max(len(document_index), int(lengths.max())))
+        np.floor_divide(before, seq_length, out=before)
+    # No sequence is longer than all tokens together: the total bounds the largest entry.
+    largest = max(len(document_index), total if position_dtype is np.int32 else int(lengths.max()))
+    dtype = index_dtype(largest)
     out = np.empty((num_samples + 1, 2), dtype=dtype)
-    out[:, 0] = position = np.repeat(np.arange(len(document_index), dtype=dtype), counts)
+    position = np.cumsum(np.bincount(before, minlength=num_samples + 2)[:num_samples + 1], dtype=dtype)
+    position[0] = 0  # Megatron's first row is (0, 0) even when the stream opens with empty documents
+    out[:, 0] = position
     # offset = sample start - document start = j * seq_length - (end - length)
     offset = np.arange(0, (num_samples + 1) * seq_length, seq_length, dtype=position_dtype)
     offset -= ends[position]
