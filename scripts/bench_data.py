@@ -4,11 +4,15 @@
     python scripts/bench_data.py            # ~100 MB of JSONL
     python scripts/bench_data.py --mb 20    # smaller
     python scripts/bench_data.py --quick    # ~5 MB, a smoke run
+    python scripts/bench_data.py --index-only --index-documents 2000000   # the sample index build alone
 
 Generates a synthetic JSONL corpus (Zipf-distributed pseudo-words, deterministic), tokenizes it
 with ByteTokenizer and with a small byte-level BPE trained on its first documents, with 1 and 2
 worker processes, then reads GPTDataset samples in training order in one process with a warm
-page cache. Prints a table.
+page cache. Prints a table. Then times the sample index build (`build_sample_index`) on a
+shuffled epoch of `--index-documents` synthetic documents against megatron-core's C++
+`build_sample_idx_int32` when megatron-core is installed (the `dev` extra), checks that both give
+the same array, and prints the ratio.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from dtgpt.config import DataConfig
 from dtgpt.data.gpt_dataset import GPTDataset
+from dtgpt.data.gpt_indices import build_sample_index
 from dtgpt.data.indexed import IndexedDataset
 from dtgpt.data.preprocess import preprocess
 
@@ -96,6 +101,32 @@ def bench_reads(prefix: str, seq_length: int, seconds: float, cache_dir: str) ->
     return {"build": build, "samples": n, "wall": wall, "cpu": cpu, "tokens": n * (seq_length + 1)}
 
 
+def bench_index_build(documents: int, seq_length: int, repeat: int) -> dict:
+    """Least CPU time of `repeat` sample index builds over one shuffled epoch, dtgpt's and (if installed) Megatron's."""
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 1000, documents).astype(np.int32)
+    document_index = np.arange(documents, dtype=np.int32)
+    np.random.RandomState(1234).shuffle(document_index)
+    builds = {"dtgpt": lambda: build_sample_index(sizes, document_index, seq_length)}
+    try:
+        from megatron.core.datasets.helpers_cpp import build_sample_idx_int32
+
+        tokens = int(sizes.sum(dtype=np.int64))
+        builds["megatron"] = lambda: build_sample_idx_int32(sizes, document_index, seq_length, 1, tokens, True, 1)
+    except ImportError:
+        pass
+    best, results = {}, {}
+    for _ in range(repeat):
+        for name, build in builds.items():  # interleaved, so both see the same machine load
+            # CPU time of this process: on a shared machine, waiting for a core does not count.
+            start = time.process_time()
+            results[name] = build()
+            best[name] = min(best.get(name, float("inf")), time.process_time() - start)
+    if "megatron" in results and not np.array_equal(results["dtgpt"], results["megatron"]):
+        raise AssertionError("dtgpt's sample index differs from Megatron's")
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="data pipeline benchmark")
     p.add_argument("--mb", type=float, default=100.0, help="size of the generated JSONL in MB")
@@ -106,9 +137,25 @@ def main() -> None:
     p.add_argument("--read-seconds", type=float, default=3.0)
     p.add_argument("--repeat", type=int, default=2, help="runs per preprocessing setting; the fastest counts")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--index-documents", type=int, default=2_000_000, help="documents for the index build timing")
+    p.add_argument("--index-repeat", type=int, default=15, help="index builds per side; the fastest counts")
+    p.add_argument("--index-only", action="store_true", help="only time the sample index build")
     args = p.parse_args()
     if args.quick:
         args.mb, args.read_seconds, args.repeat = 5.0, 1.0, 1
+        args.index_documents, args.index_repeat = 200_000, 3
+    if not args.index_only:
+        bench_pipeline(args)
+    for seq in args.seq_lengths:
+        best = bench_index_build(args.index_documents, seq, args.index_repeat)
+        line = f"sample index build, {args.index_documents} documents, seq {seq}: dtgpt {best['dtgpt']:.3f} CPU-s"
+        if "megatron" in best:
+            line += f", Megatron C++ {best['megatron']:.3f} CPU-s, ratio dtgpt/Megatron {best['dtgpt'] / best['megatron']:.2f}"
+        print(line)
+
+
+def bench_pipeline(args: argparse.Namespace) -> None:
+    """Preprocessing and read throughput, as a table."""
     bpe_mb = args.bpe_mb or args.mb
 
     with tempfile.TemporaryDirectory(dir=args.dir) as d:

@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"])
     p.add_argument("--vocab-file", default="", help="GPT-2 vocab.json")
     p.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
-    p.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer vocabulary (eod = vocab_size - 1)")
+    p.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer: ids below it, eod = vocab_size (Megatron's)")
     p.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--strict", action="store_true", help="refuse the file on any bad line (nothing written)")

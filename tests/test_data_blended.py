@@ -1,9 +1,12 @@
-"""Blends: the data_path grammar, Megatron's greedy blending index, per-split paths."""
+"""Blends: the data_path grammar, the greedy blending index, per-split paths, the stable order.
+
+Megatron's blends themselves are checked against megatron-core in test_data_megatron_oracle.py."""
 
 import numpy as np
 import pytest
 
-from dtgpt.data.blended import BlendedDataset, build_blending_indices, build_gpt_datasets, component_size, parse_blend
+from dtgpt.data.blended import BlendedDataset, build_blending_indices, parse_blend
+from dtgpt.data.builder import build_gpt_datasets, component_size
 from dtgpt.data.indexed import IndexedDatasetWriter
 
 SEQ = 16
@@ -25,10 +28,10 @@ def prefixes(tmp_path_factory):
 
 
 def test_parse_blend():
-    assert parse_blend(["a"]) == (["a"], [1.0])
-    assert parse_blend(["a", "b"]) == (["a", "b"], [0.5, 0.5])
-    assert parse_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], pytest.approx([0.3, 0.7]))
-    assert parse_blend(["3 a 1 b"]) == (["a", "b"], pytest.approx([0.75, 0.25]))
+    assert parse_blend(["a"]) == (["a"], None)
+    assert parse_blend(["a", "b"]) == (["a", "b"], None)
+    assert parse_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    assert parse_blend(["3 a 1 b"]) == (["a", "b"], [3.0, 1.0])
     assert parse_blend(["1", "a", "0", "b"]) == (["a"], [1.0])
     for bad in (["0.3", "a", "b"], ["a", "0.3"], ["0.5", "a", "-1", "b"], []):
         with pytest.raises(ValueError, match="data.data_path"):
@@ -36,23 +39,28 @@ def test_parse_blend():
 
 
 def test_blending_index_by_hand():
-    # target weight * (n + 1); ties go to the lower index
-    # deficits w*(n+1) - count: n=0: .25, .75 -> 1;  n=1: .5, .5 (tie) -> 0;
-    # n=2: -.25, 1.25 -> 1;  n=3: 0, 1 -> 1
-    assert build_blending_indices([0.25, 0.75], 4)[0].tolist() == [1, 0, 1, 1]
+    # Megatron: target w * max(n, 1) minus the count so far, the largest wins; ties go to the lower index
+    # n=0: .2, .8 -> 1;  n=1: .2, -.2 -> 0;  n=2: -.6, .6 -> 1;  n=3: -.4, .4 -> 1;  n=4: -.2, .2 -> 1;
+    # n=5: 0, 0 (tie) -> 0
+    assert build_blending_indices([0.2, 0.8], 6)[0].tolist() == [1, 0, 1, 1, 1, 0]
+    # stable: target w * (n + 1): n=0: .2, .8 -> 1;  n=1: .4, .6 -> 1;  n=2: .6, .4 -> 0;  n=3: -.2, 1.2 -> 1;
+    # n=4: 0, 1 -> 1;  n=5: .2, .8 -> 1
+    assert build_blending_indices([0.2, 0.8], 6, "stable")[0].tolist() == [1, 1, 0, 1, 1, 1]
     assert build_blending_indices([0.5, 0.5], 4)[0].tolist() == [0, 1, 0, 1]
     ds, sample = build_blending_indices([1.0], 3)
     assert ds.tolist() == [0, 0, 0] and sample.tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("order,slack", [("megatron", 2.0), ("stable", 1.0)])
 @pytest.mark.parametrize("weights", [[0.3, 0.7], [0.1, 0.2, 0.3, 0.4], [0.05, 0.9, 0.05]])
-def test_blend_proportions_within_one_sample(weights):
+def test_blend_proportions(weights, order, slack):
+    """Every dataset stays within `slack` samples of its share (Megatron's rule trails by up to ~1.3)."""
     size = 5000
-    dataset_index, sample_index = build_blending_indices(weights, size)
+    dataset_index, sample_index = build_blending_indices(weights, size, order)
     onehot = np.eye(len(weights), dtype=np.int64)[dataset_index]
     counts = np.cumsum(onehot, axis=0)  # counts[n - 1] = realised picks after n samples
     target = np.outer(np.arange(1, size + 1), weights)
-    assert np.abs(counts - target).max() <= 1.0
+    assert np.abs(counts - target).max() <= slack
     for d in range(len(weights)):  # each dataset is read in order, 0, 1, 2, ...
         assert sample_index[dataset_index == d].tolist() == list(range(counts[-1, d]))
 
@@ -61,7 +69,7 @@ def test_blended_split_datasets(prefixes):
     a, b, cache = prefixes
     n = (300, 20, 0)
     train, valid, test = build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", ([], [], []), n, SEQ, 5, cache)
-    assert isinstance(train, BlendedDataset) and len(train) == 300 and len(valid) == 20 and test is None
+    assert isinstance(train, BlendedDataset) and len(train) == 90 + 210 and len(valid) == 6 + 14 and test is None
     from_b = np.array([train[i].min() >= 500 for i in range(len(train))])
     assert abs(from_b.sum() - 0.7 * 300) <= 1
     assert all(train[i].shape == (SEQ + 1,) and train[i].dtype == np.int64 for i in range(0, 300, 37))
@@ -75,10 +83,14 @@ def test_blended_split_datasets(prefixes):
     assert all(np.array_equal(train[i], again[i]) for i in range(300))
 
 
-def test_single_prefix_is_not_blended(prefixes):
+def test_single_prefix_is_blended_only_with_a_weight(prefixes):
     a, _, cache = prefixes
     train, valid, test = build_gpt_datasets([a], "1", ([], [], []), (50, 10, 10), SEQ, 5, cache)
     assert type(train).__name__ == "GPTDataset" and valid is None and test is None
+    weighted = build_gpt_datasets(["1", a], "1", ([], [], []), (50, 0, 0), SEQ, 5, cache)[0]
+    assert type(weighted).__name__ == "BlendedDataset" and len(weighted.datasets[0]) >= component_size(50, 1.0)
+    stable = build_gpt_datasets(["1", a], "1", ([], [], []), (50, 0, 0), SEQ, 5, cache, order="stable")[0]
+    assert type(stable).__name__ == "GPTDataset"
 
 
 def test_per_split_paths(prefixes):
@@ -97,11 +109,18 @@ def test_missing_prefix_is_named(tmp_path):
         build_gpt_datasets([str(tmp_path / "nothere")], "1", ([], [], []), (4, 0, 0), SEQ, 5, str(tmp_path))
 
 
-def test_blend_order_does_not_depend_on_the_number_of_samples(prefixes):
-    """Invariant 2 for blends: a longer run (several epochs of each component) starts with exactly
-    the samples of a shorter one, so train_iters may change on resume."""
+def test_stable_blend_order_does_not_depend_on_the_number_of_samples(prefixes):
+    """Invariant 2 for blends, opt-in: a longer run (several epochs of each component) starts with
+    exactly the samples of a shorter one, so train_iters may change on resume."""
     a, b, cache = prefixes
-    short, long = (build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", ([], [], []), (n, 0, 0), SEQ, 5, cache)[0]
+    short, long = (build_gpt_datasets(["0.3", a, "0.7", b], "90,10,0", ([], [], []), (n, 0, 0), SEQ, 5, cache,
+                                      order="stable")[0]
                    for n in (100, 900))
     assert long.datasets[1].num_epochs > short.datasets[1].num_epochs
     assert all(np.array_equal(short[i], long[i]) for i in range(len(short)))
+
+
+def test_stable_unweighted_blend_weighs_prefixes_equally(prefixes):
+    a, b, cache = prefixes
+    train = build_gpt_datasets([a, b], "1", ([], [], []), (400, 0, 0), SEQ, 5, cache, order="stable")[0]
+    assert len(train) == 400 and np.bincount(train.dataset_index).tolist() == [200, 200]

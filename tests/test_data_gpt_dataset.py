@@ -1,4 +1,6 @@
-"""GPTDataset: indices against plain-Python references, epochs, splits, the .npy cache."""
+"""GPTDataset: indices against plain-Python references, both orders' epochs, splits, the .npy cache.
+
+Megatron's order itself is checked against megatron-core in test_data_megatron_oracle.py."""
 
 import os
 import pickle
@@ -6,13 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from dtgpt.data.gpt_dataset import (
-    GPTDataset,
-    build_sample_index,
-    num_epochs_needed,
-    parse_split,
-    split_document_ranges,
-)
+from dtgpt.config.split import parse_split, split_document_ranges
+from dtgpt.data.gpt_dataset import GPTDataset
+from dtgpt.data.gpt_indices import build_sample_index, num_epochs_needed
 from dtgpt.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 SEED = 1234
@@ -59,10 +57,11 @@ def test_sample_index_matches_reference(indexed, seq_length):
     assert [tuple(r) for r in got.tolist()] == reference_sample_index(indexed.sequence_lengths, doc_index, seq_length)
 
 
+@pytest.mark.parametrize("order", ["megatron", "stable"])
 @pytest.mark.parametrize("num_samples,seq_length", [(20, 16), (200, 16), (90, 31)])
-def test_samples_are_the_shuffled_token_stream(indexed, num_samples, seq_length):
+def test_samples_are_the_shuffled_token_stream(indexed, num_samples, seq_length, order):
     lo, hi = 3, 55
-    ds = GPTDataset(indexed, (lo, hi), num_samples, seq_length, SEED, cache_dir=None)
+    ds = GPTDataset(indexed, (lo, hi), num_samples, seq_length, SEED, cache_dir=None, order=order)
     tokens_per_epoch = int(indexed.sequence_lengths[lo:hi].sum())
     epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length)
     assert epochs * tokens_per_epoch >= num_samples * seq_length + 1 > (epochs - 1) * tokens_per_epoch
@@ -80,9 +79,10 @@ def test_samples_are_the_shuffled_token_stream(indexed, num_samples, seq_length)
         ds[len(ds)]
 
 
-def test_random_draws_follow_megatron_order(indexed):
+@pytest.mark.parametrize("order", ["megatron", "stable"])
+def test_one_epoch_is_megatrons_in_both_orders(indexed, order):
     # one epoch: documents shuffled first, then the samples, from one RandomState(seed)
-    ds = GPTDataset(indexed, (0, 60), 30, 16, SEED, cache_dir=None)
+    ds = GPTDataset(indexed, (0, 60), 30, 16, SEED, cache_dir=None, order=order)
     rng = np.random.RandomState(SEED)
     docs = np.arange(60, dtype=np.int32)
     rng.shuffle(docs)
@@ -93,11 +93,11 @@ def test_random_draws_follow_megatron_order(indexed):
     np.testing.assert_array_equal(ds.shuffle_index, shuffle)
 
 
-def test_each_epoch_is_shuffled_with_its_own_generator(indexed):
+def test_stable_order_shuffles_each_epoch_with_its_own_generator(indexed):
     tokens = int(indexed.sequence_lengths.sum())
     seq = 8
     num_samples = (2 * tokens - 1) // seq + 3  # two full epochs plus a few samples: three epochs
-    ds = GPTDataset(indexed, (0, 60), num_samples, seq, SEED, cache_dir=None)
+    ds = GPTDataset(indexed, (0, 60), num_samples, seq, SEED, cache_dir=None, order="stable")
     assert ds.num_epochs == 3
     ends = [0] + [((e + 1) * tokens - 1) // seq for e in range(3)]
     for e in range(3):
@@ -112,13 +112,36 @@ def test_each_epoch_is_shuffled_with_its_own_generator(indexed):
 
 
 @pytest.mark.parametrize("seq_length", [8, 16])
-def test_order_does_not_depend_on_the_number_of_samples(indexed, seq_length):
-    """Invariant 2: asking for more samples (a longer run, resumed) only appends epochs."""
-    datasets = [GPTDataset(indexed, (2, 58), n, seq_length, SEED, cache_dir=None) for n in (5, 150, 400, 401)]
+def test_stable_order_does_not_depend_on_the_number_of_samples(indexed, seq_length):
+    """Invariant 2, opt-in: asking for more samples (a longer run, resumed) only appends epochs."""
+    datasets = [GPTDataset(indexed, (2, 58), n, seq_length, SEED, cache_dir=None, order="stable")
+                for n in (5, 150, 400, 401)]
     assert [d.num_epochs for d in datasets][0] == 1 and datasets[-1].num_epochs > datasets[1].num_epochs > 1
     longest = datasets[-1]
     for ds in datasets[:-1]:
         assert all(np.array_equal(ds[i], longest[i]) for i in range(len(ds)))
+
+
+def test_megatron_order_depends_on_the_number_of_samples(indexed):
+    """The trade-off of the default: Megatron shuffles all epochs together, so a longer request
+    reorders from sample 0 (this is what the stable order avoids)."""
+    one, three = (GPTDataset(indexed, (0, 60), n, 8, SEED, cache_dir=None) for n in (5, 300))
+    assert three.num_epochs > 1
+    assert not all(np.array_equal(one[i], three[i]) for i in range(len(one)))
+
+
+def test_megatron_final_epoch_apart_below_80_percent(indexed):
+    """A final epoch used for < 80 % is shuffled on its own: documents after those of the other
+    epochs, samples after theirs."""
+    tokens, seq = int(indexed.sequence_lengths.sum()), 8
+    per_epoch = (tokens - 1) // seq
+    apart = GPTDataset(indexed, (0, 60), per_epoch + per_epoch // 4, seq, SEED, cache_dir=None)
+    together = GPTDataset(indexed, (0, 60), per_epoch + 9 * per_epoch // 10, seq, SEED, cache_dir=None)
+    assert apart.num_epochs == together.num_epochs == 2
+    first = (tokens - 1) // seq  # samples ending before the final epoch
+    assert sorted(apart.document_index[60:].tolist()) == list(range(60))
+    assert sorted(apart.shuffle_index[:first].tolist()) == list(range(first))
+    assert sorted(together.document_index[60:].tolist()) != list(range(60))  # epochs mixed
 
 
 def test_split_boundaries():
@@ -130,7 +153,7 @@ def test_split_boundaries():
     assert split_document_ranges("100,0,0", 7) == [(0, 7), None, None]
     assert split_document_ranges("2/1", 9) == [(0, 6), (6, 9), None]
     for bad in ("", "a,b", "1,2,3,4", "0,0,0", "-1,2"):
-        with pytest.raises(ValueError, match="data.split"):
+        with pytest.raises(ValueError, match=rf"data.split={bad!r} must be 1-3 non-negative numbers"):
             parse_split(bad)
 
 
@@ -159,6 +182,8 @@ def test_cache_built_once_keyed_by_inputs(indexed, tmp_path, monkeypatch):
     assert len(calls) == 4
     more = GPTDataset(indexed, (0, 50), 4 * len(a), 16, SEED, cache)
     assert len(calls) == 5 and len(os.listdir(cache)) == 15 and more.num_epochs > a.num_epochs
+    GPTDataset(indexed, (0, 50), 40, 16, SEED, cache, order="stable")  # the other order: its own arrays
+    assert len(calls) == 6 and len(os.listdir(cache)) == 18
     # same inputs in a fresh cache: the same samples (order depends on the data and settings only)
     c = GPTDataset(indexed, (0, 50), 40, 16, SEED, str(tmp_path / "other"))
     assert all(np.array_equal(a[i], c[i]) for i in range(len(a)))

@@ -40,7 +40,7 @@ def test_null_tokenizer_end_to_end(tmp_path):
     ds = IndexedDataset(tmp_path / "out_text_document")
     assert ds.dtype == np.uint16 and len(ds) == 40 and ds.num_documents == 40
     for i, d in enumerate(docs):
-        assert ds[i].tolist() == d + [999]
+        assert ds[i].tolist() == d + [1000]  # Megatron's NullTokenizer: eod = vocab_size
 
 
 def test_workers_preserve_order(tmp_path):
@@ -106,13 +106,37 @@ def test_several_keys_and_byte_tokenizer(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [json.dumps(r) for r in rows])
     stats = preprocess(str(src), str(tmp_path / "out"), DataConfig(tokenizer_type="ByteTokenizer"),
                        json_keys=("text", "title"), append_eod=True, log=io.StringIO())
-    assert stats.documents == 2 and stats.tokens == (6 + 1) + 1 + 2 + 3
+    assert stats.documents == 2 and stats.tokens == (6 + 1) + 0 + 2 + 3
     text = IndexedDataset(tmp_path / "out_text_document")
     title = IndexedDataset(tmp_path / "out_title_document")
-    assert text[0].tolist() == list("héllo".encode()) + [256] and text[1].tolist() == [256]
+    # the empty text is a document without sequences and without eod, as in Megatron
+    assert text.num_documents == 2 and len(text) == 1 and text[0].tolist() == list("héllo".encode()) + [256]
     assert [title[i].tolist() for i in range(2)] == [[97, 256], [98, 99, 256]]
 
 
 def test_missing_input(tmp_path):
     r = run_script("--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "o", *NULL)
     assert r.returncode == 1 and "nope.jsonl: no such input file" in r.stderr
+
+
+@pytest.mark.parametrize("append_eod", [True, False])
+def test_empty_texts_as_megatron_writes_them(tmp_path, append_eod):
+    """Megatron's preprocess_data.py (not in the pip package, so its rule is restated here):
+    tokenize, append eod only to a document with tokens, add the document even when it has no
+    sequence. megatron-core's own IndexedDatasetBuilder writes the expected files."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(3)
+    docs = [[] if i % 5 == 2 else rng.integers(0, 1000, rng.integers(1, 20)).tolist() for i in range(60)]
+    src = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": " ".join(map(str, d))}) for d in docs])
+    stats = preprocess(str(src), str(tmp_path / "ours"), DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000),
+                       append_eod=append_eod, log=io.StringIO())
+    assert stats.documents == 60 and stats.empty_documents == 12
+    builder = IndexedDatasetBuilder(str(tmp_path / "megatron.bin"), dtype=np.uint16)
+    for d in docs:
+        ids = d + [1000] if d and append_eod else d
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)] if ids else [])
+    builder.finalize(str(tmp_path / "megatron.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours_text_document{ext}").read_bytes() == (tmp_path / f"megatron{ext}").read_bytes()

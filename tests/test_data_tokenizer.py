@@ -79,9 +79,12 @@ def test_byte_tokenizer():
         tok.detokenize([257])
 
 
-def test_null_tokenizer():
-    tok = NullTokenizer(1000)
-    assert (tok.vocab_size, tok.eod) == (1000, 999)
+def test_null_tokenizer_is_megatrons():
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as MegatronNull
+
+    tok, theirs = NullTokenizer(1000), MegatronNull(1000)
+    assert (tok.vocab_size, tok.eod) == (theirs.vocab_size, theirs.eod) == (1001, 1000)
+    assert tok.tokenize("3 1 4") == theirs.text_to_ids("3 1 4")
     assert tok.tokenize("3 1 4 1 5\n9") == [3, 1, 4, 1, 5, 9]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"
     with pytest.raises(ValueError, match=r"outside \[0, 1000\)"):
@@ -93,7 +96,10 @@ def test_null_tokenizer():
 def test_build_tokenizer_choices(bpe_files):
     assert isinstance(build_tokenizer(DataConfig(tokenizer_type="ByteTokenizer")), ByteTokenizer)
     null = build_tokenizer(DataConfig(tokenizer_type="NullTokenizer", vocab_size=50))
-    assert isinstance(null, NullTokenizer) and null.vocab_size == 50
+    assert isinstance(null, NullTokenizer) and (null.vocab_size, null.eod) == (51, 50)
+    # mock data reads no file: data.vocab_size is the whole vocabulary, eod its last id
+    mock_null = build_tokenizer(DataConfig(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=50))
+    assert (mock_null.vocab_size, mock_null.eod) == (50, 49)
     bpe = build_tokenizer(DataConfig(vocab_file=bpe_files[0], merge_file=bpe_files[1]))
     assert isinstance(bpe, GPT2BPETokenizer)
     # mock data with GPT-2 named but no files: GPT-2's vocabulary size and eod, no files needed
@@ -101,5 +107,10 @@ def test_build_tokenizer_choices(bpe_files):
     assert (mock.vocab_size, mock.eod) == (50257, 50256)
     assert build_tokenizer(DataConfig(mock_data=True, vocab_size=1024)).vocab_size == 1024
     assert isinstance(build_tokenizer(DataConfig(builtin_corpus="python-docstrings")), ByteTokenizer)
-    with pytest.raises(ValueError, match="byte-tokenized"):
-        build_tokenizer(DataConfig(builtin_corpus="python-docstrings", tokenizer_type="NullTokenizer", vocab_size=9))
+    # another tokenizer named beside the built-in corpus is refused by validation (one rule, in
+    # dtgpt/config/precedence.py), before any tokenizer is built
+    from dtgpt.config import ConfigError, config_from_dict, validate
+
+    both = config_from_dict({"data": {"builtin_corpus": "python-docstrings", "tokenizer_type": "NullTokenizer", "vocab_size": 9}})
+    with pytest.raises(ConfigError, match="data.builtin_corpus='python-docstrings' and data.tokenizer_type='NullTokenizer'"):
+        validate(both)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dtgpt.data.gpt_dataset import num_epochs_needed
+from dtgpt.data.gpt_indices import num_epochs_needed
 from dtgpt.data.indexed import IndexedDataset
 from tests.runs import REPO, TINY, train_losses
 
@@ -48,9 +48,10 @@ def test_train_on_preprocessed_data_single_and_dp2(tmp_path):
 
 def test_raising_train_iters_on_resume_continues_the_same_tokens(tmp_path):
     """A run stopped at iteration 6 and resumed with train_iters raised from 6 to 12 reads exactly
-    the samples of a 12-iteration run: the order does not depend on how many samples are asked
-    for, although the longer run needs a second epoch of this ~40-document corpus."""
-    data = write_corpus(tmp_path, 40) + ["--data.split=1", "--optimizer.lr_decay_iters=12"]
+    the samples of a 12-iteration run under data.order = "stable": the order does not depend on
+    how many samples are asked for, although the longer run needs a second epoch of this
+    ~40-document corpus."""
+    data = write_corpus(tmp_path, 40) + ["--data.split=1", "--optimizer.lr_decay_iters=12", "--data.order=stable"]
     twelve = train_losses(tmp_path, data + ["--training.train_iters=12"], name="twelve", base=BASE)
     six = data + ["--training.train_iters=6", "--checkpoint.save=ckpt", "--checkpoint.save_interval=6"]
     first = train_losses(tmp_path, six, name="six", base=BASE)

@@ -182,11 +182,13 @@ def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int
         apply_override(cfg, f"model.{key}", str(value))
     cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
     directory = layout.iteration_dir(root, iteration)
-    found = hf_tokenizer.recognise(src, keep_in=directory)
-    for key, value in (found or {}).items():
-        setattr(cfg.data, key, value)
+    found = hf_tokenizer.recognise(src, keep_in=directory) or {}
     if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
         cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train
+    if found.get("tokenizer_type") == "NullTokenizer" and cfg.data.mock_data:
+        found["vocab_size"] += 1  # under mock data vocab_size counts the eod too (null_tokenizer_ids)
+    for key, value in found.items():
+        setattr(cfg.data, key, value)
     validate(cfg)
     vocab = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by)
     if found:  # fail here, not at the first use, when the tokenizer does not fit the model

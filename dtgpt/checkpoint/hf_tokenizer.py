@@ -55,7 +55,7 @@ def build_backend(tokenizer: Tokenizer):
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
     elif isinstance(tokenizer, NullTokenizer):
-        backend = Backend(models.WordLevel({str(i): i for i in range(tokenizer.vocab_size)}, unk_token=None))
+        backend = Backend(models.WordLevel({str(i): i for i in range(tokenizer.eod)}, unk_token=None))  # then the eod
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins with spaces
     else:
         raise ValueError(f"no Hugging Face equivalent for a {type(tokenizer).__name__}")

@@ -63,6 +63,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     return int(math.ceil(vocab_size / divisible_by) * divisible_by)
 
 
+def null_tokenizer_ids(data_cfg) -> int:
+    """The ids a NullTokenizer of `[data]` has before its eod (which comes after them, as
+    Megatron's): data.vocab_size, except under mock data, where vocab_size is the whole
+    vocabulary with the eod as its last id (so mock runs keep their vocabulary)."""
+    return data_cfg.vocab_size - 1 if data_cfg.mock_data else data_cfg.vocab_size
+
+
 def padded_vocabulary(cfg: Config, vocab_size: int) -> int:
     """The model's vocabulary rows for a tokenizer of `vocab_size`; tp must divide them (the
     output layer and the embedding are split by rows)."""

@@ -131,6 +131,9 @@ class DataConfig:
     valid_data_path: list[str] = field(default_factory=list)
     test_data_path: list[str] = field(default_factory=list)
     split: str = "969,30,1"
+    order: str = "megatron"
+    """'megatron': sample i is Megatron's sample i (the order depends on the samples asked for);
+    'stable': epochs shuffled one by one, so asking for more samples only appends (docs/data.md)."""
     mock_data: bool = False
     builtin_corpus: str = ""
     """'python-docstrings': text gathered from the installed standard library, no download."""

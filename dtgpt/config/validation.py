@@ -13,12 +13,14 @@ from dtgpt.config.derived import (
     lr_warmup_length,
     lr_wsd_decay_length,
     mesh_shape,
+    null_tokenizer_ids,
     num_microbatches,
     num_pipeline_stages,
     padded_vocabulary,
 )
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.sections import Config, ConfigError
+from dtgpt.config.split import parse_split
 
 PIPELINE_SCHEDULES = (
     "GPipe",
@@ -46,6 +48,7 @@ _CHOICES = {
     "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
     "data.tokenizer_type": ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"),
     "data.builtin_corpus": ("", "python-docstrings"),
+    "data.order": ("megatron", "stable"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "faults.signal_name": ("SIGTERM", "SIGINT"),
 }
@@ -292,16 +295,8 @@ def _check_data(cfg: Config) -> None:
         f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
     )
     if d.tokenizer_type == "NullTokenizer":
-        padded_vocabulary(cfg, d.vocab_size)  # the vocabulary is known now; others once the tokenizer is built
-    split = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
-    try:
-        weights = [float(s) for s in split]
-    except ValueError:
-        raise ConfigError(f"data.split={d.split!r} must be comma-separated numbers like '949,50,1'") from None
-    _require(
-        1 <= len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
-        f"data.split={d.split!r} needs 1-3 non-negative weights with a positive sum",
-    )
+        padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built
+    parse_split(d.split)
 
 
 def _check_checkpoint_logging_faults(cfg: Config) -> None:

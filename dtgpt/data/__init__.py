@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional, Sequence
 
 from dtgpt.config import Config
-from dtgpt.data.blended import build_gpt_datasets
+from dtgpt.config.split import SPLIT_NAMES, parse_split
+from dtgpt.data.builder import build_gpt_datasets
 from dtgpt.data.builtin import build_builtin_corpus
 from dtgpt.data.cache import cache_root
-from dtgpt.data.gpt_dataset import SPLIT_NAMES, parse_split
 from dtgpt.data.mock import MockGPTDataset
 from dtgpt.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -30,8 +30,9 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
     """(train, valid, test) datasets; item i of each is an int64 array of seq_length + 1 tokens.
 
     A split is None when it was asked for 0 samples or has weight 0 (in data.split, or no path).
-    The sample order depends on the data, training.seed and model.seq_length only: never on the
-    parallel layout, nor on the number of samples asked for (which only decides how much is built).
+    The sample order is Megatron's for the same data, seed, seq_length, split, blend and sample
+    counts (`data.order = "megatron"`), or, with "stable", independent of the sample counts.
+    Either way it never depends on the parallel layout.
     """
     d, seq_length, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
     if len(num_samples) != 3:
@@ -50,7 +51,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
         raise ValueError("no training data: set data.data_path (or data.train_data_path), "
                          "data.builtin_corpus, or data.mock_data=true")
     return build_gpt_datasets(data_path, d.split, per_split, num_samples, seq_length, seed, d.data_cache_path,
-                              vocab_size=tokenizer.vocab_size)
+                              vocab_size=tokenizer.vocab_size, order=d.order)
 
 
 def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,

@@ -246,11 +246,13 @@ class IndexedDatasetWriter:
         self._write(arr, np.asarray(lengths, dtype=np.int64), np.asarray([len(lengths)], dtype=np.int64))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Many one-sequence documents at once: `tokens` is their concatenation."""
+        """Many one-sequence documents at once: `tokens` is their concatenation. A document of
+        length 0 holds no sequence at all, as Megatron's preprocess_data.py writes an empty text."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.sum() != len(tokens):
             raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
-        self._write(np.asarray(tokens, dtype=self.dtype), lengths, np.ones(len(lengths), dtype=np.int64))
+        nonempty = lengths > 0
+        self._write(np.asarray(tokens, dtype=self.dtype), lengths[nonempty], nonempty.astype(np.int64))
 
     def _write(self, tokens: np.ndarray, lengths: np.ndarray, seqs_per_doc: np.ndarray) -> None:
         if self._done:

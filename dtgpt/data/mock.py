@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtgpt.data.gpt_dataset import SPLIT_NAMES
+from dtgpt.config.split import SPLIT_NAMES
 
 ALPHABET = 256
 """Tokens are drawn from the first min(256, vocab_size - 1) non-eod ids: frequent enough to learn fast."""

@@ -47,7 +47,7 @@ class PreprocessStats:
         secs = max(self.seconds, 1e-9)
         return (f"done: {self.documents} documents, {self.tokens} tokens from {self.bytes_read / 1e6:.1f} MB "
                 f"in {self.seconds:.1f} s: {self.bytes_read / 1e6 / secs:.2f} MB/s, {self.tokens / secs:,.0f} tokens/s; "
-                f"{self.bad_lines} bad lines skipped, {self.empty_documents} empty documents skipped")
+                f"{self.bad_lines} bad lines skipped, {self.empty_documents} empty texts kept as documents without tokens")
 
 
 def output_prefix(prefix: str, key: str) -> str:
@@ -91,12 +91,12 @@ class _Encoder:
                 errors.append((lineno, str(e)))
                 continue
             for key, doc in zip(self.json_keys, ids):
-                if self.append_eod:
+                # Megatron's preprocess_data.py: a text with no tokens is still a document, one
+                # with no sequences and no eod (so document i is line i).
+                if doc and self.append_eod:
                     doc.append(self.tokenizer.eod)
-                if doc:
-                    tokens[key].append(np.asarray(doc, dtype=self.dtype))
-                else:
-                    empty += 1
+                empty += not doc
+                tokens[key].append(np.asarray(doc, dtype=self.dtype))
         out = {"errors": errors, "empty": empty, "bytes": sum(len(line) for line in lines), "keys": {}}
         for key, docs in tokens.items():
             lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))

@@ -10,6 +10,7 @@ import os
 from typing import Iterable, Protocol, runtime_checkable
 
 from dtgpt.config import DataConfig
+from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 EOD_TEXT = "<|endoftext|>"
@@ -46,22 +47,23 @@ class ByteTokenizer:
 
 
 class NullTokenizer:
-    """Text is already token ids separated by spaces; eod = vocab_size - 1."""
+    """Text is already token ids separated by spaces, as Megatron's: ids in [0, vocab_size), and
+    eod = vocab_size after them, so the vocabulary holds vocab_size + 1 entries."""
 
     def __init__(self, vocab_size: int):
-        if vocab_size < 2:
-            raise ValueError(f"NullTokenizer needs vocab_size >= 2 (ids plus eod), got {vocab_size}")
-        self.vocab_size = int(vocab_size)
-        self.eod = self.vocab_size - 1
+        if vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs vocab_size >= 1, got {vocab_size}")
+        self.eod = int(vocab_size)
+        self.vocab_size = self.eod + 1
 
     def tokenize(self, text: str) -> list[int]:
         try:
             ids = [int(t) for t in text.split()]
         except ValueError as e:
             raise ValueError(f"NullTokenizer: text must be space-separated integers ({e})") from None
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if not 0 <= i < self.eod]
         if bad:
-            raise ValueError(f"NullTokenizer: ids {bad[:5]} are outside [0, {self.vocab_size})")
+            raise ValueError(f"NullTokenizer: ids {bad[:5]} are outside [0, {self.eod})")
         return ids
 
     def detokenize(self, ids: Iterable[int]) -> str:
@@ -131,8 +133,9 @@ def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
 
     - `builtin_corpus` is byte-tokenized when built, so it always uses ByteTokenizer (validation
       refuses another tokenizer named beside it: dtgpt/config/precedence.py).
-    - GPT2BPETokenizer with no vocab_file under `mock_data = true` needs no files: it becomes a
-      NullTokenizer of `vocab_size` (default 50257, GPT-2's), whose eod 50256 is GPT-2's too.
+    - Under `mock_data = true` no file is read, and `data.vocab_size` is the whole vocabulary,
+      eod its last id: a NullTokenizer of vocab_size - 1 ids. GPT2BPETokenizer with no vocab_file
+      becomes one too, of GPT-2's 50257 entries (eod 50256, GPT-2's) when vocab_size is 0.
     """
     kind = data_cfg.tokenizer_type
     if data_cfg.builtin_corpus:
@@ -142,9 +145,9 @@ def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
     if kind == "NullTokenizer":
         if data_cfg.vocab_size <= 0:
             raise ValueError(f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {data_cfg.vocab_size})")
-        return NullTokenizer(data_cfg.vocab_size)
+        return NullTokenizer(null_tokenizer_ids(data_cfg))
     if kind == "GPT2BPETokenizer":
         if data_cfg.mock_data and not data_cfg.vocab_file and not data_cfg.merge_file:
-            return NullTokenizer(data_cfg.vocab_size or GPT2_VOCAB_SIZE)
+            return NullTokenizer((data_cfg.vocab_size or GPT2_VOCAB_SIZE) - 1)
         return GPT2BPETokenizer(data_cfg.vocab_file, data_cfg.merge_file)
     raise ValueError(f"data.tokenizer_type={kind!r} is not one of 'GPT2BPETokenizer', 'ByteTokenizer', 'NullTokenizer'")

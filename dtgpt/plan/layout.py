@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict
 
 from dtgpt.config import Config, ConfigError, num_microbatches, padded_vocabulary, validate
+from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.model import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
@@ -37,7 +38,7 @@ def tokenizer_vocab_size(cfg: Config) -> tuple[int, str | None]:
     if (d.builtin_corpus and not d.mock_data) or d.tokenizer_type == "ByteTokenizer":
         return 257, None
     if d.tokenizer_type == "NullTokenizer":
-        return d.vocab_size, None
+        return null_tokenizer_ids(d) + 1, None  # the ids and the eod
     if d.mock_data and not d.vocab_file and not d.merge_file:
         return d.vocab_size or GPT2_VOCAB_SIZE, None
     if d.vocab_file and os.path.isfile(d.vocab_file):

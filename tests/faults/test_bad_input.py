@@ -162,7 +162,7 @@ def test_truncated_bin(results):
 def test_token_ids_outside_the_tokenizer_vocabulary(results):
     message = single_error(results, "ids_outside_vocabulary")
     assert "wide_ids.bin: token ids [" in message
-    assert "outside the tokenizer's vocabulary [0, 128)" in message and "tokenized with another vocabulary" in message
+    assert "outside the tokenizer's vocabulary [0, 129)" in message and "tokenized with another vocabulary" in message
 
 
 def test_missing_vocab_file(results):

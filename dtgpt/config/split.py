@@ -1,0 +1,44 @@
+"""The train/valid/test split rule (`data.split = "949,50,1"`), in one place.
+
+Validation calls `parse_split` to check the string; the data code calls `split_document_ranges`
+to turn it into document ranges. Both follow Megatron's `parse_and_normalize_split` and split
+matrix: the weights are normalised, and split s holds documents
+[round(start_s * N), round(end_s * N)) with start/end the cumulative fractions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+
+from dtgpt.config.sections import ConfigError
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_split(split: str) -> list[float]:
+    """'949,50,1' -> [0.949, 0.05, 0.001]: up to three weights (',' or '/'), missing ones 0, normalised."""
+    parts = [p for p in re.split(r"[,/]", split) if p.strip()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"data.split={split!r} must be 1-3 non-negative numbers with a positive sum, "
+                          "like '949,50,1'")
+    weights += [0.0] * (3 - len(weights))
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / w.sum()).tolist()
+
+
+def split_document_ranges(split: str, num_documents: int) -> list[Optional[tuple[int, int]]]:
+    """Document range [lo, hi) of train, valid and test; None for a split of weight 0."""
+    ranges: list[Optional[tuple[int, int]]] = []
+    start = 0.0
+    for fraction in parse_split(split):
+        end = start + fraction  # Megatron accumulates the same floats in the same order
+        ranges.append(None if end <= start else (int(round(start * num_documents)), int(round(end * num_documents))))
+        start = end
+    return ranges

@@ -1,0 +1,73 @@
+"""megatron-core (the pinned `dev` extra) as the oracle for dtgpt's data order.
+
+Builds megatron-core's own GPTDataset / BlendedDataset through BlendedMegatronDatasetBuilder, as
+Megatron-LM's pretrain_gpt.py does, on indexed datasets written by dtgpt's writer. No patch is
+needed on CPU: its C++ helpers ship prebuilt in the wheel, and the only distributed call
+(BlendedDataset asks for the rank before writing its cache) is answered by a 1-rank gloo group
+that lives only while the builder runs. megatron-core is imported at the top on purpose: without
+it these tests fail instead of skipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import numpy as np
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+from dtgpt.data.indexed import IndexedDatasetWriter
+
+VOCAB = 1000
+
+
+def write_documents(prefix: str, documents: int, seed: int, low: int = 0, high: int = VOCAB) -> str:
+    """`documents` documents of 1-59 tokens in [low, high), every 17th one empty (Megatron skips those)."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for i in range(documents):
+            n = 0 if i % 17 == 3 else int(rng.integers(1, 60))
+            w.add_document(rng.integers(low, high, n))
+    return prefix
+
+
+@contextlib.contextmanager
+def one_rank_group(directory: str):
+    """A 1-rank gloo process group for the duration of a Megatron build, removed afterwards."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(directory, 'pg-store')}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def megatron_datasets(cache_dir: str, sizes: tuple[int, int, int], seq_length: int, seed: int,
+                      data_path: Optional[list[str]] = None, split: Optional[str] = None,
+                      per_split_paths: Optional[list[list[str]]] = None) -> list:
+    """Megatron's (train, valid, test) for a data_path + split, or for per-split blends."""
+    blend, blend_per_split = None, None
+    if data_path:
+        blend = get_blend_from_list(data_path)
+    else:
+        blend_per_split = [get_blend_from_list(p) if p else None for p in per_split_paths]
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=split, path_to_cache=os.path.join(cache_dir, "megatron"), tokenizer=NullTokenizer(VOCAB),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+    )
+    with one_rank_group(cache_dir):
+        return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+
+
+def megatron_sample(dataset, i: int) -> np.ndarray:
+    """Megatron's sample i as dtgpt returns samples: the seq_length + 1 tokens (tokens + the last label)."""
+    item = dataset[i]
+    return np.concatenate([item["tokens"].numpy(), item["labels"].numpy()[-1:]])
