@@ -53,7 +53,9 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
         pretrain(cfg, model_provider, datasets_provider)
         print_next_steps(cfg)
     except ConfigError as e:
-        print_error(str(e))
+        # Every rank reads the same config and finds the same problem: one of them says it.
+        if os.environ.get("RANK", "0") == "0":
+            print_error(str(e))
         return 2
     except Exception as e:
         if not is_user_error(e):

@@ -25,6 +25,7 @@ from dtgpt.optim import BatchSizeSchedule, total_train_samples
 from dtgpt.parallel import build_model
 from dtgpt.profiling import Profiler
 from dtgpt.state import TrainState, build_train_state
+from dtgpt.summary import startup_summary
 from dtgpt.step import StepResult, forward_backward, reduce_loss, train_step
 from dtgpt.timers import Timers
 from dtgpt.watchdog import Watchdog
@@ -85,13 +86,12 @@ def cycle(make: Callable[[], Iterator]) -> Iterator:
 
 
 def build_data_iterators(
-    cfg: Config, runtime: Runtime, datasets_provider: DatasetsProvider, tokenizer, consumed: int,
-    batch_sizes: BatchSizeSchedule, reads_batches: bool,
+    cfg: Config, runtime: Runtime, datasets: tuple, consumed: int, batch_sizes: BatchSizeSchedule, reads_batches: bool,
 ):
     """Train, validation and test iterators of this rank's batches. A middle pipeline stage reads
     none (it gets None per batch) and starts no loader workers; it still builds the datasets,
     whose index caches are built collectively."""
-    train_ds, valid_ds, test_ds = datasets_provider(cfg, tokenizer, num_samples_needed(cfg))
+    train_ds, valid_ds, test_ds = datasets
     if not reads_batches:
         nothing = itertools.repeat(None)
         return nothing, nothing if valid_ds is not None else None, nothing if test_ds is not None else None
@@ -252,11 +252,12 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         tokenizer = build_tokenizer(cfg.data)
         vocab_size = padded_vocabulary(cfg, tokenizer.vocab_size)
         trainer = build_trainer(cfg, runtime, build_model_and_state(cfg, runtime, model_provider, vocab_size))
-        n_params = sum(p.numel() for p in trainer.state.model.parameters())
-        log0(runtime, f"> model: {n_params:,} parameters on rank 0 (padded vocabulary {vocab_size}), mesh {runtime.dims}")
         checkpointer = build_checkpointer(trainer)
+        datasets = datasets_provider(cfg, tokenizer, num_samples_needed(cfg))
+        n_params = sum(p.numel() for p in trainer.state.model.parameters())
+        log0(runtime, startup_summary(cfg, runtime.dims, n_params, vocab_size, tokenizer, datasets))
         train_iter, valid_iter, test_iter = build_data_iterators(
-            cfg, runtime, datasets_provider, tokenizer, trainer.state.progress.consumed_samples, trainer.batch_sizes,
+            cfg, runtime, datasets, trainer.state.progress.consumed_samples, trainer.batch_sizes,
             trainer.state.model.reads_batches,
         )
         if checkpointer is not None:

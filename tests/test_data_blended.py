@@ -5,6 +5,7 @@ Megatron's blends themselves are checked against megatron-core in test_data_mega
 import numpy as np
 import pytest
 
+from dtgpt.config import ConfigError
 from dtgpt.data.blended import BlendedDataset, build_blending_indices, parse_blend
 from dtgpt.data.builder import build_gpt_datasets, component_size
 from dtgpt.data.indexed import IndexedDatasetWriter
@@ -34,7 +35,7 @@ def test_parse_blend():
     assert parse_blend(["3 a 1 b"]) == (["a", "b"], [3.0, 1.0])
     assert parse_blend(["1", "a", "0", "b"]) == (["a"], [1.0])
     for bad in (["0.3", "a", "b"], ["a", "0.3"], ["0.5", "a", "-1", "b"], []):
-        with pytest.raises(ValueError, match="data.data_path"):
+        with pytest.raises(ConfigError, match="data.data_path"):
             parse_blend(bad)
 
 

@@ -87,18 +87,9 @@ def test_middle_pipeline_stages_read_no_batches():
     cfg = load_config(None, TINY + ["--data.num_workers=2", "--eval.eval_iters=1"])
     runtime = initialize(cfg)
     datasets = (Unreadable(), Unreadable(), Unreadable())
-    provided = []
-
-    def provider(cfg, tokenizer, num_samples):
-        provided.append(num_samples)
-        return datasets
-
-    iterators = build_data_iterators(cfg, runtime, provider, None, 0, BatchSizeSchedule(cfg.training), reads_batches=False)
-    assert len(provided) == 1
+    iterators = build_data_iterators(cfg, runtime, datasets, 0, BatchSizeSchedule(cfg.training), reads_batches=False)
     assert [next(it) for it in iterators for _ in range(3)] == [None] * 9
     assert [d.reads for d in datasets] == [0, 0, 0]
-    train_iter, _, _ = build_data_iterators(
-        cfg, runtime, provider, None, 0, BatchSizeSchedule(cfg.training), reads_batches=True
-    )  # fmt: skip
+    train_iter, _, _ = build_data_iterators(cfg, runtime, datasets, 0, BatchSizeSchedule(cfg.training), reads_batches=True)
     with pytest.raises(Exception, match="a middle pipeline stage read a sample"):
         next(train_iter)

@@ -115,3 +115,6 @@ def test_readme_command_runs_without_warnings(tmp_path, command):
         assert (where / "checkpoints/debug/latest_checkpointed_iteration.txt").read_text().strip() == "4"
         assert (where / "runs/debug/metrics.jsonl").exists() and any((where / "runs/debug/tensorboard").iterdir())
         assert "python scripts/generate.py checkpoints/debug" in proc.stdout.splitlines()[-1]
+        # the start-up summary says what the run reads and where it writes
+        assert "> data: built-in corpus 'python-docstrings', ByteTokenizer (257 ids)" in proc.stdout
+        assert "> output: checkpoints checkpoints/debug (at the end); TensorBoard runs/debug/tensorboard" in proc.stdout

@@ -18,6 +18,7 @@ from dtgpt.config.derived import (
     num_pipeline_stages,
     padded_vocabulary,
 )
+from dtgpt.config.blend import parse_blend
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.split import parse_split
@@ -297,6 +298,9 @@ def _check_data(cfg: Config) -> None:
     if d.tokenizer_type == "NullTokenizer":
         padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built
     parse_split(d.split)
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(d, key):
+            parse_blend(getattr(d, key), key=f"data.{key}")
 
 
 def _check_checkpoint_logging_faults(cfg: Config) -> None:

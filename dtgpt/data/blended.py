@@ -1,4 +1,5 @@
-"""Blends of GPT datasets, Megatron style: the data_path grammar and the greedy blending index.
+"""Blends of GPT datasets, Megatron style: the greedy blending index (the data_path grammar is
+dtgpt/config/blend.py's, so that validation refuses a malformed blend before any process starts).
 
 A blend draws sample n from the component furthest behind its target share. Which components a
 split blends and how many samples each is built with is `builder.py`'s business.
@@ -6,42 +7,13 @@ split blends and how many samples each is built with is `builder.py`'s business.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional, Sequence
 
 import numpy as np
 
+from dtgpt.config.blend import parse_blend as parse_blend  # re-exported: the data code reads blends here
 from dtgpt.data.cache import build_once, description_hash, load_npy, save_npy
-
-
-def parse_blend(data_path: Sequence[str], key: str = "data.data_path") -> tuple[list[str], Optional[list[float]]]:
-    """Megatron's blend list -> (prefixes, weights), weights None when the list has none.
-
-    ["0.3", "a", "0.7", "b"] is a weighted blend (datasets of weight 0 are dropped); ["a"] or
-    ["a", "b"] are unweighted. An entry holding several words ("0.3 a 0.7 b") counts as those words.
-    """
-    items = [word for entry in data_path for word in str(entry).split()]
-    if not items:
-        raise ValueError(f"{key} is empty")
-
-    def is_number(s: str) -> bool:
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if not any(is_number(s) for s in items):
-        return items, None
-    if not (len(items) % 2 == 0 and all(is_number(s) for s in items[0::2])
-            and not any(is_number(s) for s in items[1::2])):
-        raise ValueError(f"{key}={list(data_path)!r} must be prefixes, or weight/prefix pairs like ['0.3', 'a', '0.7', 'b']")
-    weights = [float(s) for s in items[0::2]]
-    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"{key}={list(data_path)!r}: weights must be finite, >= 0, with a positive sum")
-    kept = [(p, w) for p, w in zip(items[1::2], weights) if w > 0]
-    return [p for p, _ in kept], [w for _, w in kept]
 
 
 def normalize(weights: Sequence[float]) -> list[float]:

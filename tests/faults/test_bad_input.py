@@ -193,3 +193,19 @@ def test_load_equal_to_save_starts_fresh_and_says_so(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "holds no complete checkpoint" in proc.stdout and "starting from scratch" in proc.stdout
     assert layout.read_pointer(ckpt) == 2
+
+
+def test_config_error_under_torchrun_is_one_line_from_one_rank(tmp_path):
+    """A malformed blend under torchrun: one `error:` line in all (not one per rank), before any
+    process group exists, and no traceback of ours."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", TRAIN,
+           *TINY, *MOCK, "--data.mock_data=false", "--data.data_path", "0.3 A 0.7"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and errors == [
+        "error: data.data_path=['0.3', 'A', '0.7'] must be prefixes, or weight/prefix pairs like ['0.3', 'a', '0.7', 'b']"
+    ], proc.stdout + proc.stderr
+    # torchrun prints its own traceback (ChildFailedError) when a worker fails; none of ours
+    ours = (f'File "{Path(TRAIN).parent / "dtgpt"}/', f'File "{TRAIN}"')
+    assert not any(frame in proc.stdout + proc.stderr for frame in ours), proc.stdout + proc.stderr

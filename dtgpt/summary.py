@@ -1,0 +1,62 @@
+"""The few lines rank 0 prints before training: what data, what mesh, what model, and where the
+run leaves its checkpoints and logs (or that it leaves none), so a run shows what it will do."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dtgpt.config import Config
+from dtgpt.parallel import ParallelDims
+
+
+def data_source(cfg: Config, tokenizer) -> str:
+    d = cfg.data
+    if d.mock_data:
+        source = "mock data"
+    elif d.builtin_corpus:
+        source = f"built-in corpus {d.builtin_corpus!r}"
+    elif d.data_path:
+        source = f"data_path {' '.join(d.data_path)} (split {d.split})"
+    else:
+        source = f"train/valid/test paths {d.train_data_path} / {d.valid_data_path} / {d.test_data_path}"
+    return f"{source}, {type(tokenizer).__name__} ({tokenizer.vocab_size} ids), order {d.order!r}"
+
+
+def _samples(dataset) -> str:
+    return "none" if dataset is None else f"{len(dataset):,}"
+
+
+def split_sizes(datasets: Sequence) -> str:
+    """Samples per split, and the documents of each split's first corpus where there is one."""
+    parts = []
+    for name, dataset in zip(("train", "valid", "test"), datasets):
+        text = f"{name} {_samples(dataset)}"
+        documents = getattr(dataset, "description", {}).get("documents")
+        if documents:
+            text += f" ({documents[1] - documents[0]:,} documents)"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+def outputs(cfg: Config) -> str:
+    c, log = cfg.checkpoint, cfg.logging
+    if c.save:
+        when = f"every {c.save_interval} iterations and at the end" if c.save_interval else "at the end"
+        checkpoints = f"checkpoints {c.save} ({when})"
+    else:
+        checkpoints = "no checkpoints (checkpoint.save unset)"
+    tensorboard = f"TensorBoard {log.tensorboard_dir}" if log.tensorboard_dir else "no TensorBoard"
+    metrics = f"metrics {log.metrics_file}" if log.metrics_file else "no metrics file"
+    return f"{checkpoints}; {tensorboard}; {metrics}"
+
+
+def startup_summary(cfg: Config, dims: ParallelDims, n_params: int, vocab_size: int, tokenizer, datasets: Sequence) -> str:
+    schedule = f", schedule {cfg.parallel.pipeline_schedule}" if dims.pp > 1 else ""
+    return "\n".join([
+        f"> data: {data_source(cfg, tokenizer)}",
+        f"> samples (seq_length {cfg.model.seq_length}): {split_sizes(datasets)}",
+        f"> mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
+        f"({dims.world_size} rank{'s' if dims.world_size > 1 else ''}){schedule}",
+        f"> model: {n_params:,} parameters on rank 0, padded vocabulary {vocab_size}",
+        f"> output: {outputs(cfg)}",
+    ])  # fmt: skip
