@@ -118,3 +118,15 @@ def test_readme_command_runs_without_warnings(tmp_path, command):
         # the start-up summary says what the run reads and where it writes
         assert "> data: built-in corpus 'python-docstrings', ByteTokenizer (257 ids)" in proc.stdout
         assert "> output: checkpoints checkpoints/debug (at the end); TensorBoard runs/debug/tensorboard" in proc.stdout
+
+
+def test_one_process_async_save_prints_no_warning(tmp_path):
+    """DCP's background save thread warns that there is no process group, after the caller's
+    `with` block has ended; a one-process run means exactly that (dtgpt/checkpoint/layout.py)."""
+    where = workspace(tmp_path)
+    argv = as_argv("python train.py --config configs/debug.toml") + SHORT_RUN + [
+        "--checkpoint.async_save=true", "--checkpoint.save_interval=2",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=where, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "in the background" in proc.stdout and not warnings_in(proc.stdout + proc.stderr), proc.stdout + proc.stderr

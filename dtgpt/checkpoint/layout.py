@@ -36,11 +36,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which one and why."""
 
 
+NO_PROCESS_GROUP = "torch.distributed is disabled, unavailable or uninitialized"
+"""DCP's warning on every call without a process group; a one-process run means exactly that."""
+# The background thread of an async save warns too, after any `with` block around the call has
+# exited: that one message is ignored for the whole process.
+warnings.filterwarnings("ignore", message=NO_PROCESS_GROUP)
+
+
 @contextlib.contextmanager
 def single_process():
-    """DCP warns on every call without a process group; a one-process run means exactly that."""
+    """DCP calls of a one-process run (see NO_PROCESS_GROUP)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=NO_PROCESS_GROUP)
         yield
 
 
