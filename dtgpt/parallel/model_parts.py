@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
+from dtgpt.parallel.rng import ModelParallelRNG
 from dtgpt.parallel.tied import sync_tied_grads, tied_pair_on_rank
 
 IGNORE_INDEX = -100
@@ -67,6 +68,8 @@ class ModelParts:
     loss_parallel: bool
     tied_group: dist.ProcessGroup | None
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    rng: ModelParallelRNG | None = None
+    """The model-parallel dropout stream (under tp; dtgpt.parallel.rng)."""
 
     @property
     def has_first_stage(self) -> bool:
