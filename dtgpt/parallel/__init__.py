@@ -76,7 +76,6 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
-            param_dtype=compute_dtype(cfg),
             reshard_after_forward=(not dims.pp_enabled) if reshard == "default" else reshard == "always",
         )
         for module in model.modules():
@@ -152,7 +151,7 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         dims=dims,
         device=device,
         schedules=schedules,
-        autocast_dtype=None if dims.fsdp_enabled else compute_dtype(cfg),
+        autocast_dtype=compute_dtype(cfg),  # at every dp: one precision regime (parallel/fsdp.py)
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),

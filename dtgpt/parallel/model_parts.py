@@ -106,7 +106,7 @@ class ModelParts:
         return [p for p in self.parameters() if p is not tied_copy]
 
     def compute_context(self) -> contextlib.ExitStack:
-        """Autocast (when FSDP does not do mixed precision) and loss parallelism (under tp)."""
+        """Autocast (fp16/bf16 at every dp) and loss parallelism (under tp)."""
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
