@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
-from dtgpt.parallel.tied import sync_tied_grads, tied_pair_on_rank
+from dtgpt.parallel.tied import check_tied_copies, sync_tied_grads, tied_pair_on_rank
 
 IGNORE_INDEX = -100
 
@@ -117,3 +117,8 @@ class ModelParts:
     def sync_tied_grads(self) -> None:
         if self.dims.pp_enabled:
             sync_tied_grads(self.parts, self.tied_group)
+
+    def check_tied_copies(self, iteration: int) -> None:
+        """Raise if the pipeline's two copies of a tied embedding have drifted apart."""
+        if self.dims.pp_enabled:
+            check_tied_copies(self.parts, self.tied_group, iteration)
