@@ -90,8 +90,11 @@ def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 
 
 def forward_backward(model: ModelParts, batch: torch.Tensor, num_microbatches: int, *, forward_only: bool = False) -> float:
     """Forward and backward over the micro-batches of one global batch (through the pipeline
-    schedule when there is one); returns the global-batch loss, the same on every rank."""
+    schedule when there is one); returns the global-batch loss, the same on every rank. The
+    gradients of a tied embedding split across pipeline stages are summed, as train_step does."""
     local = forward_backward_local(model, batch, num_microbatches, forward_only=forward_only)
+    if not forward_only:
+        model.sync_tied_grads()
     return reduce_loss(model, local).item()
 
 

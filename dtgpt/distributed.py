@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dtgpt.config import Config, validate
 from dtgpt.parallel.dims import ParallelDims
+from dtgpt.parallel.rng import stage_seed
 
 
 @dataclass
@@ -92,7 +93,8 @@ def initialize(cfg: Config) -> Runtime:
         dims.build_mesh(device.type)
     # Dropout differs between pipeline stages as in Megatron; weights and data order never
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
-    torch.manual_seed(cfg.training.seed + 100 * dims.pp_rank)
+    # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
+    torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
     return Runtime(rank, world_size, local_rank, device, dims, restart_count)
 
 

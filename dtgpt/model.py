@@ -14,10 +14,11 @@ draws every value from a generator seeded by (seed, parameter name) on the full 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import zlib
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -44,6 +45,11 @@ class Init(enum.Enum):
 
 DeclaredInits = list[tuple[nn.Parameter, Init]]
 
+RandomStream = Callable[[], ContextManager]
+"""A context under which a dropout draws its mask. The default draws from torch's default
+generator; dtgpt.parallel.rng installs its model-parallel stream where a tp rank holds only a
+slice of the activations (local heads, a sequence-parallel chunk)."""
+
 
 def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
     """A linear layer's weight gets `weight`; its bias, if any, starts at zero."""
@@ -59,6 +65,21 @@ def norm_inits(norm: nn.Module) -> DeclaredInits:
     if getattr(norm, "bias", None) is not None:
         inits.append((norm.bias, Init.ZEROS))
     return inits
+
+
+class Dropout(nn.Module):
+    """nn.Dropout whose mask is drawn under `self.stream` (see RandomStream)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.stream: RandomStream = contextlib.nullcontext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.stream():
+            return F.dropout(x, self.p, training=True)
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -89,7 +110,8 @@ class Embedding(nn.Module):
             if cfg.position_embedding_type == "learned_absolute"
             else None
         )
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        # Always on the full sequence (before a sequence-parallel split): a replicated region.
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def declared_inits(self) -> DeclaredInits:
         inits = [(self.word.weight, Init.NORMAL)]
@@ -115,10 +137,12 @@ class CoreAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_dropout = cfg.attention_dropout
+        self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hd)
+        with self.stream() if dropout else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hd)
 
 
 class Attention(nn.Module):
@@ -171,7 +195,7 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = Dropout(cfg.hidden_dropout)  # on a sequence-parallel chunk under sp
 
     def declared_inits(self) -> DeclaredInits:
         return norm_inits(self.input_norm) + norm_inits(self.mlp_norm)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,6 +32,7 @@ from dtgpt.loss_scaler import LossScaler, build_loss_scaler
 from dtgpt.model import OUTPUT_WEIGHT, WORD_EMBEDDING
 from dtgpt.optim import LRSchedule, PartOptimizers
 from dtgpt.parallel import ModelParts
+from dtgpt.parallel.rng import rng_coordinate
 
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -68,21 +68,25 @@ def _is_state_key(key: str) -> bool:
     return key.startswith("state.")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    state = {f"rank_{rank}.cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state[f"rank_{rank}.cuda"] = torch.cuda.get_rng_state(device)
+def rng_state(model: ModelParts) -> dict[str, torch.Tensor]:
+    """This rank's generator states under its (pp, tp) coordinate: dp peers hold equal states
+    (Megatron seeds them alike), so DCP stores each coordinate once."""
+    prefix = rng_coordinate(model.dims)
+    state = {f"{prefix}.cpu": torch.get_rng_state()}
+    if model.device.type == "cuda":
+        state[f"{prefix}.cuda"] = torch.cuda.get_rng_state(model.device)
+    if model.rng is not None:
+        state[f"{prefix}.model_parallel"] = model.rng.state
     return state
 
 
-def set_rng_state(states: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
-    torch.set_rng_state(states[f"rank_{rank}.cpu"])
-    if device.type == "cuda" and f"rank_{rank}.cuda" in states:
-        torch.cuda.set_rng_state(states[f"rank_{rank}.cuda"], device)
+def set_rng_state(states: dict[str, torch.Tensor], model: ModelParts) -> None:
+    prefix = rng_coordinate(model.dims)
+    torch.set_rng_state(states[f"{prefix}.cpu"])
+    if model.device.type == "cuda" and f"{prefix}.cuda" in states:
+        torch.cuda.set_rng_state(states[f"{prefix}.cuda"], model.device)
+    if model.rng is not None:
+        model.rng.state = states[f"{prefix}.model_parallel"].clone()
 
 
 @torch.no_grad()
@@ -154,7 +158,7 @@ class TrainState(Stateful):
         state = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=False)}
         for section, attr in self.STATEFUL.items() if self.resumable else ():
             state[section] = getattr(self, attr).state_dict()
-        state["rng"] = rng_state(_rank(), self.model.device)
+        state["rng"] = rng_state(self.model)
         if self.has_optimizer_state():
             state["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=False)
         return state

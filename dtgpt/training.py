@@ -219,6 +219,8 @@ def train(
             with phase("train-step", upcoming, record=True), trainer.faults.iteration(upcoming, trainer.state.model.parts):
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
             log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak, timers)
+            if progress.iteration % cfg.logging.log_interval == 0:
+                trainer.state.model.check_tied_copies(progress.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"):
                     metrics.log_eval(progress.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))

@@ -88,7 +88,7 @@ def test_resume_two_ranks_bitwise_and_async_equals_sync(tmp_path):
     reference, root = uninterrupted(tmp_path, "full", DROPOUT + PP2 + ["--checkpoint.async_save=true"], 2)
     keys = layout.read_metadata(layout.iteration_dir(root, 10)).state_dict_metadata
     assert not any("output.weight" in k for k in keys) and "optimizer.state.embedding.word.weight.exp_avg" in keys
-    assert {"rng.rank_0.cpu", "rng.rank_1.cpu"} <= set(keys)
+    assert {"rng.pp_0.tp_0.cpu", "rng.pp_1.tp_0.cpu"} <= set(keys)
     resumed_root = tmp_path / "resumed_ckpt"
     resumed, _ = resume(tmp_path, "resumed", root, DROPOUT + PP2, 2, save=resumed_root)
     assert resumed == {it: reference[it] for it in range(11, 21)}

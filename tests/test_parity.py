@@ -5,15 +5,19 @@ the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figur
 untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
 an untied head, pp 4 (two middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform, full block,
 selective) and compile; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
+Every pipeline schedule and configs/debug_3d.toml itself (8 ranks) are in the fast set too, as
+short runs (SHORT iterations) compared with the start of the same reference: the LR schedule is
+pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one.
 """
 
 import pytest
 
-from tests.runs import train_losses
+from tests.runs import REPO, train_losses
 
 RTOL = 1e-5
 STEPS = 20
-RUN = [f"--training.train_iters={STEPS}"]  # what every run of the comparison shares
+SHORT = 5
+RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]  # what every run of the comparison shares
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
 FULL = ["--training.recompute_granularity=full"]  # Megatron's full recomputation; the method follows
@@ -51,17 +55,6 @@ LAYOUTS = {
     "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
     "tp2": (2, ["--parallel.tensor_model_parallel_size=2"], True),
     "tp4": (4, ["--parallel.tensor_model_parallel_size=4"], True),
-    "pp2_gpipe": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=GPipe"], True),
-    "pp2_interleaved": (
-        2,
-        ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=Interleaved1F1B", "--parallel.virtual_pipeline_stages_per_rank=2"],
-        True,
-    ),
-    "pp2_zbv": (
-        2,
-        ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=ZBVZeroBubble", "--parallel.virtual_pipeline_stages_per_rank=2"],
-        True,
-    ),
     "pp2_untied_selective_ac": (
         2,
         [UNTIED, "--parallel.pipeline_model_parallel_size=2", "--training.recompute_granularity=selective"],
@@ -72,6 +65,19 @@ LAYOUTS = {
         ["--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
         True,
     ),
+}
+
+
+PP2 = "--parallel.pipeline_model_parallel_size=2"
+VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
+SCHEDULES = {
+    # every schedule besides 1F1B (above), on 2 ranks for SHORT iterations (fast set)
+    "GPipe": [PP2],
+    "Interleaved1F1B": [PP2, VPP2],
+    "LoopedBFS": [PP2, VPP2],
+    "InterleavedZeroBubble": [PP2, VPP2],
+    "ZBVZeroBubble": [PP2, VPP2],
+    "DualPipeV": [PP2, VPP2],
 }
 
 
@@ -108,3 +114,24 @@ def test_layout_matches_single_process(tmp_path, reference, ranks, overrides):
     assert len(losses) == len(expected) == STEPS
     for it, (got, want) in enumerate(zip(losses, expected), start=1):
         assert got == pytest.approx(want, rel=RTOL), f"iteration {it}: {got} vs one-process {want}"
+
+
+def assert_prefix_matches(losses: list[float], expected: list[float]) -> None:
+    assert len(losses) == SHORT
+    for it, (got, want) in enumerate(zip(losses, expected), start=1):
+        assert got == pytest.approx(want, rel=RTOL), f"iteration {it}: {got} vs one-process {want}"
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_pipeline_schedule_matches_single_process(tmp_path, reference, schedule):
+    overrides = [*SCHEDULES[schedule], f"--parallel.pipeline_schedule={schedule}", f"--training.train_iters={SHORT}"]
+    assert_prefix_matches(train_losses(tmp_path, RUN + overrides, nproc=2), reference([]))
+
+
+def test_debug_3d_config_matches_single_process(tmp_path):
+    """configs/debug_3d.toml as the README runs it (pp2 x dp2 x tp2 + SP, 8 ranks) against the same
+    file on one process."""
+    config = ["--config", str(REPO / "configs/debug_3d.toml"), f"--training.train_iters={SHORT}", "--eval.eval_iters=0"]
+    one = ["--parallel.tensor_model_parallel_size=1", "--parallel.pipeline_model_parallel_size=1", "--parallel.sequence_parallel=false"]
+    expected = train_losses(tmp_path, config + one, name="single", base=[])
+    assert_prefix_matches(train_losses(tmp_path, config, nproc=8, base=[]), expected)

@@ -181,15 +181,15 @@ def test_state_bytes():
     plain = pm.state_bytes(1000, 1000, 100, **kw)
     assert (plain.params, plain.copies, plain.grads, plain.adam) == (4000, 2000, 4000, 8000)
     assert pm.state_bytes(1000, 1000, 100, **{**kw, "low_precision": False}).copies == 0
-    # FSDP over dp = 4 under pp: gathered fp16 copies and fp32 unsharded gradients stay until
-    # the last micro-batch.
+    # FSDP over dp = 4 under pp: gathered fp32 params (autocast casts them: 2 bytes more) and
+    # fp32 unsharded gradients stay until the last micro-batch.
     kw.update(fsdp=True)
     piped = pm.state_bytes(250, 1000, 100, **kw)
-    assert (piped.params, piped.copies, piped.grads, piped.adam) == (1000, 2000, 1000 + 4000, 2000)
+    assert (piped.params, piped.copies, piped.grads, piped.adam) == (1000, 4000 + 2000, 1000 + 4000, 2000)
     # Without pp, resharding after forward: about two gathered units and one unit's gradients.
     alone = pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False, "reshard_after_forward": True})
-    assert (alone.copies, alone.grads) == (2 * 2 * 100, 1000 + (2 + 4) * 100)
-    assert pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False}).copies == 2000
+    assert (alone.copies, alone.grads) == (4 * 2 * 100 + 2000, 1000 + 8 * 100)
+    assert pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False}).copies == 4000 + 2000
 
 
 def test_planner_counts_match_a_real_cpu_run(tmp_path):

@@ -29,7 +29,8 @@ from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
 from dtgpt.parallel import ParallelDims
 from dtgpt.faults import NO_FAULTS, FaultHooks
-from dtgpt.state import TrainState, set_rng_state
+from dtgpt.parallel.rng import model_parallel_seed, stage_seed
+from dtgpt.state import TrainState, rng_state, set_rng_state
 
 FORMAT = "dtgpt-dcp-1"
 
@@ -65,10 +66,11 @@ def _mesh_text(mesh: dict | None) -> str:
     return text
 
 
-def derived_seed(seed: int, pp_rank: int, iteration: int) -> int:
-    """The RNG seed of a rank whose saved state does not apply (another mesh): a function of the
-    config seed, the stage (as at start-up, so tp/dp peers of a stage agree) and the iteration."""
-    return seed + 100 * pp_rank + 1_000_003 * iteration
+def same_rng_coordinates(saved: dict | None, here: dict) -> bool:
+    """Saved RNG states apply when every (pp, tp) coordinate holds the same stages as before:
+    dp may change (dp peers share their states), pp, the schedule and tp may not."""
+    keys = ("pp", "tp", "pipeline_schedule", "virtual_pipeline_stages_per_rank")
+    return saved is not None and all(saved.get(k) == here[k] for k in keys)
 
 
 class Checkpointer:
@@ -195,14 +197,12 @@ class Checkpointer:
         elif c.load_optimizer:
             self._log("the checkpoint has no optimizer state (saved before the first optimizer step): fresh AdamW state")
 
-        rank, device = self.runtime.rank, self.runtime.device
         here = mesh_info(self.run_cfg, self.state.model.dims)
-        same_mesh = marker.get("mesh") == here
         if stateful:
-            wanted = [f"rank_{rank}.cpu"] + ([f"rank_{rank}.cuda"] if device.type == "cuda" else [])
-            stored = [k for k in wanted if f"rng.{k}" in metadata.state_dict_metadata]
-            if same_mesh and wanted[0] in stored:
-                request["rng"] = {k: _rng_like(k, device).clone() for k in stored}
+            wanted = {k: v.clone() for k, v in rng_state(self.state.model).items()}
+            stored = {k: v for k, v in wanted.items() if f"rng.{k}" in metadata.state_dict_metadata}
+            if same_rng_coordinates(marker.get("mesh"), here) and len(stored) == len(wanted):
+                request["rng"] = stored
 
         with layout.single_process():
             dcp.load(request, checkpoint_id=str(directory), no_dist=not self.distributed)
@@ -214,18 +214,21 @@ class Checkpointer:
                 self._derive_rng_at = progress.iteration
                 self._log(
                     f"RNG: the checkpoint was saved on another mesh ({_mesh_text(marker.get('mesh'))}; now "
-                    f"{_mesh_text(here)}): each rank's generator is re-derived from training.seed, "
-                    f"its pipeline stage and iteration {progress.iteration}"
+                    f"{_mesh_text(here)}): each rank's generators are re-derived from training.seed, "
+                    f"its pipeline stage, its tp rank and iteration {progress.iteration}"
                 )
 
     def restore_rng(self) -> None:
         """Put the loaded (or re-derived) generator states in place. The trainer calls this after
         building the data loaders, whose iterators draw from the global generator."""
-        rank, device = self.runtime.rank, self.runtime.device
+        model = self.state.model
         if self._rng is not None:
-            set_rng_state(self._rng, rank, device)
+            set_rng_state(self._rng, model)
         elif self._derive_rng_at is not None:
-            torch.manual_seed(derived_seed(self.run_cfg.training.seed, self.runtime.dims.pp_rank, self._derive_rng_at))
+            seed, dims, iteration = self.run_cfg.training.seed, model.dims, self._derive_rng_at
+            torch.manual_seed(stage_seed(seed, dims.pp_rank, iteration))
+            if model.rng is not None:
+                model.rng.reseed(model_parallel_seed(seed, dims.pp_rank, dims.tp_rank, iteration))
         self._rng, self._derive_rng_at = None, None
 
     # -- saving ------------------------------------------------------------------------------
@@ -342,7 +345,3 @@ def describe(error: BaseException) -> str:
         exc = failure[0] if isinstance(failure, tuple) else failure
         parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     return "; ".join(parts)
-
-
-def _rng_like(key: str, device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if key.endswith("cuda") else torch.get_rng_state()

@@ -25,6 +25,7 @@ from dtgpt.parallel.pipeline import (
     stage_layer_counts,
 )
 from dtgpt.parallel.recompute import apply_recompute
+from dtgpt.parallel.rng import ModelParallelRNG, apply_rng_streams, model_parallel_seed
 from dtgpt.parallel.tensor import apply_tp
 from dtgpt.parallel.tied import build_tied_group
 
@@ -52,8 +53,11 @@ def apply_compile(model: GPT, per_block: bool) -> None:
         model.compile()
 
 
-def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
-    """TP -> recomputation -> compile -> FSDP, applied in place to one model/stage."""
+def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
+    """TP -> recomputation -> compile -> FSDP, applied in place to one model/stage.
+
+    `rng` (under tp) is the model-parallel stream that tensor-parallel dropout draws from.
+    """
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -61,8 +65,10 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
         )
+        if rng is not None:
+            apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
     t = cfg.training
-    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
+    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     if cfg.training.compile:  # config validation allows it only without tp and pp
         apply_compile(model, per_block=dims.fsdp_enabled)
     if dims.fsdp_enabled:
@@ -70,7 +76,6 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config) -> None:
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
-            param_dtype=compute_dtype(cfg),
             reshard_after_forward=(not dims.pp_enabled) if reshard == "default" else reshard == "always",
         )
         for module in model.modules():
@@ -92,7 +97,16 @@ def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
         param.copy_(value)
 
 
-def build_parts(cfg: Config, dims: ParallelDims, model: GPT) -> tuple[list[GPT], list[int], int]:
+def build_model_parallel_rng(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelParallelRNG | None:
+    """This rank's model-parallel generator (dtgpt.parallel.rng), or None without tp."""
+    if not dims.tp_enabled:
+        return None
+    return ModelParallelRNG(device, model_parallel_seed(cfg.training.seed, dims.pp_rank, dims.tp_rank))
+
+
+def build_parts(
+    cfg: Config, dims: ParallelDims, model: GPT, rng: ModelParallelRNG | None = None
+) -> tuple[list[GPT], list[int], int]:
     """Cut `model` (on meta) into this rank's stages and parallelise each; nothing is allocated.
 
     Returns (parts, stage_ids, num_stages). The planner (dtgpt.plan) calls this alone, on the
@@ -108,7 +122,7 @@ def build_parts(cfg: Config, dims: ParallelDims, model: GPT) -> tuple[list[GPT],
     else:
         parts, stage_ids, num_stages = [model], [0], 1
     for part in parts:
-        parallelize(part, dims, cfg)
+        parallelize(part, dims, cfg, rng)
     return parts, stage_ids, num_stages
 
 
@@ -122,7 +136,8 @@ def materialize(part: GPT, cfg: Config, device: torch.device) -> None:
 
 def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
     """Cut `model` (built on meta) into this rank's stages, parallelise, materialise, init."""
-    parts, stage_ids, num_stages = build_parts(cfg, dims, model)
+    rng = build_model_parallel_rng(cfg, dims, device)
+    parts, stage_ids, num_stages = build_parts(cfg, dims, model, rng)
     for part in parts:
         materialize(part, cfg, device)
     schedules = None
@@ -136,8 +151,9 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         dims=dims,
         device=device,
         schedules=schedules,
-        autocast_dtype=None if dims.fsdp_enabled else compute_dtype(cfg),
+        autocast_dtype=compute_dtype(cfg),  # at every dp: one precision regime (parallel/fsdp.py)
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
+        rng=rng,
     )

@@ -49,7 +49,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        # With one data-parallel rank FSDP would only add hooks; mixed precision then uses autocast.
+        # With one data-parallel rank FSDP would only add hooks; mixed precision is autocast anyway.
         return self.dp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:

@@ -1,5 +1,13 @@
 """Data parallelism with FSDP2 `fully_shard` (HSDP on a 2-D mesh), and its mixed precision.
 
+Mixed precision is one regime at every dp: fp32 parameters (the master weights), gathered and
+reduced in fp32, with fp16/bf16 compute from `torch.autocast` (ModelParts.compute_context), as at
+dp = 1 where there is no FSDP at all. FSDP's own param_dtype cast would make the regime depend on
+dp: it casts *every* parameter (norm weights and the embedding table, so the residual stream
+would be low precision), where autocast casts only matmul operands and runs norms and softmax in
+fp32. The price, against a low-precision all-gather: fp32 gathers (twice the bytes) and a
+2-byte cast of each weight that autograd keeps from forward to backward.
+
 Each block is one FSDP unit (its parameters are gathered just before it runs); the embedding
 and norm+head get units of their own unless the model ties them, in which case the shared
 weight stays with the root unit, the only module that holds both users of it.
@@ -14,19 +22,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from dtgpt.model import GPT
 
 
-def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
-    """Low-precision compute copies, fp32 gradient reduction; the sharded fp32 params are the master."""
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+def mixed_precision_policy() -> MixedPrecisionPolicy:
+    """fp32 gathers and fp32 gradient reduction; autocast does the low-precision compute (see above)."""
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 
 def apply_fsdp(
     model: GPT,
     dp_mesh: DeviceMesh,
     *,
-    param_dtype: torch.dtype | None,
     reshard_after_forward: bool,
 ) -> None:
-    mp = mixed_precision_policy(param_dtype)
+    mp = mixed_precision_policy()
 
     def shard(module):
         fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -20,7 +20,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
-from dtgpt.parallel.tied import sync_tied_grads, tied_pair_on_rank
+from dtgpt.parallel.rng import ModelParallelRNG
+from dtgpt.parallel.tied import check_tied_copies, sync_tied_grads, tied_pair_on_rank
 
 IGNORE_INDEX = -100
 
@@ -67,6 +68,8 @@ class ModelParts:
     loss_parallel: bool
     tied_group: dist.ProcessGroup | None
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    rng: ModelParallelRNG | None = None
+    """The model-parallel dropout stream (under tp; dtgpt.parallel.rng)."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -103,7 +106,7 @@ class ModelParts:
         return [p for p in self.parameters() if p is not tied_copy]
 
     def compute_context(self) -> contextlib.ExitStack:
-        """Autocast (when FSDP does not do mixed precision) and loss parallelism (under tp)."""
+        """Autocast (fp16/bf16 at every dp) and loss parallelism (under tp)."""
         stack = contextlib.ExitStack()
         if self.autocast_dtype is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
@@ -114,3 +117,8 @@ class ModelParts:
     def sync_tied_grads(self) -> None:
         if self.dims.pp_enabled:
             sync_tied_grads(self.parts, self.tied_group)
+
+    def check_tied_copies(self, iteration: int) -> None:
+        """Raise if the pipeline's two copies of a tied embedding have drifted apart."""
+        if self.dims.pp_enabled:
+            check_tied_copies(self.parts, self.tied_group, iteration)

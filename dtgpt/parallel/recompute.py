@@ -8,7 +8,8 @@ full       whole blocks are recomputed in backward; only the input of each recom
 
 Blocks are counted within each stage (each model part), as Megatron counts within its
 per-stage transformer block. Both use non-reentrant torch.utils.checkpoint, which replays the
-forward's RNG state, so dropout masks are the same in the recomputation.
+forward's default RNG state; the model-parallel stream (dtgpt.parallel.rng), when there is one,
+is replayed through checkpoint's `context_fn`, so dropout masks are the same in the recomputation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from dtgpt.model import GPT
+from dtgpt.parallel.rng import ModelParallelRNG
 
 
 class RecomputedGroup:
@@ -27,9 +29,10 @@ class RecomputedGroup:
     so parameter names, FSDP units and checkpoints do not change.
     """
 
-    def __init__(self, names: list[str], blocks: list[torch.nn.Module]):
+    def __init__(self, names: list[str], blocks: list[torch.nn.Module], rng: ModelParallelRNG | None = None):
         self.names = names
         self.blocks = blocks
+        self.checkpoint_kwargs = _rng_replay(rng)
 
     def _run(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -37,7 +40,11 @@ class RecomputedGroup:
         return h
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self._run, h, use_reentrant=False)
+        return checkpoint(self._run, h, use_reentrant=False, **self.checkpoint_kwargs)
+
+
+def _rng_replay(rng: ModelParallelRNG | None) -> dict:
+    return {"context_fn": rng.recompute_contexts} if rng is not None else {}
 
 
 def recompute_groups(names: list[str], method: str, num_layers: int) -> list[list[str]]:
@@ -47,16 +54,22 @@ def recompute_groups(names: list[str], method: str, num_layers: int) -> list[lis
     return [[name] for name in names[:num_layers]]  # "block"
 
 
-def apply_recompute(model: GPT, granularity: str | None, method: str | None, num_layers: int | None) -> None:
+def apply_recompute(
+    model: GPT,
+    granularity: str | None,
+    method: str | None,
+    num_layers: int | None,
+    rng: ModelParallelRNG | None = None,
+) -> None:
     """Set up recomputation on one model or pipeline stage in place (granularity None: none)."""
     if granularity == "selective":
         for block in model.layers.values():
-            block.attention.core = checkpoint_wrapper(block.attention.core)
+            block.attention.core = checkpoint_wrapper(block.attention.core, **_rng_replay(rng))
     elif granularity == "full":
         names = list(model.layers)
         groups = recompute_groups(names, method, num_layers)
         covered = sum(len(g) for g in groups)  # groups cover a prefix of the stage's blocks
-        runs = [RecomputedGroup(g, [model.layers[n] for n in g]) for g in groups]
+        runs = [RecomputedGroup(g, [model.layers[n] for n in g], rng) for g in groups]
         model.block_runs = runs + [model.layers[n] for n in names[covered:]]
 
 

@@ -2,7 +2,9 @@
 
 With pp > 1 the first stage holds the embedding and the last the head, each as its own
 parameter. Both start equal (same init), and their gradients are summed every step, so the
-optimizer moves them identically: they stay one weight, as in a one-process run.
+optimizer moves them identically: they stay one weight, as in a one-process run. Since that
+rests on every step syncing, `check_tied_copies` verifies it cheaply (one all-reduce of a shard
+between two ranks, every log_interval): the copies must be bitwise equal.
 
 No stock collective covers "the first and last pipeline stage only", so this file builds that
 process group (one per (dp, tp) coordinate) and all-reduces the local gradient shards over it.
@@ -80,3 +82,26 @@ def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None) -> None:
     held = first if first is not None else last
     if held is not None and group is not None:
         dist.all_reduce(_local(held.grad), group=group)
+
+
+@torch.no_grad()
+def check_tied_copies(parts: list[GPT], group: dist.ProcessGroup | None, iteration: int) -> None:
+    """Raise if this rank's shard of the split tied weight differs between first and last stage.
+
+    The first stage's rank contributes its shard, the last stage's rank its negation: their sum
+    is exactly zero when the copies are equal. Ranks holding neither copy do nothing.
+    """
+    first, last = tied_pair_on_rank(parts)
+    if first is not None and last is not None:
+        difference = _local(first) - _local(last)
+    elif (first is not None or last is not None) and group is not None:
+        difference = _local(first).clone() if first is not None else -_local(last)
+        dist.all_reduce(difference, group=group)
+    else:
+        return
+    worst = difference.abs().max().item()
+    if worst != 0.0:
+        raise RuntimeError(
+            f"iteration {iteration}: the first and last pipeline stages' copies of the tied word embedding "
+            f"differ by up to {worst:.3e}: their gradients were not summed every step"
+        )

@@ -108,7 +108,7 @@ class StateBytes:
     params: float
     """The fp32 parameters the optimizer updates (the master weights under fp16/bf16)."""
     copies: float
-    """Low-precision compute copies: autocast's cast of each weight, or FSDP's gathered params."""
+    """Compute copies: autocast's cast of each weight, plus FSDP's gathered (fp32) params."""
     grads: float
     adam: float
 
@@ -129,27 +129,22 @@ def state_bytes(
     unsharded_params  the same parameters gathered over dp (tp-sharded only)
     largest_unit      the largest FSDP unit (a block), gathered over dp
 
-    Without FSDP the fp32 parameters are the master; autocast keeps a 2-byte cast of each weight
-    for the whole forward-backward under fp16/bf16. With FSDP the fp32 parameters, gradients
-    and Adam state are dp shards. Its compute copies are gathered per unit: about two units at
-    a time (the running one and the prefetched one) when units reshard after forward, all of
-    them otherwise. Under pipelining every unit also stays gathered after backward and its
+    The fp32 parameters are the master; under fp16/bf16 autocast keeps a 2-byte cast of each
+    weight for the whole forward-backward, with or without FSDP (one precision regime at every
+    dp, see dtgpt/parallel/fsdp.py). With FSDP the fp32 parameters, gradients and Adam state are
+    dp shards, gathered in fp32 per unit: about two units at a time (the running one and the
+    prefetched one) when units reshard after forward, all of them otherwise. Under pipelining every unit also stays gathered after backward and its
     gradient stays unsharded, accumulated in fp32 over the micro-batches, until the last
     micro-batch's reduce-scatter (torch.distributed.pipelining turns gradient sync off before).
     """
-    compute = 2 if low_precision else 4
+    casts = 2 * unsharded_params if low_precision else 0
     if not fsdp:
-        return StateBytes(
-            params=4 * local_params, copies=2 * local_params if low_precision else 0,
-            grads=4 * local_params, adam=8 * local_params,
-        )  # fmt: skip
-    if pipelined or not reshard_after_forward:
-        copies = compute * unsharded_params
-    else:
-        copies = compute * 2 * largest_unit
-    # Unsharded gradients: all of the stage's under pp, else one unit's (its compute-dtype
-    # gradient and the fp32 buffer it is reduce-scattered from).
-    unsharded_grads = 4 * unsharded_params if pipelined else (compute + 4) * largest_unit
+        return StateBytes(params=4 * local_params, copies=casts, grads=4 * local_params, adam=8 * local_params)
+    gathered = unsharded_params if pipelined or not reshard_after_forward else 2 * largest_unit
+    copies = 4 * gathered + casts
+    # Unsharded fp32 gradients: all of the stage's under pp, else one unit's (the gradient and
+    # the buffer it is reduce-scattered from).
+    unsharded_grads = 4 * unsharded_params if pipelined else 8 * largest_unit
     return StateBytes(
         params=4 * local_params, copies=copies, grads=4 * local_params + unsharded_grads, adam=8 * local_params
     )
