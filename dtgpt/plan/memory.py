@@ -122,6 +122,7 @@ def state_bytes(
     fsdp: bool,
     pipelined: bool,
     reshard_after_forward: bool,
+    accumulates: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, compute copies, gradients and Adam m, v on one rank.
 
@@ -133,9 +134,9 @@ def state_bytes(
     for the whole forward-backward under fp16/bf16. With FSDP the fp32 parameters, gradients
     and Adam state are dp shards. Its compute copies are gathered per unit: about two units at
     a time (the running one and the prefetched one) when units reshard after forward, all of
-    them otherwise. Under pipelining every unit also stays gathered after backward and its
-    gradient stays unsharded, accumulated in fp32 over the micro-batches, until the last
-    micro-batch's reduce-scatter (torch.distributed.pipelining turns gradient sync off before).
+    them otherwise. With more than one micro-batch per iteration (`accumulates`), and always
+    under pipelining, every unit's gradient stays unsharded, accumulated in fp32 over the
+    micro-batches, until the last micro-batch's one reduce-scatter (gradient sync is off before).
     """
     compute = 2 if low_precision else 4
     if not fsdp:
@@ -147,9 +148,9 @@ def state_bytes(
         copies = compute * unsharded_params
     else:
         copies = compute * 2 * largest_unit
-    # Unsharded gradients: all of the stage's under pp, else one unit's (its compute-dtype
-    # gradient and the fp32 buffer it is reduce-scattered from).
-    unsharded_grads = 4 * unsharded_params if pipelined else (compute + 4) * largest_unit
+    # Unsharded gradients: all of them while accumulating, else one unit's at a time (its
+    # compute-dtype gradient and the fp32 buffer it is reduce-scattered from).
+    unsharded_grads = 4 * unsharded_params if pipelined or accumulates else (compute + 4) * largest_unit
     return StateBytes(
         params=4 * local_params, copies=copies, grads=4 * local_params + unsharded_grads, adam=8 * local_params
     )
