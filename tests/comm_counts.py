@@ -1,6 +1,7 @@
 """Count the collectives of one training iteration per rank, for several layouts in one launch.
 
     torchrun --nproc-per-node N tests/comm_counts.py LAYOUT[,LAYOUT...] --micro 1,4 --out counts.json
+    torchrun --nproc-per-node 8 tests/comm_counts.py twin --config configs/gpt3_175b_twin.toml --out counts.json
 
 Each layout's model is built in turn on the same process group through the library API, trained
 for one untimed iteration (pipeline stages infer their shapes on the first), then profiled for
@@ -24,6 +25,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dtgpt
+from dtgpt.config import load_config, num_microbatches, padded_vocabulary
+from dtgpt.data.tokenizer import build_tokenizer
 from dtgpt.step import train_step
 
 # The layouts the count tests cover: name -> [parallel] keys (dp_shard takes the rest).
@@ -84,18 +87,19 @@ def _numel(dims) -> int:
     return n
 
 
-def _message_bytes(name: str, args: dict) -> int:
+def _message_bytes(name: str, args: dict, activation_bytes: int) -> int:
     kind, index = OPS[name]
     dims, dtype = args["Input Dims"][index], args["Input type"][index]
-    # The profiler records no dtype for a tensor list (c10d's all_reduce, send, recv); the
-    # layouts counted here run in fp32.
-    nbytes = _numel(dims) * DTYPE_BYTES.get(dtype, 4)
+    # The profiler records no dtype for a tensor list (c10d's all_reduce, send, recv): dtgpt's
+    # all-reduces are of fp32 (loss, norm, flags, tied gradients), sends of activations.
+    list_bytes = activation_bytes if kind in ("send", "recv") else 4
+    nbytes = _numel(dims) * DTYPE_BYTES.get(dtype, list_bytes)
     if name == "_c10d_functional::all_gather_into_tensor":
         nbytes *= int(args["Concrete Inputs"][1])  # group_size
     return nbytes
 
 
-def count_trace(trace: dict) -> dict[str, list[int]]:
+def count_trace(trace: dict, activation_bytes: int = 4) -> dict[str, list[int]]:
     """{kind: [count, bytes]} of the outermost collective ops in one rank's chrome trace."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name", "").startswith(OTHER_COMM_PREFIXES)
               and e["name"] not in NOT_COLLECTIVES]  # fmt: skip
@@ -111,26 +115,46 @@ def count_trace(trace: dict) -> dict[str, list[int]]:
             raise ValueError(f"uncounted collective op {name}: add it to OPS")
         args = e["args"]
         counts[OPS[name][0]][0] += 1
-        counts[OPS[name][0]][1] += _message_bytes(name, args)
+        counts[OPS[name][0]][1] += _message_bytes(name, args, activation_bytes)
     return dict(counts)
 
 
-def profile_iteration(state, batch, n_micro: int, clip_grad: float) -> dict[str, list[int]]:
+def profile_iteration(state, batch, n_micro: int, clip_grad: float, activation_bytes: int) -> dict[str, list[int]]:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         train_step(state.model, state.optimizer, state.scaler, batch, n_micro, clip_grad)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return count_trace(json.load(f))
+            return count_trace(json.load(f), activation_bytes)
 
 
-def rank_batch(cfg, model, n_micro: int) -> torch.Tensor | None:
+def rank_batch(cfg, model, n_micro: int, vocab: int) -> torch.Tensor | None:
     if not model.reads_batches:
         return None
     gen = torch.Generator().manual_seed(model.dims.dp_rank)
     rows = cfg.training.micro_batch_size * n_micro
-    return torch.randint(0, 100, (rows, cfg.model.seq_length + 1), generator=gen)
+    return torch.randint(0, vocab, (rows, cfg.model.seq_length + 1), generator=gen)
+
+
+def count_layout(cfg, runtime, n_micro: int, vocab: int) -> dict[str, list[int]]:
+    """Build cfg's model on the runtime's ranks, train one iteration, count the next."""
+    model = dtgpt.build_model(cfg, runtime, vocab_size=vocab)
+    state = dtgpt.build_train_state(cfg, model)
+    batch = rank_batch(cfg, model, n_micro, vocab)
+    clip = cfg.optimizer.clip_grad
+    train_step(state.model, state.optimizer, state.scaler, batch, n_micro, clip)
+    activation_bytes = 2 if (cfg.training.fp16 or cfg.training.bf16) else 4
+    return profile_iteration(state, batch, n_micro, clip, activation_bytes)
+
+
+def count_config_file(path: str, overrides: list[str], world: int) -> dict:
+    """One config file's layout at its final global batch size."""
+    cfg = load_config(path, overrides)
+    runtime = dtgpt.init_distributed(cfg)
+    n_micro = num_microbatches(cfg, runtime.dims.dp, cfg.training.global_batch_size)
+    vocab = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
+    return runtime, {n_micro: count_layout(cfg, runtime, n_micro, vocab)}
 
 
 def micro_counts(name: str, spec: str) -> list[int]:
@@ -144,20 +168,19 @@ def main() -> None:
     parser.add_argument("layouts")
     parser.add_argument("--micro", default="1,4")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    names = args.layouts.split(",")
+    parser.add_argument("--config", help="count this config file's layout instead (named LAYOUTS)")
+    args, overrides = parser.parse_known_args()
     world = int(os.environ["WORLD_SIZE"])
-    runtime = dtgpt.init_distributed(layout_config(names[0], world, 1))
-    result: dict = {}
-    for name in names:
-        result[name] = {}
-        for n_micro in micro_counts(name, args.micro):
-            cfg = layout_config(name, world, n_micro)
-            model = dtgpt.build_model(cfg, runtime, vocab_size=100)
-            state = dtgpt.build_train_state(cfg, model)
-            batch = rank_batch(cfg, model, n_micro)
-            train_step(state.model, state.optimizer, state.scaler, batch, n_micro, cfg.optimizer.clip_grad)
-            result[name][n_micro] = profile_iteration(state, batch, n_micro, cfg.optimizer.clip_grad)
+    if args.config:
+        runtime, counts = count_config_file(args.config, overrides, world)
+        result = {args.layouts: counts}
+    else:
+        names = args.layouts.split(",")
+        runtime = dtgpt.init_distributed(layout_config(names[0], world, 1))
+        result = {
+            name: {n: count_layout(layout_config(name, world, n), runtime, n, 100) for n in micro_counts(name, args.micro)}
+            for name in names
+        }
     with open(f"{args.out}.{runtime.rank}", "w") as f:
         json.dump(result, f)
     dtgpt.shutdown()

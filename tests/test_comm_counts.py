@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from dtgpt.config import padded_vocabulary
+from dtgpt.config import load_config, padded_vocabulary
+from dtgpt.data.tokenizer import build_tokenizer
 from dtgpt.plan.comm import CommLayout, rank_collectives, totals
 from tests.comm_counts import MODEL, layout_config
 from tests.runs import REPO
@@ -64,3 +65,21 @@ def test_fsdp_gradients_and_gathers_once_per_iteration(counted):
     few, many = (ranks[0][name][m] for m in ("1", "4"))
     assert few["all_gather"] == many["all_gather"] and few["reduce_scatter"] == many["reduce_scatter"]
     assert few["all_gather"][0] == MODEL["num_layers"] + 1  # a unit per block + the root unit
+
+
+def test_twin_counts_equal_the_formula(tmp_path):
+    """The 175B twin (fp16, pp2 x dp_shard2 x tp2 with SP, 8 micro-batches) on 8 ranks: the
+    formula the planner prints for configs/gpt3_175b.toml holds there rank by rank."""
+    twin = REPO / "configs" / "gpt3_175b_twin.toml"
+    out = tmp_path / "counts.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+           str(REPO / "tests" / "comm_counts.py"), "twin", "--config", str(twin), "--out", str(out),
+           f"--data.data_cache_path={tmp_path}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    cfg = load_config(str(twin), [])
+    layout = CommLayout.from_config(cfg, 8, padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size))
+    for rank in range(8):
+        measured = json.loads((tmp_path / f"counts.json.{rank}").read_text())["twin"]
+        assert measured == {"8": totals(rank_collectives(layout, rank // 4, 8))}, rank

@@ -300,3 +300,36 @@ def link_bytes(col: Collective, n: int) -> float:
         return 0.0
     factor = 2 * (n - 1) / n if col.kind == "all_reduce" else (n - 1) / n
     return col.bytes * factor
+
+
+NVLINK_GBPS = 300.0
+"""GB/s one GPU sends over NVLink within its node (A100 NVLink 3, per direction)."""
+INFINIBAND_GBPS = 25.0
+"""GB/s one GPU sends across nodes (one 200 Gb/s HDR InfiniBand adapter per GPU, as in
+Narayanan et al. 2021's A100 cluster)."""
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    pp_rank: int
+    sent_bytes: float
+    """sent per iteration (received is the same): tp over NVLink plus the rest over InfiniBand"""
+    nvlink_bytes: float
+    seconds: float
+    """if nothing overlapped with compute: nvlink_bytes / NVLink + the rest / InfiniBand"""
+
+
+def rank_traffic(
+    c: CommLayout, pp_rank: int, n_micro: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = INFINIBAND_GBPS
+) -> RankTraffic:
+    """What one rank at pipeline coordinate pp_rank moves per iteration: tp stays within the node
+    (innermost mesh dimension), pp and dp cross nodes."""
+    nvlink = other = 0.0
+    for col in rank_collectives(c, pp_rank, n_micro):
+        moved = link_bytes(col, group_size(c, col.dim))
+        if col.dim == "tp":
+            nvlink += moved
+        else:
+            other += moved
+    seconds = nvlink / (nvlink_gbps * 1e9) + other / (ib_gbps * 1e9)
+    return RankTraffic(pp_rank, nvlink + other, nvlink, seconds)

@@ -25,6 +25,7 @@ from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.model import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
+from dtgpt.plan import comm
 from dtgpt.plan import memory as pm
 from dtgpt.plan.ranks import BuiltRank, build_ranks
 from dtgpt.plan.report import layout_warnings
@@ -94,6 +95,8 @@ def plan_layout(
     *,
     tflops: float = 140.0,
     tokens: float = 300e9,
+    nvlink_gbps: float = comm.NVLINK_GBPS,
+    ib_gbps: float = comm.INFINIBAND_GBPS,
     gpu_memory_gib: float = 80.0,
     dp_ranks=(0,),
     all_ranks: bool = False,
@@ -157,6 +160,9 @@ def plan_layout(
         est_days=pm.training_seconds(tokens, hw_fpt, world_size, tflops) / pm.SECONDS_PER_DAY,
         tflops=tflops, tokens=tokens, gpu_memory_gib=gpu_memory_gib, ranks=ranks, builds=builds,
     )  # fmt: skip
+    layout = comm.CommLayout.from_config(cfg, world_size, padded)
+    plan.comm = [comm.rank_traffic(layout, r, micro, nvlink_gbps, ib_gbps) for r in range(dims.pp)]
+    plan.est_comm_s = max(t.seconds for t in plan.comm)
     if vocab_note:
         plan.notes.append(vocab_note)
     expected = num_parameters(m, padded)
