@@ -148,7 +148,7 @@ def count_layout(cfg, runtime, n_micro: int, vocab: int) -> dict[str, list[int]]
     return profile_iteration(state, batch, n_micro, clip, activation_bytes)
 
 
-def count_config_file(path: str, overrides: list[str], world: int) -> dict:
+def count_config_file(path: str, overrides: list[str]) -> tuple:
     """One config file's layout at its final global batch size."""
     cfg = load_config(path, overrides)
     runtime = dtgpt.init_distributed(cfg)
@@ -168,11 +168,11 @@ def main() -> None:
     parser.add_argument("layouts")
     parser.add_argument("--micro", default="1,4")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--config", help="count this config file's layout instead (named LAYOUTS)")
+    parser.add_argument("--config", help="count this config file's layout instead; the positional argument names it")
     args, overrides = parser.parse_known_args()
     world = int(os.environ["WORLD_SIZE"])
     if args.config:
-        runtime, counts = count_config_file(args.config, overrides, world)
+        runtime, counts = count_config_file(args.config, overrides)
         result = {args.layouts: counts}
     else:
         names = args.layouts.split(",")

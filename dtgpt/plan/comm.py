@@ -148,7 +148,7 @@ def gathered_numel(shapes: list[tuple[int, ...]], dp_shard: int) -> int:
 def fsdp_units(c: CommLayout, stage: int) -> list[tuple[str, list[tuple[int, ...]], bool]]:
     """(name, tp-local shapes, is root) of each FSDP unit of one stage, as apply_fsdp builds them."""
     first, last = stage == 0, stage == c.num_stages - 1
-    units = [(f"block", block_shapes(c), False)] * c.layer_counts[stage]
+    units = [("block", block_shapes(c), False)] * c.layer_counts[stage]
     if c.tied and first and last:  # the root keeps the shared weight, and with it the rest
         return units + [("root", embedding_shapes(c) + head_shapes(c, with_output=False), True)]
     if first:
