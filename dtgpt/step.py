@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtgpt.parallel.fsdp import set_micro_batch_sync
 from dtgpt.parallel.model_parts import IGNORE_INDEX, GlobalBatchLoss, ModelParts
 from dtgpt.timers import Timers
 
@@ -67,11 +68,13 @@ def forward_backward(
 def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     total = torch.zeros((), device=model.device)
     part = model.parts[0]
-    for tok, lab in zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches)):
+    for i, (tok, lab) in enumerate(zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches))):
         # The loss-parallel context must cover backward as well as forward.
         with model.compute_context():
             micro_loss = loss(part(tok), lab)
             if not forward_only:
+                last = i == num_microbatches - 1
+                set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
                 micro_loss.backward()
         total += _plain(micro_loss)
     return total
@@ -152,6 +155,7 @@ def train_step(
         local_loss = forward_backward(model, batch, num_microbatches, loss_scale=scaler.scale)
     timers("optimizer").start()
     with timers("grads-reduce-clip"):
+        model.reduce_pending_grads()
         model.sync_tied_grads()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         # Without fp16 there is nothing to unscale: a NaN/inf gradient shows in the norm below.

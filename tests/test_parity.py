@@ -26,6 +26,10 @@ MODEL_KEYS = ("--model.",)  # overrides that change the model itself: the refere
 LAYOUTS = {
     # name: (ranks, overrides, slow)
     "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"], False),
+    # one micro-batch per rank (above: 4, accumulated without gradient sync until the last)
+    "dp_shard2_one_micro": (2, ["--parallel.data_parallel_shard_size=2", "--training.micro_batch_size=4"], False),
+    # ZeRO-3 resharding: parameters re-gathered every micro-batch, gradients still reduced once
+    "dp_shard2_reshard_always": (2, ["--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"], True),
     "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
     "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
     # stages 1 and 2 hold neither the first nor the last stage: they read no batches

@@ -38,6 +38,12 @@ def num_pipeline_stages(cfg: Config) -> int:
     return p.pipeline_model_parallel_size * p.virtual_pipeline_stages_per_rank
 
 
+def fsdp_reshards_after_forward(cfg: Config) -> bool:
+    """Whether FSDP frees gathered parameters after each forward ('always'); by default they are
+    kept until the last micro-batch's backward, as Megatron's distributed optimizer keeps them."""
+    return cfg.parallel.fsdp_reshard_after_forward == "always"
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches
 

@@ -119,8 +119,10 @@ class ParallelConfig:
     """Explicit layer count per stage (pp * virtual entries); empty means an even split."""
     loss_parallel: bool = True
     """Under tp, cross-entropy on vocabulary-sharded logits (no full-logit gather)."""
-    fsdp_reshard_after_forward: str = "default"
-    """'default' (on without pp, off with pp), 'always' or 'never'."""
+    fsdp_reshard_after_forward: str = "never"
+    """'never' (= 'default', Megatron's distributed optimizer: each FSDP unit is all-gathered once
+    per iteration and kept through every micro-batch) or 'always' (ZeRO-3: re-gathered in each
+    micro-batch's forward and backward; less memory, 2 x micro-batches x the all-gathers)."""
 
 
 @dataclass

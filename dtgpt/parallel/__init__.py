@@ -12,7 +12,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dtgpt.config import Config
+from dtgpt.config import Config, fsdp_reshards_after_forward
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.fsdp import apply_fsdp
@@ -72,11 +72,10 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
     if cfg.training.compile:  # config validation allows it only without tp and pp
         apply_compile(model, per_block=dims.fsdp_enabled)
     if dims.fsdp_enabled:
-        reshard = cfg.parallel.fsdp_reshard_after_forward
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
-            reshard_after_forward=(not dims.pp_enabled) if reshard == "default" else reshard == "always",
+            reshard_after_forward=fsdp_reshards_after_forward(cfg),
         )
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -152,6 +151,7 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         device=device,
         schedules=schedules,
         autocast_dtype=compute_dtype(cfg),  # at every dp: one precision regime (parallel/fsdp.py)
+        fsdp_reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dtgpt.model import GPT
 
@@ -49,3 +49,18 @@ def apply_fsdp(
             fully_shard(head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root unit holds what is left (the tied weight); its forward ends the step anyway.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def set_micro_batch_sync(model: torch.nn.Module, *, last: bool, reshard_every_micro_batch: bool) -> None:
+    """Before one micro-batch's backward: reduce-scatter gradients only after the last one.
+
+    Earlier micro-batches accumulate unsharded gradients locally, so each unit's gradients cross
+    the network once per iteration (as Megatron's distributed optimizer reduces them), and its
+    gathered parameters stay for the next micro-batch unless memory asks for resharding.
+    torch.distributed.pipelining's stage does the same for FSDP stages itself.
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    model.set_is_last_backward(last)
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last or reshard_every_micro_batch)

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
-from dtgpt.parallel.tied import check_tied_copies, sync_tied_grads, tied_pair_on_rank
+from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_tied_grads, tied_pair_on_rank
 
 IGNORE_INDEX = -100
 
@@ -70,6 +70,9 @@ class ModelParts:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     rng: ModelParallelRNG | None = None
     """The model-parallel dropout stream (under tp; dtgpt.parallel.rng)."""
+    fsdp_reshard_every_micro_batch: bool = False
+    """parallel.fsdp_reshard_after_forward='always': free gathered parameters after each
+    micro-batch's backward too; otherwise they stay gathered until the last one."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -113,6 +116,18 @@ class ModelParts:
         if self.loss_parallel:
             stack.enter_context(loss_parallel())
         return stack
+
+    @torch.no_grad()
+    def reduce_pending_grads(self) -> None:
+        """All-reduce, once, the gradients DTensor left as pending sums (Partial over tp).
+
+        Under sequence parallelism the replicated norm weights see a different sequence chunk
+        on each tp rank; left Partial, every optimizer op that reads such a gradient (norm,
+        clip, each Adam update) would all-reduce it again.
+        """
+        for param in self.parameters():
+            if param.grad is not None:
+                align_grad_placement(param)
 
     def sync_tied_grads(self) -> None:
         if self.dims.pp_enabled:

@@ -36,6 +36,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*tp, dp_shard -1 as 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tflops", type=float, default=140.0, help="achieved TFLOP/s per GPU (default 140)")
+    parser.add_argument("--nvlink-gbps", type=float, default=300.0, help="GB/s a GPU sends within a node, for tp (default 300)")
+    parser.add_argument("--ib-gbps", type=float, default=25.0, help="GB/s a GPU sends across nodes, for pp and dp (default 25)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
     parser.add_argument("--tokens", type=float, default=300e9, help="tokens to train, for the time (default 300e9)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a rank does not fit in --gpu-memory-gib")
@@ -49,6 +51,7 @@ def cli(argv: list[str]) -> int:
         return 2
     code = main(
         cfg, args.world_size, as_json=args.json, tflops=args.tflops, tokens=args.tokens,
-        gpu_memory_gib=args.gpu_memory_gib, all_ranks=args.all_ranks,
+        gpu_memory_gib=args.gpu_memory_gib, all_ranks=args.all_ranks, nvlink_gbps=args.nvlink_gbps,
+        ib_gbps=args.ib_gbps,
     )  # fmt: skip
     return code if args.check or code == 2 else 0

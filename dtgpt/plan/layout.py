@@ -13,11 +13,19 @@ import json
 import os
 from dataclasses import asdict
 
-from dtgpt.config import Config, ConfigError, num_microbatches, padded_vocabulary, validate
+from dtgpt.config import (
+    Config,
+    ConfigError,
+    fsdp_reshards_after_forward,
+    num_microbatches,
+    padded_vocabulary,
+    validate,
+)
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.model import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
+from dtgpt.plan import comm
 from dtgpt.plan import memory as pm
 from dtgpt.plan.ranks import BuiltRank, build_ranks
 from dtgpt.plan.report import layout_warnings
@@ -87,6 +95,8 @@ def plan_layout(
     *,
     tflops: float = 140.0,
     tokens: float = 300e9,
+    nvlink_gbps: float = comm.NVLINK_GBPS,
+    ib_gbps: float = comm.INFINIBAND_GBPS,
     gpu_memory_gib: float = 80.0,
     dp_ranks=(0,),
     all_ranks: bool = False,
@@ -105,8 +115,7 @@ def plan_layout(
     v = p.virtual_pipeline_stages_per_rank
     batches = BatchSizeSchedule(t)
     micro, micro0 = (num_microbatches(cfg, dims.dp, size) for size in (batches.final, batches.start))
-    reshard_mode = p.fsdp_reshard_after_forward
-    reshard = (not dims.pp_enabled) if reshard_mode == "default" else reshard_mode == "always"  # as parallelize()
+    reshard = fsdp_reshards_after_forward(cfg)
     shape = pm.ActivationShape(
         m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded, dims.tp,
         p.sequence_parallel, bytes_scale=1.0 if low else 2.0,
@@ -117,7 +126,7 @@ def plan_layout(
     for rank, (pp_rank, dp_rank, tp_rank), b, built_as in built_ranks:
         states = pm.state_bytes(
             b.local, b.gathered, b.largest_unit, low_precision=low, fsdp=dims.fsdp_enabled,
-            pipelined=dims.pp_enabled, reshard_after_forward=reshard,
+            pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
         )  # fmt: skip
         in_flight = pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), micro)
         chunk, working = _activation_bytes(b, shape, compute_bytes)
@@ -151,6 +160,9 @@ def plan_layout(
         est_days=pm.training_seconds(tokens, hw_fpt, world_size, tflops) / pm.SECONDS_PER_DAY,
         tflops=tflops, tokens=tokens, gpu_memory_gib=gpu_memory_gib, ranks=ranks, builds=builds,
     )  # fmt: skip
+    layout = comm.CommLayout.from_config(cfg, world_size, padded)
+    plan.comm = [comm.rank_traffic(layout, r, micro, nvlink_gbps, ib_gbps) for r in range(dims.pp)]
+    plan.est_comm_s = max(t.seconds for t in plan.comm)
     if vocab_note:
         plan.notes.append(vocab_note)
     expected = num_parameters(m, padded)

@@ -122,6 +122,7 @@ def state_bytes(
     fsdp: bool,
     pipelined: bool,
     reshard_after_forward: bool,
+    accumulates: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, compute copies, gradients and Adam m, v on one rank.
 
@@ -133,18 +134,18 @@ def state_bytes(
     weight for the whole forward-backward, with or without FSDP (one precision regime at every
     dp, see dtgpt/parallel/fsdp.py). With FSDP the fp32 parameters, gradients and Adam state are
     dp shards, gathered in fp32 per unit: about two units at a time (the running one and the
-    prefetched one) when units reshard after forward, all of them otherwise. Under pipelining every unit also stays gathered after backward and its
-    gradient stays unsharded, accumulated in fp32 over the micro-batches, until the last
-    micro-batch's reduce-scatter (torch.distributed.pipelining turns gradient sync off before).
+    prefetched one) when units reshard after forward, all of them otherwise. With more than one micro-batch per iteration (`accumulates`), and
+    always under pipelining, every unit's gradient stays unsharded, accumulated in fp32 over the
+    micro-batches, until the last micro-batch's one reduce-scatter (gradient sync is off before).
     """
     casts = 2 * unsharded_params if low_precision else 0
     if not fsdp:
         return StateBytes(params=4 * local_params, copies=casts, grads=4 * local_params, adam=8 * local_params)
     gathered = unsharded_params if pipelined or not reshard_after_forward else 2 * largest_unit
     copies = 4 * gathered + casts
-    # Unsharded fp32 gradients: all of the stage's under pp, else one unit's (the gradient and
-    # the buffer it is reduce-scattered from).
-    unsharded_grads = 4 * unsharded_params if pipelined else 8 * largest_unit
+    # Unsharded fp32 gradients: all of them while accumulating (always under pp), else one unit's
+    # (the gradient and the buffer it is reduce-scattered from).
+    unsharded_grads = 4 * unsharded_params if pipelined or accumulates else 8 * largest_unit
     return StateBytes(
         params=4 * local_params, copies=copies, grads=4 * local_params + unsharded_grads, adam=8 * local_params
     )

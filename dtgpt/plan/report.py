@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtgpt.config import MULTI_STAGE_SCHEDULES, Config, TrainingConfig
+from dtgpt.config import MULTI_STAGE_SCHEDULES, Config, TrainingConfig, fsdp_reshards_after_forward
 from dtgpt.plan.results import Plan, RankPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,8 +37,9 @@ def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
         knobs.append("more parallel.tensor_model_parallel_size (1F1B's first stage keeps pp micro-batches of "
                      "L/pp layers, so more pp alone does not help it)")  # fmt: skip
         return knobs
-    if term == "copies" and dims.fsdp_enabled and dims.pp_enabled:
-        return ["parallel.fsdp_reshard_after_forward='always' (with pp every gathered stage is kept for backward)"]
+    if term == "copies" and dims.fsdp_enabled and not fsdp_reshards_after_forward(cfg):
+        return ["parallel.fsdp_reshard_after_forward='always' (ZeRO-3: parameters re-gathered in every "
+                "micro-batch instead of kept gathered through the iteration)"]  # fmt: skip
     return [
         "more parallel.tensor_model_parallel_size or parallel.pipeline_model_parallel_size (fewer parameters per GPU)",
         "parallel.data_parallel_shard_size > 1 (FSDP shards parameters, gradients and Adam state over dp)",
@@ -116,6 +117,27 @@ def _recompute_text(t: TrainingConfig) -> str:
     return t.recompute_granularity or "none"
 
 
+def _comm_lines(plan: Plan) -> list[str]:
+    """Bytes each rank sends (and receives) per iteration, per pp rank when they differ."""
+    iterations = plan.est_days * 86400 / plan.est_iteration_s if plan.est_iteration_s else 0
+    with_comm = (plan.est_iteration_s + plan.est_comm_s) * iterations / 86400
+    lines = []
+    for t in plan.comm:
+        lines.append(
+            f"comm       pp rank {t.pp_rank}: sends and receives {t.sent_bytes / 1e9:.3g} GB per iteration "
+            f"({t.nvlink_bytes / 1e9:.3g} GB tp over NVLink, {(t.sent_bytes - t.nvlink_bytes) / 1e9:.3g} GB pp/dp "
+            f"over InfiniBand): {t.seconds:.2f} s"
+        )
+    if len(lines) > 4:  # the 175B layout has 16 pp ranks: first, a middle one, last
+        lines = [lines[0], lines[len(lines) // 2], lines[-1]]
+    if lines:
+        lines.append(
+            f"comm       not overlapped with compute: {plan.est_iteration_s + plan.est_comm_s:.2f} s per iteration, "
+            f"{with_comm:.1f} days (the bound; overlapped fully: the compute time above)"
+        )
+    return lines
+
+
 def format_plan(cfg: Config, plan: Plan) -> str:
     m, t, p = cfg.model, cfg.training, cfg.parallel
     mesh = plan.mesh
@@ -134,6 +156,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"recomputation), {plan.flops_per_iteration:.3e} FLOP per iteration of {plan.tokens_per_iteration:,} tokens",
         f"time       at {plan.tflops:g} TFLOP/s per GPU: {plan.est_iteration_s:.2f} s per iteration, "
         f"{plan.est_days:.1f} days for {plan.tokens / 1e9:g}B tokens",
+        *_comm_lines(plan),
         "",
         f"memory per GPU in GiB (limit {plan.gpu_memory_gib:g}); 'acts': activations of N micro-batches in flight",
         f"{'pp':>3} {'dp':>3} {'tp':>5} {'stage':>6} {'layers':>7} {'local params':>15} {'params':>7} {'copies':>7} "

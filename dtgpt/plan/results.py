@@ -68,6 +68,10 @@ class Plan:
     gpu_memory_gib: float
     ranks: list[RankPlan]
     builds: int
+    comm: list = field(default_factory=list)
+    """dtgpt.plan.comm.RankTraffic per pp rank: bytes each rank sends per iteration, and their time."""
+    est_comm_s: float = 0.0
+    """the slowest pp rank's communication time per iteration, not overlapped with compute"""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 

@@ -1,0 +1,345 @@
+"""The communication model: every collective one rank runs in one training iteration.
+
+One formula per collective, written once, used by the planner (bytes and time for the 175B
+layout) and checked by tests/test_comm_counts.py against the collectives a profiler counts on
+real gloo ranks. docs/performance.md states the same formulas in words.
+
+Sizes are *message* bytes: the whole tensor a collective produces or consumes (an all-gather's
+output, a reduce-scatter's input, an all-reduce's or a send's tensor), as nccl-tests reports
+"size". `link_bytes` turns them into what a ring moves per rank.
+
+With b the micro-batch size, s the sequence length, h the hidden size, n the micro-batches per
+iteration, e the compute bytes (2 in fp16/bf16, 4 in fp32), per rank and iteration:
+
+  FSDP (dp > 1)  per unit: 1 all-gather of its gathered parameters (e bytes each) and 1
+                 reduce-scatter of its gradients (fp32), HSDP adds 1 all-reduce of the fp32
+                 shard over dp_replicate. Once per iteration: gradient sync is off and the
+                 parameters stay gathered until the last micro-batch ('always' resharding:
+                 2 all-gathers per unit per micro-batch, the root unit's 1).
+  TP  per block per micro-batch: without SP 2 all-reduces forward and 2 backward; with SP 2
+                 all-gathers and 2 reduce-scatters each way; all of b·s·h·e. The embedding adds
+                 an all-reduce forward (and with SP an all-gather backward), the head an
+                 all-reduce backward (SP: an all-gather forward, a reduce-scatter backward),
+                 the vocabulary-parallel loss 3 all-reduces of b·s fp32 (max, sum of exp, the
+                 target logit). With SP each replicated norm weight's gradient: 1 all-reduce of
+                 h fp32 per iteration.
+  PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward, the
+                 same backward, except where the stage is the first or the last.
+  per iteration  the split tied embedding: 1 all-reduce of its local fp32 gradient on the
+                 first and last stage; the gradient norm: 1 all-reduce of one fp32 per
+                 parameter tensor (when they are DTensors) and 1 of a scalar over pp; the loss:
+                 its token count over dp (last stage) and the loss over dp and pp; the fp16
+                 overflow flag: 1 scalar all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from dtgpt.config import Config, fsdp_reshards_after_forward, mesh_shape
+from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    dim: str
+    """the mesh dimension it runs over: tp, pp, dp, dp_shard, dp_replicate, tied, world"""
+    what: str
+    count: int
+    message_bytes: int
+    """bytes of one call's message"""
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.message_bytes
+
+
+@dataclass(frozen=True)
+class CommLayout:
+    """What the formulas need: the model, the mesh and the precision of one config."""
+
+    num_layers: int
+    hidden: int
+    ffn: int
+    seq: int
+    micro_batch: int
+    vocab: int
+    """padded vocabulary"""
+    positions: int
+    """learned position rows (0 with RoPE)"""
+    norm_params: int
+    """tensors per norm: 2 for LayerNorm (weight, bias), 1 for RMSNorm"""
+    tied: bool
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    stages_per_rank: int
+    schedule: str
+    compute_bytes: int
+    fp16: bool
+    reshard_every_micro_batch: bool
+    layer_counts: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
+        m, t, p = cfg.model, cfg.training, cfg.parallel
+        pp, dpr, dps, tp = mesh_shape(cfg, world_size)
+        return cls(
+            num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_size, seq=m.seq_length,
+            micro_batch=t.micro_batch_size, vocab=vocab,
+            positions=m.max_positions if m.position_embedding_type == "learned_absolute" else 0,
+            norm_params=1 if m.normalization == "RMSNorm" else 2, tied=not m.untie_embeddings_and_output_weights,
+            pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp, sequence_parallel=p.sequence_parallel and tp > 1,
+            loss_parallel=p.loss_parallel, stages_per_rank=p.virtual_pipeline_stages_per_rank,
+            schedule=p.pipeline_schedule, compute_bytes=2 if (t.fp16 or t.bf16) else 4, fp16=t.fp16,
+            reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
+            layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
+        )  # fmt: skip
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_counts)
+
+
+# -- parameters: tp-local shapes, padded for FSDP ----------------------------------------------
+
+
+def block_shapes(c: CommLayout) -> list[tuple[int, ...]]:
+    """One block's tp-local parameter shapes (column-parallel split on dim 0, row on dim 1)."""
+    h, f, tp = c.hidden, c.ffn, c.tp
+    norm = [(h,)] * c.norm_params
+    attention = [(3 * h // tp, h), (3 * h // tp,), (h, h // tp), (h,)]
+    mlp = [(f // tp, h), (f // tp,), (h, f // tp), (h,)]
+    return norm + attention + norm + mlp
+
+
+def embedding_shapes(c: CommLayout) -> list[tuple[int, ...]]:
+    return [(c.vocab // c.tp, c.hidden)] + ([(c.positions, c.hidden)] if c.positions else [])
+
+
+def head_shapes(c: CommLayout, *, with_output: bool) -> list[tuple[int, ...]]:
+    return [(c.hidden,)] * c.norm_params + ([(c.vocab // c.tp, c.hidden)] if with_output else [])
+
+
+def gathered_numel(shapes: list[tuple[int, ...]], dp_shard: int) -> int:
+    """Elements FSDP gathers: each tensor's dim 0 padded up to a multiple of dp_shard."""
+    total = 0
+    for shape in shapes:
+        rows = -(-shape[0] // dp_shard) * dp_shard
+        rest = 1
+        for d in shape[1:]:
+            rest *= d
+        total += rows * rest
+    return total
+
+
+def fsdp_units(c: CommLayout, stage: int) -> list[tuple[str, list[tuple[int, ...]], bool]]:
+    """(name, tp-local shapes, is root) of each FSDP unit of one stage, as apply_fsdp builds them."""
+    first, last = stage == 0, stage == c.num_stages - 1
+    units = [("block", block_shapes(c), False)] * c.layer_counts[stage]
+    if c.tied and first and last:  # the root keeps the shared weight, and with it the rest
+        return units + [("root", embedding_shapes(c) + head_shapes(c, with_output=False), True)]
+    if first:
+        units.append(("embedding", embedding_shapes(c), False))
+    if last:
+        units.append(("head", head_shapes(c, with_output=True), False))
+    return units  # the root unit holds no parameters of its own: no collective
+
+
+# -- the collectives ---------------------------------------------------------------------------
+
+
+def rank_stages(c: CommLayout, pp_rank: int) -> list[int]:
+    return stage_ids_on_rank(pp_rank, c.pp, c.stages_per_rank, c.schedule) if c.pp > 1 else [0]
+
+
+def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
+    if c.dp == 1:
+        return []
+    out = []
+    for stage in stages:
+        for name, shapes, root in fsdp_units(c, stage):
+            numel = gathered_numel(shapes, c.dp_shard)
+            gathers = 1
+            if c.reshard_every_micro_batch and c.pp == 1:
+                gathers = n_micro if root else 2 * n_micro
+            # fp32: FSDP gathers the master weights; autocast casts them (dtgpt/parallel/fsdp.py)
+            out.append(Collective("all_gather", "dp_shard", f"fsdp {name} params", gathers, numel * FP32))
+            out.append(Collective("reduce_scatter", "dp_shard", f"fsdp {name} grads", 1, numel * FP32))
+            if c.dp_replicate > 1:
+                out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, numel // c.dp_shard * FP32))
+    return out
+
+
+def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
+    """Under autocast (one precision regime at every dp) the residual stream, the embedding output
+    and the norm outputs stay fp32, and so do their gradients; only matmul outputs (and their
+    gradients) are in the compute dtype."""
+    if c.tp == 1:
+        return []
+    act = c.micro_batch * c.seq * c.hidden * c.compute_bytes  # a matmul output
+    residual = c.micro_batch * c.seq * c.hidden * FP32  # a norm or embedding output
+    blocks = sum(c.layer_counts[s] for s in stages)
+    first = 0 in stages
+    last = c.num_stages - 1 in stages
+    sublayers = 2 * blocks * n_micro
+    out = []
+    if c.sequence_parallel:
+        out += [Collective("all_gather", "tp", "sp norm outputs fwd", sublayers, residual),
+                Collective("all_gather", "tp", "sp output grads bwd", sublayers, act),
+                Collective("reduce_scatter", "tp", "sp block outputs fwd", sublayers, act),
+                Collective("reduce_scatter", "tp", "sp norm output grads bwd", sublayers, residual)]  # fmt: skip
+        norms = (2 * blocks + (1 if last else 0)) * c.norm_params
+        out.append(Collective("all_reduce", "tp", "sp norm weight grads", norms, c.hidden * FP32))
+    else:
+        out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
+                Collective("all_reduce", "tp", "norm output grads bwd", sublayers, residual)]  # fmt: skip
+    if first:
+        out.append(Collective("all_reduce", "tp", "vocab-parallel embedding fwd", n_micro, residual))
+        if c.sequence_parallel:
+            out.append(Collective("all_gather", "tp", "embedding grad bwd", n_micro, residual))
+    if last:
+        if c.sequence_parallel:
+            out += [Collective("all_gather", "tp", "head input fwd", n_micro, residual),
+                    Collective("reduce_scatter", "tp", "head input grad bwd", n_micro, residual)]  # fmt: skip
+        else:
+            out.append(Collective("all_reduce", "tp", "head input grad bwd", n_micro, residual))
+        if c.loss_parallel:
+            tokens = c.micro_batch * c.seq * FP32
+            out.append(Collective("all_reduce", "tp", "vocab-parallel loss", 3 * n_micro, tokens))
+        else:
+            logits = c.micro_batch * c.seq * c.vocab * FP32
+            out.append(Collective("all_gather", "tp", "logits fwd", n_micro, logits))
+    return out
+
+
+def pp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
+    """Stages pass the residual stream (fp32 under autocast) forward and its gradient back."""
+    if c.pp == 1:
+        return []
+    seq = c.seq // c.tp if c.sequence_parallel else c.seq
+    act = c.micro_batch * seq * c.hidden * FP32
+    not_last = sum(1 for s in stages if s != c.num_stages - 1)
+    not_first = sum(1 for s in stages if s != 0)
+    return [
+        Collective("send", "pp", "activations fwd + grads bwd", n_micro * (not_last + not_first), act),
+        Collective("recv", "pp", "activations fwd + grads bwd", n_micro * (not_first + not_last), act),
+    ]
+
+
+def norm_tensors(c: CommLayout, stages: list[int]) -> int:
+    """Parameter tensors counted in the gradient norm (the split tied copy once)."""
+    count = 0
+    for stage in stages:
+        first, last = stage == 0, stage == c.num_stages - 1
+        count += c.layer_counts[stage] * len(block_shapes(c))
+        count += len(embedding_shapes(c)) if first else 0
+        count += len(head_shapes(c, with_output=not c.tied)) if last else 0
+    return count
+
+
+def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
+    """Once per iteration: tied gradients, gradient norm, loss and overflow agreements."""
+    first, last = 0 in stages, c.num_stages - 1 in stages
+    out = []
+    if c.pp > 1 and c.tied and first != last:
+        rows = -(-(c.vocab // c.tp) // c.dp_shard) if c.dp > 1 else c.vocab // c.tp
+        out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * FP32))
+    if c.tp > 1 or c.dp > 1:  # DTensor gradients: one all-reduce of the per-tensor norms
+        out.append(Collective("all_reduce", "dp_shard_tp", "grad norm", 1, norm_tensors(c, stages) * FP32))
+    if c.pp > 1:
+        out.append(Collective("all_reduce", "pp", "grad norm over stages", 1, FP32))
+    if last and c.dp > 1:
+        out.append(Collective("all_reduce", "dp", "loss tokens", 1, FP32))
+    loss_dims = (c.dp > 1) + (c.pp > 1)
+    if loss_dims:
+        out.append(Collective("all_reduce", "dp,pp", "loss", loss_dims, FP32))
+    if c.fp16:
+        out.append(Collective("all_reduce", "world", "fp16 overflow", 1, FP32))
+    return out
+
+
+def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collective]:
+    """Every collective a rank at pipeline coordinate pp_rank runs in one iteration."""
+    stages = rank_stages(c, pp_rank)
+    return (
+        fsdp_collectives(c, stages, n_micro)
+        + tp_collectives(c, stages, n_micro)
+        + pp_collectives(c, stages, n_micro)
+        + step_collectives(c, stages)
+    )
+
+
+def totals(collectives: list[Collective]) -> dict[str, list[int]]:
+    """{kind: [count, message bytes]} (the form the profiler count takes)."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for col in collectives:
+        if col.count:
+            out[col.kind][0] += col.count
+            out[col.kind][1] += col.bytes
+    return dict(out)
+
+
+# -- what crosses the links --------------------------------------------------------------------
+
+
+def group_size(c: CommLayout, dim: str) -> int:
+    sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "dp_shard": c.dp_shard, "dp_replicate": c.dp_replicate,
+             "dp_shard_tp": c.dp_shard * c.tp, "tied": 2, "world": c.pp * c.dp * c.tp, "dp,pp": 2}  # fmt: skip
+    return sizes[dim]
+
+
+def link_bytes(col: Collective, n: int) -> float:
+    """Bytes one rank sends (and receives) for `col` in a ring of n ranks: (n-1)/n of the
+    message for all-gather and reduce-scatter, twice that for all-reduce, all of it for a send."""
+    if col.kind in ("send", "recv"):
+        return col.bytes
+    if n <= 1:
+        return 0.0
+    factor = 2 * (n - 1) / n if col.kind == "all_reduce" else (n - 1) / n
+    return col.bytes * factor
+
+
+NVLINK_GBPS = 300.0
+"""GB/s one GPU sends over NVLink within its node (A100 NVLink 3, per direction)."""
+INFINIBAND_GBPS = 25.0
+"""GB/s one GPU sends across nodes (one 200 Gb/s HDR InfiniBand adapter per GPU, as in
+Narayanan et al. 2021's A100 cluster)."""
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    pp_rank: int
+    sent_bytes: float
+    """sent per iteration (received is the same): tp over NVLink plus the rest over InfiniBand"""
+    nvlink_bytes: float
+    seconds: float
+    """if nothing overlapped with compute: nvlink_bytes / NVLink + the rest / InfiniBand"""
+
+
+def rank_traffic(
+    c: CommLayout, pp_rank: int, n_micro: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = INFINIBAND_GBPS
+) -> RankTraffic:
+    """What one rank at pipeline coordinate pp_rank moves per iteration: tp stays within the node
+    (innermost mesh dimension), pp and dp cross nodes."""
+    nvlink = other = 0.0
+    for col in rank_collectives(c, pp_rank, n_micro):
+        moved = link_bytes(col, group_size(c, col.dim))
+        if col.dim == "tp":
+            nvlink += moved
+        else:
+            other += moved
+    seconds = nvlink / (nvlink_gbps * 1e9) + other / (ib_gbps * 1e9)
+    return RankTraffic(pp_rank, nvlink + other, nvlink, seconds)
