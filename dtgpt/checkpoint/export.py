@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.checkpoint.state import extra_problem, flat_keys, shape_problem
 from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
@@ -54,19 +54,16 @@ def read_config(directory: Path, config_path: str | None = None) -> Config:
 
 
 def read_sections(directory: Path, sections: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """Every stored value of the chosen sections (all when None) as full tensors / objects:
-    {"model": {fqn: tensor}, "optimizer": {"state.<fqn>.exp_avg": tensor}, "train_state": {...}}."""
+    """Every stored tensor of the chosen sections (all when None), full size:
+    {"model": {fqn: tensor}, "optimizer": {"state.<fqn>.exp_avg": tensor}, "train_state": {...}}.
+    A checkpoint holding anything but tensors is refused (layout.read_metadata)."""
     metadata = layout.read_metadata(directory)
     flat: dict[str, object] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        if sections is not None and key.split(".", 1)[0] not in sections:
-            continue
-        if isinstance(entry, TensorStorageMetadata):
+        if sections is None or key.split(".", 1)[0] in sections:
             flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        else:
-            flat[key] = None  # a pickled object; DCP replaces the placeholder
     with layout.single_process():
-        dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
+        dcp.load(flat, checkpoint_id=str(directory), storage_reader=SafeReader(directory), no_dist=True)
     nested: dict[str, dict] = {}
     for key, value in flat.items():
         section, name = key.split(".", 1)
@@ -92,7 +89,7 @@ def load_model(directory: Path, cfg: Config) -> GPT:
     if problem:
         raise CheckpointError(f"checkpoint {directory} does not fit the config's model: {problem}")
     with layout.single_process():
-        dcp.load({"model": state}, checkpoint_id=str(directory), no_dist=True)
+        dcp.load({"model": state}, checkpoint_id=str(directory), storage_reader=SafeReader(directory), no_dist=True)
     model.load_state_dict(state, strict=False)  # state aliases the parameters; this is a no-op copy
     return model
 
@@ -113,7 +110,7 @@ def write_checkpoint(
     layout.write_atomic(directory / layout.CONFIG, to_toml(cfg))
     consumed = int(sections.get("train_state", {}).get("consumed_samples", 0))
     layout.write_marker(directory, {
-        "format": "dtgpt-dcp-1", "iteration": iteration, "consumed_samples": consumed, "mesh": mesh,
+        "format": layout.FORMAT, "iteration": iteration, "consumed_samples": consumed, "mesh": mesh,
         "tied": tied, "time": time.time(), "converted_from": source,
     })  # fmt: skip
     layout.write_pointer(root, iteration)
