@@ -99,7 +99,11 @@ def write_checkpoint(
 ) -> Path:
     """Write `sections` as a complete DCP checkpoint under root (directory, config, marker, pointer)."""
     directory = layout.iteration_dir(root, iteration)
-    directory.mkdir(parents=True, exist_ok=True)
+    _refuse_existing(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {directory}: {e.strerror}") from None
     model = sections.get("model", {})
     tied = not cfg.model.untie_embeddings_and_output_weights
     if tied and OUTPUT_WEIGHT in model:  # stored once, as training stores it
@@ -115,6 +119,12 @@ def write_checkpoint(
     })  # fmt: skip
     layout.write_pointer(root, iteration)
     return directory
+
+
+def _refuse_existing(directory: Path) -> None:
+    """A conversion never replaces a checkpoint, complete or not."""
+    if (directory / layout.DCP_METADATA).exists() or (directory / layout.MARKER).exists():
+        raise CheckpointError(f"{directory} already holds a checkpoint; convert into a new directory or pass another --iteration")
 
 
 def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) -> None:
@@ -179,6 +189,7 @@ def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int
         apply_override(cfg, f"model.{key}", str(value))
     cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
     directory = layout.iteration_dir(root, iteration)
+    _refuse_existing(directory)
     found = hf_tokenizer.recognise(src, keep_in=directory) or {}
     if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
         cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train

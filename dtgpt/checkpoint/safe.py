@@ -28,13 +28,18 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_PLAIN = {
-    ("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool")
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    )
 } | {
-    ("collections", "OrderedDict"), ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
-}  # fmt: skip
+} | {("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool")}
+"""Exact (module, name) pairs: a module prefix would not do, pickle resolves dotted names
+("torch.distributed.checkpoint.filesystem", "os.system") through the module's imports."""
 _CHUNK = 1 << 22
 
 
@@ -44,10 +49,8 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            (module, name) in _PLAIN
-            or (module in _DCP_MODULES and not name.startswith("__"))
-            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)))
+        allowed = (module, name) in _ALLOWED or (
+            module == "torch" and "." not in name and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
         )
         if not allowed:
             raise UnsafeCheckpointError(f"it names {module}.{name}, which is not DCP metadata")

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dtgpt.data.cache import build_once, description_hash, load_npy, save_npy
+from dtgpt.config.sections import ConfigError
+from dtgpt.data.cache import build_once, description_hash, is_cached, load_npy, save_npy
 
 
 def parse_blend(data_path: Sequence[str], key: str = "data.data_path") -> tuple[list[str], Optional[list[float]]]:
@@ -23,7 +24,7 @@ def parse_blend(data_path: Sequence[str], key: str = "data.data_path") -> tuple[
     """
     items = [word for entry in data_path for word in str(entry).split()]
     if not items:
-        raise ValueError(f"{key} is empty")
+        raise ConfigError(f"{key} is empty")
 
     def is_number(s: str) -> bool:
         try:
@@ -36,10 +37,10 @@ def parse_blend(data_path: Sequence[str], key: str = "data.data_path") -> tuple[
         return items, None
     if not (len(items) % 2 == 0 and all(is_number(s) for s in items[0::2])
             and not any(is_number(s) for s in items[1::2])):
-        raise ValueError(f"{key}={list(data_path)!r} must be prefixes, or weight/prefix pairs like ['0.3', 'a', '0.7', 'b']")
+        raise ConfigError(f"{key}={list(data_path)!r} must be prefixes, or weight/prefix pairs like ['0.3', 'a', '0.7', 'b']")
     weights = [float(s) for s in items[0::2]]
     if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"{key}={list(data_path)!r}: weights must be finite, >= 0, with a positive sum")
+        raise ConfigError(f"{key}={list(data_path)!r}: weights must be finite, >= 0, with a positive sum")
     kept = [(p, w) for p, w in zip(items[1::2], weights) if w > 0]
     return [p for p, _ in kept], [w for _, w in kept]
 
@@ -103,7 +104,7 @@ class BlendedDataset:
                 for path, array in zip(self._paths, build_blending_indices(self.weights, size, order)):
                     save_npy(path, array)
 
-            build_once(lambda: all(os.path.isfile(p) for p in self._paths), build)
+            build_once(lambda: is_cached(self._paths), build)
             self._set_arrays(*(load_npy(p) for p in self._paths))
         self._check_not_dry()
 
