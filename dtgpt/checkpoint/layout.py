@@ -228,8 +228,9 @@ def resolve(
     load_iteration > 0 names one directory, which must be complete. Otherwise the pointer is
     followed; when it is missing or names a partial directory, the newest complete one is used
     instead, with a warning. With no checkpoint at all: start fresh when `fresh_ok` (root is
-    also the save directory, or auto_resume), else raise. With iter_* directories none of which
-    is complete, always raise: starting fresh would let the new run's saves replace them.
+    also the save directory, or auto_resume), else raise. When a directory that was once
+    completed (it has a marker) no longer loads, always raise: starting fresh would let the new
+    run's saves replace it. Directories of saves that never finished do not count.
     """
     def why_not(iteration: int) -> str | None:
         return problem(iteration_dir(root, iteration), trust_pickles=trust_pickles)
@@ -262,13 +263,14 @@ def resolve(
             warnings.append(f"falling back to {iteration_dir(root, iteration)}")
             return Resolved(iteration_dir(root, iteration), iteration, warnings)
         warnings.append(f"skipping partial checkpoint {iteration_dir(root, iteration)}: {why}")
-    if candidates:
+    sealed = [i for i in candidates if (iteration_dir(root, i) / MARKER).exists()]
+    if sealed:
         raise CheckpointError(
-            f"checkpoint.load={root} holds {len(candidates)} iter_* directories but none loads "
+            f"checkpoint.load={root}: none of its completed checkpoints (iterations {sealed}) loads now "
             f"(newest {newest_why}); refusing to start from scratch over them: "
             "fix or move them, or point checkpoint.save and checkpoint.load elsewhere"
         )
-    note = f"checkpoint.load={root} holds no complete checkpoint (no {POINTER}, no iter_* directory)"
+    note = f"checkpoint.load={root} holds no complete checkpoint (no {POINTER}, no completed iter_* directory)"
     if not fresh_ok:
         raise CheckpointError(note + "; " + fix)
     return Resolved(None, 0, warnings, note)

@@ -1,4 +1,5 @@
-"""One run at a time per save directory: an advisory lock that rank 0 holds for the whole run.
+"""One run per save directory, and only into a directory it may write: an advisory lock that
+rank 0 holds for the whole run, and the refusal to save over another run's checkpoints.
 
 Two runs saving into one directory would replace each other's checkpoints (and one
 directory could mix the files of both). `fcntl.flock` is released by the kernel when the
@@ -14,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.layout import CheckpointError, list_iterations
 
 LOCK = ".lock"
 
@@ -44,3 +45,25 @@ class SaveDirLock:
         if not self._file.closed:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
+
+
+def claim_save_dir(directory: str, run_id: str) -> SaveDirLock:
+    """Create checkpoint.save (when missing) and lock it for this run (rank 0 calls this)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.save={directory} cannot be created: {e.strerror}") from None
+    if not os.access(directory, os.W_OK):
+        raise CheckpointError(f"checkpoint.save={directory} is not writable")
+    return SaveDirLock(directory, run_id)
+
+
+def refuse_foreign_checkpoints(directory: str) -> None:
+    """For a run that did not load from `directory`: its saves could replace the checkpoints there."""
+    found = list_iterations(directory)
+    if found:
+        raise CheckpointError(
+            f"checkpoint.save={directory} already holds checkpoints (iterations {found[0]}..{found[-1]}) that this "
+            f"run did not load from: resume with checkpoint.load={directory}, choose another directory, or set "
+            "checkpoint.overwrite=true to let this run replace them"
+        )

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.lock import SaveDirLock
+from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.state import extra_problem, flat_keys, has_section, shape_problem
 from dtgpt.config import Config, to_toml
@@ -67,7 +67,7 @@ def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
 
 
 def _mesh_text(mesh: dict | None) -> str:
-    if not mesh:
+    if not isinstance(mesh, dict) or not mesh:
         return "unknown mesh"
     text = " ".join(f"{k}={mesh[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
     if mesh["pp"] > 1:
@@ -156,27 +156,12 @@ class Checkpointer:
             raise CheckpointError(first)
 
     def _take_save_dir(self) -> None:
-        """Rank 0: create checkpoint.save and lock it for this run."""
-        try:
-            os.makedirs(self.cfg.save, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"checkpoint.save={self.cfg.save} cannot be created: {e.strerror}") from None
-        if not os.access(self.cfg.save, os.W_OK):
-            raise CheckpointError(f"checkpoint.save={self.cfg.save} is not writable")
-        self._lock = SaveDirLock(self.cfg.save, self.run_id)
+        self._lock = claim_save_dir(self.cfg.save, self.run_id)
 
     def _check_save_dir(self, loaded_from: str) -> None:
-        """A run that did not load from checkpoint.save must not replace the checkpoints there."""
         save = self.cfg.save
-        if not save or _same_path(loaded_from, save) or self.cfg.overwrite:
-            return
-        found = self._from_rank0(lambda: layout.list_iterations(save))
-        if found:
-            raise CheckpointError(
-                f"checkpoint.save={save} already holds checkpoints (iterations {found[0]}..{found[-1]}) that this "
-                f"run did not load from: resume with checkpoint.load={save}, choose another directory, or set "
-                "checkpoint.overwrite=true to let this run replace them"
-            )
+        if save and not _same_path(loaded_from, save) and not self.cfg.overwrite:
+            self._from_rank0(lambda: refuse_foreign_checkpoints(save))
 
     def release(self) -> None:
         """Give up the save directory's lock (finalize() does; a dead process does too)."""
