@@ -309,3 +309,19 @@ def test_config_paths_that_are_not_toml_text_are_one_line(tmp_path):
                           (tmp_path / "binary.toml", "malformed TOML")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             load_config(path)
+
+
+def test_script_outputs_that_cannot_be_written_are_one_line(tmp_path, capfd):
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root, iterations=(2,))
+    convert = load_script("convert_checkpoint")
+    (tmp_path / "dir.pt").mkdir()
+    assert convert.main(["to-torch", str(root), str(tmp_path / "dir.pt")]) == 2
+    assert capfd.readouterr().err.splitlines() == [f"error: {tmp_path / 'dir.pt'}: Is a directory"]
+    assert convert.main(["to-torch", str(root), str(tmp_path / "whole.pt")]) == 0
+    before = (layout.iteration_dir(root, 2) / layout.MARKER).read_text()
+    capfd.readouterr()
+    assert convert.main(["from-torch", str(tmp_path / "whole.pt"), str(root)]) == 2  # onto the original
+    assert "already holds a checkpoint" in capfd.readouterr().err
+    assert (layout.iteration_dir(root, 2) / layout.MARKER).read_text() == before
+    assert layout.problem(layout.iteration_dir(root, 2)) is None

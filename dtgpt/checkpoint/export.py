@@ -133,7 +133,8 @@ def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) 
     marker = layout.read_marker(directory)
     config_text = (directory / layout.CONFIG).read_text() if (directory / layout.CONFIG).is_file() else ""
     header = {"format": TORCH_FORMAT, "iteration": marker.get("iteration", 0), "config": config_text, "mesh": marker.get("mesh")}
-    torch.save({**header, **sections}, out)
+    with open(out, "wb") as f:  # an OSError naming the path (torch.save's own is a RuntimeError)
+        torch.save({**header, **sections}, f)
 
 
 def from_torch_file(path: str | Path, root: str | Path, config_path: str | None = None, iteration: int | None = None) -> Path:

@@ -104,6 +104,7 @@ def read_pointer(root: str | Path) -> int | None:
 
 def write_pointer(root: str | Path, iteration: int) -> None:
     write_atomic(Path(root) / POINTER, f"{iteration}\n")
+    fsync_dir(Path(root))  # the rename itself survives a crash
 
 
 def write_marker(directory: Path, info: dict) -> None:
