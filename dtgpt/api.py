@@ -129,7 +129,11 @@ def save_checkpoint(
     from dtgpt.checkpoint.layout import iteration_dir
 
     state = _as_state(model, optimizer, iteration)
-    run = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=str(directory), load="", async_save=False))
+    # overwrite: the caller names this directory on each call, so earlier saves there are its own
+    # (a re-saved iteration is still swapped in only once complete).
+    run = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=str(directory), load="", async_save=False, overwrite=True)
+    )
     checkpointer = Checkpointer(state, run, runtime)
     checkpointer.save(state.progress.iteration)
     checkpointer.finalize()

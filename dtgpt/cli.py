@@ -97,13 +97,19 @@ def print_error(message: str) -> None:
     os.write(sys.stderr.fileno(), line)
 
 
+def os_error_line(error: OSError) -> str:
+    """An OSError as one line naming the path: `out.pt: Is a directory`."""
+    return f"{error.filename}: {error.strerror}" if error.filename else str(error)
+
+
 def is_user_error(error: BaseException) -> bool:
     """A bad file or checkpoint the user can fix: the error or one it was raised from
     (training re-raises errors naming the rank, phase and iteration)."""
     from dtgpt.checkpoint.layout import CheckpointError  # torch is imported by now
+    from dtgpt.training import SkippedTooOftenError
 
     while error is not None:
-        if isinstance(error, (ConfigError, DataError, DataFileNotFoundError, CheckpointError)):
+        if isinstance(error, (ConfigError, DataError, DataFileNotFoundError, CheckpointError, SkippedTooOftenError)):
             return True
         error = error.__cause__
     return False

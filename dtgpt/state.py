@@ -54,6 +54,36 @@ class Progress(Stateful):
             setattr(self, f.name, int(state[f.name]))
 
 
+_TEXT_BYTES = 16  # fixed, so a load request has the stored shape whatever the text
+
+
+def scalars_to_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """A Stateful's dict of ints, floats and short strings as tensors DCP stores without pickling."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, str):
+            data = value.encode()
+            if len(data) > _TEXT_BYTES:
+                raise ValueError(f"{key}={value!r} is longer than {_TEXT_BYTES} bytes")
+            out[key] = torch.tensor(list(data.ljust(_TEXT_BYTES, b"\0")), dtype=torch.uint8)
+        elif isinstance(value, (bool, int)):
+            out[key] = torch.tensor(int(value), dtype=torch.int64)
+        else:
+            out[key] = torch.tensor(float(value), dtype=torch.float64)
+    return out
+
+
+def tensors_to_scalars(state: dict[str, torch.Tensor]) -> dict:
+    """The inverse of scalars_to_tensors."""
+    out = {}
+    for key, value in state.items():
+        if value.dtype == torch.uint8:
+            out[key] = bytes(value.tolist()).rstrip(b"\0").decode(errors="replace")
+        else:
+            out[key] = value.item()
+    return out
+
+
 def tied_source(key: str) -> str | None:
     """For the last stage's copy of the tied weight (or its optimizer state): the key it loads from."""
     if key == OUTPUT_WEIGHT:
@@ -157,7 +187,7 @@ class TrainState(Stateful):
         """The nested dict handed to dcp.save / dcp.async_save (values alias live tensors)."""
         state = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=False)}
         for section, attr in self.STATEFUL.items() if self.resumable else ():
-            state[section] = getattr(self, attr).state_dict()
+            state[section] = scalars_to_tensors(getattr(self, attr).state_dict())
         state["rng"] = rng_state(self.model)
         if self.has_optimizer_state():
             state["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=False)
@@ -171,7 +201,7 @@ class TrainState(Stateful):
             request["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=True)
         if stateful:
             for section, attr in self.STATEFUL.items():
-                request[section] = getattr(self, attr).state_dict()
+                request[section] = scalars_to_tensors(getattr(self, attr).state_dict())
         return request
 
     def load_state_dict(self, state: dict) -> None:
@@ -185,7 +215,7 @@ class TrainState(Stateful):
                 set_optimizer_state_dict(part, opt, live, options=FLAT_OPTIM)
         for section, attr in self.STATEFUL.items():
             if section in state:
-                getattr(self, attr).load_state_dict(state[section])
+                getattr(self, attr).load_state_dict(tensors_to_scalars(state[section]))
 
     def _fill(self, live: dict, saved: dict, keep: Callable[[str], bool] = lambda k: True) -> None:
         """Copy saved values into a part's live dict (a no-op where they already alias it)."""

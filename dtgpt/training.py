@@ -34,6 +34,10 @@ ModelProvider = Callable[[Config, int], GPT]
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
 
 
+class SkippedTooOftenError(RuntimeError):
+    """training.exit_skipped_iters iterations in a row were skipped: the run is going nowhere."""
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss under nan_policy='stop')."""
 
@@ -195,6 +199,16 @@ class Phase:
             self.watchdog.leave(record=record)
 
 
+def check_skipped(in_a_row: int, limit: int, iteration: int) -> None:
+    """Megatron-style: stop (without saving) once `limit` iterations in a row were skipped."""
+    if limit and in_a_row >= limit:
+        raise SkippedTooOftenError(
+            f"the last {in_a_row} iterations (up to {iteration}) were all skipped for a non-finite loss, grad norm "
+            f"or loss-scale overflow (training.exit_skipped_iters={limit}): stopping without saving; check "
+            "optimizer.lr, the data and the loss scale, then resume from the last checkpoint"
+        )
+
+
 def train(
     trainer: Trainer, train_iter: Iterator, valid_iter: Iterator | None, metrics: MetricsLogger, checkpointer,
     exits: ExitConditions,
@@ -211,6 +225,7 @@ def train(
     phase = Phase(watchdog, runtime.rank)
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     reason = "train_iters reached"
+    skipped_in_a_row = 0
     trainer.state.model.train(True)
     try:
         while progress.iteration < cfg.training.train_iters:
@@ -221,6 +236,8 @@ def train(
             log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak, timers)
             if progress.iteration % cfg.logging.log_interval == 0:
                 trainer.state.model.check_tied_copies(progress.iteration)
+            skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
+            check_skipped(skipped_in_a_row, cfg.training.exit_skipped_iters, progress.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"):
                     metrics.log_eval(progress.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))

@@ -29,7 +29,7 @@ from dtgpt.checkpoint.export import (  # noqa: E402
     to_gpt2_dir,
     to_torch_file,
 )
-from dtgpt.cli import print_error  # noqa: E402
+from dtgpt.cli import os_error_line, print_error  # noqa: E402
 from dtgpt.config import Config, ConfigError, load_config  # noqa: E402
 
 
@@ -67,8 +67,11 @@ def main(argv: list[str]) -> int:
             print(f"wrote {directory}")
         else:
             from_gpt2(args)
-    except (CheckpointError, ConfigError, ValueError, KeyError, FileNotFoundError) as e:
+    except (CheckpointError, ConfigError, ValueError, KeyError) as e:
         print_error(str(e))
+        return 2
+    except OSError as e:  # an output path that is a directory or not writable, a missing input
+        print_error(os_error_line(e))
         return 2
     return 0
 

@@ -322,7 +322,7 @@ class Drill:
         first = self.launch(where, "first", self.job(where, [f"--checkpoint.exit_interval={stop_at}"]), restarts=0)
         (layout.iteration_dir(where / "ckpt", stop_at) / "__0_0.distcp").unlink()
         second = self.launch(where, "resumed", self.job(where, []), restarts=0)
-        fell_back = f"data file __0_0.distcp is missing" in second.log and re.search(
+        fell_back = "file __0_0.distcp is missing" in second.log and re.search(
             rf"loaded checkpoint \S+ in [\d.]+ s: iteration {stop_at - SAVE_INTERVAL}\b", second.log)  # fmt: skip
         outcome = f"fell back to {stop_at - SAVE_INTERVAL}, finished" if fell_back else "FAILED"
         result = self.finish(Result(name, outcome, runs=[first, second]), where)

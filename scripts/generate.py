@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dtgpt.checkpoint import CheckpointError  # noqa: E402
 from dtgpt.checkpoint.export import find_checkpoint, load_model, read_config  # noqa: E402
-from dtgpt.cli import print_error  # noqa: E402
+from dtgpt.cli import os_error_line, print_error  # noqa: E402
 from dtgpt.config import ConfigError  # noqa: E402
 from dtgpt.data import build_tokenizer  # noqa: E402
 from dtgpt.model import GPT  # noqa: E402
@@ -65,6 +65,9 @@ def main(argv: list[str]) -> int:
         model = load_model(directory, cfg)
     except (CheckpointError, ConfigError, ValueError) as e:
         print_error(str(e))
+        return 2
+    except OSError as e:
+        print_error(os_error_line(e))
         return 2
     model.eval()
     ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]

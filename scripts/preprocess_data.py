@@ -19,7 +19,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtgpt.cli import print_error
+from dtgpt.cli import os_error_line, print_error
 from dtgpt.config import DataConfig
 from dtgpt.data.preprocess import PreprocessError, preprocess
 
@@ -49,7 +49,10 @@ def main(argv=None) -> int:
                            append_eod=args.append_eod, workers=args.workers, strict=args.strict)
     except (PreprocessError, ValueError, FileNotFoundError, ImportError) as e:
         print_error(str(e))
-        return 1
+        return 2
+    except OSError as e:  # an output prefix in a directory that is missing or not writable
+        print_error(os_error_line(e))
+        return 2
     print(stats.summary())
     for out in stats.outputs:
         print(f"wrote {out}.bin and {out}.idx")

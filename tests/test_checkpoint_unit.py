@@ -210,9 +210,9 @@ def test_truncated_checkpoint_is_detected(tmp_path, capsys):
     checkpointer(b)
     assert b.state.progress.iteration == 1
     assert "truncated" in capsys.readouterr().out
-    # with no complete checkpoint left, a load elsewhere than the save directory is an error
+    # with no complete checkpoint left, a load is an error (starting fresh would replace them)
     (layout.iteration_dir(tmp_path, 1) / layout.MARKER).unlink()
-    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"none of its completed checkpoints \(iterations \[2\]\) loads now"):
         checkpointer(make_trainer(f"--checkpoint.load={tmp_path}"))
 
 

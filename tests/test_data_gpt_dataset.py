@@ -162,6 +162,11 @@ def test_empty_split_range_is_a_clear_error(indexed):
         GPTDataset(indexed, (5, 5), 10, 8, SEED, cache_dir=None, split_name="valid")
 
 
+def arrays(cache: str) -> list[str]:
+    """The cached .npy arrays (each has a .crc32 beside it)."""
+    return sorted(f for f in os.listdir(cache) if f.endswith(".npy"))
+
+
 def test_cache_built_once_keyed_by_inputs(indexed, tmp_path, monkeypatch):
     import dtgpt.data.gpt_dataset as gd
 
@@ -171,19 +176,19 @@ def test_cache_built_once_keyed_by_inputs(indexed, tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
     a = GPTDataset(indexed, (0, 50), 40, 16, SEED, cache)
     b = GPTDataset(indexed, (0, 50), 40, 16, SEED, cache)
-    assert len(calls) == 1 and len(os.listdir(cache)) == 3
-    assert isinstance(np.load(os.path.join(cache, os.listdir(cache)[0]), mmap_mode="r"), np.memmap)
+    assert len(calls) == 1 and len(arrays(cache)) == 3
+    assert isinstance(np.load(os.path.join(cache, arrays(cache)[0]), mmap_mode="r"), np.memmap)
     assert all(np.array_equal(a[i], b[i]) for i in range(len(a)))
     GPTDataset(indexed, (0, 50), 40, 16, SEED + 1, cache)
     GPTDataset(indexed, (0, 50), 40, 8, SEED, cache)
     GPTDataset(indexed, (0, 49), 40, 16, SEED, cache)
-    assert len(calls) == 4 and len(os.listdir(cache)) == 12
+    assert len(calls) == 4 and len(arrays(cache)) == 12
     GPTDataset(indexed, (0, 50), 41, 16, SEED, cache)  # same epochs, same arrays: no rebuild
     assert len(calls) == 4
     more = GPTDataset(indexed, (0, 50), 4 * len(a), 16, SEED, cache)
-    assert len(calls) == 5 and len(os.listdir(cache)) == 15 and more.num_epochs > a.num_epochs
+    assert len(calls) == 5 and len(arrays(cache)) == 15 and more.num_epochs > a.num_epochs
     GPTDataset(indexed, (0, 50), 40, 16, SEED, cache, order="stable")  # the other order: its own arrays
-    assert len(calls) == 6 and len(os.listdir(cache)) == 18
+    assert len(calls) == 6 and len(arrays(cache)) == 18
     # same inputs in a fresh cache: the same samples (order depends on the data and settings only)
     c = GPTDataset(indexed, (0, 50), 40, 16, SEED, str(tmp_path / "other"))
     assert all(np.array_equal(a[i], c[i]) for i in range(len(a)))

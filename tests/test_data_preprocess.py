@@ -116,7 +116,7 @@ def test_several_keys_and_byte_tokenizer(tmp_path):
 
 def test_missing_input(tmp_path):
     r = run_script("--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "o", *NULL)
-    assert r.returncode == 1 and "nope.jsonl: no such input file" in r.stderr
+    assert r.returncode == 2 and "nope.jsonl: no such input file" in r.stderr
 
 
 @pytest.mark.parametrize("append_eod", [True, False])

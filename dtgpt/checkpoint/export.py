@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.checkpoint.state import extra_problem, flat_keys, shape_problem
 from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
@@ -54,19 +54,16 @@ def read_config(directory: Path, config_path: str | None = None) -> Config:
 
 
 def read_sections(directory: Path, sections: tuple[str, ...] | None = None) -> dict[str, dict]:
-    """Every stored value of the chosen sections (all when None) as full tensors / objects:
-    {"model": {fqn: tensor}, "optimizer": {"state.<fqn>.exp_avg": tensor}, "train_state": {...}}."""
+    """Every stored tensor of the chosen sections (all when None), full size:
+    {"model": {fqn: tensor}, "optimizer": {"state.<fqn>.exp_avg": tensor}, "train_state": {...}}.
+    A checkpoint holding anything but tensors is refused (layout.read_metadata)."""
     metadata = layout.read_metadata(directory)
     flat: dict[str, object] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        if sections is not None and key.split(".", 1)[0] not in sections:
-            continue
-        if isinstance(entry, TensorStorageMetadata):
+        if sections is None or key.split(".", 1)[0] in sections:
             flat[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        else:
-            flat[key] = None  # a pickled object; DCP replaces the placeholder
     with layout.single_process():
-        dcp.load(flat, checkpoint_id=str(directory), no_dist=True)
+        dcp.load(flat, checkpoint_id=str(directory), storage_reader=SafeReader(directory), no_dist=True)
     nested: dict[str, dict] = {}
     for key, value in flat.items():
         section, name = key.split(".", 1)
@@ -92,7 +89,7 @@ def load_model(directory: Path, cfg: Config) -> GPT:
     if problem:
         raise CheckpointError(f"checkpoint {directory} does not fit the config's model: {problem}")
     with layout.single_process():
-        dcp.load({"model": state}, checkpoint_id=str(directory), no_dist=True)
+        dcp.load({"model": state}, checkpoint_id=str(directory), storage_reader=SafeReader(directory), no_dist=True)
     model.load_state_dict(state, strict=False)  # state aliases the parameters; this is a no-op copy
     return model
 
@@ -102,7 +99,11 @@ def write_checkpoint(
 ) -> Path:
     """Write `sections` as a complete DCP checkpoint under root (directory, config, marker, pointer)."""
     directory = layout.iteration_dir(root, iteration)
-    directory.mkdir(parents=True, exist_ok=True)
+    _refuse_existing(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {directory}: {e.strerror}") from None
     model = sections.get("model", {})
     tied = not cfg.model.untie_embeddings_and_output_weights
     if tied and OUTPUT_WEIGHT in model:  # stored once, as training stores it
@@ -113,11 +114,17 @@ def write_checkpoint(
     layout.write_atomic(directory / layout.CONFIG, to_toml(cfg))
     consumed = int(sections.get("train_state", {}).get("consumed_samples", 0))
     layout.write_marker(directory, {
-        "format": "dtgpt-dcp-1", "iteration": iteration, "consumed_samples": consumed, "mesh": mesh,
+        "format": layout.FORMAT, "iteration": iteration, "consumed_samples": consumed, "mesh": mesh,
         "tied": tied, "time": time.time(), "converted_from": source,
     })  # fmt: skip
     layout.write_pointer(root, iteration)
     return directory
+
+
+def _refuse_existing(directory: Path) -> None:
+    """A conversion never replaces a checkpoint, complete or not."""
+    if (directory / layout.DCP_METADATA).exists() or (directory / layout.MARKER).exists():
+        raise CheckpointError(f"{directory} already holds a checkpoint; convert into a new directory or pass another --iteration")
 
 
 def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) -> None:
@@ -126,7 +133,8 @@ def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) 
     marker = layout.read_marker(directory)
     config_text = (directory / layout.CONFIG).read_text() if (directory / layout.CONFIG).is_file() else ""
     header = {"format": TORCH_FORMAT, "iteration": marker.get("iteration", 0), "config": config_text, "mesh": marker.get("mesh")}
-    torch.save({**header, **sections}, out)
+    with open(out, "wb") as f:  # an OSError naming the path (torch.save's own is a RuntimeError)
+        torch.save({**header, **sections}, f)
 
 
 def from_torch_file(path: str | Path, root: str | Path, config_path: str | None = None, iteration: int | None = None) -> Path:
@@ -182,6 +190,7 @@ def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int
         apply_override(cfg, f"model.{key}", str(value))
     cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
     directory = layout.iteration_dir(root, iteration)
+    _refuse_existing(directory)
     found = hf_tokenizer.recognise(src, keep_in=directory) or {}
     if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
         cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train

@@ -6,9 +6,10 @@
     <root>/iter_0000100/config.toml            the resolved config of the run that saved it
     <root>/iter_0000100/complete               JSON; written only after every rank finished
 
-A directory without `complete` (or without `.metadata`, or whose data files are shorter than
-the metadata says) is partial: it is never pointed to and a load skips it with a warning.
-Nothing here touches torch.distributed; the caller decides which rank writes.
+A directory without a readable `complete` (or without `.metadata`, with an unreadable one, or
+whose files do not match the checksums the marker recorded) is partial: it is never pointed to
+and a load skips it with a warning. One that would run code when read (dtgpt/checkpoint/safe.py)
+is refused outright. Nothing here touches torch.distributed; the caller decides which rank writes.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from dtgpt.checkpoint import safe
+
 POINTER = "latest_checkpointed_iteration.txt"
 MARKER = "complete"
 CONFIG = "config.toml"
 DCP_METADATA = ".metadata"
+FORMAT = "dtgpt-dcp-2"
+"""2: the train state, LR schedule and loss scale are tensors (1: pickled objects)."""
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -65,35 +70,93 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a crash after it cannot undo it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def staging_dir(directory: Path) -> Path:
+    """Where a save that replaces the complete `directory` writes (not an iter_* name)."""
+    return directory.with_name(directory.name + ".saving")
+
+
+def swap_in(directory: Path, final: Path) -> None:
+    """Make the complete `directory` the iteration directory `final` (a no-op when it is one).
+    The old `final` is moved aside before and deleted after, so at every moment one complete
+    copy exists; a crash in between leaves the pointer naming a missing directory, and a load
+    falls back to the newest complete one."""
+    if directory == final:
+        return
+    old = final.with_name(final.name + ".replaced")
+    if old.exists():
+        shutil.rmtree(old)
+    os.rename(final, old)
+    os.rename(directory, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old)
+
+
 def read_pointer(root: str | Path) -> int | None:
     """The iteration named by the pointer file, or None when it is missing or unreadable."""
     try:
         text = (Path(root) / POINTER).read_text().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def write_pointer(root: str | Path, iteration: int) -> None:
     write_atomic(Path(root) / POINTER, f"{iteration}\n")
+    fsync_dir(Path(root))  # the rename itself survives a crash
 
 
 def write_marker(directory: Path, info: dict) -> None:
+    """Mark `directory` complete, recording the CRC-32 of each of its files (checked on load)."""
+    info = {**info, "checksums": safe.checksums(directory, skip=(MARKER,))}
     write_atomic(directory / MARKER, json.dumps(info, indent=1, sort_keys=True) + "\n")
+    fsync_dir(directory)
 
 
 def read_marker(directory: Path) -> dict:
-    return json.loads((directory / MARKER).read_text())
+    """The completion marker; CheckpointError when it is not a JSON object."""
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{directory / MARKER} is unreadable: {e}") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{directory / MARKER} is not a JSON object")
+    return marker
 
 
-def read_metadata(directory: str | Path) -> Metadata:
-    return FileSystemReader(str(directory)).read_metadata()
+def read_metadata(directory: str | Path, trust_pickles: bool = False) -> Metadata:
+    """DCP's index of `directory`, unpickled with the allowlist of safe.py unless trusted.
+    CheckpointError when it names a class outside the allowlist or holds a pickled item."""
+    directory = Path(directory)
+    if trust_pickles:
+        return FileSystemReader(str(directory)).read_metadata()
+    try:
+        metadata = safe.load_metadata(directory / DCP_METADATA)
+    except safe.UnsafeCheckpointError as e:
+        raise CheckpointError(f"refusing {directory / DCP_METADATA}: {e} (see checkpoint.trust_pickles)") from None
+    objects = safe.pickled_items(metadata)
+    if objects:
+        raise CheckpointError(
+            f"refusing {directory}: item {objects[0]} is a pickled object, which could run code when loaded "
+            "(dtgpt saves tensors only; see checkpoint.trust_pickles)"
+        )
+    return metadata
 
 
-def problem(directory: Path, deep: bool = True) -> str | None:
+def problem(directory: Path, deep: bool = True, trust_pickles: bool = False) -> str | None:
     """Why `directory` is not a complete checkpoint, or None when it is one.
 
-    `deep` also reads the DCP index and checks every data file is as long as it says.
+    `deep` also reads the marker and the DCP index, and checks every file against the checksum
+    the marker recorded (or, for a marker without checksums, every data file is as long as the
+    index says). A checkpoint that would run code when read raises CheckpointError instead.
     """
     if not directory.is_dir():
         return "no such directory"
@@ -104,14 +167,33 @@ def problem(directory: Path, deep: bool = True) -> str | None:
     if not deep:
         return None
     try:
-        metadata = read_metadata(directory)
+        marker = read_marker(directory)
+        if "checksums" in marker:
+            return safe.checksum_problem(directory, marker["checksums"]) or _index_problem(directory, trust_pickles, False)
+        return _index_problem(directory, trust_pickles, True)
+    except OSError as e:
+        return f"unreadable: {e}"
+    except CheckpointError as e:
+        if str(e).startswith("refusing"):
+            raise  # not partial: it would run code when read
+        return str(e)
+
+
+def _index_problem(directory: Path, trust_pickles: bool, sizes: bool) -> str | None:
+    """Why DCP's index of `directory` is unusable: unreadable, or (`sizes`, for a marker without
+    checksums) naming data files shorter than it says."""
+    try:
+        metadata = read_metadata(directory, trust_pickles)
+        if not sizes:
+            return None
+        # The index records where each item lives; a data file shorter than that was truncated.
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable index means the same thing here
-        return f"unreadable {DCP_METADATA}: {e}"
-    # The index records where each item lives; a data file shorter than that was truncated.
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        return f"unreadable {DCP_METADATA}: {type(e).__name__}: {e}"
     for name, size in sorted(needed.items()):
         path = directory / name
         if not path.is_file():
@@ -146,21 +228,27 @@ class Resolved:
 
 
 def resolve(
-    root: str, load_iteration: int, fresh_ok: bool, fix: str = "fix the path, or set checkpoint.auto_resume=true to start from scratch"
+    root: str, load_iteration: int, fresh_ok: bool, fix: str = "fix the path, or set checkpoint.auto_resume=true to start from scratch",
+    trust_pickles: bool = False,
 ) -> Resolved:
     """Pick the checkpoint to load from `root`.
 
     load_iteration > 0 names one directory, which must be complete. Otherwise the pointer is
     followed; when it is missing or names a partial directory, the newest complete one is used
-    instead, with a warning. With no complete checkpoint at all: start fresh when `fresh_ok`
-    (root is also the save directory, or auto_resume), else raise.
+    instead, with a warning. With no checkpoint at all: start fresh when `fresh_ok` (root is
+    also the save directory, or auto_resume), else raise. When a directory that was once
+    completed (it has a marker) no longer loads, always raise: starting fresh would let the new
+    run's saves replace it. Directories of saves that never finished do not count.
     """
+    def why_not(iteration: int) -> str | None:
+        return problem(iteration_dir(root, iteration), trust_pickles=trust_pickles)
+
     warnings: list[str] = []
     if load_iteration > 0:
         directory = iteration_dir(root, load_iteration)
-        why = problem(directory)
+        why = why_not(load_iteration)
         if why is not None:
-            complete = [i for i in list_iterations(root) if problem(iteration_dir(root, i)) is None]
+            complete = [i for i in list_iterations(root) if why_not(i) is None]
             raise CheckpointError(
                 f"checkpoint.load_iteration={load_iteration}: {directory} is not a complete checkpoint ({why}); "
                 f"complete iterations in {root}: {complete or 'none'}"
@@ -169,19 +257,28 @@ def resolve(
     pointed = read_pointer(root)
     candidates = list_iterations(root)
     if pointed is not None:
-        why = problem(iteration_dir(root, pointed))
+        why = why_not(pointed)
         if why is None:
             return Resolved(iteration_dir(root, pointed), pointed, warnings)
         warnings.append(f"{root}/{POINTER} names iteration {pointed}, but {iteration_dir(root, pointed)} is not usable ({why})")
+    newest_why = None
     for iteration in reversed(candidates):
-        why = problem(iteration_dir(root, iteration))
+        why = why_not(iteration)
+        newest_why = newest_why or f"{iteration_dir(root, iteration).name}: {why}"
         if why is None:
             if pointed is None:
                 warnings.append(f"{root} has no readable {POINTER}; using the newest complete checkpoint")
             warnings.append(f"falling back to {iteration_dir(root, iteration)}")
             return Resolved(iteration_dir(root, iteration), iteration, warnings)
         warnings.append(f"skipping partial checkpoint {iteration_dir(root, iteration)}: {why}")
-    note = f"checkpoint.load={root} holds no complete checkpoint (no {POINTER} naming one, no complete iter_* directory)"
+    sealed = [i for i in candidates if (iteration_dir(root, i) / MARKER).exists()]
+    if sealed:
+        raise CheckpointError(
+            f"checkpoint.load={root}: none of its completed checkpoints (iterations {sealed}) loads now "
+            f"(newest {newest_why}); refusing to start from scratch over them: "
+            "fix or move them, or point checkpoint.save and checkpoint.load elsewhere"
+        )
+    note = f"checkpoint.load={root} holds no complete checkpoint (no {POINTER}, no completed iter_* directory)"
     if not fresh_ok:
         raise CheckpointError(note + "; " + fix)
     return Resolved(None, 0, warnings, note)

@@ -1,7 +1,12 @@
 """Checkpointer: when to save, saving (sync or async) with DCP, and loading on construction.
 
 A save writes the iteration directory with DCP, then (rank 0, once every rank's data and DCP's
-`.metadata` exist) the `complete` marker, then moves the pointer, then prunes. An async save
+`.metadata` exist) the `complete` marker with each file's checksum, then moves the pointer, then
+prunes (not after a save whose weights are not finite). Re-saving an iteration that is already
+complete writes a staging directory and swaps it in after its marker, so the old one is never
+deleted first. Rank 0 holds a lock on the save directory for the whole run (lock.py), and a run
+never writes into a directory of another run's checkpoints it did not load from, unless
+checkpoint.overwrite. Loads read data only (safe.py). An async save
 stages a copy of the state, returns to training, and completes the same way when its future is
 found done (polled every iteration); at most one is in flight. See dtgpt/checkpoint/layout.py
 for the directory layout and dtgpt/checkpoint/state.py for what is saved.
@@ -12,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +30,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
+from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.state import extra_problem, flat_keys, has_section, shape_problem
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
@@ -32,15 +40,17 @@ from dtgpt.faults import NO_FAULTS, FaultHooks
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
 from dtgpt.state import TrainState, rng_state, set_rng_state
 
-FORMAT = "dtgpt-dcp-1"
+FORMAT = layout.FORMAT
 
 
 @dataclass
 class PendingSave:
     iteration: int
     directory: Path
+    """Where DCP writes: the iteration directory, or its staging directory when replacing one."""
     future: Future
     started: float
+    finite: bool
 
 
 def _same_path(a: str, b: str) -> bool:
@@ -58,7 +68,7 @@ def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
 
 
 def _mesh_text(mesh: dict | None) -> str:
-    if not mesh:
+    if not isinstance(mesh, dict) or not mesh:
         return "unknown mesh"
     text = " ".join(f"{k}={mesh[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
     if mesh["pp"] > 1:
@@ -95,9 +105,12 @@ class Checkpointer:
         )
         self._stager: DefaultStager | None = None  # built by the first async save
         self._faults = faults
-        if self.cfg.save and self.runtime.is_main:
-            os.makedirs(self.cfg.save, exist_ok=True)
-        self._load()
+        self.run_id = uuid.uuid4().hex[:12]
+        self._lock: SaveDirLock | None = None  # rank 0's, while it runs
+        if self.cfg.save:
+            self._from_rank0(self._take_save_dir)
+        loaded_from = self._load()
+        self._check_save_dir(loaded_from)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -144,20 +157,37 @@ class Checkpointer:
         if first:
             raise CheckpointError(first)
 
+    def _take_save_dir(self) -> None:
+        self._lock = claim_save_dir(self.cfg.save, self.run_id)
+
+    def _check_save_dir(self, loaded_from: str) -> None:
+        save = self.cfg.save
+        if save and not _same_path(loaded_from, save) and not self.cfg.overwrite:
+            self._from_rank0(lambda: refuse_foreign_checkpoints(save))
+
+    def release(self) -> None:
+        """Give up the save directory's lock (finalize() does; a dead process does too)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     # -- loading -----------------------------------------------------------------------------
 
-    def _load(self) -> None:
+    def _load(self) -> str:
+        """Load per the config; returns the root loaded from ("" when none)."""
         c = self.cfg
         root = c.load or (c.save if c.auto_resume else "")
         if not root:
-            return
+            return ""
+        if c.trust_pickles:
+            self._warn(trust_warning(Path(root)))
         fresh_ok = c.auto_resume or _same_path(root, c.save)
-        found = self._from_rank0(lambda: layout.resolve(root, c.load_iteration, fresh_ok))
+        found = self._from_rank0(lambda: layout.resolve(root, c.load_iteration, fresh_ok, trust_pickles=c.trust_pickles))
         for warning in found.warnings:
             self._warn(warning)
         if found.directory is None:
             self._log(f"{found.note}: starting from scratch")
-            return
+            return root
         start = time.perf_counter()
         self._load_from(found.directory)
         s = self.state.progress
@@ -167,10 +197,11 @@ class Checkpointer:
         )
         if _same_path(root, c.save):
             self._saved.add(s.iteration)
+        return root
 
     def _load_from(self, directory: Path) -> None:
         c, progress = self.cfg, self.state.progress
-        metadata = layout.read_metadata(directory)
+        metadata = layout.read_metadata(directory, c.trust_pickles)
         marker = layout.read_marker(directory)
         where = f"checkpoint {directory} does not fit this model: "
 
@@ -205,7 +236,8 @@ class Checkpointer:
                 request["rng"] = stored
 
         with layout.single_process():
-            dcp.load(request, checkpoint_id=str(directory), no_dist=not self.distributed)
+            reader = SafeReader(directory, c.trust_pickles)
+            dcp.load(request, checkpoint_id=str(directory), storage_reader=reader, no_dist=not self.distributed)
         self.state.load_state_dict(request)
         if stateful:
             if "rng" in request:
@@ -245,9 +277,8 @@ class Checkpointer:
             return
         start = time.perf_counter()
         self._poll(wait=True)  # at most one save in flight
-        directory = layout.iteration_dir(self.cfg.save, iteration)
-        if self.runtime.is_main:
-            self._prepare(directory, iteration)
+        finite = self._weights_finite()
+        directory = self._from_rank0(lambda: self._prepare(iteration))
         state = self.state.state_dict()
         writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
         if self.cfg.async_save:
@@ -259,7 +290,7 @@ class Checkpointer:
                     async_stager=self._stager, no_dist=not self.distributed,
                 )  # fmt: skip
             future = getattr(future, "upload_completion", future)
-            self._pending = PendingSave(iteration, directory, future, start)
+            self._pending = PendingSave(iteration, directory, future, start, finite)
             self._saved.add(iteration)
             blocked = time.perf_counter() - start
             self.blocked_s.append(blocked)
@@ -272,35 +303,62 @@ class Checkpointer:
                 raise CheckpointError(
                     f"saving checkpoint {directory} failed: {describe(e)}; {layout.POINTER} not moved"
                 ) from None
-            self._complete(iteration, directory)
+            self._complete(iteration, directory, finite)
             self._saved.add(iteration)
             elapsed = time.perf_counter() - start
             self.blocked_s.append(elapsed)
-            self._log(f"saved checkpoint {directory} in {elapsed:.3f} s")
+            self._log(f"saved checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in {elapsed:.3f} s")
 
-    def _prepare(self, directory: Path, iteration: int) -> None:
-        """Rank 0, before any rank writes: the directory, no stale marker, the config."""
-        if directory.exists():
-            # A partial directory is garbage; a complete one is an earlier run's (e.g. this run
-            # resumed from an older iteration): either way it is replaced, marker first.
-            if (directory / layout.MARKER).exists():
-                self._warn(f"replacing the checkpoint {directory} of an earlier run")
-                if layout.read_pointer(self.cfg.save) == iteration:
-                    self._warn(f"{layout.POINTER} names it: until this save completes, a load falls back to an older one")
-                (directory / layout.MARKER).unlink()
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
-        layout.write_atomic(directory / layout.CONFIG, to_toml(self.run_cfg))
+    def _weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (a collective: every rank calls it)."""
+        bad = torch.zeros((), device=self.runtime.device)
+        for p in self.state.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bad += (~torch.isfinite(local.detach())).any()
+        if self.distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
-    def _complete(self, iteration: int, directory: Path) -> None:
-        """Every rank's data and DCP's .metadata exist: mark complete, move the pointer, prune."""
+    def _prepare(self, iteration: int) -> Path:
+        """Rank 0, before any rank writes: the directory DCP writes to, with the config in it.
+
+        A partial iteration directory is garbage and is replaced. A complete one (of an earlier
+        save of this iteration) stays until the new save is complete: DCP writes a staging
+        directory, which _complete() swaps in."""
+        final = layout.iteration_dir(self.cfg.save, iteration)
+        staging = layout.staging_dir(final)
+        if staging.exists():  # left by a replacement that did not finish
+            shutil.rmtree(staging)
+        if (final / layout.MARKER).exists():
+            self._warn(f"replacing the checkpoint {final}; it stays until the new one is complete")
+            directory = staging
+        else:
+            directory = final
+            if final.exists():  # partial: garbage
+                shutil.rmtree(final)
+        try:
+            directory.mkdir(parents=True)
+            layout.write_atomic(directory / layout.CONFIG, to_toml(self.run_cfg))
+        except OSError as e:
+            raise CheckpointError(f"cannot write checkpoint {directory}: {e}") from None
+        return directory
+
+    def _complete(self, iteration: int, directory: Path, finite: bool) -> None:
+        """Every rank's data and DCP's .metadata exist: mark complete, swap a staging directory
+        in, move the pointer, prune (not when the weights just saved are not finite)."""
         if not self.runtime.is_main:
             return
         layout.write_marker(directory, {
             "format": FORMAT, "iteration": iteration, "consumed_samples": self.state.progress.consumed_samples,
             "mesh": mesh_info(self.run_cfg, self.state.model.dims), "tied": self.state.tied, "time": time.time(),
+            "run_id": self.run_id, "weights_finite": finite,
         })  # fmt: skip
+        layout.swap_in(directory, layout.iteration_dir(self.cfg.save, iteration))
         layout.write_pointer(self.cfg.save, iteration)
+        if not finite:
+            if self.cfg.keep_last:
+                self._warn(f"iteration {iteration} saved non-finite weights: no older checkpoint is pruned")
+            return
         for path in layout.prune(self.cfg.save, self.cfg.keep_last, iteration):
             self._log(f"removed old checkpoint {path} (checkpoint.keep_last={self.cfg.keep_last})")
 
@@ -317,7 +375,7 @@ class Checkpointer:
             self._failures.append(message)
             self._warn(message + f" ({layout.POINTER} not moved)")
             return
-        self._complete(pending.iteration, pending.directory)
+        self._complete(pending.iteration, pending.directory, pending.finite)
         waited = f", training waited {time.perf_counter() - wait_start:.3f} s for it" if wait else ""
         self._log(f"checkpoint {pending.directory} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")
 
@@ -331,6 +389,7 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        self.release()
         if self._failures:
             raise CheckpointError("; ".join(self._failures))
 

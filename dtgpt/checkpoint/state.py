@@ -2,7 +2,8 @@
 
     model.<fqn>                         parameters (DTensor shards are resharded by DCP)
     optimizer.state.<fqn>.<name>        AdamW state (exp_avg, exp_avg_sq, step), flattened by FQN
-    train_state.* lr_schedule.* loss_scaler.*   the Stateful objects' dicts
+    train_state.* lr_schedule.* loss_scaler.*   the Stateful objects' dicts, as tensors
+                                        (dtgpt.state.scalars_to_tensors): no item is a pickle
     rng.rank_<r>.cpu / .cuda            each rank's generator state
 
 FQNs are the whole model's names on every pipeline stage (blocks keep their global ModuleDict

@@ -70,6 +70,8 @@ class TrainingConfig:
     """'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
     nan_policy: str = "skip"
     """What a non-finite loss does: 'skip' the iteration or 'stop' the run."""
+    exit_skipped_iters: int = 100
+    """Stop with an error after this many skipped iterations in a row (0: never)."""
 
 
 @dataclass
@@ -161,7 +163,14 @@ class CheckpointConfig:
     save_interval: int = 0
     async_save: bool = False
     keep_last: int = 0
-    """Keep this many newest iterations (0 keeps all)."""
+    """Keep this many newest iterations (0 keeps all). Nothing is pruned after a save whose
+    weights are not finite."""
+    overwrite: bool = False
+    """Let a run that did not load from checkpoint.save write into it although it holds
+    iter_* directories (of another run, which this one may then replace)."""
+    trust_pickles: bool = False
+    """Unpickle checkpoint metadata and non-tensor items without the allowlist (a checkpoint
+    you trust, e.g. another tool's); warned. See docs/checkpoints.md."""
     exit_signal_handler: Optional[bool] = None
     """SIGTERM/SIGINT: every rank finishes the iteration, saves, exits 0. Unset: on when
     checkpoint.save is set (Megatron's default is off; see docs/faults.md)."""

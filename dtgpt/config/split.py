@@ -8,6 +8,7 @@ matrix: the weights are normalised, and split s holds documents
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
 
@@ -25,7 +26,7 @@ def parse_split(split: str) -> list[float]:
         weights = [float(p) for p in parts]
     except ValueError:
         weights = []
-    if not 1 <= len(weights) <= 3 or not all(w >= 0 for w in weights) or sum(weights) <= 0:
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"data.split={split!r} must be 1-3 non-negative numbers with a positive sum, "
                           "like '949,50,1'")
     weights += [0.0] * (3 - len(weights))

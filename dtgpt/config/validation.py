@@ -20,6 +20,7 @@ from dtgpt.config.derived import (
 )
 from dtgpt.config.blend import parse_blend
 from dtgpt.config.precedence import check_conflicts
+from dtgpt.config.ranges import check_ranges
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.split import parse_split
 
@@ -334,6 +335,7 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Check every rule that needs no process group; with world_size, the mesh rules too."""
+    check_ranges(cfg)  # first: the rules below compare numbers, which must be finite and bounded
     for key, choices in _CHOICES.items():
         value = get_key(cfg, key)
         _require(value in choices, f"{key}={value!r} is not one of: {', '.join(map(repr, choices))}")

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dtgpt.config.blend import parse_blend as parse_blend  # re-exported: the data code reads blends here
-from dtgpt.data.cache import build_once, description_hash, load_npy, save_npy
+from dtgpt.data.cache import build_once, description_hash, is_cached, load_npy, save_npy
 
 
 def normalize(weights: Sequence[float]) -> list[float]:
@@ -75,7 +75,7 @@ class BlendedDataset:
                 for path, array in zip(self._paths, build_blending_indices(self.weights, size, order)):
                     save_npy(path, array)
 
-            build_once(lambda: all(os.path.isfile(p) for p in self._paths), build)
+            build_once(lambda: is_cached(self._paths), build)
             self._set_arrays(*(load_npy(p) for p in self._paths))
         self._check_not_dry()
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sys
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -53,13 +54,42 @@ def file_fingerprint(path: str) -> dict:
     return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def save_npy(path: str, array: np.ndarray) -> None:
-    """np.save under a temporary name, then rename: readers never see a partial file."""
+    """np.save under a temporary name, then rename: readers never see a partial file. A
+    `<path>.crc32` beside it records the checksum that is_cached() checks."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         np.save(f, array)
+    crc = _crc32(tmp)
     os.replace(tmp, path)
+    Path(f"{path}.crc32.tmp-{os.getpid()}").write_text(f"{crc}\n")
+    os.replace(f"{path}.crc32.tmp-{os.getpid()}", f"{path}.crc32")
+
+
+def is_cached(paths) -> bool:
+    """Whether every cached array exists and matches the checksum written with it. A file that
+    was changed since (or has no checksum) is reported in one line and removed, to be rebuilt."""
+    for path in paths:
+        if not os.path.isfile(path):
+            return False
+        try:
+            ok = Path(f"{path}.crc32").read_text().strip() == str(_crc32(path))
+        except (OSError, UnicodeDecodeError):
+            ok = False
+        if not ok:
+            print(f"WARNING: data index cache {path} does not match its checksum: rebuilding it", flush=True)
+            Path(path).unlink(missing_ok=True)
+            return False
+    return True
 
 
 def load_npy(path: str) -> np.ndarray:

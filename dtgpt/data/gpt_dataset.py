@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from dtgpt.data.cache import build_once, description_hash, file_fingerprint, load_npy, save_npy
+from dtgpt.data.cache import build_once, description_hash, file_fingerprint, is_cached, load_npy, save_npy
 from dtgpt.data.gpt_indices import ORDERS, build_gpt_indices, cache_key
 from dtgpt.data.indexed import DataError, IndexedDataset, bin_path, idx_path
 
@@ -63,7 +63,7 @@ class GPTDataset:
         else:
             stem = os.path.join(cache_dir, f"{description_hash(self.description)}-GPTDataset-{split_name}")
             self._paths = {name: f"{stem}-{name}.npy" for name in _ARRAYS}
-            build_once(lambda: all(os.path.isfile(p) for p in self._paths.values()),
+            build_once(lambda: is_cached(self._paths.values()),
                        lambda: _save_all(self._paths, build()))
             self._set_arrays({name: load_npy(path) for name, path in self._paths.items()})
 

@@ -166,6 +166,13 @@ class IndexedDataset:
                 f"{ipath}: sequence {bad} points past the end of {bpath}: bytes "
                 f"[{int(pointers[bad])}, {int(ends[bad])}) of a {bin_size}-byte file"
             )
+        if ends.max() < bin_size:
+            # A reader of the wrong dtype (e.g. int8 over uint16 tokens) sees a data file longer
+            # than the sequences it reads: every token it trains on would be misread.
+            raise IndexedDatasetError(
+                f"{bpath}: {bin_size} bytes, but the sequences of {ipath} end at byte {int(ends.max())} "
+                f"(as {self.dtype.name} tokens): a wrong dtype code in the index, or a data file of another index"
+            )
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -206,6 +206,11 @@ def preprocess(input_path: str, out_prefix: str, data_cfg: DataConfig, json_keys
                 progress.update(stats)
         stats.seconds = time.perf_counter() - start
         progress.update(stats, final=True)
+        if stats.tokens == 0:  # a dataset without a token would fail far later, at training time
+            raise PreprocessError(
+                f"{input_path}: no document with a token ({stats.documents} documents, {stats.bad_lines} bad lines "
+                f"skipped): is it JSONL with the keys {list(json_keys)}? nothing written"
+            )
     except BaseException:
         for w in writers.values():
             w.abort()

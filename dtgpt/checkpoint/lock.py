@@ -1,0 +1,69 @@
+"""One run per save directory, and only into a directory it may write: an advisory lock that
+rank 0 holds for the whole run, and the refusal to save over another run's checkpoints.
+
+Two runs saving into one directory would replace each other's checkpoints (and one
+directory could mix the files of both). `fcntl.flock` is released by the kernel when the
+process dies, so a crashed run never leaves a stale lock behind; the file only names the
+holder for the error message of the next run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+from dtgpt.checkpoint.layout import CheckpointError, list_iterations
+
+LOCK = ".lock"
+
+
+class SaveDirLock:
+    """Holds `<directory>/.lock` until release() (or until this process ends)."""
+
+    def __init__(self, directory: str | Path, run_id: str):
+        path = Path(directory) / LOCK
+        self._file = open(path, "a+")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise CheckpointError(
+                f"checkpoint.save={directory} is in use by another run ({holder}): two runs saving into one "
+                "directory would replace each other's checkpoints; wait for it or choose another directory"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+
+
+def claim_save_dir(directory: str, run_id: str) -> SaveDirLock:
+    """Create checkpoint.save (when missing) and lock it for this run (rank 0 calls this)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.save={directory} cannot be created: {e.strerror}") from None
+    if not os.access(directory, os.W_OK):
+        raise CheckpointError(f"checkpoint.save={directory} is not writable")
+    return SaveDirLock(directory, run_id)
+
+
+def refuse_foreign_checkpoints(directory: str) -> None:
+    """For a run that did not load from `directory`: its saves could replace the checkpoints there."""
+    found = list_iterations(directory)
+    if found:
+        raise CheckpointError(
+            f"checkpoint.save={directory} already holds checkpoints (iterations {found[0]}..{found[-1]}) that this "
+            f"run did not load from: resume with checkpoint.load={directory}, choose another directory, or set "
+            "checkpoint.overwrite=true to let this run replace them"
+        )

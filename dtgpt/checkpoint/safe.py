@@ -1,0 +1,130 @@
+"""Reading a checkpoint as data, never as code, and checking that its files are the ones written.
+
+DCP stores its index (`.metadata`) as a pickle, and any non-tensor item of a `.distcp` file too
+(read back with `torch.load(weights_only=False)`). Unpickling runs whatever the file names, so a
+downloaded or tampered checkpoint could run code on load. Here:
+
+- `.metadata` is unpickled with an allowlist: DCP's metadata dataclasses, `torch.Size`, dtypes,
+  memory formats and plain containers. Anything else is refused, naming the file and the class.
+- dtgpt saves no non-tensor item (train-state counters are tensors, dtgpt.state), so a
+  checkpoint holding one (a pickled object) is refused before any byte of it is read.
+- the completion marker records a CRC-32 of every file of the directory; a load recomputes them
+  (zlib.crc32 reads ~1-2 GB/s on one core), so overwritten bytes make the checkpoint partial.
+
+`checkpoint.trust_pickles=true` lifts the first two for a checkpoint one trusts (an older
+dtgpt's, or another tool's), with a warning.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+} | {("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool")}
+"""Exact (module, name) pairs: a module prefix would not do, pickle resolves dotted names
+("torch.distributed.checkpoint.filesystem", "os.system") through the module's imports."""
+_CHUNK = 1 << 22
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """The checkpoint names a class outside the allowlist (it could run code when loaded)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _ALLOWED or (
+            module == "torch" and "." not in name and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
+        )
+        if not allowed:
+            raise UnsafeCheckpointError(f"it names {module}.{name}, which is not DCP metadata")
+        return super().find_class(module, name)
+
+
+def load_metadata(path: Path) -> Metadata:
+    """Unpickle a DCP `.metadata` file with the allowlist; any other class raises UnsafeCheckpointError."""
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"it holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def pickled_items(metadata: Metadata) -> list[str]:
+    """The keys DCP would unpickle with torch.load(weights_only=False) (non-tensor items)."""
+    return sorted(k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata))
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the allowlisted `.metadata` and no non-tensor item (unless trusted)."""
+
+    def __init__(self, path: str | Path, trust_pickles: bool = False):
+        super().__init__(str(path))
+        self.trust_pickles = trust_pickles
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.trust_pickles:
+            return super().read_metadata(*args, **kwargs)
+        metadata = load_metadata(Path(self.path) / ".metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as DCP's own reader does
+        return metadata
+
+    def read_data(self, plan, planner):
+        if not self.trust_pickles:
+            objects = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+            if objects:
+                raise UnsafeCheckpointError(f"{self.path}: item {objects[0].dest_index.fqn} is a pickled object")
+        return super().read_data(plan, planner)
+
+
+def crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def checksums(directory: Path, skip: tuple[str, ...]) -> dict[str, list[int]]:
+    """[size, CRC-32] of every plain file in `directory` but `skip` (the marker itself)."""
+    return {p.name: [p.stat().st_size, crc32(p)] for p in sorted(directory.iterdir()) if p.is_file() and p.name not in skip}
+
+
+def checksum_problem(directory: Path, recorded: dict) -> str | None:
+    """Why the files of `directory` are not the ones the marker recorded, or None."""
+    if not isinstance(recorded, dict):
+        return "its marker records no checksums"
+    for name, entry in sorted(recorded.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"file {name} is missing"
+        if not (isinstance(entry, list) and len(entry) == 2):
+            return f"its marker records no valid checksum of {name}"
+        size, crc = entry
+        if path.stat().st_size != size:
+            return f"file {name} is truncated or extended ({path.stat().st_size} bytes, {size} were written)"
+        if crc32(path) != crc:
+            return f"file {name} does not match the checksum its marker recorded (changed since the save)"
+    return None
+
+
+def trust_warning(directory: Path) -> str:
+    return f"checkpoint.trust_pickles=true: {directory} is unpickled without an allowlist; load only checkpoints you trust"
