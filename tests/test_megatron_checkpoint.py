@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtgpt.checkpoint import CheckpointError, megatron
+from dtgpt.checkpoint import CheckpointError, layout, megatron
+from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.config import ModelConfig
 from tests.megatron_gpt import CONSUMED, ITERATION, LR_SAMPLES, VOCAB, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, read_metrics, run_train
+from tests.test_checkpoint_convert import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +120,26 @@ def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
     assert one[0]["consumed_samples"] == CONSUMED + 8
     for a, b in zip(one, pp2):
         assert b["iteration"] == a["iteration"] and abs(b["loss"] - a["loss"]) <= 1e-5 * abs(a["loss"])
+
+
+def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
+    """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2 loads it."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
+    run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2",
+                         f"--checkpoint.save={ckpt}"])  # fmt: skip
+    convert = load_script()
+    assert convert.main(["to-megatron", str(ckpt), str(out), "--tp", "2"]) == 0
+    directory = megatron.find(out)
+    assert megatron.progress_of(megatron.MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "lr_num_samples": 16}
+    run_megatron_gpt("load", out, 2)
+    cfg = read_config(layout.iteration_dir(ckpt, 2))
+    model = load_model(layout.iteration_dir(ckpt, 2), cfg).eval()
+    with torch.no_grad():
+        ours = model(tokens())[..., :VOCAB]
+    theirs = torch.load(out / "loaded_logits.pt", weights_only=True)[..., :VOCAB]
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
+    # and back: from-megatron gives the same weights again
+    assert convert.main(["from-megatron", str(out), str(tmp_path / "back"), "--config", str(layout.iteration_dir(ckpt, 2) / "config.toml")]) == 0
+    back = load_model(layout.iteration_dir(tmp_path / "back", 2), cfg)
+    for (name, p), q in zip(model.named_parameters(), back.parameters()):
+        assert torch.equal(p, q), name
