@@ -112,7 +112,9 @@ def main(argv: list[str]) -> None:
     tp, rank = dist.get_world_size(), dist.get_rank()
     model = build(tp, args.untied)
     root = Path(args.root)
-    directory = root / f"iter_{ITERATION:07d}"
+    pointer = root / "latest_checkpointed_iteration.txt"
+    iteration = int(pointer.read_text()) if args.command == "load" else ITERATION
+    directory = root / f"iter_{iteration:07d}"
     if args.command == "save":
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,7 @@ def main(argv: list[str]) -> None:
         model.load_state_dict(loaded, strict=False)
     out = logits(model)
     if rank == 0:
-        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+        pointer.write_text(str(iteration))
         torch.save(out, root / ("loaded_logits.pt" if args.command == "load" else "logits.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -125,7 +125,7 @@ def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
 def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
     """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2 loads it."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
-    run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2",
+    run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2", "--optimizer.lr_warmup_iters=1",
                          f"--checkpoint.save={ckpt}"])  # fmt: skip
     convert = load_script()
     assert convert.main(["to-megatron", str(ckpt), str(out), "--tp", "2"]) == 0
