@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dtgpt.checkpoint import export, layout
@@ -46,20 +46,24 @@ class StreamingPlanner(DefaultSavePlanner):
 
 
 def _save_streaming(state: dict, directory: Path, produce: Callable[[str], torch.Tensor]) -> None:
+    """dcp.save of `state`, producing each tensor on demand. One file per tensor, written by one
+    thread: DCP keeps a file's tensors alive until the file is complete, so one file per rank
+    would hold the whole model."""
     directory.mkdir(parents=True, exist_ok=True)
+    writer = FileSystemWriter(str(directory), single_file_per_rank=False, thread_count=1)
     with layout.single_process():
-        dcp.save(state, checkpoint_id=str(directory), planner=StreamingPlanner(produce), no_dist=True)
+        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce), no_dist=True)
 
 
-def _read(directory: Path, keys: list[str], metadata) -> list[torch.Tensor]:
-    """Some tensors of a DCP checkpoint, full."""
-    request = {}
-    for key in keys:
-        entry = metadata.state_dict_metadata[key]
-        request[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:
+    """Tensors of a DCP checkpoint stacked on a new leading dimension, each read straight into
+    its slot (no second copy for the stack)."""
+    entry = metadata.state_dict_metadata[keys[0]]
+    out = torch.empty((len(keys), *entry.size), dtype=entry.properties.dtype)
+    request = {key: out[i] for i, key in enumerate(keys)}
     with layout.single_process():
         dcp.load(request, checkpoint_id=str(directory), no_dist=True)
-    return [request[k] for k in keys]
+    return out
 
 
 # -- dtgpt -> Megatron -------------------------------------------------------------------------
@@ -93,10 +97,10 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = [None]
 
     def produce(mkey: str) -> torch.Tensor:
-        tensors = _read(src, groups[mkey], metadata)
+        stacked = _read_stacked(src, groups[mkey], metadata)
         if mkey.startswith("decoder.layers."):
-            return torch.stack(tensors)
-        return resize_vocab(tensors[0], rows) if _is_vocab(groups[mkey][0]) else tensors[0]
+            return stacked
+        return resize_vocab(stacked[0], rows) if _is_vocab(groups[mkey][0]) else stacked[0]
 
     directory = layout.iteration_dir(out_root, iteration)
     _save_streaming(state, directory, produce)
