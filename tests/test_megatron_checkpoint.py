@@ -64,6 +64,12 @@ def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
     assert_same_logits(tp2_untied, directory, model_cfg(untie_embeddings_and_output_weights=True))
 
 
+def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
+    scaler = {"scale": torch.tensor(1024.0), "growth_tracker": 3, "hysteresis_tracker": 2}
+    for optimizer in ({"grad_scaler": scaler}, [{"grad_scaler": scaler, "optimizer": {}}]):
+        assert megatron.progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
+
+
 def test_trainer_state_is_read(tp2_untied):
     common = megatron.MegatronReader(megatron.find(tp2_untied)).common
     assert megatron.progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "lr_num_samples": LR_SAMPLES}
@@ -97,6 +103,20 @@ def test_per_rank_format_tp2_gives_megatron_logits(tmp_path):
     assert not megatron.is_torch_dist(directory)
     assert_same_logits(tmp_path, directory, model_cfg(untie_embeddings_and_output_weights=True))
     assert megatron.progress_of(megatron.MegatronReader(directory).common)["consumed_samples"] == CONSUMED
+    # The same weights as Megatron-LM saves them at tp 2 x pp 2: stage 1's layer is its "layers.0".
+    for tp in range(2):
+        saved = megatron.load_pickle(directory / f"mp_rank_{tp:02d}" / megatron.PER_RANK_FILE)
+        stages = [{}, {}]
+        for key, value in saved["model"].items():
+            if key.startswith("decoder.layers.1."):
+                stages[1][key.replace("decoder.layers.1.", "decoder.layers.0.")] = value
+            else:
+                stages[1 if key.startswith(("decoder.final", "output_layer")) else 0][key] = value
+        for pp, model in enumerate(stages):
+            (tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}").mkdir(parents=True)
+            torch.save({**saved, "model": model}, tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}" / megatron.PER_RANK_FILE)
+    assert sorted(megatron.per_rank_dirs(tmp_path / "pp2")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_same_logits(tmp_path, tmp_path / "pp2", model_cfg(untie_embeddings_and_output_weights=True))
 
 
 MEGATRON_RUN = [

@@ -324,12 +324,11 @@ def progress_of(common: dict) -> dict:
 
 def _grad_scaler(optimizer) -> dict | None:
     """Megatron's grad_scaler dict ({scale, growth_tracker, hysteresis_tracker}) where its
-    optimizer state keeps it (one level deep for the distributed and chained optimizers)."""
-    if not isinstance(optimizer, dict):
-        return None
-    if isinstance(optimizer.get("grad_scaler"), dict):
+    optimizer state keeps it: at the top, or one level down (chained optimizers: a list or dict)."""
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("grad_scaler"), dict):
         return optimizer["grad_scaler"]
-    for value in optimizer.values():
+    inner = optimizer.values() if isinstance(optimizer, dict) else optimizer if isinstance(optimizer, list) else ()
+    for value in inner:
         if isinstance(value, dict) and isinstance(value.get("grad_scaler"), dict):
             return value["grad_scaler"]
     return None
