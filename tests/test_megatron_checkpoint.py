@@ -163,3 +163,11 @@ def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
     back = load_model(layout.iteration_dir(tmp_path / "back", 2), cfg)
     for (name, p), q in zip(model.named_parameters(), back.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1_tied, tmp_path):
+    proc = run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--model.ffn_hidden_size=128",
+                                f"--checkpoint.load={tp1_tied}"], check=False)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "decoder.layers.mlp.linear_fc1.weight has shape (2, 256, 64) in the checkpoint" in lines[0]

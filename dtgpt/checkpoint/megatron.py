@@ -31,6 +31,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import Config, ModelConfig
+from dtgpt.model import GPT
+from dtgpt.parallel import assign_full_value
+from dtgpt.state import TrainState, tied_source
 
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -203,7 +206,9 @@ class MegatronReader:
             key, layer = megatron_name(name)
             if key not in self.shapes:
                 hint = " (the model's head is untied; is the checkpoint's tied?)" if name == "output.weight" else ""
-                raise CheckpointError(f"Megatron checkpoint {self.directory} has no {key}, which this model's {name} {tuple(shape)} needs{hint}")
+                raise CheckpointError(
+                    f"Megatron checkpoint {self.directory} has no {key}, which this model's {name} {tuple(shape)} needs{hint}"
+                )
             stored = self.shapes[key]
             if layer is not None:
                 stored = stored[1:]
@@ -213,7 +218,9 @@ class MegatronReader:
                 raise _mismatch(self.directory, key, self.shapes[key], wanted[name], name)
         for key, shape in self.shapes.items():
             if key not in used and not key.endswith("_extra_state") and self._is_model_key(key):
-                raise CheckpointError(f"Megatron checkpoint {self.directory}: its tensor {key} {tuple(shape)} has no counterpart in this model")
+                raise CheckpointError(
+                    f"Megatron checkpoint {self.directory}: its tensor {key} {tuple(shape)} has no counterpart in this model"
+                )
 
     @staticmethod
     def _is_model_key(key: str) -> bool:
@@ -339,8 +346,6 @@ def _grad_scaler(optimizer) -> dict | None:
 
 def load_model(directory: Path, cfg: ModelConfig, vocab_rows: int):
     """A plain one-device GPT with the Megatron checkpoint's weights (vocabulary: `vocab_rows`)."""
-    from dtgpt.model import GPT  # the model is only needed by this one-process helper
-
     model = GPT(cfg, vocab_rows)
     state = model.state_dict()
     wanted = {n: tuple(state[n].shape) for n in dtgpt_names(cfg)}
@@ -352,20 +357,15 @@ def load_model(directory: Path, cfg: ModelConfig, vocab_rows: int):
 
 def full_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every dtgpt tensor's full shape (vocabulary rows aside: those are reconciled), on meta."""
-    from dtgpt.model import GPT
-
     with torch.device("meta"):
         state = GPT(cfg, 1).state_dict()
     return {name: tuple(state[name].shape) for name in dtgpt_names(cfg)}
 
 
-def load_into_state(state, directory: Path, cfg: Config, stateful: bool) -> list[str]:
+def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool) -> list[str]:
     """Fill a TrainState (any mesh) from a Megatron checkpoint: each rank reads the full tensors
     of the parameters it holds and keeps its slice. With `stateful`, also the iteration,
     consumed samples, LR schedule and loss scale that Megatron-LM stored. Returns notes for the log."""
-    from dtgpt.parallel import assign_full_value
-    from dtgpt.state import tied_source
-
     reader = MegatronReader(directory)
     full = full_model_shapes(cfg.model)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
