@@ -4,12 +4,15 @@
     python scripts/convert_checkpoint.py to-gpt2   CKPT out_dir/ [--iteration N]   (model + tokenizer)
     python scripts/convert_checkpoint.py from-torch in.pt NEW_CKPT_DIR [--config run.toml]
     python scripts/convert_checkpoint.py from-gpt2  gpt2_dir/ NEW_CKPT_DIR [--config run.toml]
+    python scripts/convert_checkpoint.py to-megatron   CKPT MEGATRON_DIR [--tp N]   (Megatron-LM torch_dist)
+    python scripts/convert_checkpoint.py from-megatron MEGATRON_DIR NEW_CKPT_DIR --config run.toml
 
 CKPT is a checkpoint root (the pointer is followed) or one iter_XXXXXXX directory, saved on any
 mesh. Start training from a converted checkpoint with
 `--checkpoint.load=NEW_CKPT_DIR --checkpoint.load_optimizer=false` (weights only); a to-torch
 file of a whole checkpoint converts back to one that also resumes the optimizer and progress.
-Runs in one process; no process group is needed.
+Runs in one process; no process group is needed. The Megatron conversions stream one tensor at
+a time (docs/checkpoints.md); `checkpoint.load` also reads a Megatron directory directly.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dtgpt.checkpoint import CheckpointError  # noqa: E402
+from dtgpt.checkpoint import CheckpointError, megatron_write  # noqa: E402
 from dtgpt.checkpoint.export import (  # noqa: E402
     find_checkpoint,
     from_gpt2_dir,
@@ -30,7 +33,8 @@ from dtgpt.checkpoint.export import (  # noqa: E402
     to_torch_file,
 )
 from dtgpt.cli import os_error_line, print_error  # noqa: E402
-from dtgpt.config import Config, ConfigError, load_config  # noqa: E402
+from dtgpt.config import Config, ConfigError, load_config, padded_vocabulary  # noqa: E402
+from dtgpt.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def to_gpt2(args) -> None:
@@ -46,13 +50,29 @@ def from_gpt2(args) -> None:
           f"--checkpoint.load={args.dst} --checkpoint.load_optimizer=false")  # fmt: skip
 
 
+def to_megatron(args) -> None:
+    directory = find_checkpoint(args.src, args.iteration)
+    written = megatron_write.to_megatron(directory, read_config(directory, args.config), args.dst, args.tp)
+    print(f"wrote {written} (Megatron-LM torch_dist, vocabulary padded for tp {args.tp}) from {directory}")
+
+
+def from_megatron(args) -> None:
+    if not args.config:
+        raise ConfigError("from-megatron needs --config: the run's model and tokenizer (Megatron's args are not a dtgpt config)")
+    cfg = load_config(args.config)
+    rows = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
+    written = megatron_write.from_megatron(args.src, cfg, args.dst, rows)
+    print(f"wrote {written}; train from it with --checkpoint.load={args.dst} --checkpoint.load_optimizer=false")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("to-torch", "to-gpt2", "from-torch", "from-gpt2"))
+    parser.add_argument("command", choices=("to-torch", "to-gpt2", "from-torch", "from-gpt2", "to-megatron", "from-megatron"))
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.add_argument("--iteration", type=int, default=0, help="iteration to read (default: the pointer's) or to write")
     parser.add_argument("--config", help="TOML config (default: the one stored with the checkpoint)")
+    parser.add_argument("--tp", type=int, default=1, help="to-megatron: pad the vocabulary as Megatron does at this tensor parallel size")
     parser.add_argument("--weights-only", action="store_true", help="to-torch: model tensors only")
     args = parser.parse_args(argv)
     try:
@@ -65,6 +85,10 @@ def main(argv: list[str]) -> int:
         elif args.command == "from-torch":
             directory = from_torch_file(args.src, args.dst, args.config, args.iteration or None)
             print(f"wrote {directory}")
+        elif args.command == "to-megatron":
+            to_megatron(args)
+        elif args.command == "from-megatron":
+            from_megatron(args)
         else:
             from_gpt2(args)
     except (CheckpointError, ConfigError, ValueError, KeyError) as e:

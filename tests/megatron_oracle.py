@@ -71,3 +71,17 @@ def megatron_sample(dataset, i: int) -> np.ndarray:
     """Megatron's sample i as dtgpt returns samples: the seq_length + 1 tokens (tokens + the last label)."""
     item = dataset[i]
     return np.concatenate([item["tokens"].numpy(), item["labels"].numpy()[-1:]])
+
+
+def run_megatron_gpt(command: str, root, nproc: int = 1, *flags: str) -> None:
+    """tests/megatron_gpt.py under torchrun (one gloo rank per TP rank): megatron-core's GPTModel
+    saves, writes the per-rank format, or loads `root`; its logits land in root/*.pt."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("megatron_gpt.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), command, str(root), *flags]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -22,6 +22,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
@@ -132,9 +133,10 @@ def read_marker(directory: Path) -> dict:
     return marker
 
 
-def read_metadata(directory: str | Path, trust_pickles: bool = False) -> Metadata:
+def read_metadata(directory: str | Path, trust_pickles: bool = False, unread: Callable[[str], bool] | None = None) -> Metadata:
     """DCP's index of `directory`, unpickled with the allowlist of safe.py unless trusted.
-    CheckpointError when it names a class outside the allowlist or holds a pickled item."""
+    CheckpointError when it names a class outside the allowlist or holds a pickled item, except
+    items `unread` accepts: the caller never reads those (and safe.SafeReader would refuse to)."""
     directory = Path(directory)
     if trust_pickles:
         return FileSystemReader(str(directory)).read_metadata()
@@ -142,7 +144,7 @@ def read_metadata(directory: str | Path, trust_pickles: bool = False) -> Metadat
         metadata = safe.load_metadata(directory / DCP_METADATA)
     except safe.UnsafeCheckpointError as e:
         raise CheckpointError(f"refusing {directory / DCP_METADATA}: {e} (see checkpoint.trust_pickles)") from None
-    objects = safe.pickled_items(metadata)
+    objects = [key for key in safe.pickled_items(metadata) if not (unread and unread(key))]
     if objects:
         raise CheckpointError(
             f"refusing {directory}: item {objects[0]} is a pickled object, which could run code when loaded "

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from dtgpt.checkpoint import layout
+from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
@@ -182,6 +182,11 @@ class Checkpointer:
         if c.trust_pickles:
             self._warn(trust_warning(Path(root)))
         fresh_ok = c.auto_resume or _same_path(root, c.save)
+        # -- Megatron-LM checkpoints (issue 16): detected by their files, read by checkpoint/megatron.py
+        megatron_dir = self._from_rank0(lambda: megatron.find(root, c.load_iteration))
+        if megatron_dir is not None:
+            self._load_megatron(megatron_dir)
+            return
         found = self._from_rank0(lambda: layout.resolve(root, c.load_iteration, fresh_ok, trust_pickles=c.trust_pickles))
         for warning in found.warnings:
             self._warn(warning)
@@ -198,6 +203,15 @@ class Checkpointer:
         if _same_path(root, c.save):
             self._saved.add(s.iteration)
         return root
+
+    def _load_megatron(self, directory: Path) -> None:
+        stateful = self.cfg.load_optimizer and self.state.resumable
+        for note in megatron.load_into_state(self.state, directory, self.run_cfg, stateful):
+            self._log(f"Megatron checkpoint: {note}")
+        s = self.state.progress
+        if stateful:  # Megatron's RNG states belong to its own ranks and generators
+            self._derive_rng_at = s.iteration
+        self._log(f"loaded Megatron checkpoint {directory}: iteration {s.iteration}, consumed samples {s.consumed_samples}")
 
     def _load_from(self, directory: Path) -> None:
         c, progress = self.cfg, self.state.progress

@@ -34,6 +34,9 @@ _ALLOWED = {
         "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
     )
 } | {
+    # the save plan Megatron's torch_dist checkpoints keep in their metadata: plain dataclasses
+    ("torch.distributed.checkpoint.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name

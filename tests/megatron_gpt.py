@@ -1,0 +1,141 @@
+"""megatron-core's own GPTModel on CPU: the oracle for Megatron checkpoints in and out.
+
+Run as a script, one process or under torchrun (gloo, one rank per TP rank):
+
+    python tests/megatron_gpt.py save DIR [--untied]      build, save Megatron-LM's torch_dist
+                                                          iteration, write DIR/logits.pt
+    python tests/megatron_gpt.py per-rank DIR             the same weights in the per-rank format
+    python tests/megatron_gpt.py load DIR                 load DIR's checkpoint, write DIR/loaded_logits.pt
+
+megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
+no RNG tracker fork (dropout is 0), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a
+no-op, and its async writer's psutil memory probe and spawned result queue replaced (the save
+otherwise hangs or needs psutil). The causal mask is passed explicitly (its default is built on
+"cuda"). Kept in its own process so none of this leaks into the test process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 100  # the tokenizer's; Megatron pads it to DIVISIBLE_BY * tp rows
+DIVISIBLE_BY = 16
+LAYERS, HIDDEN, HEADS, SEQ = 2, 64, 4, 32
+ITERATION, CONSUMED, LR_SAMPLES = 7, 56, 48
+
+
+def patch_megatron() -> None:
+    """The CPU patches of the module doc; only the script calls this (never a test process)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    filesystem_async._process_memory = lambda: 0
+    filesystem_async._get_write_results_queue = lambda: multiprocessing.get_context("fork").Manager().Queue()
+    megatron_random.CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
+
+
+def padded_vocab(tp: int) -> int:
+    multiple = DIVISIBLE_BY * tp
+    return -(-VOCAB // multiple) * multiple
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def build(tp: int, untied: bool):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tp, 1)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=0.02, bias_activation_fusion=True,  # the tanh GeLU, as dtgpt and GPT-3 runs
+        bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
+                    share_embeddings_and_output_weights=not untied, position_embedding_type="learned_absolute")  # fmt: skip
+
+
+@torch.no_grad()
+def logits(model) -> torch.Tensor:
+    """Full logits (B, T, padded vocabulary): the vocabulary-parallel shards gathered over TP."""
+    from megatron.core import parallel_state
+
+    model.eval()
+    ids = tokens()
+    T = ids.shape[1]
+    positions = torch.arange(T).expand_as(ids)
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
+    local = model(ids, positions, mask)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=-1)
+
+
+def trainer_state(tp: int) -> dict:
+    """What Megatron-LM's trainer saves next to the model (its common.pt part)."""
+    args = argparse.Namespace(consumed_train_samples=CONSUMED, tensor_model_parallel_size=tp, num_layers=LAYERS,
+                              hidden_size=HIDDEN, padded_vocab_size=padded_vocab(tp))  # fmt: skip
+    return {"iteration": ITERATION, "checkpoint_version": 3.0, "args": args,
+            "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=("save", "per-rank", "load"))
+    parser.add_argument("root")
+    parser.add_argument("--untied", action="store_true")
+    args = parser.parse_args(argv)
+    patch_megatron()
+    from megatron.core import dist_checkpointing
+
+    dist.init_process_group("gloo")
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    model = build(tp, args.untied)
+    root = Path(args.root)
+    pointer = root / "latest_checkpointed_iteration.txt"
+    iteration = int(pointer.read_text()) if args.command == "load" else ITERATION
+    directory = root / f"iter_{iteration:07d}"
+    if args.command == "save":
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **trainer_state(tp)}, str(directory))
+    elif args.command == "per-rank":
+        # Megatron-LM's legacy save: one torch.save per model-parallel rank, per-layer keys.
+        rank_dir = directory / f"mp_rank_{rank:02d}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict_for_save_checkpoint(), **trainer_state(tp)}, rank_dir / "model_optim_rng.pt")
+    else:
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+        model.load_state_dict(loaded, strict=False)
+    out = logits(model)
+    if rank == 0:
+        pointer.write_text(str(iteration))
+        torch.save(out, root / ("loaded_logits.pt" if args.command == "load" else "logits.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    main(sys.argv[1:])

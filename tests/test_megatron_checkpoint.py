@@ -1,0 +1,173 @@
+"""Megatron-LM checkpoints in and out, with megatron-core's own GPTModel as the oracle.
+
+megatron-core builds a 2-layer GPT on CPU at tp 1 (tied head) and tp 2 (untied, on 2 gloo ranks),
+saves Megatron-LM's torch_dist iteration (or the per-rank format) and records its logits; dtgpt
+loads it (one process, and training on at pp2) and must give the same logits. Megatron pads the
+vocabulary to 16 x tp rows, dtgpt to 16: only the 100 real tokens' logits are compared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtgpt.checkpoint import CheckpointError, layout, megatron
+from dtgpt.checkpoint.export import load_model, read_config
+from dtgpt.config import ModelConfig
+from tests.megatron_gpt import CONSUMED, ITERATION, LR_SAMPLES, VOCAB, tokens
+from tests.megatron_oracle import run_megatron_gpt
+from tests.runs import TINY, read_metrics, run_train
+from tests.test_checkpoint_convert import load_script
+
+pytestmark = pytest.mark.slow
+
+ROWS = 112  # dtgpt's padded vocabulary: 100 -> a multiple of 16
+
+
+def model_cfg(**overrides) -> ModelConfig:
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
+                  attention_dropout=0.0, make_vocab_size_divisible_by=16)  # fmt: skip
+    return ModelConfig(**{**fields, **overrides})
+
+
+def assert_same_logits(root, directory, cfg: ModelConfig, name: str = "logits.pt") -> None:
+    model = megatron.load_model(directory, cfg, ROWS).eval()
+    with torch.no_grad():
+        ours = model(tokens())[..., :VOCAB]
+    theirs = torch.load(root / name, weights_only=True)[..., :VOCAB]
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tp1_tied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_tp1")
+    run_megatron_gpt("save", root, 1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tp2_untied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_tp2")
+    run_megatron_gpt("save", root, 2, "--untied")
+    return root
+
+
+def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
+    directory = megatron.find(tp1_tied)
+    assert directory == tp1_tied / f"iter_{ITERATION:07d}" and megatron.is_torch_dist(directory)
+    assert_same_logits(tp1_tied, directory, model_cfg())
+
+
+def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
+    directory = megatron.find(tp2_untied)
+    assert megatron.MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (128, 64)  # 16 x tp 2
+    assert_same_logits(tp2_untied, directory, model_cfg(untie_embeddings_and_output_weights=True))
+
+
+def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
+    scaler = {"scale": torch.tensor(1024.0), "growth_tracker": 3, "hysteresis_tracker": 2}
+    for optimizer in ({"grad_scaler": scaler}, [{"grad_scaler": scaler, "optimizer": {}}]):
+        assert megatron.progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
+
+
+def test_trainer_state_is_read(tp2_untied):
+    common = megatron.MegatronReader(megatron.find(tp2_untied)).common
+    assert megatron.progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "lr_num_samples": LR_SAMPLES}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden_size=32, num_attention_heads=4), "embedding.word_embeddings.weight has shape (112, 64) in the checkpoint but this model's embedding.word.weight needs (112, 32)"),
+        (dict(ffn_hidden_size=128), "decoder.layers.mlp.linear_fc1.weight has shape (2, 256, 64) in the checkpoint but this model's layers.0.mlp.fc1.weight needs (128, 64)"),
+        (dict(num_layers=3), "decoder.layers.self_attention.linear_qkv.weight stacks 2 layers (2, 192, 64) but model.num_layers=3"),
+        (dict(untie_embeddings_and_output_weights=True), "has no output_layer.weight, which this model's output.weight (112, 64) needs"),
+        (dict(position_embedding_type="rope"), "its tensor embedding.position_embeddings.weight (32, 64) has no counterpart in this model"),
+    ],
+)
+def test_incompatible_architecture_names_key_and_shapes(tp1_tied, overrides, message):
+    with pytest.raises(CheckpointError) as e:
+        megatron.load_model(megatron.find(tp1_tied), model_cfg(**overrides), ROWS)
+    assert str(e.value).startswith(f"Megatron checkpoint {tp1_tied}") and message in str(e.value)
+
+
+def test_tied_checkpoint_into_untied_model_and_back(tp2_untied):
+    with pytest.raises(CheckpointError, match="output_layer.weight .* has no counterpart in this model"):
+        megatron.load_model(megatron.find(tp2_untied), model_cfg(), ROWS)
+
+
+def test_per_rank_format_tp2_gives_megatron_logits(tmp_path):
+    run_megatron_gpt("per-rank", tmp_path, 2, "--untied")
+    directory = megatron.find(tmp_path)
+    assert sorted(megatron.per_rank_dirs(directory)) == [(0, 0), (1, 0)]
+    assert not megatron.is_torch_dist(directory)
+    assert_same_logits(tmp_path, directory, model_cfg(untie_embeddings_and_output_weights=True))
+    assert megatron.progress_of(megatron.MegatronReader(directory).common)["consumed_samples"] == CONSUMED
+    # The same weights as Megatron-LM saves them at tp 2 x pp 2: stage 1's layer is its "layers.0".
+    for tp in range(2):
+        saved = megatron.load_pickle(directory / f"mp_rank_{tp:02d}" / megatron.PER_RANK_FILE)
+        stages = [{}, {}]
+        for key, value in saved["model"].items():
+            if key.startswith("decoder.layers.1."):
+                stages[1][key.replace("decoder.layers.1.", "decoder.layers.0.")] = value
+            else:
+                stages[1 if key.startswith(("decoder.final", "output_layer")) else 0][key] = value
+        for pp, model in enumerate(stages):
+            (tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}").mkdir(parents=True)
+            torch.save({**saved, "model": model}, tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}" / megatron.PER_RANK_FILE)
+    assert sorted(megatron.per_rank_dirs(tmp_path / "pp2")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert_same_logits(tmp_path, tmp_path / "pp2", model_cfg(untie_embeddings_and_output_weights=True))
+
+
+MEGATRON_RUN = [
+    *TINY, "--model.num_layers=2", "--model.make_vocab_size_divisible_by=16", "--data.vocab_size=100",
+    "--model.untie_embeddings_and_output_weights=true", f"--training.train_iters={ITERATION + 5}",
+    "--logging.log_interval=1",
+]  # fmt: skip
+
+
+def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
+    """Iteration and consumed samples come from Megatron's common.pt; pp2 trains on exactly as one process."""
+    runs = {}
+    for name, nproc, mesh in (("one", 1, []), ("pp2", 2, ["--parallel.pipeline_model_parallel_size=2"])):
+        run = tmp_path / name
+        run.mkdir()
+        run_train(run, [*MEGATRON_RUN, *mesh, f"--checkpoint.load={tp2_untied}", f"--logging.metrics_file={run}/m.jsonl"], nproc=nproc)
+        assert f"loaded Megatron checkpoint {tp2_untied}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in (run / "run.log").read_text()
+        runs[name] = read_metrics(run / "m.jsonl")
+    one, pp2 = runs["one"], runs["pp2"]
+    assert [m["iteration"] for m in one] == list(range(ITERATION + 1, ITERATION + 6))
+    assert one[0]["consumed_samples"] == CONSUMED + 8
+    for a, b in zip(one, pp2):
+        assert b["iteration"] == a["iteration"] and abs(b["loss"] - a["loss"]) <= 1e-5 * abs(a["loss"])
+
+
+def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
+    """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2 loads it."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
+    run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2", "--optimizer.lr_warmup_iters=1",
+                         f"--checkpoint.save={ckpt}"])  # fmt: skip
+    convert = load_script()
+    assert convert.main(["to-megatron", str(ckpt), str(out), "--tp", "2"]) == 0
+    directory = megatron.find(out)
+    assert megatron.progress_of(megatron.MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "lr_num_samples": 16}
+    run_megatron_gpt("load", out, 2)
+    cfg = read_config(layout.iteration_dir(ckpt, 2))
+    model = load_model(layout.iteration_dir(ckpt, 2), cfg).eval()
+    with torch.no_grad():
+        ours = model(tokens())[..., :VOCAB]
+    theirs = torch.load(out / "loaded_logits.pt", weights_only=True)[..., :VOCAB]
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
+    # and back: from-megatron gives the same weights again
+    assert convert.main(["from-megatron", str(out), str(tmp_path / "back"), "--config", str(layout.iteration_dir(ckpt, 2) / "config.toml")]) == 0
+    back = load_model(layout.iteration_dir(tmp_path / "back", 2), cfg)
+    for (name, p), q in zip(model.named_parameters(), back.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1_tied, tmp_path):
+    proc = run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--model.ffn_hidden_size=128",
+                                f"--checkpoint.load={tp1_tied}"], check=False)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "decoder.layers.mlp.linear_fc1.weight has shape (2, 256, 64) in the checkpoint" in lines[0]
