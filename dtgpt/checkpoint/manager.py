@@ -29,13 +29,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dtgpt.checkpoint import layout, megatron
+from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.state import extra_problem, flat_keys, has_section, shape_problem
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
-from dtgpt.parallel import ParallelDims
 from dtgpt.faults import NO_FAULTS, FaultHooks
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
 from dtgpt.state import TrainState, rng_state, set_rng_state
@@ -55,32 +55,6 @@ class PendingSave:
 
 def _same_path(a: str, b: str) -> bool:
     return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
-
-
-def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
-    """What decides which stages and shards a rank holds (RNG states are only reused if equal)."""
-    p = cfg.parallel
-    return {
-        "world_size": dims.world_size, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
-        "dp_shard": dims.dp_shard, "tp": dims.tp, "pipeline_schedule": p.pipeline_schedule if dims.pp > 1 else "",
-        "virtual_pipeline_stages_per_rank": p.virtual_pipeline_stages_per_rank if dims.pp > 1 else 1,
-    }  # fmt: skip
-
-
-def _mesh_text(mesh: dict | None) -> str:
-    if not isinstance(mesh, dict) or not mesh:
-        return "unknown mesh"
-    text = " ".join(f"{k}={mesh[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
-    if mesh["pp"] > 1:
-        text += f" {mesh['pipeline_schedule']} x{mesh['virtual_pipeline_stages_per_rank']}"
-    return text
-
-
-def same_rng_coordinates(saved: dict | None, here: dict) -> bool:
-    """Saved RNG states apply when every (pp, tp) coordinate holds the same stages as before:
-    dp may change (dp peers share their states), pp, the schedule and tp may not."""
-    keys = ("pp", "tp", "pipeline_schedule", "virtual_pipeline_stages_per_rank")
-    return saved is not None and all(saved.get(k) == here[k] for k in keys)
 
 
 class Checkpointer:
@@ -259,8 +233,8 @@ class Checkpointer:
             else:
                 self._derive_rng_at = progress.iteration
                 self._log(
-                    f"RNG: the checkpoint was saved on another mesh ({_mesh_text(marker.get('mesh'))}; now "
-                    f"{_mesh_text(here)}): each rank's generators are re-derived from training.seed, "
+                    f"RNG: the checkpoint was saved on another mesh ({mesh_text(marker.get('mesh'))}; now "
+                    f"{mesh_text(here)}): each rank's generators are re-derived from training.seed, "
                     f"its pipeline stage, its tp rank and iteration {progress.iteration}"
                 )
 

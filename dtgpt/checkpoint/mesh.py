@@ -1,0 +1,33 @@
+"""The mesh a checkpoint was saved on, as its completion marker records it: what decides which
+stages and shards each rank held, and whether saved RNG states still apply."""
+
+from __future__ import annotations
+
+from dtgpt.config import Config
+from dtgpt.parallel import ParallelDims
+
+
+def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
+    """What decides which stages and shards a rank holds (RNG states are only reused if equal)."""
+    p = cfg.parallel
+    return {
+        "world_size": dims.world_size, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard, "tp": dims.tp, "pipeline_schedule": p.pipeline_schedule if dims.pp > 1 else "",
+        "virtual_pipeline_stages_per_rank": p.virtual_pipeline_stages_per_rank if dims.pp > 1 else 1,
+    }  # fmt: skip
+
+
+def mesh_text(mesh: dict | None) -> str:
+    if not isinstance(mesh, dict) or not mesh:
+        return "unknown mesh"
+    text = " ".join(f"{k}={mesh[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
+    if mesh["pp"] > 1:
+        text += f" {mesh['pipeline_schedule']} x{mesh['virtual_pipeline_stages_per_rank']}"
+    return text
+
+
+def same_rng_coordinates(saved: dict | None, here: dict) -> bool:
+    """Saved RNG states apply when every (pp, tp) coordinate holds the same stages as before:
+    dp may change (dp peers share their states), pp, the schedule and tp may not."""
+    keys = ("pp", "tp", "pipeline_schedule", "virtual_pipeline_stages_per_rank")
+    return saved is not None and all(saved.get(k) == here[k] for k in keys)
