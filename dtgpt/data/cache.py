@@ -39,9 +39,14 @@ def _writable(path: str) -> bool:
     return os.access(p, os.W_OK)
 
 
+CACHE_FORMAT = 2
+"""Part of every cache key. 2: each array has a `.crc32` beside it. Caches of an older format
+are then simply not found (and rebuilt quietly), instead of failing their checksum check."""
+
+
 def description_hash(description: dict) -> str:
-    """A stable key for everything a cached artefact depends on."""
-    text = json.dumps(description, sort_keys=True, separators=(",", ":"))
+    """A stable key for everything a cached artefact depends on (and the cache format)."""
+    text = f"v{CACHE_FORMAT}:" + json.dumps(description, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -69,10 +74,11 @@ def save_npy(path: str, array: np.ndarray) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         np.save(f, array)
-    crc = _crc32(tmp)
-    os.replace(tmp, path)
-    Path(f"{path}.crc32.tmp-{os.getpid()}").write_text(f"{crc}\n")
+    # The checksum goes in place first: an array that exists always has its checksum, so a
+    # reader never takes a build in progress for a damaged cache.
+    Path(f"{path}.crc32.tmp-{os.getpid()}").write_text(f"{_crc32(tmp)}\n")
     os.replace(f"{path}.crc32.tmp-{os.getpid()}", f"{path}.crc32")
+    os.replace(tmp, path)
 
 
 def is_cached(paths) -> bool:
