@@ -216,7 +216,7 @@ def test_derived_helpers_raise_validations_message():
 def test_mesh_shape_resolves_the_rest():
     cfg = base(parallel__tensor_model_parallel_size=2, parallel__pipeline_model_parallel_size=2,
                parallel__data_parallel_replicate_size=2, model__num_layers=2)  # fmt: skip
-    assert mesh_shape(cfg, 16) == (2, 2, 2, 2)
+    assert mesh_shape(cfg, 16) == (2, 2, 2, 1, 2)
     assert data_parallel_size(cfg, 16) == 4
 
 
