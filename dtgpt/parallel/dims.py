@@ -69,16 +69,16 @@ class ParallelDims:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         self.flat["dp"] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        shard = ("dp_shard", "cp") if self.cp_enabled else ("dp_shard",)
         if self.cp_enabled:
             self.flat["dp_cp"] = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-            self.flat["dp_shard_cp"] = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-            shard = "dp_shard_cp"
+            self.flat["dp_shard_cp"] = self.mesh[shard]._flatten("dp_shard_cp")
         else:  # the same ranks: no second group
-            self.flat["dp_cp"], self.flat["dp_shard_cp"], shard = self.flat["dp"], self.mesh["dp_shard"], "dp_shard"
+            self.flat["dp_cp"], self.flat["dp_shard_cp"] = self.flat["dp"], self.mesh["dp_shard"]
         # A parameter sharded over FSDP's shard dimension and tp has a partial norm on both: with
         # this flattened view DTensor reduces it in one all-reduce, in one order on every rank,
-        # instead of two in sequence.
-        self.mesh[shard, "tp"]._flatten(f"{shard}_tp")
+        # instead of two in sequence (DTensor finds a flattened view by the ranks it spans).
+        self.mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
         return self.mesh
 
     def sub(self, name: str) -> DeviceMesh | None:
@@ -89,10 +89,12 @@ class ParallelDims:
 
     def fsdp_mesh(self) -> DeviceMesh:
         """2-D (replicate, shard) for HSDP, else the shard dimension alone; cp shards like dp_shard."""
-        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
-        if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", shard]
-        return self.mesh[shard]
+        if self.dp_replicate == 1:
+            return self.flat["dp_shard_cp"]
+        if not self.cp_enabled:
+            return self.mesh["dp_replicate", "dp_shard"]
+        shape = (self.dp_replicate, self.dp_shard * self.cp)
+        return self.flat["dp_cp"]._unflatten(0, shape, ("dp_replicate", "dp_shard_cp"))
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension `name` (0 without a mesh)."""
