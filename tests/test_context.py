@@ -48,6 +48,11 @@ def test_cp_attention_equals_full_sequence_attention(cp, with_documents):
     docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if with_documents else None
     core = CoreAttention(load_config(None, ["--data.mock_data=true"]).model).eval()
     expected = core(q, k, v, document_ids=docs)
+    if with_documents:  # the one-process reference itself: a document attends to itself alone
+        second = slice(5, 12)
+        alone = core(q[:1, :, second], k[:1, :, second], v[:1, :, second])
+        torch.testing.assert_close(expected[:1, :, second], alone)
+        torch.testing.assert_close(expected[1:], core(q[1:], k[1:], v[1:]))
 
     def all_ranks(t: torch.Tensor, dim: int) -> torch.Tensor:  # what the all-gather returns
         return torch.cat([split_sequence(t, r, cp, dim) for r in range(cp)], dim)

@@ -30,8 +30,8 @@ class ParallelDims:
     world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
     flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
-    """Flattened views ('dp', 'dp_cp', 'dp_shard_cp'); kept here because torch no longer slices
-    them from the root."""
+    """Flattened views ('dp', 'dp_cp', 'dp_shard_cp', and HSDP's 'hsdp_cp'); kept here because
+    torch no longer slices them from the root."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
@@ -73,6 +73,9 @@ class ParallelDims:
         if self.cp_enabled:
             self.flat["dp_cp"] = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             self.flat["dp_shard_cp"] = self.mesh[shard]._flatten("dp_shard_cp")
+            if self.dp_replicate > 1:  # HSDP's 2-D mesh, built once (slicing flattened dims is deprecated)
+                hsdp = (self.dp_replicate, self.dp_shard * self.cp)
+                self.flat["hsdp_cp"] = self.flat["dp_cp"]._unflatten(0, hsdp, ("dp_replicate", "dp_shard_cp"))
         else:  # the same ranks: no second group
             self.flat["dp_cp"], self.flat["dp_shard_cp"] = self.flat["dp"], self.mesh["dp_shard"]
         # A parameter sharded over FSDP's shard dimension and tp has a partial norm on both: with
@@ -91,10 +94,7 @@ class ParallelDims:
         """2-D (replicate, shard) for HSDP, else the shard dimension alone; cp shards like dp_shard."""
         if self.dp_replicate == 1:
             return self.flat["dp_shard_cp"]
-        if not self.cp_enabled:
-            return self.mesh["dp_replicate", "dp_shard"]
-        shape = (self.dp_replicate, self.dp_shard * self.cp)
-        return self.flat["dp_cp"]._unflatten(0, shape, ("dp_replicate", "dp_shard_cp"))
+        return self.flat["hsdp_cp"] if self.cp_enabled else self.mesh["dp_replicate", "dp_shard"]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension `name` (0 without a mesh)."""
