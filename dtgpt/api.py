@@ -55,8 +55,8 @@ def init_distributed(cfg: Config) -> Runtime:
 def _dims_for(cfg: Config, runtime: Runtime) -> ParallelDims:
     """The runtime's mesh when cfg has its layout, else a second mesh over the same ranks."""
     dims = ParallelDims.from_config(cfg, runtime.world_size)
-    same = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (
-        runtime.dims.pp, runtime.dims.dp_replicate, runtime.dims.dp_shard, runtime.dims.tp,
+    same = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (
+        runtime.dims.pp, runtime.dims.dp_replicate, runtime.dims.dp_shard, runtime.dims.cp, runtime.dims.tp,
     )  # fmt: skip
     if same:
         return runtime.dims

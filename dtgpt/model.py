@@ -88,11 +88,18 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
-def apply_rotary(x: torch.Tensor, base: int) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, nh, T, hd) by position-dependent angles (RoPE)."""
+def apply_rotary(x: torch.Tensor, base: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, nh, T, hd) by angles of the token positions (RoPE).
+
+    positions (B, T): the position of each token (None: 0..T-1).
+    """
     T, hd = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    if positions is None:
+        positions = torch.arange(T, device=x.device)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (T, hd/2) or (B, T, hd/2)
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)  # (B, 1, T, hd/2): the same for every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -119,12 +126,28 @@ class Embedding(nn.Module):
             inits.append((self.position.weight, Init.NORMAL))
         return inits
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """position_ids (B, T): each token's position (None: 0..T-1)."""
         h = self.word(tokens)  # (B, T, C)
         if self.position is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-            h = h + self.position(positions)
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+            h = h + self.position(position_ids)
         return self.dropout(h)
+
+
+def allowed_keys(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The attention mask as a predicate on global token indices: key j is visible to query i
+    when j <= i (and both are in the same document when document ids are given).
+
+    q_idx (Tq,), k_idx (Tk,) -> (Tq, Tk); with q_docs (B, Tq), k_docs (B, Tk) -> (B, 1, Tq, Tk).
+    """
+    mask = k_idx[None, :] <= q_idx[:, None]
+    if q_docs is not None:
+        mask = (mask & (q_docs[:, :, None] == k_docs[:, None, :])).unsqueeze(1)  # broadcast over heads
+    return mask
 
 
 class CoreAttention(nn.Module):
@@ -139,10 +162,18 @@ class CoreAttention(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
+        mask = None
+        if document_ids is not None:
+            idx = torch.arange(q.shape[2], device=q.device)
+            mask = allowed_keys(idx, idx, document_ids, document_ids)
         with self.stream() if dropout else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hd)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None
+            )  # (B, nh, T, hd)
 
 
 class Attention(nn.Module):
@@ -163,14 +194,16 @@ class Attention(nn.Module):
     def declared_inits(self) -> DeclaredInits:
         return linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds only its share of the heads.
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if self.rotary_base:
-            q, k = apply_rotary(q, self.rotary_base), apply_rotary(k, self.rotary_base)
-        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+            q, k = apply_rotary(q, self.rotary_base, position_ids), apply_rotary(k, self.rotary_base, position_ids)
+        y = self.core(q, k, v, document_ids=document_ids).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.proj(y)
 
 
@@ -200,8 +233,11 @@ class Block(nn.Module):
     def declared_inits(self) -> DeclaredInits:
         return norm_inits(self.input_norm) + norm_inits(self.mlp_norm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x)))
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        attended = self.attention(self.input_norm(x), position_ids=position_ids, document_ids=document_ids)
+        x = x + self.dropout(attended)
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -221,13 +257,20 @@ class GPT(nn.Module):
         # What forward runs between the embedding and the final norm; None: the blocks one by one.
         # Full recomputation (dtgpt.parallel.recompute) replaces runs of blocks by groups that
         # backward recomputes as one unit, as Megatron's recompute_method does.
-        self.block_runs: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
+        self.block_runs: list[Callable[..., torch.Tensor]] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds."""
-        h = self.embedding(x) if self.embedding is not None else x
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds.
+
+        position_ids (B, T): the positions the position embedding or RoPE use (None: 0..T-1);
+        under context parallelism, the global positions of the chunks this rank holds.
+        document_ids (B, T): tokens attend only within their document (None: plain causal).
+        """
+        h = self.embedding(x, position_ids) if self.embedding is not None else x
         for run in self.block_runs if self.block_runs is not None else self.layers.values():
-            h = run(h)
+            h = run(h, position_ids=position_ids, document_ids=document_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

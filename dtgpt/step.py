@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtgpt.parallel.context import split_sequence
 from dtgpt.parallel.fsdp import set_micro_batch_sync
 from dtgpt.parallel.model_parts import IGNORE_INDEX, GlobalBatchLoss, ModelParts
 from dtgpt.timers import Timers
@@ -30,10 +31,27 @@ def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
+def sample_inputs(model: ModelParts, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(B, T+1) samples -> this rank's tokens, labels and per-token keywords for the model.
+
+    Every per-token tensor is made on the full sequence, then cut for context parallelism by
+    the one split_sequence, so each cp rank holds its chunks with their global positions.
+    """
+    tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
+    dims = model.dims
+    if not dims.cp_enabled:
+        return tokens, labels, {}
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    per_token = {"tokens": tokens, "labels": labels, "position_ids": positions}
+    cut = {name: split_sequence(t, dims.cp_rank, dims.cp) for name, t in per_token.items()}
+    return cut.pop("tokens"), cut.pop("labels"), cut
+
+
 def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float) -> GlobalBatchLoss:
-    """The loss of this global batch: its loss-token count is summed over dp (each rank has a share)."""
+    """The loss of this global batch: its loss-token count is summed over dp x cp (each rank
+    holds a share of the samples, each cp rank a share of their tokens)."""
     denominator = (labels != IGNORE_INDEX).sum().to(torch.float32)
-    model.dims.all_reduce(denominator, ("dp",))
+    model.dims.all_reduce(denominator, ("dp_cp",))
     return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy)
 
 
@@ -52,26 +70,34 @@ def forward_backward(
     neither the first nor the last stage gets no batch (None).
     """
     tokens = labels = loss = None
+    per_token: dict[str, torch.Tensor] = {}
     if model.reads_batches:
-        tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
+        tokens, labels, per_token = sample_inputs(model, batch)
     if model.has_last_stage:
         loss = global_batch_loss(model, labels, loss_scale)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
         if model.schedules is not None:
-            total = _pipelined(model, loss, tokens, labels, num_microbatches, forward_only)
+            total = _pipelined(model, loss, tokens, labels, per_token, num_microbatches, forward_only)
         else:
-            total = _one_stage(model, loss, tokens, labels, num_microbatches, forward_only)
+            total = _one_stage(model, loss, tokens, labels, per_token, num_microbatches, forward_only)
     return total / loss_scale
 
 
-def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+def _micro_batches(per_token: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """The per-token keywords of each of n micro-batches (split along the batch, as the tokens)."""
+    chunks = {name: t.chunk(n) for name, t in per_token.items()}
+    return [{name: c[i] for name, c in chunks.items()} for i in range(n)]
+
+
+def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, per_token, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     total = torch.zeros((), device=model.device)
     part = model.parts[0]
-    for i, (tok, lab) in enumerate(zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches))):
+    micro = zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches), _micro_batches(per_token, num_microbatches))
+    for i, (tok, lab, kw) in enumerate(micro):
         # The loss-parallel context must cover backward as well as forward.
         with model.compute_context():
-            micro_loss = loss(part(tok), lab)
+            micro_loss = loss(part(tok, **kw), lab)
             if not forward_only:
                 last = i == num_microbatches - 1
                 set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
@@ -80,20 +106,24 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, num_mic
     return total
 
 
-def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, tokens, labels, per_token, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     args = (tokens,) if model.has_first_stage else ()
     target = labels if model.has_last_stage else None
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     with model.compute_context():
-        model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False)
+        # The schedule splits the per-token keywords into micro-batches and hands them to every
+        # stage's forward, so each stage sees its tokens' positions.
+        model.schedules.run(
+            num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **per_token
+        )
     if not losses:
         return torch.zeros((), device=model.device)
     return torch.stack([_plain(micro_loss).float() for micro_loss in losses]).sum()
 
 
 def reduce_loss(model: ModelParts, local_loss: torch.Tensor) -> torch.Tensor:
-    """Sum the per-rank loss parts over dp (and pp, where only the last stage is non-zero)."""
-    return model.dims.all_reduce(local_loss.clone(), ("dp", "pp"))
+    """Sum the per-rank loss parts over dp x cp (and pp, where only the last stage is non-zero)."""
+    return model.dims.all_reduce(local_loss.clone(), ("dp_cp", "pp"))
 
 
 @torch.no_grad()

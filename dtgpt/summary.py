@@ -55,7 +55,7 @@ def startup_summary(cfg: Config, dims: ParallelDims, n_params: int, vocab_size: 
     return "\n".join([
         f"> data: {data_source(cfg, tokenizer)}",
         f"> samples (seq_length {cfg.model.seq_length}): {split_sizes(datasets)}",
-        f"> mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} "
+        f"> mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
         f"({dims.world_size} rank{'s' if dims.world_size > 1 else ''}){schedule}",
         f"> model: {n_params:,} parameters on rank 0, padded vocabulary {vocab_size}",
         f"> output: {outputs(cfg)}",

@@ -44,14 +44,18 @@ LAYOUTS = {
     "pp2_tp2_sp": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     "dp2_tp2": {"tensor_model_parallel_size": 2},
     "pp2_tp2": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+    "cp2": {"context_parallel_size": 2},
+    "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
 }  # fmt: skip
-MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16)
+# No attention dropout: context parallelism refuses it (and dropout communicates nothing).
+MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, attention_dropout=0.0)
 
 
 def layout_config(name: str, world_size: int, micro_per_rank: int):
     """The tiny fp32 GPT in layout `name`, with `micro_per_rank` micro-batches per dp rank."""
     parallel = LAYOUTS[name]
-    dp = world_size // (parallel.get("tensor_model_parallel_size", 1) * parallel.get("pipeline_model_parallel_size", 1))
+    model_parallel = [parallel.get(f"{k}_parallel_size", 1) for k in ("tensor_model", "pipeline_model", "context")]
+    dp = world_size // (model_parallel[0] * model_parallel[1] * model_parallel[2])
     return dtgpt.make_config(
         model=MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100),

@@ -126,6 +126,7 @@ SLOW_MESHES = {
     "tp4": (4, ["--parallel.tensor_model_parallel_size=4"]),
     "dp4": (4, []),
     "hsdp2x2_mbs1": (4, ["--parallel.data_parallel_replicate_size=2", "--training.micro_batch_size=1"]),
+    "cp2_tp2": (4, ["--parallel.context_parallel_size=2", "--parallel.tensor_model_parallel_size=2"]),  # saved at cp 1
 }
 DUALPIPEV = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=DualPipeV",
              "--parallel.virtual_pipeline_stages_per_rank=2"]  # fmt: skip
@@ -151,8 +152,9 @@ def test_one_process_checkpoint_resumes_on_dualpipev(tmp_path):
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_in_one_process(tmp_path):
-    """Saved by two stages (tied copy left out), read by one model where the head is the embedding."""
-    reference, root = uninterrupted(tmp_path, "full", NO_DROPOUT + PP2, 2)
+def test_pp2_cp2_checkpoint_resumes_in_one_process(tmp_path):
+    """Saved by two stages (tied copy left out) with FSDP over the two cp ranks, read by one model
+    where the head is the embedding and the sequence is whole."""
+    reference, root = uninterrupted(tmp_path, "full", NO_DROPOUT + PP2 + ["--parallel.context_parallel_size=2"], 4)
     resumed, _ = resume(tmp_path, "one", root, NO_DROPOUT, 1)
     assert_close(reference, resumed, 1e-5)

@@ -154,6 +154,19 @@ def test_toml_errors(tmp_path):
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2}, None,
          "training.compile=true is not supported with parallel.tensor_model_parallel_size=2"),
+        # Context parallelism: whole chunk pairs per rank (and per tp rank under SP), no attention dropout.
+        ({"parallel__context_parallel_size": 3, "model__seq_length": 16, "model__attention_dropout": 0.0}, None,
+         "model.seq_length=16 must be divisible by 2 * parallel.context_parallel_size=3 = 6"),
+        ({"parallel__context_parallel_size": 2, "parallel__tensor_model_parallel_size": 4, "parallel__sequence_parallel": True,
+          "model__seq_length": 24, "model__attention_dropout": 0.0}, None,
+         "model.seq_length=24 must be divisible by 2 * parallel.context_parallel_size=2 * tensor_model_parallel_size=4 "
+         "(sequence parallel) = 16"),
+        ({"parallel__context_parallel_size": 2, "model__attention_dropout": 0.1}, None,
+         "model.attention_dropout=0.1 must be 0 with parallel.context_parallel_size=2"),
+        ({"parallel__context_parallel_size": 2, "model__attention_dropout": 0.0, "parallel__data_parallel_shard_size": 2}, 2,
+         "world size 2 != pipeline_model_parallel_size=1 * data_parallel_replicate_size=1 * data_parallel_shard_size=2 "
+         "* context_parallel_size=2"),
+        ({"parallel__context_parallel_size": 0}, None, "parallel.context_parallel_size=0 must be > 0"),
         # The LR schedule's lengths, in samples (config/derived.py computes them for validation and optim).
         ({"optimizer__lr_warmup_samples": 100_000}, None, "optimizer.lr_warmup_samples=100000 must be < the decay length"),
         ({"optimizer__lr_decay_samples": 0}, None, "optimizer.lr_decay_samples=0 must be > 0"),
@@ -216,8 +229,11 @@ def test_derived_helpers_raise_validations_message():
 def test_mesh_shape_resolves_the_rest():
     cfg = base(parallel__tensor_model_parallel_size=2, parallel__pipeline_model_parallel_size=2,
                parallel__data_parallel_replicate_size=2, model__num_layers=2)  # fmt: skip
-    assert mesh_shape(cfg, 16) == (2, 2, 2, 2)
+    assert mesh_shape(cfg, 16) == (2, 2, 2, 1, 2)
     assert data_parallel_size(cfg, 16) == 4
+    cfg.parallel.context_parallel_size = 2  # cp ranks read the same samples: not data-parallel
+    assert mesh_shape(cfg, 16) == (2, 2, 1, 2, 2)
+    assert data_parallel_size(cfg, 16) == 2
 
 
 # --- which key wins (dtgpt/config/precedence.py) -------------------------------------------

@@ -4,7 +4,7 @@ Each layout runs the tiny fp32 model for 20 iterations on the same mock data and
 the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figure) (a model-changing override, e.g. an
 untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
 an untied head, pp 4 (two middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform, full block,
-selective) and compile; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
+selective), compile, and context parallelism (cp2, cp2 x tp2 with SP); the rest are marked slow (`make test` runs them, `make test-fast` skips them).
 Every pipeline schedule and configs/debug_3d.toml itself (8 ranks) are in the fast set too, as
 short runs (SHORT iterations) compared with the start of the same reference: the LR schedule is
 pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one.
@@ -21,6 +21,7 @@ RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
 FULL = ["--training.recompute_granularity=full"]  # Megatron's full recomputation; the method follows
+CP2 = "--parallel.context_parallel_size=2"
 MODEL_KEYS = ("--model.",)  # overrides that change the model itself: the reference gets them too
 
 LAYOUTS = {
@@ -69,6 +70,15 @@ LAYOUTS = {
         ["--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
         True,
     ),
+    # context parallelism: each rank holds 2 of 4 sequence chunks; full recomputation passes the
+    # chunks' positions through its recomputed groups
+    "cp2_full_uniform_ac": (2, [CP2, *FULL, "--training.recompute_method=uniform", "--training.recompute_num_layers=2"], False),
+    "cp2_tp2_sp": (4, [CP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
+    # every pipeline stage gets its chunks' positions from the schedule (middle ranks read batches)
+    "cp2_pp2_1f1b": (4, [CP2, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], True),
+    "cp2_dp2": (4, [CP2, "--parallel.data_parallel_shard_size=2"], True),
+    # RoPE at global positions; the recomputed attention core re-gathers keys and values
+    "cp2_rope_selective_ac": (2, [CP2, "--model.position_embedding_type=rope", "--training.recompute_granularity=selective"], True),
 }
 
 

@@ -270,7 +270,7 @@ def test_train_py_dry_run_prints_the_plan():
     # debug_3d takes data_parallel_shard_size from the world size: 8 ranks, as torchrun would say
     proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "WORLD_SIZE": "8"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "8 GPUs = pp 2 x dp_replicate 1 x dp_shard 2 x tp 2" in proc.stdout
+    assert "8 GPUs = pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 2" in proc.stdout
     assert "local params" in proc.stdout
 
 

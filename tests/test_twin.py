@@ -106,3 +106,41 @@ def test_twin_at_the_175b_job_shape_dp1(tmp_path):
     proc = run_train(tmp_path, args, nproc=8, name="dp1", check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2]
+
+
+# -- the long-sequence job: configs/gpt3_1.3b_32k.toml and its twin -----------------------------
+
+LONG = str(REPO / "configs" / "gpt3_1.3b_32k.toml")
+LONG_TWIN = str(REPO / "configs" / "gpt3_1.3b_32k_twin.toml")
+
+
+def test_32k_config_fits_80_gib_with_cp_and_not_without():
+    """The planner's answer on 8 GPUs: cp 8 fits, the same GPUs as dp 8 (whole sequences) do not."""
+    with_cp = plan_layout(load_config(LONG), 8)
+    without = plan_layout(load_config(LONG, ["--parallel.context_parallel_size=1"]), 8)
+    assert with_cp.mesh["cp"] == 8 and with_cp.fits
+    assert without.mesh["cp"] == 1 and not without.fits
+    acts = [plan.ranks[0].memory["activations"] for plan in (with_cp, without)]
+    assert acts[1] > 7 * acts[0]  # activations / cp, plus the gathered keys and values kept no longer
+
+
+def test_32k_twin_keeps_the_structure():
+    big, twin = load_config(LONG), load_config(LONG_TWIN)
+    for cfg in (big, twin):
+        p, t = cfg.parallel, cfg.training
+        assert p.context_parallel_size == 8 and p.tensor_model_parallel_size == 1
+        assert t.bf16 and t.recompute_granularity == "selective" and cfg.model.attention_dropout == 0.0
+    assert plan_layout(twin, 8).fits
+
+
+@pytest.mark.slow
+def test_32k_twin_trains_on_8_ranks(tmp_path):
+    metrics = tmp_path / "long.jsonl"
+    args = ["--config", LONG_TWIN, "--training.train_iters=4", "--eval.eval_interval=4", "--eval.eval_iters=1",
+            "--checkpoint.save=", "--checkpoint.load=", "--logging.tensorboard_dir=", "--logging.log_interval=1",
+            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
+    proc = run_train(tmp_path, args, nproc=8, name="long", timeout=600)
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    assert "cp=8" in proc.stdout and "validation loss at iteration 4 |" in proc.stdout

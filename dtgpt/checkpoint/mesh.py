@@ -12,7 +12,7 @@ def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
     p = cfg.parallel
     return {
         "world_size": dims.world_size, "pp": dims.pp, "dp_replicate": dims.dp_replicate,
-        "dp_shard": dims.dp_shard, "tp": dims.tp, "pipeline_schedule": p.pipeline_schedule if dims.pp > 1 else "",
+        "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "pipeline_schedule": p.pipeline_schedule if dims.pp > 1 else "",
         "virtual_pipeline_stages_per_rank": p.virtual_pipeline_stages_per_rank if dims.pp > 1 else 1,
     }  # fmt: skip
 
@@ -20,7 +20,8 @@ def mesh_info(cfg: Config, dims: ParallelDims) -> dict:
 def mesh_text(mesh: dict | None) -> str:
     if not isinstance(mesh, dict) or not mesh:
         return "unknown mesh"
-    text = " ".join(f"{k}={mesh[k]}" for k in ("pp", "dp_replicate", "dp_shard", "tp"))
+    # A checkpoint from before context parallelism has no "cp": it was saved at cp=1.
+    text = " ".join(f"{k}={mesh.get(k, 1)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     if mesh["pp"] > 1:
         text += f" {mesh['pipeline_schedule']} x{mesh['virtual_pipeline_stages_per_rank']}"
     return text
@@ -28,6 +29,6 @@ def mesh_text(mesh: dict | None) -> str:
 
 def same_rng_coordinates(saved: dict | None, here: dict) -> bool:
     """Saved RNG states apply when every (pp, tp) coordinate holds the same stages as before:
-    dp may change (dp peers share their states), pp, the schedule and tp may not."""
+    dp and cp may change (their peers share their states), pp, the schedule and tp may not."""
     keys = ("pp", "tp", "pipeline_schedule", "virtual_pipeline_stages_per_rank")
     return saved is not None and all(saved.get(k) == here[k] for k in keys)

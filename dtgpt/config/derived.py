@@ -17,19 +17,20 @@ from dtgpt.config.sections import Config, ConfigError
 # The mesh
 
 
-def mesh_shape(cfg: Config, world_size: int) -> tuple[int, int, int, int]:
-    """(pp, dp_replicate, dp_shard, tp) with dp_shard = -1 resolved to the rest of the world."""
+def mesh_shape(cfg: Config, world_size: int) -> tuple[int, int, int, int, int]:
+    """(pp, dp_replicate, dp_shard, cp, tp) with dp_shard = -1 resolved to the rest of the world."""
     p = cfg.parallel
     pp, dpr, tp = p.pipeline_model_parallel_size, p.data_parallel_replicate_size, p.tensor_model_parallel_size
+    cp = p.context_parallel_size
     dps = p.data_parallel_shard_size
     if dps == -1:
-        dps = world_size // (pp * dpr * tp)
-    return pp, dpr, dps, tp
+        dps = world_size // (pp * dpr * cp * tp)
+    return pp, dpr, dps, cp, tp
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
-    """dp = dp_replicate * dp_shard."""
-    _, dpr, dps, _ = mesh_shape(cfg, world_size)
+    """dp = dp_replicate * dp_shard: the ranks that read different samples (cp ranks share theirs)."""
+    _, dpr, dps, _, _ = mesh_shape(cfg, world_size)
     return dpr * dps
 
 

@@ -114,6 +114,9 @@ class ParallelConfig:
     """FSDP shard degree; -1 means whatever the world size leaves."""
     data_parallel_replicate_size: int = 1
     """HSDP replica count; > 1 replicates the FSDP shards."""
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (Megatron's --context-parallel-size): each holds 2 of its
+    2*cp chunks, attends over keys and values gathered from the others (dtgpt/parallel/context.py)."""
     sequence_parallel: bool = False
     pipeline_schedule: str = "1F1B"
     virtual_pipeline_stages_per_rank: int = 1

@@ -69,6 +69,7 @@ _POSITIVE = (
     "parallel.tensor_model_parallel_size",
     "parallel.pipeline_model_parallel_size",
     "parallel.data_parallel_replicate_size",
+    "parallel.context_parallel_size",
     "parallel.virtual_pipeline_stages_per_rank",
     "logging.log_interval",
     "eval.eval_interval",
@@ -125,6 +126,32 @@ def _check_tensor_parallel(cfg: Config) -> None:
         not (p.sequence_parallel and tp > 1) or m.seq_length % tp == 0,
         f"parallel.tensor_model_parallel_size={tp} must divide model.seq_length={m.seq_length} "
         "under parallel.sequence_parallel=true",
+    )
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """Rules of context parallel: whole chunk pairs per rank (and per tp rank under SP)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if cp == 1:
+        return
+    chunks = 2 * cp * (tp if p.sequence_parallel else 1)
+    _require(
+        m.seq_length % chunks == 0,
+        f"model.seq_length={m.seq_length} must be divisible by 2 * parallel.context_parallel_size={cp}"
+        + (f" * tensor_model_parallel_size={tp} (sequence parallel)" if chunks != 2 * cp else "") + f" = {chunks}",
+    )
+    # SDPA draws a dropout mask for the (local queries x all keys) block it sees, so the mask
+    # would depend on cp (and cp peers would draw the same one): no layout-independent dropout.
+    _require(
+        m.attention_dropout == 0.0,
+        f"model.attention_dropout={m.attention_dropout} must be 0 with parallel.context_parallel_size={cp} "
+        "(the attention dropout mask would depend on how the sequence is split)",
+    )
+    _require(
+        not t.compile,
+        f"training.compile=true is not supported with parallel.context_parallel_size={cp} (> 1): "
+        "no parity test covers it yet; set training.compile=false",
     )
 
 
@@ -345,6 +372,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_conflicts(cfg)
     _check_model(cfg)
     _check_tensor_parallel(cfg)
+    _check_context_parallel(cfg)
     _check_pipeline(cfg)
     _check_compile(cfg)
     _check_recompute(cfg)
@@ -361,22 +389,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 def validate_mesh(cfg: Config, world_size: int) -> None:
     """Rules that need the world size: the mesh product and the batch split over dp."""
     p, t = cfg.parallel, cfg.training
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     dpr, dps = p.data_parallel_replicate_size, p.data_parallel_shard_size
+    fixed = pp * dpr * cp * tp
     if dps == -1:
         _require(
-            world_size % (pp * tp * dpr) == 0,
+            world_size % fixed == 0,
             f"world size {world_size} is not divisible by pipeline_model_parallel_size={pp} * "
-            f"tensor_model_parallel_size={tp} * data_parallel_replicate_size={dpr} = {pp * tp * dpr}; "
-            f"launch a multiple of {pp * tp * dpr} ranks (e.g. torchrun --nproc-per-node {pp * tp * dpr}) or lower those sizes",
+            f"data_parallel_replicate_size={dpr} * context_parallel_size={cp} * tensor_model_parallel_size={tp} "
+            f"= {fixed}; "
+            f"launch a multiple of {fixed} ranks (e.g. torchrun --nproc-per-node {fixed}) or lower those sizes",
         )
     else:
         _require(dps > 0, f"parallel.data_parallel_shard_size={dps} must be > 0 or -1 (the rest)")
         _require(
-            pp * dpr * dps * tp == world_size,
+            fixed * dps == world_size,
             f"world size {world_size} != pipeline_model_parallel_size={pp} * data_parallel_replicate_size={dpr} "
-            f"* data_parallel_shard_size={dps} * tensor_model_parallel_size={tp} = {pp * dpr * dps * tp}; "
-            f"launch {pp * dpr * dps * tp} ranks, or set parallel.data_parallel_shard_size=-1 to take the rest",
+            f"* data_parallel_shard_size={dps} * context_parallel_size={cp} * tensor_model_parallel_size={tp} "
+            f"= {fixed * dps}; "
+            f"launch {fixed * dps} ranks, or set parallel.data_parallel_shard_size=-1 to take the rest",
         )
     for key in FAULT_RANKS:
         _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")

@@ -1,4 +1,4 @@
-"""Parallelise a GPT: the one place where TP, recomputation, compile and FSDP meet.
+"""Parallelise a GPT: the one place where TP, CP, recomputation, compile and FSDP meet.
 
 `parallelize()` applies them to one model (or pipeline stage) in that visible order;
 `build_model()` builds on meta, cuts pipeline stages and parallelises each (`build_parts()`,
@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtgpt.config import Config, fsdp_reshards_after_forward
 from dtgpt.model import GPT
+from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.fsdp import apply_fsdp
 from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
@@ -54,7 +55,7 @@ def apply_compile(model: GPT, per_block: bool) -> None:
 
 
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
-    """TP -> recomputation -> compile -> FSDP, applied in place to one model/stage.
+    """TP -> CP -> recomputation -> compile -> FSDP, applied in place to one model/stage.
 
     `rng` (under tp) is the model-parallel stream that tensor-parallel dropout draws from.
     """
@@ -67,9 +68,11 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
         )
         if rng is not None:
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
+    if dims.cp_enabled:  # before recomputation, which may wrap the attention core it replaces
+        apply_cp(model, dims.sub("cp"))
     t = cfg.training
     apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
-    if cfg.training.compile:  # config validation allows it only without tp and pp
+    if cfg.training.compile:  # config validation allows it only without tp, pp and cp
         apply_compile(model, per_block=dims.fsdp_enabled)
     if dims.fsdp_enabled:
         apply_fsdp(

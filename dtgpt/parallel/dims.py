@@ -1,7 +1,10 @@
 """ParallelDims: the one object that owns the DeviceMesh and answers "which group is X?".
 
-Mesh dimensions, outer to inner: pp, dp_replicate, dp_shard, tp. tp is innermost so its ranks
-are neighbours (one node); dp = dp_replicate * dp_shard.
+Mesh dimensions, outer to inner: pp, dp_replicate, dp_shard, cp, tp. tp is innermost so its
+ranks are neighbours (one node), cp next to it. dp = dp_replicate * dp_shard counts the ranks that
+read different samples; cp ranks read the same samples and hold different pieces of each
+sequence, so what sums over tokens (the loss, its token count, gradients) runs over dp x cp
+("dp_cp"), and FSDP shards over dp_shard x cp ("dp_shard_cp"), as torchtitan does.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dtgpt.config import Config, mesh_shape, validate_mesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -22,18 +25,20 @@ class ParallelDims:
     pp: int
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
     world_size: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    dp_mesh: DeviceMesh | None = field(default=None, repr=False)
-    """dp_replicate x dp_shard flattened; kept here because torch no longer slices it from the root."""
+    flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    """Flattened views ('dp', 'dp_cp', 'dp_shard_cp', and HSDP's 'hsdp_cp'); kept here because
+    torch no longer slices them from the root."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
         """Resolve dp_shard = -1 to the rest and check the product (before any group exists)."""
         validate_mesh(cfg, world_size)
-        pp, dpr, dps, tp = mesh_shape(cfg, world_size)
-        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp, world_size=world_size)
+        pp, dpr, dps, cp, tp = mesh_shape(cfg, world_size)
+        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size)
 
     @property
     def dp(self) -> int:
@@ -48,34 +53,48 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def fsdp_enabled(self) -> bool:
-        # With one data-parallel rank FSDP would only add hooks; mixed precision is autocast anyway.
-        return self.dp > 1
+        # With one rank per stage and tp slice FSDP would only add hooks (mixed precision is
+        # autocast anyway); cp ranks share every weight, so they shard it like dp ranks.
+        return self.dp * self.cp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """Create the named 4-D mesh (and the flattened 'dp' view); None in a one-process run."""
+        """Create the named 5-D mesh and its flattened views; None in a one-process run."""
         if not dist.is_initialized():
             return None
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        # A parameter sharded over dp_shard and tp has a partial norm on both dimensions: with
+        self.flat["dp"] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        shard = ("dp_shard", "cp") if self.cp_enabled else ("dp_shard",)
+        if self.cp_enabled:
+            self.flat["dp_cp"] = self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self.flat["dp_shard_cp"] = self.mesh[shard]._flatten("dp_shard_cp")
+            if self.dp_replicate > 1:  # HSDP's 2-D mesh, built once (slicing flattened dims is deprecated)
+                hsdp = (self.dp_replicate, self.dp_shard * self.cp)
+                self.flat["hsdp_cp"] = self.flat["dp_cp"]._unflatten(0, hsdp, ("dp_replicate", "dp_shard_cp"))
+        else:  # the same ranks: no second group
+            self.flat["dp_cp"], self.flat["dp_shard_cp"] = self.flat["dp"], self.mesh["dp_shard"]
+        # A parameter sharded over FSDP's shard dimension and tp has a partial norm on both: with
         # this flattened view DTensor reduces it in one all-reduce, in one order on every rank,
-        # instead of two in sequence.
-        self.mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+        # instead of two in sequence (DTensor finds a flattened view by the ranks it spans).
+        self.mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
         return self.mesh
 
     def sub(self, name: str) -> DeviceMesh | None:
-        """mesh['tp'], mesh['pp'], mesh['dp'] ...; None when there is no mesh."""
+        """mesh['tp'], mesh['pp'], mesh['dp'], mesh['dp_cp'] ...; None when there is no mesh."""
         if self.mesh is None:
             return None
-        return self.dp_mesh if name == "dp" else self.mesh[name]
+        return self.flat[name] if name in self.flat else self.mesh[name]
 
     def fsdp_mesh(self) -> DeviceMesh:
-        """2-D (replicate, shard) for HSDP, else the shard dimension alone."""
-        if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+        """2-D (replicate, shard) for HSDP, else the shard dimension alone; cp shards like dp_shard."""
+        if self.dp_replicate == 1:
+            return self.flat["dp_shard_cp"]
+        return self.flat["hsdp_cp"] if self.cp_enabled else self.mesh["dp_replicate", "dp_shard"]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension `name` (0 without a mesh)."""
@@ -94,6 +113,10 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.coordinate("dp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coordinate("cp")
 
     def all_reduce(self, tensor: torch.Tensor, names: tuple[str, ...], op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In-place all-reduce over each named dimension of size > 1 (no-op without a mesh)."""

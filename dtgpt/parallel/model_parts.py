@@ -84,8 +84,9 @@ class ModelParts:
 
     @property
     def reads_batches(self) -> bool:
-        """Only the first stage needs tokens and the last labels: middle stages read no data."""
-        return self.has_first_stage or self.has_last_stage
+        """Only the first stage needs tokens and the last labels: middle stages read no data,
+        except under cp, where every stage needs the positions of the chunks it holds."""
+        return self.has_first_stage or self.has_last_stage or self.dims.cp_enabled
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:

@@ -34,13 +34,14 @@ class RecomputedGroup:
         self.blocks = blocks
         self.checkpoint_kwargs = _rng_replay(rng)
 
-    def _run(self, h: torch.Tensor) -> torch.Tensor:
+    def _run(self, h: torch.Tensor, **per_token) -> torch.Tensor:
         for block in self.blocks:
-            h = block(h)
+            h = block(h, **per_token)
         return h
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self._run, h, use_reentrant=False, **self.checkpoint_kwargs)
+    def __call__(self, h: torch.Tensor, **per_token) -> torch.Tensor:
+        """per_token: the blocks' position_ids and document_ids keywords, passed through."""
+        return checkpoint(self._run, h, use_reentrant=False, **self.checkpoint_kwargs, **per_token)
 
 
 def _rng_replay(rng: ModelParallelRNG | None) -> dict:

@@ -41,7 +41,7 @@ def build_tied_group(dims: ParallelDims, parts: list[GPT]) -> dist.ProcessGroup 
     """
     if not dims.pp_enabled or not parts[0].tied or dims.mesh is None:
         return None
-    ranks = dims.mesh.mesh  # (pp, dp_replicate, dp_shard, tp)
+    ranks = dims.mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
     first, last = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
     if first == last:
         return None

@@ -9,13 +9,17 @@ output, a reduce-scatter's input, an all-reduce's or a send's tensor), as nccl-t
 "size". `link_bytes` turns them into what a ring moves per rank.
 
 With b the micro-batch size, s the sequence length, h the hidden size, n the micro-batches per
-iteration, e the compute bytes (2 in fp16/bf16, 4 in fp32), per rank and iteration:
+iteration, e the compute bytes (2 in fp16/bf16, 4 in fp32), per rank and iteration (under cp,
+every activation size below counts the rank's s/cp tokens):
 
-  FSDP (dp > 1)  per unit: 1 all-gather of its gathered parameters (e bytes each) and 1
+  FSDP (dp x cp > 1)  FSDP shards over dp_shard x cp; per unit: 1 all-gather of its gathered parameters (e bytes each) and 1
                  reduce-scatter of its gradients (fp32), HSDP adds 1 all-reduce of the fp32
                  shard over dp_replicate. Once per iteration: gradient sync is off and the
                  parameters stay gathered until the last micro-batch ('always' resharding:
                  2 all-gathers per unit per micro-batch, the root unit's 1).
+  CP  per block per micro-batch: 2 all-gathers (keys and values) of b·s·h/tp·e forward, again
+                 where backward recomputes the attention core, and 2 reduce-scatters of their
+                 gradients backward.
   TP  per block per micro-batch: without SP 2 all-reduces forward and 2 backward; with SP 2
                  all-gathers and 2 reduce-scatters each way; all of b·s·h·e. The embedding adds
                  an all-reduce forward (and with SP an all-gather backward), the head an
@@ -28,7 +32,7 @@ iteration, e the compute bytes (2 in fp16/bf16, 4 in fp32), per rank and iterati
   per iteration  the split tied embedding: 1 all-reduce of its local fp32 gradient on the
                  first and last stage; the gradient norm: 1 all-reduce of one fp32 per
                  parameter tensor (when they are DTensors) and 1 of a scalar over pp; the loss:
-                 its token count over dp (last stage) and the loss over dp and pp; the fp16
+                 its token count over dp x cp (last stage) and the loss over dp x cp and pp; the fp16
                  overflow flag: 1 scalar all-reduce over the world.
 """
 
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 from dtgpt.config import Config, fsdp_reshards_after_forward, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
+from dtgpt.parallel.recompute import recompute_groups
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
 FP32 = 4
@@ -48,7 +53,7 @@ FP32 = 4
 class Collective:
     kind: str
     dim: str
-    """the mesh dimension it runs over: tp, pp, dp, dp_shard, dp_replicate, tied, world"""
+    """the mesh dimension it runs over: tp, cp, pp, dp, dp_cp, dp_shard(_cp), dp_replicate, tied, world"""
     what: str
     count: int
     message_bytes: int
@@ -78,6 +83,7 @@ class CommLayout:
     pp: int
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
     sequence_parallel: bool
     loss_parallel: bool
@@ -87,26 +93,43 @@ class CommLayout:
     fp16: bool
     reshard_every_micro_batch: bool
     layer_counts: tuple[int, ...]
+    recompute: tuple[str | None, str | None, int | None] = (None, None, None)
+    """Megatron's (granularity, method, num_layers): which attention cores backward re-runs."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
         m, t, p = cfg.model, cfg.training, cfg.parallel
-        pp, dpr, dps, tp = mesh_shape(cfg, world_size)
+        pp, dpr, dps, cp, tp = mesh_shape(cfg, world_size)
         return cls(
             num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_size, seq=m.seq_length,
             micro_batch=t.micro_batch_size, vocab=vocab,
             positions=m.max_positions if m.position_embedding_type == "learned_absolute" else 0,
             norm_params=1 if m.normalization == "RMSNorm" else 2, tied=not m.untie_embeddings_and_output_weights,
-            pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp, sequence_parallel=p.sequence_parallel and tp > 1,
+            pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, sequence_parallel=p.sequence_parallel and tp > 1,
             loss_parallel=p.loss_parallel, stages_per_rank=p.virtual_pipeline_stages_per_rank,
             schedule=p.pipeline_schedule, compute_bytes=2 if (t.fp16 or t.bf16) else 4, fp16=t.fp16,
             reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
+            recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
         )  # fmt: skip
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard(self) -> int:
+        """FSDP's shard degree: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp * self.cp > 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of a sequence one rank holds."""
+        return self.seq // self.cp
 
     @property
     def num_stages(self) -> int:
@@ -166,20 +189,21 @@ def rank_stages(c: CommLayout, pp_rank: int) -> list[int]:
 
 
 def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
-    if c.dp == 1:
+    if not c.fsdp:
         return []
     out = []
+    dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
     for stage in stages:
         for name, shapes, root in fsdp_units(c, stage):
-            numel = gathered_numel(shapes, c.dp_shard)
+            numel = gathered_numel(shapes, c.shard)
             gathers = 1
             if c.reshard_every_micro_batch and c.pp == 1:
                 gathers = n_micro if root else 2 * n_micro
             # fp32: FSDP gathers the master weights; autocast casts them (dtgpt/parallel/fsdp.py)
-            out.append(Collective("all_gather", "dp_shard", f"fsdp {name} params", gathers, numel * FP32))
-            out.append(Collective("reduce_scatter", "dp_shard", f"fsdp {name} grads", 1, numel * FP32))
+            out.append(Collective("all_gather", dim, f"fsdp {name} params", gathers, numel * FP32))
+            out.append(Collective("reduce_scatter", dim, f"fsdp {name} grads", 1, numel * FP32))
             if c.dp_replicate > 1:
-                out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, numel // c.dp_shard * FP32))
+                out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, numel // c.shard * FP32))
     return out
 
 
@@ -189,8 +213,8 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     gradients) are in the compute dtype."""
     if c.tp == 1:
         return []
-    act = c.micro_batch * c.seq * c.hidden * c.compute_bytes  # a matmul output
-    residual = c.micro_batch * c.seq * c.hidden * FP32  # a norm or embedding output
+    act = c.micro_batch * c.tokens * c.hidden * c.compute_bytes  # a matmul output
+    residual = c.micro_batch * c.tokens * c.hidden * FP32  # a norm or embedding output
     blocks = sum(c.layer_counts[s] for s in stages)
     first = 0 in stages
     last = c.num_stages - 1 in stages
@@ -217,19 +241,44 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
         else:
             out.append(Collective("all_reduce", "tp", "head input grad bwd", n_micro, residual))
         if c.loss_parallel:
-            tokens = c.micro_batch * c.seq * FP32
+            tokens = c.micro_batch * c.tokens * FP32
             out.append(Collective("all_reduce", "tp", "vocab-parallel loss", 3 * n_micro, tokens))
         else:
-            logits = c.micro_batch * c.seq * c.vocab * FP32
+            logits = c.micro_batch * c.tokens * c.vocab * FP32
             out.append(Collective("all_gather", "tp", "logits fwd", n_micro, logits))
     return out
+
+
+def recomputed_cores(c: CommLayout, stage: int) -> int:
+    """Blocks of a stage whose attention core backward runs again (selective, or full recomputation)."""
+    granularity, method, num_layers = c.recompute
+    blocks = c.layer_counts[stage]
+    if granularity == "selective":
+        return blocks
+    if granularity == "full":
+        return sum(len(g) for g in recompute_groups([str(i) for i in range(blocks)], method, num_layers))
+    return 0
+
+
+def cp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
+    """The attention core gathers keys and values (this rank's heads, the whole sequence) and
+    reduce-scatters their gradients; a recomputed core gathers them again."""
+    if c.cp == 1:
+        return []
+    gathered = c.micro_batch * c.seq * c.hidden // c.tp * c.compute_bytes
+    blocks = sum(c.layer_counts[s] for s in stages)
+    rerun = sum(recomputed_cores(c, s) for s in stages)
+    return [
+        Collective("all_gather", "cp", "keys and values fwd", 2 * (blocks + rerun) * n_micro, gathered),
+        Collective("reduce_scatter", "cp", "key and value grads bwd", 2 * blocks * n_micro, gathered),
+    ]
 
 
 def pp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
     """Stages pass the residual stream (fp32 under autocast) forward and its gradient back."""
     if c.pp == 1:
         return []
-    seq = c.seq // c.tp if c.sequence_parallel else c.seq
+    seq = c.tokens // c.tp if c.sequence_parallel else c.tokens
     act = c.micro_batch * seq * c.hidden * FP32
     not_last = sum(1 for s in stages if s != c.num_stages - 1)
     not_first = sum(1 for s in stages if s != 0)
@@ -255,17 +304,17 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
     first, last = 0 in stages, c.num_stages - 1 in stages
     out = []
     if c.pp > 1 and c.tied and first != last:
-        rows = -(-(c.vocab // c.tp) // c.dp_shard) if c.dp > 1 else c.vocab // c.tp
+        rows = -(-(c.vocab // c.tp) // c.shard) if c.fsdp else c.vocab // c.tp
         out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * FP32))
-    if c.tp > 1 or c.dp > 1:  # DTensor gradients: one all-reduce of the per-tensor norms
+    if c.tp > 1 or c.fsdp:  # DTensor gradients: one all-reduce of the per-tensor norms
         out.append(Collective("all_reduce", "dp_shard_tp", "grad norm", 1, norm_tensors(c, stages) * FP32))
     if c.pp > 1:
         out.append(Collective("all_reduce", "pp", "grad norm over stages", 1, FP32))
-    if last and c.dp > 1:
-        out.append(Collective("all_reduce", "dp", "loss tokens", 1, FP32))
-    loss_dims = (c.dp > 1) + (c.pp > 1)
+    if last and c.dp * c.cp > 1:
+        out.append(Collective("all_reduce", "dp_cp", "loss tokens", 1, FP32))
+    loss_dims = (c.dp * c.cp > 1) + (c.pp > 1)
     if loss_dims:
-        out.append(Collective("all_reduce", "dp,pp", "loss", loss_dims, FP32))
+        out.append(Collective("all_reduce", "dp_cp,pp", "loss", loss_dims, FP32))
     if c.fp16:
         out.append(Collective("all_reduce", "world", "fp16 overflow", 1, FP32))
     return out
@@ -277,6 +326,7 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
     return (
         fsdp_collectives(c, stages, n_micro)
         + tp_collectives(c, stages, n_micro)
+        + cp_collectives(c, stages, n_micro)
         + pp_collectives(c, stages, n_micro)
         + step_collectives(c, stages)
     )
@@ -296,8 +346,9 @@ def totals(collectives: list[Collective]) -> dict[str, list[int]]:
 
 
 def group_size(c: CommLayout, dim: str) -> int:
-    sizes = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "dp_shard": c.dp_shard, "dp_replicate": c.dp_replicate,
-             "dp_shard_tp": c.dp_shard * c.tp, "tied": 2, "world": c.pp * c.dp * c.tp, "dp,pp": 2}  # fmt: skip
+    sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "dp_cp": c.dp * c.cp, "dp_shard": c.dp_shard,
+             "dp_shard_cp": c.shard, "dp_replicate": c.dp_replicate, "dp_shard_tp": c.shard * c.tp, "tied": 2,
+             "world": c.pp * c.dp * c.cp * c.tp, "dp_cp,pp": 2}  # fmt: skip
     return sizes[dim]
 
 
@@ -317,6 +368,7 @@ NVLINK_GBPS = 300.0
 INFINIBAND_GBPS = 25.0
 """GB/s one GPU sends across nodes (one 200 Gb/s HDR InfiniBand adapter per GPU, as in
 Narayanan et al. 2021's A100 cluster)."""
+GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
@@ -333,11 +385,13 @@ def rank_traffic(
     c: CommLayout, pp_rank: int, n_micro: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = INFINIBAND_GBPS
 ) -> RankTraffic:
     """What one rank at pipeline coordinate pp_rank moves per iteration: tp stays within the node
-    (innermost mesh dimension), pp and dp cross nodes."""
+    (innermost mesh dimension), and so does cp (next to it) when cp x tp fits a node; pp and dp
+    cross nodes."""
     nvlink = other = 0.0
+    within_node = {"tp", "cp"} if c.cp * c.tp <= GPUS_PER_NODE else {"tp"}
     for col in rank_collectives(c, pp_rank, n_micro):
         moved = link_bytes(col, group_size(c, col.dim))
-        if col.dim == "tp":
+        if col.dim in within_node:
             nvlink += moved
         else:
             other += moved

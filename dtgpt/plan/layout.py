@@ -56,10 +56,11 @@ def tokenizer_vocab_size(cfg: Config) -> tuple[int, str | None]:
 
 
 def default_world_size(cfg: Config) -> int:
-    """pp * dp_replicate * dp_shard * tp, with dp_shard = -1 ("the rest") taken as 1."""
+    """pp * dp_replicate * dp_shard * cp * tp, with dp_shard = -1 ("the rest") taken as 1."""
     p = cfg.parallel
     dps = p.data_parallel_shard_size if p.data_parallel_shard_size > 0 else 1
-    return p.pipeline_model_parallel_size * p.data_parallel_replicate_size * dps * p.tensor_model_parallel_size
+    model_parallel = p.pipeline_model_parallel_size * p.context_parallel_size * p.tensor_model_parallel_size
+    return model_parallel * p.data_parallel_replicate_size * dps
 
 
 def layout_errors(cfg: Config, world_size: int, vocab_size: int) -> list[str]:
@@ -118,7 +119,7 @@ def plan_layout(
     reshard = fsdp_reshards_after_forward(cfg)
     shape = pm.ActivationShape(
         m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded, dims.tp,
-        p.sequence_parallel, bytes_scale=1.0 if low else 2.0,
+        p.sequence_parallel, bytes_scale=1.0 if low else 2.0, cp=dims.cp,
     )  # fmt: skip
 
     built_ranks, builds = build_ranks(cfg, world_size, padded, dp_ranks=dp_ranks, all_ranks=all_ranks)
@@ -149,7 +150,7 @@ def plan_layout(
     tokens_per_iter = batches.final * m.seq_length
     plan = Plan(
         world_size=world_size,
-        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "vpp": v},
+        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v},
         vocab_size=vocab, padded_vocab_size=padded, total_params=total,
         microbatches=micro, microbatches_initial=micro0,
         bubble_fraction=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro),

@@ -138,7 +138,8 @@ def build_ranks(cfg: Config, world_size: int, vocab: int, *, dp_ranks=(0,), all_
             kind += (pp_rank,)
         for dp_rank in dp_ranks:
             for tp_rank in range(dims.tp):
-                rank = (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank
+                # cp rank 0 stands for its cp peers: the same parts, FSDP shards of the same size
+                rank = ((pp_rank * dims.dp + dp_rank) * dims.cp) * dims.tp + tp_rank
                 key = kind + (dp_rank, tp_rank)
                 if key not in cache:
                     cache[key] = (rank, _build_rank(cfg, world_size, rank, whole, names))

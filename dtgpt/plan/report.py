@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dtgpt.config import MULTI_STAGE_SCHEDULES, Config, TrainingConfig, fsdp_reshards_after_forward
+from dtgpt.plan.comm import GPUS_PER_NODE
 from dtgpt.plan.results import Plan, RankPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,11 +123,14 @@ def _comm_lines(plan: Plan) -> list[str]:
     iterations = plan.est_days * 86400 / plan.est_iteration_s if plan.est_iteration_s else 0
     with_comm = (plan.est_iteration_s + plan.est_comm_s) * iterations / 86400
     lines = []
+    mesh = plan.mesh
+    in_node = "tp/cp" if mesh["cp"] > 1 and mesh["cp"] * mesh["tp"] <= GPUS_PER_NODE else "tp"
+    across = "pp/dp" if in_node == "tp/cp" or mesh["cp"] == 1 else "pp/dp/cp"
     for t in plan.comm:
         lines.append(
             f"comm       pp rank {t.pp_rank}: sends and receives {t.sent_bytes / 1e9:.3g} GB per iteration "
-            f"({t.nvlink_bytes / 1e9:.3g} GB tp over NVLink, {(t.sent_bytes - t.nvlink_bytes) / 1e9:.3g} GB pp/dp "
-            f"over InfiniBand): {t.seconds:.2f} s"
+            f"({t.nvlink_bytes / 1e9:.3g} GB {in_node} over NVLink, {(t.sent_bytes - t.nvlink_bytes) / 1e9:.3g} GB "
+            f"{across} over InfiniBand): {t.seconds:.2f} s"
         )
     if len(lines) > 4:  # the 175B layout has 16 pp ranks: first, a middle one, last
         lines = [lines[0], lines[len(lines) // 2], lines[-1]]
@@ -146,7 +150,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"model      {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
         f"vocab {plan.vocab_size} -> {plan.padded_vocab_size} padded: {plan.total_params:,} parameters",
         f"layout     {plan.world_size} GPUs = pp {mesh['pp']} x dp_replicate {mesh['dp_replicate']} x dp_shard "
-        f"{mesh['dp_shard']} x tp {mesh['tp']}"
+        f"{mesh['dp_shard']} x cp {mesh['cp']} x tp {mesh['tp']}"
         + (f", {mesh['vpp']} virtual stages per rank" if mesh["vpp"] > 1 else "")
         + f"; sequence_parallel={str(p.sequence_parallel).lower()}, {precision}, "
         f"recompute={_recompute_text(t)}",

@@ -1,0 +1,90 @@
+"""Context parallelism: each cp rank holds two pieces of every sequence and attends over all keys.
+
+The sequence is cut into 2 * cp chunks and rank r keeps chunks r and 2cp-1-r (`split_sequence`).
+Under a causal mask the late chunks attend to many more keys than the early ones; pairing an
+early chunk with its mirror gives every rank the same amount of attention work.
+
+Every per-token tensor of a sample (tokens, labels, positions, document ids) is computed on the
+full sequence and then cut by `split_sequence`, so the model sees global positions and the loss
+counts global tokens. Everything outside attention works token by token and needs nothing
+more. Attention (`ContextParallelAttention`) all-gathers keys and values over the cp group and
+masks with the *global* token indices: a query at global index i sees the keys j <= i (of its
+own document, when document ids are given).
+
+Why an all-gather and not torch's `context_parallel`: the stock API shards buffers in place
+under a context manager and needs a sharding strategy for the SDPA kernel in use, which the CPU
+kernel lacks (torch 2.13), so it could not be tested against one process here. The all-gather
+is a functional collective with autograd (its backward reduce-scatters the key and value
+gradients) and runs on gloo and NCCL alike, so the same path runs on CUDA: the tested path is
+the one that trains. Its cost: each rank holds the full sequence's keys and values of a layer
+while that layer's attention runs (and for backward, unless the core is recomputed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtgpt.model import GPT, CoreAttention, allowed_keys
+
+
+def split_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's part of `tensor` along `dim`: chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size."""
+    if cp_size == 1:
+        return tensor
+    length = tensor.shape[dim]
+    if length % (2 * cp_size):
+        raise ValueError(f"a sequence of {length} tokens does not cut into 2 * cp = {2 * cp_size} equal chunks")
+    chunks = tensor.chunk(2 * cp_size, dim)
+    return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim)
+
+
+def global_indices(local_length: int, cp_rank: int, cp_size: int, device: torch.device) -> torch.Tensor:
+    """The global token indices of the local_length tokens cp rank `cp_rank` holds."""
+    return split_sequence(torch.arange(local_length * cp_size, device=device), cp_rank, cp_size, dim=0)
+
+
+class ContextParallelAttention(nn.Module):
+    """CoreAttention over a sequence split across the cp group: gathered keys, global causal mask.
+
+    Takes and returns what CoreAttention does, (B, nh, T_local, hd); the keys it gathers are in
+    cp-rank order (each rank's two chunks in turn), and the mask follows their global indices.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp_rank = cp_mesh.get_local_rank()
+        self.cp_size = cp_mesh.size()
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """All ranks' x concatenated along dim, in cp-rank order (backward: reduce-scatter)."""
+        return funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=self.cp_mesh)
+
+    def allowed(self, local_length: int, document_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """Boolean (T_local, T) or (B, 1, T_local, T): which gathered keys each local query sees."""
+        q_idx = global_indices(local_length, self.cp_rank, self.cp_size, device)
+        k_idx = torch.cat([global_indices(local_length, r, self.cp_size, device) for r in range(self.cp_size)])
+        # Document ids are gathered in the order of the keys (no gradient flows through them).
+        k_docs = self.gather(document_ids, dim=1) if document_ids is not None else None
+        return allowed_keys(q_idx, k_idx, document_ids, k_docs)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        k_all, v_all = self.gather(k, dim=2), self.gather(v, dim=2)  # (B, nh, T, hd)
+        mask = self.allowed(q.shape[2], document_ids, q.device)
+        # Every query sees at least its own key, so no row of the mask is empty.
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # (B, nh, T_local, hd)
+
+
+def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:
+    """Swap every block's attention core for the context-parallel one, in place (no parameters
+    change). Attention dropout is refused with cp by config validation, so none is lost."""
+    for block in model.layers.values():
+        if not isinstance(block.attention.core, CoreAttention):
+            raise TypeError("apply_cp must run before recomputation wraps the attention core")
+        block.attention.core = ContextParallelAttention(cp_mesh)

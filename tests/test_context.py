@@ -1,0 +1,81 @@
+"""Context parallelism's pieces on one process: the sequence split, the global-index mask, positions.
+
+The collective itself is replaced by its result (every rank's keys in cp-rank order), so these
+check the arithmetic; tests/test_parity.py checks the whole on real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtgpt.config import load_config
+from dtgpt.model import GPT, CoreAttention, apply_rotary
+from dtgpt.parallel.context import ContextParallelAttention, global_indices, split_sequence
+
+
+def test_split_sequence_keeps_chunks_r_and_its_mirror():
+    seq = torch.arange(16).view(1, 16)  # 2 * cp = 8 chunks of 2 tokens
+    parts = [split_sequence(seq, r, 4) for r in range(4)]
+    assert parts[0].tolist() == [[0, 1, 14, 15]]
+    assert parts[3].tolist() == [[6, 7, 8, 9]]
+    assert sorted(torch.cat(parts, dim=1).flatten().tolist()) == list(range(16))  # a partition
+    assert torch.equal(split_sequence(seq, 0, 1), seq)
+    assert global_indices(4, 1, 4, torch.device("cpu")).tolist() == [2, 3, 12, 13]
+    with pytest.raises(ValueError, match="does not cut into 2 \\* cp = 6 equal chunks"):
+        split_sequence(seq, 0, 3)
+
+
+class GatheredByHand(ContextParallelAttention):
+    """The cp core of rank `cp_rank` whose all-gathers return the given tensors, in call order
+    (the keys, the values, then the document ids)."""
+
+    def __init__(self, cp_rank: int, cp_size: int, gathered: list[torch.Tensor]):
+        torch.nn.Module.__init__(self)
+        self.cp_rank, self.cp_size, self.gathered = cp_rank, cp_size, list(gathered)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.gathered.pop(0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_cp_attention_equals_full_sequence_attention(cp, with_documents):
+    """Each rank's output is its chunks of the one-process output (causal, and within documents)."""
+    torch.manual_seed(0)
+    B, nh, T, hd = 2, 3, 16, 8
+    q, k, v = (torch.randn(B, nh, T, hd) for _ in range(3))
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if with_documents else None
+    core = CoreAttention(load_config(None, ["--data.mock_data=true"]).model).eval()
+    expected = core(q, k, v, document_ids=docs)
+    if with_documents:  # the one-process reference itself: a document attends to itself alone
+        second = slice(5, 12)
+        alone = core(q[:1, :, second], k[:1, :, second], v[:1, :, second])
+        torch.testing.assert_close(expected[:1, :, second], alone)
+        torch.testing.assert_close(expected[1:], core(q[1:], k[1:], v[1:]))
+
+    def all_ranks(t: torch.Tensor, dim: int) -> torch.Tensor:  # what the all-gather returns
+        return torch.cat([split_sequence(t, r, cp, dim) for r in range(cp)], dim)
+
+    gathered = [all_ranks(k, 2), all_ranks(v, 2)] + ([all_ranks(docs, 1)] if with_documents else [])
+    for r in range(cp):
+        local = [split_sequence(t, r, cp, dim=2) for t in (q, k, v)]
+        local_docs = split_sequence(docs, r, cp) if with_documents else None
+        out = GatheredByHand(r, cp, gathered)(*local, document_ids=local_docs)
+        torch.testing.assert_close(out, split_sequence(expected, r, cp, dim=2), rtol=1e-5, atol=1e-6)
+
+
+def test_positions_reach_rope_and_the_learned_table():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 4)
+    positions = torch.arange(8).expand(2, 8)
+    assert torch.equal(apply_rotary(x, 10000, positions), apply_rotary(x, 10000))
+    cut = split_sequence(positions, 1, 2)
+    assert torch.allclose(apply_rotary(split_sequence(x, 1, 2, dim=2), 10000, cut), split_sequence(apply_rotary(x, 10000), 1, 2, dim=2))
+    cfg = load_config(None, ["--data.mock_data=true", "--model.num_layers=1", "--model.hidden_size=16",
+                             "--model.num_attention_heads=2", "--model.seq_length=8"])  # fmt: skip
+    model = GPT(cfg.model, 64).eval()
+    model.init_weights(0)
+    tokens = torch.randint(0, 64, (2, 8))
+    embedded = model.embedding(tokens)
+    assert torch.equal(model.embedding(split_sequence(tokens, 1, 2), cut), split_sequence(embedded, 1, 2))
