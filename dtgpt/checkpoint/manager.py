@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from dtgpt.checkpoint import layout, megatron
+from dtgpt.checkpoint import layout, megatron, megatron_load
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
@@ -180,7 +180,7 @@ class Checkpointer:
 
     def _load_megatron(self, directory: Path) -> None:
         stateful = self.cfg.load_optimizer and self.state.resumable
-        for note in megatron.load_into_state(self.state, directory, self.run_cfg, stateful):
+        for note in megatron_load.load_into_state(self.state, directory, self.run_cfg, stateful):
             self._log(f"Megatron checkpoint: {note}")
         s = self.state.progress
         if stateful:  # Megatron's RNG states belong to its own ranks and generators
