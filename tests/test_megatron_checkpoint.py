@@ -13,6 +13,7 @@ import torch
 
 from dtgpt.checkpoint import CheckpointError, layout, megatron
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
+from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
 from tests.megatron_adam import ADAM
 from tests.megatron_gpt import CONSUMED, HEADS, ITERATION, LR_SAMPLES, VOCAB, tokens
@@ -57,6 +58,27 @@ def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
     directory = megatron.find(tp1_tied)
     assert directory == tp1_tied / f"iter_{ITERATION:07d}" and megatron.is_torch_dist(directory)
     assert_same_logits(tp1_tied, directory, model_cfg())
+
+
+def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch):
+    """What a pp2 x tp2 rank asks of a stacked tensor, layer 1's first half of rows, reads the
+    one stored chunk of that layer (Megatron-LM stores each layer apart), not the stacked tensor."""
+    bytes_read = []
+    read_data = SafeReader.read_data
+
+    def counting(self, plan, planner):
+        bytes_read.extend(self.storage_data[item.storage_index].length for item in plan.items)
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(SafeReader, "read_data", counting)
+    reader = megatron.MegatronReader(megatron.find(tp1_tied))
+    stacked = reader.shapes["decoder.layers.mlp.linear_fc1.weight"]  # (2, 256, 64)
+    layers = [reader.tensor(f"layers.{i}.mlp.fc1.weight", stacked[1:]) for i in range(2)]
+    bytes_read.clear()
+    half = reader.regions({"part": ("layers.1.mlp.fc1.weight", None, (0, 0), (128, 64))})["part"]
+    assert torch.equal(half, layers[1][:128]) and not torch.equal(layers[0], layers[1])
+    layer_bytes = 256 * 64 * 4
+    assert len(bytes_read) == 1 and layer_bytes <= bytes_read[0] < 1.1 * layer_bytes  # a chunk: the layer and its header
 
 
 def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dtgpt.checkpoint.megatron import MegatronReader, full_model_shapes, progress_of
+from dtgpt.checkpoint.megatron import MegatronReader, full_model_shapes, megatron_name, progress_of
 from dtgpt.config import Config
 from dtgpt.state import FLAT_OPTIM, TrainState, tied_source
 
@@ -49,15 +49,17 @@ def local_region(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
 @torch.no_grad()
 def read_into(reader: MegatronReader, targets: dict[str, tuple[str, str | None, torch.Tensor]]) -> None:
     """targets: request -> (dtgpt name, optimizer slot or None, live tensor); each live tensor
-    (DTensor shard or whole) is filled with its region of the checkpoint, in one read."""
-    wanted = {}
+    (DTensor shard or whole) is filled with its region of the checkpoint, one layer at a time
+    (so the regions held besides the live tensors are one layer's)."""
+    by_layer: dict[int | None, dict] = {}
     for request, (name, slot, value) in targets.items():
         offsets, sizes = local_region(value)
         if math.prod(sizes):  # an uneven FSDP split may leave a rank nothing of a tensor
-            wanted[request] = (name, slot, offsets, sizes)
-    for request, region in reader.regions(wanted).items():
-        value = targets[request][2]
-        (value.to_local() if isinstance(value, DTensor) else value).copy_(region)
+            by_layer.setdefault(megatron_name(name)[1], {})[request] = (name, slot, offsets, sizes)
+    for wanted in by_layer.values():
+        for request, region in reader.regions(wanted).items():
+            value = targets[request][2]
+            (value.to_local() if isinstance(value, DTensor) else value).copy_(region)
 
 
 def adam_step(optimizer_common) -> float | None:
@@ -110,8 +112,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
         notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
     elif stateful:
-        why = "no step count in common.pt" if has_moments else "no model-space Adam state (optimizer.state.exp_avg.*)"
-        notes.append(f"optimizer state not read ({why}): fresh AdamW moments")
+        why = "common.pt holds no Adam step count" if has_moments else "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
+        notes.append(f"optimizer state not read: {why}; fresh AdamW moments")
     if not stateful:
         return notes
     found = progress_of(reader.common)
