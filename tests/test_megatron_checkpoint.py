@@ -245,18 +245,21 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
 
 def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path):
     """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
-    equal as saved (one process), and one more step at pp2 equals megatron-core's next step.
+    equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step.
     The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal."""
     oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
-    for name, nproc, iters, mesh in (("one", 1, ITERATION, []), ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"])):
+    layouts = (("one", 1, ITERATION, []), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"]),
+               ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"]))  # fmt: skip
+    for name, nproc, iters, mesh in layouts:
         run = tmp_path / name
         run.mkdir()
         run_train(run, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1}", f"--checkpoint.save={run}/ckpt"], nproc=nproc)
         log = (run / "run.log").read_text()
         assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log and "fresh AdamW" not in log
     assert_state_close(stacked_state(layout.iteration_dir(tmp_path / "one/ckpt", ITERATION)), oracle["saved"], 1e-7)
+    for name in ("tp2", "pp2"):  # tp2: DTensor shards of weights and moments
+        assert_state_close(stacked_state(layout.iteration_dir(tmp_path / name / "ckpt", ITERATION + 1)), oracle["stepped"], 1e-5)
     stepped = layout.iteration_dir(tmp_path / "pp2/ckpt", ITERATION + 1)
-    assert_state_close(stacked_state(stepped), oracle["stepped"], 1e-5)
     # and back into megatron-core's distributed optimizer
     out = tmp_path / "megatron"
     assert load_script().main(["to-megatron", str(stepped), str(out), "--tp", "1"]) == 0
