@@ -50,7 +50,11 @@ def patch_for_optimizer() -> None:
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
         setattr(torch, name, on_cpu(getattr(torch, name)))
     tensor_type = torch.Tensor.type
-    torch.Tensor.type = lambda self, *a, **k: tensor_type(self, *a, **k) if a or k else tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+    def cuda_type(self, *args, **kwargs):
+        return tensor_type(self, *args, **kwargs) if args or kwargs else tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
     # torch's AdamW (used without TE or apex) keeps a per-parameter "step", which the model-space

@@ -112,7 +112,12 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
         notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
     elif stateful:
-        why = "common.pt holds no Adam step count" if has_moments else "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
+        why = "common.pt holds no Adam step count"
+        if not has_moments:
+            why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
+        if any(key.startswith("optimizer.distributed.") for key in reader.shapes):
+            why = ("its distributed optimizer state is in the dp_reshardable layout (per-bucket buffers of "
+                   "Megatron's own DP split); save with the fully_reshardable sharding type to carry it")  # fmt: skip
         notes.append(f"optimizer state not read: {why}; fresh AdamW moments")
     if not stateful:
         return notes
