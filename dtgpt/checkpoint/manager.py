@@ -156,7 +156,7 @@ class Checkpointer:
         if c.trust_pickles:
             self._warn(trust_warning(Path(root)))
         fresh_ok = c.auto_resume or _same_path(root, c.save)
-        # -- Megatron-LM checkpoints (issue 16): detected by their files, read by checkpoint/megatron.py
+        # -- Megatron-LM checkpoints (issue 16): detected by their files (megatron.py), read by megatron_load.py
         megatron_dir = self._from_rank0(lambda: megatron.find(root, c.load_iteration))
         if megatron_dir is not None:
             self._load_megatron(megatron_dir)
