@@ -6,12 +6,17 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           iteration, write DIR/logits.pt
     python tests/megatron_gpt.py per-rank DIR             the same weights in the per-rank format
     python tests/megatron_gpt.py load DIR                 load DIR's checkpoint, write DIR/loaded_logits.pt
+    python tests/megatron_gpt.py adam DIR                 one AdamW step of the distributed optimizer,
+                                                          save model + optimizer, write DIR/adam.pt
+                                                          (state saved, and after one more step)
+    python tests/megatron_gpt.py load-adam DIR            load model + optimizer, write DIR/loaded_adam.pt
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
 no RNG tracker fork (dropout is 0), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a
 no-op, and its async writer's psutil memory probe and spawned result queue replaced (the save
 otherwise hangs or needs psutil). The causal mask is passed explicitly (its default is built on
-"cuda"). Kept in its own process so none of this leaks into the test process.
+"cuda"). Kept in its own process so none of this leaks into the test process. The optimizer
+commands (tests/megatron_adam.py) patch a little more.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def trainer_state(tp: int) -> dict:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("save", "per-rank", "load"))
+    parser.add_argument("command", choices=("save", "per-rank", "load", "adam", "load-adam"))
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
     args = parser.parse_args(argv)
@@ -112,6 +117,12 @@ def main(argv: list[str]) -> None:
     tp, rank = dist.get_world_size(), dist.get_rank()
     model = build(tp, args.untied)
     root = Path(args.root)
+    if args.command in ("adam", "load-adam"):
+        from tests.megatron_adam import run_adam
+
+        run_adam(args.command, model, root, trainer_state(tp))
+        dist.destroy_process_group()
+        return
     pointer = root / "latest_checkpointed_iteration.txt"
     iteration = int(pointer.read_text()) if args.command == "load" else ITERATION
     directory = root / f"iter_{iteration:07d}"
@@ -138,4 +149,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.megatron_adam
     main(sys.argv[1:])

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from dtgpt.checkpoint import CheckpointError, layout, megatron
-from dtgpt.checkpoint.export import load_model, read_config
+from dtgpt.checkpoint.export import load_model, read_config, read_sections
+from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
-from tests.megatron_gpt import CONSUMED, ITERATION, LR_SAMPLES, VOCAB, tokens
+from tests.megatron_adam import ADAM
+from tests.megatron_gpt import CONSUMED, HEADS, ITERATION, LR_SAMPLES, VOCAB, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, read_metrics, run_train
 from tests.test_checkpoint_convert import load_script
@@ -56,6 +58,27 @@ def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
     directory = megatron.find(tp1_tied)
     assert directory == tp1_tied / f"iter_{ITERATION:07d}" and megatron.is_torch_dist(directory)
     assert_same_logits(tp1_tied, directory, model_cfg())
+
+
+def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch):
+    """What a pp2 x tp2 rank asks of a stacked tensor, layer 1's first half of rows, reads the
+    one stored chunk of that layer (Megatron-LM stores each layer apart), not the stacked tensor."""
+    bytes_read = []
+    read_data = SafeReader.read_data
+
+    def counting(self, plan, planner):
+        bytes_read.extend(self.storage_data[item.storage_index].length for item in plan.items)
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(SafeReader, "read_data", counting)
+    reader = megatron.MegatronReader(megatron.find(tp1_tied))
+    stacked = reader.shapes["decoder.layers.mlp.linear_fc1.weight"]  # (2, 256, 64)
+    layers = [reader.tensor(f"layers.{i}.mlp.fc1.weight", stacked[1:]) for i in range(2)]
+    bytes_read.clear()
+    half = reader.regions({"part": ("layers.1.mlp.fc1.weight", None, (0, 0), (128, 64))})["part"]
+    assert torch.equal(half, layers[1][:128]) and not torch.equal(layers[0], layers[1])
+    layer_bytes = 256 * 64 * 4
+    assert len(bytes_read) == 1 and layer_bytes <= bytes_read[0] < 1.1 * layer_bytes  # a chunk: the layer and its header
 
 
 def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
@@ -171,3 +194,84 @@ def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(lines) == 1 and "decoder.layers.mlp.linear_fc1.weight has shape (2, 256, 64) in the checkpoint" in lines[0]
+
+
+# -- optimizer state ---------------------------------------------------------------------------
+
+ADAM_RUN = [
+    *MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--optimizer.lr_decay_style=constant",
+    "--optimizer.lr_warmup_iters=0", *(f"--optimizer.{key}={value}" for key, value in ADAM.items()),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def adam_tp1(tmp_path_factory):
+    """megatron-core's distributed optimizer after one step, saved; adam.pt holds its state then
+    and after one more step on the batch dtgpt trains on next."""
+    root = tmp_path_factory.mktemp("megatron_adam")
+    run_megatron_gpt("adam", root, 1)
+    return root
+
+
+def stacked_state(directory) -> dict:
+    """A dtgpt checkpoint's weights and Adam moments in the layout of tests/megatron_adam.py."""
+    sections = read_sections(directory, ("model", "optimizer"))
+    layers: dict = {}
+    for name, weight in sections["model"].items():
+        key, layer = megatron.megatron_name(name)
+        for slot in ("weight", "exp_avg", "exp_avg_sq"):
+            value = weight if slot == "weight" else sections["optimizer"][f"state.{name}.{slot}"]
+            layers.setdefault(slot, {}).setdefault(key, {})[layer] = value
+    return {slot: {key: (torch.stack([v[i] for i in sorted(v)]) if None not in v else v[None]) for key, v in keys.items()}
+            for slot, keys in layers.items()}  # fmt: skip
+
+
+def without_key_bias(key: str, value: torch.Tensor) -> torch.Tensor:
+    """The QKV bias without its key rows: their gradient is zero (softmax ignores a shift of the
+    scores), so Adam divides rounding noise by its own size there and both sides step by noise."""
+    if key != "decoder.layers.self_attention.linear_qkv.bias":
+        return value
+    return value.view(value.shape[0], HEADS, 3, -1)[:, :, [0, 2]]  # per head: [q | k | v]
+
+
+def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
+    for slot in ("weight", "exp_avg", "exp_avg_sq"):
+        assert ours[slot].keys() == theirs[slot].keys()
+        for key, value in ours[slot].items():
+            value, reference = without_key_bias(key, value), without_key_bias(key, theirs[slot][key])
+            error = ((value - reference).norm() / reference.norm()).item()
+            assert error <= rtol, (slot, key, error)
+
+
+def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path):
+    """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
+    equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step.
+    The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal."""
+    oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
+    layouts = (("one", 1, ITERATION, []), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"]),
+               ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"]))  # fmt: skip
+    for name, nproc, iters, mesh in layouts:
+        run = tmp_path / name
+        run.mkdir()
+        run_train(run, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1}", f"--checkpoint.save={run}/ckpt"], nproc=nproc)
+        log = (run / "run.log").read_text()
+        assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log and "fresh AdamW" not in log
+    assert_state_close(stacked_state(layout.iteration_dir(tmp_path / "one/ckpt", ITERATION)), oracle["saved"], 1e-7)
+    for name in ("tp2", "pp2"):  # tp2: DTensor shards of weights and moments
+        assert_state_close(stacked_state(layout.iteration_dir(tmp_path / name / "ckpt", ITERATION + 1)), oracle["stepped"], 1e-5)
+    stepped = layout.iteration_dir(tmp_path / "pp2/ckpt", ITERATION + 1)
+    # and back into megatron-core's distributed optimizer
+    out = tmp_path / "megatron"
+    assert load_script().main(["to-megatron", str(stepped), str(out), "--tp", "1"]) == 0
+    run_megatron_gpt("load-adam", out, 1)
+    loaded = torch.load(out / "loaded_adam.pt", weights_only=True)
+    assert_state_close(stacked_state(stepped), {**loaded, "weight": loaded["param"]}, 0.0)
+    assert_state_close(stacked_state(stepped), loaded, 0.0)
+
+
+def test_load_optimizer_false_leaves_adam_fresh(adam_tp1, tmp_path):
+    run_train(tmp_path, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
+                         f"--checkpoint.save={tmp_path}/ckpt", "--training.train_iters=1"])  # fmt: skip
+    assert "optimizer state loaded" not in (tmp_path / "run.log").read_text()
+    steps = read_sections(layout.iteration_dir(tmp_path / "ckpt", 1), ("optimizer",))["optimizer"]
+    assert {float(v) for k, v in steps.items() if k.endswith(".step")} == {1.0}  # fresh AdamW, one step

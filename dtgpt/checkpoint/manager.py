@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from dtgpt.checkpoint import layout, megatron
+from dtgpt.checkpoint import layout, megatron, megatron_load
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
@@ -156,7 +156,7 @@ class Checkpointer:
         if c.trust_pickles:
             self._warn(trust_warning(Path(root)))
         fresh_ok = c.auto_resume or _same_path(root, c.save)
-        # -- Megatron-LM checkpoints (issue 16): detected by their files, read by checkpoint/megatron.py
+        # -- Megatron-LM checkpoints (issue 16): detected by their files (megatron.py), read by megatron_load.py
         megatron_dir = self._from_rank0(lambda: megatron.find(root, c.load_iteration))
         if megatron_dir is not None:
             self._load_megatron(megatron_dir)
@@ -180,7 +180,7 @@ class Checkpointer:
 
     def _load_megatron(self, directory: Path) -> None:
         stateful = self.cfg.load_optimizer and self.state.resumable
-        for note in megatron.load_into_state(self.state, directory, self.run_cfg, stateful):
+        for note in megatron_load.load_into_state(self.state, directory, self.run_cfg, stateful):
             self._log(f"Megatron checkpoint: {note}")
         s = self.state.progress
         if stateful:  # Megatron's RNG states belong to its own ranks and generators

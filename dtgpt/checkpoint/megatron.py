@@ -24,21 +24,19 @@ import re
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dtgpt.checkpoint import layout
-from dtgpt.checkpoint.safe import SafeReader
+from dtgpt.checkpoint.regions import read_regions
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.config import Config, ModelConfig
+from dtgpt.config import ModelConfig
 from dtgpt.model import GPT
-from dtgpt.parallel import assign_full_value
-from dtgpt.state import TrainState, tied_source
 
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 PER_RANK_FILE = "model_optim_rng.pt"
+OPTIMIZER_PREFIX = "optimizer.state."
+"""Megatron's model-space optimizer state: `optimizer.state.<slot>.<model key>`, shaped as the model key."""
 _PER_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 GLOBAL_KEYS = {
@@ -173,11 +171,10 @@ class MegatronReader:
     def __init__(self, directory: Path):
         self.directory = directory
         self.torch_dist = is_torch_dist(directory)
-        self._cache: tuple[str, torch.Tensor] | None = None
         if self.torch_dist:
-            # Megatron keeps each layer's Transformer Engine state as a pickled `_extra_state`:
-            # dtgpt has no use for it and never reads it.
-            metadata = layout.read_metadata(directory, unread=lambda key: "._extra_state" in key)
+            # Megatron keeps each layer's Transformer Engine state as a pickled `_extra_state`, and
+            # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never reads them.
+            metadata = layout.read_metadata(directory, unread=lambda key: "._extra_state" in key or key.startswith("optimizer."))
             self.shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
                            if isinstance(v, TensorStorageMetadata)}  # fmt: skip
             self.dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()
@@ -188,6 +185,7 @@ class MegatronReader:
             self._per_rank = PerRankModel(directory)
             self.common = self._per_rank.common
             self.shapes = self._per_rank.stacked_shapes()
+            self.dtypes = {}
 
     @property
     def num_layers(self) -> int:
@@ -229,29 +227,47 @@ class MegatronReader:
     def _is_model_key(key: str) -> bool:
         return key.startswith(("embedding.", "decoder.", "output_layer."))
 
-    def stacked(self, key: str) -> torch.Tensor:
-        """One Megatron tensor, full (the last one read is kept: a stage reads each once)."""
-        if self._cache is None or self._cache[0] != key:
-            if self.torch_dist:
-                request = {key: torch.empty(self.shapes[key], dtype=self.dtypes[key])}
-                with layout.single_process():
-                    reader = SafeReader(self.directory)  # the allowlisted .metadata; tensors only
-                    dcp.load(request, checkpoint_id=str(self.directory), storage_reader=reader, no_dist=True)
-                value = request[key]
-            else:
-                value = self._per_rank.stacked(key)
-            self._cache = (key, value)
-        return self._cache[1]
+    def stored_key(self, name: str, slot: str | None = None) -> str:
+        """The Megatron key of dtgpt tensor `name`, or of its optimizer state `slot` (exp_avg, ...)."""
+        key = megatron_name(name)[0]
+        return key if slot is None else f"{OPTIMIZER_PREFIX}{slot}.{key}"
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """dtgpt tensor `name`, full, with the vocabulary rows reconciled to `shape`."""
-        key, layer = megatron_name(name)
-        value = self.stacked(key)
-        value = value[layer] if layer is not None else value
-        return resize_vocab(value, shape[0]) if name in VOCAB_KEYS else value
+    def regions(self, wanted: dict[str, tuple[str, str | None, tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """Sub-regions of dtgpt tensors: request -> (dtgpt name, optimizer slot or None, offsets,
+        sizes) in dtgpt's coordinates. Only the stored chunks that overlap a region are read
+        (one layer of a stacked tensor, one shard's rows), in one DCP load; vocabulary rows past
+        the stored ones are zeros."""
+        out, dcp_requests = {}, {}
+        for request, (name, slot, offsets, sizes) in wanted.items():
+            layer = megatron_name(name)[1]
+            key = self.stored_key(name, slot)
+            out[request] = torch.zeros(sizes, dtype=self.dtypes.get(key, torch.float32))
+            rows = sizes[0] if sizes else 0
+            if name in VOCAB_KEYS:  # the stored padding may be shorter or longer than ours
+                rows = max(0, min(offsets[0] + sizes[0], self.shapes[key][0]) - offsets[0])
+            if sizes and rows == 0:
+                continue
+            target = out[request][:rows] if sizes else out[request]
+            at = tuple(offsets) if layer is None else (layer, *offsets)
+            target_at = target if layer is None else target.unsqueeze(0)
+            if self.torch_dist:
+                dcp_requests[request] = (key, at, target_at)
+            else:
+                stored = self._per_rank.stacked(key)
+                for dim, (start, size) in enumerate(zip(at, target_at.shape)):
+                    stored = stored.narrow(dim, start, size)
+                target_at.copy_(stored)
+        if dcp_requests:
+            read_regions(self.directory, dcp_requests)
+        return out
+
+    def tensor(self, name: str, shape: tuple[int, ...], slot: str | None = None) -> torch.Tensor:
+        """dtgpt tensor `name` (or its optimizer state `slot`), full, with the vocabulary rows
+        reconciled to `shape`."""
+        return self.regions({name: (name, slot, (0,) * len(shape), tuple(shape))})[name]
 
     def model(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]):
-        """(name, full tensor) for every wanted name, in an order that reads each Megatron tensor once."""
+        """(name, full tensor) for every wanted name, one layer's tensor read at a time."""
         self.check(wanted, model_names)
         for name in sorted(wanted, key=lambda n: megatron_name(n)):
             yield name, self.tensor(name, tuple(wanted[name]))
@@ -266,6 +282,7 @@ class PerRankModel:
         self.tp = 1 + max(t for t, _ in self.files)
         self.pp = 1 + max(p for _, p in self.files)
         self._models: dict[tuple[int, int], dict] = {}
+        self._last: tuple[str, torch.Tensor] | None = None
         self.common = {k: v for k, v in self._load(0, 0).items() if k != "model"}
         self.common.pop("optimizer", None)
 
@@ -291,6 +308,13 @@ class PerRankModel:
         return parts[0] if dim is None else torch.cat(parts, dim)
 
     def stacked(self, key: str) -> torch.Tensor:
+        """One stacked tensor, glued from every rank's file (the last one is kept: a reader asks
+        for it once per layer)."""
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self._glue(key))
+        return self._last[1]
+
+    def _glue(self, key: str) -> torch.Tensor:
         if not key.startswith("decoder.layers."):
             pp = self.pp - 1 if key.startswith(("decoder.final", "output_layer")) else 0
             return self._join_tp(lambda tp: self._model(tp, pp)[key], key)
@@ -306,7 +330,7 @@ class PerRankModel:
         shapes = {}
         for key in keys:
             try:
-                shapes[key] = tuple(self.stacked(key).shape)
+                shapes[key] = tuple(self._glue(key).shape)
             except KeyError:
                 continue  # not in this checkpoint (tied head, no learned positions, no bias)
         return shapes
@@ -364,36 +388,3 @@ def full_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         state = GPT(cfg, 1).state_dict()
     return {name: tuple(state[name].shape) for name in dtgpt_names(cfg)}
-
-
-def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool) -> list[str]:
-    """Fill a TrainState (any mesh) from a Megatron checkpoint: each rank reads the full tensors
-    of the parameters it holds and keeps its slice. With `stateful`, also the iteration,
-    consumed samples, LR schedule and loss scale that Megatron-LM stored. Returns notes for the log."""
-    reader = MegatronReader(directory)
-    full = full_model_shapes(cfg.model)
-    reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
-    for part in state.model.parts:
-        live = get_model_state_dict(part)
-        source = {name: (tied_source(name) if state.tied else None) or name for name in live}
-        wanted = {source[name]: tuple(value.shape) for name, value in live.items()}
-        values = dict(reader.model(wanted, list(full)))
-        for name, value in live.items():
-            assign_full_value(value, values[source[name]])
-    notes = ["optimizer state not read (Megatron's distributed optimizer layout): fresh AdamW moments"]
-    if not stateful:
-        return notes
-    found = progress_of(reader.common)
-    progress = state.progress
-    progress.iteration = found.get("iteration", 0)
-    progress.consumed_samples = found.get("consumed_samples", 0)
-    state.lr_schedule.num_samples = found.get("lr_num_samples", progress.consumed_samples)
-    if "lr_num_samples" not in found:
-        notes.append("no opt_param_scheduler: the LR schedule resumes at the consumed samples")
-    scaler = found.get("loss_scale")
-    if scaler:
-        state.scaler.load_state_dict({
-            "kind": state.scaler.kind, "scale": float(scaler["scale"]),
-            "growth_tracker": int(scaler.get("growth_tracker", 0)), "hysteresis_tracker": int(scaler.get("hysteresis_tracker", 0)),
-        })  # fmt: skip
-    return notes

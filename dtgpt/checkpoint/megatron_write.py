@@ -9,6 +9,7 @@ padding and reader live in dtgpt/checkpoint/megatron.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -16,15 +17,16 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dtgpt.checkpoint import export, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron import (
-    BACKEND_FILE, COMMON_FILE, VOCAB_KEYS, MegatronReader, dtgpt_names, find, full_model_shapes, megatron_name,
+    BACKEND_FILE, COMMON_FILE, OPTIMIZER_PREFIX, VOCAB_KEYS, MegatronReader, dtgpt_names, find, full_model_shapes, megatron_name,
     progress_of, resize_vocab,
 )  # fmt: skip
-from dtgpt.config import Config, padded_vocab_size, to_toml
+from dtgpt.config import Config, OptimizerConfig, padded_vocab_size, to_toml
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -32,27 +34,49 @@ LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "ml
 
 
 class StreamingPlanner(DefaultSavePlanner):
-    """Plans on meta tensors; `produce(key)` makes each real tensor when the writer needs it."""
+    """Plans on meta tensors; `produce(key, layer)` makes each real tensor when the writer needs
+    it. A tensor whose layers are stacked on dim 0 (a key in `stacked`) is written as one chunk
+    per layer, as Megatron-LM stores it: `produce` makes one layer, (1, ...), at a time, and a
+    reader of one layer reads one chunk."""
 
-    def __init__(self, produce: Callable[[str], torch.Tensor]):
+    def __init__(self, produce: Callable[[str, int | None], torch.Tensor], stacked: frozenset[str] = frozenset()):
         super().__init__(flatten_state_dict=False)  # Megatron's keys are flat; its objects stay whole
-        self._produce = produce
+        self._produce, self._stacked = produce, stacked
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            if item.index.fqn not in self._stacked:
+                items.append(item)
+                continue
+            size = item.tensor_data.size
+            for layer in range(size[0]):
+                offsets = torch.Size((layer,) + (0,) * (len(size) - 1))
+                chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size((1, *size[1:])))
+                data = TensorWriteData(chunk=chunk, properties=item.tensor_data.properties, size=size)
+                items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD, tensor_data=data))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
 
     def lookup_object(self, index: MetadataIndex):
+        if index.fqn in self._stacked:
+            return self._produce(index.fqn, index.offset[0])
         value = super().lookup_object(index)
         if isinstance(value, torch.Tensor) and value.is_meta:
-            return self._produce(index.fqn)
+            return self._produce(index.fqn, None)
         return value
 
 
-def _save_streaming(state: dict, directory: Path, produce: Callable[[str], torch.Tensor]) -> None:
-    """dcp.save of `state`, producing each tensor on demand. One file per tensor, written by one
-    thread: DCP keeps a file's tensors alive until the file is complete, so one file per rank
-    would hold the whole model."""
+def _save_streaming(state: dict, directory: Path, produce: Callable[[str, int | None], torch.Tensor],
+                    stacked: frozenset[str] = frozenset()) -> None:  # fmt: skip
+    """dcp.save of `state`, producing each tensor (or layer of a `stacked` one) on demand. One
+    file per chunk, written by one thread: DCP keeps a file's tensors alive until the file is
+    complete, so one file per rank would hold the whole model."""
     directory.mkdir(parents=True, exist_ok=True)
     writer = FileSystemWriter(str(directory), single_file_per_rank=False, thread_count=1)
     with layout.single_process():
-        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce), no_dist=True)
+        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
 
 
 def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:
@@ -71,48 +95,87 @@ def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:
 
 def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Path:
     """Write dtgpt checkpoint `src` as Megatron-LM's torch_dist iteration under out_root, its
-    vocabulary padded as Megatron pads for tensor parallel size `tp`. Returns the directory."""
+    vocabulary padded as Megatron pads for tensor parallel size `tp`, with its Adam state (when
+    it has one) as megatron-core's distributed optimizer stores it in model space. Returns the directory."""
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
-    groups: dict[str, list[str]] = {}
+    adam = _has(metadata, "optimizer")
+    sources: dict[str, list[str]] = {}  # Megatron key -> the dtgpt keys it stacks (one per layer)
+    model_key: dict[str, str] = {}  # Megatron key -> the model tensor it is shaped as
     for name in dtgpt_names(cfg.model):
-        key = f"model.{name}"
-        if key not in metadata.state_dict_metadata:
-            raise CheckpointError(f"{src} has no model tensor {name}, which the config's model has")
-        groups.setdefault(megatron_name(name)[0], []).append(key)
+        mkey = megatron_name(name)[0]
+        slots = {mkey: f"model.{name}"}
+        if adam:  # the fp32 master weights are dtgpt's parameters
+            slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in _adam_sources(name).items()}
+        for key, dtgpt_key in slots.items():
+            if dtgpt_key not in metadata.state_dict_metadata:
+                raise CheckpointError(f"{src} has no {dtgpt_key}, which the config's model has")
+            sources.setdefault(key, []).append(dtgpt_key)
+            model_key[key] = mkey
     state: dict[str, object] = {}
-    for mkey, keys in groups.items():
+    for key, keys in sources.items():
         entry = metadata.state_dict_metadata[keys[0]]
         shape = tuple(entry.size)
-        if mkey.startswith("decoder.layers."):
+        if model_key[key].startswith("decoder.layers."):
             shape = (len(keys), *shape)
-        elif _is_vocab(keys[0]):
+        elif model_key[key] in MEGATRON_VOCAB_KEYS:
             shape = (rows, *shape[1:])
-        state[mkey] = torch.empty(shape, dtype=entry.properties.dtype, device="meta")
+        state[key] = torch.empty(shape, dtype=entry.properties.dtype, device="meta")
     L = cfg.model.num_layers
     for module in LINEAR_MODULES:
         for i in range(L):
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = [None]
 
-    def produce(mkey: str) -> torch.Tensor:
-        stacked = _read_stacked(src, groups[mkey], metadata)
-        if mkey.startswith("decoder.layers."):
-            return stacked
-        return resize_vocab(stacked[0], rows) if _is_vocab(groups[mkey][0]) else stacked[0]
+    def produce(key: str, layer: int | None) -> torch.Tensor:
+        if layer is not None:  # one layer of a stacked tensor, (1, ...)
+            return _read_stacked(src, [sources[key][layer]], metadata)
+        value = _read_stacked(src, sources[key], metadata)[0]
+        return resize_vocab(value, rows) if model_key[key] in MEGATRON_VOCAB_KEYS else value
 
     directory = layout.iteration_dir(out_root, iteration)
-    _save_streaming(state, directory, produce)
+    stacked = frozenset(key for key in sources if model_key[key].startswith("decoder.layers."))
+    _save_streaming(state, directory, produce, stacked)
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if _has(metadata, "train_state") else {}
-    torch.save(_common(iteration, progress, cfg, tp, rows), directory / COMMON_FILE)
+    common = _common(iteration, progress, cfg, tp, rows)
+    if adam:
+        common |= megatron_optimizer_common(cfg.optimizer, _adam_step(src, metadata))
+    torch.save(common, directory / COMMON_FILE)
     (directory / BACKEND_FILE).write_text(json.dumps(BACKEND))
     layout.write_pointer(out_root, iteration)
     return directory
 
 
-def _is_vocab(key: str) -> bool:
-    return key.removeprefix("model.") in VOCAB_KEYS
+MEGATRON_VOCAB_KEYS = {megatron_name(name)[0] for name in VOCAB_KEYS}
+
+
+def _adam_sources(name: str) -> dict[str, str]:
+    """Megatron optimizer slot -> the dtgpt checkpoint key it is written from."""
+    return {"param": f"model.{name}", "exp_avg": f"optimizer.state.{name}.exp_avg", "exp_avg_sq": f"optimizer.state.{name}.exp_avg_sq"}
+
+
+def _adam_step(src: Path, metadata) -> float:
+    """AdamW's step count (every parameter has the same; the first one's is read)."""
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("optimizer.state.") and k.endswith(".step"))
+    return float(_read_stacked(src, [key], metadata)[0])
+
+
+def megatron_optimizer_common(cfg: OptimizerConfig, step: float) -> dict:
+    """What megatron-core's distributed optimizer keeps in common.pt for the model-space
+    (`fully_reshardable`) layout: its two param groups (weight decay on matrices, none on
+    biases and norms, told apart by wd_mult) with the Adam step, and the sharding type, which
+    Megatron-LM reads back from `content_metadata`."""
+    groups = [
+        {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "default_config": True,
+         "max_lr": cfg.lr, "min_lr": cfg.min_lr, "lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+         "weight_decay": cfg.weight_decay * wd_mult, "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+         "differentiable": False, "fused": None, "decoupled_weight_decay": True, "step": step}
+        for wd_mult in (1.0, 0.0)
+    ]  # fmt: skip
+    sharding = "fully_reshardable"
+    return {"optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": sharding},
+            "content_metadata": {"distrib_optim_sharding_type": sharding}}  # fmt: skip
 
 
 def _has(metadata, section: str) -> bool:
@@ -151,7 +214,7 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
     found = progress_of(reader.common)
     iteration = found.get("iteration", 0)
     out = layout.iteration_dir(out_root, iteration)
-    _save_streaming(state, out, lambda key: reader.tensor(key.removeprefix("model."), full[key.removeprefix("model.")]))
+    _save_streaming(state, out, lambda key, _: reader.tensor(key.removeprefix("model."), full[key.removeprefix("model.")]))
     tied = not cfg.model.untie_embeddings_and_output_weights
     layout.write_atomic(out / layout.CONFIG, to_toml(cfg))
     layout.write_marker(out, {

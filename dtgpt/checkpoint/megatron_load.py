@@ -1,0 +1,159 @@
+"""A Megatron-LM checkpoint into a TrainState at any mesh, each rank reading only what it holds.
+
+Every parameter (and AdamW tensor) of a rank is a DTensor shard or a whole tensor; its global
+offset and local shape name a region of Megatron's stored tensor (one layer of a stacked one),
+and MegatronReader.regions reads just that region, touching only the stored chunks it overlaps.
+A rank's extra memory is its own shards, not whole stacked tensors.
+
+Megatron's optimizer state in model space (its non-distributed optimizers, and the distributed
+optimizer's `fully_reshardable` and `fully_sharded_model_space` sharding types) is stored under
+`optimizer.state.<slot>.<model key>`, each shaped as the model tensor, so the weights' key map,
+QKV layout and vocabulary rows carry over:
+
+    exp_avg, exp_avg_sq      AdamW's exp_avg, exp_avg_sq of the dtgpt parameter (padding rows
+                             past Megatron's are zero)
+    fp32_param or param      the fp32 master weights: they, not the (maybe bf16) model weights,
+                             become dtgpt's fp32 parameters
+    step                     common.pt: the optimizer's param_groups[*]["step"] (or common_step)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from dtgpt.checkpoint.megatron import MegatronReader, full_model_shapes, megatron_name, progress_of
+from dtgpt.config import Config
+from dtgpt.state import FLAT_OPTIM, TrainState, tied_source
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+MASTER_SLOTS = ("fp32_param", "param")
+"""Megatron's names for the master weights: Float16Optimizer and fully_sharded_model_space say
+fp32_param, the distributed optimizer's fully_reshardable says param."""
+
+
+def local_region(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local sizes) of this rank's part of a parameter or optimizer tensor."""
+    if isinstance(value, DTensor):
+        # DCP's own planner asks DTensor the same (a private helper: no public API gives offsets)
+        sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return tuple(offsets), tuple(sizes)
+    return (0,) * value.dim(), tuple(value.shape)
+
+
+@torch.no_grad()
+def read_into(reader: MegatronReader, targets: dict[str, tuple[str, str | None, torch.Tensor]]) -> None:
+    """targets: request -> (dtgpt name, optimizer slot or None, live tensor); each live tensor
+    (DTensor shard or whole) is filled with its region of the checkpoint, one layer at a time
+    (so the regions held besides the live tensors are one layer's)."""
+    by_layer: dict[int | None, dict] = {}
+    for request, (name, slot, value) in targets.items():
+        offsets, sizes = local_region(value)
+        if math.prod(sizes):  # an uneven FSDP split may leave a rank nothing of a tensor
+            by_layer.setdefault(megatron_name(name)[1], {})[request] = (name, slot, offsets, sizes)
+    for wanted in by_layer.values():
+        for request, region in reader.regions(wanted).items():
+            value = targets[request][2]
+            (value.to_local() if isinstance(value, DTensor) else value).copy_(region)
+
+
+def adam_step(optimizer_common) -> float | None:
+    """Megatron's Adam step count where its common state keeps it: the param groups' "step"
+    (distributed optimizer) or the state's "common_step" (the others); None when absent."""
+    found = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "param_groups" and isinstance(value, list):
+                    found.extend(float(g["step"]) for g in value if isinstance(g, dict) and "step" in g)
+                elif key == "common_step":
+                    found.append(float(value))
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(optimizer_common)
+    return found[0] if found and len(set(found)) == 1 else None
+
+
+def optimizer_slots(reader: MegatronReader, names: list[str]) -> tuple[bool, str | None]:
+    """(whether every parameter's Adam moments are stored, the master-weight slot or None)."""
+    def stored(slot: str) -> bool:
+        return all(reader.stored_key(name, slot) in reader.shapes for name in names)
+
+    return all(stored(m) for m in MOMENTS), next((s for s in MASTER_SLOTS if stored(s)), None)
+
+
+def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool) -> list[str]:
+    """Fill a TrainState (any mesh) from a Megatron checkpoint: the weights; with `stateful`,
+    also the Adam state, iteration, consumed samples, LR schedule and loss scale that Megatron-LM
+    stored. Returns notes for the log."""
+    reader = MegatronReader(directory)
+    full = full_model_shapes(cfg.model)
+    reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
+    has_moments, master = optimizer_slots(reader, list(full)) if stateful else (False, None)
+    step = adam_step(reader.common.get("optimizer")) if has_moments else None
+    use_adam = has_moments and step is not None
+    weights_slot = master if use_adam else None
+    for part in state.model.parts:
+        live = get_model_state_dict(part)
+        read_into(reader, {name: (_source(state, name), weights_slot, value) for name, value in live.items()})
+    notes = []
+    if use_adam:
+        _load_adam(state, reader, step)
+        master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
+        notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
+    elif stateful:
+        why = "common.pt holds no Adam step count"
+        if not has_moments:
+            why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
+        if any(key.startswith("optimizer.distributed.") for key in reader.shapes):
+            why = ("its distributed optimizer state is in the dp_reshardable layout (per-bucket buffers of "
+                   "Megatron's own DP split); save with the fully_reshardable sharding type to carry it")  # fmt: skip
+        notes.append(f"optimizer state not read: {why}; fresh AdamW moments")
+    if not stateful:
+        return notes
+    found = progress_of(reader.common)
+    progress = state.progress
+    progress.iteration = found.get("iteration", 0)
+    progress.consumed_samples = found.get("consumed_samples", 0)
+    state.lr_schedule.num_samples = found.get("lr_num_samples", progress.consumed_samples)
+    if "lr_num_samples" not in found:
+        notes.append("no opt_param_scheduler: the LR schedule resumes at the consumed samples")
+    scaler = found.get("loss_scale")
+    if scaler:
+        state.scaler.load_state_dict({
+            "kind": state.scaler.kind, "scale": float(scaler["scale"]),
+            "growth_tracker": int(scaler.get("growth_tracker", 0)), "hysteresis_tracker": int(scaler.get("hysteresis_tracker", 0)),
+        })  # fmt: skip
+    return notes
+
+
+def _source(state: TrainState, name: str) -> str:
+    """The stored name a live tensor reads: the tied head's copy reads the embedding."""
+    return (tied_source(name) if state.tied else None) or name
+
+
+def _load_adam(state: TrainState, reader: MegatronReader, step: float) -> None:
+    for part, optimizer in zip(state.model.parts, state.optimizer.optimizers):
+        # On an optimizer without state this first creates it (torch's zero-lr step).
+        live = get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM)
+        targets = {}
+        for key, value in live.items():
+            if not key.startswith("state."):
+                continue
+            name, slot = key[len("state."):].rsplit(".", 1)
+            if slot == "step":
+                value.fill_(step)
+            else:
+                targets[key] = (_source(state, name), slot, value)
+        read_into(reader, targets)
+        set_optimizer_state_dict(part, optimizer, live, options=FLAT_OPTIM)

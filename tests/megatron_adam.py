@@ -1,0 +1,155 @@
+"""megatron-core's distributed optimizer on CPU: the oracle for Adam state in Megatron checkpoints.
+
+Run through tests/megatron_gpt.py (one process, tp 1, so the vocabulary has dtgpt's 112 rows and
+losses compare):
+
+    adam DIR        wrap the GPTModel in megatron-core's DDP, build its DistributedOptimizer
+                    (get_megatron_optimizer, AdamW), step once on mock samples 0-7, save model and
+                    optimizer as Megatron-LM does (fully_reshardable: the model-space layout), then
+                    step once more on samples 56-63, the batch a dtgpt run resuming at
+                    consumed samples 56 trains on. DIR/adam.pt: {"saved": ..., "stepped": ...},
+                    each {"weight" | "param" | "exp_avg" | "exp_avg_sq": {Megatron key: stacked}}
+    load-adam DIR   build the same, load DIR's checkpoint (model and optimizer),
+                    DIR/loaded_adam.pt: the loaded state in the same layout
+
+megatron-core 0.16.1 cannot save `fully_sharded_model_space` at all ("ShardedTensor.flattened_range
+is not supported", on any device), so `fully_reshardable` is the model-space format it writes.
+Patches on top of megatron_gpt.patch_megatron, none about numerics: factory calls with
+device="cuda" make CPU tensors, `Tensor.cuda()` is the identity, `Tensor.type()` answers with the
+CUDA type names its distributed optimizer checks for, and its model-space loader keeps torch
+AdamW's per-parameter step (TE's and apex's Adam, its GPU optimizers, keep none).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.megatron_gpt import SEQ, VOCAB
+
+ADAM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+"""The optimizer both sides run (dtgpt: the same [optimizer] keys, constant LR)."""
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+SEED = 1234  # dtgpt's training.seed default: the mock samples are dtgpt's
+BATCH = 8
+
+
+def patch_for_optimizer() -> None:
+    def on_cpu(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        return tensor_type(self, *args, **kwargs) if args or kwargs else tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    # torch's AdamW (used without TE or apex) keeps a per-parameter "step", which the model-space
+    # loader does not hand over (load_state_dict already set it from the param groups): keep it.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def keep_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        step = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]].get("step")
+        return set_states(self, model_param, tensors if step is None else {**tensors, "step": step})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+
+
+def mock_batch(first: int) -> torch.Tensor:
+    """dtgpt's mock samples first .. first + 7 (data.vocab_size=100: 100 ids, eod 99)."""
+    from dtgpt.data.mock import MockGPTDataset
+
+    data = MockGPTDataset(first + BATCH, SEQ, VOCAB, VOCAB - 1, SEED)
+    return torch.stack([torch.as_tensor(data[i]) for i in range(first, first + BATCH)])
+
+
+def build_optimizer(model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **ADAM)
+    return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def step(ddp, optimizer, batch: torch.Tensor) -> None:
+    """One training iteration: the mean token loss of the batch, as Megatron-LM's loss_func."""
+    ids, labels = batch[:, :-1], batch[:, 1:]
+    T = ids.shape[1]
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = ddp(ids, torch.arange(T).expand_as(ids), mask, labels=labels)
+    (loss.sum() / loss.numel()).backward()
+    ddp.finish_grad_sync()
+    for group in optimizer.param_groups:  # what OptimizerParamScheduler sets every iteration
+        group["lr"], group["weight_decay"] = ADAM["lr"], ADAM["weight_decay"] * group["wd_mult"]
+    assert optimizer.step()[0], "megatron-core skipped the step"
+
+
+def stacked_state(model, optimizer) -> dict:
+    """{"weight", "param", "exp_avg", "exp_avg_sq"} -> {Megatron key: tensor, layers stacked}."""
+    (inner,) = optimizer.chained_optimizers
+    out = {"weight": {}, "param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    layers: dict[str, dict] = {}
+    for sharded in model.sharded_state_dict().values():
+        if not isinstance(getattr(sharded, "data", None), torch.nn.Parameter):
+            continue  # _extra_state
+        states = inner._get_main_param_and_optimizer_states(sharded.data)
+        values = {"weight": sharded.data, **{k: states[k] for k in ("param", "exp_avg", "exp_avg_sq")}}
+        for slot, value in values.items():
+            value = value.detach().reshape(sharded.data.shape).clone()
+            if sharded.prepend_axis_num:
+                layers.setdefault(slot, {}).setdefault(sharded.key, {})[sharded.global_offset[0]] = value
+            else:
+                out[slot][sharded.key] = value
+    for slot, keys in layers.items():
+        for key, by_layer in keys.items():
+            out[slot][key] = torch.stack([by_layer[i] for i in sorted(by_layer)])
+    return out
+
+
+def run_adam(command: str, model, root: Path, trainer_state: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    patch_for_optimizer()
+    ddp, optimizer = build_optimizer(model)
+    if command == "adam":
+        directory = root / f"iter_{trainer_state['iteration']:07d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        step(ddp, optimizer, mock_batch(0))
+        sharded = model.sharded_state_dict()
+        state = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, metadata=SHARDING), **trainer_state}
+        dist_checkpointing.save(state, str(directory))
+        saved = stacked_state(model, optimizer)
+        step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
+        torch.save({"saved": saved, "stepped": stacked_state(model, optimizer)}, root / "adam.pt")
+        (root / "latest_checkpointed_iteration.txt").write_text(str(trainer_state["iteration"]))
+    else:
+        directory = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+        # Without TE or apex its torch-AdamW path reads the step from existing state: create
+        # some, as its own fsdp_dtensor load does (the load then overwrites all of it).
+        optimizer.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
+        sharded = model.sharded_state_dict()
+        request = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, is_loading=True, metadata=SHARDING)}
+        loaded = dist_checkpointing.load(request, str(directory))
+        model.load_state_dict(loaded["model"], strict=False)
+        optimizer.load_state_dict(loaded["optimizer"])
+        torch.save(stacked_state(model, optimizer), root / "loaded_adam.pt")
+    dist.barrier()
