@@ -45,9 +45,10 @@ BASE = [
     "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=1",
     "--distributed.timeout_minutes=0.5",
 ]  # fmt: skip
-# torchrun >= 2.5 shares its TCPStore with the workers and a restarted group can read the dead
-# attempt's addresses from it (pytorch/pytorch#135712): opt out, as docs/faults.md advises.
-ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}
+OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Not set, even when the caller's environment has it: restarts must work on torchrun's shared
+store as a plain torchrun command leaves it (dtgpt/attempt_store.py)."""
 SHUTDOWN_TIMEOUT = 10
 """torchrun's grace period between forwarding a signal and SIGKILL (default 30 s)."""
 
@@ -130,6 +131,10 @@ def checkpoints_intact(root: Path) -> bool:
     return all(layout.problem(layout.iteration_dir(root, i)) is None for i in layout.list_iterations(root))
 
 
+def plain_env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != OPT_OUT}, **ENV}
+
+
 class Drill:
     """Runs scenarios in `workdir/<scenario>/` on `nproc` ranks; caches the reference run."""
 
@@ -146,7 +151,7 @@ class Drill:
         where.mkdir(parents=True, exist_ok=True)
         cmd = self.command(restarts) + BASE + args
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=where, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=where, env=plain_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
         # A job that outlives `timeout` (a hang nobody turned into an error) is killed, group and all.
         timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
