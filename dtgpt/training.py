@@ -19,6 +19,7 @@ from dtgpt.data import build_data_loader, build_tokenizer
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
 from dtgpt.faults import FaultHooks, build_faults
+from dtgpt.last_words import build_last_words
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model import GPT, flops_per_token
 from dtgpt.optim import BatchSizeSchedule, total_train_samples
@@ -226,12 +227,17 @@ def train(
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     reason = "train_iters reached"
     skipped_in_a_row = 0
+    last_words = build_last_words(cfg, runtime, trainer.state, checkpointer)
     trainer.state.model.train(True)
     try:
         while progress.iteration < cfg.training.train_iters:
             upcoming = progress.iteration + 1
             profiler.step(upcoming)
-            with phase("train-step", upcoming, record=True), trainer.faults.iteration(upcoming, trainer.state.model.parts):
+            with (
+                phase("train-step", upcoming, record=True),
+                trainer.faults.iteration(upcoming, trainer.state.model.parts),
+                last_words.iteration(),
+            ):
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
             log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak, timers)
             if progress.iteration % cfg.logging.log_interval == 0:

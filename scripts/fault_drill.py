@@ -40,7 +40,7 @@ SAVE_INTERVAL = 3
 BASE = [
     "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
     "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=8",
-    f"--training.train_iters={ITERS}", "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
+    "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
     "--optimizer.lr_decay_style=cosine", "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer",
     "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=1",
     "--distributed.timeout_minutes=0.5",
@@ -138,18 +138,23 @@ def plain_env() -> dict[str, str]:
 class Drill:
     """Runs scenarios in `workdir/<scenario>/` on `nproc` ranks; caches the reference run."""
 
-    def __init__(self, workdir: Path, nproc: int = 2, log=print):
+    def __init__(
+        self, workdir: Path, nproc: int = 2, log=print, layout: list[str] = (), iters: int = ITERS, grace: int = SHUTDOWN_TIMEOUT,
+    ):
+        """`layout`: extra arguments of every run (a mesh, say); `iters`: training.train_iters;
+        `grace`: torchrun's --shutdown-timeout."""
         self.workdir, self.nproc, self.log = Path(workdir), nproc, log
+        self.layout, self.iters, self.grace = list(layout), iters, grace
         self._reference: dict[int, float] | None = None
 
     def command(self, restarts: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
-                f"--max-restarts={restarts}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT}", str(REPO / "train.py")]  # fmt: skip
+                f"--max-restarts={restarts}", f"--shutdown-timeout={self.grace}", str(REPO / "train.py")]  # fmt: skip
 
     def launch(self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300) -> Run:
         """torchrun train.py BASE + args in `where`; `on_line(line, proc)` sees every output line."""
         where.mkdir(parents=True, exist_ok=True)
-        cmd = self.command(restarts) + BASE + args
+        cmd = self.command(restarts) + BASE + [f"--training.train_iters={self.iters}"] + self.layout + args
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=where, env=plain_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
@@ -201,7 +206,7 @@ class Drill:
         """Fill lost / intact / equal from the scenario's directory; ok when all hold."""
         losses, reference = read_losses(where / "metrics.jsonl"), self.reference()
         result.lost = trained_twice(where / "metrics.jsonl")
-        result.intact = checkpoints_intact(where / "ckpt") and layout.read_pointer(where / "ckpt") == ITERS
+        result.intact = checkpoints_intact(where / "ckpt") and layout.read_pointer(where / "ckpt") == self.iters
         if check_equal:
             result.equal = sorted(losses) == sorted(reference) and all(losses[i] == reference[i] for i in reference)
         result.seconds = sum(r.seconds for r in result.runs)
@@ -250,7 +255,7 @@ class Drill:
         stopped = layout.read_pointer(where / "ckpt")
         agreed = first.log.count("> training stopped: exit signal received") == 1
         second = self.launch(where, "resumed", self.job(where, []), restarts=0)
-        outcome = f"stopped and saved at {stopped}, resumed" if agreed and stopped and stopped < ITERS else "FAILED"
+        outcome = f"stopped and saved at {stopped}, resumed" if agreed and stopped and stopped < self.iters else "FAILED"
         result = self.finish(Result(name, outcome, runs=[first, second]), where)
         result.ok = result.ok and agreed and bool(sent)
         return result

@@ -297,14 +297,28 @@ class Checkpointer:
             self.blocked_s.append(elapsed)
             self._log(f"saved checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in {elapsed:.3f} s")
 
-    def _weights_finite(self) -> bool:
-        """Whether every rank's weights are finite (a collective: every rank calls it)."""
+    def save_over(self, iteration: int, group: dist.ProcessGroup, rng: dict) -> Path:
+        """Save `iteration` over `group` alone, the survivors of a hard failure (dtgpt/last_words.py),
+        with the generator states `rng` of the iteration's start; the group's first rank prepares
+        and completes the directory. Sync: the process is about to be killed."""
+        leader = dist.get_rank(group) == 0
+        finite = self._weights_finite(group)
+        box = [self._prepare(iteration) if leader else None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        state = {**self.state.state_dict(), "rng": rng}
+        dcp.save(state, checkpoint_id=str(box[0]), process_group=group)
+        self._complete(iteration, box[0], finite, leader=leader)
+        self._saved.add(iteration)
+        return layout.iteration_dir(self.cfg.save, iteration)
+
+    def _weights_finite(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether every rank's weights are finite (a collective: every rank of `group` calls it)."""
         bad = torch.zeros((), device=self.runtime.device)
         for p in self.state.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             bad += (~torch.isfinite(local.detach())).any()
         if self.distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         return not bool(bad)
 
     def _prepare(self, iteration: int) -> Path:
@@ -331,10 +345,11 @@ class Checkpointer:
             raise CheckpointError(f"cannot write checkpoint {directory}: {e}") from None
         return directory
 
-    def _complete(self, iteration: int, directory: Path, finite: bool) -> None:
+    def _complete(self, iteration: int, directory: Path, finite: bool, leader: bool | None = None) -> None:
         """Every rank's data and DCP's .metadata exist: mark complete, swap a staging directory
-        in, move the pointer, prune (not when the weights just saved are not finite)."""
-        if not self.runtime.is_main:
+        in, move the pointer, prune (not when the weights just saved are not finite). Done by
+        `leader` (rank 0 unless given)."""
+        if not (self.runtime.is_main if leader is None else leader):
             return
         layout.write_marker(directory, {
             "format": FORMAT, "iteration": iteration, "consumed_samples": self.state.progress.consumed_samples,

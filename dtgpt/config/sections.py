@@ -205,6 +205,10 @@ class DistributedConfig:
     """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
     heartbeat_min_seconds: float = 30.0
     """...and at least this long; the heartbeat then repeats at this interval."""
+    roll_call_seconds: float = 10.0
+    """After a collective fails in the train step (a peer died), how long the survivors wait for
+    each other before deciding on last words (dtgpt/last_words.py; needs checkpoint.save; 0: no
+    last words). torchrun's --shutdown-timeout must exceed it plus one checkpoint save."""
 
 
 @dataclass
