@@ -119,6 +119,7 @@ def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight
         print(f"last words: rank {rank} answered the roll call too late; it saves nothing", flush=True)
         return
     speaker = rank == min(reports)
+    checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
     iteration, why = decide(reports, replicas(dims))
     if iteration is not None and not checkpointer.saved(iteration):
         group = dist.new_group(sorted(reports), use_local_synchronization=True)

@@ -254,9 +254,9 @@ def train(
             if stop:
                 reason = stop
                 break
-        if checkpointer is not None and progress.iteration and not checkpointer.saved(progress.iteration):
+        if checkpointer is not None:
             with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
-                checkpointer.save(progress.iteration)
+                checkpointer.save_final(progress.iteration)
     finally:
         profiler.close()
         watchdog.close()

@@ -2,9 +2,9 @@
 
 A save writes the iteration directory with DCP, then (rank 0, once every rank's data and DCP's
 `.metadata` exist) the `complete` marker with each file's checksum, then moves the pointer, then
-prunes (not after a save whose weights are not finite). Re-saving an iteration that is already
-complete writes a staging directory and swaps it in after its marker, so the old one is never
-deleted first. Rank 0 holds a lock on the save directory for the whole run (lock.py), and a run
+prunes (not after a save whose weights are not finite). Every save writes a staging directory
+and renames it to its iteration directory only after the marker (a re-save of a complete
+iteration swaps it in), so no `iter_N` is ever partial and an old one is never deleted first. Rank 0 holds a lock on the save directory for the whole run (lock.py), and a run
 never writes into a directory of another run's checkpoints it did not load from, unless
 checkpoint.overwrite. Loads read data only (safe.py). An async save
 stages a copy of the state, returns to training, and completes the same way when its future is
@@ -47,7 +47,7 @@ FORMAT = layout.FORMAT
 class PendingSave:
     iteration: int
     directory: Path
-    """Where DCP writes: the iteration directory, or its staging directory when replacing one."""
+    """Where DCP writes: the iteration directory's staging directory."""
     future: Future
     started: float
     finite: bool
@@ -67,7 +67,8 @@ class Checkpointer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self._saved: set[int] = set()
         self._pending: PendingSave | None = None
-        self._failures: list[str] = []
+        self._failures: dict[int, str] = {}
+        """Background saves that failed, by iteration (raised by finalize() unless saved again)."""
         self._rng: dict | None = None  # loaded states, applied by restore_rng()
         self._derive_rng_at: int | None = None
         self.blocked_s: list[float] = []
@@ -260,7 +261,15 @@ class Checkpointer:
     def saved(self, iteration: int) -> bool:
         return not self.cfg.save or iteration in self._saved
 
-    def save(self, iteration: int) -> None:
+    def save_final(self, iteration: int) -> None:
+        """The last save of the run: wait for a save in flight; when `iteration` is not saved by
+        then (never, or its background save failed), save it now, synchronously."""
+        self._poll(wait=True)
+        if iteration and not self.saved(iteration):
+            self.save(iteration, background=False)
+
+    def save(self, iteration: int, background: bool | None = None) -> None:
+        """Save `iteration`, in the background when checkpoint.async_save (or `background`)."""
         if not self.cfg.save:
             return
         start = time.perf_counter()
@@ -269,7 +278,7 @@ class Checkpointer:
         directory = self._from_rank0(lambda: self._prepare(iteration))
         state = self.state.state_dict()
         writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
-        if self.cfg.async_save:
+        if self.cfg.async_save if background is None else background:
             self._stager = self._stager or self._build_stager()
             # The stager has copied every tensor when async_save returns: training may go on.
             with layout.single_process():  # (the background thread may still warn once)
@@ -278,11 +287,10 @@ class Checkpointer:
                     async_stager=self._stager, no_dist=not self.distributed,
                 )  # fmt: skip
             future = getattr(future, "upload_completion", future)
-            self._pending = PendingSave(iteration, directory, future, start, finite)
-            self._saved.add(iteration)
+            self._pending = PendingSave(iteration, directory, future, start, finite)  # saved once complete
             blocked = time.perf_counter() - start
             self.blocked_s.append(blocked)
-            self._log(f"saving checkpoint {directory} in the background: training blocked {blocked:.3f} s")
+            self._log(f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in the background: training blocked {blocked:.3f} s")
         else:
             try:
                 with layout.single_process():
@@ -293,6 +301,7 @@ class Checkpointer:
                 ) from None
             self._complete(iteration, directory, finite)
             self._saved.add(iteration)
+            self._failures.pop(iteration, None)  # a failed background save of it, retried
             elapsed = time.perf_counter() - start
             self.blocked_s.append(elapsed)
             self._log(f"saved checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in {elapsed:.3f} s")
@@ -324,26 +333,25 @@ class Checkpointer:
     def _prepare(self, iteration: int) -> Path:
         """Rank 0, before any rank writes: the directory DCP writes to, with the config in it.
 
-        A partial iteration directory is garbage and is replaced. A complete one (of an earlier
-        save of this iteration) stays until the new save is complete: DCP writes a staging
-        directory, which _complete() swaps in."""
+        Every save writes a staging directory (`iter_N.saving`, which no load looks at) that
+        _complete() renames to `iter_N` after the marker, so a crash at any moment leaves either
+        no `iter_N` or a complete one; a complete `iter_N` of an earlier save of this iteration
+        stays until the new one replaces it. A partial `iter_N` (a crash of an older dtgpt) is
+        garbage and goes."""
         final = layout.iteration_dir(self.cfg.save, iteration)
         staging = layout.staging_dir(final)
-        if staging.exists():  # left by a replacement that did not finish
+        if staging.exists():  # left by a save that did not finish
             shutil.rmtree(staging)
         if (final / layout.MARKER).exists():
             self._warn(f"replacing the checkpoint {final}; it stays until the new one is complete")
-            directory = staging
-        else:
-            directory = final
-            if final.exists():  # partial: garbage
-                shutil.rmtree(final)
+        elif final.exists():
+            shutil.rmtree(final)
         try:
-            directory.mkdir(parents=True)
-            layout.write_atomic(directory / layout.CONFIG, to_toml(self.run_cfg))
+            staging.mkdir(parents=True)
+            layout.write_atomic(staging / layout.CONFIG, to_toml(self.run_cfg))
         except OSError as e:
-            raise CheckpointError(f"cannot write checkpoint {directory}: {e}") from None
-        return directory
+            raise CheckpointError(f"cannot write checkpoint {staging}: {e}") from None
+        return staging
 
     def _complete(self, iteration: int, directory: Path, finite: bool, leader: bool | None = None) -> None:
         """Every rank's data and DCP's .metadata exist: mark complete, swap a staging directory
@@ -358,6 +366,7 @@ class Checkpointer:
         })  # fmt: skip
         layout.swap_in(directory, layout.iteration_dir(self.cfg.save, iteration))
         layout.write_pointer(self.cfg.save, iteration)
+        layout.remove_stale_staging(self.cfg.save, iteration)
         if not finite:
             if self.cfg.keep_last:
                 self._warn(f"iteration {iteration} saved non-finite weights: no older checkpoint is pruned")
@@ -375,12 +384,13 @@ class Checkpointer:
             pending.future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported now, raised by finalize()
             message = f"async checkpoint save of {pending.directory} failed: {describe(e)}"
-            self._failures.append(message)
+            self._failures[pending.iteration] = message
             self._warn(message + f" ({layout.POINTER} not moved)")
             return
         self._complete(pending.iteration, pending.directory, pending.finite)
+        self._saved.add(pending.iteration)
         waited = f", training waited {time.perf_counter() - wait_start:.3f} s for it" if wait else ""
-        self._log(f"checkpoint {pending.directory} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")
+        self._log(f"checkpoint {layout.iteration_dir(self.cfg.save, pending.iteration)} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has been written and completed."""
@@ -394,7 +404,7 @@ class Checkpointer:
             self._stager = None
         self.release()
         if self._failures:
-            raise CheckpointError("; ".join(self._failures))
+            raise CheckpointError("; ".join(self._failures.values()))
 
 
 def describe(error: BaseException) -> str:
