@@ -53,7 +53,8 @@ class InFlight:
     def __init__(self, state: TrainState):
         self.state = state
         self.stepping = False
-        self.rng: dict[str, torch.Tensor] = {}
+        self.rng: dict[str, torch.Tensor] | None = None
+        """The generators at the start of the iteration in progress; None between iterations."""
         for optimizer in state.optimizer.optimizers:
             optimizer.register_step_pre_hook(self._step_begins)
 
@@ -64,6 +65,10 @@ class InFlight:
         """Before an iteration's batch is read (its state is then the last completed one's)."""
         self.stepping = False
         self.rng = {key: value.clone() for key, value in rng_state(self.state.model).items()}
+
+    def end(self) -> None:
+        """The iteration completed: its state, live generators included, is the last completed one."""
+        self.stepping, self.rng = False, None
 
 
 @dataclass
@@ -113,8 +118,11 @@ def roll_call(store: dist.Store, rank: int, world_size: int, report: Report, sec
 def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight, seconds: float) -> None:
     """After a failed collective in the train step: roll call, decide, save or say why not."""
     dims, rank = state.model.dims, dist.get_rank()
-    report = Report(state.progress.iteration, inflight.stepping)
-    reports = roll_call(store, rank, dims.world_size, report, seconds)
+    if dims.dp_replicate < 2:  # no rank's shards exist twice: nothing to wait for
+        if store.compare_set(f"{PREFIX}/speaker", "", str(rank)) == str(rank).encode():  # one line, from the first
+            _none(checkpointer, "no replicas: parallel.data_parallel_replicate_size=1, so a dead rank's shards are lost")
+        return
+    reports = roll_call(store, rank, dims.world_size, Report(state.progress.iteration, inflight.stepping), seconds)
     if reports is None:
         print(f"last words: rank {rank} answered the roll call too late; it saves nothing", flush=True)
         return
@@ -129,15 +137,19 @@ def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight
             print(f"last words: ranks {sorted(reports)} saved iteration {iteration} to {directory} in "
                   f"{time.perf_counter() - start:.2f} s after a hard failure", flush=True)  # fmt: skip
     elif speaker:
-        pointed = layout.read_pointer(checkpointer.cfg.save)
-        if iteration is not None:
-            why = f"iteration {iteration} is saved already"
-        restart = f"iteration {pointed}" if pointed is not None else "no checkpoint (from scratch)"
-        print(f"last words: none ({why}); the restart resumes from {restart}", flush=True)
+        _none(checkpointer, why or f"iteration {iteration} is saved already")
+
+
+def _none(checkpointer, why: str) -> None:
+    pointed = layout.read_pointer(checkpointer.cfg.save)
+    restart = f"iteration {pointed}" if pointed is not None else "no checkpoint (from scratch)"
+    print(f"last words: none ({why}); the restart resumes from {restart}", flush=True)
 
 
 class LastWords:
-    """Wraps each train step: remembers its start (InFlight) and speaks when a collective in it fails."""
+    """Wraps each train step, remembering its start (InFlight), and the stop decision after it
+    (its all-reduce is where survivors of a rank that died in the optimizer step fail); speaks
+    when a collective in either fails."""
 
     def __init__(self, state: TrainState, checkpointer, store: dist.Store, seconds: float):
         self.state, self.checkpointer, self.store, self.seconds = state, checkpointer, store, seconds
@@ -146,6 +158,12 @@ class LastWords:
     @contextlib.contextmanager
     def iteration(self) -> Iterator[None]:
         self.inflight.begin()
+        with self.guard():
+            yield
+        self.inflight.end()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
         try:
             yield
         except (RuntimeError, OSError) as e:
@@ -161,6 +179,8 @@ class Silent:
 
     def iteration(self) -> contextlib.nullcontext:
         return contextlib.nullcontext()
+
+    guard = iteration
 
 
 def build_last_words(cfg, runtime, state: TrainState, checkpointer) -> LastWords | Silent:

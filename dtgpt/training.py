@@ -235,7 +235,7 @@ def train(
             profiler.step(upcoming)
             with (
                 phase("train-step", upcoming, record=True),
-                trainer.faults.iteration(upcoming, trainer.state.model.parts),
+                trainer.faults.iteration(upcoming, trainer.state.model.parts, trainer.state.optimizer.optimizers),
                 last_words.iteration(),
             ):
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
@@ -247,7 +247,8 @@ def train(
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"):
                     metrics.log_eval(progress.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
-            stop = exits.reason(progress.iteration)
+            with last_words.guard():
+                stop = exits.reason(progress.iteration)
             if checkpointer is not None and (stop or checkpointer.due(progress.iteration)):
                 with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
                     checkpointer.save(progress.iteration)

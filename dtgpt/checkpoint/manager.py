@@ -297,7 +297,8 @@ class Checkpointer:
                     dcp.save(state, checkpoint_id=str(directory), storage_writer=writer, no_dist=not self.distributed)
             except CheckpointException as e:  # a BaseException: give it a plain message
                 raise CheckpointError(
-                    f"saving checkpoint {directory} failed: {describe(e)}; {layout.POINTER} not moved"
+                    f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} failed: {describe(e)}; "
+                    f"{layout.POINTER} not moved"
                 ) from None
             self._complete(iteration, directory, finite)
             self._saved.add(iteration)
@@ -306,15 +307,16 @@ class Checkpointer:
             self.blocked_s.append(elapsed)
             self._log(f"saved checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in {elapsed:.3f} s")
 
-    def save_over(self, iteration: int, group: dist.ProcessGroup, rng: dict) -> Path:
+    def save_over(self, iteration: int, group: dist.ProcessGroup, rng: dict | None) -> Path:
         """Save `iteration` over `group` alone, the survivors of a hard failure (dtgpt/last_words.py),
-        with the generator states `rng` of the iteration's start; the group's first rank prepares
+        with the generator states `rng` (None: the live ones); the group's first rank prepares
         and completes the directory. Sync: the process is about to be killed."""
         leader = dist.get_rank(group) == 0
         finite = self._weights_finite(group)
         box = [self._prepare(iteration) if leader else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
-        state = {**self.state.state_dict(), "rng": rng}
+        state = self.state.state_dict()
+        state["rng"] = rng if rng is not None else state["rng"]
         dcp.save(state, checkpoint_id=str(box[0]), process_group=group)
         self._complete(iteration, box[0], finite, leader=leader)
         self._saved.add(iteration)
@@ -383,7 +385,7 @@ class Checkpointer:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported now, raised by finalize()
-            message = f"async checkpoint save of {pending.directory} failed: {describe(e)}"
+            message = f"async checkpoint save of {layout.iteration_dir(self.cfg.save, pending.iteration)} failed: {describe(e)}"
             self._failures[pending.iteration] = message
             self._warn(message + f" ({layout.POINTER} not moved)")
             return

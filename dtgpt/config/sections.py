@@ -235,6 +235,9 @@ class FaultsConfig:
     kill_rank: int = 0
     kill_during_save: bool = False
     """Kill in the checkpoint save of kill_at_iteration instead, after this rank wrote its data."""
+    kill_during_step: bool = False
+    """Kill inside the optimizer step of kill_at_iteration instead (the first model part's
+    parameters updated, the iteration not yet recorded)."""
     hang_at_iteration: int = 0
     """Rank hang_rank sleeps forever in this iteration (0: never): a stuck peer."""
     hang_rank: int = 0

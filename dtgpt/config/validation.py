@@ -321,6 +321,10 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
         f"distributed.heartbeat_min_seconds={cfg.distributed.heartbeat_min_seconds} must be > 0",
     )
     _require(
+        not (cfg.faults.kill_during_save and cfg.faults.kill_during_step),
+        "faults.kill_during_save and faults.kill_during_step cannot both be true: a rank dies once",
+    )
+    _require(
         cfg.distributed.roll_call_seconds >= 0,
         f"distributed.roll_call_seconds={cfg.distributed.roll_call_seconds} must be >= 0",
     )

@@ -63,5 +63,5 @@ def test_sigkill_on_hsdp_loses_no_iteration(tmp_path):
     result = drill.sigkill(rank=3, iteration=5)
     log = result.runs[0].log
     assert "last words: ranks [0, 1, 2] saved iteration 4" in log, explain(result)
-    assert result.outcome == "restarted, resumed from 4", explain(result)
+    assert result.outcome == "last words saved 4; restarted, resumed from 4", explain(result)
     assert result.lost == 0 and result.equal and result.intact and result.ok, explain(result)
