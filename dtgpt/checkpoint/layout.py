@@ -315,3 +315,15 @@ def remove_stale_staging(root: str | Path, pointed: int) -> None:
         match = _STAGING_DIR.match(path.name)
         if match and int(match.group(1)) <= pointed:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def describe(error: BaseException) -> str:
+    """A one-line reason: DCP wraps each failing rank's exception in a CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return f"{type(error).__name__}: {error}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    return "; ".join(parts)

@@ -20,6 +20,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -73,11 +74,12 @@ class Checkpointer:
         self._derive_rng_at: int | None = None
         self.blocked_s: list[float] = []
         """Seconds each save kept training waiting (for logs and the benchmark)."""
-        # DCP's own collectives of a background save run on a separate gloo group, so they
-        # never interleave with the training collectives of the main thread.
-        self._async_group = (
-            dist.new_group(backend="gloo") if self.cfg.async_save and self.cfg.save and self.distributed else None
-        )
+        # DCP's own collectives of a background save run on a separate gloo group, so they never
+        # interleave with the main thread's. With the run's timeout (a new group's default is 30
+        # minutes): a dead peer must fail the save, not hang it (and last words behind it).
+        background = self.cfg.async_save and self.cfg.save and self.distributed
+        timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+        self._async_group = dist.new_group(backend="gloo", timeout=timeout) if background else None
         self._stager: DefaultStager | None = None  # built by the first async save
         self._faults = faults
         self.run_id = uuid.uuid4().hex[:12]
@@ -297,7 +299,7 @@ class Checkpointer:
                     dcp.save(state, checkpoint_id=str(directory), storage_writer=writer, no_dist=not self.distributed)
             except CheckpointException as e:  # a BaseException: give it a plain message
                 raise CheckpointError(
-                    f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} failed: {describe(e)}; "
+                    f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} failed: {layout.describe(e)}; "
                     f"{layout.POINTER} not moved"
                 ) from None
             self._complete(iteration, directory, finite)
@@ -385,7 +387,7 @@ class Checkpointer:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported now, raised by finalize()
-            message = f"async checkpoint save of {layout.iteration_dir(self.cfg.save, pending.iteration)} failed: {describe(e)}"
+            message = f"async checkpoint save of {layout.iteration_dir(self.cfg.save, pending.iteration)} failed: {layout.describe(e)}"
             self._failures[pending.iteration] = message
             self._warn(message + f" ({layout.POINTER} not moved)")
             return
@@ -408,14 +410,3 @@ class Checkpointer:
         if self._failures:
             raise CheckpointError("; ".join(self._failures.values()))
 
-
-def describe(error: BaseException) -> str:
-    """A one-line reason: DCP wraps each failing rank's exception in a CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if not failures:
-        return f"{type(error).__name__}: {error}"
-    parts = []
-    for rank, failure in sorted(failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-    return "; ".join(parts)
