@@ -32,12 +32,13 @@ from drill_runs import (  # noqa: E402
     HEADER, ITERS, OPT_OUT, SAVE_INTERVAL, Result, Runner, layout, our_traceback_frames, plain_env, read_losses,
 )
 
-__all__ = ["Drill", "ITERS", "OPT_OUT", "our_traceback_frames", "plain_env", "scenarios"]
+__all__ = ["Drill", "FAST_FAILURE", "HSDP", "ITERS", "LAST_WORDS_GRACE", "OPT_OUT", "our_traceback_frames", "plain_env", "scenarios"]
 
 HSDP = ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"]
 NO_REPLICAS = ["--parallel.data_parallel_replicate_size=1", "--parallel.data_parallel_shard_size=4"]
-FAST_FAILURE = ["--distributed.timeout_minutes=0.1", "--distributed.roll_call_seconds=8"]
-"""Survivors stuck on another survivor notice within 6 s; the roll call waits 8 s for them."""
+FAST_FAILURE = ["--distributed.timeout_minutes=0.1", "--distributed.roll_call_seconds=15"]
+"""A survivor stuck on another survivor notices after 6 s, one stuck behind that one after 12:
+the roll call waits 15 s for them (at least twice the collective timeout)."""
 LAST_WORDS_GRACE = 30
 """torchrun's --shutdown-timeout for the 4-rank layouts: the roll call plus one save fit in it."""
 

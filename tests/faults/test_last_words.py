@@ -12,10 +12,6 @@ import torch.distributed as dist
 from dtgpt.last_words import Report, decide, roll_call
 from tests.faults.test_recovery import explain, fault_drill
 
-HSDP = ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"]
-# A survivor waiting on another survivor (not on the dead rank) notices when its collective
-# times out (6 s); the roll call waits for it (8 s); torchrun's grace covers both and the save.
-FAST_FAILURE = ["--distributed.timeout_minutes=0.1", "--distributed.roll_call_seconds=8"]
 REPLICAS = [[0, 1], [2, 3]]
 
 
@@ -59,7 +55,9 @@ def test_sigkill_on_hsdp_loses_no_iteration(tmp_path):
     """Rank 3 dies at the start of iteration 5 (its peers fail in forward/backward); ranks 0, 1
     and 2 hold replica 0 whole, save iteration 4 over their own group, and the restart resumes
     right after it: nothing is trained twice, every loss equals the uninterrupted run's."""
-    drill = fault_drill.Drill(tmp_path, nproc=4, layout=HSDP + FAST_FAILURE, iters=6, grace=30)
+    # fault_drill.FAST_FAILURE: 6 s collective timeout, 15 s roll call; torchrun's grace covers both and the save
+    drill = fault_drill.Drill(tmp_path, nproc=4, layout=fault_drill.HSDP + fault_drill.FAST_FAILURE, iters=6,
+                              grace=fault_drill.LAST_WORDS_GRACE)  # fmt: skip
     result = drill.sigkill(rank=3, iteration=5)
     log = result.runs[0].log
     assert "last words: ranks [0, 1, 2] saved iteration 4" in log, explain(result)
