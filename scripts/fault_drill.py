@@ -73,7 +73,7 @@ class Drill(Runner):
         if spoke:
             outcome = f"last words saved {spoke.group(1)}; {outcome}"
         elif silent:
-            outcome = f"no last words ({silent.group(1)[:48]}); {outcome}"
+            outcome = f"no last words ({silent.group(1).split(', so')[0]}); {outcome}"
         if "fault: SIGKILL" not in run.log:
             outcome = "FAILED: the fault did not fire"
         result = self.finish(Result(name, outcome, runs=[run]), where)
