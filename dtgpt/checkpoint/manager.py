@@ -74,9 +74,8 @@ class Checkpointer:
         self._derive_rng_at: int | None = None
         self.blocked_s: list[float] = []
         """Seconds each save kept training waiting (for logs and the benchmark)."""
-        # DCP's own collectives of a background save run on a separate gloo group, so they never
-        # interleave with the main thread's. With the run's timeout (a new group's default is 30
-        # minutes): a dead peer must fail the save, not hang it (and last words behind it).
+        # A background save's collectives run on a gloo group of their own (never interleaved with
+        # training's), with the run's timeout, not 30 minutes: a dead peer fails it, not hangs it.
         background = self.cfg.async_save and self.cfg.save and self.distributed
         timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
         self._async_group = dist.new_group(backend="gloo", timeout=timeout) if background else None
@@ -264,8 +263,7 @@ class Checkpointer:
         return not self.cfg.save or iteration in self._saved
 
     def save_final(self, iteration: int) -> None:
-        """The last save of the run: wait for a save in flight; when `iteration` is not saved by
-        then (never, or its background save failed), save it now, synchronously."""
+        """Wait for a save in flight; if `iteration` is not saved then (its background save failed), save it now."""
         self._poll(wait=True)
         if iteration and not self.saved(iteration):
             self.save(iteration, background=False)
@@ -310,9 +308,8 @@ class Checkpointer:
             self._log(f"saved checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in {elapsed:.3f} s")
 
     def save_over(self, iteration: int, group: dist.ProcessGroup, rng: dict | None) -> Path:
-        """Save `iteration` over `group` alone, the survivors of a hard failure (dtgpt/last_words.py),
-        with the generator states `rng` (None: the live ones); the group's first rank prepares
-        and completes the directory. Sync: the process is about to be killed."""
+        """Save `iteration` synchronously over `group` alone, the survivors of a hard failure
+        (dtgpt/last_words.py), with the generators `rng` (None: the live ones)."""
         leader = dist.get_rank(group) == 0
         finite = self._weights_finite(group)
         box = [self._prepare(iteration) if leader else None]
@@ -335,13 +332,9 @@ class Checkpointer:
         return not bool(bad)
 
     def _prepare(self, iteration: int) -> Path:
-        """Rank 0, before any rank writes: the directory DCP writes to, with the config in it.
-
-        Every save writes a staging directory (`iter_N.saving`, which no load looks at) that
-        _complete() renames to `iter_N` after the marker, so a crash at any moment leaves either
-        no `iter_N` or a complete one; a complete `iter_N` of an earlier save of this iteration
-        stays until the new one replaces it. A partial `iter_N` (a crash of an older dtgpt) is
-        garbage and goes."""
+        """Rank 0, before any rank writes: the staging directory `iter_N.saving` (no load looks at
+        it) with the config in it; _complete() renames it to `iter_N` after the marker. A complete
+        `iter_N` stays until then; a partial one (left by an older dtgpt) is garbage."""
         final = layout.iteration_dir(self.cfg.save, iteration)
         staging = layout.staging_dir(final)
         if staging.exists():  # left by a save that did not finish
