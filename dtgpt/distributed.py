@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtgpt.attempt_store import attempt_store
 from dtgpt.config import Config, validate
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
@@ -27,6 +28,8 @@ class Runtime:
     dims: ParallelDims
     restart_count: int = 0
     """How often torchrun has restarted the group (TORCHELASTIC_RESTART_COUNT); 0 on the first attempt."""
+    store: dist.Store | None = None
+    """This attempt's key-value store (dtgpt/attempt_store.py); None without a process group."""
 
     @property
     def is_main(self) -> bool:
@@ -36,15 +39,6 @@ class Runtime:
     def is_logging_rank(self) -> bool:
         """The last rank holds the last pipeline stage, where the loss is known (Megatron's choice)."""
         return self.rank == self.world_size - 1
-
-
-# torchrun >= 2.5 lets the workers share its rendezvous TCPStore, and keys the previous attempt
-# wrote (a dead rank's address) stay in it: a restarted group can then fail to connect.
-SHARED_STORE_HINT = (
-    "torchrun shares its TCPStore with the workers, so addresses of the previous attempt may linger "
-    "and break init_process_group (pytorch/pytorch#135712); launch torchrun with "
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when using --max-restarts"
-)
 
 
 def world_size_from_env() -> int:
@@ -71,23 +65,9 @@ def initialize(cfg: Config) -> Runtime:
     device = resolve_device(cfg.training.device, local_rank)
     rank = 0
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    shared_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if restart_count > 0 and shared_store and os.environ.get("RANK") == "0":
-        print(f"WARNING: restart {restart_count} of this group: {SHARED_STORE_HINT}", flush=True)
+    store = None
     if "RANK" in os.environ and not dist.is_initialized():
-        backend = cfg.distributed.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(
-                backend=backend,
-                timeout=timedelta(minutes=cfg.distributed.timeout_minutes),
-                device_id=device if device.type == "cuda" else None,
-            )
-        except RuntimeError as e:
-            if restart_count > 0 and shared_store:
-                raise RuntimeError(f"{e}\n{SHARED_STORE_HINT}") from e
-            raise
+        store = init_process_group(cfg, device)
     if dist.is_initialized():
         rank = dist.get_rank()
         dims.build_mesh(device.type)
@@ -95,7 +75,22 @@ def initialize(cfg: Config) -> Runtime:
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
     torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
-    return Runtime(rank, world_size, local_rank, device, dims, restart_count)
+    return Runtime(rank, world_size, local_rank, device, dims, restart_count, store)
+
+
+def init_process_group(cfg: Config, device: torch.device) -> dist.Store:
+    """The default group, on a store of this attempt's own (dtgpt/attempt_store.py: why); returns that store."""
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+    shared, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store, _token = attempt_store(shared, rank, world_size, timeout)
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+    return store
 
 
 def shutdown(clean: bool = True) -> None:

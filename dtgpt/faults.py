@@ -1,9 +1,10 @@
 """Deliberate faults (`[faults]`) for the fault-tolerance tests and `scripts/fault_drill.py`.
 
-A fault hits one rank at one iteration: SIGKILL (mid-iteration, or during a checkpoint save),
-a hang, a SIGTERM/SIGINT to itself, or a full disk while a checkpoint is written. Each fires on
-the first attempt only: a group that torchrun restarted (`Runtime.restart_count > 0`) runs
-clean, which is what lets a drill check that the restarted job recovers. `nan_at_iterations`
+A fault hits one rank at one iteration: SIGKILL (mid-iteration, inside the optimizer step, or
+during a checkpoint save), a hang, a SIGTERM/SIGINT to itself, or a full disk while a checkpoint
+is written. Each fires on the first attempt only: a group that torchrun restarted
+(`Runtime.restart_count > 0`) runs clean, which is what lets a drill check that the restarted
+job recovers. `nan_at_iterations`
 makes the model's outputs non-finite in those iterations (on every attempt).
 
 The training loop and the Checkpointer see one hook object: `NO_FAULTS`, whose hooks do
@@ -40,8 +41,9 @@ class FaultHooks:
     """Where faults attach: around an iteration, and the writer of a checkpoint save. No-ops."""
 
     @contextlib.contextmanager
-    def iteration(self, iteration: int, model_parts: list) -> Iterator[None]:
-        """Wraps the train step of `iteration` (batch read included) over `model_parts` (nn.Modules)."""
+    def iteration(self, iteration: int, model_parts: list, optimizers: list = ()) -> Iterator[None]:
+        """Wraps the train step of `iteration` (batch read included) over `model_parts` (nn.Modules)
+        and their `optimizers`."""
         yield
 
     def storage_writer(self, directory: Path, iteration: int) -> FileSystemWriter | None:
@@ -68,6 +70,18 @@ def _non_finite_outputs(modules: list) -> Iterator[None]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def _killed_in_step(optimizers: list, rank: int, iteration: int) -> Iterator[None]:
+    """SIGKILL once the first of `optimizers` has stepped: parameters changed, the iteration unrecorded."""
+    kill = lambda *_: _kill(rank, f"inside the optimizer step of iteration {iteration}")  # noqa: E731
+    handles = [optimizer.register_step_post_hook(kill) for optimizer in optimizers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class Faults(FaultHooks):
     """The faults of `cfg` that apply to this rank, on this attempt."""
 
@@ -79,16 +93,18 @@ class Faults(FaultHooks):
         return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
 
     @contextlib.contextmanager
-    def iteration(self, iteration: int, model_parts: list) -> Iterator[None]:
+    def iteration(self, iteration: int, model_parts: list, optimizers: list = ()) -> Iterator[None]:
         self.in_iteration(iteration)
         poisoned = model_parts if iteration in self.cfg.nan_at_iterations else []
-        with _non_finite_outputs(poisoned):
+        c = self.cfg
+        in_step = optimizers[:1] if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and c.kill_during_step else []
+        with _non_finite_outputs(poisoned), _killed_in_step(in_step, self.rank, iteration):
             yield
 
     def in_iteration(self, iteration: int) -> None:
         """Kill, signal or hang at the start of `iteration`, before its batch is read."""
         c = self.cfg
-        if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and not c.kill_during_save:
+        if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and not (c.kill_during_save or c.kill_during_step):
             _kill(self.rank, f"in iteration {iteration}")
         if self._hits(c.signal_at_iteration, c.signal_rank, iteration):
             _announce(f"{c.signal_name} to rank {self.rank} in iteration {iteration}")

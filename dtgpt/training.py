@@ -19,6 +19,7 @@ from dtgpt.data import build_data_loader, build_tokenizer
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
 from dtgpt.faults import FaultHooks, build_faults
+from dtgpt.last_words import build_last_words
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model import GPT, flops_per_token
 from dtgpt.optim import BatchSizeSchedule, total_train_samples
@@ -226,12 +227,17 @@ def train(
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     reason = "train_iters reached"
     skipped_in_a_row = 0
+    last_words = build_last_words(cfg, runtime, trainer.state, checkpointer)
     trainer.state.model.train(True)
     try:
         while progress.iteration < cfg.training.train_iters:
             upcoming = progress.iteration + 1
             profiler.step(upcoming)
-            with phase("train-step", upcoming, record=True), trainer.faults.iteration(upcoming, trainer.state.model.parts):
+            with (
+                phase("train-step", upcoming, record=True),
+                trainer.faults.iteration(upcoming, trainer.state.model.parts, trainer.state.optimizer.optimizers),
+                last_words.iteration(),
+            ):
                 result, gbs, lr, elapsed = run_iteration(trainer, train_iter, timers)
             log_iteration(trainer, metrics, result, gbs, lr, elapsed, peak, timers)
             if progress.iteration % cfg.logging.log_interval == 0:
@@ -241,16 +247,17 @@ def train(
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"):
                     metrics.log_eval(progress.iteration, "validation", evaluate(trainer, valid_iter, cfg.eval.eval_iters))
-            stop = exits.reason(progress.iteration)
+            with last_words.guard():
+                stop = exits.reason(progress.iteration)
             if checkpointer is not None and (stop or checkpointer.due(progress.iteration)):
                 with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
                     checkpointer.save(progress.iteration)
             if stop:
                 reason = stop
                 break
-        if checkpointer is not None and progress.iteration and not checkpointer.saved(progress.iteration):
+        if checkpointer is not None:
             with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
-                checkpointer.save(progress.iteration)
+                checkpointer.save_final(progress.iteration)
     finally:
         profiler.close()
         watchdog.close()

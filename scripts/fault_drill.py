@@ -2,218 +2,66 @@
 
     python scripts/fault_drill.py                      # every scenario, 3 random SIGKILL trials
     python scripts/fault_drill.py --trials 5 --seed 7 --nproc 2 --workdir /tmp/drill
-    python scripts/fault_drill.py --only sigkill disk-full
+    python scripts/fault_drill.py --only sigkill disk-full hsdp
 
 Each scenario runs a tiny GPT (mock data, dropout on) for ITERS iterations on `--nproc` CPU
-ranks under `torchrun --max-restarts=1`, checkpointing every SAVE_INTERVAL iterations with
-`checkpoint.load == checkpoint.save` (automatic resume), and compares the per-iteration losses
-(the last record of each iteration in the metrics file, which restarts append to) with an
-uninterrupted run of the same config on the same mesh: they must be bitwise equal. It prints a
-table: scenario, outcome, iterations lost (trained twice), checkpoint intact (the pointer names a
-complete checkpoint and every checkpoint on disk is complete), losses equal after resume, and
-exits 1 when a scenario did not recover. tests/faults/ runs a deterministic subset of these
-scenario functions in CI.
+ranks under a plain `torchrun --max-restarts=1`, checkpointing every SAVE_INTERVAL iterations
+with `checkpoint.load == checkpoint.save` (automatic resume), and compares the per-iteration
+losses with an uninterrupted run of the same config on the same mesh: they must be bitwise
+equal. The last-words scenarios run 4 ranks: HSDP (dp_replicate 2 x dp_shard 2), a SIGKILL of a
+random rank at a random iteration in forward/backward, in the optimizer step and in an async
+save; and dp_shard 4 without replicas. The table: scenario, outcome, recovered, iterations
+recomputed after the restart (trained twice), periodic checkpoints lost, losses equal after
+resume; exit 1 when a scenario did not recover. The plumbing is in `scripts/drill_runs.py`;
+tests/faults/ runs a deterministic subset of these scenarios in CI.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # drill_runs, also when loaded by path
+from drill_runs import (  # noqa: E402
+    HEADER, ITERS, OPT_OUT, SAVE_INTERVAL, Result, Runner, layout, our_traceback_frames, plain_env, read_losses,
+)
 
-from dtgpt.checkpoint import layout  # noqa: E402
+__all__ = ["Drill", "FAST_FAILURE", "HSDP", "ITERS", "LAST_WORDS_GRACE", "OPT_OUT", "our_traceback_frames", "plain_env", "scenarios"]
 
-ITERS = 12
-SAVE_INTERVAL = 3
-BASE = [
-    "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
-    "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=8",
-    f"--training.train_iters={ITERS}", "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
-    "--optimizer.lr_decay_style=cosine", "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer",
-    "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=1",
-    "--distributed.timeout_minutes=0.5",
-]  # fmt: skip
-# torchrun >= 2.5 shares its TCPStore with the workers and a restarted group can read the dead
-# attempt's addresses from it (pytorch/pytorch#135712): opt out, as docs/faults.md advises.
-ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-SHUTDOWN_TIMEOUT = 10
-"""torchrun's grace period between forwarding a signal and SIGKILL (default 30 s)."""
+HSDP = ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"]
+NO_REPLICAS = ["--parallel.data_parallel_replicate_size=1", "--parallel.data_parallel_shard_size=4"]
+FAST_FAILURE = ["--distributed.timeout_minutes=0.1", "--distributed.roll_call_seconds=15"]
+"""A survivor stuck on another survivor notices after 6 s, one stuck behind that one after 12:
+the roll call waits 15 s for them (at least twice the collective timeout)."""
+LAST_WORDS_GRACE = 30
+"""torchrun's --shutdown-timeout for the 4-rank layouts: the roll call plus one save fit in it."""
 
 
-OUR_CODE = (Path(layout.__file__).resolve().parents[1], REPO / "train.py")
-"""The dtgpt package directory and the trainer script: a traceback frame in them is ours."""
-FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+')
-
-
-def our_traceback_frames(log: str) -> list[str]:
-    """Traceback lines whose frame is dtgpt's own code, decided by the file's location, so a
-    checkout or virtual environment under a folder named `dtgpt` does not count."""
-    frames = []
-    for line in log.splitlines():
-        match = FRAME.match(line)
-        if match:
-            path = Path(match["path"]).resolve()
-            if any(path == root or root in path.parents for root in OUR_CODE):
-                frames.append(line)
-    return frames
-
-
-@dataclass
-class Run:
-    rc: int
-    log: str
-    seconds: float
-
-
-@dataclass
-class Result:
-    scenario: str
-    outcome: str
-    lost: int | None = None
-    intact: bool | None = None
-    equal: bool | None = None
-    ok: bool = False
-    seconds: float = 0.0
-    runs: list[Run] = field(default_factory=list)
-
-    def row(self) -> str:
-        def cell(v):
-            return "n/a" if v is None else ("yes" if v is True else "NO" if v is False else str(v))
-
-        cells = [self.scenario, self.outcome, cell(self.lost), cell(self.intact), cell(self.equal), f"{self.seconds:.0f}"]
-        return "| " + " | ".join(cells) + " |"
-
-
-def read_losses(path: Path) -> dict[int, float | None]:
-    """The last record of each iteration (restarts append); a line cut by SIGKILL is skipped."""
-    losses: dict[int, float | None] = {}
-    if not path.exists():
-        return losses
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        losses[record["iteration"]] = record["loss"]
-    return losses
-
-
-def trained_twice(path: Path) -> int:
-    """Iterations with more than one record: the work a fault cost."""
-    seen: dict[int, int] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            it = json.loads(line)["iteration"]
-        except (json.JSONDecodeError, KeyError):
-            continue
-        seen[it] = seen.get(it, 0) + 1
-    return sum(1 for n in seen.values() if n > 1)
-
-
-def checkpoints_intact(root: Path) -> bool:
-    """The pointer names a complete checkpoint and no iter_* directory is partial."""
-    pointed = layout.read_pointer(root)
-    if pointed is None or layout.problem(layout.iteration_dir(root, pointed)) is not None:
-        return False
-    return all(layout.problem(layout.iteration_dir(root, i)) is None for i in layout.list_iterations(root))
-
-
-class Drill:
-    """Runs scenarios in `workdir/<scenario>/` on `nproc` ranks; caches the reference run."""
-
-    def __init__(self, workdir: Path, nproc: int = 2, log=print):
-        self.workdir, self.nproc, self.log = Path(workdir), nproc, log
-        self._reference: dict[int, float] | None = None
-
-    def command(self, restarts: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
-                f"--max-restarts={restarts}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT}", str(REPO / "train.py")]  # fmt: skip
-
-    def launch(self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300) -> Run:
-        """torchrun train.py BASE + args in `where`; `on_line(line, proc)` sees every output line."""
-        where.mkdir(parents=True, exist_ok=True)
-        cmd = self.command(restarts) + BASE + args
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=where, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-        # A job that outlives `timeout` (a hang nobody turned into an error) is killed, group and all.
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        lines = []
-        try:
-            for line in proc.stdout:
-                lines.append(line)
-                if on_line is not None:
-                    on_line(line, proc)
-            proc.wait()
-        finally:
-            timer.cancel()
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if time.monotonic() - start >= timeout:
-            lines.append(f"fault drill: killed after {timeout} s\n")
-        run = Run(proc.returncode, "".join(lines), time.monotonic() - start)
-        (where / f"{name}.log").write_text(run.log)
-        return run
-
-    def place(self, name: str) -> tuple[str, Path]:
-        """A fresh directory for scenario `name` (a repeated trial gets a suffix)."""
-        unique, n = name, 1
-        while (self.workdir / unique).exists():
-            n += 1
-            unique = f"{name}-{n}"
-        return unique, self.workdir / unique
-
-    def job(self, where: Path, extra: list[str]) -> list[str]:
-        ckpt = where / "ckpt"
-        return [f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}", f"--checkpoint.save_interval={SAVE_INTERVAL}",
-                f"--logging.metrics_file={where / 'metrics.jsonl'}"] + extra  # fmt: skip
-
-    def reference(self) -> dict[int, float]:
-        """Losses of the uninterrupted run (once per Drill)."""
-        if self._reference is None:
-            where = self.workdir / "reference"
-            run = self.launch(where, "run", self.job(where, []), restarts=0)
-            if run.rc != 0:
-                raise RuntimeError(f"the reference run failed ({run.rc}):\n{run.log[-3000:]}")
-            self._reference = read_losses(where / "metrics.jsonl")
-        return self._reference
-
-    def finish(self, result: Result, where: Path, check_equal: bool = True) -> Result:
-        """Fill lost / intact / equal from the scenario's directory; ok when all hold."""
-        losses, reference = read_losses(where / "metrics.jsonl"), self.reference()
-        result.lost = trained_twice(where / "metrics.jsonl")
-        result.intact = checkpoints_intact(where / "ckpt") and layout.read_pointer(where / "ckpt") == ITERS
-        if check_equal:
-            result.equal = sorted(losses) == sorted(reference) and all(losses[i] == reference[i] for i in reference)
-        result.seconds = sum(r.seconds for r in result.runs)
-        result.ok = result.intact and result.equal is not False and all(r.rc == 0 for r in result.runs[-1:])
-        return result
+class Drill(Runner):
+    """The scenarios, each on a fresh directory."""
 
     # -- scenarios -------------------------------------------------------------------------------
 
-    def sigkill(self, rank: int, iteration: int, during_save: bool = False, async_save: bool = False) -> Result:
-        """SIGKILL of one rank mid-iteration (or while it writes a checkpoint); torchrun restarts
-        the group, which resumes from the newest complete checkpoint."""
-        name = f"sigkill-{'save-' + ('async' if async_save else 'sync') if during_save else 'iteration'}-r{rank}-i{iteration}"
-        name, where = self.place(name)
+    def sigkill(self, rank: int, iteration: int, during: str = "iteration", async_save: bool = False) -> Result:
+        """SIGKILL of one rank at the start of `iteration` (its peers fail in forward/backward),
+        inside its optimizer step (`during="step"`) or while it writes that iteration's checkpoint
+        (`during="save"`). Survivors holding a whole replica save the last completed iteration
+        (last words); torchrun restarts the group, which resumes from the newest checkpoint."""
+        kind = {"iteration": "iteration", "step": "step", "save": "save-" + ("async" if async_save else "sync")}[during]
+        name, where = self.place(f"{self.label}sigkill-{kind}-r{rank}-i{iteration}")
         faults = [f"--faults.kill_at_iteration={iteration}", f"--faults.kill_rank={rank}",
-                  f"--faults.kill_during_save={during_save}", f"--checkpoint.async_save={async_save}"]  # fmt: skip
+                  f"--faults.kill_during_save={during == 'save'}", f"--faults.kill_during_step={during == 'step'}",
+                  f"--checkpoint.async_save={async_save}"]  # fmt: skip
         run = self.launch(where, "run", self.job(where, faults))
         resumed = re.search(r"loaded checkpoint \S+ in [\d.]+ s: iteration (\d+)", run.log)
+        spoke = re.search(r"last words: ranks \S.*? saved iteration (\d+)", run.log)
+        silent = re.search(r"last words: none \((.*?)\);", run.log)
         if run.rc != 0:
             outcome = f"FAILED (rc {run.rc})"
         elif resumed:
@@ -222,10 +70,14 @@ class Drill:
             outcome = "restarted, from scratch (no checkpoint yet)"
         else:
             outcome = "FAILED: the restart did not resume"
+        if spoke:
+            outcome = f"last words saved {spoke.group(1)}; {outcome}"
+        elif silent:
+            outcome = f"no last words ({silent.group(1).split(', so')[0]}); {outcome}"
         if "fault: SIGKILL" not in run.log:
             outcome = "FAILED: the fault did not fire"
         result = self.finish(Result(name, outcome, runs=[run]), where)
-        result.ok = result.ok and outcome.startswith("restarted")
+        result.ok = result.ok and "restarted" in outcome and "FAILED" not in outcome
         return result
 
     def stop_signal(self, sig: str = "SIGTERM", whole_group: bool = False, after: int = 4) -> Result:
@@ -245,7 +97,7 @@ class Drill:
         stopped = layout.read_pointer(where / "ckpt")
         agreed = first.log.count("> training stopped: exit signal received") == 1
         second = self.launch(where, "resumed", self.job(where, []), restarts=0)
-        outcome = f"stopped and saved at {stopped}, resumed" if agreed and stopped and stopped < ITERS else "FAILED"
+        outcome = f"stopped and saved at {stopped}, resumed" if agreed and stopped and stopped < self.iters else "FAILED"
         result = self.finish(Result(name, outcome, runs=[first, second]), where)
         result.ok = result.ok and agreed and bool(sent)
         return result
@@ -355,7 +207,7 @@ class Drill:
 
 
 def scenarios(drill: Drill, trials: int, seed: int) -> list[tuple[str, object]]:
-    """(name, run) of every scenario; the SIGKILLs hit random ranks and iterations (seeded)."""
+    """(name, run) of every scenario of `drill`; the SIGKILLs hit random ranks and iterations (seeded)."""
     rng = random.Random(seed)
     n, save = drill.nproc, 2 * SAVE_INTERVAL
     trials = rng.sample([(r, i) for r in range(n) for i in range(2, ITERS)], min(trials, n * (ITERS - 2)))
@@ -364,13 +216,35 @@ def scenarios(drill: Drill, trials: int, seed: int) -> list[tuple[str, object]]:
         ("sigterm-torchrun", lambda: drill.stop_signal("SIGTERM")),
         ("sigint-group", lambda: drill.stop_signal("SIGINT", whole_group=True)),
         ("sigterm-one-rank", lambda r=rng.randrange(n): drill.signal_one_rank(r)),
-        ("sigkill-save-sync", lambda r=rng.randrange(n): drill.sigkill(r, save, during_save=True)),
-        ("sigkill-save-async", lambda r=rng.randrange(n): drill.sigkill(r, save, during_save=True, async_save=True)),
+        ("sigkill-save-sync", lambda r=rng.randrange(n): drill.sigkill(r, save, during="save")),
+        ("sigkill-save-async", lambda r=rng.randrange(n): drill.sigkill(r, save, during="save", async_save=True)),
         ("hang", lambda r=rng.randrange(n): drill.hang(r, 5)),
         ("nan-batch", drill.nan_batch),
         ("disk-full", lambda r=rng.randrange(n): drill.disk_full(r)),
         ("corrupt-idx", drill.corrupt_idx),
         ("deleted-shard", drill.deleted_shard),
+    ]
+
+
+def last_words_scenarios(hsdp: Drill, no_replicas: Drill, seed: int) -> list[tuple[str, object]]:
+    """SIGKILLs of a random rank at a random iteration on 4 ranks: on HSDP (dp_replicate 2 x
+    dp_shard 2) in forward/backward, in the optimizer step and in an async save, where the
+    survivors hold a whole replica; and in forward/backward without replicas (dp_shard 4)."""
+    rng = random.Random(seed)
+
+    def pick(ranks: int) -> tuple[int, int]:
+        return rng.randrange(ranks), rng.choice([i for i in range(2, ITERS) if i % SAVE_INTERVAL])
+
+    # The last rank writes the metrics file: killed after its peers finished an iteration (in
+    # the optimizer step, or by its own async save's thread), that iteration is trained and
+    # saved but has no record, and the loss comparison could not tell. So those hit the others.
+    n = hsdp.nproc
+    (r1, i1), (r2, i2), (r3, _), (r4, i4) = pick(n), pick(n - 1), pick(n - 1), pick(n)
+    return [
+        ("hsdp-sigkill-iteration", lambda: hsdp.sigkill(r1, i1)),
+        ("hsdp-sigkill-step", lambda: hsdp.sigkill(r2, i2, during="step")),
+        ("hsdp-sigkill-save-async", lambda: hsdp.sigkill(r3, 2 * SAVE_INTERVAL, during="save", async_save=True)),
+        ("no-replicas-sigkill-iteration", lambda: no_replicas.sigkill(r4, i4)),
     ]
 
 
@@ -388,19 +262,19 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(workdir)
     drill = Drill(workdir, args.nproc)
-    header = ["| scenario | outcome | iterations lost | checkpoint intact | losses equal after resume | seconds |",
-              "|---|---|---:|---|---|---:|"]  # fmt: skip
+    hsdp = Drill(workdir / "hsdp", 4, layout=HSDP + FAST_FAILURE, grace=LAST_WORDS_GRACE, label="hsdp-")
+    no_replicas = Drill(workdir / "no-replicas", 4, layout=NO_REPLICAS + FAST_FAILURE, grace=LAST_WORDS_GRACE,
+                        label="no-replicas-")  # fmt: skip
     print(f"fault drill: {args.nproc} ranks, {ITERS} iterations, checkpoint every {SAVE_INTERVAL}, work in {workdir}",
           flush=True)  # fmt: skip
-    drill.reference()
     rows = []
-    for name, scenario in scenarios(drill, args.trials, args.seed):
+    for name, scenario in scenarios(drill, args.trials, args.seed) + last_words_scenarios(hsdp, no_replicas, args.seed):
         if args.only and not any(name.startswith(p) for p in args.only):
             continue
         result = scenario()
         rows.append(result)
         print(result.row(), flush=True)
-    print("\n".join(header + [r.row() for r in rows]))
+    print("\n".join(HEADER + [r.row() for r in rows]))
     failed = [r.scenario for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} scenarios recovered" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -11,6 +11,8 @@ import importlib.util
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,6 +279,73 @@ def test_resaving_the_pointed_iteration_never_deletes_it_first(tmp_path, monkeyp
     ckpt.finalize()
     assert layout.problem(layout.iteration_dir(root, 2)) is None
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000001", "iter_0000002"]
+
+
+def test_a_kill_while_resaving_the_pointed_iteration_leaves_it_loadable(tmp_path):
+    """Atomic saves: a process SIGKILLed while it re-saves the iteration the pointer names (its
+    data written, no marker yet) leaves that checkpoint complete, unchanged and pointed to; the
+    unfinished save is a staging directory that no load looks at."""
+    root = tmp_path / "ckpt"
+    saved_checkpoint(root)  # iterations 1 and 2; the pointer names 2
+    pointed = layout.iteration_dir(root, 2)
+    before = layout.read_marker(pointed)
+    resave = [f"--checkpoint.save={root}", f"--checkpoint.load={root}", "--checkpoint.load_iteration=1",
+              "--checkpoint.save_interval=1", "--training.train_iters=2", "--faults.kill_at_iteration=2",
+              "--faults.kill_during_save=true", "--logging.tensorboard_dir="]  # fmt: skip
+    proc = subprocess.run([sys.executable, TRAIN, *SMALL, *resave], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "fault: SIGKILL to rank 0 while saving the checkpoint of iteration 2" in proc.stdout
+    assert layout.read_pointer(root) == 2 and layout.read_marker(pointed) == before
+    assert layout.problem(pointed) is None and layout.staging_dir(pointed).is_dir()
+    b = make_trainer(f"--checkpoint.load={root}")
+    checkpointer(b)
+    assert b.state.progress.iteration == 2
+
+
+def test_a_new_save_is_renamed_into_place_only_when_complete(tmp_path, monkeypatch):
+    """A save that dies half-way leaves no iter_N at all, only its staging directory; the next
+    save of that iteration completes and leaves no staging directory behind."""
+    root = tmp_path / "ckpt"
+    t = make_trainer(f"--checkpoint.save={root}")
+    ckpt = checkpointer(t)
+    step(t)
+
+    def half_written(state, checkpoint_id, **kwargs):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", half_written)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(1)
+    monkeypatch.undo()
+    staging = layout.staging_dir(layout.iteration_dir(root, 1))
+    assert layout.list_iterations(root) == [] and staging.is_dir() and layout.read_pointer(root) is None
+    ckpt.save(1)
+    ckpt.finalize()
+    assert layout.list_iterations(root) == [1] and not staging.exists() and layout.read_pointer(root) == 1
+
+
+def test_a_failed_final_background_save_is_retried_synchronously(tmp_path, monkeypatch):
+    """An async save counts as saved only once complete; when the last one fails, the run saves
+    that iteration again, synchronously, before it exits, and finalize() has nothing to raise."""
+    root = tmp_path / "ckpt"
+    t = make_trainer(f"--checkpoint.save={root}", "--checkpoint.async_save=true")
+    ckpt = checkpointer(t)
+    step(t)
+
+    def failing(*args, **kwargs):
+        future = Future()
+        future.set_exception(OSError("disk full"))
+        return future
+
+    monkeypatch.setattr(dcp, "async_save", failing)
+    ckpt.save(1)
+    assert not ckpt.saved(1)
+    ckpt.save_final(1)
+    assert ckpt.saved(1) and layout.read_pointer(root) == 1
+    assert layout.problem(layout.iteration_dir(root, 1)) is None
+    ckpt.finalize()
 
 
 @pytest.mark.parametrize("override, message", [

@@ -171,8 +171,9 @@ def test_failed_save_keeps_pointer_and_is_skipped_on_load(tmp_path, monkeypatch,
         with pytest.raises(Exception, match="disk full"):
             ckpt.save(2)
     assert layout.read_pointer(tmp_path) == 1
-    assert "no .metadata" in layout.problem(layout.iteration_dir(tmp_path, 2))
-    # a pointer that names the partial directory (e.g. written by hand) falls back to iteration 1
+    assert layout.problem(layout.iteration_dir(tmp_path, 2)) == "no such directory"  # only its staging copy
+    assert "no .metadata" in layout.problem(layout.staging_dir(layout.iteration_dir(tmp_path, 2)))
+    # a pointer that names the missing directory (e.g. written by hand) falls back to iteration 1
     layout.write_pointer(tmp_path, 2)
     b = make_trainer(f"--checkpoint.load={tmp_path}")
     checkpointer(b)

@@ -36,6 +36,7 @@ DCP_METADATA = ".metadata"
 FORMAT = "dtgpt-dcp-2"
 """2: the train state, LR schedule and loss scale are tensors (1: pickled objects)."""
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_STAGING_DIR = re.compile(r"^iter_(\d{7,})\.saving$")
 
 
 class CheckpointError(RuntimeError):
@@ -80,25 +81,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+STAGING = ".saving"
+
+
 def staging_dir(directory: Path) -> Path:
-    """Where a save that replaces the complete `directory` writes (not an iter_* name)."""
-    return directory.with_name(directory.name + ".saving")
+    """Where the save of iteration directory `directory` writes (not an iter_* name: never loaded)."""
+    return directory.with_name(directory.name + STAGING)
 
 
 def swap_in(directory: Path, final: Path) -> None:
-    """Make the complete `directory` the iteration directory `final` (a no-op when it is one).
-    The old `final` is moved aside before and deleted after, so at every moment one complete
-    copy exists; a crash in between leaves the pointer naming a missing directory, and a load
-    falls back to the newest complete one."""
-    if directory == final:
-        return
+    """Make the complete `directory` the iteration directory `final`, durably (the parent is
+    fsynced). An old `final` is moved aside before and deleted after, so at every moment one
+    complete copy exists; a crash in between leaves the pointer naming a missing directory, and
+    a load falls back to the newest complete one."""
     old = final.with_name(final.name + ".replaced")
     if old.exists():
         shutil.rmtree(old)
-    os.rename(final, old)
+    if final.exists():
+        os.rename(final, old)
     os.rename(directory, final)
     fsync_dir(final.parent)
-    shutil.rmtree(old)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def read_pointer(root: str | Path) -> int | None:
@@ -302,3 +306,24 @@ def prune(root: str | Path, keep_last: int, pointed: int) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
     return deleted
+
+
+def remove_stale_staging(root: str | Path, pointed: int) -> None:
+    """Delete the staging directories of saves that died, up to the pointed iteration (a newer
+    one may be a save in flight)."""
+    for path in Path(root).iterdir():
+        match = _STAGING_DIR.match(path.name)
+        if match and int(match.group(1)) <= pointed:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def describe(error: BaseException) -> str:
+    """A one-line reason: DCP wraps each failing rank's exception in a CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return f"{type(error).__name__}: {error}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    return "; ".join(parts)

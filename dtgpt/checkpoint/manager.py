@@ -2,9 +2,9 @@
 
 A save writes the iteration directory with DCP, then (rank 0, once every rank's data and DCP's
 `.metadata` exist) the `complete` marker with each file's checksum, then moves the pointer, then
-prunes (not after a save whose weights are not finite). Re-saving an iteration that is already
-complete writes a staging directory and swaps it in after its marker, so the old one is never
-deleted first. Rank 0 holds a lock on the save directory for the whole run (lock.py), and a run
+prunes (not after a save whose weights are not finite). Every save writes a staging directory
+and renames it to its iteration directory only after the marker (a re-save of a complete
+iteration swaps it in), so no `iter_N` is ever partial and an old one is never deleted first. Rank 0 holds a lock on the save directory for the whole run (lock.py), and a run
 never writes into a directory of another run's checkpoints it did not load from, unless
 checkpoint.overwrite. Loads read data only (safe.py). An async save
 stages a copy of the state, returns to training, and completes the same way when its future is
@@ -20,6 +20,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ FORMAT = layout.FORMAT
 class PendingSave:
     iteration: int
     directory: Path
-    """Where DCP writes: the iteration directory, or its staging directory when replacing one."""
+    """Where DCP writes: the iteration directory's staging directory."""
     future: Future
     started: float
     finite: bool
@@ -67,16 +68,17 @@ class Checkpointer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self._saved: set[int] = set()
         self._pending: PendingSave | None = None
-        self._failures: list[str] = []
+        self._failures: dict[int, str] = {}
+        """Background saves that failed, by iteration (raised by finalize() unless saved again)."""
         self._rng: dict | None = None  # loaded states, applied by restore_rng()
         self._derive_rng_at: int | None = None
         self.blocked_s: list[float] = []
         """Seconds each save kept training waiting (for logs and the benchmark)."""
-        # DCP's own collectives of a background save run on a separate gloo group, so they
-        # never interleave with the training collectives of the main thread.
-        self._async_group = (
-            dist.new_group(backend="gloo") if self.cfg.async_save and self.cfg.save and self.distributed else None
-        )
+        # A background save's collectives run on a gloo group of their own (never interleaved with
+        # training's), with the run's timeout, not 30 minutes: a dead peer fails it, not hangs it.
+        background = self.cfg.async_save and self.cfg.save and self.distributed
+        timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+        self._async_group = dist.new_group(backend="gloo", timeout=timeout) if background else None
         self._stager: DefaultStager | None = None  # built by the first async save
         self._faults = faults
         self.run_id = uuid.uuid4().hex[:12]
@@ -260,7 +262,14 @@ class Checkpointer:
     def saved(self, iteration: int) -> bool:
         return not self.cfg.save or iteration in self._saved
 
-    def save(self, iteration: int) -> None:
+    def save_final(self, iteration: int) -> None:
+        """Wait for a save in flight; if `iteration` is not saved then (its background save failed), save it now."""
+        self._poll(wait=True)
+        if iteration and not self.saved(iteration):
+            self.save(iteration, background=False)
+
+    def save(self, iteration: int, background: bool | None = None) -> None:
+        """Save `iteration`, in the background when checkpoint.async_save (or `background`)."""
         if not self.cfg.save:
             return
         start = time.perf_counter()
@@ -269,7 +278,7 @@ class Checkpointer:
         directory = self._from_rank0(lambda: self._prepare(iteration))
         state = self.state.state_dict()
         writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
-        if self.cfg.async_save:
+        if self.cfg.async_save if background is None else background:
             self._stager = self._stager or self._build_stager()
             # The stager has copied every tensor when async_save returns: training may go on.
             with layout.single_process():  # (the background thread may still warn once)
@@ -278,63 +287,74 @@ class Checkpointer:
                     async_stager=self._stager, no_dist=not self.distributed,
                 )  # fmt: skip
             future = getattr(future, "upload_completion", future)
-            self._pending = PendingSave(iteration, directory, future, start, finite)
-            self._saved.add(iteration)
+            self._pending = PendingSave(iteration, directory, future, start, finite)  # saved once complete
             blocked = time.perf_counter() - start
             self.blocked_s.append(blocked)
-            self._log(f"saving checkpoint {directory} in the background: training blocked {blocked:.3f} s")
+            self._log(f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in the background: training blocked {blocked:.3f} s")
         else:
             try:
                 with layout.single_process():
                     dcp.save(state, checkpoint_id=str(directory), storage_writer=writer, no_dist=not self.distributed)
             except CheckpointException as e:  # a BaseException: give it a plain message
                 raise CheckpointError(
-                    f"saving checkpoint {directory} failed: {describe(e)}; {layout.POINTER} not moved"
+                    f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} failed: {layout.describe(e)}; "
+                    f"{layout.POINTER} not moved"
                 ) from None
             self._complete(iteration, directory, finite)
             self._saved.add(iteration)
+            self._failures.pop(iteration, None)  # a failed background save of it, retried
             elapsed = time.perf_counter() - start
             self.blocked_s.append(elapsed)
             self._log(f"saved checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in {elapsed:.3f} s")
 
-    def _weights_finite(self) -> bool:
-        """Whether every rank's weights are finite (a collective: every rank calls it)."""
+    def save_over(self, iteration: int, group: dist.ProcessGroup, rng: dict | None) -> Path:
+        """Save `iteration` synchronously over `group` alone, the survivors of a hard failure
+        (dtgpt/last_words.py), with the generators `rng` (None: the live ones)."""
+        leader = dist.get_rank(group) == 0
+        finite = self._weights_finite(group)
+        box = [self._prepare(iteration) if leader else None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        state = self.state.state_dict()
+        state["rng"] = rng if rng is not None else state["rng"]
+        dcp.save(state, checkpoint_id=str(box[0]), process_group=group)
+        self._complete(iteration, box[0], finite, leader=leader)
+        self._saved.add(iteration)
+        return layout.iteration_dir(self.cfg.save, iteration)
+
+    def _weights_finite(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether every rank's weights are finite (a collective: every rank of `group` calls it)."""
         bad = torch.zeros((), device=self.runtime.device)
         for p in self.state.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             bad += (~torch.isfinite(local.detach())).any()
         if self.distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         return not bool(bad)
 
     def _prepare(self, iteration: int) -> Path:
-        """Rank 0, before any rank writes: the directory DCP writes to, with the config in it.
-
-        A partial iteration directory is garbage and is replaced. A complete one (of an earlier
-        save of this iteration) stays until the new save is complete: DCP writes a staging
-        directory, which _complete() swaps in."""
+        """Rank 0, before any rank writes: the staging directory `iter_N.saving` (no load looks at
+        it) with the config in it; _complete() renames it to `iter_N` after the marker. A complete
+        `iter_N` stays until then; a partial one (left by an older dtgpt) is garbage."""
         final = layout.iteration_dir(self.cfg.save, iteration)
         staging = layout.staging_dir(final)
-        if staging.exists():  # left by a replacement that did not finish
+        if staging.exists():  # left by a save that did not finish
             shutil.rmtree(staging)
         if (final / layout.MARKER).exists():
             self._warn(f"replacing the checkpoint {final}; it stays until the new one is complete")
-            directory = staging
-        else:
-            directory = final
-            if final.exists():  # partial: garbage
-                shutil.rmtree(final)
+        elif final.exists():
+            shutil.rmtree(final)
         try:
-            directory.mkdir(parents=True)
-            layout.write_atomic(directory / layout.CONFIG, to_toml(self.run_cfg))
+            staging.mkdir(parents=True)
+            layout.write_atomic(staging / layout.CONFIG, to_toml(self.run_cfg))
         except OSError as e:
-            raise CheckpointError(f"cannot write checkpoint {directory}: {e}") from None
-        return directory
+            raise CheckpointError(f"cannot write checkpoint {staging}: {e}") from None
+        return staging
 
-    def _complete(self, iteration: int, directory: Path, finite: bool) -> None:
+    def _complete(self, iteration: int, directory: Path, finite: bool, leader: bool | None = None) -> None:
         """Every rank's data and DCP's .metadata exist: mark complete, swap a staging directory
-        in, move the pointer, prune (not when the weights just saved are not finite)."""
-        if not self.runtime.is_main:
+        in, move the pointer, prune (not when the weights just saved are not finite). Done by
+        `leader` (rank 0 unless given)."""
+        if not (self.runtime.is_main if leader is None else leader):
             return
         layout.write_marker(directory, {
             "format": FORMAT, "iteration": iteration, "consumed_samples": self.state.progress.consumed_samples,
@@ -343,6 +363,7 @@ class Checkpointer:
         })  # fmt: skip
         layout.swap_in(directory, layout.iteration_dir(self.cfg.save, iteration))
         layout.write_pointer(self.cfg.save, iteration)
+        layout.remove_stale_staging(self.cfg.save, iteration)
         if not finite:
             if self.cfg.keep_last:
                 self._warn(f"iteration {iteration} saved non-finite weights: no older checkpoint is pruned")
@@ -359,13 +380,14 @@ class Checkpointer:
         try:
             pending.future.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported now, raised by finalize()
-            message = f"async checkpoint save of {pending.directory} failed: {describe(e)}"
-            self._failures.append(message)
+            message = f"async checkpoint save of {layout.iteration_dir(self.cfg.save, pending.iteration)} failed: {layout.describe(e)}"
+            self._failures[pending.iteration] = message
             self._warn(message + f" ({layout.POINTER} not moved)")
             return
         self._complete(pending.iteration, pending.directory, pending.finite)
+        self._saved.add(pending.iteration)
         waited = f", training waited {time.perf_counter() - wait_start:.3f} s for it" if wait else ""
-        self._log(f"checkpoint {pending.directory} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")
+        self._log(f"checkpoint {layout.iteration_dir(self.cfg.save, pending.iteration)} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has been written and completed."""
@@ -379,16 +401,5 @@ class Checkpointer:
             self._stager = None
         self.release()
         if self._failures:
-            raise CheckpointError("; ".join(self._failures))
+            raise CheckpointError("; ".join(self._failures.values()))
 
-
-def describe(error: BaseException) -> str:
-    """A one-line reason: DCP wraps each failing rank's exception in a CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if not failures:
-        return f"{type(error).__name__}: {error}"
-    parts = []
-    for rank, failure in sorted(failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-    return "; ".join(parts)

@@ -208,6 +208,10 @@ class DistributedConfig:
     """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
     heartbeat_min_seconds: float = 30.0
     """...and at least this long; the heartbeat then repeats at this interval."""
+    roll_call_seconds: float = 10.0
+    """After a collective fails in the train step (a peer died), how long the survivors wait for
+    each other before deciding on last words (dtgpt/last_words.py; needs checkpoint.save; 0: no
+    last words). torchrun's --shutdown-timeout must exceed it plus one checkpoint save."""
 
 
 @dataclass
@@ -234,6 +238,9 @@ class FaultsConfig:
     kill_rank: int = 0
     kill_during_save: bool = False
     """Kill in the checkpoint save of kill_at_iteration instead, after this rank wrote its data."""
+    kill_during_step: bool = False
+    """Kill inside the optimizer step of kill_at_iteration instead (the first model part's
+    parameters updated, the iteration not yet recorded)."""
     hang_at_iteration: int = 0
     """Rank hang_rank sleeps forever in this iteration (0: never): a stuck peer."""
     hang_rank: int = 0

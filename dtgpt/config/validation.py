@@ -347,6 +347,14 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
         cfg.distributed.heartbeat_min_seconds > 0,
         f"distributed.heartbeat_min_seconds={cfg.distributed.heartbeat_min_seconds} must be > 0",
     )
+    _require(
+        not (cfg.faults.kill_during_save and cfg.faults.kill_during_step),
+        "faults.kill_during_save and faults.kill_during_step cannot both be true: a rank dies once",
+    )
+    _require(
+        cfg.distributed.roll_call_seconds >= 0,
+        f"distributed.roll_call_seconds={cfg.distributed.roll_call_seconds} must be >= 0",
+    )
     for key in FAULT_RANKS:
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
         at = key.replace("_rank", "_at_iteration")

@@ -55,6 +55,7 @@ def test_faults_fire_once_on_the_chosen_rank_and_iteration(tmp_path):
     assert Faults(cfg, rank=0, restart_count=0).storage_writer(tmp_path, 6).action == "disk_full"
     assert Faults(cfg, rank=1, restart_count=0).storage_writer(tmp_path, 6) is None
     first.in_iteration(4)  # kill_during_save: nothing happens in the iteration itself
+    Faults(FaultsConfig(kill_at_iteration=4, kill_during_step=True), rank=0, restart_count=0).in_iteration(4)  # nor here
 
 
 def test_fault_hooks_are_no_ops_unless_faults_are_set_and_nan_poisons_only_its_iteration():
@@ -88,7 +89,7 @@ def test_disk_full_during_save_leaves_pointer_and_previous_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"iter_0000002 failed: rank 0: OSError: \[Errno 28\] No space left"):
         ckpt.save(2)
     assert layout.read_pointer(tmp_path) == 1 and layout.problem(layout.iteration_dir(tmp_path, 1)) is None
-    assert "no .metadata" in layout.problem(layout.iteration_dir(tmp_path, 2))
+    assert "no .metadata" in layout.problem(layout.staging_dir(layout.iteration_dir(tmp_path, 2)))
     step(t)
     ckpt.save(3)  # the disk has room again: the next save works and the pointer moves on
     assert layout.read_pointer(tmp_path) == 3

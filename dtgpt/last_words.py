@@ -1,0 +1,189 @@
+"""Last words after a hard failure: the survivors save the last completed iteration.
+
+When a rank dies (SIGKILL, a segfault, an OOM kill), its peers' next collective fails ("Connection
+closed by peer", or the collective timeout), and torchrun sends the survivors SIGTERM and, after
+its `--shutdown-timeout`, SIGKILL. In that window the survivors:
+
+1. **roll call**: each sets a key in this attempt's store (dtgpt/attempt_store.py) with the last
+   iteration it completed and whether it was inside the optimizer step; they wait until every
+   rank has answered or `distributed.roll_call_seconds` passed, and the first to close the roll
+   fixes the list of survivors for everyone (an atomic compare-and-set);
+2. **decide** (`decide`, a pure function): last words only when nobody was inside the optimizer
+   step and all agree on the last completed iteration (the consistency rule: a failure during
+   forward/backward leaves the last completed iteration's weights, optimizer moments, schedule
+   and loss scale untouched, only gradients and the RNG moved, and the RNG is restored from the
+   iteration's start; once an optimizer step has begun, parameters are a mix of two iterations),
+   and when the survivors hold a complete copy of the state: every rank of at least one
+   data-parallel replica is alive (with `data_parallel_replicate_size >= 2`; without replicas, a
+   dead rank's shards exist nowhere else);
+3. **save**: over a survivors' group (`dist.new_group(..., use_local_synchronization=True)`; gloo
+   cannot shrink a group) as a normal checkpoint, marker and pointer included. Each DTensor's
+   local shard carries its global offset, and DCP keeps one copy of each shard that replicas
+   hold twice, so the metadata describes whole tensors and the restart loads it at any mesh.
+
+Otherwise one line says why not and which checkpoint the restart will use. A survivor still
+waiting in a collective on another survivor (not on the dead rank) notices only when that
+collective times out (`distributed.timeout_minutes`): keep that below the roll-call window, and
+torchrun's `--shutdown-timeout` above the window plus one checkpoint save (docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from dtgpt.checkpoint import layout
+from dtgpt.parallel.dims import MESH_DIMS
+from dtgpt.state import TrainState, rng_state
+
+PREFIX = "last-words"
+
+
+class InFlight:
+    """What the training loop knows of the iteration it is in: the RNG state at its start
+    (forward and backward draw dropout masks) and whether the optimizer step has begun, marked
+    by a pre-hook on every optimizer, so the train step itself carries no marker."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+        self.stepping = False
+        self.rng: dict[str, torch.Tensor] | None = None
+        """The generators at the start of the iteration in progress; None between iterations."""
+        for optimizer in state.optimizer.optimizers:
+            optimizer.register_step_pre_hook(self._step_begins)
+
+    def _step_begins(self, _optimizer, _args, _kwargs) -> None:
+        self.stepping = True
+
+    def begin(self) -> None:
+        """Before an iteration's batch is read (its state is then the last completed one's)."""
+        self.stepping = False
+        self.rng = {key: value.clone() for key, value in rng_state(self.state.model).items()}
+
+    def end(self) -> None:
+        """The iteration completed: its state, live generators included, is the last completed one."""
+        self.stepping, self.rng = False, None
+
+
+@dataclass
+class Report:
+    iteration: int
+    """The last iteration this rank completed."""
+    stepping: bool
+    """It failed inside the optimizer step of the next one."""
+
+
+def replicas(dims) -> list[list[int]]:
+    """The global ranks of each data-parallel replica (one dp_replicate coordinate each)."""
+    dim = MESH_DIMS.index("dp_replicate")
+    return [dims.mesh.mesh.select(dim, r).flatten().tolist() for r in range(dims.dp_replicate)]
+
+
+def decide(reports: dict[int, Report], replica_ranks: list[list[int]]) -> tuple[int | None, str]:
+    """(the iteration the survivors can save, or None; why not). `reports` holds the survivors."""
+    if any(r.stepping for r in reports.values()):
+        stepping = sorted(rank for rank, r in reports.items() if r.stepping)
+        return None, f"rank {stepping[0]} was inside the optimizer step, so no iteration is intact"
+    completed = {r.iteration for r in reports.values()}
+    if len(completed) > 1:
+        return None, f"the survivors completed different iterations {sorted(completed)}"
+    whole = [ranks for ranks in replica_ranks if all(rank in reports for rank in ranks)]
+    if not whole:
+        dead = sorted({rank for ranks in replica_ranks for rank in ranks} - set(reports))
+        return None, f"no replica of the model and optimizer is whole without rank(s) {dead}"
+    return completed.pop(), ""
+
+
+def roll_call(store: dist.Store, rank: int, world_size: int, report: Report, seconds: float) -> dict[int, Report] | None:
+    """Every survivor's report, the same on each; None for a rank that answered after the roll closed."""
+    store.set(f"{PREFIX}/report/{rank}", json.dumps(report.__dict__))
+    store.add(f"{PREFIX}/answered", 1)
+    deadline = time.monotonic() + seconds
+    while store.add(f"{PREFIX}/answered", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    present = [r for r in range(world_size) if store.check([f"{PREFIX}/report/{r}"])]
+    # The first rank to get here fixes the roll; everyone else reads that one.
+    roll = json.loads(store.compare_set(f"{PREFIX}/roll", "", json.dumps(present)))
+    if rank not in roll:
+        return None
+    return {r: Report(**json.loads(store.get(f"{PREFIX}/report/{r}"))) for r in roll}
+
+
+def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight, seconds: float) -> None:
+    """After a failed collective in the train step: roll call, decide, save or say why not."""
+    dims, rank = state.model.dims, dist.get_rank()
+    if dims.dp_replicate < 2:  # no rank's shards exist twice: nothing to wait for
+        if store.compare_set(f"{PREFIX}/speaker", "", str(rank)) == str(rank).encode():  # one line, from the first
+            _none(checkpointer, "no replicas: parallel.data_parallel_replicate_size=1, so a dead rank's shards are lost")
+        return
+    reports = roll_call(store, rank, dims.world_size, Report(state.progress.iteration, inflight.stepping), seconds)
+    if reports is None:
+        print(f"last words: rank {rank} answered the roll call too late; it saves nothing", flush=True)
+        return
+    speaker = rank == min(reports)
+    checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
+    iteration, why = decide(reports, replicas(dims))
+    if iteration is not None and not checkpointer.saved(iteration):
+        group = dist.new_group(sorted(reports), use_local_synchronization=True)
+        start = time.perf_counter()
+        directory = checkpointer.save_over(iteration, group, inflight.rng)
+        if speaker:
+            print(f"last words: ranks {sorted(reports)} saved iteration {iteration} to {directory} in "
+                  f"{time.perf_counter() - start:.2f} s after a hard failure", flush=True)  # fmt: skip
+    elif speaker:
+        _none(checkpointer, why or f"iteration {iteration} is saved already")
+
+
+def _none(checkpointer, why: str) -> None:
+    pointed = layout.read_pointer(checkpointer.cfg.save)
+    restart = f"iteration {pointed}" if pointed is not None else "no checkpoint (from scratch)"
+    print(f"last words: none ({why}); the restart resumes from {restart}", flush=True)
+
+
+class LastWords:
+    """Wraps each train step, remembering its start (InFlight), and the stop decision after it
+    (its all-reduce is where survivors of a rank that died in the optimizer step fail); speaks
+    when a collective in either fails."""
+
+    def __init__(self, state: TrainState, checkpointer, store: dist.Store, seconds: float):
+        self.state, self.checkpointer, self.store, self.seconds = state, checkpointer, store, seconds
+        self.inflight = InFlight(state)
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        self.inflight.begin()
+        with self.guard():
+            yield
+        self.inflight.end()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        try:
+            yield
+        except (RuntimeError, OSError) as e:
+            # gloo reports a dead peer and a timeout as a plain RuntimeError; dtgpt's own errors
+            # (bad data, a non-finite loss) subclass it and are no hard failure of a peer.
+            if type(e) in (RuntimeError, OSError) or isinstance(e, dist.DistError):
+                speak(self.state, self.checkpointer, self.store, self.inflight, self.seconds)
+            raise
+
+
+class Silent:
+    """No last words: one process, no checkpoint.save, or distributed.roll_call_seconds = 0."""
+
+    def iteration(self) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    guard = iteration
+
+
+def build_last_words(cfg, runtime, state: TrainState, checkpointer) -> LastWords | Silent:
+    if runtime.store is None or checkpointer is None or not cfg.checkpoint.save or cfg.distributed.roll_call_seconds <= 0:
+        return Silent()
+    return LastWords(state, checkpointer, runtime.store, cfg.distributed.roll_call_seconds)

@@ -1,0 +1,222 @@
+"""The fault drill's plumbing: launch train.py under torchrun, read back what a scenario left.
+
+`scripts/fault_drill.py` holds the scenarios and the table; this module holds the run itself
+(one torchrun job, killed if it outlives its timeout), the reference run, and the measures of a
+scenario: losses (the last record of each iteration), iterations trained twice, checkpoints
+complete or lost.
+"""
+
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from dtgpt.checkpoint import layout  # noqa: E402
+
+ITERS = 12
+SAVE_INTERVAL = 3
+BASE = [
+    "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+    "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=8",
+    "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
+    "--optimizer.lr_decay_style=cosine", "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer",
+    "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=1",
+    "--distributed.timeout_minutes=0.5",
+]  # fmt: skip
+ENV = {"OMP_NUM_THREADS": "1"}
+OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Not set, even when the caller's environment has it: restarts must work on torchrun's shared
+store as a plain torchrun command leaves it (dtgpt/attempt_store.py)."""
+SHUTDOWN_TIMEOUT = 10
+"""torchrun's grace period between forwarding a signal and SIGKILL (default 30 s)."""
+
+
+OUR_CODE = (Path(layout.__file__).resolve().parents[1], REPO / "train.py")
+"""The dtgpt package directory and the trainer script: a traceback frame in them is ours."""
+FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line \d+')
+
+
+def our_traceback_frames(log: str) -> list[str]:
+    """Traceback lines whose frame is dtgpt's own code, decided by the file's location, so a
+    checkout or virtual environment under a folder named `dtgpt` does not count."""
+    frames = []
+    for line in log.splitlines():
+        match = FRAME.match(line)
+        if match:
+            path = Path(match["path"]).resolve()
+            if any(path == root or root in path.parents for root in OUR_CODE):
+                frames.append(line)
+    return frames
+
+
+@dataclass
+class Run:
+    rc: int
+    log: str
+    seconds: float
+
+
+HEADER = [
+    "| scenario | outcome | recovered | iterations recomputed | checkpoints lost | losses equal after resume | seconds |",
+    "|---|---|---|---:|---:|---|---:|",
+]
+
+
+@dataclass
+class Result:
+    scenario: str
+    outcome: str
+    lost: int | None = None
+    """Iterations trained twice: recomputed after the restart."""
+    checkpoints_lost: int | None = None
+    intact: bool | None = None
+    equal: bool | None = None
+    ok: bool = False
+    """Recovered: finished with every check passing."""
+    seconds: float = 0.0
+    runs: list[Run] = field(default_factory=list)
+
+    def row(self) -> str:
+        def cell(v):
+            return "n/a" if v is None else ("yes" if v is True else "NO" if v is False else str(v))
+
+        cells = [self.scenario, self.outcome, cell(self.ok), cell(self.lost), cell(self.checkpoints_lost), cell(self.equal),
+                 f"{self.seconds:.0f}"]  # fmt: skip
+        return "| " + " | ".join(cells) + " |"
+
+
+def read_losses(path: Path) -> dict[int, float | None]:
+    """The last record of each iteration (restarts append); a line cut by SIGKILL is skipped."""
+    losses: dict[int, float | None] = {}
+    if not path.exists():
+        return losses
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        losses[record["iteration"]] = record["loss"]
+    return losses
+
+
+def trained_twice(path: Path) -> int:
+    """Iterations with more than one record: the work a fault cost."""
+    seen: dict[int, int] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            it = json.loads(line)["iteration"]
+        except (json.JSONDecodeError, KeyError):
+            continue
+        seen[it] = seen.get(it, 0) + 1
+    return sum(1 for n in seen.values() if n > 1)
+
+
+def checkpoints_lost(root: Path, iters: int) -> int:
+    """Periodic checkpoints (every SAVE_INTERVAL up to `iters`) not complete at the end."""
+    due = range(SAVE_INTERVAL, iters + 1, SAVE_INTERVAL)
+    return sum(1 for i in due if layout.problem(layout.iteration_dir(root, i)) is not None)
+
+
+def checkpoints_intact(root: Path) -> bool:
+    """The pointer names a complete checkpoint and no iter_* directory is partial."""
+    pointed = layout.read_pointer(root)
+    if pointed is None or layout.problem(layout.iteration_dir(root, pointed)) is not None:
+        return False
+    return all(layout.problem(layout.iteration_dir(root, i)) is None for i in layout.list_iterations(root))
+
+
+def plain_env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != OPT_OUT}, **ENV}
+
+
+class Runner:
+    """Runs jobs in `workdir/<scenario>/` on `nproc` ranks; caches the reference run."""
+
+    def __init__(
+        self, workdir: Path, nproc: int = 2, log=print, layout: list[str] = (), iters: int = ITERS, grace: int = SHUTDOWN_TIMEOUT,
+        label: str = "",
+    ):
+        """`layout`: extra arguments of every run (a mesh, say); `iters`: training.train_iters;
+        `grace`: torchrun's --shutdown-timeout; `label`: a prefix of scenario names."""
+        self.workdir, self.nproc, self.log = Path(workdir), nproc, log
+        self.layout, self.iters, self.grace, self.label = list(layout), iters, grace, label
+        self._reference: dict[int, float] | None = None
+
+    def command(self, restarts: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+                f"--max-restarts={restarts}", f"--shutdown-timeout={self.grace}", str(REPO / "train.py")]  # fmt: skip
+
+    def launch(self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300) -> Run:
+        """torchrun train.py BASE + args in `where`; `on_line(line, proc)` sees every output line."""
+        where.mkdir(parents=True, exist_ok=True)
+        cmd = self.command(restarts) + BASE + [f"--training.train_iters={self.iters}"] + self.layout + args
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=where, env=plain_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        # A job that outlives `timeout` (a hang nobody turned into an error) is killed, group and all.
+        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line, proc)
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if time.monotonic() - start >= timeout:
+            lines.append(f"fault drill: killed after {timeout} s\n")
+        run = Run(proc.returncode, "".join(lines), time.monotonic() - start)
+        (where / f"{name}.log").write_text(run.log)
+        return run
+
+    def place(self, name: str) -> tuple[str, Path]:
+        """A fresh directory for scenario `name` (a repeated trial gets a suffix)."""
+        unique, n = name, 1
+        while (self.workdir / unique).exists():
+            n += 1
+            unique = f"{name}-{n}"
+        return unique, self.workdir / unique
+
+    def job(self, where: Path, extra: list[str]) -> list[str]:
+        ckpt = where / "ckpt"
+        return [f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}", f"--checkpoint.save_interval={SAVE_INTERVAL}",
+                f"--logging.metrics_file={where / 'metrics.jsonl'}"] + extra  # fmt: skip
+
+    def reference(self) -> dict[int, float]:
+        """Losses of the uninterrupted run (once per Drill)."""
+        if self._reference is None:
+            where = self.workdir / "reference"
+            run = self.launch(where, "run", self.job(where, []), restarts=0)
+            if run.rc != 0:
+                raise RuntimeError(f"the reference run failed ({run.rc}):\n{run.log[-3000:]}")
+            self._reference = read_losses(where / "metrics.jsonl")
+        return self._reference
+
+    def finish(self, result: Result, where: Path, check_equal: bool = True) -> Result:
+        """Fill lost / checkpoints_lost / intact / equal from the scenario's directory; ok when all hold."""
+        losses, reference = read_losses(where / "metrics.jsonl"), self.reference()
+        result.lost = trained_twice(where / "metrics.jsonl")
+        result.checkpoints_lost = checkpoints_lost(where / "ckpt", self.iters)
+        result.intact = checkpoints_intact(where / "ckpt") and layout.read_pointer(where / "ckpt") == self.iters
+        if check_equal:
+            result.equal = sorted(losses) == sorted(reference) and all(losses[i] == reference[i] for i in reference)
+        result.seconds = sum(r.seconds for r in result.runs)
+        result.ok = result.intact and result.equal is not False and all(r.rc == 0 for r in result.runs[-1:])
+        return result
