@@ -152,8 +152,10 @@ def test_toml_errors(tmp_path):
         ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
           "parallel__virtual_pipeline_stages_per_rank": 2, "model__num_layers": 2,
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
-        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2}, None,
-         "training.compile=true is not supported with parallel.tensor_model_parallel_size=2"),
+        ({"training__compile": True, "parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "GPipe"},
+         None, "training.compile=true is not supported with parallel.pipeline_schedule='GPipe'"),
+        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "training__recompute_granularity": "selective"},
+         None, "training.compile=true is not supported with training.recompute_granularity='selective' under tensor"),
         # The LR schedule's lengths, in samples (config/derived.py computes them for validation and optim).
         ({"optimizer__lr_warmup_samples": 100_000}, None, "optimizer.lr_warmup_samples=100000 must be < the decay length"),
         ({"optimizer__lr_decay_samples": 0}, None, "optimizer.lr_decay_samples=0 must be > 0"),
