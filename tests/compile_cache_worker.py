@@ -1,13 +1,14 @@
-"""A minimal reproduction: inductor's caches hand a compiled DTensor graph to another process group.
+"""A minimal reproduction: the AOTAutograd cache hands a compiled DTensor graph to another group.
 
     TORCHINDUCTOR_CACHE_DIR=EMPTY_DIR torchrun --nproc-per-node 2 tests/compile_cache_worker.py
 
 Compile one function of a sharded DTensor (an all-gather) on a group A, then the same function on
 a group B of the same ranks after resetting dynamo (as a new process would start), with A gone.
-Torch 2.13 takes B's graph from its FX graph / AOTAutograd caches, which were filled for A and
-keep A's group name: the call fails with "Could not resolve the process group registered under
-the name ...". Exit status 0 means the graph ran on B and gathered the right values; then
-torch keys its caches by the group, and dtgpt.parallel.compile may keep them on under tp.
+Torch 2.13 takes B's graph from its AOTAutograd cache, filled for A and keeping A's group name:
+the call fails with "Could not resolve the process group registered under the name ...". (With
+TORCHINDUCTOR_AUTOGRAD_CACHE=0 it passes, the FX graph cache on.) Exit status 0 means the graph
+ran on B and gathered the right values: torch then keys the cache by the group, and
+dtgpt.parallel.compile may leave it on under tp.
 """
 
 import torch

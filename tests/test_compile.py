@@ -3,9 +3,10 @@
 Each compiled layout (per-block compile, dtgpt/parallel/compile.py) trains the tiny fp32 GPT of
 tests/compile_worker.py for a few iterations; its loss and every gathered gradient after each
 step must match one eager process to relative 1e-5. Config validation allows compile with tp or
-pp exactly for these layouts. Every launch shares one inductor cache directory, the 4-rank one
-first: without the cache rule of apply_compile, the 2-rank layouts would be handed graphs
-compiled for the 4-rank meshes (see test_inductor_cache_keeps_the_process_group below).
+pp exactly for these layouts. Every layout compiles into one inductor cache directory (its own,
+not the machine's): without the cache rule of apply_compile, dp2 x tp2 + SP is handed the graphs
+of pp2 x tp2 + SP and stops ("Could not resolve the process group registered under the name 12";
+see test_inductor_cache_keeps_the_process_group below).
 """
 
 from __future__ import annotations
@@ -78,8 +79,7 @@ def assert_matches(got: dict, want: dict) -> None:
             assert diff <= RTOL * ref.abs().max().item(), f"iteration {it}: gradient of {name} off by {diff:.3g}"
 
 
-# The 4-rank launch runs first (its parameters are listed first) so that its graphs are cached
-# before the 2-rank layouts compile theirs.
+# The 4-rank launch runs first (listed first), so the 2-rank layouts compile with its graphs cached.
 @pytest.mark.parametrize(
     "layout",
     [pytest.param(n, marks=pytest.mark.slow) for n in LAUNCHES[4]] + LAUNCHES[2],
@@ -96,8 +96,8 @@ class StaleProcessGroup(Exception):
 @pytest.mark.xfail(
     strict=True,
     raises=StaleProcessGroup,
-    reason="torch 2.13: inductor's FX graph / AOTAutograd caches key a compiled DTensor graph without "
-    "its process group, so dtgpt.parallel.compile turns them off under tp; a pass means torch fixed it",
+    reason="torch 2.13: the AOTAutograd cache keys a compiled DTensor graph without its process group, "
+    "so dtgpt.parallel.compile turns it off under tp; a pass means torch fixed it",
 )
 def test_inductor_cache_keeps_the_process_group(tmp_path):
     """tests/compile_cache_worker.py: the same compiled function on a second group of the same ranks."""
