@@ -6,8 +6,9 @@
 Each layout is built in turn on the same process group through the library API (a layout other
 than the first gets its own mesh), so the compilers' start-up is paid once per launch. Every
 iteration trains on the same global batch whatever the mesh (each data-parallel rank takes its
-rows); after each step the gradients (tied ones summed, clipped) are gathered whole by name.
-Rank 0 writes DIR/LAYOUT.pt: {"losses": [...], "grads": [{name: tensor}, ...]}.
+rows); after each step the gradients (tied ones summed, clipped) are gathered whole by name;
+then one evaluation. Rank 0 writes DIR/LAYOUT.pt: {"losses": [...], "grads": [{name: tensor},
+...], "eval_loss": float}.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def train_layout(name: str, compile: bool, runtime) -> dict:
             dist.all_gather_object(per_rank, grads)
             grads = {k: v for rank_grads in per_rank for k, v in rank_grads.items()}  # each stage's own
         record["grads"].append(grads)
+    # An evaluation (eval mode, no grad) recompiles the blocks: the loss of one more batch.
+    model.train(False)
+    record["eval_loss"] = dtgpt.forward_backward(model, rank_batch(model, ITERATIONS), n_micro, forward_only=True)
+    model.train(True)
     return record
 
 

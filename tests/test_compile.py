@@ -2,7 +2,8 @@
 
 Each compiled layout (per-block compile, dtgpt/parallel/compile.py) trains the tiny fp32 GPT of
 tests/compile_worker.py for a few iterations; its loss and every gathered gradient after each
-step must match one eager process to relative 1e-5. Config validation allows compile with tp or
+step, and the loss of an evaluation after them (which recompiles the blocks in eval mode), must
+match one eager process to relative 1e-5. Config validation allows compile with tp or
 pp exactly for these layouts. Every layout compiles into one inductor cache directory (its own,
 not the machine's): without the cache rule of apply_compile, dp2 x tp2 + SP is handed the graphs
 of pp2 x tp2 + SP and stops ("Could not resolve the process group registered under the name 12";
@@ -69,6 +70,7 @@ def results(tmp_path_factory, cache_dir):
 
 
 def assert_matches(got: dict, want: dict) -> None:
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=RTOL), "evaluation loss"
     assert len(got["losses"]) == len(want["losses"])
     for it, (g, w) in enumerate(zip(got["losses"], want["losses"]), start=1):
         assert g == pytest.approx(w, rel=RTOL), f"iteration {it}: loss {g} vs eager one-process {w}"

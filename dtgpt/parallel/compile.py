@@ -37,8 +37,10 @@ def apply_compile(model: GPT, dims: ParallelDims) -> None:
     """Compile in place (names keep no `_orig_mod` prefix): per block on a mesh, else whole."""
     if dims.tp_enabled:
         turn_off_autograd_cache()
+    # Static shapes: an evaluation recompiles the blocks (eval mode), and a recompile may otherwise
+    # turn sizes symbolic, which DTensor's sharding rules reject ("unhashable type: non-nested SymInt").
     if dims.tp_enabled or dims.pp_enabled or dims.fsdp_enabled:
         for block in model.layers.values():
-            block.compile()
+            block.compile(dynamic=False)
     else:
-        model.compile()
+        model.compile(dynamic=False)
