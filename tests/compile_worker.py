@@ -32,6 +32,7 @@ LAYOUTS = {
     "pp2_tp2_sp": {"pipeline_model_parallel_size": 2, **TP2, **SP},
     "dp2_tp2_sp": {"data_parallel_shard_size": 2, **TP2, **SP},
     "dp2_tp2": {"data_parallel_shard_size": 2, **TP2},
+    "pp2_dp2": {"pipeline_model_parallel_size": 2, "data_parallel_shard_size": 2},
 }  # fmt: skip
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
              attention_dropout=0.0, make_vocab_size_divisible_by=64)  # fmt: skip

@@ -26,7 +26,7 @@ WORKER = str(REPO / "tests" / "compile_worker.py")
 LAUNCHES = {
     # ranks: layouts compiled in one launch
     2: ["tp2_sp", "pp2"],
-    4: ["pp2_tp2_sp", "dp2_tp2_sp", "dp2_tp2"],
+    4: ["pp2_tp2_sp", "dp2_tp2_sp", "dp2_tp2", "pp2_dp2"],
 }
 
 

@@ -184,9 +184,10 @@ def _check_pipeline(cfg: Config) -> None:
 def _check_compile(cfg: Config) -> None:
     """Rules of compile: allowed where a parity test covers it (tests/test_compile.py).
 
-    On one rank, under FSDP, tp (with or without SP), 1F1B pipelines and their mixes, compiled
-    blocks are checked against one eager process; other schedules split or reorder the backward
-    of each stage, and recomputation re-enters compiled blocks, with no compiled parity test yet.
+    On one rank, under FSDP, tp (with or without SP), 1F1B pipelines and each pair of these,
+    compiled blocks are checked against one eager process (pp x dp x tp is allowed from its
+    pairs); other schedules split or reorder the backward of each stage, and recomputation
+    re-enters compiled blocks, with no compiled parity test yet.
     """
     t, p = cfg.training, cfg.parallel
     if not t.compile or (p.tensor_model_parallel_size == 1 and p.pipeline_model_parallel_size == 1):

@@ -2,9 +2,8 @@
 
 Per block, as torchtitan does, after TP and recomputation and before FSDP: the blocks are
 identical, so one graph serves them all, and FSDP's hooks and the pipeline's send/recv stay
-outside the compiled code. Compiling a whole tensor-parallel model also gives the right
-gradients on CPU, but took ~4x longer to compile than per block (one 2-layer model: 381 s
-against 86 s on two shared cores).
+outside the compiled code. Compiling a whole tensor-parallel model also gave the right gradients
+on CPU, but compiled far longer (381 s against 86 s per block, tp2 + SP on a loaded 2-core machine).
 
 Under tensor parallelism the compiled code holds DTensor's collectives with the *name* of the
 process group they run on ("12"). Inductor's AOTAutograd cache (on by default, on disk, shared by
@@ -12,11 +11,11 @@ every run of a user) keys a graph before DTensor's collectives are in it, withou
 a run on another mesh can be handed code that calls a group its own process never created (a
 crash: "Could not resolve the process group registered under the name 12"), or one that exists
 there with other ranks: a tp2 run, with the default caches filled by runs on other meshes,
-trained with 25% wrong losses and no error. So a tensor-parallel compile turns that cache off for the
-process. The FX graph cache stays on: it keys the graph with the collectives and their group
-names in it, so a hit calls this process's own groups. `tests/test_compile.py` keeps a minimal
-reproduction that fails while torch has this defect, and its parity tests share one cache
-between launches on different meshes (they fail without this rule).
+trained with 25% wrong losses and no error. So a tensor-parallel compile turns that cache off
+for the process. The FX graph cache stays on: it keys the graph with the collectives and their
+group names in it, so a hit calls this process's own groups. `tests/test_compile.py` keeps a
+minimal reproduction that fails while torch has this defect, and its parity tests share one
+cache between launches on different meshes (they fail without this rule).
 """
 
 from __future__ import annotations
