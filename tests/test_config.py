@@ -152,8 +152,10 @@ def test_toml_errors(tmp_path):
         ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
           "parallel__virtual_pipeline_stages_per_rank": 2, "model__num_layers": 2,
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
-        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2}, None,
-         "training.compile=true is not supported with parallel.tensor_model_parallel_size=2"),
+        ({"training__compile": True, "parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "GPipe"},
+         None, "training.compile=true is not supported with parallel.pipeline_schedule='GPipe'"),
+        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "training__recompute_granularity": "selective"},
+         None, "training.compile=true is not supported with training.recompute_granularity='selective' under tensor"),
         # Context parallelism: whole chunk pairs per rank (and per tp rank under SP), no attention dropout.
         ({"parallel__context_parallel_size": 3, "model__seq_length": 16, "model__attention_dropout": 0.0}, None,
          "model.seq_length=16 must be divisible by 2 * parallel.context_parallel_size=3 = 6"),

@@ -118,6 +118,13 @@ def test_cli_finishes_in_seconds(plan_175b):
     assert elapsed < 90
 
 
+def test_175b_compiled_passes_validation_and_plans():
+    """configs/gpt3_175b.toml with training.compile=true (tp 8 x pp 16 with SP, 1F1B): a layout that
+    tests/test_compile.py covers, so validation allows it and the planner builds its ranks."""
+    plan = plan_layout(load_config(GPT3_175B, ["--training.compile=true"]), 128)
+    assert plan.mesh["tp"] == 8 and plan.mesh["pp"] == 16 and plan.fits
+
+
 def test_classic_time_formula():
     # Narayanan et al. 2021: 300B tokens of 175B on 1024 GPUs at 140 TFLOP/s -> ~34 days.
     days = pm.classic_training_days(300e9, 175e9, 1024, 140)

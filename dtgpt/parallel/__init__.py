@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtgpt.config import Config, fsdp_reshards_after_forward
 from dtgpt.model import GPT
+from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.fsdp import apply_fsdp
@@ -45,15 +46,6 @@ def compute_dtype(cfg: Config) -> torch.dtype | None:
     return None
 
 
-def apply_compile(model: GPT, per_block: bool) -> None:
-    """Compile in place (names keep no `_orig_mod` prefix): per block under FSDP, else whole."""
-    if per_block:
-        for block in model.layers.values():
-            block.compile()
-    else:
-        model.compile()
-
-
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
     """TP -> CP -> recomputation -> compile -> FSDP, applied in place to one model/stage.
 
@@ -72,8 +64,8 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
         apply_cp(model, dims.sub("cp"))
     t = cfg.training
     apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
-    if cfg.training.compile:  # config validation allows it only without tp, pp and cp
-        apply_compile(model, per_block=dims.fsdp_enabled)
+    if cfg.training.compile:  # where a parity test covers it (config validation)
+        apply_compile(model, dims)
     if dims.fsdp_enabled:
         apply_fsdp(
             model,

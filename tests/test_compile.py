@@ -1,0 +1,110 @@
+"""torch.compile under tensor and pipeline parallelism trains the same model as one eager process.
+
+Each compiled layout (per-block compile, dtgpt/parallel/compile.py) trains the tiny fp32 GPT of
+tests/compile_worker.py for a few iterations; its loss and every gathered gradient after each
+step, and the loss of an evaluation after them (which recompiles the blocks in eval mode), must
+match one eager process to relative 1e-5. Config validation allows compile with tp or
+pp exactly for these layouts. Every layout compiles into one inductor cache directory (its own,
+not the machine's): without the cache rule of apply_compile, dp2 x tp2 + SP is handed the graphs
+of pp2 x tp2 + SP and stops ("Could not resolve the process group registered under the name 12";
+see test_inductor_cache_keeps_the_process_group below).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.runs import REPO
+
+RTOL = 1e-5
+WORKER = str(REPO / "tests" / "compile_worker.py")
+LAUNCHES = {
+    # ranks: layouts compiled in one launch
+    2: ["tp2_sp", "pp2"],
+    4: ["pp2_tp2_sp", "dp2_tp2_sp", "dp2_tp2", "pp2_dp2"],
+}
+
+
+def launch(args: list[str], nproc: int, cache_dir) -> subprocess.CompletedProcess:
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    return subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_worker(layouts: str, nproc: int, out, cache_dir, *flags: str) -> None:
+    proc = launch([WORKER, layouts, "--out", str(out), *flags], nproc, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One inductor cache for every launch here, and not the machine's shared one."""
+    return tmp_path_factory.mktemp("inductor")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, cache_dir):
+    """layout -> {"losses", "grads"}: the eager reference first, then the launches as they run."""
+    out = tmp_path_factory.mktemp("compile")
+    run_worker("single", 1, out, cache_dir, "--eager")
+    failures: dict[int, str] = {}  # each launch runs once; its layouts share its outcome
+
+    def get(layout: str) -> dict:
+        ranks = next((r for r, names in LAUNCHES.items() if layout in names), 1)
+        if ranks != 1 and ranks not in failures:
+            failures[ranks] = ""
+            try:
+                run_worker(",".join(LAUNCHES[ranks]), ranks, out, cache_dir)
+            except AssertionError as e:
+                failures[ranks] = str(e)
+        if failures.get(ranks):
+            pytest.fail(f"the {ranks}-rank launch failed: {failures[ranks]}")
+        return torch.load(out / f"{layout}.pt")
+
+    return get
+
+
+def assert_matches(got: dict, want: dict) -> None:
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=RTOL), "evaluation loss"
+    assert len(got["losses"]) == len(want["losses"])
+    for it, (g, w) in enumerate(zip(got["losses"], want["losses"]), start=1):
+        assert g == pytest.approx(w, rel=RTOL), f"iteration {it}: loss {g} vs eager one-process {w}"
+    for it, (grads, expected) in enumerate(zip(got["grads"], want["grads"]), start=1):
+        assert set(expected) <= set(grads), f"iteration {it}: gradients missing: {set(expected) - set(grads)}"
+        for name, ref in expected.items():
+            diff = (grads[name] - ref).abs().max().item()
+            assert diff <= RTOL * ref.abs().max().item(), f"iteration {it}: gradient of {name} off by {diff:.3g}"
+
+
+# The 4-rank launch runs first (listed first), so the 2-rank layouts compile with its graphs cached.
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(n, marks=pytest.mark.slow) for n in LAUNCHES[4]] + LAUNCHES[2],
+)
+def test_compiled_layout_matches_eager_single_process(results, layout):
+    assert_matches(results(layout), results("single"))
+
+
+class StaleProcessGroup(Exception):
+    """A compiled graph from the cache called a process group of another run."""
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=StaleProcessGroup,
+    reason="torch 2.13: the AOTAutograd cache keys a compiled DTensor graph without its process group, "
+    "so dtgpt.parallel.compile turns it off under tp; a pass means torch fixed it",
+)
+def test_inductor_cache_keeps_the_process_group(tmp_path):
+    """tests/compile_cache_worker.py: the same compiled function on a second group of the same ranks."""
+    proc = launch([str(REPO / "tests" / "compile_cache_worker.py")], 2, tmp_path)
+    output = proc.stdout + proc.stderr
+    if "Could not resolve the process group registered under the name" in output:
+        raise StaleProcessGroup(output[-2000:])
+    assert proc.returncode == 0, output[-6000:]  # any other failure is a real one
