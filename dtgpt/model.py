@@ -88,11 +88,15 @@ def build_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
-def apply_rotary(x: torch.Tensor, base: int) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, nh, T, hd) by position-dependent angles (RoPE)."""
+def apply_rotary(x: torch.Tensor, base: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, nh, T, hd) by angles of each token's position (RoPE);
+    positions (B, T), None: 0..T-1."""
     T, hd = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    if positions is None:
+        angles = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    else:
+        angles = (positions.float().unsqueeze(-1) * inv_freq).unsqueeze(1)  # (B, 1, T, hd/2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
@@ -119,12 +123,29 @@ class Embedding(nn.Module):
             inits.append((self.position.weight, Init.NORMAL))
         return inits
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.word(tokens)  # (B, T, C)
         if self.position is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = torch.arange(tokens.shape[1], device=tokens.device) if position_ids is None else position_ids
             h = h + self.position(positions)
         return self.dropout(h)
+
+
+def attention_allowed(
+    q_index: torch.Tensor,
+    k_index: torch.Tensor,
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which keys each query may attend to, from global token indices: k <= q, and, with document
+    ids (B, Tq) and (B, Tk), only within the query's document. (Tq, Tk), or (B, 1, Tq, Tk) with
+    documents (the same for every head). Indices are global so that a context-parallel rank,
+    holding chunks of the sequence, asks the same question of the same tokens."""
+    allowed = k_index.unsqueeze(0) <= q_index.unsqueeze(1)
+    if q_documents is None:
+        return allowed
+    same_document = q_documents.unsqueeze(2) == k_documents.unsqueeze(1)  # (B, Tq, Tk)
+    return (allowed & same_document).unsqueeze(1)
 
 
 class CoreAttention(nn.Module):
@@ -139,10 +160,19 @@ class CoreAttention(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
+        # Documents: SDPA with an explicit boolean mask (docs/architecture.md says why not flex).
+        mask = None
+        if document_ids is not None:
+            index = torch.arange(q.shape[-2], device=q.device)
+            mask = attention_allowed(index, index, document_ids, document_ids)
         with self.stream() if dropout else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hd)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None
+            )  # (B, nh, T, hd)
 
 
 class Attention(nn.Module):
@@ -163,14 +193,16 @@ class Attention(nn.Module):
     def declared_inits(self) -> DeclaredInits:
         return linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds only its share of the heads.
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if self.rotary_base:
-            q, k = apply_rotary(q, self.rotary_base), apply_rotary(k, self.rotary_base)
-        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+            q, k = apply_rotary(q, self.rotary_base, position_ids), apply_rotary(k, self.rotary_base, position_ids)
+        y = self.core(q, k, v, document_ids=document_ids).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.proj(y)
 
 
@@ -200,8 +232,10 @@ class Block(nn.Module):
     def declared_inits(self) -> DeclaredInits:
         return norm_inits(self.input_norm) + norm_inits(self.mlp_norm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x)))
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x), position_ids=position_ids, document_ids=document_ids))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -221,13 +255,19 @@ class GPT(nn.Module):
         # What forward runs between the embedding and the final norm; None: the blocks one by one.
         # Full recomputation (dtgpt.parallel.recompute) replaces runs of blocks by groups that
         # backward recomputes as one unit, as Megatron's recompute_method does.
-        self.block_runs: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
+        self.block_runs: list[Callable[..., torch.Tensor]] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds."""
-        h = self.embedding(x) if self.embedding is not None else x
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds.
+
+        position_ids (B, T): the positions of the position embedding or RoPE (None: 0..T-1);
+        document_ids (B, T): a token attends only within its document (None: plain causal).
+        """
+        h = self.embedding(x, position_ids) if self.embedding is not None else x
         for run in self.block_runs if self.block_runs is not None else self.layers.values():
-            h = run(h)
+            h = run(h, position_ids=position_ids, document_ids=document_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtgpt.data.batch import Batch, build_batch
 from dtgpt.parallel.fsdp import set_micro_batch_sync
 from dtgpt.parallel.model_parts import IGNORE_INDEX, GlobalBatchLoss, ModelParts
 from dtgpt.timers import Timers
@@ -25,9 +26,9 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T+1) sample tokens -> inputs (B, T) and next-token labels (B, T)."""
-    return batch[:, :-1], batch[:, 1:]
+def as_batch(batch: Batch | torch.Tensor) -> Batch:
+    """A Batch as the loader builds it; (B, T+1) sample tokens as one with every option off."""
+    return batch if isinstance(batch, Batch) else build_batch(batch)
 
 
 def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float) -> GlobalBatchLoss:
@@ -39,7 +40,7 @@ def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float
 
 def forward_backward(
     model: ModelParts,
-    batch: torch.Tensor | None,
+    batch: Batch | torch.Tensor | None,
     num_microbatches: int,
     *,
     forward_only: bool = False,
@@ -49,29 +50,30 @@ def forward_backward(
 
     Returns this rank's part of the global-batch loss (unscaled): its micro-batch losses summed.
     Under pipelining only ranks holding the last stage have a non-zero part, and a rank holding
-    neither the first nor the last stage gets no batch (None).
+    neither the first nor the last stage gets no batch (None) unless every stage takes the
+    per-token inputs (position_ids, document_ids).
     """
-    tokens = labels = loss = None
+    loss = None
     if model.reads_batches:
-        tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
+        batch = as_batch(batch).map(lambda t: t.to(model.device, non_blocking=True))
     if model.has_last_stage:
-        loss = global_batch_loss(model, labels, loss_scale)
+        loss = global_batch_loss(model, batch.labels, loss_scale)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
         if model.schedules is not None:
-            total = _pipelined(model, loss, tokens, labels, num_microbatches, forward_only)
+            total = _pipelined(model, loss, batch, num_microbatches, forward_only)
         else:
-            total = _one_stage(model, loss, tokens, labels, num_microbatches, forward_only)
+            total = _one_stage(model, loss, batch, num_microbatches, forward_only)
     return total / loss_scale
 
 
-def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     total = torch.zeros((), device=model.device)
     part = model.parts[0]
-    for i, (tok, lab) in enumerate(zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches))):
+    for i, micro in enumerate(batch.chunk(num_microbatches)):
         # The loss-parallel context must cover backward as well as forward.
         with model.compute_context():
-            micro_loss = loss(part(tok), lab)
+            micro_loss = loss(part(micro.tokens, **micro.model_inputs()), micro.labels)
             if not forward_only:
                 last = i == num_microbatches - 1
                 set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
@@ -80,12 +82,14 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, num_mic
     return total
 
 
-def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, tokens, labels, num_microbatches: int, forward_only: bool) -> torch.Tensor:
-    args = (tokens,) if model.has_first_stage else ()
-    target = labels if model.has_last_stage else None
+def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | None, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+    args = (batch.tokens,) if model.has_first_stage else ()
+    target = batch.labels if model.has_last_stage else None
+    # The schedule splits keyword arguments into micro-batches and hands them to every stage.
+    inputs = batch.model_inputs() if batch is not None else {}
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     with model.compute_context():
-        model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False)
+        model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
     if not losses:
         return torch.zeros((), device=model.device)
     return torch.stack([_plain(micro_loss).float() for micro_loss in losses]).sum()
@@ -140,7 +144,7 @@ def train_step(
     model: ModelParts,
     optimizer,
     scaler,
-    batch: torch.Tensor | None,
+    batch: Batch | torch.Tensor | None,
     num_microbatches: int,
     clip_grad: float,
     timers: Timers | None = None,

@@ -64,8 +64,8 @@ def test_forward_backward_returns_the_global_loss():
     batch = next(dtgpt.build_train_iterator(cfg, runtime))
     loss = dtgpt.forward_backward(model, batch, 2, forward_only=True)
     with torch.no_grad():
-        logits = model.parts[0](batch[:, :-1])
-        plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+        logits = model.parts[0](batch.tokens)
+        plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item()
     assert loss == pytest.approx(plain, rel=1e-6)
     with pytest.raises(Exception, match="unknown key model.layers"):
         dtgpt.make_config(model=dict(layers=2))

@@ -156,4 +156,5 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         tied_group=build_tied_group(dims, parts),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
         rng=rng,
+        every_stage_reads_batches=cfg.data.reset_position_ids or cfg.data.reset_attention_mask,
     )

@@ -34,13 +34,15 @@ class RecomputedGroup:
         self.blocks = blocks
         self.checkpoint_kwargs = _rng_replay(rng)
 
-    def _run(self, h: torch.Tensor) -> torch.Tensor:
+    def _run(self, h: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None) -> torch.Tensor:
         for block in self.blocks:
-            h = block(h)
+            h = block(h, position_ids=position_ids, document_ids=document_ids)
         return h
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self._run, h, use_reentrant=False, **self.checkpoint_kwargs)
+    def __call__(
+        self, h: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return checkpoint(self._run, h, position_ids, document_ids, use_reentrant=False, **self.checkpoint_kwargs)
 
 
 def _rng_replay(rng: ModelParallelRNG | None) -> dict:
