@@ -131,20 +131,17 @@ class Embedding(nn.Module):
         return self.dropout(h)
 
 
-def attention_allowed(
-    q_index: torch.Tensor,
-    k_index: torch.Tensor,
-    q_documents: torch.Tensor | None = None,
-    k_documents: torch.Tensor | None = None,
+def allowed_keys(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Which keys each query may attend to, from global token indices: k <= q, and, with document
-    ids (B, Tq) and (B, Tk), only within the query's document. (Tq, Tk), or (B, 1, Tq, Tk) with
-    documents (the same for every head). Indices are global so that a context-parallel rank,
-    holding chunks of the sequence, asks the same question of the same tokens."""
-    allowed = k_index.unsqueeze(0) <= q_index.unsqueeze(1)
-    if q_documents is None:
+    ids q_docs (B, Tq) and k_docs (B, Tk), only within the query's document. (Tq, Tk), or
+    (B, 1, Tq, Tk) with documents (the same for every head). Indices are global so that a
+    context-parallel rank, holding chunks of the sequence, asks the same question of the same tokens."""
+    allowed = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)
+    if q_docs is None:
         return allowed
-    same_document = q_documents.unsqueeze(2) == k_documents.unsqueeze(1)  # (B, Tq, Tk)
+    same_document = q_docs.unsqueeze(2) == k_docs.unsqueeze(1)  # (B, Tq, Tk)
     return (allowed & same_document).unsqueeze(1)
 
 
@@ -168,7 +165,7 @@ class CoreAttention(nn.Module):
         mask = None
         if document_ids is not None:
             index = torch.arange(q.shape[-2], device=q.device)
-            mask = attention_allowed(index, index, document_ids, document_ids)
+            mask = allowed_keys(index, index, document_ids, document_ids)
         with self.stream() if dropout else contextlib.nullcontext():
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None

@@ -14,7 +14,7 @@ from dtgpt.config.split import SPLIT_NAMES
 from dtgpt.data.batch import IGNORE_INDEX, Batch, TokenOptions, build_batch
 from dtgpt.data.builder import build_gpt_datasets
 from dtgpt.data.mock import build_mock_dataset
-from dtgpt.model import attention_allowed
+from dtgpt.model import allowed_keys
 from tests.megatron_oracle import VOCAB, megatron_datasets, megatron_mock_datasets, megatron_sample, write_documents
 
 SEED, SPLIT, FIRST = 1234, "969,30,1", 1000
@@ -39,10 +39,10 @@ def assert_same_fields(batch: Batch, i: int, item: dict, where: str) -> None:
     assert torch.equal(positions, item["position_ids"]), f"{where}: position_ids"
     index = torch.arange(T)
     if batch.document_ids is None:
-        allowed = attention_allowed(index, index).unsqueeze(0)  # (1, T, T), as Megatron's
+        allowed = allowed_keys(index, index).unsqueeze(0)  # (1, T, T), as Megatron's
     else:
         documents = batch.document_ids[i : i + 1]
-        allowed = attention_allowed(index, index, documents, documents)[0]
+        allowed = allowed_keys(index, index, documents, documents)[0]
     assert torch.equal(~allowed, item["attention_mask"]), f"{where}: attention_mask"  # Megatron's True: masked
 
 
