@@ -74,7 +74,7 @@ def test_forward_backward_returns_the_global_loss():
 # Everything a resume must carry matters here: dropout draws (RNG), warmup then cosine decay
 # (LR schedule), fp16 overflows that skip iterations and lower the scale (loss scaler).
 RESUMED = ["--training.train_iters=8", "--model.hidden_dropout=0.1", "--training.fp16=true",
-           "--training.micro_batch_size=4", "--optimizer.initial_loss_scale=1048576", "--optimizer.loss_scale_window=2"]  # fmt: skip
+           "--training.micro_batch_size=4", "--optimizer.initial_loss_scale=1048576", "--optimizer.loss_scale_window=3"]  # fmt: skip
 COMPARED = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped", "nan")
 
 
