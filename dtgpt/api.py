@@ -28,6 +28,7 @@ import torch
 
 from dtgpt.config import Config, config_from_dict, derived, padded_vocabulary, validate
 from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
+from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime, initialize
 from dtgpt.distributed import shutdown as shutdown  # re-exported
 from dtgpt.model import GPT
@@ -82,10 +83,11 @@ def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 
     that train.py reads (batch-size ramp-up included), from consumed_samples on."""
     from dtgpt.training import num_samples_needed
 
-    train, _, _ = build_datasets(cfg, build_tokenizer(cfg.data), num_samples_needed(cfg))
+    tokenizer = build_tokenizer(cfg.data)
+    train, _, _ = build_datasets(cfg, tokenizer, num_samples_needed(cfg))
     size_at = BatchSizeSchedule(cfg.training).global_batch_size
-    dims = runtime.dims
-    return iter(build_data_loader(train, consumed_samples, size_at, dims.dp_rank, dims.dp, cfg.data.num_workers))
+    dims, options = runtime.dims, TokenOptions.from_config(cfg.data, tokenizer.eod)
+    return iter(build_data_loader(train, consumed_samples, size_at, dims.dp_rank, dims.dp, cfg.data.num_workers, options))
 
 
 def forward_backward(model: ModelParts, batch: torch.Tensor, num_microbatches: int, *, forward_only: bool = False) -> float:

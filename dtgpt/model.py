@@ -166,6 +166,7 @@ class CoreAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
+        # Documents: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
         mask = None
         if document_ids is not None:
             idx = torch.arange(q.shape[2], device=q.device)

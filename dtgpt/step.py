@@ -8,12 +8,13 @@ batch (DESIGN invariant 1), so gradients are sums over micro-batches and ranks, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtgpt.data.batch import Batch, build_batch
 from dtgpt.parallel.context import split_sequence
 from dtgpt.parallel.fsdp import set_micro_batch_sync
 from dtgpt.parallel.model_parts import IGNORE_INDEX, GlobalBatchLoss, ModelParts
@@ -26,25 +27,25 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T+1) sample tokens -> inputs (B, T) and next-token labels (B, T)."""
-    return batch[:, :-1], batch[:, 1:]
+def as_batch(batch: Batch | torch.Tensor) -> Batch:
+    """A Batch as the loader builds it; (B, T+1) sample tokens as one with every option off."""
+    return batch if isinstance(batch, Batch) else build_batch(batch)
 
 
-def sample_inputs(model: ModelParts, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(B, T+1) samples -> this rank's tokens, labels and per-token keywords for the model.
+def rank_batch(model: ModelParts, batch: Batch | torch.Tensor) -> Batch:
+    """This rank's batch on its device: under context parallelism, its chunks of every sequence.
 
-    Every per-token tensor is made on the full sequence, then cut for context parallelism by
-    the one split_sequence, so each cp rank holds its chunks with their global positions.
+    Every per-token tensor (tokens, labels, positions, documents) is made on the full sequence
+    first, then cut by the one split_sequence, so each cp rank holds its chunks with their global
+    positions and every per-token option composes with cp.
     """
-    tokens, labels = split_batch(batch.to(model.device, non_blocking=True))
+    batch = as_batch(batch).map(lambda t: t.to(model.device, non_blocking=True))
     dims = model.dims
     if not dims.cp_enabled:
-        return tokens, labels, {}
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    per_token = {"tokens": tokens, "labels": labels, "position_ids": positions}
-    cut = {name: split_sequence(t, dims.cp_rank, dims.cp) for name, t in per_token.items()}
-    return cut.pop("tokens"), cut.pop("labels"), cut
+        return batch
+    if batch.position_ids is None:
+        batch = replace(batch, position_ids=torch.arange(batch.tokens.shape[1], device=model.device).expand_as(batch.tokens))
+    return batch.map(lambda t: split_sequence(t, dims.cp_rank, dims.cp))
 
 
 def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float) -> GlobalBatchLoss:
@@ -57,7 +58,7 @@ def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float
 
 def forward_backward(
     model: ModelParts,
-    batch: torch.Tensor | None,
+    batch: Batch | torch.Tensor | None,
     num_microbatches: int,
     *,
     forward_only: bool = False,
@@ -67,37 +68,30 @@ def forward_backward(
 
     Returns this rank's part of the global-batch loss (unscaled): its micro-batch losses summed.
     Under pipelining only ranks holding the last stage have a non-zero part, and a rank holding
-    neither the first nor the last stage gets no batch (None).
+    neither the first nor the last stage gets no batch (None) unless every stage takes the
+    per-token inputs (position_ids, document_ids).
     """
-    tokens = labels = loss = None
-    per_token: dict[str, torch.Tensor] = {}
+    loss = None
     if model.reads_batches:
-        tokens, labels, per_token = sample_inputs(model, batch)
+        batch = rank_batch(model, batch)
     if model.has_last_stage:
-        loss = global_batch_loss(model, labels, loss_scale)
+        loss = global_batch_loss(model, batch.labels, loss_scale)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
         if model.schedules is not None:
-            total = _pipelined(model, loss, tokens, labels, per_token, num_microbatches, forward_only)
+            total = _pipelined(model, loss, batch, num_microbatches, forward_only)
         else:
-            total = _one_stage(model, loss, tokens, labels, per_token, num_microbatches, forward_only)
+            total = _one_stage(model, loss, batch, num_microbatches, forward_only)
     return total / loss_scale
 
 
-def _micro_batches(per_token: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    """The per-token keywords of each of n micro-batches (split along the batch, as the tokens)."""
-    chunks = {name: t.chunk(n) for name, t in per_token.items()}
-    return [{name: c[i] for name, c in chunks.items()} for i in range(n)]
-
-
-def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, per_token, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     total = torch.zeros((), device=model.device)
     part = model.parts[0]
-    micro = zip(tokens.chunk(num_microbatches), labels.chunk(num_microbatches), _micro_batches(per_token, num_microbatches))
-    for i, (tok, lab, kw) in enumerate(micro):
+    for i, micro in enumerate(batch.chunk(num_microbatches)):
         # The loss-parallel context must cover backward as well as forward.
         with model.compute_context():
-            micro_loss = loss(part(tok, **kw), lab)
+            micro_loss = loss(part(micro.tokens, **micro.model_inputs()), micro.labels)
             if not forward_only:
                 last = i == num_microbatches - 1
                 set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
@@ -106,16 +100,14 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, tokens, labels, per_tok
     return total
 
 
-def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, tokens, labels, per_token, num_microbatches: int, forward_only: bool) -> torch.Tensor:
-    args = (tokens,) if model.has_first_stage else ()
-    target = labels if model.has_last_stage else None
+def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | None, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+    args = (batch.tokens,) if model.has_first_stage else ()
+    target = batch.labels if model.has_last_stage else None
+    # The schedule splits keyword arguments into micro-batches and hands them to every stage.
+    inputs = batch.model_inputs() if batch is not None else {}
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     with model.compute_context():
-        # The schedule splits the per-token keywords into micro-batches and hands them to every
-        # stage's forward, so each stage sees its tokens' positions.
-        model.schedules.run(
-            num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **per_token
-        )
+        model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
     if not losses:
         return torch.zeros((), device=model.device)
     return torch.stack([_plain(micro_loss).float() for micro_loss in losses]).sum()
@@ -170,7 +162,7 @@ def train_step(
     model: ModelParts,
     optimizer,
     scaler,
-    batch: torch.Tensor | None,
+    batch: Batch | torch.Tensor | None,
     num_microbatches: int,
     clip_grad: float,
     timers: Timers | None = None,

@@ -16,6 +16,7 @@ import torch
 
 from dtgpt.config import Config, num_microbatches, padded_vocabulary, to_toml
 from dtgpt.data import build_data_loader, build_tokenizer
+from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime, initialize, shutdown
 from dtgpt.exits import ExitConditions
 from dtgpt.faults import FaultHooks, build_faults
@@ -92,10 +93,11 @@ def cycle(make: Callable[[], Iterator]) -> Iterator:
 
 def build_data_iterators(
     cfg: Config, runtime: Runtime, datasets: tuple, consumed: int, batch_sizes: BatchSizeSchedule, reads_batches: bool,
+    options: TokenOptions | None = None,
 ):
-    """Train, validation and test iterators of this rank's batches. A middle pipeline stage reads
-    none (it gets None per batch) and starts no loader workers; it still builds the datasets,
-    whose index caches are built collectively."""
+    """Train, validation and test iterators of this rank's batches (Batches under `options`). A
+    middle pipeline stage that needs no per-token inputs reads none (it gets None per batch) and
+    starts no loader workers; it still builds the datasets, whose index caches are built collectively."""
     train_ds, valid_ds, test_ds = datasets
     if not reads_batches:
         nothing = itertools.repeat(None)
@@ -103,7 +105,7 @@ def build_data_iterators(
     dims, workers = runtime.dims, cfg.data.num_workers
 
     def loader(dataset, start, size_at):
-        return build_data_loader(dataset, start, size_at, dims.dp_rank, dims.dp, workers)
+        return build_data_loader(dataset, start, size_at, dims.dp_rank, dims.dp, workers, options)
 
     train_iter = iter(loader(train_ds, consumed, batch_sizes.global_batch_size))
     eval_size = lambda _consumed: cfg.training.global_batch_size  # noqa: E731
@@ -284,7 +286,7 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         log0(runtime, startup_summary(cfg, runtime.dims, n_params, vocab_size, tokenizer, datasets))
         train_iter, valid_iter, test_iter = build_data_iterators(
             cfg, runtime, datasets, trainer.state.progress.consumed_samples, trainer.batch_sizes,
-            trainer.state.model.reads_batches,
+            trainer.state.model.reads_batches, TokenOptions.from_config(cfg.data, tokenizer.eod),
         )
         if checkpointer is not None:
             checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG

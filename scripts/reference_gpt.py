@@ -185,7 +185,7 @@ def train_reference() -> list[float]:
     losses = []
     for iteration in range(ITERS):
         batch = next(batches)
-        loss = model(batch[:, :-1], batch[:, 1:])
+        loss = model(batch.tokens, batch.labels)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
@@ -26,13 +26,16 @@ from dtgpt.data.indexed import IndexedDatasetWriter
 VOCAB = 1000
 
 
-def write_documents(prefix: str, documents: int, seed: int, low: int = 0, high: int = VOCAB) -> str:
-    """`documents` documents of 1-59 tokens in [low, high), every 17th one empty (Megatron skips those)."""
+def write_documents(prefix: str, documents: int, seed: int, low: int = 0, high: int = VOCAB,
+                    eod: Optional[int] = None) -> str:
+    """`documents` documents of 1-59 tokens in [low, high), every 17th one empty (Megatron skips
+    those); with `eod`, every non-empty one ends with it."""
     rng = np.random.default_rng(seed)
     with IndexedDatasetWriter(prefix, np.uint16) as w:
         for i in range(documents):
             n = 0 if i % 17 == 3 else int(rng.integers(1, 60))
-            w.add_document(rng.integers(low, high, n))
+            tokens = rng.integers(low, high, n)
+            w.add_document(np.append(tokens, eod) if eod is not None and n else tokens)
     return prefix
 
 
@@ -49,10 +52,15 @@ def one_rank_group(directory: str):
         dist.destroy_process_group()
 
 
+PER_TOKEN_OFF = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                     create_attention_mask=False)
+
+
 def megatron_datasets(cache_dir: str, sizes: tuple[int, int, int], seq_length: int, seed: int,
                       data_path: Optional[list[str]] = None, split: Optional[str] = None,
-                      per_split_paths: Optional[list[list[str]]] = None) -> list:
-    """Megatron's (train, valid, test) for a data_path + split, or for per-split blends."""
+                      per_split_paths: Optional[list[list[str]]] = None, **per_token) -> list:
+    """Megatron's (train, valid, test) for a data_path + split, or for per-split blends;
+    `per_token` sets GPTDatasetConfig's eod_mask_loss, reset_* and create_attention_mask (all off)."""
     blend, blend_per_split = None, None
     if data_path:
         blend = get_blend_from_list(data_path)
@@ -61,10 +69,21 @@ def megatron_datasets(cache_dir: str, sizes: tuple[int, int, int], seq_length: i
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend, blend_per_split=blend_per_split,
         split=split, path_to_cache=os.path.join(cache_dir, "megatron"), tokenizer=NullTokenizer(VOCAB),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        **{**PER_TOKEN_OFF, **per_token},
     )
     with one_rank_group(cache_dir):
         return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+
+
+def megatron_mock_datasets(cache_dir: str, sizes: tuple[int, int, int], seq_length: int, seed: int, split: str) -> list:
+    """Megatron's (train, valid, test) MockGPTDataset, as its simple training loop builds them
+    (no blend: the config turns `mock` on itself)."""
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, split=split,
+        path_to_cache=os.path.join(cache_dir, "megatron-mock"), tokenizer=NullTokenizer(VOCAB), **PER_TOKEN_OFF,
+    )
+    with one_rank_group(cache_dir):
+        return BlendedMegatronDatasetBuilder(MockGPTDataset, list(sizes), lambda: True, config).build()
 
 
 def megatron_sample(dataset, i: int) -> np.ndarray:

@@ -1,48 +1,31 @@
-"""Mock data: a function of (seed, split, index) only, in range, and made of predictable documents."""
+"""Mock data: Megatron's mock corpus (tests/test_data_tokens_oracle.py compares the samples with
+megatron-core's MockGPTDataset); here the corpus itself and what a run builds from it."""
 
 import numpy as np
-import pytest
 
-from dtgpt.data.mock import MockGPTDataset
-
-
-def documents(sample, eod):
-    """The complete documents of a sample: the runs strictly between two eods."""
-    cuts = np.flatnonzero(sample == eod)
-    return [sample[a + 1:b] for a, b in zip(cuts[:-1], cuts[1:])]
+from dtgpt import make_config
+from dtgpt.data import build_datasets, build_tokenizer
+from dtgpt.data.mock import DOCUMENTS, MockDocuments
 
 
-def is_predictable(doc, eod, alphabet):
-    s = doc - (doc > eod)  # undo the shift around eod
-    steps = np.diff(s) % alphabet
-    counting = len(set(steps.tolist())) == 1 and steps[0] in (1, 2, 3)
-    repeating = any(np.array_equal(s[p:], s[:-p]) for p in range(2, 7))
-    return counting or repeating
+def test_a_mock_document_counts_up_then_ends_in_eod():
+    corpus = MockDocuments(vocab_size=100, eod=99)
+    assert len(corpus) == DOCUMENTS and corpus.sequence_lengths.min() >= 1 and corpus.sequence_lengths.max() < 4096
+    n = int(corpus.sequence_lengths[7])
+    doc = corpus.get(7)
+    assert doc.dtype == np.int64 and len(doc) == n and doc[-1] == 99
+    np.testing.assert_array_equal(doc[:-1], np.arange(1, n) % 100)
+    np.testing.assert_array_equal(corpus.get(7, 3, 5), doc[3:8])
+    np.testing.assert_array_equal(corpus.get(7, n - 2), doc[-2:])
 
 
-@pytest.mark.parametrize("vocab,eod", [(1000, 999), (100, 50), (257, 256)])
-def test_mock_samples(vocab, eod):
-    ds = MockGPTDataset(50, 128, vocab, eod, seed=3)
-    alphabet = min(256, vocab - 1)
-    n_docs = 0
-    for i in range(len(ds)):
-        x = ds[i]
-        assert x.dtype == np.int64 and x.shape == (129,)
-        assert x.min() >= 0 and x.max() < vocab
-        for doc in documents(x, eod):
-            assert len(doc) >= 8 and is_predictable(doc, eod, alphabet), doc
-            n_docs += 1
-    assert n_docs > 50  # several documents per sample, separated by eod
-
-
-def test_mock_is_a_function_of_seed_split_and_index():
-    a = MockGPTDataset(20, 64, 1000, 999, seed=1)
-    b = MockGPTDataset(5000, 64, 1000, 999, seed=1)  # a different length changes nothing
-    assert all(np.array_equal(a[i], b[i]) for i in range(20))
-    assert not np.array_equal(a[0], a[1])
-    assert not np.array_equal(a[0], MockGPTDataset(20, 64, 1000, 999, seed=2)[0])
-    assert not np.array_equal(a[0], MockGPTDataset(20, 64, 1000, 999, seed=1, split_name="valid")[0])
-    # a longer sequence extends the same token stream
-    assert np.array_equal(MockGPTDataset(2, 256, 1000, 999, seed=1)[0][:65], a[0])
-    with pytest.raises(IndexError):
-        a[20]
+def test_mock_splits_are_even_and_cached(tmp_path):
+    cfg = make_config(model=dict(seq_length=64), data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=128,
+                                                           split="98,2,0", data_cache_path=str(tmp_path)))
+    train, valid, test = build_datasets(cfg, build_tokenizer(cfg.data), (100, 20, 10))
+    assert test is not None  # Megatron's mock data splits 1,1,1 whatever data.split says
+    for ds in (train, valid, test):
+        assert ds[0].shape == (65,) and ds[0].max() < 128
+    assert list((tmp_path / "GPTDataset_indices").glob("*-GPTDataset-train-shuffle_index.npy"))
+    again = build_datasets(cfg, build_tokenizer(cfg.data), (100, 20, 10))[0]
+    assert all(np.array_equal(train[i], again[i]) for i in range(100))

@@ -4,7 +4,7 @@ Each layout runs the tiny fp32 model for STEPS iterations (warmup, then cosine d
 on the same mock data and must match the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figure) (a model-changing override, e.g. an
 untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
 an untied head, pp 4 (two middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform, full block,
-selective), compile, and context parallelism (cp2, cp2 x tp2 with SP); the rest are marked slow (`make test` runs them, `make test-fast` skips them).
+selective), compile, context parallelism (cp2, cp2 x tp2 with SP) and Megatron's per-token options (document masking) under dp, tp+SP and pp; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
 Every pipeline schedule and configs/debug_3d.toml itself (8 ranks) are in the fast set too, as
 short runs (SHORT iterations) compared with the start of the same reference: the LR schedule is
 pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one.
@@ -22,7 +22,11 @@ RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
 FULL = ["--training.recompute_granularity=full"]  # Megatron's full recomputation; the method follows
 CP2 = "--parallel.context_parallel_size=2"
-MODEL_KEYS = ("--model.",)  # overrides that change the model itself: the reference gets them too
+# Megatron's per-token options, all on (eod_mask_loss, reset_position_ids, reset_attention_mask).
+DOCS = ["--data.eod_mask_loss=true", "--data.reset_position_ids=true", "--data.reset_attention_mask=true"]
+ROPE = "--model.position_embedding_type=rope"
+# overrides that change the model or what it trains on: the reference gets them too
+MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
 LAYOUTS = {
     # name: (ranks, overrides, slow)
@@ -56,6 +60,14 @@ LAYOUTS = {
     # torch.compile: whole model on one rank, per block under FSDP (tp/pp with compile are refused)
     "compile_single": (1, ["--training.compile=true"], False),
     "compile_dp2_per_block": (2, ["--training.compile=true", "--parallel.data_parallel_shard_size=2"], True),
+    # documents: loss masked at eods, positions reset, attention within each document (mock
+    # data with vocabulary 128 holds an eod every 128 tokens). pp2 with RoPE: both stages need
+    # the positions and document ids, which the schedule hands every stage as keyword arguments.
+    "docs_dp_shard2": (2, [*DOCS, "--parallel.data_parallel_shard_size=2"], False),
+    "docs_tp2_sp": (2, [*DOCS, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
+    "docs_pp2_rope": (2, [*DOCS, ROPE, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
+    # the documents' positions and ids cut with the sequence: each cp rank masks its chunks' tokens
+    "docs_cp2_rope": (2, [*DOCS, ROPE, CP2], False),
     "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"], True),
     "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
     "tp2": (2, ["--parallel.tensor_model_parallel_size=2"], True),

@@ -53,9 +53,11 @@ def test_fp16_scaler_skips_then_trains(tmp_path):
     assert trained[-1]["loss"] < trained[0]["loss"]
     # a skipped iteration consumes samples but does not move the LR schedule: the first
     # trained iteration still uses the LR of iteration 1, the one after it has moved on
-    assert {r["lr"] for r in records[: skipped + 1]} == {records[0]["lr"]}
-    assert records[skipped + 1]["lr"] != records[0]["lr"]
-    assert records[skipped]["consumed_samples"] == (skipped + 1) * 8
+    # (later overflows may skip a few more once training moves the gradients)
+    leading = next(i for i, r in enumerate(records) if r["skipped"] == i)  # the skips before the first step
+    assert {r["lr"] for r in records[: leading + 1]} == {records[0]["lr"]}
+    assert records[leading + 1]["lr"] != records[0]["lr"]
+    assert records[leading]["consumed_samples"] == (leading + 1) * 8
 
 
 def test_nan_is_skipped(tmp_path):

@@ -142,6 +142,15 @@ class DataConfig:
     """'megatron': sample i is Megatron's sample i (the order depends on the samples asked for);
     'stable': epochs shuffled one by one, so asking for more samples only appends (docs/data.md)."""
     mock_data: bool = False
+    """Megatron's MockGPTDataset: documents 1, 2, ..., n-1 (mod the vocabulary) then eod, of
+    lengths drawn with seed 0, ordered as GPTDataset orders any data (docs/data.md)."""
+    eod_mask_loss: bool = False
+    """No loss where the input token is the eod (Megatron's --eod-mask-loss)."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each eod (Megatron's --reset-position-ids)."""
+    reset_attention_mask: bool = False
+    """A token attends only to earlier tokens of its own document; the eod ends its document
+    (Megatron's --reset-attention-mask)."""
     builtin_corpus: str = ""
     """'python-docstrings': text gathered from the installed standard library, no download."""
     tokenizer_type: str = "GPT2BPETokenizer"

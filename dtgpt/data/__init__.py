@@ -4,24 +4,29 @@ The training loop calls exactly these three functions:
 
     tokenizer = build_tokenizer(cfg.data)
     train, valid, test = build_datasets(cfg, tokenizer, (n_train, n_valid, n_test))
-    loader = build_data_loader(train, consumed_samples, batch_size_at, dp_rank, dp_size, cfg.data.num_workers)
+    loader = build_data_loader(train, consumed_samples, batch_size_at, dp_rank, dp_size, cfg.data.num_workers,
+                               TokenOptions.from_config(cfg.data, tokenizer.eod))
 
-Where the samples come from, in order of precedence: `data.mock_data` (synthetic, no files),
+Where the samples come from, in order of precedence: `data.mock_data` (Megatron's mock data, no files),
 `data.builtin_corpus` (stdlib docstrings, built and cached on first use), then `data.data_path`
 (split by `data.split`) or `data.train_data_path`/`valid_data_path`/`test_data_path`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+import os
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from dtgpt.config import Config
-from dtgpt.config.split import SPLIT_NAMES, parse_split
+from dtgpt.config.split import SPLIT_NAMES
 from dtgpt.data.builder import build_gpt_datasets
 from dtgpt.data.builtin import build_builtin_corpus
 from dtgpt.data.cache import cache_root
-from dtgpt.data.mock import MockGPTDataset
+from dtgpt.data.mock import build_mock_dataset
 from dtgpt.data.tokenizer import Tokenizer, build_tokenizer
+
+if TYPE_CHECKING:
+    from dtgpt.data.batch import TokenOptions
 
 __all__ = ["build_tokenizer", "build_datasets", "build_data_loader", "Tokenizer"]
 
@@ -38,10 +43,11 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}")
     if d.mock_data:
-        weights = parse_split(d.split)
+        mock_cache = os.path.join(cache_root(d.data_cache_path), "GPTDataset_indices")
         return tuple(
-            MockGPTDataset(n, seq_length, tokenizer.vocab_size, tokenizer.eod, seed, name) if n > 0 and w > 0 else None
-            for n, w, name in zip(num_samples, weights, SPLIT_NAMES)
+            build_mock_dataset(s, n, seq_length, tokenizer.vocab_size, tokenizer.eod, seed, name, mock_cache)
+            if n > 0 else None
+            for s, (n, name) in enumerate(zip(num_samples, SPLIT_NAMES))
         )
     data_path = d.data_path
     per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
@@ -55,9 +61,10 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
 
 
 def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,
-                      dp_size: int, num_workers: int) -> Iterable:
-    """This DP rank's (gbs_k / dp_size, seq_length + 1) LongTensors, global batch by global batch."""
+                      dp_size: int, num_workers: int, options: Optional["TokenOptions"] = None) -> Iterable:
+    """This DP rank's (gbs_k / dp_size, seq_length + 1) LongTensors, global batch by global batch;
+    with `options`, the Batches built from them (labels, positions, documents: dtgpt.data.batch)."""
     # Imported here so that preprocessing and the built-in corpus never pay for importing torch.
     from dtgpt.data.loader import build_data_loader as build
 
-    return build(dataset, consumed_samples, batch_size_at, dp_rank, dp_size, num_workers)
+    return build(dataset, consumed_samples, batch_size_at, dp_rank, dp_size, num_workers, options)

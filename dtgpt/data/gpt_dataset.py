@@ -20,7 +20,8 @@ _ARRAYS = ("document_index", "sample_index", "shuffle_index")
 
 
 class GPTDataset:
-    """Samples of exactly seq_length + 1 tokens (int64) from documents [lo, hi) of an IndexedDataset.
+    """Samples of exactly seq_length + 1 tokens (int64) from documents [lo, hi) of an IndexedDataset
+    (or any corpus with its `sequence_lengths`, `get` and `prefix`: the mock one, dtgpt.data.mock).
 
     Enough epochs are built for `num_samples` (None: one epoch, Megatron's None); `len()` covers
     every sample of those epochs (>= num_samples, as in Megatron). With `order="stable"` sample i
@@ -47,11 +48,6 @@ class GPTDataset:
         tokens_per_epoch = int(indexed.sequence_lengths[lo:hi].sum(dtype=np.int64))
         key = cache_key(max(tokens_per_epoch, 1), num_samples, seq_length, order)
         self.num_epochs = key["num_epochs"]
-        self.description = {
-            "class": "GPTDataset", "format": 3, "prefix": os.path.abspath(indexed.prefix),
-            "idx": file_fingerprint(idx_path(indexed.prefix)), "bin": file_fingerprint(bin_path(indexed.prefix)),
-            "split": split_name, "documents": [lo, hi], "seq_length": seq_length, "seed": seed, **key,
-        }
 
         def build() -> dict[str, np.ndarray]:
             docs = np.arange(lo, hi, dtype=np.int64)
@@ -61,6 +57,10 @@ class GPTDataset:
         if cache_dir is None:
             self._set_arrays(build())
         else:
+            self.description = {
+                "class": "GPTDataset", "format": 3, **corpus_fingerprint(indexed),
+                "split": split_name, "documents": [lo, hi], "seq_length": seq_length, "seed": seed, **key,
+            }
             stem = os.path.join(cache_dir, f"{description_hash(self.description)}-GPTDataset-{split_name}")
             self._paths = {name: f"{stem}-{name}.npy" for name in _ARRAYS}
             build_once(lambda: is_cached(self._paths.values()),
@@ -119,6 +119,15 @@ class GPTDataset:
                 "with another vocabulary, or the file is corrupt"
             )
         return sample
+
+
+def corpus_fingerprint(corpus) -> dict:
+    """What names a corpus in the cache key: its files' fingerprints, or the corpus's own (mock)."""
+    if hasattr(corpus, "fingerprint"):
+        return corpus.fingerprint()
+    prefix = corpus.prefix
+    return {"prefix": os.path.abspath(prefix), "idx": file_fingerprint(idx_path(prefix)),
+            "bin": file_fingerprint(bin_path(prefix))}
 
 
 def _save_all(paths: dict[str, str], arrays: dict[str, np.ndarray]) -> None:

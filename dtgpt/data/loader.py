@@ -9,11 +9,14 @@ why the loader's own position is never checkpointed (docs/data.md, "Loader").
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from functools import partial
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
+from dtgpt.data.batch import Batch, TokenOptions, build_batch
 
 
 class GlobalBatchSampler:
@@ -60,9 +63,15 @@ def collate_samples(samples: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
 
 
+def collate_batch(samples: list[np.ndarray], options: TokenOptions) -> Batch:
+    """Stacked samples as the Batch the model trains on (labels, positions, documents)."""
+    return build_batch(collate_samples(samples), options)
+
+
 def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,
-                      dp_size: int, num_workers: int) -> DataLoader:
-    """Iterable of this rank's (gbs_k / dp_size, seq_length + 1) LongTensors, from consumed_samples on.
+                      dp_size: int, num_workers: int, options: Optional[TokenOptions] = None) -> DataLoader:
+    """Iterable of this rank's (gbs_k / dp_size, seq_length + 1) LongTensors, from consumed_samples on;
+    with `options`, of Batches built from them (dtgpt.data.batch).
 
     With num_workers > 0, worker processes read and prefetch batches ahead of the training loop.
     """
@@ -70,7 +79,8 @@ def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[i
         raise ValueError(f"num_workers={num_workers} must be >= 0")
     sampler = GlobalBatchSampler(len(dataset), consumed_samples, batch_size_at, dp_rank, dp_size)
     extra = {"prefetch_factor": 2, "persistent_workers": False} if num_workers > 0 else {}
+    collate = collate_samples if options is None else partial(collate_batch, options=options)
     # A private generator: starting an iterator draws a base seed, and drawing it from the
     # global RNG would shift dropout masks after every evaluation (resume would not be exact).
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_samples,
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
                       pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(0), **extra)

@@ -1,65 +1,65 @@
-"""Synthetic GPT samples that need no files: sample i is a function of (seed, split, i) only.
+"""Mock data as Megatron Core's MockGPTDataset, sample for sample: no files needed.
 
-Each sample is a run of short documents separated by eod. A document either counts
-(a, a+s, a+2s, ... over a small alphabet) or repeats a short random motif, so after a few
-tokens the rest is predictable: a tiny model's loss falls well below log(vocab) within a few
-hundred steps, which makes mock data useful for checking that training learns at all.
+Megatron's mock "corpus" (its MockGPTLowLevelDataset) holds 100,000 documents whose lengths are
+drawn once from `numpy.random.default_rng(0)` in [1, 4096); document d of length n is the ids
+1, 2, ..., n - 1 modulo the vocabulary, then the eod. Its MockGPTDataset is a GPTDataset over
+that corpus: the split's documents, shuffled and cut into samples with the training seed exactly
+as real data is (dtgpt.data.gpt_dataset), so Megatron Core's own simple loop and dtgpt train on
+the same mock tokens. The ids count up, so a tiny model learns them fast.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
-from dtgpt.config.split import SPLIT_NAMES
+from dtgpt.config.split import split_document_ranges
+from dtgpt.data.gpt_dataset import GPTDataset
 
-ALPHABET = 256
-"""Tokens are drawn from the first min(256, vocab_size - 1) non-eod ids: frequent enough to learn fast."""
-_DOC_LENGTHS = (8, 65)
-_COUNT_STEPS = (1, 4)
-_MOTIF_LENGTHS = (2, 7)
+DOCUMENTS = 100_000
+MAX_LENGTH = 4096
+LENGTH_SEED = 0
+"""Megatron's hard-coded corpus: this many documents, lengths in [1, MAX_LENGTH), drawn with this seed."""
+MOCK_SPLIT = "1,1,1"
+"""Megatron splits its mock documents evenly whatever --split says (its config overrides it)."""
 
 
-class MockGPTDataset:
-    """`num_samples` samples of seq_length + 1 int64 tokens in [0, vocab_size)."""
+class MockDocuments:
+    """Megatron's mock corpus behind the IndexedDataset interface GPTDataset reads."""
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, eod: int, seed: int,
-                 split_name: str = "train"):
+    prefix = "<mock>"
+
+    def __init__(self, vocab_size: int, eod: int):
         if vocab_size < 2 or not 0 <= eod < vocab_size:
             raise ValueError(f"mock data needs vocab_size >= 2 and 0 <= eod < vocab_size, got {vocab_size}, {eod}")
-        self.num_samples, self.seq_length = num_samples, seq_length
         self.vocab_size, self.eod = vocab_size, eod
-        self.split_name = split_name
-        # SeedSequence takes non-negative entropy; the split keeps train/valid/test streams apart.
-        self._entropy = [int(seed) & (2**64 - 1), SPLIT_NAMES.index(split_name)]
-        self._alphabet = min(ALPHABET, vocab_size - 1)
+        rng = np.random.default_rng(seed=LENGTH_SEED)
+        self.sequence_lengths = rng.integers(low=1, high=MAX_LENGTH, size=DOCUMENTS, dtype=np.int32)
 
     def __len__(self) -> int:
-        return self.num_samples
+        return DOCUMENTS
 
-    def _document(self, rng: np.random.Generator) -> np.ndarray:
-        k = self._alphabet
-        length = int(rng.integers(*_DOC_LENGTHS))
-        if rng.integers(2) == 0:
-            start, step = rng.integers(k), rng.integers(*_COUNT_STEPS)
-            symbols = (start + step * np.arange(length)) % k
-        else:
-            motif = rng.integers(0, k, int(rng.integers(*_MOTIF_LENGTHS)))
-            symbols = np.resize(motif, length)
-        # Shift symbols at or above eod up by one so that eod only ever ends a document.
-        return symbols + (symbols >= self.eod)
+    def fingerprint(self) -> dict:
+        """The index arrays depend on the document lengths only, which are fixed."""
+        return {"prefix": self.prefix, "documents": DOCUMENTS, "max_length": MAX_LENGTH, "length_seed": LENGTH_SEED}
 
-    def __getitem__(self, idx: int) -> np.ndarray:
-        if not 0 <= idx < self.num_samples:
-            raise IndexError(f"sample {idx} out of range for mock {self.split_name} dataset of {self.num_samples}")
-        rng = np.random.default_rng([*self._entropy, int(idx)])
-        out = np.empty(self.seq_length + 1, dtype=np.int64)
-        pos = 0
-        while pos < len(out):
-            doc = self._document(rng)
-            take = min(len(doc), len(out) - pos)
-            out[pos:pos + take] = doc[:take]
-            pos += take
-            if pos < len(out):
-                out[pos] = self.eod
-                pos += 1
-        return out
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of document idx (to its end when length is None)."""
+        n = int(self.sequence_lengths[idx])
+        if length is None:
+            length = n - offset
+        position = np.arange(offset, min(offset + length, n), dtype=np.int64)
+        return np.where(position == n - 1, self.eod, (position + 1) % self.vocab_size)
+
+
+def build_mock_dataset(split_index: int, num_samples: int, seq_length: int, vocab_size: int, eod: int, seed: int,
+                       split_name: str, cache_dir: Optional[str]) -> GPTDataset:
+    """Megatron's MockGPTDataset for one split (of the 100,000 mock documents, split MOCK_SPLIT).
+
+    Its index arrays are cached like real data's (`cache_dir`; None: built in memory): ordering
+    a 200M-token epoch takes seconds, which every run and rank would otherwise pay.
+    """
+    corpus = MockDocuments(vocab_size, eod)
+    document_range = split_document_ranges(MOCK_SPLIT, len(corpus))[split_index]
+    return GPTDataset(corpus, document_range, num_samples, seq_length, seed, cache_dir, split_name)

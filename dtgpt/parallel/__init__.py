@@ -151,4 +151,6 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         tied_group=build_tied_group(dims, parts),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
         rng=rng,
+        # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset options.
+        every_stage_reads_batches=dims.cp_enabled or cfg.data.reset_position_ids or cfg.data.reset_attention_mask,
     )

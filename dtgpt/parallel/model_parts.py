@@ -18,12 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
+from dtgpt.data.batch import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the loss skips these labels
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
 from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_tied_grads, tied_pair_on_rank
-
-IGNORE_INDEX = -100
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,6 +72,9 @@ class ModelParts:
     fsdp_reshard_every_micro_batch: bool = False
     """parallel.fsdp_reshard_after_forward='always': free gathered parameters after each
     micro-batch's backward too; otherwise they stay gathered until the last one."""
+    every_stage_reads_batches: bool = False
+    """Every stage takes per-token inputs (reset position ids: RoPE in every block; document
+    masking: every attention), so middle pipeline stages read the batches too."""
 
     @property
     def has_first_stage(self) -> bool:
@@ -84,9 +86,10 @@ class ModelParts:
 
     @property
     def reads_batches(self) -> bool:
-        """Only the first stage needs tokens and the last labels: middle stages read no data,
-        except under cp, where every stage needs the positions of the chunks it holds."""
-        return self.has_first_stage or self.has_last_stage or self.dims.cp_enabled
+        """The first stage needs tokens, the last labels; middle stages read no data unless every
+        stage takes per-token inputs (the positions of the chunks it holds under cp, the documents
+        under Megatron's reset options)."""
+        return self.has_first_stage or self.has_last_stage or self.every_stage_reads_batches
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
