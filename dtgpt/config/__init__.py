@@ -35,14 +35,8 @@ from dtgpt.config.derived import (
     padded_vocabulary,
 )
 from dtgpt.config.loading import apply_override, config_from_dict, load_config, load_toml, split_overrides, to_toml
-from dtgpt.config.validation import (
-    MULTI_STAGE_SCHEDULES,
-    PIPELINE_SCHEDULES,
-    V_SHAPED_SCHEDULES,
-    get_key,
-    validate,
-    validate_mesh,
-)
+from dtgpt.config.parallel_rules import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, V_SHAPED_SCHEDULES
+from dtgpt.config.validation import get_key, validate, validate_mesh
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",

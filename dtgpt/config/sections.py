@@ -13,6 +13,12 @@ class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key, the value and the rule."""
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ok: how every config rule is stated."""
+    if not ok:
+        raise ConfigError(message)
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = 2

@@ -12,30 +12,18 @@ from dtgpt.config.derived import (
     lr_decay_length,
     lr_warmup_length,
     lr_wsd_decay_length,
-    mesh_shape,
     null_tokenizer_ids,
     num_microbatches,
     num_pipeline_stages,
     padded_vocabulary,
 )
 from dtgpt.config.blend import parse_blend
+from dtgpt.config.parallel_rules import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, check_parallelism
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.ranges import check_ranges
-from dtgpt.config.sections import Config, ConfigError
+from dtgpt.config.sections import Config
+from dtgpt.config.sections import require as _require
 from dtgpt.config.split import parse_split
-
-PIPELINE_SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
-# Schedules that place two or more stages on every rank.
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 _CHOICES = {
     "model.position_embedding_type": ("learned_absolute", "rope"),
@@ -82,9 +70,6 @@ def get_key(cfg: Config, dotted: str) -> Any:
     return getattr(getattr(cfg, section), key)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def _check_model(cfg: Config) -> None:
@@ -107,150 +92,6 @@ def _check_model(cfg: Config) -> None:
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")
-
-
-def _check_tensor_parallel(cfg: Config) -> None:
-    """Rules of tensor parallel."""
-    m = cfg.model
-    p = cfg.parallel
-    tp = cfg.parallel.tensor_model_parallel_size
-    _require(
-        m.num_attention_heads % tp == 0,
-        f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={m.num_attention_heads}",
-    )
-    _require(
-        m.ffn_size % tp == 0,
-        f"parallel.tensor_model_parallel_size={tp} must divide the MLP width model.ffn_hidden_size={m.ffn_size}",
-    )
-    _require(
-        not (p.sequence_parallel and tp > 1) or m.seq_length % tp == 0,
-        f"parallel.tensor_model_parallel_size={tp} must divide model.seq_length={m.seq_length} "
-        "under parallel.sequence_parallel=true",
-    )
-
-
-def _check_context_parallel(cfg: Config) -> None:
-    """Rules of context parallel: whole chunk pairs per rank (and per tp rank under SP)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
-    if cp == 1:
-        return
-    chunks = 2 * cp * (tp if p.sequence_parallel else 1)
-    _require(
-        m.seq_length % chunks == 0,
-        f"model.seq_length={m.seq_length} must be divisible by 2 * parallel.context_parallel_size={cp}"
-        + (f" * tensor_model_parallel_size={tp} (sequence parallel)" if chunks != 2 * cp else "") + f" = {chunks}",
-    )
-    # SDPA draws a dropout mask for the (local queries x all keys) block it sees, so the mask
-    # would depend on cp (and cp peers would draw the same one): no layout-independent dropout.
-    _require(
-        m.attention_dropout == 0.0,
-        f"model.attention_dropout={m.attention_dropout} must be 0 with parallel.context_parallel_size={cp} "
-        "(the attention dropout mask would depend on how the sequence is split)",
-    )
-    _require(
-        not t.compile,
-        f"training.compile=true is not supported with parallel.context_parallel_size={cp} (> 1): "
-        "no parity test covers it yet; set training.compile=false",
-    )
-
-
-def _check_pipeline(cfg: Config) -> None:
-    """Rules of pipeline parallel."""
-    m = cfg.model
-    p = cfg.parallel
-    pp = cfg.parallel.pipeline_model_parallel_size
-    vpp = cfg.parallel.virtual_pipeline_stages_per_rank
-    stages = pp * vpp
-    if p.pipeline_layers_per_stage:
-        counts = p.pipeline_layers_per_stage
-        _require(
-            len(counts) == stages,
-            f"parallel.pipeline_layers_per_stage has {len(counts)} entries; it needs one per stage "
-            f"(pipeline_model_parallel_size * virtual_pipeline_stages_per_rank = {stages})",
-        )
-        _require(
-            sum(counts) == m.num_layers and min(counts) >= 0,
-            f"parallel.pipeline_layers_per_stage={counts} must be >= 0 and sum to model.num_layers={m.num_layers}",
-        )
-        empty = [i for i, c in enumerate(counts[1:-1], start=1) if c == 0]
-        _require(
-            not empty,
-            f"parallel.pipeline_layers_per_stage={counts}: middle stage {empty[0] if empty else ''} would hold "
-            "nothing (only the first stage may be just the embedding, the last just the head)",
-        )
-    else:
-        _require(
-            m.num_layers % stages == 0,
-            f"model.num_layers={m.num_layers} must be divisible by the number of pipeline stages "
-            f"(pipeline_model_parallel_size={pp} * virtual_pipeline_stages_per_rank={vpp} = {stages}); "
-            "or give parallel.pipeline_layers_per_stage",
-        )
-    if pp > 1 or vpp > 1:
-        multi = p.pipeline_schedule in MULTI_STAGE_SCHEDULES
-        if multi:
-            _require(
-                vpp >= 2,
-                f"parallel.pipeline_schedule={p.pipeline_schedule!r} places several stages per rank: "
-                f"set parallel.virtual_pipeline_stages_per_rank >= 2 (got {vpp})",
-            )
-        else:
-            _require(
-                vpp == 1,
-                f"parallel.virtual_pipeline_stages_per_rank={vpp} needs a multi-stage schedule "
-                f"({', '.join(MULTI_STAGE_SCHEDULES)}), not parallel.pipeline_schedule={p.pipeline_schedule!r}",
-            )
-        if p.pipeline_schedule in V_SHAPED_SCHEDULES:
-            _require(
-                vpp == 2,
-                f"parallel.pipeline_schedule={p.pipeline_schedule!r} is V-shaped and needs "
-                f"parallel.virtual_pipeline_stages_per_rank=2 (got {vpp})",
-            )
-
-
-def _check_compile(cfg: Config) -> None:
-    """Rules of compile: allowed where a parity test covers it (tests/test_compile.py).
-
-    On one rank, under FSDP, tp (with or without SP), 1F1B pipelines and each pair of these,
-    compiled blocks are checked against one eager process (pp x dp x tp is allowed from its
-    pairs); other schedules split or reorder the backward of each stage, and recomputation
-    re-enters compiled blocks, with no compiled parity test yet.
-    """
-    t, p = cfg.training, cfg.parallel
-    if not t.compile or (p.tensor_model_parallel_size == 1 and p.pipeline_model_parallel_size == 1):
-        return
-    _require(
-        p.pipeline_model_parallel_size == 1 or p.pipeline_schedule == "1F1B",
-        f"training.compile=true is not supported with parallel.pipeline_schedule={p.pipeline_schedule!r}: "
-        "compiled pipelines are parity-tested with '1F1B' only; set training.compile=false",
-    )
-    _require(
-        t.recompute_granularity is None,
-        f"training.compile=true is not supported with training.recompute_granularity={t.recompute_granularity!r} "
-        "under tensor or pipeline parallelism: no parity test covers compiled recomputation there; "
-        "set training.compile=false or unset training.recompute_granularity",
-    )
-
-
-def _check_recompute(cfg: Config) -> None:
-    """Rules of recomputation: which of Megatron's three flags go together."""
-    t = cfg.training
-    granularity, method, n = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
-    _require(n is None or n >= 1, f"training.recompute_num_layers={n} must be >= 1")
-    if granularity == "full":
-        _require(
-            method is not None and n is not None,
-            "training.recompute_granularity='full' needs training.recompute_method ('uniform' or 'block') "
-            f"and training.recompute_num_layers >= 1 (got method={method!r}, num_layers={n})",
-        )
-    else:
-        for key, value in (("recompute_method", method), ("recompute_num_layers", n)):
-            why = "'selective' recomputes the attention core of every block" if granularity else "it is unset"
-            _require(
-                value is None,
-                f"training.{key}={value!r} applies only to training.recompute_granularity='full' ({why}); "
-                f"leave {key} unset",
-            )
 
 
 def _check_batch_sizes(cfg: Config) -> None:
@@ -390,11 +231,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(value > 0, f"{key}={value} must be > 0")
     check_conflicts(cfg)
     _check_model(cfg)
-    _check_tensor_parallel(cfg)
-    _check_context_parallel(cfg)
-    _check_pipeline(cfg)
-    _check_compile(cfg)
-    _check_recompute(cfg)
+    check_parallelism(cfg)
     _check_batch_sizes(cfg)
     _check_precision(cfg)
     _check_learning_rate(cfg)
