@@ -72,10 +72,11 @@ def patch_for_optimizer() -> None:
 
 
 def mock_batch(first: int) -> torch.Tensor:
-    """dtgpt's mock samples first .. first + 7 (data.vocab_size=100: 100 ids, eod 99)."""
-    from dtgpt.data.mock import MockGPTDataset
+    """dtgpt's mock training samples first .. first + 7 (data.vocab_size=100: 100 ids, eod 99).
+    Any sample count within one epoch gives the same order, so first + BATCH samples suffice."""
+    from dtgpt.data.mock import build_mock_dataset
 
-    data = MockGPTDataset(first + BATCH, SEQ, VOCAB, VOCAB - 1, SEED)
+    data = build_mock_dataset(0, first + BATCH, SEQ, VOCAB, VOCAB - 1, SEED, "train", None)
     return torch.stack([torch.as_tensor(data[i]) for i in range(first, first + BATCH)])
 
 
