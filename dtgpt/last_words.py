@@ -52,6 +52,8 @@ class InFlight:
 
     def __init__(self, state: TrainState):
         self.state = state
+        # Only a whole replica can save last words, so without replicas no snapshot is ever read.
+        self.snapshots = state.model.dims.dp_replicate >= 2
         self.stepping = False
         self.rng: dict[str, torch.Tensor] | None = None
         """The generators at the start of the iteration in progress; None between iterations."""
@@ -64,7 +66,8 @@ class InFlight:
     def begin(self) -> None:
         """Before an iteration's batch is read (its state is then the last completed one's)."""
         self.stepping = False
-        self.rng = {key: value.clone() for key, value in rng_state(self.state.model).items()}
+        if self.snapshots:
+            self.rng = {key: value.clone() for key, value in rng_state(self.state.model).items()}
 
     def end(self) -> None:
         """The iteration completed: its state, live generators included, is the last completed one."""
