@@ -1,44 +1,59 @@
-"""dtgpt as a library: the calls that train.py's pretrain() is made of, for a loop of your own.
+"""dtgpt as a library: the building blocks that train.py's pretrain() is made of, for a loop of your own.
 
     cfg = make_config(model={...}, parallel={"tensor_model_parallel_size": 2}, ...)
     runtime = init_distributed(cfg)                  # process group, mesh, device, seeds
     model = build_model(cfg, runtime, vocab_size)    # this rank's parallelised model parts
     batches = build_train_iterator(cfg, runtime)     # this rank's share of each global batch
-    loss = forward_backward(model, next(batches), num_microbatches(cfg, runtime))
+    loss = forward_backward(model, next(batches), num_microbatches(cfg, runtime.dims.dp))
 
     state = build_train_state(cfg, model)            # AdamW, LR schedule, loss scaler, progress
-    result = train_step(state, cfg, runtime, next(batches))   # train.py's step, state advanced
+    result = train_step(cfg, state, next(batches))   # train.py's iteration, state advanced
     save_checkpoint(directory, cfg, runtime, state)  # resumable by train.py, exactly
     load_checkpoint(directory, cfg, runtime, state)
 
-Each is the function the trainer itself calls (dtgpt.distributed, dtgpt.parallel, dtgpt.step,
-dtgpt.state, dtgpt.data, dtgpt.checkpoint): one code path for both. The checkpoint calls also
-take a bare model and your own optimizer instead of a TrainState: then only the weights, the
-optimizer moments and the RNG are saved, no LR schedule, loss scale or progress (they were not
-dtgpt's), and train.py starts from such a checkpoint with checkpoint.load_optimizer=false.
+The trainer (dtgpt.training) is one user of these: it calls the same functions, and nothing here
+imports it. Defined here are the compositions of the lower modules; the rest is re-exported
+from where it lives (dtgpt.distributed, dtgpt.state, dtgpt.step, dtgpt.config). The checkpoint
+calls also take a bare model and your own optimizer instead of a TrainState: then only the
+weights, the optimizer moments and the RNG are saved, no LR schedule, loss scale or progress
+(they were not dtgpt's), and train.py starts from such a checkpoint with
+checkpoint.load_optimizer=false.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import torch
 
-from dtgpt.config import Config, config_from_dict, derived, padded_vocabulary, validate
-from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
+from dtgpt.config import Config, config_from_dict, padded_vocabulary, validate
+from dtgpt.config import num_microbatches as num_microbatches  # re-exported
+from dtgpt.data import build_datasets, build_tokenizer
 from dtgpt.data.batch import TokenOptions
-from dtgpt.distributed import Runtime, initialize
+from dtgpt.data.loader import build_data_loader
+from dtgpt.distributed import Runtime
+from dtgpt.distributed import init_distributed as init_distributed  # re-exported
 from dtgpt.distributed import shutdown as shutdown  # re-exported
 from dtgpt.model import GPT
-from dtgpt.optim import BatchSizeSchedule, PartOptimizers
-from dtgpt.parallel import ModelParts, ParallelDims
-from dtgpt.parallel import build_model as build_parallel_model
+from dtgpt.optim import BatchSizeSchedule, PartOptimizers, total_train_samples
+from dtgpt.parallel import ModelParts, ParallelDims, build_model_parts
 from dtgpt.state import Progress, TrainState
 from dtgpt.state import build_train_state as build_train_state  # re-exported
-from dtgpt.step import StepResult, reduce_loss
-from dtgpt.step import forward_backward as forward_backward_local
+from dtgpt.step import evaluate as evaluate  # re-exported
+from dtgpt.step import forward_backward as forward_backward  # re-exported
+from dtgpt.step import train_step as train_step  # re-exported
+
+ModelProvider = Callable[[Config, int], GPT]
+"""(config, padded vocabulary size) -> the whole GPT; called under torch.device("meta")."""
+
+__all__ = [
+    "make_config", "init_distributed", "build_model", "build_train_state", "build_train_iterator",
+    "build_data_iterators", "num_samples_needed", "num_microbatches", "forward_backward", "train_step",
+    "evaluate", "save_checkpoint", "load_checkpoint", "shutdown",
+]  # fmt: skip
 
 
 def make_config(**sections: dict) -> Config:
@@ -48,66 +63,77 @@ def make_config(**sections: dict) -> Config:
     return cfg
 
 
-def init_distributed(cfg: Config) -> Runtime:
-    """Start the process group when launched by torchrun, build the mesh of cfg.parallel, seed."""
-    return initialize(cfg)
-
-
 def _dims_for(cfg: Config, runtime: Runtime) -> ParallelDims:
     """The runtime's mesh when cfg has its layout, else a second mesh over the same ranks."""
     dims = ParallelDims.from_config(cfg, runtime.world_size)
-    same = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp) == (
-        runtime.dims.pp, runtime.dims.dp_replicate, runtime.dims.dp_shard, runtime.dims.cp, runtime.dims.tp,
-    )  # fmt: skip
-    if same:
+    if dims.shape == runtime.dims.shape:
         return runtime.dims
     dims.build_mesh(runtime.device.type)
     return dims
 
 
-def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> ModelParts:
-    """GPT of cfg.model built on meta, parallelised per cfg.parallel, initialised with the seed."""
-    padded = padded_vocabulary(cfg, vocab_size)
+def gpt_from_config(cfg: Config, vocab_size: int) -> GPT:
+    """The default model provider: the GPT of cfg.model."""
+    return GPT(cfg.model, vocab_size)
+
+
+def build_model(cfg: Config, runtime: Runtime, vocab_size: int, model_provider: ModelProvider = gpt_from_config) -> ModelParts:
+    """The provider's GPT built on meta, parallelised per cfg.parallel, initialised with the seed.
+    `vocab_size` is the tokenizer's; it is padded here (make_vocab_size_divisible_by)."""
     with torch.device("meta"):
-        whole = GPT(cfg.model, padded)
-    return build_parallel_model(cfg, _dims_for(cfg, runtime), whole, runtime.device)
+        whole = model_provider(cfg, padded_vocabulary(cfg, vocab_size))
+    return build_model_parts(cfg, _dims_for(cfg, runtime), whole, runtime.device)
 
 
-def num_microbatches(cfg: Config, runtime: Runtime) -> int:
-    """Micro-batches per data-parallel rank in one global batch of cfg."""
-    return derived.num_microbatches(cfg, runtime.dims.dp, cfg.training.global_batch_size)
+def num_samples_needed(cfg: Config) -> tuple[int, int, int]:
+    """Samples of train, valid and test that the run will read (Megatron's accounting)."""
+    t, e = cfg.training, cfg.eval
+    evals = t.train_iters // e.eval_interval + 1
+    return total_train_samples(t), evals * e.eval_iters * t.global_batch_size, e.eval_iters * t.global_batch_size
 
 
-def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 0) -> Iterator[torch.Tensor]:
-    """This rank's (global batch size / dp, seq_length + 1) token batches, in the global order
-    that train.py reads (batch-size ramp-up included), from consumed_samples on."""
-    from dtgpt.training import num_samples_needed
+def _cycle(make: Callable[[], Iterator]) -> Iterator:
+    """Loop over a finite loader forever (evaluation reads a fixed number of batches each time)."""
+    while True:
+        empty = True
+        for item in make():
+            empty = False
+            yield item
+        if empty:
+            return
 
+
+def build_data_iterators(
+    cfg: Config, runtime: Runtime, datasets: tuple, options: TokenOptions, consumed_samples: int = 0,
+    reads_batches: bool = True,
+) -> tuple[Iterator, Iterator | None, Iterator | None]:
+    """Train, validation and test iterators of this rank's Batches, the train one in the global
+    order from consumed_samples on (batch-size ramp-up included); evaluation cycles over its split.
+    A middle pipeline stage that needs no per-token inputs (`reads_batches` False) reads none: it
+    gets None per batch and starts no loader workers."""
+    train_ds, valid_ds, test_ds = datasets
+    if not reads_batches:
+        nothing = itertools.repeat(None)
+        return nothing, nothing if valid_ds is not None else None, nothing if test_ds is not None else None
+    dims, workers = runtime.dims, cfg.data.num_workers
+
+    def loader(dataset, start, size_at):
+        return build_data_loader(dataset, start, size_at, dims.dp_rank, dims.dp, workers, options)
+
+    train = iter(loader(train_ds, consumed_samples, BatchSizeSchedule(cfg.training).global_batch_size))
+    eval_size = lambda _consumed: cfg.training.global_batch_size  # noqa: E731
+    valid = _cycle(lambda: loader(valid_ds, 0, eval_size)) if valid_ds is not None else None
+    test = _cycle(lambda: loader(test_ds, 0, eval_size)) if test_ds is not None else None
+    return train, valid, test
+
+
+def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 0) -> Iterator:
+    """This rank's Batches of (global batch size / dp) samples, in the global order that train.py
+    reads (batch-size ramp-up included), from consumed_samples on."""
     tokenizer = build_tokenizer(cfg.data)
-    train, _, _ = build_datasets(cfg, tokenizer, num_samples_needed(cfg))
-    size_at = BatchSizeSchedule(cfg.training).global_batch_size
-    dims, options = runtime.dims, TokenOptions.from_config(cfg.data, tokenizer.eod)
-    return iter(build_data_loader(train, consumed_samples, size_at, dims.dp_rank, dims.dp, cfg.data.num_workers, options))
-
-
-def forward_backward(model: ModelParts, batch: torch.Tensor, num_microbatches: int, *, forward_only: bool = False) -> float:
-    """Forward and backward over the micro-batches of one global batch (through the pipeline
-    schedule when there is one); returns the global-batch loss, the same on every rank. The
-    gradients of a tied embedding split across pipeline stages are summed, as train_step does."""
-    local = forward_backward_local(model, batch, num_microbatches, forward_only=forward_only)
-    if not forward_only:
-        model.sync_tied_grads()
-    return reduce_loss(model, local).item()
-
-
-def train_step(state: TrainState, cfg: Config, runtime: Runtime, batch: torch.Tensor | None) -> StepResult:
-    """train.py's training iteration on one global batch: set the LR, forward-backward, clip,
-    AdamW step (skipped on overflow or a non-finite loss), then advance `state`'s progress and
-    LR schedule. `result.nan` says the step was non-finite (train.py applies nan_policy)."""
-    from dtgpt.training import build_trainer, step_state
-
-    result, _, _ = step_state(build_trainer(cfg, runtime, state), batch)
-    return result
+    datasets = build_datasets(cfg, tokenizer, num_samples_needed(cfg))
+    options = TokenOptions.from_config(cfg.data, tokenizer.eod)
+    return build_data_iterators(cfg, runtime, datasets, options, consumed_samples)[0]
 
 
 ModelOrState = Union[TrainState, ModelParts]

@@ -56,7 +56,7 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def initialize(cfg: Config) -> Runtime:
+def init_distributed(cfg: Config) -> Runtime:
     """Validate against the world size, start the process group if launched by torchrun, seed."""
     world_size = world_size_from_env()
     validate(cfg, world_size)  # before any process group: a config error costs no rendezvous

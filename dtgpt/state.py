@@ -3,11 +3,12 @@
     model        this rank's model parts            optimizer    AdamW per part
     lr_schedule  where the LR schedule stands       scaler       the fp16 loss scale
     progress     iteration, consumed samples, skipped and NaN iterations
+    timers       the phase timers train_step reads (logging.timers_log_level; never saved)
 
 `state_dict()` is the dict DCP saves: its keys name the whole model's parameters, never the
 mesh (layout in dtgpt/checkpoint/state.py), so any mesh reads any other mesh's checkpoint.
 train.py and the library API (dtgpt.api) both build this object and save it, so a checkpoint
-from either resumes the same way.
+from either resumes the same way. The checkpoint checks of a stored layout live in dtgpt.checkpoint.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dtgpt.model import OUTPUT_WEIGHT, WORD_EMBEDDING
 from dtgpt.optim import LRSchedule, PartOptimizers
 from dtgpt.parallel import ModelParts
 from dtgpt.parallel.rng import rng_coordinate
+from dtgpt.timers import Timers
 
 FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -138,6 +140,7 @@ class TrainState(Stateful):
     lr_schedule: LRSchedule | None
     scaler: LossScaler | None
     progress: Progress = field(default_factory=Progress)
+    timers: Timers = field(default_factory=lambda: Timers(0, torch.device("cpu")))
 
     STATEFUL = {"train_state": "progress", "lr_schedule": "lr_schedule", "loss_scaler": "scaler"}
     """Sections saved through the objects' own state_dict (checkpoint key -> attribute)."""
@@ -241,7 +244,7 @@ class TrainState(Stateful):
 
 
 def build_train_state(cfg: Config, model: ModelParts) -> TrainState:
-    """AdamW per part, LR schedule and loss scaler of cfg around `model`, at iteration 0."""
-    implementation = "fused" if model.device.type == "cuda" else "foreach"
-    optimizer = PartOptimizers(model.parts, cfg.optimizer, implementation=implementation)
-    return TrainState(model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg))
+    """AdamW per part, LR schedule, loss scaler and phase timers of cfg around `model`, at iteration 0."""
+    optimizer = PartOptimizers(model.parts, cfg.optimizer, fused=model.device.type == "cuda")
+    timers = Timers(cfg.logging.timers_log_level, model.device)
+    return TrainState(model, optimizer, LRSchedule(cfg), build_loss_scaler(cfg), timers=timers)

@@ -1,6 +1,7 @@
-"""One training step: forward-backward over micro-batches, gradient sync and clip, optimizer.
+"""One training iteration: forward-backward over micro-batches, gradient sync and clip, optimizer.
 
-`forward_backward` hides the difference between one stage and a pipeline schedule. The loss of
+`train_step` is the iteration on one page; `local_forward_backward` hides the difference between
+one stage and a pipeline schedule, `forward_backward` adds the syncs a bare loop needs. The loss of
 a global batch is the sum of its token losses over the number of loss tokens in the global
 batch (DESIGN invariant 1), so gradients are sums over micro-batches and ranks, never means.
 """
@@ -9,16 +10,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtgpt.data.batch import Batch, build_batch
+from dtgpt.config import Config, num_microbatches
+from dtgpt.data.batch import IGNORE_INDEX, Batch, build_batch
+from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel.context import split_sequence
 from dtgpt.parallel.fsdp import set_micro_batch_sync
-from dtgpt.parallel.model_parts import IGNORE_INDEX, GlobalBatchLoss, ModelParts
-from dtgpt.timers import Timers
+from dtgpt.parallel.model_parts import GlobalBatchLoss, ModelParts
+from dtgpt.state import TrainState
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float
     return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy)
 
 
-def forward_backward(
+def local_forward_backward(
     model: ModelParts,
     batch: Batch | torch.Tensor | None,
     num_microbatches: int,
@@ -66,8 +70,9 @@ def forward_backward(
 ) -> torch.Tensor:
     """Run this rank's share of a global batch (num_microbatches micro-batches).
 
-    Returns this rank's part of the global-batch loss (unscaled): its micro-batch losses summed.
-    Under pipelining only ranks holding the last stage have a non-zero part, and a rank holding
+    Returns this rank's part of the global-batch loss (unscaled), its micro-batch losses summed,
+    and leaves gradients unsynced across pipeline stages (forward_backward does both). Under
+    pipelining only ranks holding the last stage have a non-zero part, and a rank holding
     neither the first nor the last stage gets no batch (None) unless every stage takes the
     per-token inputs (position_ids, document_ids).
     """
@@ -83,6 +88,16 @@ def forward_backward(
         else:
             total = _one_stage(model, loss, batch, num_microbatches, forward_only)
     return total / loss_scale
+
+
+def forward_backward(model: ModelParts, batch: Batch | torch.Tensor | None, num_microbatches: int, *, forward_only: bool = False) -> float:
+    """Forward and backward over the micro-batches of one global batch (through the pipeline
+    schedule when there is one); returns the global-batch loss, the same on every rank. The
+    gradients of a tied embedding split across pipeline stages are summed, as train_step does."""
+    local = local_forward_backward(model, batch, num_microbatches, forward_only=forward_only)
+    if not forward_only:
+        model.sync_tied_grads()
+    return reduce_loss(model, local).item()
 
 
 def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_microbatches: int, forward_only: bool) -> torch.Tensor:
@@ -156,25 +171,24 @@ class StepResult:
     nan: bool
     """The loss or gradient norm was not finite."""
     found_inf: bool
+    global_batch_size: int = 0
+    lr: float = 0.0
 
 
-def train_step(
-    model: ModelParts,
-    optimizer,
-    scaler,
-    batch: Batch | torch.Tensor | None,
-    num_microbatches: int,
-    clip_grad: float,
-    timers: Timers | None = None,
-) -> StepResult:
-    """forward-backward -> tied-grad sync -> unscale -> global norm and clip -> optimizer step.
+def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | None) -> StepResult:
+    """One training iteration on global batch k, in order, advancing `state` past it.
 
-    One host synchronisation per iteration: the loss, norm and overflow flag are read together.
+    Timers are the state's (built from logging.timers_log_level); faults, last words and the
+    watchdog wrap this call from outside (dtgpt.faults). One host synchronisation per iteration:
+    the loss, norm and overflow flag are read together.
     """
-    timers = timers or Timers(0, model.device)
+    model, optimizer, scaler, timers = state.model, state.optimizer, state.scaler, state.timers
+    global_batch_size = BatchSizeSchedule(cfg.training).global_batch_size(state.progress.consumed_samples)
+    microbatches = num_microbatches(cfg, model.dims.dp, global_batch_size)
+    lr = state.lr_schedule.apply(optimizer)
     optimizer.zero_grad(set_to_none=True)
     with timers("forward-backward"):
-        local_loss = forward_backward(model, batch, num_microbatches, loss_scale=scaler.scale)
+        local_loss = local_forward_backward(model, batch, microbatches, loss_scale=scaler.scale)
     timers("optimizer").start()
     with timers("grads-reduce-clip"):
         model.reduce_pending_grads()
@@ -183,7 +197,7 @@ def train_step(
         # Without fp16 there is nothing to unscale: a NaN/inf gradient shows in the norm below.
         found_inf = any_rank_true(model, scaler.unscale_and_check_(grads)) if scaler.enabled else torch.zeros(())
         grad_norm = global_grad_norm(model)
-        clip_gradients(model, clip_grad, grad_norm)
+        clip_gradients(model, cfg.optimizer.clip_grad, grad_norm)
         loss = reduce_loss(model, local_loss)
         loss_value, norm_value, inf_value = torch.stack([loss, grad_norm, found_inf.to(loss.device)]).tolist()
     result = classify(loss_value, norm_value, overflow=scaler.enabled and inf_value > 0)
@@ -192,7 +206,20 @@ def train_step(
             optimizer.step()
     scaler.update(result.found_inf)
     timers("optimizer").stop()
-    return result
+    state.record(skipped=result.skipped, nan=result.nan, global_batch_size=global_batch_size)
+    return replace(result, global_batch_size=global_batch_size, lr=lr)
+
+
+@torch.no_grad()
+def evaluate(cfg: Config, model: ModelParts, batches: Iterator, num_batches: int) -> float:
+    """Mean loss over `num_batches` global batches, forward only (through the pipeline if any)."""
+    model.train(False)
+    microbatches = num_microbatches(cfg, model.dims.dp, cfg.training.global_batch_size)
+    total = torch.zeros((), device=model.device)
+    for _ in range(num_batches):
+        total += reduce_loss(model, local_forward_backward(model, next(batches), microbatches, forward_only=True))
+    model.train(True)
+    return total.item() / max(num_batches, 1)
 
 
 def classify(loss: float, grad_norm: float, overflow: bool) -> StepResult:

@@ -44,7 +44,7 @@ def main():
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for iteration in range(1, 6):
         optimizer.zero_grad()
-        loss = dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime))
+        loss = dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime.dims.dp))
         optimizer.step()
         if runtime.is_main:
             print(f"iteration {iteration}: loss {loss:.6f}", flush=True)

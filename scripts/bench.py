@@ -6,9 +6,9 @@
     python scripts/bench.py --sizes 1.3b --json results.json
 
 dtgpt runs exactly as the trainer runs it on one device: a Config, the mesh of one
-(`ParallelDims.from_config(cfg, 1)`), `build_model_and_state` (meta build -> parallelize ->
-materialise, AdamW, LR schedule, loss scaler), then `train_step` once per iteration with one
-micro-batch. The reference is what one would write in a single file: the model of
+(`ParallelDims.from_config(cfg, 1)`), the library's `build_model` (meta build -> parallelize ->
+materialise) and `build_train_state` (AdamW, LR schedule, loss scaler), then `train_step` once
+per iteration with one micro-batch. The reference is what one would write in a single file: the model of
 scripts/reference_gpt.py (pre-LN GPT, learned positions, fused QKV, tanh-GeLU MLP, biases, final
 LayerNorm, tied head) and the step below: bf16 autocast, `torch.compile` of the model (loss
 included), AdamW (fused on CUDA), clipping at 1.0, and the loss read on the host once per
@@ -45,8 +45,7 @@ from dtgpt.distributed import Runtime, resolve_device
 from dtgpt.metrics import peak_tflops
 from dtgpt.model import GPT, flops_per_token, num_parameters, padded_vocab_size
 from dtgpt.parallel import ParallelDims
-from dtgpt.step import train_step
-from dtgpt.training import build_model_and_state
+from dtgpt.api import build_model, build_train_state, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path
 from reference_gpt import ReferenceGPT  # noqa: E402
@@ -98,20 +97,15 @@ def build_dtgpt(cfg: Config, device: torch.device):
     """The TrainState (model parts, optimizer, LR schedule, scaler) of the trainer's own setup path."""
     torch.manual_seed(cfg.training.seed)
     runtime = Runtime(rank=0, world_size=1, local_rank=0, device=device, dims=ParallelDims.from_config(cfg, 1))
-    vocab = padded_vocab_size(VOCAB_SIZE, cfg.model.make_vocab_size_divisible_by)
-    return build_model_and_state(cfg, runtime, lambda c, v: GPT(c.model, v), vocab)
+    return build_train_state(cfg, build_model(cfg, runtime, VOCAB_SIZE))
 
 
 def dtgpt_step(cfg: Config, device: torch.device) -> tuple[Step, GPT]:
-    """One trainer iteration (lr -> train_step -> schedule), and the model it trains."""
+    """One trainer iteration (train_step: lr, forward-backward, clip, AdamW, schedule), and the model it trains."""
     state = build_dtgpt(cfg, device)
-    gbs = cfg.training.global_batch_size
 
     def step(batch: torch.Tensor) -> float:
-        state.lr_schedule.apply(state.optimizer)
-        result = train_step(state.model, state.optimizer, state.scaler, batch, 1, cfg.optimizer.clip_grad)
-        state.record(skipped=result.skipped, nan=result.nan, global_batch_size=gbs)
-        return result.loss
+        return train_step(cfg, state, batch).loss
 
     return step, state.model.parts[0]
 

@@ -27,11 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dtgpt.checkpoint import Checkpointer, layout  # noqa: E402
 from dtgpt.config import load_config  # noqa: E402
-from dtgpt.distributed import initialize  # noqa: E402
-from dtgpt.model import GPT, num_parameters  # noqa: E402
+from dtgpt.api import build_model, build_train_state, init_distributed  # noqa: E402
+from dtgpt.model import num_parameters  # noqa: E402
 from dtgpt.state import Progress  # noqa: E402
-from dtgpt.training import Trainer, build_model_and_state  # noqa: E402
-from dtgpt.training import build_trainer as trainer_of  # noqa: E402
 
 VOCAB = 32768
 HIDDEN = 1024
@@ -51,16 +49,17 @@ def model_overrides(gb: float, device: str) -> list[str]:
     ]  # fmt: skip
 
 
-def build_trainer(overrides: list[str]) -> Trainer:
+def build_run(overrides: list[str]) -> tuple:
+    """(cfg, runtime, state) of a trained-once model: its AdamW state exists."""
     cfg = load_config(None, overrides)
-    runtime = initialize(cfg)
-    state = build_model_and_state(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB)
+    runtime = init_distributed(cfg)
+    state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
     for p in state.model.parameters():  # one zero-gradient step creates the AdamW state
         p.grad = torch.zeros_like(p)
     state.optimizer.step()
     state.optimizer.zero_grad()
     state.progress = Progress(iteration=1, consumed_samples=8)
-    return trainer_of(cfg, runtime, state)
+    return cfg, runtime, state
 
 
 def tensors_of(state: dict) -> dict[str, torch.Tensor]:
@@ -83,23 +82,24 @@ def torch_save_synced(obj, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def bench(trainer: Trainer, root: Path, repeat: int) -> dict[str, float]:
-    cfg = trainer.cfg.checkpoint
-    flat = tensors_of(trainer.state.state_dict())
+def bench(run: tuple, root: Path, repeat: int) -> dict[str, float]:
+    full_cfg, runtime, state = run
+    cfg = full_cfg.checkpoint
+    flat = tensors_of(state.state_dict())
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     results = {"bytes": nbytes, "dcp_save": 1e9, "dcp_load": 1e9, "torch_save": 1e9, "torch_load": 1e9,
                "async_first": 1e9, "async_blocked": 1e9, "async_total": 1e9}  # fmt: skip
     for r in range(repeat):
         shutil.rmtree(root, ignore_errors=True)
         cfg.save, cfg.async_save = str(root / "sync"), False
-        ckpt = Checkpointer(trainer.state, trainer.cfg, trainer.runtime)
+        ckpt = Checkpointer(state, full_cfg, runtime)
         results["dcp_save"] = min(results["dcp_save"], timed(lambda: ckpt.save(1)))
         directory = layout.iteration_dir(root / "sync", 1)
-        request = {s: d for s, d in trainer.state.state_dict().items() if s in ("model", "optimizer")}
+        request = {s: d for s, d in state.state_dict().items() if s in ("model", "optimizer")}
         results["dcp_load"] = min(results["dcp_load"], timed(lambda: dcp.load(request, checkpoint_id=str(directory), no_dist=True)))
 
         cfg.save, cfg.async_save = str(root / "async"), True
-        ackpt = Checkpointer(trainer.state, trainer.cfg, trainer.runtime)
+        ackpt = Checkpointer(state, full_cfg, runtime)
         start = time.perf_counter()
         ackpt.save(1)  # the first save also allocates the CPU staging buffers
         ackpt.wait()
@@ -111,7 +111,7 @@ def bench(trainer: Trainer, root: Path, repeat: int) -> dict[str, float]:
 
         path = root / "torch.pt"
         results["torch_save"] = min(results["torch_save"], timed(lambda: torch_save_synced(flat, path)))
-        results["torch_load"] = min(results["torch_load"], timed(lambda: torch.load(path, map_location=trainer.runtime.device)))
+        results["torch_load"] = min(results["torch_load"], timed(lambda: torch.load(path, map_location=runtime.device)))
         print(f"repeat {r + 1}/{repeat} done", file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
     return results
@@ -142,8 +142,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
-    trainer = build_trainer(model_overrides(args.gb, args.device))
-    print(table(bench(trainer, Path(args.dir), args.repeat), args.device))
+    run = build_run(model_overrides(args.gb, args.device))
+    print(table(bench(run, Path(args.dir), args.repeat), args.device))
     return 0
 
 

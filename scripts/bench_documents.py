@@ -6,7 +6,7 @@
     python scripts/bench_documents.py --json out.json
 
 Both sides are dtgpt's own train step (scripts/bench.py's setup: the trainer's Config, the mesh of
-one, `build_model_and_state`) on the same samples: documents of `--document-length` tokens on
+one, the library's `build_model` and `build_train_state`) on the same samples: documents of `--document-length` tokens on
 average, each ended by an eod. "causal" trains on them as one stream (Megatron's default);
 "documents" with eod_mask_loss, reset_position_ids and reset_attention_mask on, so each token
 attends only within its document (SDPA with an explicit boolean mask: docs/data.md, "Documents
@@ -35,7 +35,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from dtgpt.config import validate
 from dtgpt.data.batch import Batch, TokenOptions, build_batch
 from dtgpt.distributed import resolve_device
-from dtgpt.step import train_step
+from dtgpt.api import train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path
 from bench import VOCAB_SIZE, bench_config, build_dtgpt, synchronize  # noqa: E402
@@ -95,7 +95,7 @@ def time_steps(args: argparse.Namespace) -> dict:
     def step(batch: Batch) -> float:
         synchronize(device)
         start = clock()
-        train_step(state.model, state.optimizer, state.scaler, batch, 1, cfg.optimizer.clip_grad)
+        train_step(cfg, state, batch)
         synchronize(device)
         return clock() - start
 

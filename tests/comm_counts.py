@@ -27,7 +27,6 @@ from torch.profiler import ProfilerActivity, profile
 import dtgpt
 from dtgpt.config import load_config, num_microbatches, padded_vocabulary
 from dtgpt.data.tokenizer import build_tokenizer
-from dtgpt.step import train_step
 
 # The layouts the count tests cover: name -> [parallel] keys (dp_shard takes the rest).
 LAYOUTS = {
@@ -123,9 +122,9 @@ def count_trace(trace: dict) -> dict[str, list[int]]:
     return dict(counts)
 
 
-def profile_iteration(state, batch, n_micro: int, clip_grad: float) -> dict[str, list[int]]:
+def profile_iteration(cfg, state, batch) -> dict[str, list[int]]:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        train_step(state.model, state.optimizer, state.scaler, batch, n_micro, clip_grad)
+        dtgpt.train_step(cfg, state, batch)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -142,13 +141,13 @@ def rank_batch(cfg, model, n_micro: int, vocab: int) -> torch.Tensor | None:
 
 
 def count_layout(cfg, runtime, n_micro: int, vocab: int) -> dict[str, list[int]]:
-    """Build cfg's model on the runtime's ranks, train one iteration, count the next."""
+    """Build cfg's model on the runtime's ranks, train one iteration, count the next (cfg's global
+    batch makes n_micro micro-batches per data-parallel rank)."""
     model = dtgpt.build_model(cfg, runtime, vocab_size=vocab)
     state = dtgpt.build_train_state(cfg, model)
     batch = rank_batch(cfg, model, n_micro, vocab)
-    clip = cfg.optimizer.clip_grad
-    train_step(state.model, state.optimizer, state.scaler, batch, n_micro, clip)
-    return profile_iteration(state, batch, n_micro, clip)
+    dtgpt.train_step(cfg, state, batch)
+    return profile_iteration(cfg, state, batch)
 
 
 def count_config_file(path: str, overrides: list[str]) -> tuple:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtgpt
-from dtgpt.step import train_step
 
 TP2 = {"tensor_model_parallel_size": 2}
 SP = {"sequence_parallel": True}
@@ -46,7 +45,8 @@ def layout_config(name: str, compile: bool):
     return dtgpt.make_config(
         model=MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
-        training=dict(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, compile=compile),
+        training=dict(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, train_iters=ITERATIONS, compile=compile),
+        optimizer=dict(lr=LR, lr_decay_style="constant"),
         parallel=LAYOUTS[name],
     )
 
@@ -77,13 +77,11 @@ def train_layout(name: str, compile: bool, runtime) -> dict:
     cfg = layout_config(name, compile)
     model = dtgpt.build_model(cfg, runtime, vocab_size=VOCAB)
     state = dtgpt.build_train_state(cfg, model)
-    for group in state.optimizer.param_groups:
-        group["lr"] = LR  # a constant LR: no schedule to step
-    n_micro = GLOBAL_BATCH // model.dims.dp
+    n_micro = dtgpt.num_microbatches(cfg, model.dims.dp)
     record: dict = {"losses": [], "grads": []}
     for iteration in range(ITERATIONS):
         batch = rank_batch(model, iteration)
-        result = train_step(state.model, state.optimizer, state.scaler, batch, n_micro, cfg.optimizer.clip_grad)
+        result = dtgpt.train_step(cfg, state, batch)
         record["losses"].append(result.loss)
         per_rank = [None] * runtime.world_size if dist.is_initialized() else None
         grads = full_grads(model)

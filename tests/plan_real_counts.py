@@ -14,20 +14,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtgpt.config import load_config
-from dtgpt.distributed import initialize, shutdown
+from dtgpt.distributed import init_distributed, shutdown
 from dtgpt.model import GPT, padded_vocab_size
-from dtgpt.parallel import build_model
+from dtgpt.parallel import build_model_parts
 from dtgpt.plan import tokenizer_vocab_size
 
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv[1], argv[2:]) if argv[0] == "--config" else load_config(None, argv)
-    runtime = initialize(cfg)
+    runtime = init_distributed(cfg)
     try:
         vocab = padded_vocab_size(tokenizer_vocab_size(cfg)[0], cfg.model.make_vocab_size_divisible_by)
         with torch.device("meta"):
             whole = GPT(cfg.model, vocab)
-        model = build_model(cfg, runtime.dims, whole, runtime.device)
+        model = build_model_parts(cfg, runtime.dims, whole, runtime.device)
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         dims = runtime.dims
         row = {"rank": runtime.rank, "pp_rank": dims.pp_rank, "dp_rank": dims.dp_rank, "tp_rank": dims.tp_rank, "local_params": local}

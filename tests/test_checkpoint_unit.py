@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
 from dtgpt.checkpoint.export import read_sections
 from dtgpt.config import load_config
-from dtgpt.distributed import initialize
-from dtgpt.model import GPT
-from dtgpt.training import Trainer, build_model_and_state, build_trainer, step_state
+from dtgpt.api import build_model, build_train_state, init_distributed, train_step
+from dtgpt.config import Config
+from dtgpt.distributed import Runtime
+from dtgpt.state import TrainState
 
 VOCAB = 128
 SMALL = [
@@ -26,15 +28,24 @@ SMALL = [
 ]  # fmt: skip
 
 
+@dataclass
+class Trainer:
+    """What a run of train.py holds: its config, its runtime and its train state."""
+
+    cfg: Config
+    runtime: Runtime
+    state: TrainState
+
+
 def make_trainer(*overrides: str) -> Trainer:
     cfg = load_config(None, SMALL + list(overrides))
-    runtime = initialize(cfg)
-    return build_trainer(cfg, runtime, build_model_and_state(cfg, runtime, lambda c, v: GPT(c.model, v), VOCAB))
+    runtime = init_distributed(cfg)
+    return Trainer(cfg, runtime, build_train_state(cfg, build_model(cfg, runtime, VOCAB)))
 
 
 def checkpointer(trainer: Trainer) -> Checkpointer:
     """The Checkpointer of the trainer's state, as train.py builds it."""
-    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime, trainer.faults)
+    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime)
 
 
 def step(trainer: Trainer, n: int = 1) -> None:
@@ -42,7 +53,7 @@ def step(trainer: Trainer, n: int = 1) -> None:
     gbs = trainer.cfg.training.global_batch_size
     for _ in range(n):
         g = torch.Generator().manual_seed(trainer.state.progress.iteration)  # the same data in every trainer
-        step_state(trainer, torch.randint(0, VOCAB, (gbs, trainer.cfg.model.seq_length + 1), generator=g))
+        train_step(trainer.cfg, trainer.state, torch.randint(0, VOCAB, (gbs, trainer.cfg.model.seq_length + 1), generator=g))
 
 
 def flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -79,17 +79,17 @@ class Unreadable:
 def test_middle_pipeline_stages_read_no_batches():
     """Only the first stage needs tokens and the last labels: a rank holding neither builds the
     datasets (their caches are built collectively) but reads nothing and starts no workers."""
+    from dtgpt.api import build_data_iterators, init_distributed
     from dtgpt.config import load_config
-    from dtgpt.distributed import initialize
-    from dtgpt.optim import BatchSizeSchedule
-    from dtgpt.training import build_data_iterators
+    from dtgpt.data.batch import TokenOptions
 
     cfg = load_config(None, TINY + ["--data.num_workers=2", "--eval.eval_iters=1"])
-    runtime = initialize(cfg)
+    runtime = init_distributed(cfg)
     datasets = (Unreadable(), Unreadable(), Unreadable())
-    iterators = build_data_iterators(cfg, runtime, datasets, 0, BatchSizeSchedule(cfg.training), reads_batches=False)
+    options = TokenOptions.from_config(cfg.data, eod=cfg.data.vocab_size - 1)
+    iterators = build_data_iterators(cfg, runtime, datasets, options, reads_batches=False)
     assert [next(it) for it in iterators for _ in range(3)] == [None] * 9
     assert [d.reads for d in datasets] == [0, 0, 0]
-    train_iter, _, _ = build_data_iterators(cfg, runtime, datasets, 0, BatchSizeSchedule(cfg.training), reads_batches=True)
+    train_iter, _, _ = build_data_iterators(cfg, runtime, datasets, options, reads_batches=True)
     with pytest.raises(Exception, match="a middle pipeline stage read a sample"):
         next(train_iter)

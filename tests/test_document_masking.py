@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from dtgpt.config import Config, ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX, TokenOptions, build_batch
 from dtgpt.model import GPT
-from dtgpt.parallel import ParallelDims, build_model
-from dtgpt.step import forward_backward
+from dtgpt.parallel import ParallelDims, build_model_parts
+from dtgpt.step import local_forward_backward
 
 EOD, VOCAB, T = 63, 64, 24
 ALL_ON = TokenOptions(EOD, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
@@ -98,8 +98,8 @@ def test_loss_is_the_mean_over_unmasked_tokens_whatever_the_micro_batches():
     for n_micro in (1, 4):
         with torch.device("meta"):
             whole = GPT(cfg.model, VOCAB)
-        model = build_model(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
-        losses.append(forward_backward(model, batch, n_micro, forward_only=True))
+        model = build_model_parts(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+        losses.append(local_forward_backward(model, batch, n_micro, forward_only=True))
     with torch.no_grad():
         logits = model.parts[0](batch.tokens, **batch.model_inputs())
     mean_unmasked = F.cross_entropy(logits.flatten(0, 1)[kept.flatten()], batch.labels[kept])

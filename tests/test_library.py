@@ -31,7 +31,7 @@ def one_process_losses() -> list[float]:
     losses = []
     for _ in range(5):
         optimizer.zero_grad()
-        losses.append(dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime)))
+        losses.append(dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime.dims.dp)))
         optimizer.step()
     return losses
 
@@ -97,7 +97,7 @@ def _resume_library_checkpoint_in_train_py(tmp_path):
     runtime = dtgpt.init_distributed(cfg)
     state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, vocab_size=128))
     batches = dtgpt.build_train_iterator(cfg, runtime)
-    library = [dtgpt.train_step(state, cfg, runtime, next(batches)) for _ in range(4)]
+    library = [dtgpt.train_step(cfg, state, next(batches)) for _ in range(4)]
     gbs, skipped = cfg.training.global_batch_size, state.progress.skipped_iters
     assert state.progress.consumed_samples == 4 * gbs and state.lr_schedule.num_samples == (4 - skipped) * gbs
     assert 1 <= skipped < 4 and state.scaler.scale < 2.0**20  # the scaler has moved, the schedule too
@@ -131,7 +131,7 @@ def test_bare_model_checkpoint_claims_no_training_state(tmp_path):
     runtime = dtgpt.init_distributed(cfg)
     model = dtgpt.build_model(cfg, runtime, vocab_size=128)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    dtgpt.forward_backward(model, next(dtgpt.build_train_iterator(cfg, runtime)), dtgpt.num_microbatches(cfg, runtime))
+    dtgpt.forward_backward(model, next(dtgpt.build_train_iterator(cfg, runtime)), dtgpt.num_microbatches(cfg, runtime.dims.dp))
     optimizer.step()
     directory = dtgpt.save_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer, iteration=3)
     sections = {key.split(".")[0] for key in layout.read_metadata(directory).state_dict_metadata}

@@ -9,8 +9,8 @@ import torch.nn as nn
 
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT, Init, flops_per_token, num_parameters, padded_vocab_size
-from dtgpt.parallel import ParallelDims, build_model
-from dtgpt.step import forward_backward
+from dtgpt.parallel import ParallelDims, build_model_parts
+from dtgpt.step import local_forward_backward
 
 
 def tiny(**kw) -> ModelConfig:
@@ -138,8 +138,8 @@ def _grads_after(cfg: Config, batch, n_micro):
     dims = ParallelDims.from_config(cfg, 1)
     with torch.device("meta"):
         whole = GPT(cfg.model, 64)
-    model = build_model(cfg, dims, whole, torch.device("cpu"))
-    loss = forward_backward(model, batch, n_micro)
+    model = build_model_parts(cfg, dims, whole, torch.device("cpu"))
+    loss = local_forward_backward(model, batch, n_micro)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}, model.parts[0]
 
 

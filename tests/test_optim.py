@@ -28,12 +28,12 @@ class _Tiny(nn.Module):
         self.head.weight = self.emb.weight  # tied
 
 
-@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
-def test_param_groups(implementation):
+@pytest.mark.parametrize("fused", [False, True])
+def test_param_groups(fused):
     model = _Tiny()
     cfg = OptimizerConfig(weight_decay=0.1, lr=1e-3, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6)
     # remove_duplicate=False yields the tied weight under both names, as FSDP/PP code may.
-    opt = build_optimizer(model.named_parameters(remove_duplicate=False), cfg, implementation=implementation)
+    opt = build_optimizer(model.named_parameters(remove_duplicate=False), cfg, fused=fused)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     ids = lambda group: {id(p) for p in group["params"]}  # noqa: E731
@@ -42,19 +42,14 @@ def test_param_groups(implementation):
     all_params = decay["params"] + no_decay["params"]
     assert len(all_params) == len({id(p) for p in all_params}) == 5
     assert decay["betas"] == (0.8, 0.95) and decay["eps"] == 1e-6 and decay["lr"] == 1e-3
-    assert opt.defaults["fused"] is (implementation == "fused")
-    assert opt.defaults["foreach"] is (implementation == "foreach")
+    assert opt.defaults["fused"] is fused
+    assert opt.defaults["foreach"] is (not fused)
     # The chosen kernel really runs on these groups.
     loss = model.head(model.proj(model.norm(model.emb(torch.tensor([1, 2]))))).sum()
     loss.backward()
     before = model.emb.weight.detach().clone()
     opt.step()
     assert not torch.equal(before, model.emb.weight)
-
-
-def test_param_groups_reject_bad_implementation():
-    with pytest.raises(ConfigError, match="'sgd'"):
-        build_optimizer(_Tiny().named_parameters(), OptimizerConfig(), implementation="sgd")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dtgpt.config import Config, ConfigError, load_config
 from dtgpt.model import GPT
-from dtgpt.parallel import ParallelDims, build_model
+from dtgpt.parallel import ParallelDims, build_model_parts
 from dtgpt.parallel.pipeline import build_stage_model
 from dtgpt.parallel.recompute import (
     RecomputedGroup,
@@ -18,7 +18,7 @@ from dtgpt.parallel.recompute import (
     largest_recompute_group,
     recompute_groups,
 )
-from dtgpt.step import forward_backward
+from dtgpt.step import local_forward_backward
 
 SETTINGS = {
     "none": (None, None, None),
@@ -102,14 +102,14 @@ def _built(setting: str, cfg: Config):
     t.recompute_granularity, t.recompute_method, t.recompute_num_layers = SETTINGS[setting]
     with torch.device("meta"):
         whole = GPT(cfg.model, 64)
-    return build_model(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+    return build_model_parts(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
 
 
 def _loss_and_grads(setting: str, dropout: float):
     model = _built(setting, _tiny(hidden_dropout=dropout, attention_dropout=dropout))
     batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(123)  # the dropout masks
-    loss = forward_backward(model, batch, 2)
+    loss = local_forward_backward(model, batch, 2)
     return loss, {name: p.grad for name, p in model.named_parameters()}
 
 
@@ -156,7 +156,7 @@ def _peak_activation_bytes(setting: str) -> int:
     # unfused core attention does; torch's CPU flash kernel (taken without dropout) keeps only
     # the output and the log-sum-exp, so there selective recomputation saves little.
     with sdpa_kernel(SDPBackend.MATH):
-        return peak_allocated_bytes(lambda: forward_backward(model, batch, 1))
+        return peak_allocated_bytes(lambda: local_forward_backward(model, batch, 1))
 
 
 def test_selective_then_full_recomputation_lower_peak_activation_memory():

@@ -22,7 +22,7 @@ batches = dtgpt.build_train_iterator(cfg, runtime)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for iteration in range(1, 4):
     optimizer.zero_grad()
-    dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime))
+    dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime.dims.dp))
     optimizer.step()
 model.check_tied_copies(3)
 print(f"rank {dist.get_rank()}: copies equal after 3 steps", flush=True)

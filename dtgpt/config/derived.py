@@ -49,8 +49,11 @@ def fsdp_reshards_after_forward(cfg: Config) -> bool:
 # Batches
 
 
-def num_microbatches(cfg: Config, dp: int, global_batch_size: int, key: str = "training.global_batch_size") -> int:
-    """Micro-batches each data-parallel rank runs to make up a global batch of that size."""
+def num_microbatches(cfg: Config, dp: int, global_batch_size: int | None = None, key: str = "training.global_batch_size") -> int:
+    """Micro-batches each data-parallel rank runs to make up a global batch of that size (by
+    default training.global_batch_size; a ramp-up gives smaller ones first)."""
+    if global_batch_size is None:
+        global_batch_size = cfg.training.global_batch_size
     micro = cfg.training.micro_batch_size
     per_step = micro * dp
     if global_batch_size % per_step:

@@ -1,9 +1,9 @@
 """Parallelise a GPT: the one place where TP, CP, recomputation, compile and FSDP meet.
 
 `parallelize()` applies them to one model (or pipeline stage) in that visible order;
-`build_model()` builds on meta, cuts pipeline stages and parallelises each (`build_parts()`,
-all that the planner needs), then materialises and initialises the weights (`materialize()`)
-so that every layout starts from bitwise-identical full weights.
+`build_model_parts()` cuts a GPT built on meta into this rank's pipeline stages and parallelises
+each (`build_meta_parts()`, all that the planner needs), then materialises and initialises the
+weights (`materialize()`) so that every layout starts from bitwise-identical full weights.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dtgpt.parallel.tensor import apply_tp
 from dtgpt.parallel.tied import build_tied_group
 
 __all__ = [
-    "ParallelDims", "ModelParts", "build_model", "build_parts", "materialize", "parallelize",
+    "ParallelDims", "ModelParts", "build_model_parts", "build_meta_parts", "materialize", "parallelize",
     "compute_dtype",
 ]  # fmt: skip
 
@@ -98,7 +98,7 @@ def build_model_parallel_rng(cfg: Config, dims: ParallelDims, device: torch.devi
     return ModelParallelRNG(device, model_parallel_seed(cfg.training.seed, dims.pp_rank, dims.tp_rank))
 
 
-def build_parts(
+def build_meta_parts(
     cfg: Config, dims: ParallelDims, model: GPT, rng: ModelParallelRNG | None = None
 ) -> tuple[list[GPT], list[int], int]:
     """Cut `model` (on meta) into this rank's stages and parallelise each; nothing is allocated.
@@ -128,10 +128,16 @@ def materialize(part: GPT, cfg: Config, device: torch.device) -> None:
     part.init_weights(cfg.training.seed, device=device, assign=assign_full_value)
 
 
-def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
+def first_rank_stages(cfg: Config) -> list[int]:
+    """The pipeline stages pp rank 0 holds (V-shaped schedules give it the last one too)."""
+    p = cfg.parallel
+    return stage_ids_on_rank(0, p.pipeline_model_parallel_size, p.virtual_pipeline_stages_per_rank, p.pipeline_schedule)
+
+
+def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
     """Cut `model` (built on meta) into this rank's stages, parallelise, materialise, init."""
     rng = build_model_parallel_rng(cfg, dims, device)
-    parts, stage_ids, num_stages = build_parts(cfg, dims, model, rng)
+    parts, stage_ids, num_stages = build_meta_parts(cfg, dims, model, rng)
     for part in parts:
         materialize(part, cfg, device)
     schedules = None
@@ -148,7 +154,7 @@ def build_model(cfg: Config, dims: ParallelDims, model: GPT, device: torch.devic
         autocast_dtype=compute_dtype(cfg),  # at every dp: one precision regime (parallel/fsdp.py)
         fsdp_reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
-        tied_group=build_tied_group(dims, parts),
+        tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
         rng=rng,
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset options.

@@ -41,6 +41,11 @@ class ParallelDims:
         return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size)
 
     @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, cp, tp): the mesh, outer to inner."""
+        return self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
+
+    @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -66,8 +71,7 @@ class ParallelDims:
         """Create the named 5-D mesh and its flattened views; None in a one-process run."""
         if not dist.is_initialized():
             return None
-        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        self.mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
         self.flat["dp"] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         shard = ("dp_shard", "cp") if self.cp_enabled else ("dp_shard",)
         if self.cp_enabled:

@@ -34,12 +34,13 @@ def tied_pair_on_rank(parts: list[GPT]) -> tuple[torch.Tensor | None, torch.Tens
     return first, last
 
 
-def build_tied_group(dims: ParallelDims, parts: list[GPT]) -> dist.ProcessGroup | None:
-    """The group {first pp rank, last pp rank} containing this rank, or None when not needed.
+def build_tied_group(dims: ParallelDims, parts: list[GPT], ends_on_one_rank: bool) -> dist.ProcessGroup | None:
+    """The group {first pp rank, last pp rank} containing this rank, or None when not needed:
+    without pipelining, an untied model, or when one rank holds both ends (V-shaped schedules).
 
     Every rank must call this (new_group is collective), even ranks that hold neither end.
     """
-    if not dims.pp_enabled or not parts[0].tied or dims.mesh is None:
+    if not dims.pp_enabled or not parts[0].tied or dims.mesh is None or ends_on_one_rank:
         return None
     ranks = dims.mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
     first, last = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()

@@ -1,7 +1,7 @@
 """Plan a layout on a laptop: per-rank parameters and memory, bubble, FLOPs and training time.
 
 Every distinct (pp rank, tp rank) of the job is built on the meta device under PyTorch's "fake"
-process group at the job's full world size, through the same `build_parts()` -> `parallelize()`
+process group at the job's full world size, through the same `build_meta_parts()` -> `parallelize()`
 code path that training runs (dtgpt.plan.ranks), so the parameter counts are those of the real
 sharded DTensors. Nothing is allocated. Memory, bubble and time come from the formulas in
 dtgpt.plan.memory.

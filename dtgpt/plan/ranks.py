@@ -1,7 +1,7 @@
 """Build each rank of a layout on the meta device, for the planner.
 
 Each (pp rank, tp rank) is built under PyTorch's "fake" process group at the job's full world
-size through `build_parts()` -> `parallelize()`, the path training takes, and its parameters
+size through `build_meta_parts()` -> `parallelize()`, the path training takes, and its parameters
 are counted as the real sharded DTensors hold them. Ranks whose stages hold the same kind of
 parts are built once.
 """
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtgpt.config import Config
 from dtgpt.model import GPT
-from dtgpt.parallel import ParallelDims, build_parts
+from dtgpt.parallel import ParallelDims, build_meta_parts
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import block_recompute, largest_recompute_group
 
@@ -92,7 +92,7 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
     try:
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
-        parts, stage_ids, num_stages = build_parts(cfg, dims, _trimmed(whole, layer_names))
+        parts, stage_ids, num_stages = build_meta_parts(cfg, dims, _trimmed(whole, layer_names))
         params = list({id(p): p for part in parts for p in part.parameters()}.values())
         units = [b for part in parts for b in part.layers.values()]
         units += [m for part in parts for m in (part.embedding, part.output) if m is not None]
