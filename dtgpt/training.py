@@ -18,9 +18,9 @@ from dtgpt.config import Config, num_microbatches, padded_vocabulary, to_toml
 from dtgpt.data import build_data_loader, build_tokenizer
 from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime, initialize, shutdown
-from dtgpt.exits import ExitConditions
-from dtgpt.faults import FaultHooks, build_faults
-from dtgpt.last_words import build_last_words
+from dtgpt.faults.injection import FaultHooks, build_faults
+from dtgpt.faults.last_words import build_last_words
+from dtgpt.faults.signals import ExitConditions
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model import GPT, flops_per_token
 from dtgpt.optim import BatchSizeSchedule, total_train_samples
@@ -30,7 +30,7 @@ from dtgpt.state import TrainState, build_train_state
 from dtgpt.summary import startup_summary
 from dtgpt.step import StepResult, forward_backward, reduce_loss, train_step
 from dtgpt.timers import Timers
-from dtgpt.watchdog import Watchdog
+from dtgpt.faults.watchdog import Watchdog
 
 ModelProvider = Callable[[Config, int], GPT]
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
