@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtgpt.attempt_store import attempt_store
+from dtgpt.faults.attempt_store import attempt_store
 from dtgpt.config import Config, validate
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
@@ -29,7 +29,7 @@ class Runtime:
     restart_count: int = 0
     """How often torchrun has restarted the group (TORCHELASTIC_RESTART_COUNT); 0 on the first attempt."""
     store: dist.Store | None = None
-    """This attempt's key-value store (dtgpt/attempt_store.py); None without a process group."""
+    """This attempt's key-value store (dtgpt/faults/attempt_store.py); None without a process group."""
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +79,7 @@ def init_distributed(cfg: Config) -> Runtime:
 
 
 def init_process_group(cfg: Config, device: torch.device) -> dist.Store:
-    """The default group, on a store of this attempt's own (dtgpt/attempt_store.py: why); returns that store."""
+    """The default group, on a store of this attempt's own (dtgpt/faults/attempt_store.py: why); returns that store."""
     backend = cfg.distributed.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -29,16 +29,16 @@ from dtgpt.config import Config, padded_vocabulary, to_toml
 from dtgpt.data import build_tokenizer
 from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime
-from dtgpt.exits import ExitConditions
-from dtgpt.faults import FaultHooks, build_faults
-from dtgpt.last_words import build_last_words
+from dtgpt.faults.injection import FaultHooks, build_faults
+from dtgpt.faults.last_words import build_last_words
+from dtgpt.faults.signals import ExitConditions
+from dtgpt.faults.watchdog import Watchdog
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model import flops_per_token
 from dtgpt.profiling import Profiler
 from dtgpt.state import TrainState
 from dtgpt.step import StepResult
 from dtgpt.summary import startup_summary
-from dtgpt.watchdog import Watchdog
 
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
 

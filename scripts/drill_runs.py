@@ -38,7 +38,7 @@ BASE = [
 ENV = {"OMP_NUM_THREADS": "1"}
 OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Not set, even when the caller's environment has it: restarts must work on torchrun's shared
-store as a plain torchrun command leaves it (dtgpt/attempt_store.py)."""
+store as a plain torchrun command leaves it (dtgpt/faults/attempt_store.py)."""
 SHUTDOWN_TIMEOUT = 10
 """torchrun's grace period between forwarding a signal and SIGKILL (default 30 s)."""
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dtgpt.attempt_store import ROOT, attempt_store
+from dtgpt.faults.attempt_store import ROOT, attempt_store
 
 TIMEOUT = timedelta(seconds=20)
 

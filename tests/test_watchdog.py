@@ -1,6 +1,6 @@
 """The heartbeat: a stalled phase is reported with rank, phase and iteration."""
 
-from dtgpt.watchdog import Watchdog
+from dtgpt.faults.watchdog import Watchdog
 
 
 def test_no_heartbeat_without_history_or_when_fast():

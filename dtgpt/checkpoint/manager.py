@@ -37,7 +37,7 @@ from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.state import extra_problem, flat_keys, has_section, shape_problem
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
-from dtgpt.faults import NO_FAULTS, FaultHooks
+from dtgpt.faults.injection import NO_FAULTS, FaultHooks
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
 from dtgpt.state import TrainState, rng_state, set_rng_state
 
@@ -60,7 +60,7 @@ def _same_path(a: str, b: str) -> bool:
 
 class Checkpointer:
     """Saves `state` every checkpoint.save_interval iterations; loads it on construction (see
-    module doc). `faults` may make a save fail on purpose (dtgpt.faults)."""
+    module doc). `faults` may make a save fail on purpose (dtgpt.faults.injection)."""
 
     def __init__(self, state: TrainState, cfg: Config, runtime: Runtime, faults: FaultHooks = NO_FAULTS):
         self.state, self.run_cfg, self.runtime = state, cfg, runtime
@@ -309,7 +309,7 @@ class Checkpointer:
 
     def save_over(self, iteration: int, group: dist.ProcessGroup, rng: dict | None) -> Path:
         """Save `iteration` synchronously over `group` alone, the survivors of a hard failure
-        (dtgpt/last_words.py), with the generators `rng` (None: the live ones)."""
+        (dtgpt/faults/last_words.py), with the generators `rng` (None: the live ones)."""
         leader = dist.get_rank(group) == 0
         finite = self._weights_finite(group)
         box = [self._prepare(iteration) if leader else None]

@@ -225,7 +225,7 @@ class DistributedConfig:
     """...and at least this long; the heartbeat then repeats at this interval."""
     roll_call_seconds: float = 10.0
     """After a collective fails in the train step (a peer died), how long the survivors wait for
-    each other before deciding on last words (dtgpt/last_words.py; needs checkpoint.save; 0: no
+    each other before deciding on last words (dtgpt/faults/last_words.py; needs checkpoint.save; 0: no
     last words). torchrun's --shutdown-timeout must exceed it plus one checkpoint save."""
 
 

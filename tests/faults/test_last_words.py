@@ -1,4 +1,4 @@
-"""Last words after a hard failure (dtgpt/last_words.py): the decision, the roll call, and the
+"""Last words after a hard failure (dtgpt/faults/last_words.py): the decision, the roll call, and the
 done-when drill: 4 CPU ranks as dp_replicate 2 x dp_shard 2, one SIGKILLed mid-iteration under
 `torchrun --max-restarts=1`, lose no iteration and end with the uninterrupted run's losses."""
 
@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from dtgpt.last_words import Report, decide, roll_call
+from dtgpt.faults.last_words import Report, decide, roll_call
 from tests.faults.test_recovery import explain, fault_drill
 
 REPLICAS = [[0, 1], [2, 3]]

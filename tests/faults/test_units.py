@@ -19,8 +19,8 @@ from dtgpt.config import CheckpointConfig, ConfigError, FaultsConfig, load_confi
 from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, check_token_ids
 from dtgpt.data.loader import build_data_loader
-from dtgpt.exits import SignalFlag, signal_handler_enabled
-from dtgpt.faults import NO_FAULTS, Faults, FaultyWriter, build_faults
+from dtgpt.faults.signals import SignalFlag, signal_handler_enabled
+from dtgpt.faults.injection import NO_FAULTS, Faults, FaultyWriter, build_faults
 from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 
 

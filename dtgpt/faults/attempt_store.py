@@ -18,7 +18,7 @@ attempt runs the handshake; the token is drawn per process, so nothing needs to 
 `TORCHELASTIC_RESTART_COUNT` would not do: each node's agent keeps its own count, and a restart
 for a membership change (a node waiting to join) does not count, so two nodes can disagree.
 
-The same prefix holds the survivors' roll call after a hard failure (dtgpt/last_words.py).
+The same prefix holds the survivors' roll call after a hard failure (dtgpt/faults/last_words.py).
 """
 
 from __future__ import annotations

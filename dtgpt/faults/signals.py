@@ -1,7 +1,9 @@
-"""When to stop early: a signal (Slurm preemption, Ctrl-C), a time budget, or an iteration multiple.
+"""The save on a signal: when to stop early, and save, on a signal (Slurm preemption, Ctrl-C), a
+time budget, or an iteration multiple.
 
 Every rank must stop at the same iteration, so each decision is all-reduced with MAX: if any
-rank saw a signal or ran out of time, all stop after the current iteration.
+rank saw a signal or ran out of time, all stop after the current iteration, which the trainer
+then saves. (The survivors' save after a hard failure, "last words", is last_words.py.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ When a rank dies (SIGKILL, a segfault, an OOM kill), its peers' next collective 
 closed by peer", or the collective timeout), and torchrun sends the survivors SIGTERM and, after
 its `--shutdown-timeout`, SIGKILL. In that window the survivors:
 
-1. **roll call**: each sets a key in this attempt's store (dtgpt/attempt_store.py) with the last
+1. **roll call**: each sets a key in this attempt's store (dtgpt/faults/attempt_store.py) with the last
    iteration it completed and whether it was inside the optimizer step; they wait until every
    rank has answered or `distributed.roll_call_seconds` passed, and the first to close the roll
    fixes the list of survivors for everyone (an atomic compare-and-set);

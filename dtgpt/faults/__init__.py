@@ -1,0 +1,15 @@
+"""Fault tolerance: what a run does when it is stopped, killed, stuck or made to fail (docs/faults.md).
+
+One concern per module; import the one you need (this package imports none of them, so
+`import dtgpt.faults.watchdog` stays as light as the module itself):
+
+- `signals`: the save on a signal. SIGTERM/SIGINT, `exit_duration_in_mins` and `exit_interval`
+  stop every rank after the same iteration, which is then saved (`ExitConditions`).
+- `last_words`: the survivors' save after a hard failure (a peer SIGKILLed, segfaulted, OOM
+  killed): roll call, decide, save the last completed iteration over the survivors' group.
+- `attempt_store`: the store prefix of one torchrun attempt, so a restarted group never reads a
+  dead attempt's keys.
+- `watchdog`: the heartbeat line when an iteration runs far longer than usual.
+- `injection`: deliberate faults (`[faults]`) for the tests and `scripts/fault_drill.py`: one
+  hook object (`FaultHooks`; `NO_FAULTS` does nothing).
+"""
