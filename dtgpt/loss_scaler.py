@@ -2,6 +2,7 @@
 
 One object serves every precision: under bf16 / fp32 it is built disabled (scale 1, never
 changes), so the trainer runs the same scale -> backward -> unscale-and-check -> update path.
+The scale itself is applied in the loss (dtgpt.parallel.model_parts.GlobalBatchLoss).
 """
 
 from __future__ import annotations
@@ -53,10 +54,6 @@ class LossScaler(Stateful):
     @property
     def kind(self) -> str:
         return "dynamic" if self.dynamic else ("static" if self.enabled else "disabled")
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on; the identity when disabled (no extra kernel)."""
-        return loss * self.scale if self.enabled else loss
 
     def unscale_and_check_(self, grads: Iterable[torch.Tensor]) -> torch.Tensor:
         """Divide the grads by the scale in place; return found_inf (0-dim float32, 1.0 or 0.0).

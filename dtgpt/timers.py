@@ -134,11 +134,10 @@ _NULL_TIMER = NullTimer()  # stateless, so one instance serves every disabled na
 
 
 class Timers:
-    """The set of named timers of one rank, filtered by `log_level` (0, 1 or 2)."""
+    """The set of named timers of one rank, filtered by `log_level` (0, 1 or 2: validated with the
+    config, logging.timers_log_level)."""
 
     def __init__(self, log_level: int, device: torch.device) -> None:
-        if log_level not in (0, 1, 2):
-            raise ValueError(f"logging.timers_log_level={log_level} must be 0, 1 or 2")
         self.log_level = log_level
         self.device = torch.device(device)
         self._sync = self.device if self.device.type == "cuda" and log_level > 0 else None

@@ -9,7 +9,8 @@ import torch
 
 import dtgpt.data.builtin as builtin
 from dtgpt.config import Config
-from dtgpt.data import build_data_loader, build_datasets, build_tokenizer
+from dtgpt.data import build_datasets, build_tokenizer
+from dtgpt.data.loader import build_data_loader
 from dtgpt.data.indexed import IndexedDatasetWriter
 
 

@@ -74,12 +74,6 @@ def test_build_from_config_enables_for_fp16_only():
     assert build_loss_scaler(bf16).kind == "disabled"
 
 
-def test_scale_loss():
-    loss = torch.tensor(3.0)
-    assert _dynamic().scale_loss(loss).item() == 3072.0
-    assert LossScaler(OptimizerConfig(), enabled=False).scale_loss(loss) is loss
-
-
 def test_unscale_finite_grads_exactly():
     s = _dynamic()
     values = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2).to(torch.float16)]

@@ -115,7 +115,7 @@ def lr_decay_length(cfg: Config) -> Length:
 
 
 def lr_warmup_length(cfg: Config) -> Length:
-    """A fraction of the decay wins over samples, samples over iterations."""
+    """The one warmup key that is set (config/precedence.py refuses two), in samples."""
     o = cfg.optimizer
     if o.lr_warmup_fraction is not None:
         fraction = o.lr_warmup_fraction

@@ -90,7 +90,8 @@ class OptimizerConfig:
     """Decay length in iterations (times global_batch_size in samples); default train_iters."""
     lr_decay_samples: Optional[int] = None
     lr_warmup_fraction: Optional[float] = None
-    """Warmup as a fraction of the decay length; wins over lr_warmup_iters."""
+    """Warmup as a fraction of the decay length. At most one of lr_warmup_fraction, lr_warmup_iters
+    and lr_warmup_samples is set (a command-line one replaces the file's: config/precedence.py)."""
     lr_warmup_iters: int = 0
     lr_warmup_samples: int = 0
     lr_warmup_init: float = 0.0

@@ -1,11 +1,12 @@
 """The data pipeline: tokenizers, datasets of seq_length + 1 token samples, and the DP-aware loader.
 
-The training loop calls exactly these three functions:
+The training loop calls exactly these three functions (the loader's module imports torch, so
+preprocessing and the built-in corpus, which import this package, never pay for it):
 
     tokenizer = build_tokenizer(cfg.data)
     train, valid, test = build_datasets(cfg, tokenizer, (n_train, n_valid, n_test))
-    loader = build_data_loader(train, consumed_samples, batch_size_at, dp_rank, dp_size, cfg.data.num_workers,
-                               TokenOptions.from_config(cfg.data, tokenizer.eod))
+    loader = dtgpt.data.loader.build_data_loader(train, consumed_samples, batch_size_at, dp_rank, dp_size,
+                                                 cfg.data.num_workers, TokenOptions.from_config(cfg.data, tokenizer.eod))
 
 Where the samples come from, in order of precedence: `data.mock_data` (Megatron's mock data, no files),
 `data.builtin_corpus` (stdlib docstrings, built and cached on first use), then `data.data_path`
@@ -15,7 +16,7 @@ Where the samples come from, in order of precedence: `data.mock_data` (Megatron'
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from dtgpt.config import Config
 from dtgpt.config.split import SPLIT_NAMES
@@ -25,10 +26,7 @@ from dtgpt.data.cache import cache_root
 from dtgpt.data.mock import build_mock_dataset
 from dtgpt.data.tokenizer import Tokenizer, build_tokenizer
 
-if TYPE_CHECKING:
-    from dtgpt.data.batch import TokenOptions
-
-__all__ = ["build_tokenizer", "build_datasets", "build_data_loader", "Tokenizer"]
+__all__ = ["build_tokenizer", "build_datasets", "Tokenizer"]
 
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]) -> tuple[Optional[object], ...]:
@@ -58,13 +56,3 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer, num_samples: Sequence[int]
                          "data.builtin_corpus, or data.mock_data=true")
     return build_gpt_datasets(data_path, d.split, per_split, num_samples, seq_length, seed, d.data_cache_path,
                               vocab_size=tokenizer.vocab_size, order=d.order)
-
-
-def build_data_loader(dataset, consumed_samples: int, batch_size_at: Callable[[int], int], dp_rank: int,
-                      dp_size: int, num_workers: int, options: Optional["TokenOptions"] = None) -> Iterable:
-    """This DP rank's (gbs_k / dp_size, seq_length + 1) LongTensors, global batch by global batch;
-    with `options`, the Batches built from them (labels, positions, documents: dtgpt.data.batch)."""
-    # Imported here so that preprocessing and the built-in corpus never pay for importing torch.
-    from dtgpt.data.loader import build_data_loader as build
-
-    return build(dataset, consumed_samples, batch_size_at, dp_rank, dp_size, num_workers, options)

@@ -40,9 +40,8 @@ class GlobalBatchSampler:
         consumed = self.consumed_samples
         while True:
             gbs = int(self.batch_size_at(consumed))
-            if gbs <= 0 or gbs % self.dp_size:
-                raise ValueError(f"global batch size {gbs} at consumed_samples={consumed} must be a positive "
-                                 f"multiple of the data-parallel size {self.dp_size}")
+            if gbs <= 0:  # would never advance; divisibility by dp is validation's (config/derived.py)
+                raise ValueError(f"global batch size {gbs} at consumed_samples={consumed} must be positive")
             if consumed + gbs > self.total_samples:
                 return
             yield consumed, gbs

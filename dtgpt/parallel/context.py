@@ -32,12 +32,10 @@ from dtgpt.model import GPT, CoreAttention, allowed_keys
 
 
 def split_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
-    """This cp rank's part of `tensor` along `dim`: chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size."""
+    """This cp rank's part of `tensor` along `dim`: chunks cp_rank and 2*cp_size-1-cp_rank of 2*cp_size
+    (validation requires seq_length to divide by 2 * cp: config/parallel_rules.py)."""
     if cp_size == 1:
         return tensor
-    length = tensor.shape[dim]
-    if length % (2 * cp_size):
-        raise ValueError(f"a sequence of {length} tokens does not cut into 2 * cp = {2 * cp_size} equal chunks")
     chunks = tensor.chunk(2 * cp_size, dim)
     return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim)
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
-from dtgpt.data.batch import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the loss skips these labels
+from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
