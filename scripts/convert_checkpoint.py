@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dtgpt.checkpoint import CheckpointError, megatron_write  # noqa: E402
+from dtgpt.checkpoint import CheckpointError, megatron  # noqa: E402
 from dtgpt.checkpoint.export import (  # noqa: E402
     find_checkpoint,
     from_gpt2_dir,
@@ -52,7 +52,7 @@ def from_gpt2(args) -> None:
 
 def to_megatron(args) -> None:
     directory = find_checkpoint(args.src, args.iteration)
-    written = megatron_write.to_megatron(directory, read_config(directory, args.config), args.dst, args.tp)
+    written = megatron.to_megatron(directory, read_config(directory, args.config), args.dst, args.tp)
     print(f"wrote {written} (Megatron-LM torch_dist, vocabulary padded for tp {args.tp}) from {directory}")
 
 
@@ -61,7 +61,7 @@ def from_megatron(args) -> None:
         raise ConfigError("from-megatron needs --config: the run's model and tokenizer (Megatron's args are not a dtgpt config)")
     cfg = load_config(args.config)
     rows = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
-    written = megatron_write.from_megatron(args.src, cfg, args.dst, rows)
+    written = megatron.from_megatron(args.src, cfg, args.dst, rows)
     print(f"wrote {written}; train from it with --checkpoint.load={args.dst} --checkpoint.load_optimizer=false")
 
 

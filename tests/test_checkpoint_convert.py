@@ -81,7 +81,7 @@ def test_gpt2_export_matches_gpt2_semantics_and_reads_back(saved, tmp_path):
     _, root = saved
     convert = load_script()
     assert convert.main(["to-gpt2", str(root), str(tmp_path / "hf")]) == 0
-    tensors, hf = gpt2.read(tmp_path / "hf")
+    tensors, hf = gpt2.read_gpt2_dir(tmp_path / "hf")
     assert hf["n_layer"] == 2 and hf["vocab_size"] == 128 and hf["activation_function"] == "gelu_new"
     assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D: (in, out)
     directory = layout.iteration_dir(root, 2)

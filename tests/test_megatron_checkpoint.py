@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtgpt.checkpoint import CheckpointError, layout, megatron
+from dtgpt.checkpoint import CheckpointError, layout
+from dtgpt.checkpoint.megatron import find, load_megatron_model
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs, progress_of
+from dtgpt.checkpoint.megatron.keys import megatron_name
+from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
@@ -33,7 +37,7 @@ def model_cfg(**overrides) -> ModelConfig:
 
 
 def assert_same_logits(root, directory, cfg: ModelConfig, name: str = "logits.pt") -> None:
-    model = megatron.load_model(directory, cfg, ROWS).eval()
+    model = load_megatron_model(directory, cfg, ROWS).eval()
     with torch.no_grad():
         ours = model(tokens())[..., :VOCAB]
     theirs = torch.load(root / name, weights_only=True)[..., :VOCAB]
@@ -55,8 +59,8 @@ def tp2_untied(tmp_path_factory):
 
 
 def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
-    directory = megatron.find(tp1_tied)
-    assert directory == tp1_tied / f"iter_{ITERATION:07d}" and megatron.is_torch_dist(directory)
+    directory = find(tp1_tied)
+    assert directory == tp1_tied / f"iter_{ITERATION:07d}" and is_torch_dist(directory)
     assert_same_logits(tp1_tied, directory, model_cfg())
 
 
@@ -71,7 +75,7 @@ def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch
         return read_data(self, plan, planner)
 
     monkeypatch.setattr(SafeReader, "read_data", counting)
-    reader = megatron.MegatronReader(megatron.find(tp1_tied))
+    reader = MegatronReader(find(tp1_tied))
     stacked = reader.shapes["decoder.layers.mlp.linear_fc1.weight"]  # (2, 256, 64)
     layers = [reader.tensor(f"layers.{i}.mlp.fc1.weight", stacked[1:]) for i in range(2)]
     bytes_read.clear()
@@ -82,20 +86,20 @@ def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch
 
 
 def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
-    directory = megatron.find(tp2_untied)
-    assert megatron.MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (128, 64)  # 16 x tp 2
+    directory = find(tp2_untied)
+    assert MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (128, 64)  # 16 x tp 2
     assert_same_logits(tp2_untied, directory, model_cfg(untie_embeddings_and_output_weights=True))
 
 
 def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
     scaler = {"scale": torch.tensor(1024.0), "growth_tracker": 3, "hysteresis_tracker": 2}
     for optimizer in ({"grad_scaler": scaler}, [{"grad_scaler": scaler, "optimizer": {}}]):
-        assert megatron.progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
+        assert progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
 
 
 def test_trainer_state_is_read(tp2_untied):
-    common = megatron.MegatronReader(megatron.find(tp2_untied)).common
-    assert megatron.progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "lr_num_samples": LR_SAMPLES}
+    common = MegatronReader(find(tp2_untied)).common
+    assert progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "lr_num_samples": LR_SAMPLES}
 
 
 @pytest.mark.parametrize(
@@ -110,25 +114,25 @@ def test_trainer_state_is_read(tp2_untied):
 )
 def test_incompatible_architecture_names_key_and_shapes(tp1_tied, overrides, message):
     with pytest.raises(CheckpointError) as e:
-        megatron.load_model(megatron.find(tp1_tied), model_cfg(**overrides), ROWS)
+        load_megatron_model(find(tp1_tied), model_cfg(**overrides), ROWS)
     assert str(e.value).startswith(f"Megatron checkpoint {tp1_tied}") and message in str(e.value)
 
 
 def test_tied_checkpoint_into_untied_model_and_back(tp2_untied):
     with pytest.raises(CheckpointError, match="output_layer.weight .* has no counterpart in this model"):
-        megatron.load_model(megatron.find(tp2_untied), model_cfg(), ROWS)
+        load_megatron_model(find(tp2_untied), model_cfg(), ROWS)
 
 
 def test_per_rank_format_tp2_gives_megatron_logits(tmp_path):
     run_megatron_gpt("per-rank", tmp_path, 2, "--untied")
-    directory = megatron.find(tmp_path)
-    assert sorted(megatron.per_rank_dirs(directory)) == [(0, 0), (1, 0)]
-    assert not megatron.is_torch_dist(directory)
+    directory = find(tmp_path)
+    assert sorted(per_rank_dirs(directory)) == [(0, 0), (1, 0)]
+    assert not is_torch_dist(directory)
     assert_same_logits(tmp_path, directory, model_cfg(untie_embeddings_and_output_weights=True))
-    assert megatron.progress_of(megatron.MegatronReader(directory).common)["consumed_samples"] == CONSUMED
+    assert progress_of(MegatronReader(directory).common)["consumed_samples"] == CONSUMED
     # The same weights as Megatron-LM saves them at tp 2 x pp 2: stage 1's layer is its "layers.0".
     for tp in range(2):
-        saved = megatron.load_pickle(directory / f"mp_rank_{tp:02d}" / megatron.PER_RANK_FILE)
+        saved = load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
         stages = [{}, {}]
         for key, value in saved["model"].items():
             if key.startswith("decoder.layers.1."):
@@ -137,8 +141,8 @@ def test_per_rank_format_tp2_gives_megatron_logits(tmp_path):
                 stages[1 if key.startswith(("decoder.final", "output_layer")) else 0][key] = value
         for pp, model in enumerate(stages):
             (tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}").mkdir(parents=True)
-            torch.save({**saved, "model": model}, tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}" / megatron.PER_RANK_FILE)
-    assert sorted(megatron.per_rank_dirs(tmp_path / "pp2")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+            torch.save({**saved, "model": model}, tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}" / PER_RANK_FILE)
+    assert sorted(per_rank_dirs(tmp_path / "pp2")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert_same_logits(tmp_path, tmp_path / "pp2", model_cfg(untie_embeddings_and_output_weights=True))
 
 
@@ -172,8 +176,8 @@ def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
                          f"--checkpoint.save={ckpt}"])  # fmt: skip
     convert = load_script()
     assert convert.main(["to-megatron", str(ckpt), str(out), "--tp", "2"]) == 0
-    directory = megatron.find(out)
-    assert megatron.progress_of(megatron.MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "lr_num_samples": 16}
+    directory = find(out)
+    assert progress_of(MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "lr_num_samples": 16}
     run_megatron_gpt("load", out, 2)
     cfg = read_config(layout.iteration_dir(ckpt, 2))
     model = load_model(layout.iteration_dir(ckpt, 2), cfg).eval()
@@ -218,7 +222,7 @@ def stacked_state(directory) -> dict:
     sections = read_sections(directory, ("model", "optimizer"))
     layers: dict = {}
     for name, weight in sections["model"].items():
-        key, layer = megatron.megatron_name(name)
+        key, layer = megatron_name(name)
         for slot in ("weight", "exp_avg", "exp_avg_sq"):
             value = weight if slot == "weight" else sections["optimizer"][f"state.{name}.{slot}"]
             layers.setdefault(slot, {}).setdefault(key, {})[layer] = value

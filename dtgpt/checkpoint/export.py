@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.safe import SafeReader
-from dtgpt.checkpoint.state import extra_problem, flat_keys, shape_problem
+from dtgpt.checkpoint.stored import extra_problem, flat_keys, shape_problem
 from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
 
@@ -172,9 +172,9 @@ def to_gpt2_dir(directory: Path, cfg: Config, out: str | Path) -> list[str]:
     vocab = model_vocab_size(directory)
     _check_tokenizer_fits(tokenizer.vocab_size, vocab, directory)
     tensors = gpt2.to_gpt2(read_sections(directory, ("model",))["model"], cfg.model)
-    gpt2.write(out, tensors, gpt2.hf_config(cfg.model, vocab, tokenizer.eod),
-               gpt2.generation_config(tokenizer.eod, tokenizer.vocab_size, vocab))  # fmt: skip
-    written = hf_tokenizer.write(out, tokenizer, cfg.model.max_positions)
+    gpt2.write_gpt2_dir(out, tensors, gpt2.hf_config(cfg.model, vocab, tokenizer.eod),
+                        gpt2.generation_config(tokenizer.eod, tokenizer.vocab_size, vocab))  # fmt: skip
+    written = hf_tokenizer.write_tokenizer_files(out, tokenizer, cfg.model.max_positions)
     return [gpt2.HF_CONFIG, gpt2.GENERATION_CONFIG, gpt2.SAFETENSORS, *written]
 
 
@@ -185,7 +185,7 @@ def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int
     (the rest of `cfg` is kept). Returns the iteration directory and a line saying what was read.
     """
     src = Path(src)
-    tensors, hf = gpt2.read(src)
+    tensors, hf = gpt2.read_gpt2_dir(src)
     for key, value in gpt2.model_overrides(hf, str(src / gpt2.HF_CONFIG)).items():
         apply_override(cfg, f"model.{key}", str(value))
     cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)

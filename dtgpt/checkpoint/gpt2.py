@@ -157,7 +157,7 @@ def model_overrides(config: dict, source: str = HF_CONFIG) -> dict:
     }  # fmt: skip
 
 
-def write(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict, generation: dict) -> None:
+def write_gpt2_dir(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict, generation: dict) -> None:
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -170,7 +170,7 @@ def write(directory: str | Path, tensors: dict[str, torch.Tensor], config: dict,
     shutil.copymode(directory / HF_CONFIG, directory / SAFETENSORS)
 
 
-def read(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+def read_gpt2_dir(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors (one file, or the shards an index names) and config.json of a GPT-2 directory."""
     from safetensors.torch import load_file
 

@@ -65,7 +65,7 @@ def build_backend(tokenizer: Tokenizer):
     return backend
 
 
-def write(directory: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
+def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
     """Write the tokenizer files into `directory`; returns their names."""
     written = [TOKENIZER_JSON, TOKENIZER_CONFIG]
     build_backend(tokenizer).save(str(directory / TOKENIZER_JSON))

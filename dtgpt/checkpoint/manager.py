@@ -29,12 +29,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from dtgpt.checkpoint import layout, megatron, megatron_load
+from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
-from dtgpt.checkpoint.state import extra_problem, flat_keys, has_section, shape_problem
+from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
@@ -182,7 +182,7 @@ class Checkpointer:
 
     def _load_megatron(self, directory: Path) -> None:
         stateful = self.cfg.load_optimizer and self.state.resumable
-        for note in megatron_load.load_into_state(self.state, directory, self.run_cfg, stateful):
+        for note in megatron.load_into_state(self.state, directory, self.run_cfg, stateful):
             self._log(f"Megatron checkpoint: {note}")
         s = self.state.progress
         if stateful:  # Megatron's RNG states belong to its own ranks and generators

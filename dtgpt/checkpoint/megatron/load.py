@@ -1,4 +1,5 @@
-"""A Megatron-LM checkpoint into a TrainState at any mesh, each rank reading only what it holds.
+"""A Megatron-LM checkpoint into dtgpt: a TrainState at any mesh, each rank reading only what it
+holds (load_into_state), or a plain one-device GPT (load_megatron_model).
 
 Every parameter (and AdamW tensor) of a rank is a DTensor shard or a whole tensor; its global
 offset and local shape name a region of Megatron's stored tensor (one layer of a stacked one),
@@ -27,8 +28,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dtgpt.checkpoint.megatron import MegatronReader, full_model_shapes, megatron_name, progress_of
-from dtgpt.config import Config
+from dtgpt.checkpoint.megatron.formats import progress_of
+from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, megatron_name
+from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.config import Config, ModelConfig
+from dtgpt.model import GPT
 from dtgpt.state import FLAT_OPTIM, TrainState, tied_source
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -157,3 +161,14 @@ def _load_adam(state: TrainState, reader: MegatronReader, step: float) -> None:
                 targets[key] = (_source(state, name), slot, value)
         read_into(reader, targets)
         set_optimizer_state_dict(part, optimizer, live, options=FLAT_OPTIM)
+
+
+def load_megatron_model(directory: Path, cfg: ModelConfig, vocab_rows: int) -> GPT:
+    """A plain one-device GPT with the Megatron checkpoint's weights (vocabulary: `vocab_rows`)."""
+    model = GPT(cfg, vocab_rows)
+    state = model.state_dict()
+    wanted = {n: tuple(state[n].shape) for n in dtgpt_names(cfg)}
+    with torch.no_grad():
+        for name, value in MegatronReader(directory).model(wanted, list(wanted)):
+            state[name].copy_(value)
+    return model

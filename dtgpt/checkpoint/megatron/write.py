@@ -2,8 +2,8 @@
 
 Both directions are a `dcp.save` whose state dict holds meta tensors (shapes and dtypes only: all
 DCP needs to plan) and a planner that produces each tensor when DCP's writer asks for it, so a
-conversion holds about one (stacked) tensor in memory, never the model. The key map, vocabulary
-padding and reader live in dtgpt/checkpoint/megatron.py.
+conversion holds about one (stacked) tensor in memory, never the model. The key map and vocabulary
+padding live in keys.py, the reader in reader.py.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from dtgpt.checkpoint import export, layout
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.megatron import (
-    BACKEND_FILE, COMMON_FILE, OPTIMIZER_PREFIX, VOCAB_KEYS, MegatronReader, dtgpt_names, find, full_model_shapes, megatron_name,
-    progress_of, resize_vocab,
-)  # fmt: skip
+from dtgpt.checkpoint.megatron.formats import BACKEND_FILE, COMMON_FILE, find, progress_of
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, dtgpt_names, full_model_shapes, megatron_name, resize_vocab
+from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, OptimizerConfig, padded_vocab_size, to_toml
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}

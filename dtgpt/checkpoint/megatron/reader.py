@@ -1,158 +1,28 @@
-"""Megatron-LM GPT checkpoints in and out: format detection, the key map, readers and a writer.
+"""Reading a Megatron-LM checkpoint (torch_dist or per-rank) as dtgpt's tensors, by name.
 
-Two formats, both under Megatron's `iter_XXXXXXX/` + `latest_checkpointed_iteration.txt`:
-
-    torch_dist   iter_N/metadata.json ({"sharded_backend": "torch_dist"}), common.pt, .metadata and
-                 __<rank>_<n>.distcp: DCP underneath, mesh-free keys, the layers stacked on a
-                 leading dimension (decoder.layers.self_attention.linear_qkv.weight is (L, 3h, h))
-    per-rank     iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt: one torch.save dict per model-parallel
-                 rank, per-layer keys numbered within the stage, split by TP rank
-
-Both become dtgpt's full tensors by name (`model.<fqn>`); the Checkpointer then copies each
-rank's slice into its (possibly sharded) parameters, so a Megatron checkpoint loads at any mesh.
-QKV rows need no reordering: Megatron interleaves them per query group, [q | k | v] of each
-group, which with one head per group (dtgpt has no GQA) is dtgpt's head-by-head layout.
-The vocabulary rows are Megatron's padding (make_vocab_size_divisible_by x tp): rows are dropped
-or zero-padded to the model's, never rows of real tokens (the tokenizer fits both).
+Both formats become dtgpt's full tensors by name (`model.<fqn>`), or any sub-region of one (one
+layer of a stacked tensor, one shard's rows); load.py reads each rank's slice into its (possibly
+sharded) parameters, so a Megatron checkpoint loads at any mesh. The formats are
+described in formats.py, the key map in keys.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import re
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtgpt.checkpoint import layout
-from dtgpt.checkpoint.regions import read_regions
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.config import ModelConfig
-from dtgpt.model import GPT
+from dtgpt.checkpoint.megatron.formats import COMMON_FILE, PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs
+from dtgpt.checkpoint.megatron.keys import GLOBAL_KEYS, LAYER_KEYS, LOCAL_NORM_NAMES, OPTIMIZER_PREFIX, VOCAB_KEYS, megatron_name
+from dtgpt.checkpoint.megatron.regions import read_regions
 
-BACKEND_FILE = "metadata.json"
-COMMON_FILE = "common.pt"
-PER_RANK_FILE = "model_optim_rng.pt"
-OPTIMIZER_PREFIX = "optimizer.state."
-"""Megatron's model-space optimizer state: `optimizer.state.<slot>.<model key>`, shaped as the model key."""
-_PER_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-
-GLOBAL_KEYS = {
-    "embedding.word.weight": "embedding.word_embeddings.weight",
-    "embedding.position.weight": "embedding.position_embeddings.weight",
-    "norm.weight": "decoder.final_layernorm.weight",
-    "norm.bias": "decoder.final_layernorm.bias",
-    "output.weight": "output_layer.weight",
-}
-"""dtgpt name -> Megatron name of the tensors outside the blocks."""
-
-LAYER_KEYS = {
-    "input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "attention.qkv.weight": "self_attention.linear_qkv.weight",
-    "attention.qkv.bias": "self_attention.linear_qkv.bias",
-    "attention.proj.weight": "self_attention.linear_proj.weight",
-    "attention.proj.bias": "self_attention.linear_proj.bias",
-    "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
-    "mlp.fc1.weight": "mlp.linear_fc1.weight",
-    "mlp.fc1.bias": "mlp.linear_fc1.bias",
-    "mlp.fc2.weight": "mlp.linear_fc2.weight",
-    "mlp.fc2.bias": "mlp.linear_fc2.bias",
-}
-"""dtgpt block-relative name -> Megatron's (torch_dist stacks it under `decoder.layers.`)."""
-
-LOCAL_NORM_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-"""The same norms under the local layer spec's per-layer names (the per-rank format keeps them)."""
-
-VOCAB_KEYS = ("embedding.word.weight", "output.weight")
 _TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
            "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}  # fmt: skip
 """How the per-rank format splits a tensor over TP ranks (column parallel: rows; row parallel:
 columns); anything not named is replicated."""
-
-SAFE_GLOBALS = [argparse.Namespace]
-"""What Megatron's pickles hold besides tensors and plain containers (its `args`)."""
-
-
-# -- where and what --------------------------------------------------------------------------
-
-
-def is_torch_dist(directory: Path) -> bool:
-    try:
-        return json.loads((directory / BACKEND_FILE).read_text()).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def per_rank_dirs(directory: Path) -> dict[tuple[int, int], Path]:
-    """(tp_rank, pp_rank) -> mp_rank_TT[_PPP] directory holding model_optim_rng.pt."""
-    found = {}
-    for sub in directory.iterdir() if directory.is_dir() else ():
-        match = _PER_RANK_DIR.match(sub.name)
-        if match and (sub / PER_RANK_FILE).is_file():
-            found[(int(match.group(1)), int(match.group(2) or 0))] = sub
-    return found
-
-
-def is_megatron_dir(directory: Path) -> bool:
-    return is_torch_dist(directory) or bool(per_rank_dirs(directory))
-
-
-def find(root: str | Path, iteration: int = 0) -> Path | None:
-    """The Megatron iteration directory `root` names (itself, its pointer's, or `iteration`),
-    or None when `root` holds no Megatron checkpoint (then it is dtgpt's, or nothing)."""
-    root = Path(root)
-    if is_megatron_dir(root):
-        return root
-    pointed = iteration or layout.read_pointer(root)
-    if pointed is None:
-        return None
-    directory = layout.iteration_dir(root, pointed)
-    return directory if is_megatron_dir(directory) else None
-
-
-def load_pickle(path: Path) -> dict:
-    """A Megatron pickle, unpickled with only tensors, containers and argparse.Namespace allowed."""
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
-        raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {e}") from None
-
-
-def megatron_name(name: str) -> tuple[str, int | None]:
-    """dtgpt FQN -> (Megatron torch_dist key, layer index or None)."""
-    if name in GLOBAL_KEYS:
-        return GLOBAL_KEYS[name], None
-    _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
-    return "decoder.layers." + LAYER_KEYS[rest], int(layer)
-
-
-def dtgpt_names(cfg: ModelConfig) -> list[str]:
-    """Every dtgpt FQN of the full model of `cfg` (a tied head's copy left out: it is the embedding)."""
-    num_layers, tied = cfg.num_layers, not cfg.untie_embeddings_and_output_weights
-    learned_positions = cfg.position_embedding_type == "learned_absolute"
-    names = ["embedding.word.weight"] + (["embedding.position.weight"] if learned_positions else [])
-    names += [f"layers.{i}.{rest}" for i in range(num_layers) for rest in LAYER_KEYS]
-    names += ["norm.weight", "norm.bias"] + ([] if tied else ["output.weight"])
-    if cfg.normalization == "RMSNorm":
-        names = [n for n in names if not n.endswith("norm.bias")]
-    return names
-
-
-def resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Drop or zero-pad padding rows of a vocabulary-sized tensor to `rows`."""
-    if tensor.shape[0] >= rows:
-        return tensor[:rows]
-    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
 def _mismatch(directory: Path, key: str, stored, wanted, name: str) -> CheckpointError:
@@ -160,9 +30,6 @@ def _mismatch(directory: Path, key: str, stored, wanted, name: str) -> Checkpoin
         f"Megatron checkpoint {directory} does not fit this model: {key} has shape {tuple(stored)} in the "
         f"checkpoint but this model's {name} needs {tuple(wanted)}"
     )
-
-
-# -- reading ---------------------------------------------------------------------------------
 
 
 class MegatronReader:
@@ -334,57 +201,3 @@ class PerRankModel:
             except KeyError:
                 continue  # not in this checkpoint (tied head, no learned positions, no bias)
         return shapes
-
-
-# -- progress ----------------------------------------------------------------------------------
-
-
-def progress_of(common: dict) -> dict:
-    """What a Megatron-LM trainer stores about where it stands: iteration, consumed samples, the
-    LR schedule's sample count and the loss scale, each only when present."""
-    out = {}
-    if "iteration" in common:
-        out["iteration"] = int(common["iteration"])
-    args = common.get("args")
-    if args is not None and getattr(args, "consumed_train_samples", None) is not None:
-        out["consumed_samples"] = int(args.consumed_train_samples)
-    scheduler = common.get("opt_param_scheduler") or {}
-    if "num_steps" in scheduler:
-        out["lr_num_samples"] = int(scheduler["num_steps"])
-    scaler = _grad_scaler(common.get("optimizer"))
-    if scaler:
-        out["loss_scale"] = scaler
-    return out
-
-
-def _grad_scaler(optimizer) -> dict | None:
-    """Megatron's grad_scaler dict ({scale, growth_tracker, hysteresis_tracker}) where its
-    optimizer state keeps it: at the top, or one level down (chained optimizers: a list or dict)."""
-    if isinstance(optimizer, dict) and isinstance(optimizer.get("grad_scaler"), dict):
-        return optimizer["grad_scaler"]
-    inner = optimizer.values() if isinstance(optimizer, dict) else optimizer if isinstance(optimizer, list) else ()
-    for value in inner:
-        if isinstance(value, dict) and isinstance(value.get("grad_scaler"), dict):
-            return value["grad_scaler"]
-    return None
-
-
-# -- into dtgpt --------------------------------------------------------------------------------
-
-
-def load_model(directory: Path, cfg: ModelConfig, vocab_rows: int):
-    """A plain one-device GPT with the Megatron checkpoint's weights (vocabulary: `vocab_rows`)."""
-    model = GPT(cfg, vocab_rows)
-    state = model.state_dict()
-    wanted = {n: tuple(state[n].shape) for n in dtgpt_names(cfg)}
-    with torch.no_grad():
-        for name, value in MegatronReader(directory).model(wanted, list(wanted)):
-            state[name].copy_(value)
-    return model
-
-
-def full_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every dtgpt tensor's full shape (vocabulary rows aside: those are reconciled), on meta."""
-    with torch.device("meta"):
-        state = GPT(cfg, 1).state_dict()
-    return {name: tuple(state[name].shape) for name in dtgpt_names(cfg)}

@@ -1,0 +1,15 @@
+"""Megatron-LM checkpoints (torch_dist and per-rank) in and out, in one home.
+
+    formats.py  finding a Megatron iteration directory, its format, its pickles, its progress
+    keys.py     the key map between Megatron's names and dtgpt's, full shapes, vocabulary rows
+    reader.py   MegatronReader (and PerRankModel): tensors or sub-regions of either format by dtgpt name
+    regions.py  DCP reads of sub-regions of stored tensors (a rank reads only what it holds)
+    load.py     a Megatron checkpoint into a TrainState at any mesh, or into a one-device GPT
+    write.py    streaming conversion dtgpt <-> Megatron torch_dist
+"""
+
+from dtgpt.checkpoint.megatron.formats import find
+from dtgpt.checkpoint.megatron.load import load_into_state, load_megatron_model
+from dtgpt.checkpoint.megatron.write import from_megatron, to_megatron
+
+__all__ = ["find", "from_megatron", "load_into_state", "load_megatron_model", "to_megatron"]

@@ -1,0 +1,107 @@
+"""Megatron-LM's checkpoint formats: finding a Megatron iteration directory, telling its format,
+unpickling its files, and reading where its training stood.
+
+Two formats, both under Megatron's `iter_XXXXXXX/` + `latest_checkpointed_iteration.txt`:
+
+    torch_dist   iter_N/metadata.json ({"sharded_backend": "torch_dist"}), common.pt, .metadata and
+                 __<rank>_<n>.distcp: DCP underneath, mesh-free keys, the layers stacked on a
+                 leading dimension (decoder.layers.self_attention.linear_qkv.weight is (L, 3h, h))
+    per-rank     iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt: one torch.save dict per model-parallel
+                 rank, per-layer keys numbered within the stage, split by TP rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from dtgpt.checkpoint import layout
+from dtgpt.checkpoint.layout import CheckpointError
+
+BACKEND_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+PER_RANK_FILE = "model_optim_rng.pt"
+_PER_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+SAFE_GLOBALS = [argparse.Namespace]
+"""What Megatron's pickles hold besides tensors and plain containers (its `args`)."""
+
+
+def is_torch_dist(directory: Path) -> bool:
+    try:
+        return json.loads((directory / BACKEND_FILE).read_text()).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def per_rank_dirs(directory: Path) -> dict[tuple[int, int], Path]:
+    """(tp_rank, pp_rank) -> mp_rank_TT[_PPP] directory holding model_optim_rng.pt."""
+    found = {}
+    for sub in directory.iterdir() if directory.is_dir() else ():
+        match = _PER_RANK_DIR.match(sub.name)
+        if match and (sub / PER_RANK_FILE).is_file():
+            found[(int(match.group(1)), int(match.group(2) or 0))] = sub
+    return found
+
+
+def is_megatron_dir(directory: Path) -> bool:
+    return is_torch_dist(directory) or bool(per_rank_dirs(directory))
+
+
+def find(root: str | Path, iteration: int = 0) -> Path | None:
+    """The Megatron iteration directory `root` names (itself, its pointer's, or `iteration`),
+    or None when `root` holds no Megatron checkpoint (then it is dtgpt's, or nothing)."""
+    root = Path(root)
+    if is_megatron_dir(root):
+        return root
+    pointed = iteration or layout.read_pointer(root)
+    if pointed is None:
+        return None
+    directory = layout.iteration_dir(root, pointed)
+    return directory if is_megatron_dir(directory) else None
+
+
+def load_pickle(path: Path) -> dict:
+    """A Megatron pickle, unpickled with only tensors, containers and argparse.Namespace allowed."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
+        raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {e}") from None
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+def progress_of(common: dict) -> dict:
+    """What a Megatron-LM trainer stores about where it stands: iteration, consumed samples, the
+    LR schedule's sample count and the loss scale, each only when present."""
+    out = {}
+    if "iteration" in common:
+        out["iteration"] = int(common["iteration"])
+    args = common.get("args")
+    if args is not None and getattr(args, "consumed_train_samples", None) is not None:
+        out["consumed_samples"] = int(args.consumed_train_samples)
+    scheduler = common.get("opt_param_scheduler") or {}
+    if "num_steps" in scheduler:
+        out["lr_num_samples"] = int(scheduler["num_steps"])
+    scaler = _grad_scaler(common.get("optimizer"))
+    if scaler:
+        out["loss_scale"] = scaler
+    return out
+
+
+def _grad_scaler(optimizer) -> dict | None:
+    """Megatron's grad_scaler dict ({scale, growth_tracker, hysteresis_tracker}) where its
+    optimizer state keeps it: at the top, or one level down (chained optimizers: a list or dict)."""
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("grad_scaler"), dict):
+        return optimizer["grad_scaler"]
+    inner = optimizer.values() if isinstance(optimizer, dict) else optimizer if isinstance(optimizer, list) else ()
+    for value in inner:
+        if isinstance(value, dict) and isinstance(value.get("grad_scaler"), dict):
+            return value["grad_scaler"]
+    return None

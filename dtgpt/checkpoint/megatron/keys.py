@@ -1,0 +1,87 @@
+"""The key map between Megatron-LM's tensor names and dtgpt's, the full shapes, and the
+vocabulary rows.
+
+QKV rows need no reordering: Megatron interleaves them per query group, [q | k | v] of each
+group, which with one head per group (dtgpt has no GQA) is dtgpt's head-by-head layout.
+The vocabulary rows are Megatron's padding (make_vocab_size_divisible_by x tp): rows are dropped
+or zero-padded to the model's, never rows of real tokens (the tokenizer fits both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtgpt.config import ModelConfig
+from dtgpt.model import GPT
+
+OPTIMIZER_PREFIX = "optimizer.state."
+"""Megatron's model-space optimizer state: `optimizer.state.<slot>.<model key>`, shaped as the model key."""
+
+GLOBAL_KEYS = {
+    "embedding.word.weight": "embedding.word_embeddings.weight",
+    "embedding.position.weight": "embedding.position_embeddings.weight",
+    "norm.weight": "decoder.final_layernorm.weight",
+    "norm.bias": "decoder.final_layernorm.bias",
+    "output.weight": "output_layer.weight",
+}
+"""dtgpt name -> Megatron name of the tensors outside the blocks."""
+
+LAYER_KEYS = {
+    "input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "attention.qkv.weight": "self_attention.linear_qkv.weight",
+    "attention.qkv.bias": "self_attention.linear_qkv.bias",
+    "attention.proj.weight": "self_attention.linear_proj.weight",
+    "attention.proj.bias": "self_attention.linear_proj.bias",
+    "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.fc1.weight": "mlp.linear_fc1.weight",
+    "mlp.fc1.bias": "mlp.linear_fc1.bias",
+    "mlp.fc2.weight": "mlp.linear_fc2.weight",
+    "mlp.fc2.bias": "mlp.linear_fc2.bias",
+}
+"""dtgpt block-relative name -> Megatron's (torch_dist stacks it under `decoder.layers.`)."""
+
+LOCAL_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+"""The same norms under the local layer spec's per-layer names (the per-rank format keeps them)."""
+
+VOCAB_KEYS = ("embedding.word.weight", "output.weight")
+
+
+def megatron_name(name: str) -> tuple[str, int | None]:
+    """dtgpt FQN -> (Megatron torch_dist key, layer index or None)."""
+    if name in GLOBAL_KEYS:
+        return GLOBAL_KEYS[name], None
+    _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
+    return "decoder.layers." + LAYER_KEYS[rest], int(layer)
+
+
+def dtgpt_names(cfg: ModelConfig) -> list[str]:
+    """Every dtgpt FQN of the full model of `cfg` (a tied head's copy left out: it is the embedding)."""
+    num_layers, tied = cfg.num_layers, not cfg.untie_embeddings_and_output_weights
+    learned_positions = cfg.position_embedding_type == "learned_absolute"
+    names = ["embedding.word.weight"] + (["embedding.position.weight"] if learned_positions else [])
+    names += [f"layers.{i}.{rest}" for i in range(num_layers) for rest in LAYER_KEYS]
+    names += ["norm.weight", "norm.bias"] + ([] if tied else ["output.weight"])
+    if cfg.normalization == "RMSNorm":
+        names = [n for n in names if not n.endswith("norm.bias")]
+    return names
+
+
+def full_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every dtgpt tensor's full shape (vocabulary rows aside: those are reconciled), on meta."""
+    with torch.device("meta"):
+        state = GPT(cfg, 1).state_dict()
+    return {name: tuple(state[name].shape) for name in dtgpt_names(cfg)}
+
+
+def resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Drop or zero-pad padding rows of a vocabulary-sized tensor to `rows`."""
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
