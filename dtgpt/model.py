@@ -25,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
-from dtgpt.config import padded_vocab_size as padded_vocab_size  # re-exported: scripts and tests use it
 
 WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_WEIGHT = "output.weight"

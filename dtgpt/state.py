@@ -6,7 +6,7 @@
     timers       the phase timers train_step reads (logging.timers_log_level; never saved)
 
 `state_dict()` is the dict DCP saves: its keys name the whole model's parameters, never the
-mesh (layout in dtgpt/checkpoint/state.py), so any mesh reads any other mesh's checkpoint.
+mesh (layout in dtgpt/checkpoint/stored.py), so any mesh reads any other mesh's checkpoint.
 train.py and the library API (dtgpt.api) both build this object and save it, so a checkpoint
 from either resumes the same way. The checkpoint checks of a stored layout live in dtgpt.checkpoint.
 """

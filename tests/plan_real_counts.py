@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from dtgpt.config import load_config
 from dtgpt.distributed import init_distributed, shutdown
-from dtgpt.model import GPT, padded_vocab_size
+from dtgpt.config import padded_vocab_size
+from dtgpt.model import GPT
 from dtgpt.parallel import build_model_parts
 from dtgpt.plan import tokenizer_vocab_size
 

@@ -365,7 +365,7 @@ def test_out_of_range_settings_are_one_config_error(override, message):
 
 @pytest.mark.parametrize("data_path", ["-1 a 1 b", "nan a 1 b", "0 a 0 b"])
 def test_bad_blend_weights_are_one_config_error(data_path):
-    from dtgpt.data.blended import parse_blend
+    from dtgpt.config.blend import parse_blend
 
     with pytest.raises(ConfigError, match="weights must be finite, >= 0, with a positive sum"):
         parse_blend([data_path])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dtgpt.config import ConfigError
-from dtgpt.data.blended import BlendedDataset, build_blending_indices, parse_blend
+from dtgpt.config.blend import parse_blend
+from dtgpt.data.blended import BlendedDataset, build_blending_indices
 from dtgpt.data.builder import build_gpt_datasets, component_size
 from dtgpt.data.indexed import IndexedDatasetWriter
 

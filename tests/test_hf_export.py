@@ -26,7 +26,8 @@ from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.export import load_model, read_config, read_sections, write_checkpoint
 from dtgpt.config import load_config
 from dtgpt.data.tokenizer import build_tokenizer
-from dtgpt.model import GPT, padded_vocab_size
+from dtgpt.config import padded_vocab_size
+from dtgpt.model import GPT
 from tests.runs import REPO
 from tests.test_checkpoint_convert import load_script
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from dtgpt.config import Config, ModelConfig
-from dtgpt.model import GPT, Init, flops_per_token, num_parameters, padded_vocab_size
+from dtgpt.config import padded_vocab_size
+from dtgpt.model import GPT, Init, flops_per_token, num_parameters
 from dtgpt.parallel import ParallelDims, build_model_parts
 from dtgpt.step import local_forward_backward
 

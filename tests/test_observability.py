@@ -51,7 +51,7 @@ def test_phase_times_reach_tensorboard_per_iteration(tmp_path):
     assert sorted(timers_ms) == sorted(phases)
     lo, hi = timers_ms["forward-backward"]
     assert lo == hi  # one rank
-    assert f"forward-backward ".ljust(48, ".") + f": ({lo:.2f}, {hi:.2f})" in out
+    assert "forward-backward ".ljust(48, ".") + f": ({lo:.2f}, {hi:.2f})" in out
     assert acc.Scalars("forward-backward-time")[0].value == pytest.approx(hi, rel=1e-6)
     mean_iteration_ms = 1000 * sum(e.value for e in acc.Scalars("iteration-time")) / 4
     assert 0 < hi <= mean_iteration_ms * (1 + 1e-5)

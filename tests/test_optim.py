@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dtgpt.config import Config, ConfigError, OptimizerConfig, TrainingConfig
+from dtgpt.config import Config, OptimizerConfig, TrainingConfig
 from dtgpt.optim import (
     BatchSizeSchedule,
     LRSchedule,

@@ -1,9 +1,5 @@
 """End-to-end runs of train.py on CPU: the loss falls, logs and metrics, fp16, NaN guard, ramp-up."""
 
-import json
-import re
-from pathlib import Path
-
 import pytest
 
 from tests.runs import REPO, TINY, read_metrics, run_train, train_losses

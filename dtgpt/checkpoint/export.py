@@ -25,7 +25,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-from dtgpt.model import GPT, OUTPUT_WEIGHT, WORD_EMBEDDING, padded_vocab_size
+from dtgpt.config import padded_vocab_size
+from dtgpt.model import GPT, OUTPUT_WEIGHT, WORD_EMBEDDING
 
 TORCH_FORMAT = "dtgpt-torch-1"
 

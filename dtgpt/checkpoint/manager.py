@@ -1,15 +1,13 @@
 """Checkpointer: when to save, saving (sync or async) with DCP, and loading on construction.
 
-A save writes the iteration directory with DCP, then (rank 0, once every rank's data and DCP's
-`.metadata` exist) the `complete` marker with each file's checksum, then moves the pointer, then
-prunes (not after a save whose weights are not finite). Every save writes a staging directory
-and renames it to its iteration directory only after the marker (a re-save of a complete
-iteration swaps it in), so no `iter_N` is ever partial and an old one is never deleted first. Rank 0 holds a lock on the save directory for the whole run (lock.py), and a run
-never writes into a directory of another run's checkpoints it did not load from, unless
-checkpoint.overwrite. Loads read data only (safe.py). An async save
-stages a copy of the state, returns to training, and completes the same way when its future is
-found done (polled every iteration); at most one is in flight. See dtgpt/checkpoint/layout.py
-for the directory layout and dtgpt/checkpoint/state.py for what is saved.
+A save writes a staging directory with DCP, then (rank 0, once every rank's data and `.metadata`
+exist) the `complete` marker with each file's checksum, renames it to `iter_N` (swapping in a
+re-save), moves the pointer and prunes (not after non-finite weights): no `iter_N` is ever partial
+and an old one is never deleted first. Rank 0 locks the save directory for the run (lock.py), and
+a run writes into another run's directory only when it loaded from it or checkpoint.overwrite.
+Loads read data only (safe.py). An async save stages a copy, returns to training and completes
+when its future is found done (polled every iteration); at most one is in flight. Directory
+layout: layout.py; what is saved: stored.py and dtgpt/state.py.
 """
 
 from __future__ import annotations
@@ -99,13 +97,9 @@ class Checkpointer:
             StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
         )
 
-    def _log(self, message: str) -> None:
+    def _log(self, message: str, prefix: str = "> ") -> None:
         if self.runtime.is_main:
-            print(f"> {message}", flush=True)
-
-    def _warn(self, message: str) -> None:
-        if self.runtime.is_main:
-            print(f"WARNING: {message}", flush=True)
+            print(f"{prefix}{message}", flush=True)
 
     def _from_rank0(self, fn):
         """Run fn on rank 0 only and give every rank its result (or its CheckpointError)."""
@@ -156,16 +150,16 @@ class Checkpointer:
         if not root:
             return ""
         if c.trust_pickles:
-            self._warn(trust_warning(Path(root)))
+            self._log(trust_warning(Path(root)), "WARNING: ")
         fresh_ok = c.auto_resume or _same_path(root, c.save)
-        # -- Megatron-LM checkpoints (issue 16): detected by their files (megatron.py), read by megatron_load.py
+        # Megatron-LM checkpoints: detected by their files, read by dtgpt/checkpoint/megatron/load.py
         megatron_dir = self._from_rank0(lambda: megatron.find(root, c.load_iteration))
         if megatron_dir is not None:
             self._load_megatron(megatron_dir)
             return
         found = self._from_rank0(lambda: layout.resolve(root, c.load_iteration, fresh_ok, trust_pickles=c.trust_pickles))
         for warning in found.warnings:
-            self._warn(warning)
+            self._log(warning, "WARNING: ")
         if found.directory is None:
             self._log(f"{found.note}: starting from scratch")
             return root
@@ -340,7 +334,7 @@ class Checkpointer:
         if staging.exists():  # left by a save that did not finish
             shutil.rmtree(staging)
         if (final / layout.MARKER).exists():
-            self._warn(f"replacing the checkpoint {final}; it stays until the new one is complete")
+            self._log(f"replacing the checkpoint {final}; it stays until the new one is complete", "WARNING: ")
         elif final.exists():
             shutil.rmtree(final)
         try:
@@ -366,7 +360,7 @@ class Checkpointer:
         layout.remove_stale_staging(self.cfg.save, iteration)
         if not finite:
             if self.cfg.keep_last:
-                self._warn(f"iteration {iteration} saved non-finite weights: no older checkpoint is pruned")
+                self._log(f"iteration {iteration} saved non-finite weights: no older checkpoint is pruned", "WARNING: ")
             return
         for path in layout.prune(self.cfg.save, self.cfg.keep_last, iteration):
             self._log(f"removed old checkpoint {path} (checkpoint.keep_last={self.cfg.keep_last})")
@@ -382,7 +376,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported now, raised by finalize()
             message = f"async checkpoint save of {layout.iteration_dir(self.cfg.save, pending.iteration)} failed: {layout.describe(e)}"
             self._failures[pending.iteration] = message
-            self._warn(message + f" ({layout.POINTER} not moved)")
+            self._log(message + f" ({layout.POINTER} not moved)", "WARNING: ")
             return
         self._complete(pending.iteration, pending.directory, pending.finite)
         self._saved.add(pending.iteration)

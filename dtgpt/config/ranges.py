@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 
 from dtgpt.config.sections import Config, ConfigError
 

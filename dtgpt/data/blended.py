@@ -12,7 +12,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dtgpt.config.blend import parse_blend as parse_blend  # re-exported: the data code reads blends here
 from dtgpt.data.cache import build_once, description_hash, is_cached, load_npy, save_npy
 
 

@@ -20,7 +20,8 @@ import math
 from typing import Optional, Sequence
 
 from dtgpt.config.split import SPLIT_NAMES, split_document_ranges
-from dtgpt.data.blended import BlendedDataset, normalize, parse_blend
+from dtgpt.config.blend import parse_blend
+from dtgpt.data.blended import BlendedDataset, normalize
 from dtgpt.data.cache import index_cache_dir
 from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.indexed import IndexedDataset, check_token_ids
