@@ -250,7 +250,7 @@ def test_empty_load_dir_errors_unless_it_is_the_save_dir(tmp_path, capsys):
     empty.mkdir()
     with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
         checkpointer(make_trainer(f"--checkpoint.load={empty}"))
-    for extra in ([f"--checkpoint.save={empty}"], [f"--checkpoint.auto_resume=true", f"--checkpoint.save={tmp_path / 'new'}"]):
+    for extra in ([f"--checkpoint.save={empty}"], ["--checkpoint.auto_resume=true", f"--checkpoint.save={tmp_path / 'new'}"]):
         t = make_trainer(f"--checkpoint.load={empty}", *extra)
         checkpointer(t)
         assert t.state.progress.iteration == 0

@@ -62,8 +62,8 @@ def range_problem(cfg: Config) -> str | None:
         value = getattr(getattr(cfg, section), name)
         if not value > 0:
             return f"{key}={value} must be > 0"
-    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction <= 1:
-        return f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1]"
+    if o.lr_warmup_fraction is not None and not 0 <= o.lr_warmup_fraction < 1:
+        return f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1) (warmup < decay)"
     if o.lr_warmup_init < 0:
         return f"optimizer.lr_warmup_init={o.lr_warmup_init} must be >= 0"
     if t.exit_skipped_iters < 0:

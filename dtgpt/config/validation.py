@@ -132,11 +132,6 @@ def _check_learning_rate(cfg: Config) -> None:
     _require(o.min_lr <= o.lr, f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
     _require(o.clip_grad >= 0, f"optimizer.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
-    if o.lr_warmup_fraction is not None:
-        _require(
-            0.0 <= o.lr_warmup_fraction < 1.0,
-            f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1) (warmup < decay)",
-        )
     for key in ("optimizer.lr_warmup_iters", "optimizer.lr_warmup_samples"):
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
     decay, warmup = lr_decay_length(cfg), lr_warmup_length(cfg)
