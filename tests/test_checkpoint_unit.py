@@ -17,6 +17,7 @@ from dtgpt.config import load_config
 from dtgpt.api import build_model, build_train_state, init_distributed, train_step
 from dtgpt.config import Config
 from dtgpt.distributed import Runtime
+from dtgpt.faults.injection import FaultHooks, build_faults
 from dtgpt.state import TrainState
 
 VOCAB = 128
@@ -35,17 +36,19 @@ class Trainer:
     cfg: Config
     runtime: Runtime
     state: TrainState
+    faults: FaultHooks
 
 
 def make_trainer(*overrides: str) -> Trainer:
     cfg = load_config(None, SMALL + list(overrides))
     runtime = init_distributed(cfg)
-    return Trainer(cfg, runtime, build_train_state(cfg, build_model(cfg, runtime, VOCAB)))
+    state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
+    return Trainer(cfg, runtime, state, build_faults(cfg.faults, runtime.rank, runtime.restart_count))
 
 
 def checkpointer(trainer: Trainer) -> Checkpointer:
     """The Checkpointer of the trainer's state, as train.py builds it."""
-    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime)
+    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime, trainer.faults)
 
 
 def step(trainer: Trainer, n: int = 1) -> None:
