@@ -3,14 +3,17 @@
     cfg = make_config(model={...}, parallel={"tensor_model_parallel_size": 2}, ...)
     runtime = init_distributed(cfg)                  # process group, mesh, device, seeds
     model = build_model(cfg, runtime, vocab_size)    # this rank's parallelised model parts
-    batches = build_train_iterator(cfg, runtime)     # this rank's share of each global batch
-    loss = forward_backward(model, next(batches), num_microbatches(cfg, runtime.dims.dp))
+    batches = build_train_iterator(cfg, model)       # this model's share of each global batch
+    loss = forward_backward(model, next(batches), num_microbatches(cfg, model.dims.dp))
 
     state = build_train_state(cfg, model)            # AdamW, LR schedule, loss scaler, progress
     result = train_step(cfg, state, next(batches))   # train.py's iteration, state advanced
     save_checkpoint(directory, cfg, runtime, state)  # resumable by train.py, exactly
     load_checkpoint(directory, cfg, runtime, state)
 
+Data and micro-batch counts follow the model's own mesh (`model.dims`): a model built from a
+config with another layout than the runtime's gets a mesh of its own over the same ranks, and
+reads its batches by that mesh's data-parallel rank.
 The trainer (dtgpt.training) is one user of these: it calls the same functions, and nothing here
 imports it. Defined here are the compositions of the lower modules; the rest is re-exported
 from where it lives (dtgpt.distributed, dtgpt.state, dtgpt.step, dtgpt.config). The checkpoint
@@ -25,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Union
 
 import torch
 
@@ -92,48 +95,84 @@ def num_samples_needed(cfg: Config) -> tuple[int, int, int]:
     return total_train_samples(t), evals * e.eval_iters * t.global_batch_size, e.eval_iters * t.global_batch_size
 
 
-def _cycle(make: Callable[[], Iterator]) -> Iterator:
-    """Loop over a finite loader forever (evaluation reads a fixed number of batches each time)."""
+def resumed_valid_samples(cfg: Config, progress: Progress) -> int:
+    """Where the validation stream stands at `progress`: its consumed_valid_samples, or, for a
+    checkpoint that holds none (older dtgpt, or 0 in a Megatron one), Megatron's backward-compatible
+    count: one evaluation of eval_iters global batches every eval_interval iterations so far."""
+    if progress.consumed_valid_samples or not progress.iteration:
+        return progress.consumed_valid_samples
+    return progress.iteration // cfg.eval.eval_interval * cfg.eval.eval_iters * cfg.training.global_batch_size
+
+
+def _cycle(make: Callable[[int], Iterable], start: int) -> Iterator:
+    """Loop over a finite loader forever, the first pass from sample `start`, then from 0
+    (evaluation reads a fixed number of batches each time)."""
     while True:
         empty = True
-        for item in make():
+        for item in make(start):
             empty = False
             yield item
         if empty:
             return
+        start = 0
+
+
+Reader = Union[ModelParts, ParallelDims]
+"""Who reads the batches: the model (its mesh, and whether this rank's stages take any), or a mesh."""
+
+
+def _reader_dims(reader: Reader, caller: str) -> tuple[ParallelDims, bool]:
+    """The mesh whose data-parallel rank picks the samples, and whether this rank reads any."""
+    if isinstance(reader, ModelParts):
+        return reader.dims, reader.reads_batches
+    if isinstance(reader, ParallelDims):
+        return reader, True
+    raise TypeError(
+        f"{caller} takes the model that reads the batches (dtgpt.build_model's result) or its mesh, not "
+        f"{type(reader).__name__}: a model built from a config with another layout has a mesh of its own"
+    )
 
 
 def build_data_iterators(
-    cfg: Config, runtime: Runtime, datasets: tuple, options: TokenOptions, consumed_samples: int = 0,
-    reads_batches: bool = True,
+    cfg: Config, reader: Reader, datasets: tuple, options: TokenOptions, consumed_samples: int = 0,
+    consumed_valid_samples: int = 0,
 ) -> tuple[Iterator, Iterator | None, Iterator | None]:
-    """Train, validation and test iterators of this rank's Batches, the train one in the global
-    order from consumed_samples on (batch-size ramp-up included); evaluation cycles over its split.
-    A middle pipeline stage that needs no per-token inputs (`reads_batches` False) reads none: it
-    gets None per batch and starts no loader workers."""
+    """Train, validation and test iterators of the Batches `reader` (a model, or a mesh) reads on
+    this rank: its mesh's data-parallel share of each global batch. The train one is in the global
+    order from consumed_samples on (batch-size ramp-up included); validation continues from
+    consumed_valid_samples as an uninterrupted run would (Megatron's consumed_valid_samples), test
+    starts at 0; both wrap around. A middle pipeline stage that needs no per-token inputs reads
+    none: it gets None per batch and starts no loader workers."""
+    dims, reads_batches = _reader_dims(reader, "build_data_iterators")
     train_ds, valid_ds, test_ds = datasets
     if not reads_batches:
         nothing = itertools.repeat(None)
         return nothing, nothing if valid_ds is not None else None, nothing if test_ds is not None else None
-    dims, workers = runtime.dims, cfg.data.num_workers
+    workers, eval_size = cfg.data.num_workers, cfg.training.global_batch_size
 
     def loader(dataset, start, size_at):
         return build_data_loader(dataset, start, size_at, dims.dp_rank, dims.dp, workers, options)
 
+    def evaluation(dataset, consumed: int) -> Iterator | None:
+        if dataset is None:
+            return None
+        # An uninterrupted stream wraps after its last whole global batch: resume at the same place.
+        period = len(dataset) // eval_size * eval_size
+        return _cycle(lambda start: loader(dataset, start, lambda _: eval_size), consumed % period if period else 0)
+
     train = iter(loader(train_ds, consumed_samples, BatchSizeSchedule(cfg.training).global_batch_size))
-    eval_size = lambda _consumed: cfg.training.global_batch_size  # noqa: E731
-    valid = _cycle(lambda: loader(valid_ds, 0, eval_size)) if valid_ds is not None else None
-    test = _cycle(lambda: loader(test_ds, 0, eval_size)) if test_ds is not None else None
-    return train, valid, test
+    return train, evaluation(valid_ds, consumed_valid_samples), evaluation(test_ds, 0)
 
 
-def build_train_iterator(cfg: Config, runtime: Runtime, consumed_samples: int = 0) -> Iterator:
-    """This rank's Batches of (global batch size / dp) samples, in the global order that train.py
-    reads (batch-size ramp-up included), from consumed_samples on."""
+def build_train_iterator(cfg: Config, reader: Reader, consumed_samples: int = 0) -> Iterator:
+    """The Batches `reader` (the model, or a mesh) reads on this rank, (global batch size / its
+    dp) samples each, in the global order that train.py reads (batch-size ramp-up included), from
+    consumed_samples on."""
+    _reader_dims(reader, "build_train_iterator")
     tokenizer = build_tokenizer(cfg.data)
     datasets = build_datasets(cfg, tokenizer, num_samples_needed(cfg))
     options = TokenOptions.from_config(cfg.data, tokenizer.eod)
-    return build_data_iterators(cfg, runtime, datasets, options, consumed_samples)[0]
+    return build_data_iterators(cfg, reader, datasets, options, consumed_samples)[0]
 
 
 ModelOrState = Union[TrainState, ModelParts]

@@ -2,7 +2,7 @@
 
     model        this rank's model parts            optimizer    AdamW per part
     lr_schedule  where the LR schedule stands       scaler       the fp16 loss scale
-    progress     iteration, consumed samples, skipped and NaN iterations
+    progress     iteration, consumed train and validation samples, skipped and NaN iterations
     timers       the phase timers train_step reads (logging.timers_log_level; never saved)
 
 `state_dict()` is the dict DCP saves: its keys name the whole model's parameters, never the
@@ -47,13 +47,17 @@ class Progress(Stateful):
     consumed_samples: int = 0
     skipped_iters: int = 0
     nan_iters: int = 0
+    consumed_valid_samples: int = 0
+    """Validation samples read by the evaluations so far (Megatron's consumed_valid_samples):
+    a resumed run continues the validation stream from here."""
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        # A key missing from an older checkpoint (consumed_valid_samples) keeps its default, 0.
         for f in dataclasses.fields(self):
-            setattr(self, f.name, int(state[f.name]))
+            setattr(self, f.name, int(state.get(f.name, f.default)))
 
 
 _TEXT_BYTES = 16  # fixed, so a load request has the stored shape whatever the text

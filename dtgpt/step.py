@@ -52,10 +52,15 @@ def rank_batch(model: ModelParts, batch: Batch | torch.Tensor) -> Batch:
     return batch.map(lambda t: split_sequence(t, dims.cp_rank, dims.cp))
 
 
+def loss_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens of `labels` count toward the loss (eod_mask_loss leaves some out)."""
+    return (labels != IGNORE_INDEX).sum().to(torch.float32)
+
+
 def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float) -> GlobalBatchLoss:
     """The loss of this global batch: its loss-token count is summed over dp x cp (each rank
     holds a share of the samples, each cp rank a share of their tokens)."""
-    denominator = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    denominator = loss_tokens(labels)
     model.dims.all_reduce(denominator, ("dp_cp",))
     return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy)
 
@@ -83,11 +88,27 @@ def local_forward_backward(
         loss = global_batch_loss(model, batch.labels, loss_scale)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
-        if model.schedules is not None:
-            total = _pipelined(model, loss, batch, num_microbatches, forward_only)
-        else:
-            total = _one_stage(model, loss, batch, num_microbatches, forward_only)
+        total = _run(model, loss, batch, num_microbatches, forward_only)
     return total / loss_scale
+
+
+def _run(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | None, num_microbatches: int, forward_only: bool) -> torch.Tensor:
+    if model.schedules is not None:
+        return _pipelined(model, loss, batch, num_microbatches, forward_only)
+    return _one_stage(model, loss, batch, num_microbatches, forward_only)
+
+
+@torch.no_grad()
+def local_loss_sum(model: ModelParts, batch: Batch | torch.Tensor | None, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only over this rank's share of a global batch: (sum of its token losses, number of
+    its loss tokens), both zero on a rank without the last pipeline stage."""
+    if model.reads_batches:
+        batch = rank_batch(model, batch)
+    count, loss = torch.zeros((), device=model.device), None
+    if model.has_last_stage:
+        count = loss_tokens(batch.labels)
+        loss = GlobalBatchLoss(torch.ones((), device=model.device), 1.0, model.cross_entropy)  # a plain sum
+    return _run(model, loss, batch, num_microbatches, forward_only=True), count
 
 
 def forward_backward(model: ModelParts, batch: Batch | torch.Tensor | None, num_microbatches: int, *, forward_only: bool = False) -> float:
@@ -212,14 +233,18 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
 
 @torch.no_grad()
 def evaluate(cfg: Config, model: ModelParts, batches: Iterator, num_batches: int) -> float:
-    """Mean loss over `num_batches` global batches, forward only (through the pipeline if any)."""
+    """The loss over `num_batches` global batches, forward only (through the pipeline if any):
+    every token loss summed over every loss token of all of them, as Megatron's evaluate does
+    (not a mean of per-batch means, which differs where batches hold different loss-token
+    counts, e.g. under eod_mask_loss). One reduction at the end, over dp x cp and pp."""
     model.train(False)
     microbatches = num_microbatches(cfg, model.dims.dp, cfg.training.global_batch_size)
-    total = torch.zeros((), device=model.device)
+    totals = torch.zeros(2, device=model.device)
     for _ in range(num_batches):
-        total += reduce_loss(model, local_forward_backward(model, next(batches), microbatches, forward_only=True))
+        totals += torch.stack(local_loss_sum(model, next(batches), microbatches))
     model.train(True)
-    return total.item() / max(num_batches, 1)
+    loss_sum, count = reduce_loss(model, totals).tolist()
+    return loss_sum / count if count else float("nan")
 
 
 def classify(loss: float, grad_norm: float, overflow: bool) -> StepResult:

@@ -22,6 +22,7 @@ from dtgpt.api import (
     evaluate,
     init_distributed,
     num_samples_needed,
+    resumed_valid_samples,
     shutdown,
     train_step,
 )
@@ -173,7 +174,7 @@ def train(
             check_skipped(skipped_in_a_row, cfg.training.exit_skipped_iters, progress.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"):
-                    loss = evaluate(cfg, state.model, valid_iter, cfg.eval.eval_iters)
+                    loss = run_validation(cfg, state, valid_iter)
                 metrics.log_eval(progress.iteration, "validation", loss)
             with last_words.guard():
                 stop = exits.reason(progress.iteration)
@@ -216,8 +217,9 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         log0(runtime, startup_summary(cfg, runtime.dims, n_params, vocab_size, tokenizer, datasets))
         options = TokenOptions.from_config(cfg.data, tokenizer.eod)
         progress = state.progress  # a resumed run starts from the checkpoint's counts
+        progress.consumed_valid_samples = resumed_valid_samples(cfg, progress)
         train_iter, valid_iter, test_iter = build_data_iterators(
-            cfg, runtime, datasets, options, progress.consumed_samples, state.model.reads_batches
+            cfg, state.model, datasets, options, progress.consumed_samples, progress.consumed_valid_samples
         )
         if checkpointer is not None:
             checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
@@ -244,12 +246,20 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         shutdown(clean)
 
 
+def run_validation(cfg: Config, state: TrainState, valid_iter: Iterator) -> float:
+    """Evaluate on the next eval_iters validation batches and count them as consumed (saved with
+    the checkpoint, so a resumed run reads the batches an uninterrupted one would)."""
+    loss = evaluate(cfg, state.model, valid_iter, cfg.eval.eval_iters)
+    state.progress.consumed_valid_samples += cfg.eval.eval_iters * cfg.training.global_batch_size
+    return loss
+
+
 def final_evaluation(cfg: Config, state: TrainState, metrics: MetricsLogger, valid_iter, test_iter, reason: str) -> None:
     """After the last iteration: validation (unless just done) and test, as Megatron ends a run."""
     iteration = state.progress.iteration
     if reason != "train_iters reached" or not cfg.eval.eval_iters:
         return
     if valid_iter is not None and iteration % cfg.eval.eval_interval:  # not just evaluated
-        metrics.log_eval(iteration, "validation", evaluate(cfg, state.model, valid_iter, cfg.eval.eval_iters))
+        metrics.log_eval(iteration, "validation", run_validation(cfg, state, valid_iter))
     if test_iter is not None:
         metrics.log_eval(iteration, "test", evaluate(cfg, state.model, test_iter, cfg.eval.eval_iters))

@@ -40,11 +40,11 @@ def main():
     cfg = dtgpt.make_config(model=MODEL, data=DATA, training=TRAINING, parallel=dict(tensor_model_parallel_size=2))
     runtime = dtgpt.init_distributed(cfg)  # TP 2 x PP 1
     model = dtgpt.build_model(cfg, runtime, vocab_size=100)
-    batches = dtgpt.build_train_iterator(cfg, runtime)
+    batches = dtgpt.build_train_iterator(cfg, model)  # the batches this model reads
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for iteration in range(1, 6):
         optimizer.zero_grad()
-        loss = dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime.dims.dp))
+        loss = dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, model.dims.dp))
         optimizer.step()
         if runtime.is_main:
             print(f"iteration {iteration}: loss {loss:.6f}", flush=True)

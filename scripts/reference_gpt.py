@@ -181,7 +181,7 @@ def train_reference() -> list[float]:
         model=dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ),
         training=dict(micro_batch_size=1, global_batch_size=BATCH, train_iters=ITERS, seed=SEED),
     )
-    batches = dtgpt.build_train_iterator(cfg, dtgpt.init_distributed(cfg))
+    batches = dtgpt.build_train_iterator(cfg, dtgpt.init_distributed(cfg).dims)  # one process: its mesh
     losses = []
     for iteration in range(ITERS):
         batch = next(batches)

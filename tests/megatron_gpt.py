@@ -35,6 +35,7 @@ VOCAB = 100  # the tokenizer's; Megatron pads it to DIVISIBLE_BY * tp rows
 DIVISIBLE_BY = 16
 LAYERS, HIDDEN, HEADS, SEQ = 2, 64, 4, 32
 ITERATION, CONSUMED, LR_SAMPLES = 7, 56, 48
+CONSUMED_VALID = 24  # Megatron-LM keeps args.consumed_valid_samples in every checkpoint
 
 
 def patch_megatron() -> None:
@@ -98,7 +99,7 @@ def logits(model) -> torch.Tensor:
 
 def trainer_state(tp: int) -> dict:
     """What Megatron-LM's trainer saves next to the model (its common.pt part)."""
-    args = argparse.Namespace(consumed_train_samples=CONSUMED, tensor_model_parallel_size=tp, num_layers=LAYERS,
+    args = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID, tensor_model_parallel_size=tp, num_layers=LAYERS,
                               hidden_size=HIDDEN, padded_vocab_size=padded_vocab(tp))  # fmt: skip
     return {"iteration": ITERATION, "checkpoint_version": 3.0, "args": args,
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip

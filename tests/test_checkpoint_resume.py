@@ -9,6 +9,7 @@ Each uninterrupted run saves at iteration 10 and goes on to 20; resuming from it
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,28 @@ def test_resume_one_process_is_bitwise_identical(tmp_path):
     resumed, out = resume(tmp_path, "resumed", root, DROPOUT, 1)
     assert resumed == {it: reference[it] for it in range(11, 21)}
     assert "loaded checkpoint" in out and "iteration 10, consumed samples 80" in out
+
+
+def evaluation_lines(output: str) -> dict[str, str]:
+    """The printed validation/test results, by where they were taken ("iteration 8", "iteration 8 on test set")."""
+    found = re.findall(r" validation loss at (iteration \d+(?: on test set)?) \| (lm loss value: \S+)", output)
+    return dict(found)
+
+
+def test_evaluation_after_a_resume_continues_the_validation_stream(tmp_path):
+    """8 iterations evaluating every 4 vs 4 + save + resume to 8: the resumed run's validation at
+    iteration 8 reads the batches the uninterrupted one read there (consumed_valid_samples is in
+    the checkpoint, as Megatron's args.consumed_valid_samples), and the test split starts at 0."""
+    args = DROPOUT + ["--training.train_iters=8", "--eval.eval_interval=4", "--eval.eval_iters=2"]
+    root = tmp_path / "ckpt"
+    _, full = run(tmp_path, "full", args + [f"--checkpoint.save={root}", "--checkpoint.save_interval=4"])
+    _, resumed = run(tmp_path, "resumed", args + [f"--checkpoint.load={root}", "--checkpoint.load_iteration=4"])
+    reference, after = evaluation_lines(full), evaluation_lines(resumed)
+    assert set(reference) == {"iteration 4", "iteration 8", "iteration 8 on test set"}
+    assert reference["iteration 4"] != reference["iteration 8"]
+    assert after == {k: reference[k] for k in ("iteration 8", "iteration 8 on test set")}
+    progress = read_sections(layout.iteration_dir(root, 4), ("train_state",))["train_state"]
+    assert int(progress["consumed_valid_samples"]) == 2 * 8  # eval_iters global batches of 8
 
 
 def test_resume_two_ranks_bitwise_and_async_equals_sync(tmp_path):

@@ -119,6 +119,35 @@ def test_train_state_round_trips_through_its_own_state_dict():
     assert b.state.scaler.state_dict() == a.state.scaler.state_dict()
 
 
+def test_a_checkpoint_from_before_consumed_valid_samples_loads(tmp_path, monkeypatch):
+    """Checkpoints written before train_state held consumed_valid_samples still load (the rest of
+    the progress exactly, the missing counter as 0); a resumed run then places its validation
+    stream by Megatron's backward-compatible rule: (iteration // eval_interval) evaluations of
+    eval_iters global batches."""
+    from dtgpt.api import resumed_valid_samples
+    from dtgpt.state import Progress
+
+    a = make_trainer(f"--checkpoint.save={tmp_path}", "--eval.eval_interval=2", "--eval.eval_iters=3")
+    step(a, 5)
+    a.state.progress.consumed_valid_samples = 999  # not stored below, so it must not come back
+    older = Progress.state_dict
+    monkeypatch.setattr(Progress, "state_dict", lambda self: {k: v for k, v in older(self).items() if k != "consumed_valid_samples"})
+    ckpt = checkpointer(a)
+    ckpt.save(5)
+    ckpt.finalize()
+    monkeypatch.undo()
+    keys = layout.read_metadata(layout.iteration_dir(tmp_path, 5)).state_dict_metadata
+    assert "train_state.iteration" in keys and "train_state.consumed_valid_samples" not in keys
+
+    b = make_trainer(f"--checkpoint.load={tmp_path}", "--eval.eval_interval=2", "--eval.eval_iters=3")
+    checkpointer(b)
+    p = b.state.progress
+    assert (p.iteration, p.consumed_samples, p.consumed_valid_samples) == (5, 5 * 4, 0)
+    assert resumed_valid_samples(b.cfg, p) == (5 // 2) * 3 * 4
+    p.consumed_valid_samples = 8  # a stored count is taken as it is
+    assert resumed_valid_samples(b.cfg, p) == 8
+
+
 def slow_writes(monkeypatch, seconds: float) -> None:
     """Make DCP's file writes slow, so a save is still in flight while training goes on."""
     original = dcp_fs._FileSystemWriter.write_data

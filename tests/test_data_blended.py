@@ -9,7 +9,7 @@ from dtgpt.config import ConfigError
 from dtgpt.config.blend import parse_blend
 from dtgpt.data.blended import BlendedDataset, build_blending_indices
 from dtgpt.data.builder import build_gpt_datasets, component_size
-from dtgpt.data.indexed import IndexedDatasetWriter
+from dtgpt.data.indexed import DataError, IndexedDatasetWriter
 
 SEQ = 16
 
@@ -104,6 +104,25 @@ def test_per_split_paths(prefixes):
     assert train.description["documents"] == [0, 40]  # whole datasets, no split
     with pytest.raises(ValueError, match="not both"):
         build_gpt_datasets([a], "1", ([a], [], []), (4, 0, 0), SEQ, 5, cache)
+
+
+def test_a_blend_component_without_documents_in_a_split(prefixes, tmp_path, capsys):
+    """With "90,5,5", 10 documents leave a small corpus's test split [10, 10): that component is
+    left out of the test blend (the other makes it, and a note says so), and a validation or test
+    split with no component left is None after a note. Such a train split is an error."""
+    a, b, cache = prefixes
+    small = make_prefix(tmp_path / "small", 0, 500, docs=10, seed=3)
+    train, valid, test = build_gpt_datasets(["0.5", small, "0.5", b], "90,5,5", ([], [], []), (40, 8, 8), SEQ, 5, cache)
+    assert all(test[i].min() >= 500 for i in range(len(test)))  # every test sample is b's
+    assert any(valid[i].max() < 500 for i in range(len(valid)))  # small still holds a validation document
+    assert capsys.readouterr().out.splitlines() == [
+        f'> note: the test split of data.split="90,5,5" gets nothing from {small} (no documents of 10): the test blend is built '
+        "from the other 1 of 2"
+    ]
+    assert build_gpt_datasets([small], "90,5,5", ([], [], []), (40, 8, 8), SEQ, 5, cache)[2] is None
+    assert capsys.readouterr().out.strip() == '> note: the test split of data.split="90,5,5" has no documents of 10: no test evaluation'
+    with pytest.raises(DataError, match=r'the train split of data.split="1,99,0" has no documents of 10: nothing to train on'):
+        build_gpt_datasets([small], "1,99,0", ([], [], []), (40, 8, 0), SEQ, 5, cache)
 
 
 def test_missing_prefix_is_named(tmp_path):

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
+from dtgpt.config import ConfigError, load_config
 from dtgpt.data.gpt_indices import num_epochs_needed
 from dtgpt.data.indexed import IndexedDataset
-from tests.runs import REPO, TINY, train_losses
+from tests.runs import REPO, TINY, run_train, train_losses
 
 
 BASE = [a for a in TINY if not a.startswith(("--data.mock_data", "--data.vocab_size"))]
@@ -36,14 +37,30 @@ def write_corpus(directory, documents: int) -> list[str]:
 
 
 def test_train_on_preprocessed_data_single_and_dp2(tmp_path):
-    base = BASE
-    data = write_corpus(tmp_path, 300) + ["--data.split=90,10,0", "--eval.eval_iters=1", "--eval.eval_interval=5"]
-    single = train_losses(tmp_path, data, name="single", base=base)
-    dp2 = train_losses(tmp_path, data + ["--parallel.data_parallel_shard_size=2"], nproc=2, name="dp2", base=base)
+    """A 400-document corpus with the default split, which leaves the test split no documents
+    ([400, 400)): one note line, no test evaluation, exit 0, and dp2 trains as one process. A train
+    split without documents is one error line naming the split and the document count; a train
+    weight of 0 is a config error."""
+    data = write_corpus(tmp_path, 400) + ["--eval.eval_iters=1", "--eval.eval_interval=5"]
+    single = train_losses(tmp_path, data, name="single", base=BASE)
+    dp2 = train_losses(tmp_path, data + ["--parallel.data_parallel_shard_size=2"], nproc=2, name="dp2", base=BASE)
     assert list((tmp_path / "cache").rglob("*.npy")), "the index cache was not built: the corpus was not read"
     assert single[-1] < single[0]
     assert dp2 == pytest.approx(single, rel=1e-5)
-    assert "validation loss at iteration 5" in (tmp_path / "single.log").read_text()
+    log = (tmp_path / "single.log").read_text()
+    split = load_config(None, BASE + data).data.split
+    notes = [line for line in log.splitlines() if line.startswith("> note:")]
+    assert notes == [f'> note: the test split of data.split="{split}" has no documents of 400: no test evaluation']
+    assert "validation loss at iteration 5 |" in log and "on test set" not in log and "Traceback" not in log
+
+    empty_train = run_train(tmp_path, BASE + data + ["--data.split=1,999,0"], name="empty_train", check=False)
+    assert empty_train.returncode == 2 and "Traceback" not in empty_train.stderr
+    assert empty_train.stderr.strip().splitlines() == [
+        'error: the train split of data.split="1,999,0" has no documents of 400: nothing to train on; '
+        "use more data or a larger train weight"
+    ]
+    with pytest.raises(ConfigError, match=r'data.split="0,1,0" gives the train split weight 0: training.train_iters=10 needs'):
+        load_config(None, BASE + data + ["--data.split=0,1,0"])
 
 
 def test_raising_train_iters_on_resume_continues_the_same_tokens(tmp_path):
@@ -79,17 +96,22 @@ class Unreadable:
 def test_middle_pipeline_stages_read_no_batches():
     """Only the first stage needs tokens and the last labels: a rank holding neither builds the
     datasets (their caches are built collectively) but reads nothing and starts no workers."""
+    import torch
+
     from dtgpt.api import build_data_iterators, init_distributed
-    from dtgpt.config import load_config
+    from dtgpt.config import ConfigError, load_config
     from dtgpt.data.batch import TokenOptions
+    from dtgpt.parallel import ModelParts
 
     cfg = load_config(None, TINY + ["--data.num_workers=2", "--eval.eval_iters=1"])
     runtime = init_distributed(cfg)
     datasets = (Unreadable(), Unreadable(), Unreadable())
     options = TokenOptions.from_config(cfg.data, eod=cfg.data.vocab_size - 1)
-    iterators = build_data_iterators(cfg, runtime, datasets, options, reads_batches=False)
+    # This rank's stages: the middle one of three (no weights needed to say what it reads).
+    middle = ModelParts([], [1], 3, runtime.dims, torch.device("cpu"), None, None, False, None)
+    iterators = build_data_iterators(cfg, middle, datasets, options)
     assert [next(it) for it in iterators for _ in range(3)] == [None] * 9
     assert [d.reads for d in datasets] == [0, 0, 0]
-    train_iter, _, _ = build_data_iterators(cfg, runtime, datasets, options, reads_batches=True)
+    train_iter, _, _ = build_data_iterators(cfg, runtime.dims, datasets, options)
     with pytest.raises(Exception, match="a middle pipeline stage read a sample"):
         next(train_iter)

@@ -105,3 +105,33 @@ def test_loss_is_the_mean_over_unmasked_tokens_whatever_the_micro_batches():
     mean_unmasked = F.cross_entropy(logits.flatten(0, 1)[kept.flatten()], batch.labels[kept])
     assert losses[0].item() == pytest.approx(mean_unmasked.item(), rel=1e-6)
     assert losses[1].item() == pytest.approx(mean_unmasked.item(), rel=1e-6)
+
+
+def test_evaluation_is_tokens_over_tokens_across_batches():
+    """evaluate() sums every token loss of its batches over all their loss tokens, as Megatron's
+    evaluate does: two global batches with very different loss-token counts under eod_mask_loss
+    (half the tokens of one are eods) give the direct computation, not the mean of the two means."""
+    from dtgpt.step import evaluate
+
+    cfg = Config()
+    cfg.model = tiny_model(rope=False).cfg
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 4
+    crowded = samples(4)
+    crowded[:, ::2] = EOD  # every other input is an eod: its label is not a loss token
+    batches = [build_batch(crowded, ALL_ON), build_batch(samples(4), ALL_ON)]
+    with torch.device("meta"):
+        whole = GPT(cfg.model, VOCAB)
+    model = build_model_parts(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+    loss = evaluate(cfg, model, iter(batches), 2)
+
+    sums, counts = [], []
+    with torch.no_grad():
+        for b in batches:
+            logits = model.parts[0](b.tokens, **b.model_inputs())
+            kept = b.labels != IGNORE_INDEX
+            sums.append(F.cross_entropy(logits[kept], b.labels[kept], reduction="sum").item())
+            counts.append(kept.sum().item())
+    assert counts[0] < 0.6 * counts[1]
+    assert loss == pytest.approx(sum(sums) / sum(counts), rel=1e-6)
+    mean_of_means = (sums[0] / counts[0] + sums[1] / counts[1]) / 2
+    assert abs(loss - mean_of_means) > 1e-3 * loss

@@ -1,5 +1,6 @@
 """The library API and examples/simple_train_loop.py (issue: a Megatron-Core-style loop)."""
 
+import json
 import math
 import os
 import re
@@ -26,12 +27,12 @@ def one_process_losses() -> list[float]:
     cfg = dtgpt.make_config(model=ex.MODEL, data=ex.DATA, training=ex.TRAINING)
     runtime = dtgpt.init_distributed(cfg)
     model = dtgpt.build_model(cfg, runtime, vocab_size=100)
-    batches = dtgpt.build_train_iterator(cfg, runtime)
+    batches = dtgpt.build_train_iterator(cfg, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(5):
         optimizer.zero_grad()
-        losses.append(dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime.dims.dp)))
+        losses.append(dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, model.dims.dp)))
         optimizer.step()
     return losses
 
@@ -61,7 +62,7 @@ def test_forward_backward_returns_the_global_loss():
     )
     runtime = dtgpt.init_distributed(cfg)
     model = dtgpt.build_model(cfg, runtime, vocab_size=32)
-    batch = next(dtgpt.build_train_iterator(cfg, runtime))
+    batch = next(dtgpt.build_train_iterator(cfg, model))
     loss = dtgpt.forward_backward(model, batch, 2, forward_only=True)
     with torch.no_grad():
         logits = model.parts[0](batch.tokens)
@@ -96,7 +97,7 @@ def _resume_library_checkpoint_in_train_py(tmp_path):
     cfg = load_config(None, args)
     runtime = dtgpt.init_distributed(cfg)
     state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, vocab_size=128))
-    batches = dtgpt.build_train_iterator(cfg, runtime)
+    batches = dtgpt.build_train_iterator(cfg, state.model)
     library = [dtgpt.train_step(cfg, state, next(batches)) for _ in range(4)]
     gbs, skipped = cfg.training.global_batch_size, state.progress.skipped_iters
     assert state.progress.consumed_samples == 4 * gbs and state.lr_schedule.num_samples == (4 - skipped) * gbs
@@ -131,7 +132,7 @@ def test_bare_model_checkpoint_claims_no_training_state(tmp_path):
     runtime = dtgpt.init_distributed(cfg)
     model = dtgpt.build_model(cfg, runtime, vocab_size=128)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    dtgpt.forward_backward(model, next(dtgpt.build_train_iterator(cfg, runtime)), dtgpt.num_microbatches(cfg, runtime.dims.dp))
+    dtgpt.forward_backward(model, next(dtgpt.build_train_iterator(cfg, model)), dtgpt.num_microbatches(cfg, model.dims.dp))
     optimizer.step()
     directory = dtgpt.save_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer, iteration=3)
     sections = {key.split(".")[0] for key in layout.read_metadata(directory).state_dict_metadata}
@@ -139,3 +140,27 @@ def test_bare_model_checkpoint_claims_no_training_state(tmp_path):
     assert dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, model, optimizer) == 3
     with pytest.raises(CheckpointError, match="holds no training state .* checkpoint.load_optimizer=false"):
         dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, dtgpt.build_train_state(cfg, model))
+
+
+def test_a_model_of_another_layout_reads_by_its_own_mesh(tmp_path):
+    """A runtime started at dp2 (tp1) builds a tp2 and a pp2 model from their own configs: each
+    reads its batches by its own mesh (both tp ranks the same samples, the whole global batch)
+    and trains and evaluates as one process does. The runtime itself, whose dp2 mesh would give
+    the two tp ranks different samples, is refused as the reader."""
+    from tests import library_layout_worker as worker
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker.__file__]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    cfg = dtgpt.make_config(model=worker.MODEL, data=worker.DATA, training=worker.TRAINING, eval=worker.EVAL)
+    one = worker.run(cfg, dtgpt.init_distributed(cfg))
+    for layout in worker.LAYOUTS:
+        ranks = [r for r in results if r["layout"] == layout]
+        assert len(ranks) == 2, proc.stdout[-2000:]
+        for r in ranks:
+            assert r["batches"] == one["batches"], (layout, r["rank"])  # the whole global batch, on each rank
+            assert r["losses"] == pytest.approx(one["losses"], rel=1e-5), (layout, r["rank"])
+            assert r["eval"] == pytest.approx(one["eval"], rel=1e-5), (layout, r["rank"])
+    for rank in (0, 1):
+        assert f"rank {rank} refused the runtime: build_train_iterator takes the model" in proc.stdout

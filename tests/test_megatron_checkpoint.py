@@ -20,7 +20,7 @@ from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
 from tests.megatron_adam import ADAM
-from tests.megatron_gpt import CONSUMED, HEADS, ITERATION, LR_SAMPLES, VOCAB, tokens
+from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, VOCAB, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, read_metrics, run_train
 from tests.test_checkpoint_convert import load_script
@@ -99,7 +99,8 @@ def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
 
 def test_trainer_state_is_read(tp2_untied):
     common = MegatronReader(find(tp2_untied)).common
-    assert progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "lr_num_samples": LR_SAMPLES}
+    assert progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "consumed_valid_samples": CONSUMED_VALID,
+                                   "lr_num_samples": LR_SAMPLES}
 
 
 @pytest.mark.parametrize(
@@ -173,11 +174,12 @@ def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
     """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2 loads it."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
     run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2", "--optimizer.lr_warmup_iters=1",
-                         f"--checkpoint.save={ckpt}"])  # fmt: skip
+                         "--eval.eval_interval=2", "--eval.eval_iters=3", f"--checkpoint.save={ckpt}"])  # fmt: skip
     convert = load_script()
     assert convert.main(["to-megatron", str(ckpt), str(out), "--tp", "2"]) == 0
     directory = find(out)
-    assert progress_of(MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "lr_num_samples": 16}
+    valid = 3 * 8  # one evaluation of 3 global batches of 8
+    assert progress_of(MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "consumed_valid_samples": valid, "lr_num_samples": 16}
     run_megatron_gpt("load", out, 2)
     cfg = read_config(layout.iteration_dir(ckpt, 2))
     model = load_model(layout.iteration_dir(ckpt, 2), cfg).eval()

@@ -18,11 +18,11 @@ cfg = dtgpt.make_config(
 )
 runtime = dtgpt.init_distributed(cfg)
 model = dtgpt.build_model(cfg, runtime, vocab_size=64)
-batches = dtgpt.build_train_iterator(cfg, runtime)
+batches = dtgpt.build_train_iterator(cfg, model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for iteration in range(1, 4):
     optimizer.zero_grad()
-    dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, runtime.dims.dp))
+    dtgpt.forward_backward(model, next(batches), dtgpt.num_microbatches(cfg, model.dims.dp))
     optimizer.step()
 model.check_tied_copies(3)
 print(f"rank {dist.get_rank()}: copies equal after 3 steps", flush=True)

@@ -32,7 +32,7 @@ from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
-from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem
+from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
@@ -198,6 +198,7 @@ class Checkpointer:
                 "checkpoint.load_optimizer=false to start training from its weights"
             )
         request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=stateful)
+        request = stored_items(request, TrainState.STATEFUL, metadata)
         model_request = flat_keys("model", request["model"])
         problem = shape_problem(model_request, metadata, "model")
         keys = [set(model_request)]

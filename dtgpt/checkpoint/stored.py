@@ -60,3 +60,11 @@ def extra_problem(model_keys: set[str], metadata: Metadata) -> str | None:
 
 def has_section(metadata: Metadata, section: str) -> bool:
     return any(key.startswith(section + ".") for key in metadata.state_dict_metadata)
+
+
+def stored_items(request: dict, sections, metadata: Metadata) -> dict:
+    """The load request with only the items of `sections` that the checkpoint holds: a counter
+    added since it was saved (train_state.consumed_valid_samples) is left at its default."""
+    saved = metadata.state_dict_metadata
+    kept = {s: {k: v for k, v in request[s].items() if f"{s}.{k}" in saved} for s in sections if s in request}
+    return {**request, **kept}

@@ -172,7 +172,12 @@ def _check_data(cfg: Config) -> None:
     )
     if d.tokenizer_type == "NullTokenizer":
         padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built
-    parse_split(d.split)
+    train_weight = parse_split(d.split)[0]
+    _require(
+        d.mock_data or not (d.data_path or d.builtin_corpus) or train_weight > 0 or cfg.training.train_iters == 0,
+        f'data.split="{d.split}" gives the train split weight 0: training.train_iters={cfg.training.train_iters} '
+        "needs a positive first weight",
+    )
     for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(d, key):
             parse_blend(getattr(d, key), key=f"data.{key}")

@@ -12,6 +12,11 @@ The rules of Megatron's BlendedMegatronDatasetBuilder, for n samples asked of a 
 split its own blend of whole datasets, where one prefix is a GPTDataset whatever its weight.
 The stable order keeps dtgpt's earlier rules: one prefix is never blended, and prefixes without
 weights weigh 1 each (no one-epoch cap).
+
+A split that gets no tokens (a small corpus: 400 documents leave "949,50,1"'s test split none)
+is never built (Megatron's builder would loop forever on it): for validation or test one note
+line says so and that evaluation is skipped (a blend keeps its other components); for train it is
+a DataError naming the split and the document count.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ from typing import Optional, Sequence
 from dtgpt.config.split import SPLIT_NAMES, split_document_ranges
 from dtgpt.config.blend import parse_blend
 from dtgpt.data.blended import BlendedDataset, normalize
-from dtgpt.data.cache import index_cache_dir
+from dtgpt.data.cache import index_cache_dir, is_global_rank_zero
 from dtgpt.data.gpt_dataset import GPTDataset
-from dtgpt.data.indexed import IndexedDataset, check_token_ids
+from dtgpt.data.indexed import DataError, IndexedDataset, check_token_ids
 
 SURPLUS = 0.005
 """Each component of a weighted blend is built this much larger than its share (Megatron's 0.5 %)."""
@@ -54,6 +59,36 @@ class _SplitBuilder:
             if self.vocab_size is not None:
                 check_token_ids(self.indexed[prefix], self.vocab_size)
         return self.indexed[prefix]
+
+    def emptiness(self, prefix: str, document_range: tuple[int, int]) -> str | None:
+        """Why this prefix's documents [lo, hi) give a split nothing to read, or None."""
+        (lo, hi), total = document_range, len(self.open(prefix))
+        if hi <= lo:
+            return f"no documents of {total}"
+        if not self.open(prefix).sequence_lengths[lo:hi].any():
+            return f"no tokens in its {hi - lo} documents of {total}"
+        return None
+
+    def readable(self, name: str, source: str, prefixes: list[str], weights: Optional[list[float]],
+                 ranges: list[tuple[int, int]]):
+        """The components of a split that hold tokens, (prefixes, weights, ranges); None (after a
+        note) for a validation or test split without any; a DataError for such a train split."""
+        why = [self.emptiness(p, r) for p, r in zip(prefixes, ranges)]
+        if not any(why):
+            return prefixes, weights, ranges
+        if len(prefixes) == 1:
+            problem = f"the {name} split of {source} has {why[0]}"
+        else:
+            empty = ", ".join(f"{p} ({w})" for p, w in zip(prefixes, why) if w)
+            problem = f"the {name} split of {source} gets nothing from {empty}"
+        if name == "train":
+            raise DataError(f"{problem}: nothing to train on; use more data or a larger train weight")
+        keep = [i for i, w in enumerate(why) if not w]
+        if not keep:
+            _note(f"{problem}: no {'validation' if name == 'valid' else name} evaluation")
+            return None
+        _note(f"{problem}: the {name} blend is built from the other {len(keep)} of {len(prefixes)}")
+        return [prefixes[i] for i in keep], weights and [weights[i] for i in keep], [ranges[i] for i in keep]
 
     def gpt(self, prefix: str, document_range: tuple[int, int], num_samples: Optional[int], name: str) -> GPTDataset:
         return GPTDataset(self.open(prefix), document_range, num_samples, self.seq_length, self.seed,
@@ -94,17 +129,23 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, per_split_paths: Se
         prefixes, weights = parse_blend(data_path)
         ranges = [split_document_ranges(split, len(builder.open(p))) for p in prefixes]
         for s, name in enumerate(SPLIT_NAMES):
-            if num_samples[s] <= 0 or ranges[0][s] is None:
-                out.append(None)
-                continue
-            out.append(builder.split(prefixes, weights, [r[s] for r in ranges], num_samples[s], name, True))
+            parts = None
+            if num_samples[s] > 0 and ranges[0][s] is not None:
+                parts = builder.readable(name, f'data.split="{split}"', prefixes, weights, [r[s] for r in ranges])
+            out.append(builder.split(*parts, num_samples[s], name, True) if parts else None)
         return tuple(out)
     for s, name in enumerate(SPLIT_NAMES):
         paths = per_split_paths[s] if s < len(per_split_paths) else []
-        if num_samples[s] <= 0 or not paths:
-            out.append(None)
-            continue
-        prefixes, weights = parse_blend(paths, key=f"data.{name}_data_path")
-        ranges = [(0, len(builder.open(p))) for p in prefixes]
-        out.append(builder.split(prefixes, weights, ranges, num_samples[s], name, False))
+        parts = None
+        if num_samples[s] > 0 and paths:
+            prefixes, weights = parse_blend(paths, key=f"data.{name}_data_path")
+            ranges = [(0, len(builder.open(p))) for p in prefixes]
+            parts = builder.readable(name, f"data.{name}_data_path", prefixes, weights, ranges)
+        out.append(builder.split(*parts, num_samples[s], name, False) if parts else None)
     return tuple(out)
+
+
+def _note(message: str) -> None:
+    """One line from global rank 0 (every rank builds the same splits and finds the same)."""
+    if is_global_rank_zero():
+        print(f"> note: {message}", flush=True)

@@ -102,23 +102,34 @@ def load_npy(path: str) -> np.ndarray:
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
+def _process_group():
+    """torch.distributed when a process group is up, else None. No process group can exist unless
+    torch.distributed was imported; looking it up instead of importing it keeps torch out of
+    preprocessing and corpus building."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def is_global_rank_zero() -> bool:
+    """Whether this process is global rank 0 (or there is no process group)."""
+    dist = _process_group()
+    return dist is None or dist.get_rank() == 0
+
+
 def build_once(is_built: Callable[[], bool], build: Callable[[], None]) -> None:
     """Run `build` on global rank 0 while the other ranks wait, unless `is_built()` already.
 
     A rank that still finds nothing after the barrier (a node-local cache directory, or rank 0
     failed) builds for itself: builds are deterministic and write atomically, so that is safe.
     """
-    # No process group can exist unless torch.distributed was imported; looking it up instead of
-    # importing it keeps torch out of preprocessing and corpus building.
-    dist = sys.modules.get("torch.distributed")
-    distributed = dist is not None and dist.is_available() and dist.is_initialized()
+    dist = _process_group()
     error = None
-    if (not distributed or dist.get_rank() == 0) and not is_built():
+    if is_global_rank_zero() and not is_built():
         try:
             build()
         except Exception as e:  # other ranks must still reach the barrier below
             error = e
-    if distributed:
+    if dist is not None:
         dist.barrier()
     if error is not None:
         raise error

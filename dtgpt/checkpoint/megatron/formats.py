@@ -78,14 +78,15 @@ def load_pickle(path: Path) -> dict:
 
 
 def progress_of(common: dict) -> dict:
-    """What a Megatron-LM trainer stores about where it stands: iteration, consumed samples, the
-    LR schedule's sample count and the loss scale, each only when present."""
+    """What a Megatron-LM trainer stores about where it stands: iteration, consumed train and
+    validation samples, the LR schedule's sample count and the loss scale, each only when present."""
     out = {}
     if "iteration" in common:
         out["iteration"] = int(common["iteration"])
     args = common.get("args")
-    if args is not None and getattr(args, "consumed_train_samples", None) is not None:
-        out["consumed_samples"] = int(args.consumed_train_samples)
+    for ours, megatron_name in (("consumed_samples", "consumed_train_samples"), ("consumed_valid_samples", "consumed_valid_samples")):
+        if getattr(args, megatron_name, None) is not None:
+            out[ours] = int(getattr(args, megatron_name))
     scheduler = common.get("opt_param_scheduler") or {}
     if "num_steps" in scheduler:
         out["lr_num_samples"] = int(scheduler["num_steps"])

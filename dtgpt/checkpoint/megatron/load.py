@@ -98,8 +98,8 @@ def optimizer_slots(reader: MegatronReader, names: list[str]) -> tuple[bool, str
 
 def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool) -> list[str]:
     """Fill a TrainState (any mesh) from a Megatron checkpoint: the weights; with `stateful`,
-    also the Adam state, iteration, consumed samples, LR schedule and loss scale that Megatron-LM
-    stored. Returns notes for the log."""
+    also the Adam state, iteration, consumed train and validation samples, LR schedule and loss
+    scale that Megatron-LM stored. Returns notes for the log."""
     reader = MegatronReader(directory)
     full = full_model_shapes(cfg.model)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
@@ -129,6 +129,7 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     progress = state.progress
     progress.iteration = found.get("iteration", 0)
     progress.consumed_samples = found.get("consumed_samples", 0)
+    progress.consumed_valid_samples = found.get("consumed_valid_samples", 0)
     state.lr_schedule.num_samples = found.get("lr_num_samples", progress.consumed_samples)
     if "lr_num_samples" not in found:
         notes.append("no opt_param_scheduler: the LR schedule resumes at the consumed samples")

@@ -183,10 +183,11 @@ def _has(metadata, section: str) -> bool:
 
 def _common(iteration: int, progress: dict, cfg: Config, tp: int, rows: int) -> dict:
     """Megatron-LM's common.pt: where training stands, in its names."""
-    consumed = int(progress.get("train_state", {}).get("consumed_samples", 0))
+    train_state = progress.get("train_state", {})
+    consumed, consumed_valid = (int(train_state.get(key, 0)) for key in ("consumed_samples", "consumed_valid_samples"))
     m = cfg.model
     args = argparse.Namespace(
-        consumed_train_samples=consumed, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        consumed_train_samples=consumed, consumed_valid_samples=consumed_valid, num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_size, padded_vocab_size=rows,
         tensor_model_parallel_size=tp, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
     )  # fmt: skip
