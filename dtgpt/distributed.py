@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dtgpt.faults.attempt_store import attempt_store
 from dtgpt.config import Config, validate
+from dtgpt.parallel import last_stage_rank
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
 
@@ -30,6 +31,9 @@ class Runtime:
     """How often torchrun has restarted the group (TORCHELASTIC_RESTART_COUNT); 0 on the first attempt."""
     store: dist.Store | None = None
     """This attempt's key-value store (dtgpt/faults/attempt_store.py); None without a process group."""
+    logging_rank: int = 0
+    """The rank that logs metrics: the last one holding the last pipeline stage, as Megatron logs
+    from its last rank (under a V-shaped schedule pp rank 0 holds it; parallel.last_stage_rank)."""
 
     @property
     def is_main(self) -> bool:
@@ -37,8 +41,7 @@ class Runtime:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The last rank holds the last pipeline stage, where the loss is known (Megatron's choice)."""
-        return self.rank == self.world_size - 1
+        return self.rank == self.logging_rank
 
 
 def world_size_from_env() -> int:
@@ -75,7 +78,7 @@ def init_distributed(cfg: Config) -> Runtime:
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
     torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
-    return Runtime(rank, world_size, local_rank, device, dims, restart_count, store)
+    return Runtime(rank, world_size, local_rank, device, dims, restart_count, store, last_stage_rank(cfg, world_size))
 
 
 def init_process_group(cfg: Config, device: torch.device) -> dist.Store:

@@ -101,9 +101,11 @@ class BatchSizeSchedule:
     """The global batch size as a function of samples consumed so far (Megatron's ramp-up).
 
     With rampup_batch_size = [start, incr, ramp_samples], the batch grows from `start` by `incr`
-    in equal slices of ramp_samples / num_increments samples, and is global_batch_size once
-    ramp_samples have been consumed. The float division is kept as Megatron writes it, so the
-    batch sizes match Megatron's sample for sample.
+    in equal slices of ramp_samples / num_increments samples, and is global_batch_size once more
+    than ramp_samples have been consumed. The float division and the strict comparison are kept
+    as Megatron writes them (at exactly ramp_samples the division may land just short of the last
+    increment), so the batch sizes match Megatron's sample for sample
+    (tests/test_megatron_oracle_schedules.py).
 
     dtgpt also allows the ramp-up with train_iters (Megatron refuses it): an iteration is one
     optimizer step whose batch is global_batch_size(samples consumed before it), so the samples
@@ -123,7 +125,7 @@ class BatchSizeSchedule:
         """The batch of the iteration that starts after `consumed_samples` samples."""
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples={consumed_samples} must be >= 0")
-        if not self.enabled or consumed_samples >= self.ramp_samples:
+        if not self.enabled or consumed_samples > self.ramp_samples:
             return self.final
         steps = int(consumed_samples / self._samples_per_increment)
         return min(self.start + steps * self.increment, self.final)

@@ -3,6 +3,7 @@
     model        this rank's model parts            optimizer    AdamW per part
     lr_schedule  where the LR schedule stands       scaler       the fp16 loss scale
     progress     iteration, consumed train and validation samples, skipped and NaN iterations
+    health       whether the run still trains: what the checkpointer asks before pruning (never saved)
     timers       the phase timers train_step reads (logging.timers_log_level; never saved)
 
 `state_dict()` is the dict DCP saves: its keys name the whole model's parameters, never the
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -58,6 +60,47 @@ class Progress(Stateful):
         # A key missing from an older checkpoint (consumed_valid_samples) keeps its default, 0.
         for f in dataclasses.fields(self):
             setattr(self, f.name, int(state.get(f.name, f.default)))
+
+
+class SaveVerdict(NamedTuple):
+    """Whether a checkpoint counts toward checkpoint.keep_last (`why_not` None) and may prune older ones."""
+
+    weights_finite: bool
+    why_not: str | None
+
+    @property
+    def counts(self) -> bool:
+        return self.why_not is None
+
+
+@dataclass
+class RunHealth:
+    """Whether the run was still training when it saves, as train_step records it (this
+    process's view, never saved). A run gone bad (a huge learning rate: finite but exploding
+    weights) may save finite weights whose loss is NaN; such a save must not prune the good
+    checkpoints before it. Every rank records the same (the loss is reduced over the world)."""
+
+    stepped_since_save: bool = True
+    """An iteration took its optimizer step (finite loss and gradients) since the last save; a
+    fresh or loaded state counts as one."""
+    last_loss_finite: bool = True
+
+    def record(self, skipped: bool, loss_finite: bool) -> None:
+        self.stepped_since_save |= not skipped
+        self.last_loss_finite = loss_finite
+
+    def verdict(self, weights_finite: bool) -> SaveVerdict:
+        """The verdict on a save of the current weights (the checkpointer asks once per save,
+        which starts the next interval)."""
+        why = None
+        if not weights_finite:
+            why = "saved non-finite weights"
+        elif not self.last_loss_finite:
+            why = "follows a non-finite loss"
+        elif not self.stepped_since_save:
+            why = "follows only skipped iterations"
+        self.stepped_since_save = False
+        return SaveVerdict(weights_finite, why)
 
 
 _TEXT_BYTES = 16  # fixed, so a load request has the stored shape whatever the text
@@ -144,6 +187,7 @@ class TrainState(Stateful):
     lr_schedule: LRSchedule | None
     scaler: LossScaler | None
     progress: Progress = field(default_factory=Progress)
+    health: RunHealth = field(default_factory=RunHealth)
     timers: Timers = field(default_factory=lambda: Timers(0, torch.device("cpu")))
 
     STATEFUL = {"train_state": "progress", "lr_schedule": "lr_schedule", "loss_scaler": "scaler"}
@@ -235,7 +279,7 @@ class TrainState(Stateful):
             else:
                 live[key] = source
 
-    def record(self, skipped: bool, nan: bool, global_batch_size: int) -> None:
+    def record(self, skipped: bool, nan: bool, global_batch_size: int, loss_finite: bool = True) -> None:
         """Advance past one iteration: samples are consumed even when it was skipped (as in
         Megatron), the LR schedule moves only when the optimizer stepped."""
         p = self.progress
@@ -243,8 +287,19 @@ class TrainState(Stateful):
         p.consumed_samples += global_batch_size
         p.skipped_iters += skipped
         p.nan_iters += nan
+        self.health.record(skipped, loss_finite and not nan)
         if not skipped:
             self.lr_schedule.step(global_batch_size)
+
+    @torch.no_grad()
+    def weights_finite(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether every rank's weights are finite (a collective: every rank of `group` calls it)."""
+        bad = torch.zeros((), device=self.model.device)
+        for p in self.model.parameters():
+            bad += (~torch.isfinite((p.to_local() if isinstance(p, DTensor) else p).detach())).any()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        return not bool(bad)
 
 
 def build_train_state(cfg: Config, model: ModelParts) -> TrainState:

@@ -227,7 +227,7 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
             optimizer.step()
     scaler.update(result.found_inf)
     timers("optimizer").stop()
-    state.record(skipped=result.skipped, nan=result.nan, global_batch_size=global_batch_size)
+    state.record(skipped=result.skipped, nan=result.nan, global_batch_size=global_batch_size, loss_finite=math.isfinite(loss_value))
     return replace(result, global_batch_size=global_batch_size, lr=lr)
 
 

@@ -3,8 +3,9 @@
 Run as a script, one process or under torchrun (gloo, one rank per TP rank):
 
     python tests/megatron_gpt.py save DIR [--untied]      build, save Megatron-LM's torch_dist
-                                                          iteration, write DIR/logits.pt
-    python tests/megatron_gpt.py per-rank DIR             the same weights in the per-rank format
+                                                          iteration, write DIR/logits.pt and
+                                                          DIR/loss.pt (its own loss on labels())
+    python tests/megatron_gpt.py per-rank DIR [--layers N]  the same weights in the per-rank format
     python tests/megatron_gpt.py load DIR                 load DIR's checkpoint, write DIR/loaded_logits.pt
     python tests/megatron_gpt.py adam DIR                 one AdamW step of the distributed optimizer,
                                                           save model + optimizer, write DIR/adam.pt
@@ -59,7 +60,11 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def build(tp: int, untied: bool):
+def labels() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+
+
+def build(tp: int, untied: bool, layers: int = LAYERS):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -67,7 +72,7 @@ def build(tp: int, untied: bool):
 
     parallel_state.initialize_model_parallel(tp, 1)
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
+        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, bias_activation_fusion=True,  # the tanh GeLU, as dtgpt and GPT-3 runs
         bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -78,17 +83,29 @@ def build(tp: int, untied: bool):
                     share_embeddings_and_output_weights=not untied, position_embedding_type="learned_absolute")  # fmt: skip
 
 
+def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens(), their positions, and the causal mask (True: masked), passed explicitly."""
+    ids = tokens()
+    T = ids.shape[1]
+    return ids, torch.arange(T).expand_as(ids), torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]
+
+
+@torch.no_grad()
+def loss(model) -> torch.Tensor:
+    """megatron-core's own language-model loss of tokens() -> labels(), the mean over tokens
+    (its vocabulary-parallel cross-entropy over every padded row)."""
+    model.eval()
+    per_token = model(*inputs(), labels=labels())  # (B, T)
+    return per_token.float().mean()
+
+
 @torch.no_grad()
 def logits(model) -> torch.Tensor:
     """Full logits (B, T, padded vocabulary): the vocabulary-parallel shards gathered over TP."""
     from megatron.core import parallel_state
 
     model.eval()
-    ids = tokens()
-    T = ids.shape[1]
-    positions = torch.arange(T).expand_as(ids)
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
-    local = model(ids, positions, mask)
+    local = model(*inputs())
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1:
         return local
@@ -97,10 +114,11 @@ def logits(model) -> torch.Tensor:
     return torch.cat(shards, dim=-1)
 
 
-def trainer_state(tp: int) -> dict:
+def trainer_state(tp: int, layers: int = LAYERS) -> dict:
     """What Megatron-LM's trainer saves next to the model (its common.pt part)."""
-    args = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID, tensor_model_parallel_size=tp, num_layers=LAYERS,
-                              hidden_size=HIDDEN, padded_vocab_size=padded_vocab(tp))  # fmt: skip
+    args = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID,
+                              tensor_model_parallel_size=tp, num_layers=layers, hidden_size=HIDDEN,
+                              make_vocab_size_divisible_by=DIVISIBLE_BY, padded_vocab_size=padded_vocab(tp))  # fmt: skip
     return {"iteration": ITERATION, "checkpoint_version": 3.0, "args": args,
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
 
@@ -110,18 +128,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("command", choices=("save", "per-rank", "load", "adam", "load-adam"))
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--layers", type=int, default=LAYERS)
     args = parser.parse_args(argv)
     patch_megatron()
     from megatron.core import dist_checkpointing
 
     dist.init_process_group("gloo")
     tp, rank = dist.get_world_size(), dist.get_rank()
-    model = build(tp, args.untied)
+    model = build(tp, args.untied, args.layers)
     root = Path(args.root)
     if args.command in ("adam", "load-adam"):
         from tests.megatron_adam import run_adam
 
-        run_adam(args.command, model, root, trainer_state(tp))
+        run_adam(args.command, model, root, trainer_state(tp, args.layers))
         dist.destroy_process_group()
         return
     pointer = root / "latest_checkpointed_iteration.txt"
@@ -131,19 +150,22 @@ def main(argv: list[str]) -> None:
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save({"model": model.sharded_state_dict(), **trainer_state(tp)}, str(directory))
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **trainer_state(tp, args.layers)}, str(directory))
     elif args.command == "per-rank":
         # Megatron-LM's legacy save: one torch.save per model-parallel rank, per-layer keys.
         rank_dir = directory / f"mp_rank_{rank:02d}"
         rank_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict_for_save_checkpoint(), **trainer_state(tp)}, rank_dir / "model_optim_rng.pt")
+        torch.save({"model": model.state_dict_for_save_checkpoint(), **trainer_state(tp, args.layers)}, rank_dir / "model_optim_rng.pt")
     else:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
         model.load_state_dict(loaded, strict=False)
     out = logits(model)
+    own_loss = loss(model) if args.command == "save" else None
     if rank == 0:
         pointer.write_text(str(iteration))
         torch.save(out, root / ("loaded_logits.pt" if args.command == "load" else "logits.pt"))
+        if own_loss is not None:
+            torch.save(own_loss, root / "loss.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dtgpt.checkpoint import layout
+from dtgpt.checkpoint import layout, stored
 from dtgpt.checkpoint.export import read_sections
 from tests.runs import REPO, read_metrics, run_train
 
@@ -130,6 +130,32 @@ def test_dp2_tp2_checkpoint_resumes_in_one_process(dp2_tp2, tmp_path):
     resumed, out = resume(tmp_path, "one", root, NO_DROPOUT, 1)
     assert_close(reference, resumed, 1e-5)
     assert "re-derived" in out  # other mesh: the saved per-rank RNG states do not apply
+
+
+def documented_key_patterns() -> list[re.Pattern]:
+    """The key patterns of dtgpt/checkpoint/stored.py's module doc: its block of lines indented
+    by four spaces, each a pattern (or several: "a.* b.*", "x.cpu / .cuda") and a description."""
+    patterns = []
+    for line in stored.__doc__.splitlines():
+        if not line.startswith("    ") or line.startswith("     "):
+            continue
+        names = re.split(r"\s{2,}", line.strip())[0]
+        alternatives = names.split(" / ")
+        base = alternatives[0].rsplit(".", 1)[0]
+        for name in [alternatives[0], *(base + a for a in alternatives[1:])] if len(alternatives) > 1 else names.split():
+            text = re.escape(name).replace(r"\*", ".+").replace(re.escape("<fqn>"), ".+")
+            patterns.append(re.compile(re.sub(r"<[a-z]+>", "[^.]+", text) + "$"))
+    return patterns
+
+
+def test_every_stored_key_is_documented_in_stored_py(dp2_tp2):
+    """dtgpt/checkpoint/stored.py lists what a checkpoint holds: every key of a dp2 x tp2 one
+    (the RNG states under their (pp, tp) coordinate) matches one of its patterns."""
+    _, root = dp2_tp2
+    keys = layout.read_metadata(layout.iteration_dir(root, 10)).state_dict_metadata
+    assert {"rng.pp_0.tp_0.cpu", "rng.pp_0.tp_1.cpu"} <= set(keys)
+    patterns = documented_key_patterns()
+    assert [k for k in keys if not any(p.match(k) for p in patterns)] == []
 
 
 def test_generate_from_dp2_tp2_checkpoint(dp2_tp2):

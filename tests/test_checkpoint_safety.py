@@ -8,6 +8,7 @@ lost now leaves it loadable; out-of-range settings and bad files are one line.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from dtgpt.checkpoint.lock import SaveDirLock
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ConfigError, load_config
 from dtgpt.training import SkippedTooOftenError, check_skipped
-from tests.runs import REPO, TRAIN
+from dtgpt.state import RunHealth
+from tests.runs import REPO, TINY, TRAIN, read_metrics, run_train
 from tests.test_checkpoint_unit import SMALL, checkpointer, make_trainer, step
 
 
@@ -254,6 +256,46 @@ def test_non_finite_weights_prune_nothing_and_consecutive_skips_stop_the_run(tmp
     check_skipped(5, 0, 10)
     with pytest.raises(SkippedTooOftenError, match=r"last 3 iterations \(up to 12\) were all skipped.*exit_skipped_iters=3"):
         check_skipped(3, 3, 12)
+
+
+def test_an_exploding_run_prunes_no_good_checkpoint_and_stops_in_one_line(tmp_path):
+    """Data loss (4b): resumed with optimizer.lr=1e30 (finite, so accepted), iteration 5 makes the
+    weights huge but finite and every later loss is NaN. Its saves (6, 8) are finite weights
+    yet follow a non-finite loss: they neither prune nor count toward keep_last=1, so 2 and 4
+    stay; exit_skipped_iters=5 stops the run at iteration 10 (6..10 skipped) with one line."""
+    root = tmp_path / "ckpt"
+    every_2 = [*TINY, f"--checkpoint.save={root}", "--checkpoint.save_interval=2", "--logging.log_interval=1"]
+    run_train(tmp_path, [*every_2, "--training.train_iters=4"], name="good")
+    assert layout.list_iterations(root) == [2, 4]
+    metrics = tmp_path / "bad.jsonl"
+    proc = run_train(tmp_path, [*every_2, f"--checkpoint.load={root}", "--optimizer.lr=1e30", "--checkpoint.keep_last=1",
+                                "--training.exit_skipped_iters=5", f"--logging.metrics_file={metrics}"], name="bad", check=False)  # fmt: skip
+    records = read_metrics(metrics)
+    assert records[0]["iteration"] == 5 and math.isfinite(records[0]["loss"]) and records[0]["skipped"] == 0
+    assert [r["skipped"] for r in records[1:]] == [1, 2, 3, 4, 5]  # 6..10: the loss is no longer finite
+    assert layout.list_iterations(root) == [2, 4, 6, 8]
+    for i in (6, 8):
+        marker = layout.read_marker(layout.iteration_dir(root, i))
+        assert marker["weights_finite"] and not marker["counts_for_keep_last"]
+        assert f"iteration {i} follows a non-finite loss: no older checkpoint is pruned" in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith("error: the last 5 iterations (up to 10) were all skipped") and "exit_skipped_iters=5" in errors[0]
+
+
+def test_a_save_counts_toward_keep_last_after_an_optimizer_step_on_a_finite_loss():
+    health = RunHealth()  # a fresh (or loaded) state is sound
+    assert health.verdict(weights_finite=True).counts
+    health.record(skipped=True, loss_finite=True)  # an fp16 overflow
+    assert health.verdict(weights_finite=True).why_not == "follows only skipped iterations"
+    health.record(skipped=False, loss_finite=True)
+    health.record(skipped=True, loss_finite=True)
+    assert health.verdict(weights_finite=True).counts  # a step since the last save, the last loss finite
+    health.record(skipped=False, loss_finite=True)
+    assert health.verdict(weights_finite=False).why_not == "saved non-finite weights"
+    health.record(skipped=False, loss_finite=True)
+    health.record(skipped=True, loss_finite=False)
+    assert health.verdict(weights_finite=True).why_not == "follows a non-finite loss"
 
 
 def test_resaving_the_pointed_iteration_never_deletes_it_first(tmp_path, monkeypatch):

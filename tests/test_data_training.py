@@ -99,7 +99,7 @@ def test_middle_pipeline_stages_read_no_batches():
     import torch
 
     from dtgpt.api import build_data_iterators, init_distributed
-    from dtgpt.config import ConfigError, load_config
+    from dtgpt.config import load_config
     from dtgpt.data.batch import TokenOptions
     from dtgpt.parallel import ModelParts
 

@@ -1,9 +1,11 @@
 """Megatron-LM checkpoints in and out, with megatron-core's own GPTModel as the oracle.
 
 megatron-core builds a 2-layer GPT on CPU at tp 1 (tied head) and tp 2 (untied, on 2 gloo ranks),
-saves Megatron-LM's torch_dist iteration (or the per-rank format) and records its logits; dtgpt
-loads it (one process, and training on at pp2) and must give the same logits. Megatron pads the
-vocabulary to 16 x tp rows, dtgpt to 16: only the 100 real tokens' logits are compared.
+saves Megatron-LM's torch_dist iteration (or the per-rank format) and records its logits and its
+own loss; dtgpt loads it (one process, and training on at pp2) and must give the same logits and
+loss. Megatron pads the vocabulary to 16 x tp rows, dtgpt to make_vocab_size_divisible_by: a model
+loads a checkpoint only with its rows (tp 2: divisible by 32), and only the 100 real tokens'
+logits are compared.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dtgpt.api import build_model, build_train_state, forward_backward, init_distributed, load_checkpoint, make_config
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs, progress_of
@@ -19,15 +22,17 @@ from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
+from dtgpt.data.batch import Batch
 from tests.megatron_adam import ADAM
-from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, VOCAB, tokens
+from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, SEQ, VOCAB, labels, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, read_metrics, run_train
 from tests.test_checkpoint_convert import load_script
 
 pytestmark = pytest.mark.slow
 
-ROWS = 112  # dtgpt's padded vocabulary: 100 -> a multiple of 16
+ROWS = 112  # the padded vocabulary: 100 -> a multiple of 16 (Megatron at tp 1, dtgpt)
+ROWS_TP2 = 128  # Megatron at tp 2: a multiple of 32
 
 
 def model_cfg(**overrides) -> ModelConfig:
@@ -36,8 +41,8 @@ def model_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
-def assert_same_logits(root, directory, cfg: ModelConfig, name: str = "logits.pt") -> None:
-    model = load_megatron_model(directory, cfg, ROWS).eval()
+def assert_same_logits(root, directory, cfg: ModelConfig, name: str = "logits.pt", rows: int = ROWS) -> None:
+    model = load_megatron_model(directory, cfg, rows).eval()
     with torch.no_grad():
         ours = model(tokens())[..., :VOCAB]
     theirs = torch.load(root / name, weights_only=True)[..., :VOCAB]
@@ -64,6 +69,36 @@ def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
     assert_same_logits(tp1_tied, directory, model_cfg())
 
 
+def imported_loss(root, divisible_by: int) -> float:
+    """dtgpt's loss of tokens() -> labels() (the library's forward) after loading the Megatron
+    checkpoint under root into a model padded to a multiple of `divisible_by`."""
+    cfg = make_config(
+        model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
+                   attention_dropout=0.0, make_vocab_size_divisible_by=divisible_by),
+        data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+        training=dict(micro_batch_size=2, global_batch_size=2),
+    )  # fmt: skip
+    runtime = init_distributed(cfg)
+    state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
+    load_checkpoint(root, cfg, runtime, state)
+    return forward_backward(state.model, Batch(tokens(), labels()), 1, forward_only=True)
+
+
+def test_imported_loss_is_megatrons_own_or_the_load_is_refused(tp1_tied):
+    """Every vocabulary row, padding included, is in the softmax: a model padded to other rows
+    (128, zero rows added: exp(0) each) than the checkpoint's 112 would not give Megatron's loss,
+    so it is refused in one line naming the key that gives the checkpoint's own rows."""
+    theirs = torch.load(tp1_tied / "loss.pt", weights_only=True).item()
+    assert abs(imported_loss(tp1_tied, 16) - theirs) <= 1e-6 * theirs
+    with pytest.raises(CheckpointError) as e:
+        imported_loss(tp1_tied, 64)
+    assert str(e.value) == (
+        f"Megatron checkpoint {find(tp1_tied)} pads the vocabulary to 112 rows (embedding.word_embeddings.weight (112, 64)) "
+        "but this model has 128: every padding row is in the softmax, so other rows would change the loss; "
+        "set model.make_vocab_size_divisible_by=16 to load it with its own padded vocabulary"
+    )
+
+
 def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch):
     """What a pp2 x tp2 rank asks of a stacked tensor, layer 1's first half of rows, reads the
     one stored chunk of that layer (Megatron-LM stores each layer apart), not the stacked tensor."""
@@ -87,8 +122,8 @@ def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch
 
 def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
     directory = find(tp2_untied)
-    assert MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (128, 64)  # 16 x tp 2
-    assert_same_logits(tp2_untied, directory, model_cfg(untie_embeddings_and_output_weights=True))
+    assert MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (ROWS_TP2, 64)  # 16 x tp 2
+    assert_same_logits(tp2_untied, directory, model_cfg(untie_embeddings_and_output_weights=True), rows=ROWS_TP2)
 
 
 def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
@@ -121,30 +156,51 @@ def test_incompatible_architecture_names_key_and_shapes(tp1_tied, overrides, mes
 
 def test_tied_checkpoint_into_untied_model_and_back(tp2_untied):
     with pytest.raises(CheckpointError, match="output_layer.weight .* has no counterpart in this model"):
-        load_megatron_model(find(tp2_untied), model_cfg(), ROWS)
+        load_megatron_model(find(tp2_untied), model_cfg(), ROWS_TP2)
 
 
-def test_per_rank_format_tp2_gives_megatron_logits(tmp_path):
-    run_megatron_gpt("per-rank", tmp_path, 2, "--untied")
+def write_stages(saved: dict, out, tp: int, pp: int, chunks: list[str], layers: int) -> None:
+    """One tp rank's whole per-rank model (`saved`, layers numbered 0..layers-1) as Megatron-LM
+    saves it cut into pp ranks, each holding `chunks` (["model"], or with virtual pipelining
+    ["model0", "model1", ...]; chunk v of pp rank r is stage v * pp + r), layers numbered within
+    their chunk, the embedding on the first stage, the final norm and head on the last."""
+    stages = pp * len(chunks)
+    files = [{**{k: v for k, v in saved.items() if k != "model"}, **{c: {} for c in chunks}} for _ in range(pp)]
+    for key, value in saved["model"].items():
+        if key.startswith("decoder.layers."):
+            layer, rest = key[len("decoder.layers."):].split(".", 1)
+            stage, local = divmod(int(layer), layers // stages)
+            key = f"decoder.layers.{local}.{rest}"
+        else:
+            stage = stages - 1 if key.startswith(("decoder.final", "output_layer")) else 0
+        files[stage % pp][chunks[stage // pp]][key] = value
+    for r, content in enumerate(files):
+        (out / f"mp_rank_{tp:02d}_{r:03d}").mkdir(parents=True, exist_ok=True)
+        torch.save(content, out / f"mp_rank_{tp:02d}_{r:03d}" / PER_RANK_FILE)
+
+
+def test_per_rank_format_tp2_gives_megatron_logits_at_any_pipeline_layout(tmp_path):
+    """Megatron-LM's per-rank files of a 4-layer tp 2 model, as saved (pp 1), cut into pp 2, and
+    into pp 2 with virtual pipelining (model0, model1: pp rank 0 holds layers 0 and 2, rank 1
+    layers 1 and 3), all give megatron-core's logits; a file missing a chunk is one clear error."""
+    run_megatron_gpt("per-rank", tmp_path, 2, "--untied", "--layers", "4")
     directory = find(tmp_path)
     assert sorted(per_rank_dirs(directory)) == [(0, 0), (1, 0)]
     assert not is_torch_dist(directory)
-    assert_same_logits(tmp_path, directory, model_cfg(untie_embeddings_and_output_weights=True))
+    cfg = model_cfg(untie_embeddings_and_output_weights=True, num_layers=4)
+    assert_same_logits(tmp_path, directory, cfg, rows=ROWS_TP2)
     assert progress_of(MegatronReader(directory).common)["consumed_samples"] == CONSUMED
-    # The same weights as Megatron-LM saves them at tp 2 x pp 2: stage 1's layer is its "layers.0".
-    for tp in range(2):
-        saved = load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
-        stages = [{}, {}]
-        for key, value in saved["model"].items():
-            if key.startswith("decoder.layers.1."):
-                stages[1][key.replace("decoder.layers.1.", "decoder.layers.0.")] = value
-            else:
-                stages[1 if key.startswith(("decoder.final", "output_layer")) else 0][key] = value
-        for pp, model in enumerate(stages):
-            (tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}").mkdir(parents=True)
-            torch.save({**saved, "model": model}, tmp_path / "pp2" / f"mp_rank_{tp:02d}_{pp:03d}" / PER_RANK_FILE)
-    assert sorted(per_rank_dirs(tmp_path / "pp2")) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert_same_logits(tmp_path, tmp_path / "pp2", model_cfg(untie_embeddings_and_output_weights=True))
+    for name, chunks in (("pp2", ["model"]), ("pp2_vpp2", ["model0", "model1"])):
+        for tp in range(2):
+            saved = load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
+            write_stages(saved, tmp_path / name, tp, 2, chunks, layers=4)
+        assert sorted(per_rank_dirs(tmp_path / name)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert_same_logits(tmp_path, tmp_path / name, cfg, rows=ROWS_TP2)
+        assert progress_of(MegatronReader(tmp_path / name).common)["iteration"] == ITERATION
+    damaged = tmp_path / "pp2_vpp2" / "mp_rank_01_001" / PER_RANK_FILE
+    torch.save({k: v for k, v in load_pickle(damaged).items() if k != "model1"}, damaged)
+    with pytest.raises(CheckpointError, match=rf"{damaged} has no 'model1' \(rank 0's file has \['model0', 'model1'\]\)"):
+        load_megatron_model(tmp_path / "pp2_vpp2", cfg, ROWS_TP2)
 
 
 MEGATRON_RUN = [
@@ -155,12 +211,14 @@ MEGATRON_RUN = [
 
 
 def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
-    """Iteration and consumed samples come from Megatron's common.pt; pp2 trains on exactly as one process."""
+    """Iteration and consumed samples come from Megatron's common.pt; pp2 trains on exactly as
+    one process. The vocabulary is the checkpoint's own: 128 rows, Megatron's 16 x tp 2."""
     runs = {}
     for name, nproc, mesh in (("one", 1, []), ("pp2", 2, ["--parallel.pipeline_model_parallel_size=2"])):
         run = tmp_path / name
         run.mkdir()
-        run_train(run, [*MEGATRON_RUN, *mesh, f"--checkpoint.load={tp2_untied}", f"--logging.metrics_file={run}/m.jsonl"], nproc=nproc)
+        args = [*MEGATRON_RUN, "--model.make_vocab_size_divisible_by=32", *mesh, f"--checkpoint.load={tp2_untied}", f"--logging.metrics_file={run}/m.jsonl"]
+        run_train(run, args, nproc=nproc)
         assert f"loaded Megatron checkpoint {tp2_untied}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in (run / "run.log").read_text()
         runs[name] = read_metrics(run / "m.jsonl")
     one, pp2 = runs["one"], runs["pp2"]
@@ -171,10 +229,12 @@ def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
 
 
 def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
-    """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2 loads it."""
+    """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2
+    loads it. dtgpt pads to 32, so its 128 rows are Megatron's at tp 2 and the way back is exact."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
     run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2", "--optimizer.lr_warmup_iters=1",
-                         "--eval.eval_interval=2", "--eval.eval_iters=3", f"--checkpoint.save={ckpt}"])  # fmt: skip
+                         "--eval.eval_interval=2", "--eval.eval_iters=3", "--model.make_vocab_size_divisible_by=32",
+                         f"--checkpoint.save={ckpt}"])  # fmt: skip
     convert = load_script()
     assert convert.main(["to-megatron", str(ckpt), str(out), "--tp", "2"]) == 0
     directory = find(out)

@@ -264,3 +264,28 @@ def test_mfu_none_on_cpu_and_throughput_math():
     with_peak = throughput_metrics(tokens=4096, flops_per_token=6e9, elapsed_s=2.0, world_size=4, peak=10.0)
     assert with_peak["mfu"] == pytest.approx(m["tflops_per_gpu"] / 10.0)
     assert memory_stats(torch.device("cpu")) == {}
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, vpp, world, logging_rank",
+    [
+        ("1F1B", 1, 1, 4, 3),  # no pipeline: Megatron's last rank
+        ("1F1B", 2, 1, 4, 3),  # pp rank 1 (ranks 2, 3) holds stage 1
+        ("Interleaved1F1B", 2, 2, 4, 3),  # stages 0, 2 | 1, 3: the last is on pp rank 1
+        ("ZBVZeroBubble", 2, 2, 4, 1),  # V: pp rank 0 holds stages 0 and 3 (ranks 0, 1)
+        ("DualPipeV", 2, 2, 2, 0),
+        ("DualPipeV", 4, 2, 8, 1),  # stages 0 and 7 on pp rank 0 (ranks 0, 1)
+    ],
+)
+def test_metrics_are_logged_by_the_last_rank_holding_the_last_stage(schedule, pp, vpp, world, logging_rank):
+    from dtgpt.config import load_config
+    from dtgpt.distributed import Runtime
+    from dtgpt.parallel import ParallelDims, last_stage_rank
+
+    cfg = load_config(None, ["--model.num_layers=8", f"--parallel.pipeline_model_parallel_size={pp}",
+                             f"--parallel.pipeline_schedule={schedule}", f"--parallel.virtual_pipeline_stages_per_rank={vpp}",
+                             "--training.global_batch_size=16", "--data.mock_data=true"])  # fmt: skip
+    assert last_stage_rank(cfg, world) == logging_rank
+    dims = ParallelDims.from_config(cfg, world)
+    runtimes = [Runtime(rank, world, 0, torch.device("cpu"), dims, logging_rank=last_stage_rank(cfg, world)) for rank in range(world)]
+    assert [r.rank for r in runtimes if r.is_logging_rank] == [logging_rank]

@@ -290,15 +290,23 @@ def resolve(
     return Resolved(None, 0, warnings, note)
 
 
+def counts_for_keep_last(directory: Path) -> bool:
+    """Whether a complete checkpoint counts toward keep_last: its marker says so (a save after
+    the run went bad does not: dtgpt.state.RunHealth); older markers say whether the weights were finite."""
+    marker = read_marker(directory)
+    return bool(marker.get("counts_for_keep_last", marker.get("weights_finite", True)))
+
+
 def prune(root: str | Path, keep_last: int, pointed: int) -> list[Path]:
-    """Delete all but the `keep_last` newest complete checkpoints up to `pointed`, and partial
-    directories older than it. Never the pointed one, never anything newer (an older run's,
-    or a save still in flight). Returns what was deleted."""
+    """Delete all but the `keep_last` newest complete checkpoints that count (counts_for_keep_last)
+    up to `pointed`, and the other directories older than it. Never the pointed one, never
+    anything newer (an older run's, or a save still in flight). Returns what was deleted."""
     if keep_last <= 0:
         return []
     older = [i for i in list_iterations(root) if i <= pointed]
     complete = [i for i in older if problem(iteration_dir(root, i), deep=False) is None]
-    keep = set(complete[-keep_last:]) | {pointed}
+    counted = [i for i in complete if counts_for_keep_last(iteration_dir(root, i))]
+    keep = set(counted[-keep_last:]) | {pointed}
     deleted = []
     for iteration in older:
         if iteration not in keep:

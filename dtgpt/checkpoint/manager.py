@@ -2,9 +2,10 @@
 
 A save writes a staging directory with DCP, then (rank 0, once every rank's data and `.metadata`
 exist) the `complete` marker with each file's checksum, renames it to `iter_N` (swapping in a
-re-save), moves the pointer and prunes (not after non-finite weights): no `iter_N` is ever partial
-and an old one is never deleted first. Rank 0 locks the save directory for the run (lock.py), and
-a run writes into another run's directory only when it loaded from it or checkpoint.overwrite.
+re-save), moves the pointer and prunes (only after a save that counts: dtgpt.state.RunHealth):
+no `iter_N` is ever partial and an old one is never deleted first. Rank 0 locks the save
+directory for the run (lock.py), and a run writes into another run's directory only when it
+loaded from it or checkpoint.overwrite.
 Loads read data only (safe.py). An async save stages a copy, returns to training and completes
 when its future is found done (polled every iteration); at most one is in flight. Directory
 layout: layout.py; what is saved: stored.py and dtgpt/state.py.
@@ -37,7 +38,7 @@ from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
-from dtgpt.state import TrainState, rng_state, set_rng_state
+from dtgpt.state import SaveVerdict, TrainState, rng_state, set_rng_state
 
 FORMAT = layout.FORMAT
 
@@ -49,7 +50,7 @@ class PendingSave:
     """Where DCP writes: the iteration directory's staging directory."""
     future: Future
     started: float
-    finite: bool
+    verdict: SaveVerdict
 
 
 def _same_path(a: str, b: str) -> bool:
@@ -269,7 +270,7 @@ class Checkpointer:
             return
         start = time.perf_counter()
         self._poll(wait=True)  # at most one save in flight
-        finite = self._weights_finite()
+        verdict = self.state.health.verdict(self.state.weights_finite())
         directory = self._from_rank0(lambda: self._prepare(iteration))
         state = self.state.state_dict()
         writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
@@ -282,7 +283,7 @@ class Checkpointer:
                     async_stager=self._stager, no_dist=not self.distributed,
                 )  # fmt: skip
             future = getattr(future, "upload_completion", future)
-            self._pending = PendingSave(iteration, directory, future, start, finite)  # saved once complete
+            self._pending = PendingSave(iteration, directory, future, start, verdict)  # saved once complete
             blocked = time.perf_counter() - start
             self.blocked_s.append(blocked)
             self._log(f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in the background: training blocked {blocked:.3f} s")
@@ -295,7 +296,7 @@ class Checkpointer:
                     f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} failed: {layout.describe(e)}; "
                     f"{layout.POINTER} not moved"
                 ) from None
-            self._complete(iteration, directory, finite)
+            self._complete(iteration, directory, verdict)
             self._saved.add(iteration)
             self._failures.pop(iteration, None)  # a failed background save of it, retried
             elapsed = time.perf_counter() - start
@@ -306,25 +307,15 @@ class Checkpointer:
         """Save `iteration` synchronously over `group` alone, the survivors of a hard failure
         (dtgpt/faults/last_words.py), with the generators `rng` (None: the live ones)."""
         leader = dist.get_rank(group) == 0
-        finite = self._weights_finite(group)
+        verdict = self.state.health.verdict(self.state.weights_finite(group))
         box = [self._prepare(iteration) if leader else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
         state = self.state.state_dict()
         state["rng"] = rng if rng is not None else state["rng"]
         dcp.save(state, checkpoint_id=str(box[0]), process_group=group)
-        self._complete(iteration, box[0], finite, leader=leader)
+        self._complete(iteration, box[0], verdict, leader=leader)
         self._saved.add(iteration)
         return layout.iteration_dir(self.cfg.save, iteration)
-
-    def _weights_finite(self, group: dist.ProcessGroup | None = None) -> bool:
-        """Whether every rank's weights are finite (a collective: every rank of `group` calls it)."""
-        bad = torch.zeros((), device=self.runtime.device)
-        for p in self.state.model.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            bad += (~torch.isfinite(local.detach())).any()
-        if self.distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-        return not bool(bad)
 
     def _prepare(self, iteration: int) -> Path:
         """Rank 0, before any rank writes: the staging directory `iter_N.saving` (no load looks at
@@ -345,23 +336,24 @@ class Checkpointer:
             raise CheckpointError(f"cannot write checkpoint {staging}: {e}") from None
         return staging
 
-    def _complete(self, iteration: int, directory: Path, finite: bool, leader: bool | None = None) -> None:
+    def _complete(self, iteration: int, directory: Path, verdict: SaveVerdict, leader: bool | None = None) -> None:
         """Every rank's data and DCP's .metadata exist: mark complete, swap a staging directory
-        in, move the pointer, prune (not when the weights just saved are not finite). Done by
+        in, move the pointer, prune (only when this save counts toward keep_last). Done by
         `leader` (rank 0 unless given)."""
         if not (self.runtime.is_main if leader is None else leader):
             return
         layout.write_marker(directory, {
             "format": FORMAT, "iteration": iteration, "consumed_samples": self.state.progress.consumed_samples,
             "mesh": mesh_info(self.run_cfg, self.state.model.dims), "tied": self.state.tied, "time": time.time(),
-            "run_id": self.run_id, "weights_finite": finite,
+            "run_id": self.run_id, "weights_finite": verdict.weights_finite, "counts_for_keep_last": verdict.counts,
         })  # fmt: skip
         layout.swap_in(directory, layout.iteration_dir(self.cfg.save, iteration))
         layout.write_pointer(self.cfg.save, iteration)
         layout.remove_stale_staging(self.cfg.save, iteration)
-        if not finite:
+        if not verdict.counts:
             if self.cfg.keep_last:
-                self._log(f"iteration {iteration} saved non-finite weights: no older checkpoint is pruned", "WARNING: ")
+                self._log(f"iteration {iteration} {verdict.why_not}: no older checkpoint is pruned, nor does it count "
+                          "toward checkpoint.keep_last", "WARNING: ")  # fmt: skip
             return
         for path in layout.prune(self.cfg.save, self.cfg.keep_last, iteration):
             self._log(f"removed old checkpoint {path} (checkpoint.keep_last={self.cfg.keep_last})")
@@ -379,7 +371,7 @@ class Checkpointer:
             self._failures[pending.iteration] = message
             self._log(message + f" ({layout.POINTER} not moved)", "WARNING: ")
             return
-        self._complete(pending.iteration, pending.directory, pending.finite)
+        self._complete(pending.iteration, pending.directory, pending.verdict)
         self._saved.add(pending.iteration)
         waited = f", training waited {time.perf_counter() - wait_start:.3f} s for it" if wait else ""
         self._log(f"checkpoint {layout.iteration_dir(self.cfg.save, pending.iteration)} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")

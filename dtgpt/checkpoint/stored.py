@@ -1,10 +1,15 @@
-"""What a training checkpoint holds, as DCP state dicts whose keys never mention the mesh.
+"""What a training checkpoint holds, as DCP state dicts whose keys never mention the mesh (the
+RNG states aside: they belong to a (pp, tp) coordinate).
 
     model.<fqn>                         parameters (DTensor shards are resharded by DCP)
     optimizer.state.<fqn>.<name>        AdamW state (exp_avg, exp_avg_sq, step), flattened by FQN
     train_state.* lr_schedule.* loss_scaler.*   the Stateful objects' dicts, as tensors
                                         (dtgpt.state.scalars_to_tensors): no item is a pickle
-    rng.rank_<r>.cpu / .cuda            each rank's generator state
+    rng.pp_<p>.tp_<t>.cpu / .cuda / .model_parallel
+                                        the generator states of the ranks at pipeline rank p and
+                                        tensor rank t (dp and cp peers hold equal ones: stored
+                                        once; dtgpt.state.rng_state); a load at another pp, tp
+                                        or schedule re-derives them from training.seed instead
 
 FQNs are the whole model's names on every pipeline stage (blocks keep their global ModuleDict
 keys), so any mesh reads any other mesh's checkpoint. With a tied embedding, the last stage's own

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dtgpt.config import Config, fsdp_reshards_after_forward
+from dtgpt.config import Config, fsdp_reshards_after_forward, num_pipeline_stages
 from dtgpt.model import GPT
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
@@ -132,6 +132,17 @@ def first_rank_stages(cfg: Config) -> list[int]:
     """The pipeline stages pp rank 0 holds (V-shaped schedules give it the last one too)."""
     p = cfg.parallel
     return stage_ids_on_rank(0, p.pipeline_model_parallel_size, p.virtual_pipeline_stages_per_rank, p.pipeline_schedule)
+
+
+def last_stage_rank(cfg: Config, world_size: int) -> int:
+    """The highest global rank holding the last pipeline stage: Megatron logs from there (its
+    last rank). pp is the outermost mesh dimension, so pp rank r is the r-th block of
+    world_size / pp ranks; the last stage is on pp rank pp - 1, or 0 under a V-shaped schedule."""
+    p = cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    last = num_pipeline_stages(cfg) - 1
+    holder = next(r for r in range(pp) if last in stage_ids_on_rank(r, pp, p.virtual_pipeline_stages_per_rank, p.pipeline_schedule))
+    return (holder + 1) * (world_size // pp) - 1
 
 
 def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:

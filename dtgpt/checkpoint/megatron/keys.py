@@ -3,8 +3,10 @@ vocabulary rows.
 
 QKV rows need no reordering: Megatron interleaves them per query group, [q | k | v] of each
 group, which with one head per group (dtgpt has no GQA) is dtgpt's head-by-head layout.
-The vocabulary rows are Megatron's padding (make_vocab_size_divisible_by x tp): rows are dropped
-or zero-padded to the model's, never rows of real tokens (the tokenizer fits both).
+The vocabulary rows are read as stored, never dropped or zero-padded: every row, padding
+included, is in the softmax's denominator, so a model with other rows than Megatron's padding
+(make_vocab_size_divisible_by x tp) would not compute Megatron's loss; the reader refuses it.
+Writing pads (resize_vocab) to the rows Megatron expects at its tp.
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ def dtgpt_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def full_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every dtgpt tensor's full shape (vocabulary rows aside: those are reconciled), on meta."""
+def full_model_shapes(cfg: ModelConfig, vocab_rows: int) -> dict[str, tuple[int, ...]]:
+    """Every dtgpt tensor's full shape with a vocabulary of `vocab_rows` rows, on meta."""
     with torch.device("meta"):
-        state = GPT(cfg, 1).state_dict()
+        state = GPT(cfg, vocab_rows).state_dict()
     return {name: tuple(state[name].shape) for name in dtgpt_names(cfg)}
 
 

@@ -11,8 +11,8 @@ optimizer's `fully_reshardable` and `fully_sharded_model_space` sharding types) 
 `optimizer.state.<slot>.<model key>`, each shaped as the model tensor, so the weights' key map,
 QKV layout and vocabulary rows carry over:
 
-    exp_avg, exp_avg_sq      AdamW's exp_avg, exp_avg_sq of the dtgpt parameter (padding rows
-                             past Megatron's are zero)
+    exp_avg, exp_avg_sq      AdamW's exp_avg, exp_avg_sq of the dtgpt parameter (the same
+                             vocabulary rows: MegatronReader.check refuses other ones)
     fp32_param or param      the fp32 master weights: they, not the (maybe bf16) model weights,
                              become dtgpt's fp32 parameters
     step                     common.pt: the optimizer's param_groups[*]["step"] (or common_step)
@@ -101,7 +101,7 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     also the Adam state, iteration, consumed train and validation samples, LR schedule and loss
     scale that Megatron-LM stored. Returns notes for the log."""
     reader = MegatronReader(directory)
-    full = full_model_shapes(cfg.model)
+    full = full_model_shapes(cfg.model, state.model.parts[0].vocab_size)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
     has_moments, master = optimizer_slots(reader, list(full)) if stateful else (False, None)
     step = adam_step(reader.common.get("optimizer")) if has_moments else None

@@ -8,6 +8,7 @@ described in formats.py, the key map in keys.py.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -59,8 +60,8 @@ class MegatronReader:
         return self.shapes["decoder.layers.self_attention.linear_qkv.weight"][0]
 
     def check(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]) -> None:
-        """One clear error for the first tensor whose shape (or presence) differs; vocabulary rows
-        may differ (padding is reconciled). `wanted` may be one stage's share of the model whose
+        """One clear error for the first tensor whose shape (or presence) differs, the vocabulary
+        rows included (see vocab_problem). `wanted` may be one stage's share of the model whose
         names are `model_names`."""
         num_layers = sum(1 for n in model_names if n.endswith("attention.qkv.weight"))
         if self.num_layers != num_layers:
@@ -80,8 +81,8 @@ class MegatronReader:
             stored = self.shapes[key]
             if layer is not None:
                 stored = stored[1:]
-            if name in VOCAB_KEYS:
-                stored, shape = stored[1:], tuple(shape)[1:]
+            if name in VOCAB_KEYS and tuple(stored[1:]) == tuple(shape)[1:] and stored[0] != shape[0]:
+                raise CheckpointError(self.vocab_problem(key, shape[0]))
             if tuple(stored) != tuple(shape):
                 raise _mismatch(self.directory, key, self.shapes[key], wanted[name], name)
         for key, shape in self.shapes.items():
@@ -89,6 +90,22 @@ class MegatronReader:
                 raise CheckpointError(
                     f"Megatron checkpoint {self.directory}: its tensor {key} {tuple(shape)} has no counterpart in this model"
                 )
+
+    def vocab_problem(self, key: str, rows: int) -> str:
+        """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp, dtgpt to
+        make_vocab_size_divisible_by alone. Every row, padding included, is in each softmax's
+        denominator, so rows dropped or added (zeros: exp(0) each) would change the loss: the
+        model must have the checkpoint's own rows. The advice is Megatron's multiple (from its
+        args), else the row count itself (a tokenizer that fits pads to exactly that many)."""
+        stored = self.shapes[key][0]
+        args = self.common.get("args")
+        multiple = getattr(args, "make_vocab_size_divisible_by", 0) * getattr(args, "tensor_model_parallel_size", 0)
+        advice = multiple if multiple and stored % multiple == 0 else stored
+        return (
+            f"Megatron checkpoint {self.directory} pads the vocabulary to {stored} rows ({key} {self.shapes[key]}) "
+            f"but this model has {rows}: every padding row is in the softmax, so other rows would change the loss; "
+            f"set model.make_vocab_size_divisible_by={advice} to load it with its own padded vocabulary"
+        )
 
     @staticmethod
     def _is_model_key(key: str) -> bool:
@@ -101,20 +118,14 @@ class MegatronReader:
 
     def regions(self, wanted: dict[str, tuple[str, str | None, tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
         """Sub-regions of dtgpt tensors: request -> (dtgpt name, optimizer slot or None, offsets,
-        sizes) in dtgpt's coordinates. Only the stored chunks that overlap a region are read
-        (one layer of a stacked tensor, one shard's rows), in one DCP load; vocabulary rows past
-        the stored ones are zeros."""
+        sizes) in dtgpt's coordinates (checked against the stored shapes by check()). Only the
+        stored chunks that overlap a region are read (one layer of a stacked tensor, one shard's
+        rows), in one DCP load."""
         out, dcp_requests = {}, {}
         for request, (name, slot, offsets, sizes) in wanted.items():
             layer = megatron_name(name)[1]
             key = self.stored_key(name, slot)
-            out[request] = torch.zeros(sizes, dtype=self.dtypes.get(key, torch.float32))
-            rows = sizes[0] if sizes else 0
-            if name in VOCAB_KEYS:  # the stored padding may be shorter or longer than ours
-                rows = max(0, min(offsets[0] + sizes[0], self.shapes[key][0]) - offsets[0])
-            if sizes and rows == 0:
-                continue
-            target = out[request][:rows] if sizes else out[request]
+            target = out[request] = torch.empty(sizes, dtype=self.dtypes.get(key, torch.float32))
             at = tuple(offsets) if layer is None else (layer, *offsets)
             target_at = target if layer is None else target.unsqueeze(0)
             if self.torch_dist:
@@ -129,8 +140,7 @@ class MegatronReader:
         return out
 
     def tensor(self, name: str, shape: tuple[int, ...], slot: str | None = None) -> torch.Tensor:
-        """dtgpt tensor `name` (or its optimizer state `slot`), full, with the vocabulary rows
-        reconciled to `shape`."""
+        """dtgpt tensor `name` (or its optimizer state `slot`), full (`shape`)."""
         return self.regions({name: (name, slot, (0,) * len(shape), tuple(shape))})[name]
 
     def model(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]):
@@ -141,7 +151,11 @@ class MegatronReader:
 
 
 class PerRankModel:
-    """Megatron-LM's per-rank format, glued back into torch_dist's stacked, full tensors."""
+    """Megatron-LM's per-rank format, glued back into torch_dist's stacked, full tensors.
+
+    A file holds its pp rank's model under `model`, or with virtual pipelining one chunk per
+    virtual stage under `model0`, `model1`, ...: as in Megatron's interleaved layout, chunk v of
+    pp rank r is pipeline stage v * pp + r. Layers are numbered within their chunk."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -150,20 +164,31 @@ class PerRankModel:
         self.pp = 1 + max(p for _, p in self.files)
         self._models: dict[tuple[int, int], dict] = {}
         self._last: tuple[str, torch.Tensor] | None = None
-        self.common = {k: v for k, v in self._load(0, 0).items() if k != "model"}
-        self.common.pop("optimizer", None)
+        first = self._load(0, 0)
+        chunk_keys = (f"model{v}" for v in itertools.count())
+        self.chunks = ["model"] if "model" in first else list(itertools.takewhile(first.__contains__, chunk_keys))
+        if not self.chunks:
+            raise CheckpointError(f"Megatron checkpoint {directory}: {self.files[(0, 0)] / PER_RANK_FILE} holds no 'model' or 'model0'")
+        self.common = {k: v for k, v in first.items() if k not in self.chunks and k != "optimizer"}
+        # (pp rank, chunk key) of each pipeline stage, in the model's order
+        self.stages = [(stage % self.pp, self.chunks[stage // self.pp]) for stage in range(self.pp * len(self.chunks))]
 
     def _load(self, tp: int, pp: int) -> dict:
         if (tp, pp) not in self._models:
             self._models[(tp, pp)] = load_pickle(self.files[(tp, pp)] / PER_RANK_FILE)
         return self._models[(tp, pp)]
 
-    def _model(self, tp: int, pp: int) -> dict:
-        return self._load(tp, pp)["model"]
+    def _model(self, tp: int, stage: int) -> dict:
+        pp, chunk = self.stages[stage]
+        saved = self._load(tp, pp)
+        if chunk not in saved:
+            where = self.files[(tp, pp)] / PER_RANK_FILE
+            raise CheckpointError(f"Megatron checkpoint {self.directory}: {where} has no '{chunk}' (rank 0's file has {self.chunks})")
+        return saved[chunk]
 
-    def _layer_count(self, pp: int) -> int:
+    def _layer_count(self, stage: int) -> int:
         suffix = ".self_attention.linear_qkv.weight"
-        return sum(1 for k in self._model(0, pp) if k.startswith("decoder.layers.") and k.endswith(suffix))
+        return sum(1 for k in self._model(0, stage) if k.startswith("decoder.layers.") and k.endswith(suffix))
 
     def _stored_name(self, model: dict, layer: int, rest: str) -> str:
         name = f"decoder.layers.{layer}.{rest}"
@@ -183,13 +208,13 @@ class PerRankModel:
 
     def _glue(self, key: str) -> torch.Tensor:
         if not key.startswith("decoder.layers."):
-            pp = self.pp - 1 if key.startswith(("decoder.final", "output_layer")) else 0
-            return self._join_tp(lambda tp: self._model(tp, pp)[key], key)
+            stage = len(self.stages) - 1 if key.startswith(("decoder.final", "output_layer")) else 0
+            return self._join_tp(lambda tp: self._model(tp, stage)[key], key)
         rest = key[len("decoder.layers."):]
         layers = []
-        for pp in range(self.pp):
-            for i in range(self._layer_count(pp)):
-                layers.append(self._join_tp(lambda tp: self._model(tp, pp)[self._stored_name(self._model(tp, pp), i, rest)], key))
+        for stage in range(len(self.stages)):
+            for i in range(self._layer_count(stage)):
+                layers.append(self._join_tp(lambda tp: self._model(tp, stage)[self._stored_name(self._model(tp, stage), i, rest)], key))
         return torch.stack(layers)
 
     def stacked_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -207,7 +207,7 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
     if directory is None:
         raise CheckpointError(f"{src} holds no Megatron checkpoint (no {BACKEND_FILE} or mp_rank_* directories)")
     reader = MegatronReader(directory)
-    full = _model_shapes(cfg, vocab_rows)
+    full = full_model_shapes(cfg.model, vocab_rows)
     reader.check(full, list(full))
     names = sorted(full, key=megatron_name)  # each Megatron tensor is read once
     state = {f"model.{n}": torch.empty(full[n], device="meta") for n in names}
@@ -223,9 +223,3 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
     })  # fmt: skip
     layout.write_pointer(out_root, iteration)
     return out
-
-
-def _model_shapes(cfg: Config, vocab_rows: int) -> dict[str, tuple[int, ...]]:
-    shapes = full_model_shapes(cfg.model)
-    return {n: ((vocab_rows, *s[1:]) if n in VOCAB_KEYS else s) for n, s in shapes.items()}
-
