@@ -204,7 +204,7 @@ def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults:
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
     """Train per `cfg`; returns the final TrainState. Always shuts the process group down."""
     runtime = init_distributed(cfg)
-    clean = False
+    clean, checkpointer = False, None
     try:
         tokenizer = build_tokenizer(cfg.data)
         state = build_train_state(cfg, build_model(cfg, runtime, tokenizer.vocab_size, model_provider))
@@ -241,6 +241,8 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         clean = True
         return state
     finally:
+        if checkpointer is not None:
+            checkpointer.release()  # after a failed start too: no lock left in the save directory
         shutdown(clean)
 
 

@@ -67,7 +67,7 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "wrong_type_cli": TINY + MOCK + ["--model.hidden_size=abc"],
         "wrong_type_toml": ["--config", str(tmp / "wrong_type.toml")],
         "impossible_mesh": TINY + MOCK + ["--parallel.tensor_model_parallel_size=2"],
-        "missing_data_prefix": TINY + data + [f"--data.data_path={tmp / 'nothere'}"],
+        "missing_data_prefix": TINY + data + [f"--data.data_path={tmp / 'nothere'}", f"--checkpoint.save={tmp / 'new'}"],
         "corrupt_idx": TINY + data + [f"--data.data_path={tmp / 'bad_idx'}"],
         "truncated_bin": TINY + data + [f"--data.data_path={tmp / 'short_bin'}"],
         "ids_outside_vocabulary": TINY + data + [f"--data.data_path={tmp / 'wide_ids'}"],
@@ -148,6 +148,8 @@ def test_impossible_mesh(results):
 
 def test_missing_data_prefix(results):
     assert single_error(results, "missing_data_prefix").startswith("error: nothere.idx: no such file (indexed dataset prefix")
+    tmp, _ = results
+    assert not (tmp / "new").exists()  # the failed start removed the save directory it created (and its lock)
 
 
 def test_corrupt_idx(results):
