@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from dtgpt.config import ConfigError, load_config, to_toml, validate
@@ -72,11 +73,22 @@ def print_next_steps(cfg) -> None:
     if cfg.checkpoint.save:
         print(
             f"> checkpoint in {cfg.checkpoint.save}; sample from it with: "
-            f'python scripts/generate.py {cfg.checkpoint.save} --prompt "def " --max-new-tokens 60 --temperature 0.8',
+            f'{python_command()} scripts/generate.py {cfg.checkpoint.save} --prompt "def " --max-new-tokens 60 '
+            "--temperature 0.8",
             flush=True,
         )
     else:
         print("> no checkpoint written (checkpoint.save is unset)", flush=True)
+
+
+def python_command() -> str:
+    """This interpreter as a user types it: `python` when it is the one on PATH (an activated
+    venv), else its path (`.venv/bin/python` after `make train`), so the hint runs as printed."""
+    on_path = shutil.which("python")
+    if on_path and os.path.abspath(on_path) == os.path.abspath(sys.executable):
+        return "python"
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
 
 
 def print_config(path: str | None, overrides: list[str]) -> int:
