@@ -170,6 +170,7 @@ def test_token_ids_outside_the_tokenizer_vocabulary(results):
 def test_missing_vocab_file(results):
     message = single_error(results, "missing_vocab_file")
     assert "data.vocab_file=" in message and "nope.json" in message and "no such file" in message
+    assert "ByteTokenizer or NullTokenizer needs no files" in message
 
 
 def test_vocab_and_merges_that_do_not_match(results):
