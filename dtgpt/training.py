@@ -223,7 +223,8 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
             checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
         metrics = MetricsLogger(
             cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg),
-            skipped_before=progress.skipped_iters, nan_before=progress.nan_iters, resumed=progress.iteration > 0,
+            skipped_before=progress.skipped_iters, nan_before=progress.nan_iters,
+            resumed=progress.iteration > 0 or runtime.restart_count > 0,  # a restarted attempt continues its file
         )  # fmt: skip
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
         exits = ExitConditions(cfg.checkpoint, runtime.device)
