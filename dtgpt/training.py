@@ -227,7 +227,7 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
             resumed=progress.iteration > 0 or runtime.restart_count > 0,  # a restarted attempt continues its file
         )  # fmt: skip
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
-        exits = ExitConditions(cfg.checkpoint, runtime.device)
+        exits = ExitConditions(cfg.checkpoint, runtime.device, announce=runtime.is_main)
         try:
             reason = train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults)
             log0(runtime, f"> training stopped: {reason}")
