@@ -32,6 +32,7 @@ RUNS: dict[str, list[str] | None] = {
     "torchrun --nproc-per-node 8 train.py --config configs/debug_3d.toml": SHORT_RUN,
     "python train.py --config configs/gpt3_175b.toml --print-config": [],
     "python train.py --config configs/gpt3_175b.toml --dry-run": [],
+    "python scripts/plan.py --config configs/debug_3d.toml --world-size 8 --check": [],
     "torchrun --nproc-per-node 8 train.py --config configs/gpt3_175b.toml": ["--training.train_iters=4"],
     "torchrun --nproc-per-node 2 examples/simple_train_loop.py": [],
 }
