@@ -49,6 +49,7 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
             # planner takes the smallest world the mesh allows (data_parallel_shard_size -1 as 1).
             world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
             return plan_main(cfg, world_size)
+        print_start(cfg, args.config)
         from dtgpt.training import pretrain
 
         pretrain(cfg, model_provider, datasets_provider)
@@ -64,6 +65,19 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
         print_error(one_line(str(e)))
         return 2
     return 0
+
+
+def print_start(cfg, path: str | None) -> None:
+    """Rank 0's first line, at once: what is being built (the process group, the model and the
+    data take a while before the start-up summary)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    m, world = cfg.model, os.environ.get("WORLD_SIZE", "1")
+    print(
+        f"> dtgpt: {path or 'the default config'} on {world} rank(s): building a GPT of {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, sequence {m.seq_length}; then the data",
+        flush=True,
+    )
 
 
 def print_next_steps(cfg) -> None:

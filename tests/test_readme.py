@@ -129,6 +129,8 @@ def test_readme_command_runs_without_warnings(tmp_path, command):
         # the hint runs as printed: its python is this venv's (`python` on the activated PATH, or a path)
         python = hint.split("sample from it with: ")[1].split()[0]
         assert os.path.abspath(shutil.which(python, path=activated_env()["PATH"])) == os.path.abspath(sys.executable)
+        # the first line says at once what is being built
+        assert proc.stdout.startswith("> dtgpt: configs/debug.toml on 1 rank(s): building a GPT of 4 layers"), proc.stdout[:300]
         # the start-up summary says what the run reads and where it writes
         assert "> data: built-in corpus 'python-docstrings', ByteTokenizer (257 ids)" in proc.stdout
         assert "> output: checkpoints checkpoints/debug (at the end); TensorBoard runs/debug/tensorboard" in proc.stdout
