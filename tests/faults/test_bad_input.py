@@ -74,6 +74,8 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "missing_vocab_file": TINY + data + [f"--data.data_path={tmp / 'good'}", "--data.tokenizer_type=GPT2BPETokenizer",
                                              f"--data.vocab_file={tmp / 'nope.json'}", f"--data.merge_file={tmp / 'nope.txt'}"],
         "load_dir_without_checkpoint": TINY + MOCK + [f"--checkpoint.load={tmp / 'empty'}"],
+        "metrics_file_is_a_directory": TINY + MOCK + [f"--logging.metrics_file={tmp / 'empty'}"],
+        "tensorboard_dir_is_a_file": TINY + MOCK + [f"--logging.tensorboard_dir={tmp / 'malformed.toml'}"],
         "other_model_shape": TINY + MOCK + ["--model.hidden_size=64", f"--checkpoint.load={tmp / 'ckpt'}"],
     }  # fmt: skip
     (tmp / "empty").mkdir()
@@ -181,6 +183,14 @@ def test_vocab_and_merges_that_do_not_match(results):
 def test_load_dir_without_checkpoint(results):
     message = single_error(results, "load_dir_without_checkpoint")
     assert "checkpoint.load=empty holds no complete checkpoint" in message and "auto_resume" in message
+
+
+def test_metrics_file_naming_a_directory(results):
+    assert "logging.metrics_file=empty is a directory: name a file in it" in single_error(results, "metrics_file_is_a_directory")
+
+
+def test_tensorboard_dir_naming_a_file(results):
+    assert "logging.tensorboard_dir=malformed.toml is a file" in single_error(results, "tensorboard_dir_is_a_file")
 
 
 def test_checkpoint_of_another_model_shape(results):
