@@ -155,6 +155,9 @@ def train(
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     flops = flops_per_token(cfg.model, state.model.parts[0].vocab_size)
     reason, skipped_in_a_row = "train_iters reached", 0
+    if progress.iteration >= cfg.training.train_iters:
+        log0(runtime, f"> nothing to train: the run is at iteration {progress.iteration} and training.train_iters="
+                      f"{cfg.training.train_iters}; raise train_iters to train on")  # fmt: skip
     state.model.train(True)
     try:
         while progress.iteration < cfg.training.train_iters:

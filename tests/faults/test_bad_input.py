@@ -77,6 +77,7 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "metrics_file_is_a_directory": TINY + MOCK + [f"--logging.metrics_file={tmp / 'empty'}"],
         "tensorboard_dir_is_a_file": TINY + MOCK + [f"--logging.tensorboard_dir={tmp / 'malformed.toml'}"],
         "other_model_shape": TINY + MOCK + ["--model.hidden_size=64", f"--checkpoint.load={tmp / 'ckpt'}"],
+        "past_train_iters": TINY + MOCK + [f"--checkpoint.load={tmp / 'ckpt'}"],  # not an error: says so
     }  # fmt: skip
     (tmp / "empty").mkdir()
     try:
@@ -197,6 +198,13 @@ def test_checkpoint_of_another_model_shape(results):
     message = single_error(results, "other_model_shape")
     assert "does not fit this model" in message
     assert "embedding.word.weight has shape (128, 32) in the checkpoint but (128, 64)" in message
+
+
+def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(results):
+    _, done = results
+    proc = done["past_train_iters"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "> nothing to train: the run is at iteration 2 and training.train_iters=2" in proc.stdout
 
 
 def test_load_equal_to_save_starts_fresh_and_says_so(tmp_path):
