@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from dtgpt.config import ConfigError, load_config, to_toml, validate
@@ -48,6 +49,7 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
             # planner takes the smallest world the mesh allows (data_parallel_shard_size -1 as 1).
             world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
             return plan_main(cfg, world_size)
+        print_start(cfg, args.config)
         from dtgpt.training import pretrain
 
         pretrain(cfg, model_provider, datasets_provider)
@@ -65,6 +67,19 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
     return 0
 
 
+def print_start(cfg, path: str | None) -> None:
+    """Rank 0's first line, at once: what is being built (the process group, the model and the
+    data take a while before the start-up summary)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    m, world = cfg.model, os.environ.get("WORLD_SIZE", "1")
+    print(
+        f"> dtgpt: {path or 'the default config'} on {world} rank(s): building a GPT of {m.num_layers} layers, "
+        f"hidden {m.hidden_size}, sequence {m.seq_length}; then the data",
+        flush=True,
+    )
+
+
 def print_next_steps(cfg) -> None:
     """Rank 0's last line: where the run left its checkpoint and how to sample from it."""
     if os.environ.get("RANK", "0") != "0":
@@ -72,11 +87,22 @@ def print_next_steps(cfg) -> None:
     if cfg.checkpoint.save:
         print(
             f"> checkpoint in {cfg.checkpoint.save}; sample from it with: "
-            f'python scripts/generate.py {cfg.checkpoint.save} --prompt "def " --max-new-tokens 60 --temperature 0.8',
+            f'{python_command()} scripts/generate.py {cfg.checkpoint.save} --prompt "def " --max-new-tokens 60 '
+            "--temperature 0.8",
             flush=True,
         )
     else:
         print("> no checkpoint written (checkpoint.save is unset)", flush=True)
+
+
+def python_command() -> str:
+    """This interpreter as a user types it: `python` when it is the one on PATH (an activated
+    venv), else its path (`.venv/bin/python` after `make train`), so the hint runs as printed."""
+    on_path = shutil.which("python")
+    if on_path and os.path.abspath(on_path) == os.path.abspath(sys.executable):
+        return "python"
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
 
 
 def print_config(path: str | None, overrides: list[str]) -> int:

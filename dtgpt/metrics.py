@@ -177,6 +177,18 @@ def _open_summary_writer(log_dir: str) -> Any:
     return SummaryWriter(log_dir=log_dir)
 
 
+def set_aside(path: str) -> None:
+    """A run that starts from iteration 0 writes a file of its own: another run's records in
+    `path` are moved to `path.1` (or the first free `.N`), never appended to or deleted."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.rename(path, f"{path}.{n}")
+    print(f"> logging.metrics_file={path} held an earlier run's records: moved them to {path}.{n}", flush=True)
+
+
 class MetricsLogger:
     """Writes each iteration's record and prints the interval line; inert off the logging rank."""
 
@@ -188,6 +200,7 @@ class MetricsLogger:
         run_config_toml: Optional[str] = None,
         skipped_before: int = 0,
         nan_before: int = 0,
+        resumed: bool = False,
     ) -> None:
         self.cfg = cfg
         self.total_iters = total_iters
@@ -204,6 +217,8 @@ class MetricsLogger:
             return
         if cfg.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_file)), exist_ok=True)
+            if not resumed:
+                set_aside(cfg.metrics_file)
             # Append: a resumed run continues the same file (an iteration redone after a
             # restart appears twice; readers keep the last line per iteration).
             self._file = open(cfg.metrics_file, "a", encoding="utf-8")

@@ -156,6 +156,9 @@ def train(
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     flops = flops_per_token(cfg.model, state.model.parts[0].vocab_size)
     reason, skipped_in_a_row = "train_iters reached", 0
+    if progress.iteration >= cfg.training.train_iters:
+        log0(runtime, f"> nothing to train: the run is at iteration {progress.iteration} and training.train_iters="
+                      f"{cfg.training.train_iters}; raise train_iters to train on")  # fmt: skip
     state.model.train(True)
     try:
         while progress.iteration < cfg.training.train_iters:
@@ -205,7 +208,7 @@ def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults:
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
     """Train per `cfg`; returns the final TrainState. Always shuts the process group down."""
     runtime = init_distributed(cfg)
-    clean = False
+    clean, checkpointer = False, None
     try:
         tokenizer = build_tokenizer(cfg.data)
         state = build_train_state(cfg, build_model(cfg, runtime, tokenizer.vocab_size, model_provider))
@@ -226,9 +229,10 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         metrics = MetricsLogger(
             cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg),
             skipped_before=progress.skipped_iters, nan_before=progress.nan_iters,
+            resumed=progress.iteration > 0 or runtime.restart_count > 0,  # a restarted attempt continues its file
         )  # fmt: skip
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
-        exits = ExitConditions(cfg.checkpoint, runtime.device)
+        exits = ExitConditions(cfg.checkpoint, runtime.device, announce=runtime.is_main)
         try:
             reason = train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults)
             log0(runtime, f"> training stopped: {reason}")
@@ -243,6 +247,8 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         clean = True
         return state
     finally:
+        if checkpointer is not None:
+            checkpointer.release()  # after a failed start too: no lock left in the save directory
         shutdown(clean)
 
 

@@ -58,7 +58,10 @@ def to_megatron(args) -> None:
 
 def from_megatron(args) -> None:
     if not args.config:
-        raise ConfigError("from-megatron needs --config: the run's model and tokenizer (Megatron's args are not a dtgpt config)")
+        raise ConfigError(
+            "from-megatron needs --config: a dtgpt TOML of the run's model and tokenizer (a dtgpt checkpoint's "
+            "iter_*/config.toml works, or one of configs/; Megatron's args are not a dtgpt config)"
+        )
     cfg = load_config(args.config)
     rows = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
     written = megatron.from_megatron(args.src, cfg, args.dst, rows)

@@ -11,6 +11,7 @@ is token ids separated by spaces. --temperature 0 picks the most likely token (g
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -47,6 +48,21 @@ def sample(
     return tokens[0].tolist()
 
 
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sampling arguments, as one line; None when they make sense."""
+    if args.max_new_tokens < 0:
+        return f"--max-new-tokens={args.max_new_tokens} must be >= 0"
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return f"--temperature={args.temperature} must be a finite number >= 0 (0: greedy)"
+    if args.top_k < 0:
+        return f"--top-k={args.top_k} must be >= 0 (0: every token)"
+    if args.iteration < 0:
+        return f"--iteration={args.iteration} must be >= 0 (0: the newest checkpoint)"
+    if not 0 <= args.seed < 2**63:
+        return f"--seed={args.seed} must be in [0, 2**63)"
+    return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
@@ -58,6 +74,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config (default: the one stored with the checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    problem = argument_problem(args)
+    if problem:
+        print_error(problem)
+        return 2
     try:
         directory = find_checkpoint(args.checkpoint, args.iteration)
         cfg = read_config(directory, args.config)

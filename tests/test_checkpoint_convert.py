@@ -125,3 +125,11 @@ def test_plain_state_dict_with_config_converts(saved, tmp_path):
     loaded = load_model(directory, read_config(directory))
     for (name, p), q in zip(t.state.model.parts[0].named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_from_megatron_without_config_says_what_to_pass(tmp_path, capfd):
+    convert = load_script()
+    assert convert.main(["from-megatron", str(tmp_path / "megatron"), str(tmp_path / "out")]) == 2
+    error = capfd.readouterr().err.strip()
+    assert error.startswith("error: from-megatron needs --config") and "iter_*/config.toml works" in error
+    assert "\n" not in error

@@ -326,3 +326,22 @@ def test_keep_last_never_deletes_pointed_or_newer(tmp_path):
     marker = json.loads((layout.iteration_dir(tmp_path, 5) / layout.MARKER).read_text())
     assert marker["iteration"] == 5 and marker["mesh"]["world_size"] == 1
     assert (layout.iteration_dir(tmp_path, 5) / layout.CONFIG).read_text().startswith("[model]")
+
+
+def test_load_naming_an_iteration_directory_loads_it(tmp_path, capsys):
+    """checkpoint.load=<root>/iter_0000001 means that checkpoint, not "no checkpoint here"."""
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    ckpt = checkpointer(t)
+    for i in (1, 2):
+        step(t)
+        ckpt.save(i)
+        if i == 1:
+            first = flat_state(t)
+    ckpt.finalize()
+    b = make_trainer(f"--checkpoint.load={layout.iteration_dir(tmp_path, 1)}")
+    checkpointer(b)
+    assert b.state.progress.iteration == 1
+    assert_same(flat_state(b), first)
+    assert f"is an iteration directory: loading iteration 1 of {tmp_path}" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="is the directory of iteration 1, but checkpoint.load_iteration=2"):
+        checkpointer(make_trainer(f"--checkpoint.load={layout.iteration_dir(tmp_path, 1)}", "--checkpoint.load_iteration=2"))

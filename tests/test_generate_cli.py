@@ -1,6 +1,7 @@
 """scripts/generate.py on a folder that is not a checkpoint: one error line with a fix that
 applies to generation (not the trainer's checkpoint.auto_resume)."""
 
+import importlib.util
 import subprocess
 import sys
 
@@ -14,3 +15,25 @@ def test_generate_on_a_folder_without_checkpoint_says_what_to_give(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr
     assert "holds no complete checkpoint" in lines[0] and "give a checkpoint.save directory" in lines[0]
     assert "auto_resume" not in lines[0]
+
+
+BAD_ARGUMENTS = {
+    "--max-new-tokens=-5": "--max-new-tokens=-5 must be >= 0",
+    "--temperature=nan": "--temperature=nan must be a finite number >= 0",
+    "--temperature=-1": "--temperature=-1.0 must be a finite number >= 0 (0: greedy)",
+    "--top-k=-3": "--top-k=-3 must be >= 0",
+    "--iteration=-2": "--iteration=-2 must be >= 0",
+    f"--seed={2**70}": "must be in [0, 2**63)",
+}
+
+
+def test_sampling_arguments_that_make_no_sense_are_one_error_line(tmp_path, capfd):
+    """Checked before anything is loaded; each would otherwise mean something else silently
+    (a negative top-k: every token; a negative temperature: greedy) or end in a traceback."""
+    spec = importlib.util.spec_from_file_location("generate", REPO / "scripts/generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    for argument, message in BAD_ARGUMENTS.items():
+        assert generate.main([str(tmp_path), argument]) == 2, argument
+        lines = capfd.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argument, lines)

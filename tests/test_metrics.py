@@ -146,7 +146,7 @@ def test_logger_writes_jsonl_prints_every_interval(tmp_path, capsys):
         assert obj["iteration"] == i and obj["mfu"] is None
     assert objs[1]["grad_norm"] == 2.5 and objs[2]["loss"] is None  # inf -> null
     # Append mode: a resumed run continues the same file.
-    logger = MetricsLogger(cfg, total_iters=4, is_logging_rank=True)
+    logger = MetricsLogger(cfg, total_iters=4, is_logging_rank=True, resumed=True)
     logger.log(_record(5))
     logger.close()
     assert len((tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()) == 5
@@ -289,3 +289,21 @@ def test_metrics_are_logged_by_the_last_rank_holding_the_last_stage(schedule, pp
     dims = ParallelDims.from_config(cfg, world)
     runtimes = [Runtime(rank, world, 0, torch.device("cpu"), dims, logging_rank=last_stage_rank(cfg, world)) for rank in range(world)]
     assert [r.rank for r in runtimes if r.is_logging_rank] == [logging_rank]
+
+
+def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path, capsys):
+    """Records of two unrelated runs never mix in one file; a resumed run continues its own."""
+    path = tmp_path / "metrics.jsonl"
+    cfg = LoggingConfig(log_interval=100, metrics_file=str(path))
+    for run in range(2):  # two fresh runs: iterations 1-2 each
+        logger = MetricsLogger(cfg, total_iters=4, is_logging_rank=True)
+        logger.log(_record(1, loss=1.0 + run))
+        logger.log(_record(2, loss=1.0 + run))
+        logger.close()
+    assert "held an earlier run's records: moved them to" in capsys.readouterr().out
+    resumed = MetricsLogger(cfg, total_iters=4, is_logging_rank=True, resumed=True)
+    resumed.log(_record(3, loss=2.0))
+    resumed.close()
+    lines = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+    assert [(r["iteration"], r["loss"]) for r in lines(tmp_path / "metrics.jsonl.1")] == [(1, 1.0), (2, 1.0)]
+    assert [(r["iteration"], r["loss"]) for r in lines(path)] == [(1, 2.0), (2, 2.0), (3, 2.0)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ RUNS: dict[str, list[str] | None] = {
     "torchrun --nproc-per-node 8 train.py --config configs/debug_3d.toml": SHORT_RUN,
     "python train.py --config configs/gpt3_175b.toml --print-config": [],
     "python train.py --config configs/gpt3_175b.toml --dry-run": [],
+    "python scripts/plan.py --config configs/debug_3d.toml --world-size 8 --check": [],
     "torchrun --nproc-per-node 8 train.py --config configs/gpt3_175b.toml": ["--training.train_iters=4"],
     "torchrun --nproc-per-node 2 examples/simple_train_loop.py": [],
 }
@@ -80,7 +82,8 @@ def workspace(tmp_path: Path) -> Path:
 
 
 def as_argv(command: str) -> list[str]:
-    """The command's argv, `make train` replaced by the recipe make would run."""
+    """The command's argv as written (run with the venv activated: see activated_env), `make
+    train` replaced by the recipe make would run; torchrun runs standalone, on one machine."""
     if command.startswith("make "):
         recipe = subprocess.run(["make", "-s", "-n", "-C", str(REPO), command.split()[1]], capture_output=True, text=True)
         lines = [ln for ln in recipe.stdout.splitlines() if "train.py" in ln]
@@ -88,9 +91,17 @@ def as_argv(command: str) -> list[str]:
         argv = shlex.split(lines[-1])
         return [sys.executable] + argv[1:]  # the venv's python is this one
     argv = shlex.split(command)
-    if argv[0] == "python":
-        return [sys.executable] + argv[1:]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone"] + argv[1:]
+    if argv[0] == "torchrun":
+        return argv[:1] + ["--standalone"] + argv[1:]
+    return argv
+
+
+def activated_env() -> dict[str, str]:
+    """The environment after `source .venv/bin/activate`, as the README asks: the venv's bin first
+    on PATH (its python and torchrun), VIRTUAL_ENV set."""
+    venv_bin = os.path.dirname(sys.executable)
+    return {**os.environ, "PATH": venv_bin + os.pathsep + os.environ["PATH"], "VIRTUAL_ENV": os.path.dirname(venv_bin),
+            "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
 def warnings_in(output: str) -> list[str]:
@@ -105,8 +116,7 @@ def test_readme_command_runs_without_warnings(tmp_path, command):
     where = workspace(tmp_path)
     argv = as_argv(command) + RUNS[run_key(command)]
     argv = [a.replace("/tmp/ckpt", str(where / "ckpt")) for a in argv]  # keep runs apart
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(argv, cwd=where, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(argv, cwd=where, env=activated_env(), capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{command}\n{output[-6000:]}"
     assert not warnings_in(output), f"{command} printed warnings:\n" + "\n".join(warnings_in(output))
@@ -114,7 +124,13 @@ def test_readme_command_runs_without_warnings(tmp_path, command):
         # make train leaves a checkpoint and logs behind, and says how to sample from it
         assert (where / "checkpoints/debug/latest_checkpointed_iteration.txt").read_text().strip() == "4"
         assert (where / "runs/debug/metrics.jsonl").exists() and any((where / "runs/debug/tensorboard").iterdir())
-        assert "python scripts/generate.py checkpoints/debug" in proc.stdout.splitlines()[-1]
+        hint = proc.stdout.splitlines()[-1]
+        assert "python scripts/generate.py checkpoints/debug" in hint
+        # the hint runs as printed: its python is this venv's (`python` on the activated PATH, or a path)
+        python = hint.split("sample from it with: ")[1].split()[0]
+        assert os.path.abspath(shutil.which(python, path=activated_env()["PATH"])) == os.path.abspath(sys.executable)
+        # the first line says at once what is being built
+        assert proc.stdout.startswith("> dtgpt: configs/debug.toml on 1 rank(s): building a GPT of 4 layers"), proc.stdout[:300]
         # the start-up summary says what the run reads and where it writes
         assert "> data: built-in corpus 'python-docstrings', ByteTokenizer (257 ids)" in proc.stdout
         assert "> output: checkpoints checkpoints/debug (at the end); TensorBoard runs/debug/tensorboard" in proc.stdout
@@ -127,6 +143,6 @@ def test_one_process_async_save_prints_no_warning(tmp_path):
     argv = as_argv("python train.py --config configs/debug.toml") + SHORT_RUN + [
         "--checkpoint.async_save=true", "--checkpoint.save_interval=2",
     ]  # fmt: skip
-    proc = subprocess.run(argv, cwd=where, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(argv, cwd=where, env=activated_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "in the background" in proc.stdout and not warnings_in(proc.stdout + proc.stderr), proc.stdout + proc.stderr

@@ -62,6 +62,22 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def load_root(root: str, load_iteration: int) -> tuple[str, int, str]:
+    """(root, iteration, note): checkpoint.load naming a completed iter_N directory itself means
+    its parent at iteration N (the note says so); any other root is taken as it is."""
+    path = Path(root)
+    match = _ITER_DIR.match(path.name)
+    if match is None or not (path / MARKER).exists():
+        return root, load_iteration, ""
+    iteration = int(match.group(1))
+    if load_iteration not in (0, iteration):
+        raise CheckpointError(
+            f"checkpoint.load={root} is the directory of iteration {iteration}, but checkpoint.load_iteration="
+            f"{load_iteration}: name its parent {path.parent} with load_iteration, or the directory alone"
+        )
+    return str(path.parent), iteration, f"checkpoint.load={root} is an iteration directory: loading iteration {iteration} of {path.parent}"
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a half-written one (temp + fsync + rename)."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")

@@ -21,10 +21,12 @@ LOCK = ".lock"
 
 
 class SaveDirLock:
-    """Holds `<directory>/.lock` until release() (or until this process ends)."""
+    """Holds `<directory>/.lock` until release() (or until this process ends). A directory the
+    run created and left empty is removed on release, so a failed start leaves nothing behind."""
 
-    def __init__(self, directory: str | Path, run_id: str):
-        path = Path(directory) / LOCK
+    def __init__(self, directory: str | Path, run_id: str, created: bool = False):
+        self.directory, self.created = Path(directory), created
+        path = self.directory / LOCK
         self._file = open(path, "a+")
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -42,20 +44,25 @@ class SaveDirLock:
         self._file.flush()
 
     def release(self) -> None:
-        if not self._file.closed:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-            self._file.close()
+        if self._file.closed:
+            return
+        if self.created and [p.name for p in self.directory.iterdir()] == [LOCK]:
+            (self.directory / LOCK).unlink()  # still locked here: no other run can be waiting on it
+            self.directory.rmdir()
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+        self._file.close()
 
 
 def claim_save_dir(directory: str, run_id: str) -> SaveDirLock:
     """Create checkpoint.save (when missing) and lock it for this run (rank 0 calls this)."""
+    created = not os.path.exists(directory)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"checkpoint.save={directory} cannot be created: {e.strerror}") from None
     if not os.access(directory, os.W_OK):
         raise CheckpointError(f"checkpoint.save={directory} is not writable")
-    return SaveDirLock(directory, run_id)
+    return SaveDirLock(directory, run_id, created=created)
 
 
 def refuse_foreign_checkpoints(directory: str) -> None:

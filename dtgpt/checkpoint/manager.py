@@ -84,8 +84,11 @@ class Checkpointer:
         self._lock: SaveDirLock | None = None  # rank 0's, while it runs
         if self.cfg.save:
             self._from_rank0(self._take_save_dir)
-        loaded_from = self._load()
-        self._check_save_dir(loaded_from)
+        try:
+            self._check_save_dir(self._load())
+        except BaseException:
+            self.release()  # a failed start leaves no lock (nor a directory it created) behind
+            raise
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -152,13 +155,16 @@ class Checkpointer:
             return ""
         if c.trust_pickles:
             self._log(trust_warning(Path(root)), "WARNING: ")
-        fresh_ok = c.auto_resume or _same_path(root, c.save)
         # Megatron-LM checkpoints: detected by their files, read by dtgpt/checkpoint/megatron/load.py
         megatron_dir = self._from_rank0(lambda: megatron.find(root, c.load_iteration))
         if megatron_dir is not None:
             self._load_megatron(megatron_dir)
-            return
-        found = self._from_rank0(lambda: layout.resolve(root, c.load_iteration, fresh_ok, trust_pickles=c.trust_pickles))
+            return ""
+        root, iteration, note = self._from_rank0(lambda: layout.load_root(root, c.load_iteration))
+        if note:
+            self._log(note)
+        fresh_ok = c.auto_resume or _same_path(root, c.save)
+        found = self._from_rank0(lambda: layout.resolve(root, iteration, fresh_ok, trust_pickles=c.trust_pickles))
         for warning in found.warnings:
             self._log(warning, "WARNING: ")
         if found.directory is None:

@@ -5,6 +5,7 @@ Every error names the key, the value and the rule.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dtgpt.config.derived import (
@@ -193,6 +194,13 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
     _require(
         cfg.logging.timers_log_level in (0, 1, 2),
         f"logging.timers_log_level={cfg.logging.timers_log_level} must be 0, 1 or 2",
+    )
+    # Paths the logging rank writes, checked on every rank before any starts (one failing alone would strand the rest).
+    metrics, tensorboard = cfg.logging.metrics_file, cfg.logging.tensorboard_dir
+    _require(not (metrics and os.path.isdir(metrics)), f"logging.metrics_file={metrics} is a directory: name a file in it")
+    _require(
+        not (tensorboard and os.path.exists(tensorboard) and not os.path.isdir(tensorboard)),
+        f"logging.tensorboard_dir={tensorboard} is a file: TensorBoard writes a directory of event files",
     )
 
     _require(

@@ -78,7 +78,10 @@ class GPT2BPETokenizer:
             if not path:
                 raise ValueError(f"GPT2BPETokenizer needs {key} (GPT-2's vocab.json / merges.txt); it is not set")
             if not os.path.isfile(path):
-                raise DataFileNotFoundError(f"{key}={path!r}: no such file")
+                raise DataFileNotFoundError(
+                    f"{key}={path!r}: no such file (GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt, which "
+                    "dtgpt does not download: docs/data.md; data.tokenizer_type ByteTokenizer or NullTokenizer needs no files)"
+                )
         try:
             from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
         except ImportError:

@@ -29,8 +29,9 @@ class SignalFlag:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, announce: bool = True):
+        """`announce`: print what was received (one rank does: Ctrl-C reaches every rank at once)."""
+        self.enabled, self.announce = enabled, announce
         self.received: int | None = None
         self._previous = {}
         if enabled:
@@ -45,8 +46,9 @@ class SignalFlag:
             message = f"received signal {name} again: ignored, already finishing and saving\n"
         # os.write, not print: the main thread may be inside a print to stdout, and a buffered
         # stream raises "reentrant call" when a signal handler writes to it then.
-        with contextlib.suppress(OSError):
-            os.write(1, message.encode())
+        if self.announce:
+            with contextlib.suppress(OSError):
+                os.write(1, message.encode())
         self.received = self.received or signum
 
     def restore(self) -> None:
@@ -56,11 +58,11 @@ class SignalFlag:
 
 
 class ExitConditions:
-    def __init__(self, cfg: CheckpointConfig, device: torch.device):
+    def __init__(self, cfg: CheckpointConfig, device: torch.device, announce: bool = True):
         self.cfg = cfg
         self.device = device
         self.start = time.monotonic()
-        self.signals = SignalFlag(signal_handler_enabled(cfg))
+        self.signals = SignalFlag(signal_handler_enabled(cfg), announce)
 
     def reason(self, iteration: int) -> str | None:
         """Why training should stop after `iteration`, agreed across ranks; None to go on."""

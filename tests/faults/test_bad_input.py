@@ -67,14 +67,17 @@ def cases(tmp: Path) -> dict[str, list[str]]:
         "wrong_type_cli": TINY + MOCK + ["--model.hidden_size=abc"],
         "wrong_type_toml": ["--config", str(tmp / "wrong_type.toml")],
         "impossible_mesh": TINY + MOCK + ["--parallel.tensor_model_parallel_size=2"],
-        "missing_data_prefix": TINY + data + [f"--data.data_path={tmp / 'nothere'}"],
+        "missing_data_prefix": TINY + data + [f"--data.data_path={tmp / 'nothere'}", f"--checkpoint.save={tmp / 'new'}"],
         "corrupt_idx": TINY + data + [f"--data.data_path={tmp / 'bad_idx'}"],
         "truncated_bin": TINY + data + [f"--data.data_path={tmp / 'short_bin'}"],
         "ids_outside_vocabulary": TINY + data + [f"--data.data_path={tmp / 'wide_ids'}"],
         "missing_vocab_file": TINY + data + [f"--data.data_path={tmp / 'good'}", "--data.tokenizer_type=GPT2BPETokenizer",
                                              f"--data.vocab_file={tmp / 'nope.json'}", f"--data.merge_file={tmp / 'nope.txt'}"],
         "load_dir_without_checkpoint": TINY + MOCK + [f"--checkpoint.load={tmp / 'empty'}"],
+        "metrics_file_is_a_directory": TINY + MOCK + [f"--logging.metrics_file={tmp / 'empty'}"],
+        "tensorboard_dir_is_a_file": TINY + MOCK + [f"--logging.tensorboard_dir={tmp / 'malformed.toml'}"],
         "other_model_shape": TINY + MOCK + ["--model.hidden_size=64", f"--checkpoint.load={tmp / 'ckpt'}"],
+        "past_train_iters": TINY + MOCK + [f"--checkpoint.load={tmp / 'ckpt'}"],  # not an error: says so
     }  # fmt: skip
     (tmp / "empty").mkdir()
     try:
@@ -148,6 +151,8 @@ def test_impossible_mesh(results):
 
 def test_missing_data_prefix(results):
     assert single_error(results, "missing_data_prefix").startswith("error: nothere.idx: no such file (indexed dataset prefix")
+    tmp, _ = results
+    assert not (tmp / "new").exists()  # the failed start removed the save directory it created (and its lock)
 
 
 def test_corrupt_idx(results):
@@ -168,6 +173,7 @@ def test_token_ids_outside_the_tokenizer_vocabulary(results):
 def test_missing_vocab_file(results):
     message = single_error(results, "missing_vocab_file")
     assert "data.vocab_file=" in message and "nope.json" in message and "no such file" in message
+    assert "ByteTokenizer or NullTokenizer needs no files" in message
 
 
 def test_vocab_and_merges_that_do_not_match(results):
@@ -180,10 +186,25 @@ def test_load_dir_without_checkpoint(results):
     assert "checkpoint.load=empty holds no complete checkpoint" in message and "auto_resume" in message
 
 
+def test_metrics_file_naming_a_directory(results):
+    assert "logging.metrics_file=empty is a directory: name a file in it" in single_error(results, "metrics_file_is_a_directory")
+
+
+def test_tensorboard_dir_naming_a_file(results):
+    assert "logging.tensorboard_dir=malformed.toml is a file" in single_error(results, "tensorboard_dir_is_a_file")
+
+
 def test_checkpoint_of_another_model_shape(results):
     message = single_error(results, "other_model_shape")
     assert "does not fit this model" in message
     assert "embedding.word.weight has shape (128, 32) in the checkpoint but (128, 64)" in message
+
+
+def test_a_checkpoint_at_train_iters_says_there_is_nothing_to_train(results):
+    _, done = results
+    proc = done["past_train_iters"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "> nothing to train: the run is at iteration 2 and training.train_iters=2" in proc.stdout
 
 
 def test_load_equal_to_save_starts_fresh_and_says_so(tmp_path):

@@ -46,6 +46,17 @@ def test_signal_flag_records_the_first_signal_and_ignores_the_next(capfd):
     assert "received signal SIGINT again: ignored" in out
 
 
+def test_signal_flag_of_a_quiet_rank_records_without_printing(capfd):
+    """Ctrl-C under torchrun reaches every rank: only one says so (train.py: rank 0)."""
+    flag = SignalFlag(True, announce=False)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.received == signal.SIGINT
+    finally:
+        flag.restore()
+    assert "received signal" not in capfd.readouterr().out
+
+
 def test_faults_fire_once_on_the_chosen_rank_and_iteration(tmp_path):
     cfg = FaultsConfig(kill_at_iteration=4, kill_rank=1, kill_during_save=True, disk_full_at_iteration=6)
     first, restarted = Faults(cfg, rank=1, restart_count=0), Faults(cfg, rank=1, restart_count=1)
