@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtgpt.config import Config, OptimizerConfig, TrainingConfig
+from dtgpt.config import Config, OptimizerConfig, TrainingConfig, get_key
 from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
 
 # ---------------------------------------------------------------------------------------------
@@ -245,4 +245,30 @@ class LRSchedule(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self.num_samples = int(state_dict["num_samples"])
+
+
+SCHEDULE_KEYS = (
+    "optimizer.lr", "optimizer.min_lr", "optimizer.lr_decay_style", "optimizer.lr_decay_iters",
+    "optimizer.lr_decay_samples", "optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters",
+    "optimizer.lr_warmup_samples", "optimizer.lr_warmup_init", "optimizer.lr_wsd_decay_style",
+    "optimizer.lr_wsd_decay_iters", "optimizer.lr_wsd_decay_samples", "training.train_iters",
+    "training.global_batch_size",
+)  # fmt: skip
+"""The keys the LR schedule is made of (its lengths count samples of the final global batch)."""
+
+
+def schedule_change(saved: Config | None, cfg: Config, num_samples: int) -> str | None:
+    """One line when a resumed run's LR schedule is not the one its checkpoint was trained with:
+    which keys changed, and the LR at this point under each (the config's is used, as Megatron's
+    --override-opt_param-scheduler would). None when nothing changed or the saved config is unknown."""
+    if saved is None:
+        return None
+    changed = [f"{key} {get_key(saved, key)} -> {get_key(cfg, key)}" for key in SCHEDULE_KEYS if get_key(saved, key) != get_key(cfg, key)]
+    if not changed:
+        return None
+    before, now = LRSchedule(saved).lr_at(num_samples), LRSchedule(cfg).lr_at(num_samples)
+    return (
+        f"the LR schedule differs from the checkpoint's ({', '.join(changed)}): this run follows its config's, so "
+        f"the LR after {num_samples} samples is {now:.4g} (the checkpoint's schedule: {before:.4g})"
+    )
 

@@ -345,3 +345,21 @@ def test_load_naming_an_iteration_directory_loads_it(tmp_path, capsys):
     assert f"is an iteration directory: loading iteration 1 of {tmp_path}" in capsys.readouterr().out
     with pytest.raises(CheckpointError, match="is the directory of iteration 1, but checkpoint.load_iteration=2"):
         checkpointer(make_trainer(f"--checkpoint.load={layout.iteration_dir(tmp_path, 1)}", "--checkpoint.load_iteration=2"))
+
+
+def test_a_resume_that_changes_the_lr_schedule_says_so(tmp_path, capsys):
+    """The schedule's lengths come from the config: stretching train_iters on resume moves the LR,
+    and one line says which keys changed and the LR under each schedule."""
+    t = make_trainer(f"--checkpoint.save={tmp_path}", "--optimizer.lr_decay_style=cosine")
+    ckpt = checkpointer(t)
+    step(t, 2)
+    ckpt.save(2)
+    ckpt.finalize()
+    capsys.readouterr()
+    checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", "--optimizer.lr_decay_style=cosine"))
+    assert "the LR schedule differs" not in capsys.readouterr().out
+    b = make_trainer(f"--checkpoint.load={tmp_path}", "--optimizer.lr_decay_style=cosine", "--training.train_iters=20")
+    checkpointer(b)
+    out = capsys.readouterr().out
+    assert "the LR schedule differs from the checkpoint's (training.train_iters 10 -> 20)" in out
+    assert f"the LR after 8 samples is {b.state.lr_schedule.current_lr:.4g} (the checkpoint's schedule: {t.state.lr_schedule.current_lr:.4g})" in out

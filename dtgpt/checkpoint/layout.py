@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dtgpt.checkpoint import safe
+from dtgpt.config import Config, ConfigError, load_config
 
 POINTER = "latest_checkpointed_iteration.txt"
 MARKER = "complete"
@@ -56,6 +57,19 @@ def single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=NO_PROCESS_GROUP)
         yield
+
+
+def same_path(a: str, b: str) -> bool:
+    """Two non-empty paths naming the same directory."""
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def stored_config(directory: Path) -> Config | None:
+    """The config a checkpoint was saved with; None when it has none, or one that no longer reads."""
+    try:
+        return load_config(Path(directory) / CONFIG, check=False)
+    except (ConfigError, OSError):
+        return None
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:

@@ -13,7 +13,6 @@ layout: layout.py; what is saved: stored.py and dtgpt/state.py.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 import uuid
@@ -35,6 +34,7 @@ from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_ch
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
+from dtgpt.optim import schedule_change
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
@@ -51,10 +51,6 @@ class PendingSave:
     future: Future
     started: float
     verdict: SaveVerdict
-
-
-def _same_path(a: str, b: str) -> bool:
-    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
 class Checkpointer:
@@ -136,7 +132,7 @@ class Checkpointer:
 
     def _check_save_dir(self, loaded_from: str) -> None:
         save = self.cfg.save
-        if save and not _same_path(loaded_from, save) and not self.cfg.overwrite:
+        if save and not layout.same_path(loaded_from, save) and not self.cfg.overwrite:
             self._from_rank0(lambda: refuse_foreign_checkpoints(save))
 
     def release(self) -> None:
@@ -163,7 +159,7 @@ class Checkpointer:
         root, iteration, note = self._from_rank0(lambda: layout.load_root(root, c.load_iteration))
         if note:
             self._log(note)
-        fresh_ok = c.auto_resume or _same_path(root, c.save)
+        fresh_ok = c.auto_resume or layout.same_path(root, c.save)
         found = self._from_rank0(lambda: layout.resolve(root, iteration, fresh_ok, trust_pickles=c.trust_pickles))
         for warning in found.warnings:
             self._log(warning, "WARNING: ")
@@ -177,7 +173,7 @@ class Checkpointer:
             f"loaded checkpoint {found.directory} in {time.perf_counter() - start:.2f} s: iteration {s.iteration}, "
             f"consumed samples {s.consumed_samples}" + ("" if c.load_optimizer else " (weights only: fresh optimizer and schedule)")
         )
-        if _same_path(root, c.save):
+        if layout.same_path(root, c.save):
             self._saved.add(s.iteration)
         return root
 
@@ -232,6 +228,9 @@ class Checkpointer:
             dcp.load(request, checkpoint_id=str(directory), storage_reader=reader, no_dist=not self.distributed)
         self.state.load_state_dict(request)
         if stateful:
+            change = schedule_change(layout.stored_config(directory), self.run_cfg, self.state.lr_schedule.num_samples)
+            if change:
+                self._log(change)
             if "rng" in request:
                 self._rng = request["rng"]
             else:
