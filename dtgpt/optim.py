@@ -269,6 +269,6 @@ def schedule_change(saved: Config | None, cfg: Config, num_samples: int) -> str 
     before, now = LRSchedule(saved).lr_at(num_samples), LRSchedule(cfg).lr_at(num_samples)
     return (
         f"the LR schedule differs from the checkpoint's ({', '.join(changed)}): this run follows its config's, so "
-        f"the LR after {num_samples} samples is {now:.4g} (the checkpoint's schedule: {before:.4g})"
+        f"the LR after {num_samples} samples is {now:.3e} (the checkpoint's schedule: {before:.3e})"
     )
 

@@ -362,4 +362,4 @@ def test_a_resume_that_changes_the_lr_schedule_says_so(tmp_path, capsys):
     checkpointer(b)
     out = capsys.readouterr().out
     assert "the LR schedule differs from the checkpoint's (training.train_iters 10 -> 20)" in out
-    assert f"the LR after 8 samples is {b.state.lr_schedule.current_lr:.4g} (the checkpoint's schedule: {t.state.lr_schedule.current_lr:.4g})" in out
+    assert f"the LR after 8 samples is {b.state.lr_schedule.current_lr:.3e} (the checkpoint's schedule: {t.state.lr_schedule.current_lr:.3e})" in out
