@@ -9,14 +9,14 @@ See docs/schedules.md for the definitions and where dtgpt deliberately differs f
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtgpt.config import Config, OptimizerConfig, TrainingConfig, get_key
-from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
+from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length, rampup_active
 
 # ---------------------------------------------------------------------------------------------
 # AdamW
@@ -115,8 +115,7 @@ class BatchSizeSchedule:
     def __init__(self, cfg: TrainingConfig):
         self.final = cfg.global_batch_size
         ramp = list(cfg.rampup_batch_size)  # validated: [start, increment, samples]
-        # A ramp that starts at the final size or lasts no samples is no ramp at all.
-        self.enabled = bool(ramp) and ramp[0] < self.final and ramp[2] > 0
+        self.enabled = rampup_active(cfg)
         self.start, self.increment, self.ramp_samples = ramp if self.enabled else (self.final, 0, 0)
         self.num_increments = (self.final - self.start) // self.increment if self.enabled else 0
         self._samples_per_increment = self.ramp_samples / self.num_increments if self.enabled else 0.0
@@ -143,6 +142,19 @@ class BatchSizeSchedule:
             end += 1
         return end
 
+    def _ramp_plateaus(self) -> Iterator[tuple[int, int]]:
+        """(batch size, iterations at it) for each ramp-up batch size the run uses, in order."""
+        consumed = 0
+        while (batch := self.global_batch_size(consumed)) != self.final:
+            span = -(-(self._plateau_end(consumed) - consumed) // batch)  # iterations at this batch
+            yield batch, span
+            consumed += span * batch
+
+    def sizes(self) -> list[int]:
+        """Every global batch size the run's iterations use, in order, the final one last (a
+        ramp-up can step over some of start + k * increment)."""
+        return [batch for batch, _ in self._ramp_plateaus()] + [self.final]
+
     def consumed_samples(self, iterations: int) -> int:
         """Samples consumed by the first `iterations` iterations.
 
@@ -152,15 +164,12 @@ class BatchSizeSchedule:
         if iterations < 0:
             raise ValueError(f"iterations={iterations} must be >= 0")
         consumed, left = 0, iterations
-        while left > 0:
-            batch = self.global_batch_size(consumed)
-            if batch == self.final:
-                return consumed + left * batch
-            span = -(-(self._plateau_end(consumed) - consumed) // batch)  # iterations at this batch
+        for batch, span in self._ramp_plateaus():
             done = min(span, left)
-            consumed += done * batch
-            left -= done
-        return consumed
+            consumed, left = consumed + done * batch, left - done
+            if left == 0:
+                return consumed
+        return consumed + left * self.final
 
 
 def total_train_samples(cfg: TrainingConfig) -> int:

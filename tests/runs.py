@@ -68,3 +68,19 @@ def train_losses(
     metrics = tmp_path / f"{name}.jsonl"
     run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name, **kw)
     return [r["loss"] for r in read_metrics(metrics)]
+
+
+def train_record(tmp_path: Path, args: list[str], nproc: int = 1, name: str = "run", base: list[str] = TINY, **kw) -> dict:
+    """A run of base + args: its per-iteration metrics by key ("loss", "grad_norm", "skipped",
+    "global_batch_size", ...) and "params", every parameter after the last iteration as a full
+    fp32 tensor, read back from the checkpoint the run saves at its end (every rank's shard)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    metrics, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
+    run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}", f"--checkpoint.save={ckpt}"], nproc=nproc, name=name, **kw)
+    records = read_metrics(metrics)
+    last = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
+    dcp_to_torch_save(ckpt / f"iter_{int(last):07d}", tmp_path / f"{name}.pt")
+    state = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    return {**{key: [r[key] for r in records] for key in records[0]}, "params": {k: v.float() for k, v in state["model"].items()}}

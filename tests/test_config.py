@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from dtgpt.config import (
+    MULTI_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
     Config,
     ConfigError,
     config_from_dict,
@@ -148,7 +150,15 @@ def test_toml_errors(tmp_path):
          "must be a non-negative multiple of the increment"),
         ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
           "parallel__virtual_pipeline_stages_per_rank": 2, "training__global_batch_size": 2, "model__num_layers": 4}, 2,
-         "needs micro-batches per iteration >= stages (4)"),
+         "parallel.pipeline_schedule='DualPipeV' needs at least as many micro-batches per iteration as pipeline stages "
+         "(pipeline_model_parallel_size=2 * virtual_pipeline_stages_per_rank=2 = 4), but training.global_batch_size=2 "
+         "gives 2 micro-batches (2 / (micro_batch_size=1 * data-parallel size 1))"),
+        # The ramp-up's first batch is the smallest of the run: DualPipeV refused before any process group.
+        ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
+          "parallel__virtual_pipeline_stages_per_rank": 2, "model__num_layers": 4, "training__global_batch_size": 16,
+          "training__rampup_batch_size": [4, 4, 32], "parallel__data_parallel_shard_size": 2}, 4,
+         "but training.rampup_batch_size start=4 gives 2 micro-batches (4 / (micro_batch_size=1 * data-parallel size 2)); "
+         "use a first batch of >= 8"),
         ({"parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "DualPipeV",
           "parallel__virtual_pipeline_stages_per_rank": 2, "model__num_layers": 2,
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
@@ -185,6 +195,21 @@ def test_toml_errors(tmp_path):
 )
 def test_validation_errors_name_key_value_rule(overrides, world, expected):
     assert expected in error_of(base(**overrides), world)
+
+
+@pytest.mark.parametrize("schedule", [s for s in PIPELINE_SCHEDULES if s != "DualPipeV"])
+def test_every_other_schedule_validates_every_micro_batch_count(schedule):
+    """A ramp-up through 1 to 16 micro-batches on pp 4 (8 stages when interleaved): fewer than the
+    stages, and counts torch's interleaved rounds do not divide, all run (dtgpt.parallel.schedules)."""
+    vpp = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+    validate(base(parallel__pipeline_model_parallel_size=4, parallel__pipeline_schedule=schedule, model__num_layers=8,
+                  parallel__virtual_pipeline_stages_per_rank=vpp, training__global_batch_size=16,
+                  training__rampup_batch_size=[1, 1, 100]), 4)  # fmt: skip
+
+
+def test_gpt3_175b_validates_at_256_gpus():
+    """dp 2: the ramp-up starts at 16 / 2 = 8 micro-batches on 16 stages (1F1B's capped warm-up)."""
+    validate(load_config(str(REPO / "configs" / "gpt3_175b.toml")), 256)
 
 
 def test_mesh_rest_of_world():

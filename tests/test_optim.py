@@ -85,6 +85,13 @@ def test_total_train_samples_matches_loop(gbs, ramp, iters):
     assert total_train_samples(cfg) == _brute_force_samples(schedule, iters)
     for i in range(iters + 1):
         assert schedule.consumed_samples(i) == _brute_force_samples(schedule, i)
+    # Every batch size an iteration uses, in order, each once (the pipeline schedules and the
+    # planner take their micro-batch counts from these).
+    used, consumed = [], 0
+    while not used or used[-1] != gbs:
+        used.append(schedule.global_batch_size(consumed))
+        consumed += used[-1]
+    assert schedule.sizes() == sorted(set(used))
 
 
 def test_total_train_samples_gpt3_175b_is_fast_and_exact():

@@ -29,10 +29,8 @@ here, and a wrong normaliser changes the loss in the second decimal.
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.runs import TINY, read_metrics, run_train
+from tests.runs import train_record
 
 STEPS = 6
 PRECISION = {
@@ -65,15 +63,7 @@ LAYOUTS = {
 
 def run(tmp_path, name: str, precision: list[str], overrides: list[str], ranks: int = 1) -> dict:
     """Losses, skipped flags and the final parameters (full tensors) of one run."""
-    metrics, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
-    args = [*TINY, f"--training.train_iters={STEPS}", *precision, *overrides]
-    args += [f"--logging.metrics_file={metrics}", f"--checkpoint.save={ckpt}", f"--checkpoint.save_interval={STEPS}"]
-    run_train(tmp_path, args, nproc=ranks, name=name)
-    records = read_metrics(metrics)
-    dcp_to_torch_save(ckpt / f"iter_{STEPS:07d}", tmp_path / f"{name}.pt")
-    state = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-    params = {k: v.float() for k, v in state["model"].items()}
-    return {"loss": [r["loss"] for r in records], "skipped": [r["skipped"] for r in records], "params": params}
+    return train_record(tmp_path, [f"--training.train_iters={STEPS}", *precision, *overrides], nproc=ranks, name=name)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from dtgpt.plan import memory as pm
-from dtgpt.config import ConfigError, load_config
+from dtgpt.config import ConfigError, interleaved_round_size, load_config
 from dtgpt.plan import plan_layout, tokenizer_vocab_size
 
 REPO = Path(__file__).resolve().parent.parent
@@ -145,8 +146,11 @@ def test_175b_on_1024_gpus_with_full_recomputation_takes_about_34_days():
     assert plan.est_days == pytest.approx(
         pm.classic_training_days(300e9, plan.total_params, 1024, 140), rel=0.05
     )
-    # Ramp-up starts at 16 samples = 2 micro-batches per dp rank for 16 stages.
-    assert any("2 micro-batches" in w and "fewer than the 16 pipeline stages" in w for w in plan.warnings)
+    # Ramp-up starts at 16 samples = 2 micro-batches per dp rank for 16 stages: they run, as in
+    # Megatron (dtgpt.parallel.schedules), and the warning says so and what it costs.
+    ramp = next(w for w in plan.warnings if "ramp-up" in w)
+    assert "2 micro-batches on 16 stages, 1F1B's warm-up capped at 2, as in Megatron" in ramp and "88%" in ramp
+    assert not any("fewer than" in w for w in plan.warnings)
 
 
 def test_activation_formulas():
@@ -181,6 +185,33 @@ def test_schedule_formulas():
     assert pm.bubble_fraction("GPipe", 4, 1, 8) == pytest.approx(3 / 11)
     assert pm.bubble_fraction("Interleaved1F1B", 4, 2, 8) == pytest.approx(3 / 19)
     assert pm.bubble_fraction("1F1B", 1, 1, 8) == 0.0
+
+
+def test_interleaved_in_flight_is_megatrons_warm_up_with_rounds_that_divide_the_count():
+    """megatron-core's warm-up count (get_pp_rank_microbatches) with its
+    microbatch_group_size_per_vp_stage set to the round size dtgpt runs, plus the steady chunk."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    pp, v = 4, 2
+    for m in (2, 8, 10, 13, 14, 16):
+        group = interleaved_round_size(m, pp)
+        for r in range(pp):
+            comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda r=r: r), virtual_pipeline_model_parallel_size=v)
+            total, _, warmup, _ = get_pp_rank_microbatches(m, v, group, p2p_communicator=comm)
+            assert pm.chunks_in_flight("Interleaved1F1B", pp, r, v, m) == min(warmup + 1, total), (m, r)
+
+
+def test_plan_peaks_over_the_ramp_up_under_interleaving():
+    """pp 4 x 2 virtual stages, batches 8, 10, 12, 14, 16: 14 runs in rounds of 7, so pp rank 0
+    keeps more chunks in flight than at the final 16, and the plan says so."""
+    ramp = ["--model.num_layers=8", "--model.hidden_size=24", "--model.num_attention_heads=2", "--model.seq_length=16",
+            "--training.micro_batch_size=1", "--training.global_batch_size=16", "--training.rampup_batch_size=[8,2,40]",
+            "--parallel.pipeline_model_parallel_size=4", "--parallel.virtual_pipeline_stages_per_rank=2",
+            "--parallel.pipeline_schedule=Interleaved1F1B", "--data.mock_data=true"]  # fmt: skip
+    plan = plan_layout(load_config(None, ramp), 4)
+    first = next(r for r in plan.ranks if r.pp_rank == 0)
+    assert first.in_flight == pm.chunks_in_flight("Interleaved1F1B", 4, 0, 2, 14) > pm.chunks_in_flight("Interleaved1F1B", 4, 0, 2, 16)
+    assert any("14 micro-batches in rounds of 7" in note for note in plan.notes), plan.notes
 
 
 def test_state_bytes():

@@ -28,6 +28,7 @@ from dtgpt.config.sections import (
 from dtgpt.config.derived import (
     data_parallel_size,
     fsdp_reshards_after_forward,
+    interleaved_round_size,
     mesh_shape,
     num_microbatches,
     num_pipeline_stages,
@@ -35,14 +36,14 @@ from dtgpt.config.derived import (
     padded_vocabulary,
 )
 from dtgpt.config.loading import apply_override, config_from_dict, load_config, load_toml, split_overrides, to_toml
-from dtgpt.config.parallel_rules import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, V_SHAPED_SCHEDULES
+from dtgpt.config.parallel_rules import INTERLEAVED_SCHEDULES, MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, V_SHAPED_SCHEDULES
 from dtgpt.config.validation import get_key, validate, validate_mesh
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
     "FaultsConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
     "ProfilingConfig", "TrainingConfig", "apply_override", "config_from_dict", "load_config",
-    "load_toml", "split_overrides", "to_toml", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES",
-    "V_SHAPED_SCHEDULES", "data_parallel_size", "fsdp_reshards_after_forward", "get_key", "mesh_shape", "num_microbatches",
+    "load_toml", "split_overrides", "to_toml", "INTERLEAVED_SCHEDULES", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES",
+    "V_SHAPED_SCHEDULES", "data_parallel_size", "fsdp_reshards_after_forward", "get_key", "interleaved_round_size", "mesh_shape", "num_microbatches",
     "num_pipeline_stages", "padded_vocab_size", "padded_vocabulary", "validate", "validate_mesh",
 ]  # fmt: skip

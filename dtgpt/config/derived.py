@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from dtgpt.config.sections import Config, ConfigError
+from dtgpt.config.sections import Config, ConfigError, TrainingConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +62,35 @@ def num_microbatches(cfg: Config, dp: int, global_batch_size: int | None = None,
             f"data-parallel size {dp} = {per_step}"
         )
     return global_batch_size // per_step
+
+
+def rampup_active(t: TrainingConfig) -> bool:
+    """Whether training.rampup_batch_size ramps at all: one that starts at the final size or
+    lasts no samples is no ramp (the first batch is then global_batch_size)."""
+    return bool(t.rampup_batch_size) and t.rampup_batch_size[0] < t.global_batch_size and t.rampup_batch_size[2] > 0
+
+
+def first_batch_size(t: TrainingConfig) -> tuple[int, str]:
+    """The first iteration's global batch, the smallest of the run, and the key that sets it."""
+    if rampup_active(t):
+        return t.rampup_batch_size[0], "training.rampup_batch_size start"
+    return t.global_batch_size, "training.global_batch_size"
+
+
+def interleaved_round_size(microbatches: int, pp: int) -> int:
+    """Micro-batches per round of an interleaved schedule: each rank runs a round through one
+    of its stages, then the same round through the next (Megatron's
+    microbatch_group_size_per_vp_stage).
+
+    The rounds must be equal, at least pp long (shorter ones starve the pipeline), and as short
+    as possible (a rank keeps about a round per stage in flight): the smallest divisor of the
+    count that is >= pp, or every micro-batch in one round when there are fewer than pp.
+    Wherever torch's interleaved schedules accept a count (rounds of count // (count // pp)),
+    this is their round size.
+    """
+    if microbatches <= pp:
+        return microbatches
+    return next(size for size in range(pp, microbatches + 1) if microbatches % size == 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The rules of the parallel layout: tensor, context and pipeline parallelism, compile and
-recomputation (the rules that need no world size; validation.py holds the mesh product)."""
+recomputation (check_parallelism needs no world size; validation.py holds the mesh product and
+calls check_pipeline_microbatches once it knows the data-parallel size)."""
 
 from __future__ import annotations
 
+from dtgpt.config.derived import first_batch_size, num_microbatches, num_pipeline_stages
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 
@@ -18,6 +20,8 @@ PIPELINE_SCHEDULES = (
 # Schedules that place two or more stages on every rank.
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that run each stage of a rank over a round of micro-batches in turn (interleaved_round_size).
+INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 def _check_tensor_parallel(cfg: Config) -> None:
     """Rules of tensor parallel."""
@@ -116,6 +120,30 @@ def _check_pipeline(cfg: Config) -> None:
                 f"parallel.pipeline_schedule={p.pipeline_schedule!r} is V-shaped and needs "
                 f"parallel.virtual_pipeline_stages_per_rank=2 (got {vpp})",
             )
+
+
+def check_pipeline_microbatches(cfg: Config, dp: int) -> None:
+    """The micro-batch counts of the run against the pipeline schedule, before any process group.
+
+    Every schedule runs every count (dtgpt/parallel/schedules.py: 1F1B with fewer micro-batches
+    than stages as Megatron does, the interleaved ones in rounds that divide the count) except
+    DualPipeV, which needs one micro-batch per stage. The count grows with the batch, so of
+    every batch size the ramp-up reaches the first (smallest) is the one to check.
+    """
+    p, t = cfg.parallel, cfg.training
+    if p.pipeline_model_parallel_size == 1 or p.pipeline_schedule != "DualPipeV":
+        return
+    stages = num_pipeline_stages(cfg)
+    batch, key = first_batch_size(t)
+    micro = num_microbatches(cfg, dp, batch, key)
+    _require(
+        micro >= stages,
+        f"parallel.pipeline_schedule='DualPipeV' needs at least as many micro-batches per iteration as pipeline "
+        f"stages (pipeline_model_parallel_size={p.pipeline_model_parallel_size} * virtual_pipeline_stages_per_rank="
+        f"{p.virtual_pipeline_stages_per_rank} = {stages}), but {key}={batch} gives {micro} micro-batches "
+        f"({batch} / (micro_batch_size={t.micro_batch_size} * data-parallel size {dp})); "
+        f"use a first batch of >= {stages * t.micro_batch_size * dp} or a schedule that runs any count (ZBVZeroBubble)",
+    )
 
 
 def _check_compile(cfg: Config) -> None:

@@ -15,11 +15,10 @@ from dtgpt.config.derived import (
     lr_wsd_decay_length,
     null_tokenizer_ids,
     num_microbatches,
-    num_pipeline_stages,
     padded_vocabulary,
 )
 from dtgpt.config.blend import parse_blend
-from dtgpt.config.parallel_rules import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, check_parallelism
+from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.ranges import check_ranges
 from dtgpt.config.sections import Config
@@ -282,19 +281,4 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
         batch_sizes.update({"training.rampup_batch_size start": start, "training.rampup_batch_size increment": incr})
     for key, size in batch_sizes.items():
         num_microbatches(cfg, dp, size, key)  # raises when dp * micro_batch_size does not divide it
-    if pp > 1:
-        stages = num_pipeline_stages(cfg)
-        smallest = num_microbatches(cfg, dp, t.rampup_batch_size[0] if t.rampup_batch_size else t.global_batch_size)
-        if p.pipeline_schedule == "DualPipeV":
-            _require(
-                smallest >= stages,
-                f"parallel.pipeline_schedule='DualPipeV' needs micro-batches per iteration >= stages ({stages}); "
-                f"the smallest batch gives {smallest} (global_batch_size / (micro_batch_size * dp))",
-            )
-        elif p.pipeline_schedule in MULTI_STAGE_SCHEDULES and p.pipeline_schedule != "LoopedBFS":
-            _require(
-                smallest % pp == 0 or smallest >= stages,
-                f"parallel.pipeline_schedule={p.pipeline_schedule!r} needs micro-batches per iteration to be a "
-                f"multiple of pipeline_model_parallel_size={pp}; the smallest batch gives {smallest}",
-            )
-
+    check_pipeline_microbatches(cfg, dp)

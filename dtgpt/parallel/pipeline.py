@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
+from dtgpt.parallel.schedules import build_schedule
 
 
 def stage_layer_counts(cfg: Config) -> list[int]:
@@ -72,7 +72,7 @@ class ScheduleCache:
 
     def __init__(self, stages: list[PipelineStage], schedule_name: str):
         self.stages = stages
-        self.schedule_cls = get_schedule_class(schedule_name)
+        self.schedule_name = schedule_name
         self._cache: dict[int, object] = {}
         self._loss: Callable | None = None
 
@@ -90,10 +90,5 @@ class ScheduleCache:
 
     def _get(self, n_microbatches: int):
         if n_microbatches not in self._cache:
-            single = issubclass(self.schedule_cls, PipelineScheduleSingle)
-            stages = self.stages[0] if single else self.stages
-            # scale_grads=False: the loss already divides by the global token count.
-            self._cache[n_microbatches] = self.schedule_cls(
-                stages, n_microbatches=n_microbatches, loss_fn=self._loss_of_this_run, scale_grads=False
-            )
+            self._cache[n_microbatches] = build_schedule(self.schedule_name, self.stages, n_microbatches, self._loss_of_this_run)
         return self._cache[n_microbatches]

@@ -116,6 +116,9 @@ def plan_layout(
     v = p.virtual_pipeline_stages_per_rank
     batches = BatchSizeSchedule(t)
     micro, micro0 = (num_microbatches(cfg, dims.dp, size) for size in (batches.final, batches.start))
+    # Activations peak at the final batch, except under interleaving, where a ramp-up count that pp
+    # does not divide runs in longer rounds: the peak over every count of the run.
+    counts = sorted({num_microbatches(cfg, dims.dp, size) for size in batches.sizes()})
     reshard = fsdp_reshards_after_forward(cfg)
     shape = pm.ActivationShape(
         m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded, dims.tp,
@@ -129,7 +132,7 @@ def plan_layout(
             b.local, b.gathered, b.largest_unit, low_precision=low, fsdp=dims.fsdp_enabled,
             pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
         )  # fmt: skip
-        in_flight = pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), micro)
+        in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
         chunk, working = _activation_bytes(b, shape, compute_bytes)
         memory = {**asdict(states), "activations": in_flight * chunk + working}
         memory = {k: val / pm.GIB for k, val in memory.items()}
@@ -152,7 +155,7 @@ def plan_layout(
         world_size=world_size,
         mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v},
         vocab_size=vocab, padded_vocab_size=padded, total_params=total,
-        microbatches=micro, microbatches_initial=micro0,
+        microbatches=micro, microbatches_initial=micro0, microbatch_counts=counts,
         bubble_fraction=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro),
         bubble_fraction_initial=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro0),
         flops_per_token=model_fpt, hardware_flops_per_token=hw_fpt,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dtgpt.config import MULTI_STAGE_SCHEDULES
+from dtgpt.config import MULTI_STAGE_SCHEDULES, interleaved_round_size
 
 GIB = 2**30
 SECONDS_PER_DAY = 86400.0
@@ -92,8 +92,10 @@ def chunks_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int,
 
     GPipe, LoopedBFS   every micro-batch of every local stage: m·v
     1F1B               pp - pp_rank micro-batches (the first stage pp, the last 1), at most m
-    interleaved        Megatron's warm-up count + 1: 2·(pp - pp_rank - 1) + (v - 1)·pp + 1 chunks,
-                       at most m·v (assumed for the zero-bubble and V-shaped schedules too)
+    interleaved        Megatron's warm-up count + 1: 2·(pp - pp_rank - 1) + (v - 1)·g + 1 chunks,
+                       at most m·v, with rounds of g micro-batches (g = pp when pp divides m;
+                       config.derived.interleaved_round_size); assumed for the zero-bubble and
+                       V-shaped schedules too
     """
     v, m = stages_per_rank, microbatches
     if pp == 1:
@@ -102,7 +104,7 @@ def chunks_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int,
         return m * v
     if schedule not in MULTI_STAGE_SCHEDULES:
         return min(pp - pp_rank, m)
-    return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v)
+    return min(2 * (pp - pp_rank - 1) + (v - 1) * interleaved_round_size(m, pp) + 1, m * v)
 
 
 def bubble_fraction(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dtgpt.config import MULTI_STAGE_SCHEDULES, Config, TrainingConfig, fsdp_reshards_after_forward
+from dtgpt.config import (
+    INTERLEAVED_SCHEDULES,
+    MULTI_STAGE_SCHEDULES,
+    Config,
+    TrainingConfig,
+    fsdp_reshards_after_forward,
+    interleaved_round_size,
+)
 from dtgpt.plan.comm import GPUS_PER_NODE
 from dtgpt.plan.results import Plan, RankPlan
 
@@ -60,22 +67,27 @@ def layout_warnings(cfg: Config, plan: Plan, batches: "BatchSizeSchedule", dims:
             f"{term} ({worst.memory[term]:.3g} GiB). Try: " + "; ".join(_knobs(cfg, dims, term))
         )
     pp, stages = dims.pp, dims.pp * cfg.parallel.virtual_pipeline_stages_per_rank
-    if dims.pp_enabled:
-        for label, micro in (("the final", plan.microbatches), ("the initial ramp-up", plan.microbatches_initial)):
-            if micro < stages:
-                warnings.append(
-                    f"{micro} micro-batches per iteration at {label} batch size are fewer than the {stages} pipeline "
-                    "stages: some stages idle for most of the iteration; raise the batch size or lower pp"
-                )
-                break
+    if dims.pp_enabled and plan.microbatches < stages:
+        warnings.append(
+            f"{plan.microbatches} micro-batches per iteration at the final batch size on {stages} pipeline stages: "
+            f"they run ({_fewer_than_stages(cfg, plan.microbatches)}), but {plan.bubble_fraction:.0%} of each "
+            "iteration idles; raise the batch size or lower pp"
+        )
     if batches.enabled and plan.bubble_fraction_initial > RAMPUP_BUBBLE_WARNING:
         seq = cfg.model.seq_length
         ramp_tokens = batches.ramp_samples * seq
+        fewer = f", {_fewer_than_stages(cfg, plan.microbatches_initial)}" if plan.microbatches_initial < stages else ""
         warnings.append(
             f"large pipeline bubble during ramp-up: at global batch {batches.start} ({plan.microbatches_initial} "
-            f"micro-batches on {pp} stages) {plan.bubble_fraction_initial:.0%} of each iteration idles, against "
-            f"{plan.bubble_fraction:.1%} at {batches.final}; the ramp lasts {batches.ramp_samples:,} samples "
+            f"micro-batches on {stages} stages{fewer}) {plan.bubble_fraction_initial:.0%} of each iteration idles, "
+            f"against {plan.bubble_fraction:.1%} at {batches.final}; the ramp lasts {batches.ramp_samples:,} samples "
             f"({ramp_tokens / 1e9:.1f}B tokens, {ramp_tokens / plan.tokens:.1%} of {plan.tokens / 1e9:g}B)"
+        )
+    longer = _longer_rounds(cfg, plan.microbatch_counts, pp)
+    if longer:
+        plan.notes.append(
+            f"{cfg.parallel.pipeline_schedule} runs a count that pp={pp} does not divide in longer rounds "
+            f"({longer}): more chunks in flight; the xN column is the peak over every batch size of the run"
         )
     if cfg.parallel.pipeline_schedule in MULTI_STAGE_SCHEDULES and cfg.parallel.pipeline_schedule != "Interleaved1F1B":
         plan.notes.append(
@@ -83,6 +95,24 @@ def layout_warnings(cfg: Config, plan: Plan, batches: "BatchSizeSchedule", dims:
             "given is the interleaved one (an upper bound for zero-bubble schedules)"
         )
     return warnings
+
+
+def _fewer_than_stages(cfg: Config, microbatches: int) -> str:
+    """How the schedule runs fewer micro-batches than stages (dtgpt/parallel/schedules.py)."""
+    schedule = cfg.parallel.pipeline_schedule
+    if schedule == "1F1B":
+        return f"1F1B's warm-up capped at {microbatches}, as in Megatron: no steady 1F1B phase on the first stages"
+    if schedule in INTERLEAVED_SCHEDULES:
+        return f"{schedule} in one round of {microbatches}"
+    return f"{schedule} runs any count"
+
+
+def _longer_rounds(cfg: Config, counts: list[int], pp: int) -> str:
+    """The interleaved counts of the run whose rounds are longer than pp, as 'm in rounds of g'."""
+    if cfg.parallel.pipeline_schedule not in INTERLEAVED_SCHEDULES or pp == 1:
+        return ""
+    longer = [(m, interleaved_round_size(m, pp)) for m in counts if m > pp and m % pp]
+    return ", ".join(f"{m} micro-batches in rounds of {g}" for m, g in longer)
 
 
 def _span(values: list[int]) -> str:

@@ -55,6 +55,8 @@ class Plan:
     total_params: int
     microbatches: int
     microbatches_initial: int
+    microbatch_counts: list[int]
+    """every micro-batch count of the run (one per batch size a ramp-up reaches), ascending"""
     bubble_fraction: float
     bubble_fraction_initial: float
     flops_per_token: float
