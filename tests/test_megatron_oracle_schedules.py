@@ -14,11 +14,17 @@ from __future__ import annotations
 import itertools
 import random
 import types
+import warnings
 
 import pytest
 import torch
-from megatron.core import num_microbatches_calculator, optimizer_param_scheduler
-from megatron.core.optimizer import grad_scaler
+
+with warnings.catch_warnings():
+    # On import megatron-core says that its GPU kernels (Transformer Engine, Apex) are absent and
+    # that some of its own imports are deprecated: expected of a CPU oracle, and not ours.
+    warnings.simplefilter("ignore")
+    from megatron.core import num_microbatches_calculator, optimizer_param_scheduler
+    from megatron.core.optimizer import grad_scaler
 
 from dtgpt.config import Config, OptimizerConfig, TrainingConfig, num_microbatches
 from dtgpt.loss_scaler import BACKOFF_FACTOR, GROWTH_FACTOR, LossScaler
