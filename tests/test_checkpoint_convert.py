@@ -133,3 +133,12 @@ def test_from_megatron_without_config_says_what_to_pass(tmp_path, capfd):
     error = capfd.readouterr().err.strip()
     assert error.startswith("error: from-megatron needs --config") and "iter_*/config.toml works" in error
     assert "\n" not in error
+
+
+def test_a_missing_config_file_is_named_as_such(saved, tmp_path, capfd):
+    """--config naming no file: the error names that file, not the checkpoint's own config.toml."""
+    _, root = saved
+    convert = load_script()
+    assert convert.main(["to-gpt2", str(root), str(tmp_path / "hf"), "--config", str(tmp_path / "missing.toml")]) == 2
+    assert capfd.readouterr().err.strip() == f"error: --config={tmp_path / 'missing.toml'}: no such file"
+

@@ -363,3 +363,15 @@ def test_a_resume_that_changes_the_lr_schedule_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the LR schedule differs from the checkpoint's (training.train_iters 10 -> 20)" in out
     assert f"the LR after 8 samples is {b.state.lr_schedule.current_lr:.3e} (the checkpoint's schedule: {t.state.lr_schedule.current_lr:.3e})" in out
+
+
+def test_a_pointer_that_is_a_directory_is_one_clear_error(tmp_path):
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    ckpt = checkpointer(t)
+    step(t)
+    ckpt.save(1)
+    (tmp_path / layout.POINTER).unlink()
+    (tmp_path / layout.POINTER).mkdir()
+    step(t)
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is a directory, so the pointer to iteration 2"):
+        ckpt.save(2)

@@ -49,6 +49,8 @@ def find_checkpoint(path: str | Path, iteration: int = 0) -> Path:
 def read_config(directory: Path, config_path: str | None = None) -> Config:
     """The config stored with the checkpoint, or `config_path` when given."""
     path = Path(config_path) if config_path else directory / layout.CONFIG
+    if config_path and not path.is_file():
+        raise CheckpointError(f"--config={config_path}: no such file")
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {layout.CONFIG}; pass the run's config explicitly")
     return load_config(path)

@@ -145,7 +145,10 @@ def read_pointer(root: str | Path) -> int | None:
 
 
 def write_pointer(root: str | Path, iteration: int) -> None:
-    write_atomic(Path(root) / POINTER, f"{iteration}\n")
+    pointer = Path(root) / POINTER
+    if pointer.is_dir():  # os.replace cannot put a file there: say what is in the way
+        raise CheckpointError(f"{pointer} is a directory, so the pointer to iteration {iteration} cannot be written; remove it")
+    write_atomic(pointer, f"{iteration}\n")
     fsync_dir(Path(root))  # the rename itself survives a crash
 
 
