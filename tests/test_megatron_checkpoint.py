@@ -10,6 +10,8 @@ logits are compared.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -97,6 +99,15 @@ def test_imported_loss_is_megatrons_own_or_the_load_is_refused(tp1_tied):
         "but this model has 128: every padding row is in the softmax, so other rows would change the loss; "
         "set model.make_vocab_size_divisible_by=16 to load it with its own padded vocabulary"
     )
+
+
+def test_a_megatron_checkpoint_without_common_pt_says_it_restarts_at_zero(tp1_tied, tmp_path, capsys):
+    """Weights alone (no common.pt): they load, and one warning says the schedule starts over."""
+    root = tmp_path / "weights_only"
+    shutil.copytree(tp1_tied, root)
+    (find(root) / "common.pt").unlink()
+    assert abs(imported_loss(root, 16) - torch.load(tp1_tied / "loss.pt", weights_only=True).item()) <= 1e-5
+    assert "Megatron checkpoint: no common.pt (Megatron's iteration, sample counts, LR schedule and loss scale)" in capsys.readouterr().out
 
 
 def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch):

@@ -126,6 +126,9 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     if not stateful:
         return notes
     found = progress_of(reader.common)
+    if not reader.common:
+        notes.append("no common.pt (Megatron's iteration, sample counts, LR schedule and loss scale): "
+                     "training restarts its schedule at iteration 0 on these weights")  # fmt: skip
     progress = state.progress
     progress.iteration = found.get("iteration", 0)
     progress.consumed_samples = found.get("consumed_samples", 0)
