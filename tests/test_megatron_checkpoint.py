@@ -110,6 +110,20 @@ def test_a_megatron_checkpoint_without_common_pt_says_it_restarts_at_zero(tp1_ti
     assert "Megatron checkpoint: no common.pt (Megatron's iteration, sample counts, LR schedule and loss scale)" in capsys.readouterr().out
 
 
+def test_a_megatron_shard_with_overwritten_bytes_is_refused(tp1_tied, tmp_path):
+    """Megatron's format has no checksums: bytes overwritten with NaNs load, and are caught as
+    non-finite weights instead of training on (every iteration skipped)."""
+    root = tmp_path / "damaged"
+    shutil.copytree(tp1_tied, root)
+    shard = max(find(root).glob("*.distcp"), key=lambda path: path.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = b"\xff" * 4096  # float32 NaNs
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="holds non-finite weights"):
+        imported_loss(root, 16)
+
+
 def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch):
     """What a pp2 x tp2 rank asks of a stacked tensor, layer 1's first half of rows, reads the
     one stored chunk of that layer (Megatron-LM stores each layer apart), not the stacked tensor."""

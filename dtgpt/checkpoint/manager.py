@@ -181,6 +181,8 @@ class Checkpointer:
         stateful = self.cfg.load_optimizer and self.state.resumable
         for note in megatron.load_into_state(self.state, directory, self.run_cfg, stateful):
             self._log(f"Megatron checkpoint: {note}")
+        if not self.state.weights_finite():  # Megatron's files carry no checksums: a damaged shard shows here
+            raise CheckpointError(f"Megatron checkpoint {directory} holds non-finite weights (NaN or inf): a damaged file?")
         s = self.state.progress
         if stateful:  # Megatron's RNG states belong to its own ranks and generators
             self._derive_rng_at = s.iteration
