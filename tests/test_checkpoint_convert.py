@@ -142,3 +142,24 @@ def test_a_missing_config_file_is_named_as_such(saved, tmp_path, capfd):
     assert convert.main(["to-gpt2", str(root), str(tmp_path / "hf"), "--config", str(tmp_path / "missing.toml")]) == 2
     assert capfd.readouterr().err.strip() == f"error: --config={tmp_path / 'missing.toml'}: no such file"
 
+
+
+def test_from_torch_on_a_file_that_is_no_torch_file_is_one_line(tmp_path, capfd):
+    """Random bytes, and a pickle that would run code (weights_only refuses it): one error line each."""
+    import os
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (tmp_path / "random.pt").write_bytes(os.urandom(4096))
+    with open(tmp_path / "crafted.pt", "wb") as f:
+        pickle.dump(Payload(), f)
+    convert = load_script()
+    for name in ("random.pt", "crafted.pt"):
+        assert convert.main(["from-torch", str(tmp_path / name), str(tmp_path / f"out_{name}")]) == 2
+        err = capfd.readouterr()
+        lines = err.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / name} is not a torch file of tensors"), lines
+        assert "pwned" not in err.out + err.err and "\x1b[" not in lines[0]

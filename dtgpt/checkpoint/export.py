@@ -7,8 +7,10 @@ whatever mesh saved the checkpoint into full tensors here, so nothing needs a pr
 
 from __future__ import annotations
 
+import pickle
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -142,7 +144,14 @@ def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) 
 
 def from_torch_file(path: str | Path, root: str | Path, config_path: str | None = None, iteration: int | None = None) -> Path:
     """A torch file (ours from to_torch_file, or a plain model state_dict) -> a DCP checkpoint."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():  # torch's notes on a foreign pickle protocol: the error below says it
+            warnings.simplefilter("ignore")
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        # weights_only refuses anything but tensors and containers: a crafted file ends here too
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointError(f"{path} is not a torch file of tensors that dtgpt reads: {first.strip()}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not a dict of tensors")
     if data.get("format") == TORCH_FORMAT:
