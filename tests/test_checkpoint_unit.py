@@ -3,7 +3,9 @@ partial and truncated checkpoints, shape errors, keep_last, starting fresh, weig
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import time
 from dataclasses import dataclass
 
@@ -375,3 +377,16 @@ def test_a_pointer_that_is_a_directory_is_one_clear_error(tmp_path):
     step(t)
     with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is a directory, so the pointer to iteration 2"):
         ckpt.save(2)
+
+
+@pytest.mark.parametrize(
+    "common, named",
+    [({"iteration": "four"}, "iteration='four'"), ({"args": argparse.Namespace(consumed_train_samples=-16)}, "args.consumed_train_samples=-16")],
+)
+def test_megatron_counts_that_are_no_counts_are_one_clear_error(common, named):
+    """A Megatron common.pt whose iteration or sample counts are not whole numbers >= 0 (train.py
+    prints a CheckpointError as one line)."""
+    from dtgpt.checkpoint.megatron.formats import progress_of
+
+    with pytest.raises(CheckpointError, match=re.escape(f"common.pt holds {named}: not a count")):
+        progress_of(common)

@@ -82,18 +82,25 @@ def progress_of(common: dict) -> dict:
     validation samples, the LR schedule's sample count and the loss scale, each only when present."""
     out = {}
     if "iteration" in common:
-        out["iteration"] = int(common["iteration"])
+        out["iteration"] = _count(common["iteration"], "iteration")
     args = common.get("args")
     for ours, megatron_name in (("consumed_samples", "consumed_train_samples"), ("consumed_valid_samples", "consumed_valid_samples")):
         if getattr(args, megatron_name, None) is not None:
-            out[ours] = int(getattr(args, megatron_name))
+            out[ours] = _count(getattr(args, megatron_name), f"args.{megatron_name}")
     scheduler = common.get("opt_param_scheduler") or {}
     if "num_steps" in scheduler:
-        out["lr_num_samples"] = int(scheduler["num_steps"])
+        out["lr_num_samples"] = _count(scheduler["num_steps"], "opt_param_scheduler.num_steps")
     scaler = _grad_scaler(common.get("optimizer"))
     if scaler:
         out["loss_scale"] = scaler
     return out
+
+
+def _count(value, name: str) -> int:
+    """A count Megatron stored: a whole number >= 0, or one line naming the entry of common.pt."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        raise CheckpointError(f"Megatron's {COMMON_FILE} holds {name}={value!r}: not a count (a whole number >= 0)")
+    return int(value)
 
 
 def _grad_scaler(optimizer) -> dict | None:
