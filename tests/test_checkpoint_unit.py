@@ -390,3 +390,10 @@ def test_megatron_counts_that_are_no_counts_are_one_clear_error(common, named):
 
     with pytest.raises(CheckpointError, match=re.escape(f"common.pt holds {named}: not a count")):
         progress_of(common)
+
+
+def test_a_short_write_is_named_for_what_it_usually_is():
+    """torch's zip writer reports a full disk as "unexpected pos"; the save error says what that means."""
+    error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    assert layout.describe(error).endswith("(the file came out shorter than written: usually no space left on the device)")
+    assert layout.describe(OSError(28, "No space left on device")) == "OSError: [Errno 28] No space left on device"

@@ -362,9 +362,18 @@ def describe(error: BaseException) -> str:
     """A one-line reason: DCP wraps each failing rank's exception in a CheckpointException."""
     failures = getattr(error, "failures", None)
     if not failures:
-        return f"{type(error).__name__}: {error}"
+        return _one_reason(error)
     parts = []
     for rank, failure in sorted(failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
-        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        parts.append(f"rank {rank}: {_one_reason(exc)}")
     return "; ".join(parts)
+
+
+def _one_reason(error: BaseException) -> str:
+    """`Type: message`; torch's file writer reports a full disk as a position mismatch, so that
+    one is named for what it usually is."""
+    text = f"{type(error).__name__}: {error}"
+    if "unexpected pos" in str(error):
+        text += " (the file came out shorter than written: usually no space left on the device)"
+    return text
