@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -131,3 +132,22 @@ def checksum_problem(directory: Path, recorded: dict) -> str | None:
 
 def trust_warning(directory: Path) -> str:
     return f"checkpoint.trust_pickles=true: {directory} is unpickled without an allowlist; load only checkpoints you trust"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def unpickling_reason(error: BaseException) -> str:
+    """One plain line of why torch.load refused a file: its weights-only unpickler explains over
+    several lines with terminal colour codes, of which the line naming the refused global says it."""
+    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    named = next((line for line in lines if "global" in line.lower()), None)
+    if named is not None:
+        return named.split("WeightsUnpickler error:")[-1].strip()
+    marker = "WeightsUnpickler error:"
+    for i, line in enumerate(lines):
+        if marker in line:  # the reason follows the marker, on its line or the next
+            rest = line.split(marker, 1)[1].strip()
+            return rest or (lines[i + 1] if i + 1 < len(lines) else line)
+    return lines[0] if lines else type(error).__name__
+

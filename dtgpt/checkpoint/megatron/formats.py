@@ -21,6 +21,7 @@ import torch
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.safe import unpickling_reason
 
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -71,7 +72,7 @@ def load_pickle(path: Path) -> dict:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
-        raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {e}") from None
+        raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {unpickling_reason(e)}") from None
 
 
 # -- progress ----------------------------------------------------------------------------------
