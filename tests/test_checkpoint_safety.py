@@ -217,7 +217,9 @@ def test_a_second_run_on_the_same_save_directory_gets_one_line_naming_the_holder
     first = checkpointer(t)
     with pytest.raises(CheckpointError, match=rf"checkpoint.save={root} is in use by another run \(run {first.run_id}, pid {os.getpid()}"):
         checkpointer(make_trainer(f"--checkpoint.save={root}"))
-    first.finalize()  # releases it
+    first.finalize()  # releases it, and removes the directory it created: it holds nothing
+    assert not root.exists()
+    root.mkdir()
     SaveDirLock(root, "next").release()
     # another process: the same one line, and exit code 2
     holder = SaveDirLock(root, "holder")
