@@ -151,8 +151,10 @@ def count_layout(cfg, runtime, n_micro: int, vocab: int) -> dict[str, list[int]]
 
 
 def count_config_file(path: str, overrides: list[str]) -> tuple:
-    """One config file's layout at its final global batch size."""
+    """One config file's layout at its final global batch size (from the first iteration on:
+    train_step takes its batch size from the ramp-up, which is dropped here)."""
     cfg = load_config(path, overrides)
+    cfg.training.rampup_batch_size = []
     runtime = dtgpt.init_distributed(cfg)
     n_micro = num_microbatches(cfg, runtime.dims.dp, cfg.training.global_batch_size)
     vocab = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
