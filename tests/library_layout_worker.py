@@ -3,11 +3,13 @@
 torchrun, 2 ranks: the runtime is started from a dp2 (tp1) config; a tp2 model and a pp2 model
 are built from their own configs (each gets a mesh of its own over the same two ranks) and train
 3 iterations, reading their batches through their own mesh, then evaluate 2 validation batches.
-Each rank prints one `RESULT {json}` line per layout: the token sums of the batches it read, the
+Each rank writes one `result_<layout>_<rank>.json` per layout in the working directory (a file,
+not stdout: two ranks' lines can interleave there): the token sums of the batches it read, the
 losses and the validation loss. Then the runtime itself is offered as the reader, and refused.
 """
 
 import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ def main():
     for name, parallel in LAYOUTS.items():
         cfg = dtgpt.make_config(model=MODEL, data=DATA, training=TRAINING, eval=EVAL, parallel=parallel)
         result = {"rank": dist.get_rank(), "layout": name, **run(cfg, runtime)}
-        print("RESULT " + json.dumps(result), flush=True)
+        Path(f"result_{name}_{dist.get_rank()}.json").write_text(json.dumps(result))
     try:
         dtgpt.build_train_iterator(cfg, runtime)
     except TypeError as e:

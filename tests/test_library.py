@@ -152,7 +152,7 @@ def test_a_model_of_another_layout_reads_by_its_own_mesh(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker.__file__]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    results = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("result_*.json"))]
     cfg = dtgpt.make_config(model=worker.MODEL, data=worker.DATA, training=worker.TRAINING, eval=worker.EVAL)
     one = worker.run(cfg, dtgpt.init_distributed(cfg))
     for layout in worker.LAYOUTS:
