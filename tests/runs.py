@@ -1,4 +1,5 @@
-"""Run train.py as one process or under torchrun and read back its per-iteration metrics."""
+"""Run train.py as one process or under torchrun and read back its per-iteration metrics (and, for
+the parity oracle, the parameters its checkpoints hold)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,28 @@ def train_losses(
     metrics = tmp_path / f"{name}.jsonl"
     run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name, **kw)
     return [r["loss"] for r in read_metrics(metrics)]
+
+
+def train_run(
+    tmp_path: Path,
+    args: list[str],
+    nproc: int = 1,
+    name: str = "run",
+    base: list[str] = TINY,
+    save_interval: int = 0,
+    **kw,
+) -> dict:
+    """One run of base + args, for tests/parity.py: {"loss": [...], "grad_norm": [...] per
+    iteration, "params": {iteration: {name: full tensor}} for the final iteration (and every
+    save_interval), "heads": the model's attention heads}. The parameters come from the run's own
+    checkpoints, read whole by name (every rank's shard included): no extra launch."""
+    from dtgpt.checkpoint.export import read_config, read_sections  # torch: only where needed
+    metrics, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
+    saving = [f"--checkpoint.save={ckpt}", f"--checkpoint.save_interval={save_interval}"]
+    run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}", *saving], nproc=nproc, name=name, **kw)
+    records = read_metrics(metrics)
+    params = {}
+    for directory in sorted(ckpt.glob("iter_*")):
+        params[int(directory.name.split("_")[1])] = read_sections(directory, ("model",))["model"]
+    heads = read_config(directory).model.num_attention_heads
+    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records], "params": params, "heads": heads}
