@@ -67,14 +67,18 @@ def norm_inits(norm: nn.Module) -> DeclaredInits:
 
 
 class Dropout(nn.Module):
-    """nn.Dropout whose mask is drawn under `self.stream` (see RandomStream)."""
+    """nn.Dropout whose mask is drawn under `self.stream` (see RandomStream).
+
+    `token_index` is unused here: dtgpt.parallel.invariant_dropout swaps in a dropout that keys
+    its mask on it (model.dropout_rng='layout_invariant').
+    """
 
     def __init__(self, p: float):
         super().__init__()
         self.p = p
         self.stream: RandomStream = contextlib.nullcontext
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_index: torch.Tensor | None = None) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         with self.stream():
@@ -125,14 +129,16 @@ class Embedding(nn.Module):
             inits.append((self.position.weight, Init.NORMAL))
         return inits
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """position_ids (B, T): each token's position (None: 0..T-1)."""
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, token_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """position_ids (B, T): each token's position (None: 0..T-1); token_index: see GPT.forward."""
         h = self.word(tokens)  # (B, T, C)
         if self.position is not None:
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device)
             h = h + self.position(position_ids)
-        return self.dropout(h)
+        return self.dropout(h, token_index)
 
 
 def allowed_keys(
@@ -162,7 +168,12 @@ class CoreAttention(nn.Module):
         self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,  # unused: as Dropout
     ) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         # Documents: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
@@ -194,17 +205,16 @@ class Attention(nn.Module):
     def declared_inits(self) -> DeclaredInits:
         return linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
 
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids=None, document_ids=None, token_index=None) -> torch.Tensor:
+        """x (B, T, C); the per-token inputs as GPT.forward takes them."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism this rank holds only its share of the heads.
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
         if self.rotary_base:
             q, k = apply_rotary(q, self.rotary_base, position_ids), apply_rotary(k, self.rotary_base, position_ids)
-        y = self.core(q, k, v, document_ids=document_ids).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
-        return self.proj(y)
+        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, hd)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * hd)
 
 
 class MLP(nn.Module):
@@ -228,17 +238,19 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
-        self.dropout = Dropout(cfg.hidden_dropout)  # on a sequence-parallel chunk under sp
+        # Megatron's hidden dropout after each sub-layer (on a sequence-parallel chunk under sp);
+        # two modules, so that a mask keyed on what it drops (layout-invariant) differs between them.
+        self.dropout = Dropout(cfg.hidden_dropout)
+        self.mlp_dropout = Dropout(cfg.hidden_dropout)
 
     def declared_inits(self) -> DeclaredInits:
         return norm_inits(self.input_norm) + norm_inits(self.mlp_norm)
 
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        attended = self.attention(self.input_norm(x), position_ids=position_ids, document_ids=document_ids)
-        x = x + self.dropout(attended)
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+    def forward(self, x: torch.Tensor, position_ids=None, document_ids=None, token_index=None) -> torch.Tensor:
+        """x (B, T, C); the per-token inputs as GPT.forward takes them."""
+        per_token = dict(position_ids=position_ids, document_ids=document_ids, token_index=token_index)
+        x = x + self.dropout(self.attention(self.input_norm(x), **per_token), token_index)
+        return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), token_index)
 
 
 class GPT(nn.Module):
@@ -260,17 +272,23 @@ class GPT(nn.Module):
         self.block_runs: list[Callable[..., torch.Tensor]] | None = None
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds.
 
         position_ids (B, T): the positions the position embedding or RoPE use (None: 0..T-1);
         under context parallelism, the global positions of the chunks this rank holds.
         document_ids (B, T): tokens attend only within their document (None: plain causal).
+        token_index (B, T): each token's index in the whole run, sample number * seq_length +
+        position; only a layout-invariant dropout reads it (dtgpt.parallel.invariant_dropout).
         """
-        h = self.embedding(x, position_ids) if self.embedding is not None else x
+        h = self.embedding(x, position_ids, token_index) if self.embedding is not None else x
         for run in self.block_runs if self.block_runs is not None else self.layers.values():
-            h = run(h, position_ids=position_ids, document_ids=document_ids)
+            h = run(h, position_ids=position_ids, document_ids=document_ids, token_index=token_index)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -36,15 +36,27 @@ def as_batch(batch: Batch | torch.Tensor) -> Batch:
     return batch if isinstance(batch, Batch) else build_batch(batch)
 
 
-def rank_batch(model: ModelParts, batch: Batch | torch.Tensor) -> Batch:
+def token_index(rows: int, seq_length: int, first_sample: int, device: torch.device) -> torch.Tensor:
+    """(rows, seq_length): sample number * seq_length + position, for samples first_sample, ..."""
+    samples = torch.arange(first_sample, first_sample + rows, device=device)
+    return samples[:, None] * seq_length + torch.arange(seq_length, device=device)
+
+
+def rank_batch(model: ModelParts, batch: Batch | torch.Tensor, first_sample: int = 0) -> Batch:
     """This rank's batch on its device: under context parallelism, its chunks of every sequence.
 
-    Every per-token tensor (tokens, labels, positions, documents) is made on the full sequence
-    first, then cut by the one split_sequence, so each cp rank holds its chunks with their global
-    positions and every per-token option composes with cp.
+    Every per-token tensor (tokens, labels, positions, documents, token indices) is made on the
+    full sequence first, then cut by the one split_sequence, so each cp rank holds its chunks with
+    their global positions and every per-token option composes with cp. Token indices (where the
+    model takes them) number this rank's samples from first_sample + dp_rank * rows: the loader's
+    contiguous slice of the global batch that starts at sample first_sample.
     """
     batch = as_batch(batch).map(lambda t: t.to(model.device, non_blocking=True))
     dims = model.dims
+    if model.token_index:
+        rows, seq_length = batch.tokens.shape
+        first = first_sample + dims.dp_rank * rows
+        batch = replace(batch, token_index=token_index(rows, seq_length, first, model.device))
     if not dims.cp_enabled:
         return batch
     if batch.position_ids is None:
@@ -72,8 +84,10 @@ def local_forward_backward(
     *,
     forward_only: bool = False,
     loss_scale: float = 1.0,
+    first_sample: int = 0,
 ) -> torch.Tensor:
-    """Run this rank's share of a global batch (num_microbatches micro-batches).
+    """Run this rank's share of a global batch (num_microbatches micro-batches) whose first
+    sample is sample `first_sample` of the run (what layout-invariant dropout keys on).
 
     Returns this rank's part of the global-batch loss (unscaled), its micro-batch losses summed,
     and leaves gradients unsynced across pipeline stages (forward_backward does both). Under
@@ -83,7 +97,7 @@ def local_forward_backward(
     """
     loss = None
     if model.reads_batches:
-        batch = rank_batch(model, batch)
+        batch = rank_batch(model, batch, first_sample)
     if model.has_last_stage:
         loss = global_batch_loss(model, batch.labels, loss_scale)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
@@ -209,7 +223,9 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
     lr = state.lr_schedule.apply(optimizer)
     optimizer.zero_grad(set_to_none=True)
     with timers("forward-backward"):
-        local_loss = local_forward_backward(model, batch, microbatches, loss_scale=scaler.scale)
+        local_loss = local_forward_backward(
+            model, batch, microbatches, loss_scale=scaler.scale, first_sample=state.progress.consumed_samples
+        )
     timers("optimizer").start()
     with timers("grads-reduce-clip"):
         model.reduce_pending_grads()

@@ -6,9 +6,10 @@
 Each layout is built in turn on the same process group through the library API (a layout other
 than the first gets its own mesh), so the compilers' start-up is paid once per launch. Every
 iteration trains on the same global batch whatever the mesh (each data-parallel rank takes its
-rows); after each step the gradients (tied ones summed, clipped) are gathered whole by name;
-then one evaluation. Rank 0 writes DIR/LAYOUT.pt: {"losses": [...], "grads": [{name: tensor},
-...], "eval_loss": float}.
+rows); after each step the gradients (tied ones summed, clipped) are gathered whole by name, and
+after the last the parameters; then one evaluation. Rank 0 writes DIR/LAYOUT.pt: {"losses":
+[...], "grad_norms": [...], "grads": [{name: tensor}, ...], "params": {name: tensor},
+"eval_loss": float}.
 """
 
 from __future__ import annotations
@@ -60,13 +61,18 @@ def rank_batch(model, iteration: int) -> torch.Tensor | None:
     return rows.chunk(model.dims.dp)[model.dims.dp_rank]
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
-    grads = {}
+def full_tensors(model, of) -> dict[str, torch.Tensor]:
+    """name -> the whole tensor of(parameter) (a gradient, the parameter itself), from every rank."""
+    tensors = {}
     for part in model.parts:
         for name, p in part.named_parameters():
-            if p.grad is not None:
-                grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-    return grads
+            if (t := of(p)) is not None:
+                tensors[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, tensors)
+        tensors = {k: v for rank_tensors in per_rank for k, v in rank_tensors.items()}  # each stage's own
+    return tensors
 
 
 def train_layout(name: str, compile: bool, runtime) -> dict:
@@ -78,17 +84,14 @@ def train_layout(name: str, compile: bool, runtime) -> dict:
     model = dtgpt.build_model(cfg, runtime, vocab_size=VOCAB)
     state = dtgpt.build_train_state(cfg, model)
     n_micro = dtgpt.num_microbatches(cfg, model.dims.dp)
-    record: dict = {"losses": [], "grads": []}
+    record: dict = {"losses": [], "grad_norms": [], "grads": []}
     for iteration in range(ITERATIONS):
         batch = rank_batch(model, iteration)
         result = dtgpt.train_step(cfg, state, batch)
         record["losses"].append(result.loss)
-        per_rank = [None] * runtime.world_size if dist.is_initialized() else None
-        grads = full_grads(model)
-        if per_rank is not None:
-            dist.all_gather_object(per_rank, grads)
-            grads = {k: v for rank_grads in per_rank for k, v in rank_grads.items()}  # each stage's own
-        record["grads"].append(grads)
+        record["grad_norms"].append(result.grad_norm)
+        record["grads"].append(full_tensors(model, lambda p: p.grad))
+    record["params"] = full_tensors(model, lambda p: p)
     # An evaluation (eval mode, no grad) recompiles the blocks: the loss of one more batch.
     model.train(False)
     record["eval_loss"] = dtgpt.forward_backward(model, rank_batch(model, ITERATIONS), n_micro, forward_only=True)

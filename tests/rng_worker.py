@@ -50,7 +50,7 @@ def draw(model, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     part(tokens)
     for h in hooks:
         h.remove()
-    masks = {name: torch.cat([m.flatten() for m in drawn]) for name, drawn in masks.items()}  # a block drops twice
+    masks = {name: torch.cat([m.flatten() for m in drawn]) for name, drawn in masks.items()}
     for name, module in part.named_modules():
         if isinstance(module, CoreAttention):
             masks[name] = attention_mask(module, heads=2, seq=MODEL["seq_length"])  # 4 heads / tp 2

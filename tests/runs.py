@@ -1,4 +1,5 @@
-"""Run train.py as one process or under torchrun and read back its per-iteration metrics."""
+"""Run train.py as one process or under torchrun and read back its per-iteration metrics (and, for
+the parity oracle, the parameters its checkpoints hold)."""
 
 from __future__ import annotations
 
@@ -70,17 +71,28 @@ def train_losses(
     return [r["loss"] for r in read_metrics(metrics)]
 
 
-def train_record(tmp_path: Path, args: list[str], nproc: int = 1, name: str = "run", base: list[str] = TINY, **kw) -> dict:
-    """A run of base + args: its per-iteration metrics by key ("loss", "grad_norm", "skipped",
-    "global_batch_size", ...) and "params", every parameter after the last iteration as a full
-    fp32 tensor, read back from the checkpoint the run saves at its end (every rank's shard)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def train_run(
+    tmp_path: Path,
+    args: list[str],
+    nproc: int = 1,
+    name: str = "run",
+    base: list[str] = TINY,
+    save_interval: int = 0,
+    **kw,
+) -> dict:
+    """One run of base + args: its per-iteration metrics by key ("loss", "grad_norm", "skipped",
+    "global_batch_size", ...), "params": {iteration: {name: full fp32 tensor}} for the final
+    iteration (and every save_interval) and "heads", the model's attention heads. The parameters
+    come from the run's own checkpoints, read whole by name (every rank's shard): no extra launch."""
+    from dtgpt.checkpoint.export import read_config, read_sections  # torch: only where needed
 
     metrics, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
-    run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}", f"--checkpoint.save={ckpt}"], nproc=nproc, name=name, **kw)
+    saving = [f"--checkpoint.save={ckpt}", f"--checkpoint.save_interval={save_interval}"]
+    run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}", *saving], nproc=nproc, name=name, **kw)
     records = read_metrics(metrics)
-    last = (ckpt / "latest_checkpointed_iteration.txt").read_text().strip()
-    dcp_to_torch_save(ckpt / f"iter_{int(last):07d}", tmp_path / f"{name}.pt")
-    state = torch.load(tmp_path / f"{name}.pt", weights_only=False)
-    return {**{key: [r[key] for r in records] for key in records[0]}, "params": {k: v.float() for k, v in state["model"].items()}}
+    params = {}
+    for directory in sorted(ckpt.glob("iter_*")):
+        model = read_sections(directory, ("model",))["model"]
+        params[int(directory.name.split("_")[1])] = {k: v.float() for k, v in model.items()}
+    heads = read_config(directory).model.num_attention_heads
+    return {**{key: [r[key] for r in records] for key in records[0]}, "params": params, "heads": heads}

@@ -1,9 +1,10 @@
 """torch.compile under tensor and pipeline parallelism trains the same model as one eager process.
 
 Each compiled layout (per-block compile, dtgpt/parallel/compile.py) trains the tiny fp32 GPT of
-tests/compile_worker.py for a few iterations; its loss and every gathered gradient after each
-step, and the loss of an evaluation after them (which recompiles the blocks in eval mode), must
-match one eager process to relative 1e-5. Config validation allows compile with tp or
+tests/compile_worker.py for a few iterations; its loss, gradient norm and every gathered gradient
+after each step, every parameter after the last (tests/parity_oracle.py), and the loss of an
+evaluation after them (which recompiles the blocks in eval mode), must match one eager process
+to relative 1e-5. Config validation allows compile with tp or
 pp exactly for these layouts. Every layout compiles into one inductor cache directory (its own,
 not the machine's): without the cache rule of apply_compile, dp2 x tp2 + SP is handed the graphs
 of pp2 x tp2 + SP and stops ("Could not resolve the process group registered under the name 12";
@@ -19,6 +20,8 @@ import sys
 import pytest
 import torch
 
+from tests.compile_worker import MODEL
+from tests.parity_oracle import assert_params_match
 from tests.runs import REPO
 
 RTOL = 1e-5
@@ -74,11 +77,18 @@ def assert_matches(got: dict, want: dict) -> None:
     assert len(got["losses"]) == len(want["losses"])
     for it, (g, w) in enumerate(zip(got["losses"], want["losses"]), start=1):
         assert g == pytest.approx(w, rel=RTOL), f"iteration {it}: loss {g} vs eager one-process {w}"
+    for it, (g, w) in enumerate(zip(got["grad_norms"], want["grad_norms"]), start=1):
+        assert g == pytest.approx(w, rel=RTOL), f"iteration {it}: grad_norm {g} vs eager one-process {w}"
     for it, (grads, expected) in enumerate(zip(got["grads"], want["grads"]), start=1):
         assert set(expected) <= set(grads), f"iteration {it}: gradients missing: {set(expected) - set(grads)}"
         for name, ref in expected.items():
             diff = (grads[name] - ref).abs().max().item()
             assert diff <= RTOL * ref.abs().max().item(), f"iteration {it}: gradient of {name} off by {diff:.3g}"
+    params = dict(got["params"])
+    if "output.weight" in params and "output.weight" not in want["params"]:
+        # a pipeline's last stage holds its own copy of the tied embedding, kept bitwise equal
+        assert torch.equal(params.pop("output.weight"), params["embedding.word.weight"]), "tied copies differ"
+    assert_params_match(params, want["params"], heads=MODEL["num_attention_heads"], rtol=RTOL)
 
 
 # The 4-rank launch runs first (listed first), so the 2-rank layouts compile with its graphs cached.

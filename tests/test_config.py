@@ -28,6 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 
+NO_DROPOUT = {"model__hidden_dropout": 0.0, "model__attention_dropout": 0.0}
+
+
 def base(**overrides) -> Config:
     cfg = Config()
     cfg.data.mock_data = True
@@ -164,18 +167,33 @@ def test_toml_errors(tmp_path):
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
         ({"training__compile": True, "parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "GPipe"},
          None, "training.compile=true is not supported with parallel.pipeline_schedule='GPipe'"),
+        # Compile: refused where no parity test covers it (recomputation anywhere, dropout under tp).
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "training__recompute_granularity": "selective"},
-         None, "training.compile=true is not supported with training.recompute_granularity='selective' under tensor"),
-        # Context parallelism: whole chunk pairs per rank (and per tp rank under SP), no attention dropout.
-        ({"parallel__context_parallel_size": 3, "model__seq_length": 16, "model__attention_dropout": 0.0}, None,
+         None, "training.compile=true is not supported with training.recompute_granularity='selective': no parity test"),
+        ({"training__compile": True, "parallel__data_parallel_shard_size": 2, "training__recompute_granularity": "full",
+          "training__recompute_method": "uniform", "training__recompute_num_layers": 1}, 2,
+         "training.compile=true is not supported with training.recompute_granularity='full'"),
+        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__attention_dropout": 0.0}, None,
+         "training.compile=true is not supported with dropout (model.hidden_dropout=0.1, model.attention_dropout=0.0) "
+         "under parallel.tensor_model_parallel_size=2"),
+        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__dropout_rng": "layout_invariant"},
+         None, "training.compile=true is not supported with dropout"),
+        # Context parallelism: whole chunk pairs per rank (and per tp rank under SP); dropout only
+        # with the layout-invariant RNG (Megatron's streams have no cp term).
+        ({"parallel__context_parallel_size": 3, "model__seq_length": 16, **NO_DROPOUT}, None,
          "model.seq_length=16 must be divisible by 2 * parallel.context_parallel_size=3 = 6"),
         ({"parallel__context_parallel_size": 2, "parallel__tensor_model_parallel_size": 4, "parallel__sequence_parallel": True,
-          "model__seq_length": 24, "model__attention_dropout": 0.0}, None,
+          "model__seq_length": 24, **NO_DROPOUT}, None,
          "model.seq_length=24 must be divisible by 2 * parallel.context_parallel_size=2 * tensor_model_parallel_size=4 "
          "(sequence parallel) = 16"),
-        ({"parallel__context_parallel_size": 2, "model__attention_dropout": 0.1}, None,
-         "model.attention_dropout=0.1 must be 0 with parallel.context_parallel_size=2"),
-        ({"parallel__context_parallel_size": 2, "model__attention_dropout": 0.0, "parallel__data_parallel_shard_size": 2}, 2,
+        ({"parallel__context_parallel_size": 2, "model__hidden_dropout": 0.0, "model__attention_dropout": 0.1}, None,
+         "model.attention_dropout=0.1 must be 0 with parallel.context_parallel_size=2 under model.dropout_rng='megatron'"),
+        ({"parallel__context_parallel_size": 2, "model__attention_dropout": 0.0}, None,
+         "model.hidden_dropout=0.1 must be 0 with parallel.context_parallel_size=2 under model.dropout_rng='megatron' "
+         "(cp ranks would draw the same mask for different chunks of a sequence); set it to 0 or "
+         "model.dropout_rng='layout_invariant'"),
+        ({"model__dropout_rng": "philox"}, None, "model.dropout_rng='philox' is not one of: 'megatron', 'layout_invariant'"),
+        ({"parallel__context_parallel_size": 2, **NO_DROPOUT, "parallel__data_parallel_shard_size": 2}, 2,
          "world size 2 != pipeline_model_parallel_size=1 * data_parallel_replicate_size=1 * data_parallel_shard_size=2 "
          "* context_parallel_size=2"),
         ({"parallel__context_parallel_size": 0}, None, "parallel.context_parallel_size=0 must be > 0"),
@@ -210,6 +228,16 @@ def test_every_other_schedule_validates_every_micro_batch_count(schedule):
 def test_gpt3_175b_validates_at_256_gpus():
     """dp 2: the ramp-up starts at 16 / 2 = 8 micro-batches on 16 stages (1F1B's capped warm-up)."""
     validate(load_config(str(REPO / "configs" / "gpt3_175b.toml")), 256)
+
+
+def test_dropout_with_cp_needs_the_layout_invariant_rng():
+    validate(base(parallel__context_parallel_size=2, model__dropout_rng="layout_invariant"), 2)  # dropout 0.1 both
+    validate(base(parallel__context_parallel_size=2, **NO_DROPOUT), 2)
+
+
+def test_compile_is_allowed_where_parity_tests_cover_it():
+    validate(base(training__compile=True, parallel__tensor_model_parallel_size=2, **NO_DROPOUT), 2)
+    validate(base(training__compile=True, parallel__data_parallel_shard_size=2), 2)  # dropout at tp 1: no tp regions
 
 
 def test_mesh_rest_of_world():

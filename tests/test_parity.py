@@ -1,20 +1,27 @@
 """DESIGN invariant 1: every parallel layout trains the same model as one process.
 
 Each layout runs the tiny fp32 model for STEPS iterations (warmup, then cosine decay to the end)
-on the same mock data and must match the one-process per-iteration losses to relative 1e-5 (DESIGN's acceptance figure) (a model-changing override, e.g. an
-untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
+on the same mock data and must match the one-process run (tests/parity_oracle.py): the loss and
+the gradient norm of every iteration and every parameter after the last, to relative 1e-5
+(DESIGN's acceptance figure); the parameters come from each run's final checkpoint, in the same
+launch (a model-changing override, e.g. an untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
 an untied head, pp 4 (two middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform, full block,
 selective), compile, context parallelism (cp2, cp2 x tp2 with SP) and Megatron's per-token options (document masking) under dp, tp+SP and pp; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
 Every pipeline schedule and configs/debug_3d.toml itself (8 ranks) are in the fast set too, as
 short runs (SHORT iterations) compared with the start of the same reference: the LR schedule is
-pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one.
+pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one (the
+reference also saves its parameters after SHORT iterations).
+
+Dropout 0.1 (hidden and attention) with model.dropout_rng='layout_invariant' runs on tp2 + SP,
+pp2, dp2 and cp2, two of them with recomputation (which must redraw the forward's masks): each
+mask element is a function of what it drops, so every layout trains the same model.
 """
 
 import pytest
 
-from tests.runs import REPO, train_losses
+from tests.parity_oracle import assert_same_training
+from tests.runs import REPO, train_run
 
-RTOL = 1e-5
 STEPS = 10
 SHORT = 5
 RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]  # what every run of the comparison shares
@@ -25,6 +32,7 @@ CP2 = "--parallel.context_parallel_size=2"
 # Megatron's per-token options, all on (eod_mask_loss, reset_position_ids, reset_attention_mask).
 DOCS = ["--data.eod_mask_loss=true", "--data.reset_position_ids=true", "--data.reset_attention_mask=true"]
 ROPE = "--model.position_embedding_type=rope"
+DROPOUT = ["--model.hidden_dropout=0.1", "--model.attention_dropout=0.1", "--model.dropout_rng=layout_invariant"]
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
@@ -91,6 +99,17 @@ LAYOUTS = {
     "cp2_dp2": (4, [CP2, "--parallel.data_parallel_shard_size=2"], True),
     # RoPE at global positions; the recomputed attention core re-gathers keys and values
     "cp2_rope_selective_ac": (2, [CP2, "--model.position_embedding_type=rope", "--training.recompute_granularity=selective"], True),
+    # layout-invariant dropout: the same masks on every layout (tp ranks' heads and sequence
+    # chunks, pipeline micro-batches, dp ranks' samples, cp ranks' chunks and gathered keys);
+    # recomputed blocks (pp2) and attention cores (cp2) redraw the masks of their forward
+    "dropout_tp2_sp": (2, [*DROPOUT, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
+    "dropout_pp2_full_block_ac": (
+        2,
+        [*DROPOUT, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B", *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
+        False,
+    ),
+    "dropout_dp_shard2": (2, [*DROPOUT, "--parallel.data_parallel_shard_size=2"], False),
+    "dropout_cp2_selective_ac": (2, [*DROPOUT, CP2, "--training.recompute_granularity=selective"], False),
 }
 
 
@@ -113,18 +132,19 @@ def model_overrides(overrides: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One-process losses per model variant (tied by default, untied ...), computed once."""
-    cache: dict[tuple, list[float]] = {}
+    """One-process runs per model variant (tied by default, untied ...), computed once; each
+    saves its parameters after SHORT and STEPS iterations."""
+    cache: dict[tuple, dict] = {}
 
-    def losses_for(model_args: list[str]) -> list[float]:
+    def run_for(model_args: list[str]) -> dict:
         if tuple(model_args) not in cache:
             path = tmp_path_factory.mktemp("reference")
-            losses = train_losses(path, RUN + model_args, name="single")
-            assert len(losses) == STEPS and losses[-1] < losses[0]
-            cache[tuple(model_args)] = losses
+            run = train_run(path, RUN + model_args, name="single", save_interval=SHORT)
+            assert len(run["loss"]) == STEPS and run["loss"][-1] < run["loss"][0]
+            cache[tuple(model_args)] = run
         return cache[tuple(model_args)]
 
-    return losses_for
+    return run_for
 
 
 def _params(name):
@@ -136,22 +156,13 @@ def _params(name):
 @pytest.mark.parametrize("ranks,overrides", [_params(n) for n in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, reference, ranks, overrides):
     expected = reference(model_overrides(overrides))
-    losses = train_losses(tmp_path, RUN + overrides, nproc=ranks)
-    assert len(losses) == len(expected) == STEPS
-    for it, (got, want) in enumerate(zip(losses, expected), start=1):
-        assert got == pytest.approx(want, rel=RTOL), f"iteration {it}: {got} vs one-process {want}"
-
-
-def assert_prefix_matches(losses: list[float], expected: list[float]) -> None:
-    assert len(losses) == SHORT
-    for it, (got, want) in enumerate(zip(losses, expected), start=1):
-        assert got == pytest.approx(want, rel=RTOL), f"iteration {it}: {got} vs one-process {want}"
+    assert_same_training(train_run(tmp_path, RUN + overrides, nproc=ranks), expected, STEPS)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_pipeline_schedule_matches_single_process(tmp_path, reference, schedule):
     overrides = [*SCHEDULES[schedule], f"--parallel.pipeline_schedule={schedule}", f"--training.train_iters={SHORT}"]
-    assert_prefix_matches(train_losses(tmp_path, RUN + overrides, nproc=2), reference([]))
+    assert_same_training(train_run(tmp_path, RUN + overrides, nproc=2), reference([]), SHORT)
 
 
 def test_debug_3d_config_matches_single_process(tmp_path):
@@ -159,5 +170,5 @@ def test_debug_3d_config_matches_single_process(tmp_path):
     file on one process."""
     config = ["--config", str(REPO / "configs/debug_3d.toml"), f"--training.train_iters={SHORT}", "--eval.eval_iters=0"]
     one = ["--parallel.tensor_model_parallel_size=1", "--parallel.pipeline_model_parallel_size=1", "--parallel.sequence_parallel=false"]
-    expected = train_losses(tmp_path, config + one, name="single", base=[])
-    assert_prefix_matches(train_losses(tmp_path, config, nproc=8, base=[]), expected)
+    expected = train_run(tmp_path, config + one, name="single", base=[])
+    assert_same_training(train_run(tmp_path, config, nproc=8, base=[]), expected, SHORT)

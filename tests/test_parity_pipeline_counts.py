@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runs import train_record
+from tests.parity_oracle import whole_distance
+from tests.runs import train_run
 
 RTOL = 1e-5
 # Parameters as one vector, ||theta - theta'|| / ||theta||: the one-process run with micro-batches
@@ -46,24 +47,16 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    run = train_record(tmp_path_factory.mktemp("single"), RAMP, name="single")
+    run = train_run(tmp_path_factory.mktemp("single"), RAMP, name="single")
     assert run["global_batch_size"] == BATCHES  # the ramp-up goes through the counts named above
     return run
 
 
-def param_distance(got: dict, want: dict) -> float:
-    """||got - want|| / ||want|| over every parameter of the one-process model as one vector
-    (a pipeline's last stage also holds its copy of the tied embedding, under another name)."""
-    assert set(want) <= set(got), f"missing: {set(want) - set(got)}"
-    diff = sum(((got[k] - want[k]) ** 2).sum() for k in want).sqrt()
-    return (diff / sum((want[k] ** 2).sum() for k in want).sqrt()).item()
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ramp_up_through_every_count_matches_one_process(tmp_path, one_process, layout):
-    got = train_record(tmp_path, RAMP + LAYOUTS[layout], nproc=4)
+    got = train_run(tmp_path, RAMP + LAYOUTS[layout], nproc=4)
     assert got["global_batch_size"] == BATCHES
     for key in ("loss", "grad_norm"):
         for it, (g, w) in enumerate(zip(got[key], one_process[key], strict=True), start=1):
             assert g == pytest.approx(w, rel=RTOL), f"iteration {it}: {key} {g} vs one-process {w}"
-    assert param_distance(got["params"], one_process["params"]) <= PARAM_RTOL
+    assert whole_distance(got["params"][STEPS], one_process["params"][STEPS]) <= PARAM_RTOL

@@ -29,6 +29,7 @@ from dtgpt.config.derived import (
     data_parallel_size,
     fsdp_reshards_after_forward,
     interleaved_round_size,
+    layout_invariant_dropout,
     mesh_shape,
     num_microbatches,
     num_pipeline_stages,
@@ -44,6 +45,6 @@ __all__ = [
     "FaultsConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
     "ProfilingConfig", "TrainingConfig", "apply_override", "config_from_dict", "load_config",
     "load_toml", "split_overrides", "to_toml", "INTERLEAVED_SCHEDULES", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES",
-    "V_SHAPED_SCHEDULES", "data_parallel_size", "fsdp_reshards_after_forward", "get_key", "interleaved_round_size", "mesh_shape", "num_microbatches",
+    "V_SHAPED_SCHEDULES", "data_parallel_size", "fsdp_reshards_after_forward", "get_key", "interleaved_round_size", "layout_invariant_dropout", "mesh_shape", "num_microbatches",
     "num_pipeline_stages", "padded_vocab_size", "padded_vocabulary", "validate", "validate_mesh",
 ]  # fmt: skip

@@ -49,6 +49,12 @@ def fsdp_reshards_after_forward(cfg: Config) -> bool:
 # Batches
 
 
+def layout_invariant_dropout(cfg: Config) -> bool:
+    """Dropout is on and keyed on each token's index in the run (model.dropout_rng)."""
+    m = cfg.model
+    return m.dropout_rng == "layout_invariant" and (m.hidden_dropout > 0.0 or m.attention_dropout > 0.0)
+
+
 def num_microbatches(cfg: Config, dp: int, global_batch_size: int | None = None, key: str = "training.global_batch_size") -> int:
     """Micro-batches each data-parallel rank runs to make up a global batch of that size (by
     default training.global_batch_size; a ramp-up gives smaller ones first)."""

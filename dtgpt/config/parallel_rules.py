@@ -55,13 +55,21 @@ def _check_context_parallel(cfg: Config) -> None:
         f"model.seq_length={m.seq_length} must be divisible by 2 * parallel.context_parallel_size={cp}"
         + (f" * tensor_model_parallel_size={tp} (sequence parallel)" if chunks != 2 * cp else "") + f" = {chunks}",
     )
-    # SDPA draws a dropout mask for the (local queries x all keys) block it sees, so the mask
-    # would depend on cp (and cp peers would draw the same one): no layout-independent dropout.
-    _require(
-        m.attention_dropout == 0.0,
-        f"model.attention_dropout={m.attention_dropout} must be 0 with parallel.context_parallel_size={cp} "
-        "(the attention dropout mask would depend on how the sequence is split)",
-    )
+    # Under Megatron's RNG a dropout mask is drawn per rank from streams with no cp term (as in
+    # Megatron): cp peers would drop the same pattern in different chunks of one sequence, and
+    # SDPA's attention mask would depend on how the sequence is split. The layout-invariant RNG
+    # keys every element on its global token instead (dtgpt/parallel/invariant_dropout.py).
+    if m.dropout_rng == "megatron":
+        for key, why in (
+            ("hidden_dropout", "cp ranks would draw the same mask for different chunks of a sequence"),
+            ("attention_dropout", "the attention dropout mask would depend on how the sequence is split"),
+        ):
+            value = getattr(m, key)
+            _require(
+                value == 0.0,
+                f"model.{key}={value} must be 0 with parallel.context_parallel_size={cp} under "
+                f"model.dropout_rng='megatron' ({why}); set it to 0 or model.dropout_rng='layout_invariant'",
+            )
     _require(
         not t.compile,
         f"training.compile=true is not supported with parallel.context_parallel_size={cp} (> 1): "
@@ -147,26 +155,35 @@ def check_pipeline_microbatches(cfg: Config, dp: int) -> None:
 
 
 def _check_compile(cfg: Config) -> None:
-    """Rules of compile: allowed where a parity test covers it (tests/test_compile.py).
+    """Rules of compile: allowed where a parity test covers it (tests/test_compile.py, test_parity.py).
 
     On one rank, under FSDP, tp (with or without SP), 1F1B pipelines and each pair of these,
     compiled blocks are checked against one eager process (pp x dp x tp is allowed from its
-    pairs); other schedules split or reorder the backward of each stage, and recomputation
-    re-enters compiled blocks, with no compiled parity test yet.
+    pairs), all without dropout and without recomputation. Refused: other schedules (they split
+    or reorder the backward of each stage); recomputation, which re-enters compiled blocks; and
+    dropout under tp, where compiled blocks draw the replicated regions' masks from inductor's
+    own generator (not eager's: no one-process run draws the same ones) while the tp-region
+    stream's fork breaks the graph, so nothing checks that tp ranks draw Megatron's masks.
     """
-    t, p = cfg.training, cfg.parallel
-    if not t.compile or (p.tensor_model_parallel_size == 1 and p.pipeline_model_parallel_size == 1):
+    t, p, m = cfg.training, cfg.parallel, cfg.model
+    if not t.compile:
         return
+    _require(
+        t.recompute_granularity is None,
+        f"training.compile=true is not supported with training.recompute_granularity={t.recompute_granularity!r}: "
+        "no parity test covers compiled recomputation; set training.compile=false or unset training.recompute_granularity",
+    )
+    tp = p.tensor_model_parallel_size
+    _require(
+        tp == 1 or (m.hidden_dropout == 0.0 and m.attention_dropout == 0.0),
+        f"training.compile=true is not supported with dropout (model.hidden_dropout={m.hidden_dropout}, "
+        f"model.attention_dropout={m.attention_dropout}) under parallel.tensor_model_parallel_size={tp}: "
+        "no parity test covers compiled dropout under tp; set training.compile=false or both dropouts to 0",
+    )
     _require(
         p.pipeline_model_parallel_size == 1 or p.pipeline_schedule == "1F1B",
         f"training.compile=true is not supported with parallel.pipeline_schedule={p.pipeline_schedule!r}: "
         "compiled pipelines are parity-tested with '1F1B' only; set training.compile=false",
-    )
-    _require(
-        t.recompute_granularity is None,
-        f"training.compile=true is not supported with training.recompute_granularity={t.recompute_granularity!r} "
-        "under tensor or pipeline parallelism: no parity test covers compiled recomputation there; "
-        "set training.compile=false or unset training.recompute_granularity",
     )
 
 

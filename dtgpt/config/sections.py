@@ -42,6 +42,10 @@ class ModelConfig:
     """The vocabulary is padded to a multiple of this alone (never times tp), so the model is mesh-free."""
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    dropout_rng: str = "megatron"
+    """How dropout masks are drawn: 'megatron' (per-rank generator streams, Megatron's semantics:
+    the masks depend on the layout) or 'layout_invariant' (each mask element a hash of what it
+    drops, the same in every layout: dtgpt/parallel/invariant_dropout.py)."""
 
     @property
     def ffn_size(self) -> int:

@@ -28,6 +28,7 @@ from dtgpt.config.split import parse_split
 _CHOICES = {
     "model.position_embedding_type": ("learned_absolute", "rope"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
+    "model.dropout_rng": ("megatron", "layout_invariant"),
     "training.recompute_granularity": (None, "full", "selective"),  # None: no recomputation
     "training.recompute_method": (None, "uniform", "block"),
     "training.device": ("auto", "cpu", "cuda"),

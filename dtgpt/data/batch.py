@@ -42,12 +42,14 @@ class TokenOptions:
 @dataclass
 class Batch:
     """Inputs (B, T) and labels (B, T); position_ids and document_ids (B, T) where an option asks
-    for them (None: positions 0..T-1, plain causal attention)."""
+    for them (None: positions 0..T-1, plain causal attention); token_index (B, T) where the model
+    keys dropout on it (dtgpt.step adds it: each token's index in the run)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     position_ids: Optional[torch.Tensor] = None
     document_ids: Optional[torch.Tensor] = None
+    token_index: Optional[torch.Tensor] = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
         """The same batch with `fn` applied to every tensor it holds (to a device, a cp chunk, ...)."""
@@ -61,7 +63,7 @@ class Batch:
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments every model part takes besides its activations."""
-        return {k: t for k in ("position_ids", "document_ids") if (t := getattr(self, k)) is not None}
+        return {k: t for k in ("position_ids", "document_ids", "token_index") if (t := getattr(self, k)) is not None}
 
     def pin_memory(self) -> "Batch":
         return self.map(torch.Tensor.pin_memory)

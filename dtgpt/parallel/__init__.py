@@ -1,4 +1,4 @@
-"""Parallelise a GPT: the one place where TP, CP, recomputation, compile and FSDP meet.
+"""Parallelise a GPT: the one place where TP, CP, dropout's RNG, recomputation, compile and FSDP meet.
 
 `parallelize()` applies them to one model (or pipeline stage) in that visible order;
 `build_model_parts()` cuts a GPT built on meta into this rank's pipeline stages and parallelises
@@ -12,12 +12,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dtgpt.config import Config, fsdp_reshards_after_forward, num_pipeline_stages
+from dtgpt.config import Config, fsdp_reshards_after_forward, layout_invariant_dropout, num_pipeline_stages
 from dtgpt.model import GPT
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.fsdp import apply_fsdp
+from dtgpt.parallel.invariant_dropout import apply_invariant_dropout
 from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
 from dtgpt.parallel.pipeline import (
     ScheduleCache,
@@ -47,9 +48,10 @@ def compute_dtype(cfg: Config) -> torch.dtype | None:
 
 
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
-    """TP -> CP -> recomputation -> compile -> FSDP, applied in place to one model/stage.
+    """TP -> CP -> layout-invariant dropout -> recomputation -> compile -> FSDP, in place, on one model/stage.
 
-    `rng` (under tp) is the model-parallel stream that tensor-parallel dropout draws from.
+    `rng` (under tp, with Megatron's RNG) is the model-parallel stream that tensor-parallel
+    dropout draws from; with model.dropout_rng='layout_invariant' there is none.
     """
     if dims.tp_enabled:
         apply_tp(
@@ -62,6 +64,8 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
     if dims.cp_enabled:  # before recomputation, which may wrap the attention core it replaces
         apply_cp(model, dims.sub("cp"))
+    if layout_invariant_dropout(cfg):  # after CP (its core wraps cp's), before recomputation
+        apply_invariant_dropout(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
     t = cfg.training
     apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     if cfg.training.compile:  # where a parity test covers it (config validation)
@@ -92,8 +96,9 @@ def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def build_model_parallel_rng(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelParallelRNG | None:
-    """This rank's model-parallel generator (dtgpt.parallel.rng), or None without tp."""
-    if not dims.tp_enabled:
+    """This rank's model-parallel generator (dtgpt.parallel.rng), or None without tp or with
+    layout-invariant dropout (which draws from no generator)."""
+    if not dims.tp_enabled or layout_invariant_dropout(cfg):
         return None
     return ModelParallelRNG(device, model_parallel_seed(cfg.training.seed, dims.pp_rank, dims.tp_rank))
 
@@ -168,6 +173,10 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
         cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
         rng=rng,
-        # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset options.
-        every_stage_reads_batches=dims.cp_enabled or cfg.data.reset_position_ids or cfg.data.reset_attention_mask,
+        token_index=layout_invariant_dropout(cfg),
+        # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset
+        # options, the token indices that layout-invariant dropout keys on.
+        every_stage_reads_batches=(
+            dims.cp_enabled or cfg.data.reset_position_ids or cfg.data.reset_attention_mask or layout_invariant_dropout(cfg)
+        ),
     )

@@ -62,17 +62,20 @@ class ContextParallelAttention(nn.Module):
         """All ranks' x concatenated along dim, in cp-rank order (backward: reduce-scatter)."""
         return funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=self.cp_mesh)
 
+    def key_indices(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """The global token indices of the gathered keys, in gathered order."""
+        return torch.cat([global_indices(local_length, r, self.cp_size, device) for r in range(self.cp_size)])
+
     def allowed(self, local_length: int, document_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """Boolean (T_local, T) or (B, 1, T_local, T): which gathered keys each local query sees."""
         q_idx = global_indices(local_length, self.cp_rank, self.cp_size, device)
-        k_idx = torch.cat([global_indices(local_length, r, self.cp_size, device) for r in range(self.cp_size)])
+        k_idx = self.key_indices(local_length, device)
         # Document ids are gathered in the order of the keys (no gradient flows through them).
         k_docs = self.gather(document_ids, dim=1) if document_ids is not None else None
         return allowed_keys(q_idx, k_idx, document_ids, k_docs)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None) -> torch.Tensor:
+        """As CoreAttention.forward (no dropout: token_index is unused)."""
         k_all, v_all = self.gather(k, dim=2), self.gather(v, dim=2)  # (B, nh, T, hd)
         mask = self.allowed(q.shape[2], document_ids, q.device)
         # Every query sees at least its own key, so no row of the mask is empty.
@@ -81,7 +84,8 @@ class ContextParallelAttention(nn.Module):
 
 def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:
     """Swap every block's attention core for the context-parallel one, in place (no parameters
-    change). Attention dropout is refused with cp by config validation, so none is lost."""
+    change). It has no attention dropout: config validation allows attention dropout with cp only
+    with model.dropout_rng='layout_invariant', whose core then wraps this one."""
     for block in model.layers.values():
         if not isinstance(block.attention.core, CoreAttention):
             raise TypeError("apply_cp must run before recomputation wraps the attention core")

@@ -69,6 +69,9 @@ class ModelParts:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     rng: ModelParallelRNG | None = None
     """The model-parallel dropout stream (under tp; dtgpt.parallel.rng)."""
+    token_index: bool = False
+    """The parts take token_index, each token's index in the run (layout-invariant dropout keys
+    its masks on it): dtgpt.step builds it for every batch."""
     fsdp_reshard_every_micro_batch: bool = False
     """parallel.fsdp_reshard_after_forward='always': free gathered parameters after each
     micro-batch's backward too; otherwise they stay gathered until the last one."""

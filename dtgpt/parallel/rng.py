@@ -111,5 +111,5 @@ def apply_rng_streams(model: GPT, rng: ModelParallelRNG, sequence_parallel: bool
             module.stream = rng.fork
     if sequence_parallel:
         for block in model.layers.values():
-            block.dropout.stream = rng.fork
+            block.dropout.stream = block.mlp_dropout.stream = rng.fork
 

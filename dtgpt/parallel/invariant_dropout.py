@@ -1,0 +1,160 @@
+"""Layout-invariant dropout (`model.dropout_rng = "layout_invariant"`): a mask element is a function
+of what it drops, not of which rank draws it.
+
+Megatron's RNG (dtgpt/parallel/rng.py) draws masks from per-rank generator streams, so the masks
+depend on the layout and parity with one process holds only without dropout. Here each keep/drop
+decision is a counter-based hash of
+
+    hidden dropout     (seed, site, token, hidden index)
+    attention dropout  (seed, site, token of the query, global head, position of the key)
+
+where `site` is the dropout's module name (global under pipelining: "layers.3.mlp_dropout"), and
+`token` the token's index in the whole run, global sample number * seq_length + position in the
+sample (dtgpt.step builds it from the consumed-samples count: the samples of iteration k, so no
+iteration counter is needed). Every layout decides alike for the same element, whatever share it
+holds: a tp rank its heads or its sequence-parallel chunk, a cp rank its two chunks, a pp stage
+its layers and micro-batches, a dp rank its samples. Recomputation redraws the same mask (there
+is no generator state to replay), and a resumed run the masks an uninterrupted one would draw.
+
+The hash is MurmurHash3_x86_32 of those words, on int64 tensors that hold 32-bit values with
+products kept below 2^63 (no overflow: the same bits on every device, eager or compiled). The cost
+over Megatron's RNG: int64 keys of the mask's size while it is drawn, and attention dropout
+computes softmax(q k^T) v explicitly instead of calling a fused kernel.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+
+from dtgpt.model import GPT, CoreAttention, allowed_keys
+from dtgpt.parallel.context import ContextParallelAttention
+
+_LOW32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32), in two 16-bit halves of c so nothing passes 2^63."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _LOW32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _LOW32
+
+
+def _absorb(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    """murmur3's step for one 32-bit word (broadcasting h against word)."""
+    k = _mul32(_rotl32(_mul32(word & _LOW32, 0xCC9E2D51), 15), 0x1B873593)
+    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _LOW32
+
+
+def murmur3_32(words: list[torch.Tensor | int], seed: int = 0) -> torch.Tensor:
+    """MurmurHash3_x86_32 of the 32-bit words (int64 tensors holding values < 2^32, or ints),
+    read as little-endian bytes, broadcast against one another: one hash per element.
+
+    Put coarse words first: each step hashes at the broadcast shape of the words so far, so a
+    per-token word is mixed once per token, not once per element of the mask.
+    """
+    device = next((w.device for w in words if isinstance(w, torch.Tensor)), None)
+    h = torch.tensor(seed & _LOW32, dtype=torch.int64, device=device)
+    for word in words:
+        h = _absorb(h, word if isinstance(word, torch.Tensor) else torch.tensor(word, dtype=torch.int64, device=device))
+    h = h ^ (4 * len(words))
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def keep_mask(p: float, seed: int, site: str, token_index: torch.Tensor, *coordinates: torch.Tensor) -> torch.Tensor:
+    """Keep decisions (True with probability 1 - p), one per element of the broadcast of
+    token_index (int64, any value >= 0) and the coordinates (int64, < 2^32), in that order."""
+    words = [seed & _LOW32, (seed >> 32) & _LOW32, zlib.crc32(site.encode()), token_index, token_index >> 32, *coordinates]
+    return murmur3_32(words) >= round(p * 2**32)
+
+
+def _require_token_index(token_index: torch.Tensor | None) -> torch.Tensor:
+    if token_index is None:
+        raise ValueError("layout-invariant dropout needs the model's token_index input (dtgpt.step.rank_batch builds it)")
+    return token_index
+
+
+class InvariantDropout(nn.Module):
+    """Hidden dropout keyed on (seed, site, token, hidden index).
+
+    Under sequence parallelism the input is this tp rank's chunk of the sequence (`chunk` of
+    `chunks`), so it keys on that chunk of token_index.
+    """
+
+    def __init__(self, p: float, seed: int, site: str, chunk: int = 0, chunks: int = 1):
+        super().__init__()
+        self.p, self.seed, self.site, self.chunk, self.chunks = p, seed, site, chunk, chunks
+
+    def forward(self, x: torch.Tensor, token_index: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        tokens = _require_token_index(token_index).chunk(self.chunks, dim=1)[self.chunk]  # (B, T_local)
+        hidden = torch.arange(x.shape[-1], device=x.device)
+        keep = keep_mask(self.p, self.seed, self.site, tokens[..., None], hidden)  # (B, T_local, C)
+        return x * keep / (1.0 - self.p)
+
+
+def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) over the allowed keys, dropped by `keep` (scaled by 1/(1-p)), times v:
+    what scaled_dot_product_attention computes, with a given mask. Softmax in fp32."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, Tq, Tk)
+    probs = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    return (probs * keep / (1.0 - p)).to(v.dtype) @ v  # (B, nh, Tq, hd)
+
+
+class InvariantAttention(nn.Module):
+    """The attention core with attention dropout keyed on (seed, site, query token, global head,
+    key position), wrapping the core it replaces (`inner`: CoreAttention, or under context
+    parallelism ContextParallelAttention, whose gathered keys it attends over). Without dropout
+    (evaluation) the inner core runs as it is.
+
+    head_offset: the global index of this rank's first head (tp rank * local heads).
+    """
+
+    def __init__(self, p: float, seed: int, site: str, head_offset: int, inner: CoreAttention | ContextParallelAttention):
+        super().__init__()
+        self.p, self.seed, self.site, self.head_offset = p, seed, site, head_offset
+        self.inner = inner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None) -> torch.Tensor:
+        """As CoreAttention.forward, with attention dropout keyed on token_index."""
+        if not self.training:
+            return self.inner(q, k, v, document_ids=document_ids)
+        if isinstance(self.inner, ContextParallelAttention):
+            k, v = self.inner.gather(k, dim=2), self.inner.gather(v, dim=2)  # (B, nh, T, hd)
+            key_positions = self.inner.key_indices(q.shape[2], q.device)
+            allowed = self.inner.allowed(q.shape[2], document_ids, q.device)
+        else:
+            key_positions = torch.arange(k.shape[2], device=q.device)
+            allowed = allowed_keys(key_positions, key_positions, document_ids, document_ids)
+        heads = torch.arange(self.head_offset, self.head_offset + q.shape[1], device=q.device)
+        tokens = _require_token_index(token_index)[:, None, :, None]  # (B, 1, Tq, 1)
+        keep = keep_mask(self.p, self.seed, self.site, tokens, heads[:, None, None], key_positions)  # (B, nh, Tq, Tk)
+        return dropped_attention(q, k, v, allowed, keep, self.p)
+
+
+def apply_invariant_dropout(
+    model: GPT, seed: int, tp_rank: int = 0, tp: int = 1, sequence_parallel: bool = False
+) -> None:
+    """Swap every dropout and attention core of `model` (a whole GPT or a stage; after TP and CP,
+    before recomputation wraps the cores) for the layout-invariant ones, in place."""
+    chunk, chunks = (tp_rank, tp) if sequence_parallel else (0, 1)
+    for name, block in model.layers.items():
+        for attr in ("dropout", "mlp_dropout"):
+            site = f"layers.{name}.{attr}"
+            setattr(block, attr, InvariantDropout(getattr(block, attr).p, seed, site, chunk, chunks))
+        core = block.attention.core
+        if not isinstance(core, (CoreAttention, ContextParallelAttention)):
+            raise TypeError("apply_invariant_dropout must run before recomputation wraps the attention core")
+        if model.cfg.attention_dropout > 0.0:
+            site, head_offset = f"layers.{name}.attention.core", tp_rank * (model.cfg.num_attention_heads // tp)
+            block.attention.core = InvariantAttention(model.cfg.attention_dropout, seed, site, head_offset, core)
+    if model.embedding is not None:
+        # The embedding's dropout runs on the full sequence, before a sequence-parallel split.
+        model.embedding.dropout = InvariantDropout(model.embedding.dropout.p, seed, "embedding.dropout")
