@@ -1,7 +1,8 @@
 """Distributed start-up and shut-down: the only place that reads torchrun's environment.
 
-`python train.py` runs as one plain process (no process group); `torchrun` sets RANK and
-WORLD_SIZE, and then a process group is created (NCCL on CUDA, gloo on CPU).
+`python train.py` runs as one plain process (no process group, except a group of one for fp16/bf16,
+whose compute FSDP casts); `torchrun` sets RANK and WORLD_SIZE, and then a process group is
+created (NCCL on CUDA, gloo on CPU).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtgpt.faults.attempt_store import attempt_store
-from dtgpt.config import Config, validate
+from dtgpt.config import Config, low_precision, validate
 from dtgpt.parallel import last_stage_rank
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
@@ -71,6 +72,8 @@ def init_distributed(cfg: Config) -> Runtime:
     store = None
     if "RANK" in os.environ and not dist.is_initialized():
         store = init_process_group(cfg, device)
+    elif low_precision(cfg) and not dist.is_initialized():
+        init_one_rank_group(cfg, device)
     if dist.is_initialized():
         rank = dist.get_rank()
         dims.build_mesh(device.type)
@@ -81,11 +84,25 @@ def init_distributed(cfg: Config) -> Runtime:
     return Runtime(rank, world_size, local_rank, device, dims, restart_count, store, last_stage_rank(cfg, world_size))
 
 
-def init_process_group(cfg: Config, device: torch.device) -> dist.Store:
-    """The default group, on a store of this attempt's own (dtgpt/faults/attempt_store.py: why); returns that store."""
+def backend_for(cfg: Config, device: torch.device) -> str:
     backend = cfg.distributed.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    return backend
+
+
+def init_one_rank_group(cfg: Config, device: torch.device) -> None:
+    """A process group of this process alone: fp16/bf16 compute is FSDP's cast at every dp
+    (dtgpt/parallel/fsdp.py), and FSDP needs a mesh, even of one rank (it then moves nothing)."""
+    dist.init_process_group(
+        backend=backend_for(cfg, device), store=dist.HashStore(), rank=0, world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+
+
+def init_process_group(cfg: Config, device: torch.device) -> dist.Store:
+    """The default group, on a store of this attempt's own (dtgpt/faults/attempt_store.py: why); returns that store."""
+    backend = backend_for(cfg, device)
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
     shared, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     store, _token = attempt_store(shared, rank, world_size, timeout)

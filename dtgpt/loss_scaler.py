@@ -59,8 +59,9 @@ class LossScaler(Stateful):
         """Divide the grads by the scale in place; return found_inf (0-dim float32, 1.0 or 0.0).
 
         Nothing here waits on the device: the flag stays a tensor. Each rank sees only its own
-        shards (DTensor grads are handled through their local tensors), so the caller must
-        all-reduce found_inf with MAX over the whole world before reading it or calling update().
+        shards (DTensor grads are handled through their local tensors): the flag is this rank's
+        alone. (dtgpt.step reads the global overflow from the global gradient norm instead,
+        which a non-finite gradient on any rank makes non-finite.)
         The multiply happens even when a grad is non-finite; those grads are then discarded.
         """
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

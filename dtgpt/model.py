@@ -85,10 +85,31 @@ class Dropout(nn.Module):
             return F.dropout(x, self.p, training=True)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose output has its parameters' dtype, whatever its input's: under fp16/bf16
+    with fp32_residual_connection the residual stream is fp32 and the block computes in the
+    parameters' dtype. Statistics are fp32 inside the op either way."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), bias, self.eps).to(self.weight.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose output has its parameters' dtype (as LayerNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps).to(self.weight.dtype)
+
+
 def build_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.normalization == "RMSNorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+        return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
 
 def apply_rotary(x: torch.Tensor, base: int, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,6 +143,7 @@ class Embedding(nn.Module):
         )
         # Always on the full sequence (before a sequence-parallel split): a replicated region.
         self.dropout = Dropout(cfg.hidden_dropout)
+        self.fp32_residual = cfg.fp32_residual_connection
 
     def declared_inits(self) -> DeclaredInits:
         inits = [(self.word.weight, Init.NORMAL)]
@@ -138,6 +160,8 @@ class Embedding(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device)
             h = h + self.position(position_ids)
+        if self.fp32_residual:
+            h = h.float()  # the residual stream stays fp32 from here (fp16/bf16 runs)
         return self.dropout(h, token_index)
 
 
@@ -360,29 +384,3 @@ class GPT(nn.Module):
                 param.copy_(value)
             else:
                 assign(param, value)
-
-
-# -- counting ----------------------------------------------------------------------------------
-
-
-def num_parameters(cfg: ModelConfig, vocab_size: int) -> int:
-    """Closed-form parameter count of the full model (tied head counted once)."""
-    h, f, L = cfg.hidden_size, cfg.ffn_size, cfg.num_layers
-    norm = 2 * h if cfg.normalization == "LayerNorm" else h
-    block = 2 * norm + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-    embed = vocab_size * h + (cfg.max_positions * h if cfg.position_embedding_type == "learned_absolute" else 0)
-    head = 0 if not cfg.untie_embeddings_and_output_weights else vocab_size * h
-    return L * block + embed + norm + head
-
-
-def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
-    """Training FLOPs per token: Megatron-LM's `num_floating_point_operations` divided by tokens.
-
-    That is Narayanan et al. (2021)'s 72·L·h²·(1 + s/(6h) + V/(12·L·h)) generalised to any MLP
-    width: forward + backward (3x) of the QKV, output and MLP matmuls (2 FLOPs per multiply-add),
-    the s×s attention scores and values counted in full (no causal discount), and the logit layer.
-    Recomputation is not counted (it is extra work, not useful FLOPs).
-    """
-    h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
-    per_layer = 12 * h * h * (2 + s / h + cfg.ffn_size / h)
-    return L * per_layer + 6 * h * vocab_size

@@ -168,33 +168,48 @@ def reduce_loss(model: ModelParts, local_loss: torch.Tensor) -> torch.Tensor:
     return model.dims.all_reduce(local_loss.clone(), ("dp_cp", "pp"))
 
 
+def counted_here(grad: torch.Tensor) -> bool:
+    """Whether this rank counts `grad` toward the norm: every shard once, a replicated gradient
+    only on the replica at coordinate 0 of each dimension it is replicated over."""
+    if not isinstance(grad, DTensor):
+        return True
+    coordinate = grad.device_mesh.get_coordinate()
+    for i, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise RuntimeError("a gradient is still a pending sum: reduce_pending_grads() comes before the norm")
+        if placement.is_replicate() and coordinate[i] != 0:
+            return False
+    return True
+
+
 @torch.no_grad()
-def global_grad_norm(model: ModelParts) -> torch.Tensor:
-    """L2 norm of all gradients across tp, dp and pp (each shared weight counted once)."""
-    grads = [p.grad for p in model.norm_parameters() if p.grad is not None]
-    if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # sums the squares over the mesh the DTensors live on
-    else:
-        norm = torch.zeros((), device=model.device)
-    squared = norm.float() ** 2
-    model.dims.all_reduce(squared, ("pp",))  # each pp stage saw only its own parameters
-    return squared.sqrt()
+def local_squared_grad_norm(model: ModelParts) -> torch.Tensor:
+    """This rank's part of the squared L2 norm of all gradients (each shared weight counted once
+    across tp, dp, cp and pp): summed over every rank, it is the global one. Non-finite whenever
+    one of this rank's gradients is."""
+    grads = (p.grad for p in model.norm_parameters())
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None and counted_here(g)]
+    if not local:
+        return torch.zeros((), device=model.device)
+    return torch.stack(torch._foreach_norm(local)).float().pow(2).sum()
+
+
+def reduce_loss_and_norm(model: ModelParts, local_loss: torch.Tensor, squared_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global loss, global gradient norm) from one fp32 all-reduce of two numbers over every rank,
+    the scalars Megatron moves per iteration too (its norm and its overflow flag: here a non-finite
+    norm is the overflow). tp ranks hold the same loss: only tp rank 0 contributes it."""
+    dims = model.dims
+    loss = local_loss.float() if dims.tp_rank == 0 else torch.zeros_like(local_loss, dtype=torch.float32)
+    both = torch.stack([loss, squared_norm.to(loss.device)])
+    if dims.mesh is not None and dims.world_size > 1:
+        dist.all_reduce(both)
+    return both[0], both[1].sqrt()
 
 
 @torch.no_grad()
 def clip_gradients(model: ModelParts, max_norm: float, total_norm: torch.Tensor) -> None:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total_norm, foreach=True)
-
-
-def any_rank_true(model: ModelParts, flag: torch.Tensor) -> torch.Tensor:
-    """Agree on a flag across every rank (MAX), so all ranks skip the same iteration."""
-    flag = flag.float()
-    if model.dims.mesh is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag
 
 
 @dataclass
@@ -215,7 +230,7 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
 
     Timers are the state's (built from logging.timers_log_level); faults, last words and the
     watchdog wrap this call from outside (dtgpt.faults). One host synchronisation per iteration:
-    the loss, norm and overflow flag are read together.
+    the loss and norm are read together (a non-finite norm under fp16 is the overflow).
     """
     model, optimizer, scaler, timers = state.model, state.optimizer, state.scaler, state.timers
     global_batch_size = BatchSizeSchedule(cfg.training).global_batch_size(state.progress.consumed_samples)
@@ -230,14 +245,12 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
     with timers("grads-reduce-clip"):
         model.reduce_pending_grads()
         model.sync_tied_grads()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        # Without fp16 there is nothing to unscale: a NaN/inf gradient shows in the norm below.
-        found_inf = any_rank_true(model, scaler.unscale_and_check_(grads)) if scaler.enabled else torch.zeros(())
-        grad_norm = global_grad_norm(model)
+        if scaler.enabled:  # an inf/NaN gradient (an overflow) shows in the norm below
+            scaler.unscale_and_check_([p.grad for p in model.parameters() if p.grad is not None])
+        loss, grad_norm = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model))
         clip_gradients(model, cfg.optimizer.clip_grad, grad_norm)
-        loss = reduce_loss(model, local_loss)
-        loss_value, norm_value, inf_value = torch.stack([loss, grad_norm, found_inf.to(loss.device)]).tolist()
-    result = classify(loss_value, norm_value, overflow=scaler.enabled and inf_value > 0)
+        loss_value, norm_value = torch.stack([loss, grad_norm]).tolist()
+    result = classify(loss_value, norm_value, overflow=scaler.enabled and not math.isfinite(norm_value))
     if not result.skipped:
         with timers("optimizer-inner-step"):
             optimizer.step()

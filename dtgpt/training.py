@@ -35,7 +35,7 @@ from dtgpt.faults.last_words import build_last_words
 from dtgpt.faults.signals import ExitConditions
 from dtgpt.faults.watchdog import Watchdog
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
-from dtgpt.model import flops_per_token
+from dtgpt.model_size import flops_per_token
 from dtgpt.profiling import Profiler
 from dtgpt.state import TrainState
 from dtgpt.step import StepResult

@@ -44,7 +44,8 @@ from dtgpt.config import Config, validate
 from dtgpt.distributed import Runtime, resolve_device
 from dtgpt.metrics import peak_tflops
 from dtgpt.config import padded_vocab_size
-from dtgpt.model import GPT, flops_per_token, num_parameters
+from dtgpt.model import GPT
+from dtgpt.model_size import flops_per_token, num_parameters
 from dtgpt.parallel import ParallelDims
 from dtgpt.api import build_model, build_train_state, train_step
 

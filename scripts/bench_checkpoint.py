@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from dtgpt.checkpoint import Checkpointer, layout  # noqa: E402
 from dtgpt.config import load_config  # noqa: E402
 from dtgpt.api import build_model, build_train_state, init_distributed  # noqa: E402
-from dtgpt.model import num_parameters  # noqa: E402
+from dtgpt.model_size import num_parameters  # noqa: E402
 from dtgpt.state import Progress  # noqa: E402
 
 VOCAB = 32768

@@ -5,7 +5,9 @@
 
 Each layout's model is built in turn on the same process group through the library API, trained
 for one untimed iteration (pipeline stages infer their shapes on the first), then profiled for
-one more. Rank r writes {layout: {micro: {kind: [count, bytes]}}} to OUT with '.r' appended.
+one more. Rank r writes {"counts": {layout: {micro: {kind: [count, bytes]}}}, "large_fp32":
+{layout: {micro: [[op, elements], ...]}}} to OUT with '.r' appended: the second lists every fp32
+collective of LARGE elements or more other than FSDP's gradient reduce-scatters.
 
 The profiler is the counter because it is exact on gloo: every collective, whether FSDP's
 `torch.distributed` calls, DTensor's functional collectives or the pipeline's send/recv, is one
@@ -23,6 +25,7 @@ from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtgpt
 from dtgpt.config import load_config, num_microbatches, padded_vocabulary
@@ -48,17 +51,31 @@ LAYOUTS = {
 }  # fmt: skip
 # No dropout: context parallelism refuses it under Megatron's RNG (and dropout communicates nothing).
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
+# A layout name may end in a precision ("tp2_sp_bf16", "tp2_sp_fp32"). Those runs use a wider model, whose every
+# activation (b·s·h/tp under SP) has at least LARGE elements, so that the dtype census below sees
+# each activation collective.
+PRECISIONS = {"bf16": dict(bf16=True), "fp16": dict(fp16=True), "fp32": {}}
+LOW_PRECISION_MODEL = {**MODEL, "hidden_size": 64, "seq_length": 32}
+LARGE = 1024
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix."""
+    base, _, suffix = name.rpartition("_")
+    return (base, suffix) if suffix in PRECISIONS else (name, None)
 
 
 def layout_config(name: str, world_size: int, micro_per_rank: int):
-    """The tiny fp32 GPT in layout `name`, with `micro_per_rank` micro-batches per dp rank."""
-    parallel = LAYOUTS[name]
+    """The tiny GPT in layout `name` (fp32 unless it names a precision), with `micro_per_rank`
+    micro-batches per dp rank."""
+    base, precision = split_name(name)
+    parallel = LAYOUTS[base]
     model_parallel = [parallel.get(f"{k}_parallel_size", 1) for k in ("tensor_model", "pipeline_model", "context")]
     dp = world_size // (model_parallel[0] * model_parallel[1] * model_parallel[2])
     return dtgpt.make_config(
-        model=MODEL,
+        model=MODEL if precision is None else LOW_PRECISION_MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100),
-        training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank),
+        training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank, **PRECISIONS.get(precision, {})),
         parallel=parallel,
     )
 
@@ -79,6 +96,10 @@ OPS = {
 OTHER_COMM_PREFIXES = ("c10d::", "_c10d_functional::")
 NOT_COLLECTIVES = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::monitored_barrier_"}
 DTYPE_BYTES = {"float": 4, "c10::Half": 2, "c10::BFloat16": 2, "double": 8, "long int": 8, "int": 4}
+# Gradient reductions run c10d's own ops: FSDP's reduce-scatter, HSDP's and the split tied
+# embedding's all-reduce (dtgpt's other c10d all-reduces, of the loss, norm and flags, are
+# scalars); every activation collective of TP, SP and CP is a functional one (DTensor's).
+GRADIENT_REDUCTIONS = {"c10d::_reduce_scatter_base_", "c10d::allreduce_"}
 
 
 def _numel(dims) -> int:
@@ -90,46 +111,76 @@ def _numel(dims) -> int:
     return n
 
 
-def _message_bytes(name: str, args: dict) -> int:
+def _message(name: str, args: dict, tensor_lists: dict[str, list]) -> tuple[int, str]:
+    """(elements, dtype) of one collective's message."""
     index = OPS[name][1]
     dims, dtype = args["Input Dims"][index], args["Input type"][index]
-    # The profiler records no dtype for a tensor list (c10d's all_reduce, send, recv): dtgpt's
-    # all-reduces are of fp32 (loss, norm, flags, tied gradients), and pipeline sends carry the
-    # residual stream, fp32 under autocast at any precision (dtgpt/parallel/fsdp.py).
-    nbytes = _numel(dims) * DTYPE_BYTES.get(dtype, 4)
+    numel = _numel(dims)
     if name == "_c10d_functional::all_gather_into_tensor":
-        nbytes *= int(args["Concrete Inputs"][1])  # group_size
-    return nbytes
+        numel *= int(args["Concrete Inputs"][1])  # group_size
+    if dtype == "TensorList":  # the profiler records no dtype for a tensor list: the record has it
+        recorded_numel, dtype = tensor_lists[name].pop(0)
+        assert recorded_numel == numel, (name, recorded_numel, numel)
+    return numel, dtype
 
 
-def count_trace(trace: dict) -> dict[str, list[int]]:
-    """{kind: [count, bytes]} of the outermost collective ops in one rank's chrome trace."""
+def outer_collectives(trace: dict) -> list[dict]:
+    """The outermost collective ops of one rank's chrome trace, in the order each thread ran them."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("name", "").startswith(OTHER_COMM_PREFIXES)
               and e["name"] not in NOT_COLLECTIVES]  # fmt: skip
     events.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"]))
-    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    open_until: dict = {}
+    outer, open_until = [], {}
     for e in events:
         if e["ts"] < open_until.get(e["tid"], -1):
             continue  # nested inside a collective already counted
         open_until[e["tid"]] = e["ts"] + e["dur"]
-        name = e["name"]
-        if name not in OPS:
-            raise ValueError(f"uncounted collective op {name}: add it to OPS")
-        args = e["args"]
-        counts[OPS[name][0]][0] += 1
-        counts[OPS[name][0]][1] += _message_bytes(name, args)
-    return dict(counts)
+        if e["name"] not in OPS:
+            raise ValueError(f"uncounted collective op {e['name']}: add it to OPS")
+        outer.append(e)
+    return outer
 
 
-def profile_iteration(cfg, state, batch) -> dict[str, list[int]]:
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+def count_trace(trace: dict, tensor_lists: dict[str, list]) -> tuple[dict[str, list[int]], list]:
+    """({kind: [count, bytes]}, [large fp32 collectives other than gradient reductions]) of one
+    rank's trace; tensor_lists: TensorListRecord.calls of the same iteration."""
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    large_fp32 = []
+    for e in outer_collectives(trace):
+        kind = OPS[e["name"]][0]
+        numel, dtype = _message(e["name"], e["args"], tensor_lists)
+        counts[kind][0] += 1
+        counts[kind][1] += numel * DTYPE_BYTES[dtype]
+        if dtype == "float" and numel >= LARGE and e["name"] not in GRADIENT_REDUCTIONS:
+            large_fp32.append([e["name"], numel])
+    return dict(counts), large_fp32
+
+
+class TensorListRecord(TorchDispatchMode):
+    """The (elements, dtype) of each c10d op that takes a tensor list (send, recv, all_reduce),
+    by op name in call order: the profiler records their shapes but not their dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, list] = defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name().replace(".default", "")
+        if name.startswith("c10d::") and isinstance(args[0], (list, tuple)):
+            self.calls[name].append((sum(t.numel() for t in args[0]), TORCH_DTYPES[args[0][0].dtype]))
+        return func(*args, **(kwargs or {}))
+
+
+TORCH_DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
+
+
+def profile_iteration(cfg, state, batch) -> tuple[dict[str, list[int]], list]:
+    with TensorListRecord() as lists, profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         dtgpt.train_step(cfg, state, batch)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return count_trace(json.load(f))
+            return count_trace(json.load(f), lists.calls)
 
 
 def rank_batch(cfg, model, n_micro: int, vocab: int) -> torch.Tensor | None:
@@ -140,7 +191,7 @@ def rank_batch(cfg, model, n_micro: int, vocab: int) -> torch.Tensor | None:
     return torch.randint(0, vocab, (rows, cfg.model.seq_length + 1), generator=gen)
 
 
-def count_layout(cfg, runtime, n_micro: int, vocab: int) -> dict[str, list[int]]:
+def count_layout(cfg, runtime, n_micro: int, vocab: int) -> tuple[dict[str, list[int]], list]:
     """Build cfg's model on the runtime's ranks, train one iteration, count the next (cfg's global
     batch makes n_micro micro-batches per data-parallel rank)."""
     model = dtgpt.build_model(cfg, runtime, vocab_size=vocab)
@@ -158,12 +209,12 @@ def count_config_file(path: str, overrides: list[str]) -> tuple:
     runtime = dtgpt.init_distributed(cfg)
     n_micro = num_microbatches(cfg, runtime.dims.dp, cfg.training.global_batch_size)
     vocab = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
-    return runtime, {n_micro: count_layout(cfg, runtime, n_micro, vocab)}
+    return runtime, n_micro, count_layout(cfg, runtime, n_micro, vocab)
 
 
 def micro_counts(name: str, spec: str) -> list[int]:
     """The micro-batch counts asked for; a pipeline schedule needs at least pp of them."""
-    pp = LAYOUTS[name].get("pipeline_model_parallel_size", 1)
+    pp = LAYOUTS[split_name(name)[0]].get("pipeline_model_parallel_size", 1)
     return [max(int(m), pp) for m in spec.split(",")]
 
 
@@ -175,16 +226,17 @@ def main() -> None:
     parser.add_argument("--config", help="count this config file's layout instead; the positional argument names it")
     args, overrides = parser.parse_known_args()
     world = int(os.environ["WORLD_SIZE"])
+    result: dict[str, dict] = {"counts": defaultdict(dict), "large_fp32": defaultdict(dict)}
     if args.config:
-        runtime, counts = count_config_file(args.config, overrides)
-        result = {args.layouts: counts}
+        runtime, n, (counts, large) = count_config_file(args.config, overrides)
+        result["counts"][args.layouts][n], result["large_fp32"][args.layouts][n] = counts, large
     else:
         names = args.layouts.split(",")
         runtime = dtgpt.init_distributed(layout_config(names[0], world, 1))
-        result = {
-            name: {n: count_layout(layout_config(name, world, n), runtime, n, 100) for n in micro_counts(name, args.micro)}
-            for name in names
-        }
+        for name in names:
+            for n in micro_counts(name, args.micro):
+                counts, large = count_layout(layout_config(name, world, n), runtime, n, 100)
+                result["counts"][name][n], result["large_fp32"][name][n] = counts, large
     with open(f"{args.out}.{runtime.rank}", "w") as f:
         json.dump(result, f)
     dtgpt.shutdown()

@@ -5,6 +5,8 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
     python tests/megatron_gpt.py save DIR [--untied]      build, save Megatron-LM's torch_dist
                                                           iteration, write DIR/logits.pt and
                                                           DIR/loss.pt (its own loss on labels())
+    python tests/megatron_gpt.py bf16 DIR                 as save, and DIR/bf16_logits.pt: the same
+                                                          model in Megatron's bf16 (Float16Module)
     python tests/megatron_gpt.py per-rank DIR [--layers N]  the same weights in the per-rank format
     python tests/megatron_gpt.py load DIR                 load DIR's checkpoint, write DIR/loaded_logits.pt
     python tests/megatron_gpt.py adam DIR                 one AdamW step of the distributed optimizer,
@@ -125,7 +127,7 @@ def trainer_state(tp: int, layers: int = LAYERS) -> dict:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("save", "per-rank", "load", "adam", "load-adam"))
+    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam"))
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
@@ -146,7 +148,7 @@ def main(argv: list[str]) -> None:
     pointer = root / "latest_checkpointed_iteration.txt"
     iteration = int(pointer.read_text()) if args.command == "load" else ITERATION
     directory = root / f"iter_{iteration:07d}"
-    if args.command == "save":
+    if args.command in ("save", "bf16"):
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -160,7 +162,14 @@ def main(argv: list[str]) -> None:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
         model.load_state_dict(loaded, strict=False)
     out = logits(model)
-    own_loss = loss(model) if args.command == "save" else None
+    own_loss = loss(model) if args.command in ("save", "bf16") else None
+    if args.command == "bf16":
+        from megatron.core.transformer.module import Float16Module
+
+        model.config.bf16 = True
+        bf16_out = logits(Float16Module(model.config, model))  # the module in bf16, its logits in fp32
+        if rank == 0:
+            torch.save(bf16_out, root / "bf16_logits.pt")
     if rank == 0:
         pointer.write_text(str(iteration))
         torch.save(out, root / ("loaded_logits.pt" if args.command == "load" else "logits.pt"))

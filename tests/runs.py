@@ -96,3 +96,13 @@ def train_run(
         params[int(directory.name.split("_")[1])] = {k: v.float() for k, v in model.items()}
     heads = read_config(directory).model.num_attention_heads
     return {**{key: [r[key] for r in records] for key in records[0]}, "params": params, "heads": heads}
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (its main() and helpers, without a subprocess)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,7 +6,6 @@ conventions (Conv1D weights (in, out), c_attn = [q; k; v] blocks), not just read
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -15,16 +14,13 @@ import torch.nn.functional as F
 
 from dtgpt.checkpoint import CheckpointError, gpt2, layout
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
-from tests.runs import REPO
+from tests import runs
 from tests.test_checkpoint_resume import assert_same_tensors
 from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "scripts/convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return runs.load_script("convert_checkpoint")
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from dtgpt.config import Config, ModelConfig
 from dtgpt.config import padded_vocab_size
-from dtgpt.model import GPT, Init, flops_per_token, num_parameters
+from dtgpt.model import GPT, Init
+from dtgpt.model_size import flops_per_token, num_parameters
 from dtgpt.parallel import ParallelDims, build_model_parts
 from dtgpt.step import local_forward_backward
 

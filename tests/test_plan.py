@@ -101,9 +101,10 @@ def test_175b_schedule_and_time(plan_175b):
     per_layer = pm.layer_activation_bytes(shape, recompute="none")
     expected = (16 * (6 * per_layer + pm.embedding_activation_bytes(shape))) / pm.GIB
     assert first["memory"]["activations"] == pytest.approx(expected)
-    # fp16 without FSDP: fp32 params + fp32 grads + Adam m, v + autocast's 2-byte copies = 18 B.
+    # fp16, FSDP of one rank: the fp32 master and its gradient, Adam m, v, the fp16 gathered copy
+    # and the fp16 gradient accumulated over micro-batches (Megatron's default for fp16): 20 B.
     assert first["memory"]["params"] + first["memory"]["copies"] + first["memory"]["grads"] + first["memory"]["adam"] == pytest.approx(
-        18 * first["local_params"] / pm.GIB
+        (4 + 4 + 8 + 2 + 2) * first["local_params"] / pm.GIB
     )
     assert plan["fits"] and all(r["memory_gib"] < 80 for r in plan["ranks"])
 
@@ -219,19 +220,22 @@ def test_plan_peaks_over_the_ramp_up_under_interleaving():
 
 
 def test_state_bytes():
-    kw = dict(low_precision=True, fsdp=False, pipelined=True, reshard_after_forward=False)
-    plain = pm.state_bytes(1000, 1000, 100, **kw)
-    assert (plain.params, plain.copies, plain.grads, plain.adam) == (4000, 2000, 4000, 8000)
-    assert pm.state_bytes(1000, 1000, 100, **{**kw, "low_precision": False}).copies == 0
-    # FSDP over dp = 4 under pp: gathered fp32 params (autocast casts them: 2 bytes more) and
-    # fp32 unsharded gradients stay until the last micro-batch.
-    kw.update(fsdp=True)
+    """fp32 at dp 1 (no FSDP); bf16 (FSDP at every dp: 2-byte gathered copies, fp32 gradients)."""
+    fp32 = pm.state_bytes(1000, 1000, 100, compute_bytes=4, grad_bytes=4, fsdp=False, pipelined=True, reshard_after_forward=False)
+    assert (fp32.params, fp32.copies, fp32.grads, fp32.adam) == (4000, 0, 4000, 8000)
+    kw = dict(compute_bytes=2, grad_bytes=4, fsdp=True, pipelined=True, reshard_after_forward=False)
+    one_rank = pm.state_bytes(1000, 1000, 100, **kw)  # a bf16 run on one rank per stage
+    assert (one_rank.params, one_rank.copies, one_rank.grads, one_rank.adam) == (4000, 2000, 4000 + 4000, 8000)
+    # FSDP over dp = 4 under pp: gathered bf16 params and fp32 unsharded gradients stay until the
+    # last micro-batch.
     piped = pm.state_bytes(250, 1000, 100, **kw)
-    assert (piped.params, piped.copies, piped.grads, piped.adam) == (1000, 4000 + 2000, 1000 + 4000, 2000)
-    # Without pp, resharding after forward: about two gathered units and one unit's gradients.
+    assert (piped.params, piped.copies, piped.grads, piped.adam) == (1000, 2000, 1000 + 4000, 2000)
+    # Without pp, resharding after forward: about two gathered units and one unit's gradients
+    # (bf16 from backward, the fp32 buffer they are reduce-scattered from).
     alone = pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False, "reshard_after_forward": True})
-    assert (alone.copies, alone.grads) == (4 * 2 * 100 + 2000, 1000 + 8 * 100)
-    assert pm.state_bytes(250, 1000, 100, **{**kw, "pipelined": False}).copies == 4000 + 2000
+    assert (alone.copies, alone.grads) == (2 * 2 * 100, 1000 + (2 + 4) * 100)
+    fp16 = pm.state_bytes(250, 1000, 100, **{**kw, "grad_bytes": 2})  # fp16 reduced in fp16
+    assert fp16.grads == 1000 + 2000
 
 
 def test_planner_counts_match_a_real_cpu_run(tmp_path):

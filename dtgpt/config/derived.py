@@ -39,6 +39,18 @@ def num_pipeline_stages(cfg: Config) -> int:
     return p.pipeline_model_parallel_size * p.virtual_pipeline_stages_per_rank
 
 
+def low_precision(cfg: Config) -> bool:
+    """The model computes in fp16 or bf16 (over fp32 master weights)."""
+    return cfg.training.fp16 or cfg.training.bf16
+
+
+def grads_reduced_in_fp32(cfg: Config) -> bool:
+    """Gradients accumulate and cross dp in fp32: fp32 runs, bf16 runs (Megatron forces it) and
+    fp16 runs with accumulate_allreduce_grads_in_fp32."""
+    t = cfg.training
+    return not t.fp16 or t.accumulate_allreduce_grads_in_fp32
+
+
 def fsdp_reshards_after_forward(cfg: Config) -> bool:
     """Whether FSDP frees gathered parameters after each forward ('always'); by default they are
     kept until the last micro-batch's backward, as Megatron's distributed optimizer keeps them."""

@@ -42,6 +42,8 @@ class ModelConfig:
     """The vocabulary is padded to a multiple of this alone (never times tp), so the model is mesh-free."""
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    fp32_residual_connection: bool = False
+    """Keep the residual stream (and what pipeline stages pass) in fp32 under fp16 / bf16."""
     dropout_rng: str = "megatron"
     """How dropout masks are drawn: 'megatron' (per-rank generator streams, Megatron's semantics:
     the masks depend on the layout) or 'layout_invariant' (each mask element a hash of what it
@@ -66,6 +68,14 @@ class TrainingConfig:
     seed: int = 1234
     fp16: bool = False
     bf16: bool = False
+    """fp16 / bf16: the model computes in that dtype (parameters gathered, activations, every
+    tensor- and pipeline-parallel collective) over fp32 master weights and Adam state, as Megatron
+    does (dtgpt/parallel/fsdp.py)."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate gradients over micro-batches and reduce them over dp in fp32 (else in the
+    compute dtype). Always on under bf16, as in Megatron."""
+    fp16_lm_cross_entropy: bool = False
+    """Compute the loss from fp16 / bf16 logits instead of casting them to fp32 first."""
     recompute_granularity: Optional[str] = None
     """Megatron's activation recomputation: 'selective' (the attention core of every block) or
     'full' (whole blocks, chosen by recompute_method); unset: none."""

@@ -12,12 +12,12 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dtgpt.config import Config, fsdp_reshards_after_forward, layout_invariant_dropout, num_pipeline_stages
+from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
 from dtgpt.model import GPT
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
-from dtgpt.parallel.fsdp import apply_fsdp
+from dtgpt.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from dtgpt.parallel.invariant_dropout import apply_invariant_dropout
 from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
 from dtgpt.parallel.pipeline import (
@@ -39,7 +39,7 @@ __all__ = [
 
 
 def compute_dtype(cfg: Config) -> torch.dtype | None:
-    """The low-precision compute dtype, or None for fp32."""
+    """The dtype the model computes in under fp16/bf16 (parallel/fsdp.py), or None for fp32."""
     if cfg.training.bf16:
         return torch.bfloat16
     if cfg.training.fp16:
@@ -74,6 +74,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
+            mixed_precision_policy(compute_dtype(cfg), grads_reduced_in_fp32(cfg)),
             reshard_after_forward=fsdp_reshards_after_forward(cfg),
         )
         for module in model.modules():
@@ -167,11 +168,11 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         dims=dims,
         device=device,
         schedules=schedules,
-        autocast_dtype=compute_dtype(cfg),  # at every dp: one precision regime (parallel/fsdp.py)
+        grad_reduce_dtype=torch.float32 if grads_reduced_in_fp32(cfg) else compute_dtype(cfg),
         fsdp_reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
-        cross_entropy=build_cross_entropy(compiled=cfg.training.compile),
+        cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy),
         rng=rng,
         token_index=layout_invariant_dropout(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dtgpt.config import Config, mesh_shape, validate_mesh
+from dtgpt.config import Config, low_precision, mesh_shape, validate_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -28,6 +28,8 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    low_precision: bool = False
+    """fp16/bf16: FSDP casts the parameters even at dp = cp = 1 (dtgpt/parallel/fsdp.py)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     """Flattened views ('dp', 'dp_cp', 'dp_shard_cp', and HSDP's 'hsdp_cp'); kept here because
@@ -38,7 +40,7 @@ class ParallelDims:
         """Resolve dp_shard = -1 to the rest and check the product (before any group exists)."""
         validate_mesh(cfg, world_size)
         pp, dpr, dps, cp, tp = mesh_shape(cfg, world_size)
-        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size)
+        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size, low_precision=low_precision(cfg))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -63,9 +65,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        # With one rank per stage and tp slice FSDP would only add hooks (mixed precision is
-        # autocast anyway); cp ranks share every weight, so they shard it like dp ranks.
-        return self.dp * self.cp > 1
+        # cp ranks share every weight, so they shard it like dp ranks. With one rank per stage and
+        # tp slice an fp32 run needs no FSDP; fp16/bf16 runs need its cast of the parameters.
+        return self.dp * self.cp > 1 or self.low_precision
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Create the named 5-D mesh and its flattened views; None in a one-process run."""

@@ -1,12 +1,14 @@
-"""Data parallelism with FSDP2 `fully_shard` (HSDP on a 2-D mesh), and its mixed precision.
+"""Data parallelism with FSDP2 `fully_shard` (HSDP on a 2-D mesh), and the precision regime.
 
-Mixed precision is one regime at every dp: fp32 parameters (the master weights), gathered and
-reduced in fp32, with fp16/bf16 compute from `torch.autocast` (ModelParts.compute_context), as at
-dp = 1 where there is no FSDP at all. FSDP's own param_dtype cast would make the regime depend on
-dp: it casts *every* parameter (norm weights and the embedding table, so the residual stream
-would be low precision), where autocast casts only matmul operands and runs norms and softmax in
-fp32. The price, against a low-precision all-gather: fp32 gathers (twice the bytes) and a
-2-byte cast of each weight that autograd keeps from forward to backward.
+Megatron's regime for fp16/bf16: the model computes in the low-precision dtype (every
+parameter gathered in it, so the residual stream, each norm's output, every tensor- and
+context-parallel collective and every pipeline send move two bytes per element), over fp32
+master weights that the optimizer steps; gradients come out of backward in the compute dtype and
+are accumulated and reduced in fp32 (`training.accumulate_allreduce_grads_in_fp32`, always on
+under bf16). FSDP's MixedPrecisionPolicy is exactly that, so a low-precision run is FSDP-sharded
+at every dp, one rank included (FSDP then gathers nothing and casts locally): the regime never
+depends on dp. Norms compute their statistics in fp32 inside the op (dtgpt.model.Norm), softmax
+in fp32 inside attention, the loss in fp32 (dtgpt.parallel.model_parts).
 
 Each block is one FSDP unit (its parameters are gathered just before it runs); the embedding
 and norm+head get units of their own unless the model ties them, in which case the shared
@@ -22,19 +24,20 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from dtgpt.model import GPT
 
 
-def mixed_precision_policy() -> MixedPrecisionPolicy:
-    """fp32 gathers and fp32 gradient reduction; autocast does the low-precision compute (see above)."""
-    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+def mixed_precision_policy(compute: torch.dtype | None, reduce_in_fp32: bool) -> MixedPrecisionPolicy:
+    """Gather in the compute dtype (None: fp32 as stored); reduce in fp32 or the compute dtype."""
+    # Inputs are left as they come: the model decides its dtypes (fp32_residual_connection).
+    reduce_dtype = torch.float32 if reduce_in_fp32 else compute
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
 def apply_fsdp(
     model: GPT,
     dp_mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy,
     *,
     reshard_after_forward: bool,
 ) -> None:
-    mp = mixed_precision_policy()
-
     def shard(module):
         fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
@@ -54,10 +57,10 @@ def apply_fsdp(
 def set_micro_batch_sync(model: torch.nn.Module, *, last: bool, reshard_every_micro_batch: bool) -> None:
     """Before one micro-batch's backward: reduce-scatter gradients only after the last one.
 
-    Earlier micro-batches accumulate unsharded gradients locally, so each unit's gradients cross
-    the network once per iteration (as Megatron's distributed optimizer reduces them), and its
-    gathered parameters stay for the next micro-batch unless memory asks for resharding.
-    torch.distributed.pipelining's stage does the same for FSDP stages itself.
+    Earlier micro-batches accumulate unsharded gradients locally (in the reduce dtype), so each
+    unit's gradients cross the network once per iteration (as Megatron's distributed optimizer
+    reduces them), and its gathered parameters stay for the next micro-batch unless memory asks
+    for resharding. torch.distributed.pipelining's stage does the same for FSDP stages itself.
     """
     if not isinstance(model, FSDPModule):
         return

@@ -1,7 +1,7 @@
 """ModelParts: what one rank holds of the parallel model, and how to run it.
 
 One part without pipelining, one or more pipeline stages with it. The object hides that
-difference from the trainer: it knows the compute context (autocast, loss parallel), which
+difference from the trainer: it knows the compute context (loss parallel), which
 parameters count toward the gradient norm, the per-micro-batch-count schedules, and how to
 build the loss of one global batch.
 """
@@ -26,16 +26,23 @@ from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_ti
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses (fp32), skipping labels equal to IGNORE_INDEX."""
+    """Sum of token losses, computed in fp32, skipping labels equal to IGNORE_INDEX."""
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
     )
 
 
-def build_cross_entropy(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def low_precision_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """As cross_entropy_sum, from the fp16/bf16 logits as they are (fp16_lm_cross_entropy)."""
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+    return losses.float().sum()
+
+
+def build_cross_entropy(compiled: bool, in_fp32: bool = True) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    loss = cross_entropy_sum if in_fp32 else low_precision_cross_entropy_sum
     # Compiled, the fp32 upcast and log-softmax of the (tokens x vocabulary) logits fuse
     # instead of materialising an fp32 copy of them.
-    return torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum
+    return torch.compile(loss) if compiled else loss
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,6 @@ class ModelParts:
     dims: ParallelDims
     device: torch.device
     schedules: object | None  # ScheduleCache under pipeline parallelism
-    autocast_dtype: torch.dtype | None
     loss_parallel: bool
     tied_group: dist.ProcessGroup | None
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
@@ -72,6 +78,8 @@ class ModelParts:
     token_index: bool = False
     """The parts take token_index, each token's index in the run (layout-invariant dropout keys
     its masks on it): dtgpt.step builds it for every batch."""
+    grad_reduce_dtype: torch.dtype = torch.float32
+    """What gradients cross ranks in (config.grads_reduced_in_fp32): FSDP's reduction, the tied copies' sum."""
     fsdp_reshard_every_micro_batch: bool = False
     """parallel.fsdp_reshard_after_forward='always': free gathered parameters after each
     micro-batch's backward too; otherwise they stay gathered until the last one."""
@@ -116,10 +124,8 @@ class ModelParts:
         return [p for p in self.parameters() if p is not tied_copy]
 
     def compute_context(self) -> contextlib.ExitStack:
-        """Autocast (fp16/bf16 at every dp) and loss parallelism (under tp)."""
+        """Loss parallelism (under tp); fp16/bf16 is in the parameters themselves (parallel/fsdp.py)."""
         stack = contextlib.ExitStack()
-        if self.autocast_dtype is not None:
-            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
         if self.loss_parallel:
             stack.enter_context(loss_parallel())
         return stack
@@ -138,7 +144,7 @@ class ModelParts:
 
     def sync_tied_grads(self) -> None:
         if self.dims.pp_enabled:
-            sync_tied_grads(self.parts, self.tied_group)
+            sync_tied_grads(self.parts, self.tied_group, self.grad_reduce_dtype)
 
     def check_tied_copies(self, iteration: int) -> None:
         """Raise if the pipeline's two copies of a tied embedding have drifted apart."""

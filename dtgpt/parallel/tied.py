@@ -67,8 +67,10 @@ def align_grad_placement(param: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None) -> None:
-    """Sum the gradients of the split tied weight so both copies take the same step."""
+def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Sum the gradients of the split tied weight so both copies take the same step; across
+    ranks in reduce_dtype (the dtype gradients are reduced in: fp16 for an fp16 run without
+    accumulate_allreduce_grads_in_fp32, as Megatron's embedding-gradient all-reduce)."""
     if not parts[0].tied:
         return
     first, last = tied_pair_on_rank(parts)
@@ -82,7 +84,11 @@ def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None) -> None:
         return
     held = first if first is not None else last
     if held is not None and group is not None:
-        dist.all_reduce(_local(held.grad), group=group)
+        grad = _local(held.grad)
+        message = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
+        dist.all_reduce(message, group=group)
+        if message is not grad:
+            grad.copy_(message)
 
 
 @torch.no_grad()

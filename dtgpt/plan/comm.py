@@ -9,11 +9,14 @@ output, a reduce-scatter's input, an all-reduce's or a send's tensor), as nccl-t
 "size". `link_bytes` turns them into what a ring moves per rank.
 
 With b the micro-batch size, s the sequence length, h the hidden size, n the micro-batches per
-iteration, e the compute bytes (2 in fp16/bf16, 4 in fp32), per rank and iteration (under cp,
-every activation size below counts the rank's s/cp tokens):
+iteration, e the compute bytes (2 in fp16/bf16, 4 in fp32: the model computes in its dtype,
+dtgpt/parallel/fsdp.py), g the gradient-reduction bytes (4, or 2 for fp16 without
+accumulate_allreduce_grads_in_fp32), per rank and iteration (under cp, every activation size
+below counts the rank's s/cp tokens):
 
-  FSDP (dp x cp > 1)  FSDP shards over dp_shard x cp; per unit: 1 all-gather of its gathered parameters (e bytes each) and 1
-                 reduce-scatter of its gradients (fp32), HSDP adds 1 all-reduce of the fp32
+  FSDP (dp x cp > 1)  FSDP shards over dp_shard x cp; per unit: 1 all-gather of its gathered
+                 parameters (e bytes each: cast before the gather) and 1 reduce-scatter of its
+                 gradients (g bytes), HSDP adds 1 all-reduce of the g-byte
                  shard over dp_replicate. Once per iteration: gradient sync is off and the
                  parameters stay gathered until the last micro-batch ('always' resharding:
                  2 all-gathers per unit per micro-batch, the root unit's 1).
@@ -26,14 +29,13 @@ every activation size below counts the rank's s/cp tokens):
                  all-reduce backward (SP: an all-gather forward, a reduce-scatter backward),
                  the vocabulary-parallel loss 3 all-reduces of b·s fp32 (max, sum of exp, the
                  target logit). With SP each replicated norm weight's gradient: 1 all-reduce of
-                 h fp32 per iteration.
-  PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward, the
-                 same backward, except where the stage is the first or the last.
-  per iteration  the split tied embedding: 1 all-reduce of its local fp32 gradient on the
-                 first and last stage; the gradient norm: 1 all-reduce of one fp32 per
-                 parameter tensor (when they are DTensors) and 1 of a scalar over pp; the loss:
-                 its token count over dp x cp (last stage) and the loss over dp x cp and pp; the fp16
-                 overflow flag: 1 scalar all-reduce over the world.
+                 h elements per iteration (g bytes each, e with a single micro-batch).
+  PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
+                 with fp32_residual_connection), the same backward, except at either end.
+  per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the
+                 first and last stage; the loss's token count over dp x cp (last stage); the
+                 loss with the squared gradient norm: 1 all-reduce of 2 fp32 over the world (a
+                 non-finite norm is the fp16 overflow: no flag of its own).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from dtgpt.config import Config, fsdp_reshards_after_forward, mesh_shape
+from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import recompute_groups
 
@@ -90,6 +92,8 @@ class CommLayout:
     stages_per_rank: int
     schedule: str
     compute_bytes: int
+    grad_bytes: int
+    residual_bytes: int
     fp16: bool
     reshard_every_micro_batch: bool
     layer_counts: tuple[int, ...]
@@ -100,6 +104,7 @@ class CommLayout:
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
         m, t, p = cfg.model, cfg.training, cfg.parallel
         pp, dpr, dps, cp, tp = mesh_shape(cfg, world_size)
+        e = 2 if low_precision(cfg) else FP32
         return cls(
             num_layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_size, seq=m.seq_length,
             micro_batch=t.micro_batch_size, vocab=vocab,
@@ -107,7 +112,8 @@ class CommLayout:
             norm_params=1 if m.normalization == "RMSNorm" else 2, tied=not m.untie_embeddings_and_output_weights,
             pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, sequence_parallel=p.sequence_parallel and tp > 1,
             loss_parallel=p.loss_parallel, stages_per_rank=p.virtual_pipeline_stages_per_rank,
-            schedule=p.pipeline_schedule, compute_bytes=2 if (t.fp16 or t.bf16) else 4, fp16=t.fp16,
+            schedule=p.pipeline_schedule, compute_bytes=e, grad_bytes=FP32 if grads_reduced_in_fp32(cfg) else e,
+            residual_bytes=FP32 if m.fp32_residual_connection else e, fp16=t.fp16,
             reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
@@ -199,22 +205,20 @@ def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Col
             gathers = 1
             if c.reshard_every_micro_batch and c.pp == 1:
                 gathers = n_micro if root else 2 * n_micro
-            # fp32: FSDP gathers the master weights; autocast casts them (dtgpt/parallel/fsdp.py)
-            out.append(Collective("all_gather", dim, f"fsdp {name} params", gathers, numel * FP32))
-            out.append(Collective("reduce_scatter", dim, f"fsdp {name} grads", 1, numel * FP32))
+            out.append(Collective("all_gather", dim, f"fsdp {name} params", gathers, numel * c.compute_bytes))
+            out.append(Collective("reduce_scatter", dim, f"fsdp {name} grads", 1, numel * c.grad_bytes))
             if c.dp_replicate > 1:
-                out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, numel // c.shard * FP32))
+                shard = numel // c.shard * c.grad_bytes
+                out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, shard))
     return out
 
 
 def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
-    """Under autocast (one precision regime at every dp) the residual stream, the embedding output
-    and the norm outputs stay fp32, and so do their gradients; only matmul outputs (and their
-    gradients) are in the compute dtype."""
+    """Every activation and activation gradient is in the compute dtype (a norm returns it even
+    from an fp32 residual stream), and so are the norm weights' gradients; the loss's are fp32."""
     if c.tp == 1:
         return []
-    act = c.micro_batch * c.tokens * c.hidden * c.compute_bytes  # a matmul output
-    residual = c.micro_batch * c.tokens * c.hidden * FP32  # a norm or embedding output
+    act = residual = c.micro_batch * c.tokens * c.hidden * c.compute_bytes
     blocks = sum(c.layer_counts[s] for s in stages)
     first = 0 in stages
     last = c.num_stages - 1 in stages
@@ -226,7 +230,10 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
                 Collective("reduce_scatter", "tp", "sp block outputs fwd", sublayers, act),
                 Collective("reduce_scatter", "tp", "sp norm output grads bwd", sublayers, residual)]  # fmt: skip
         norms = (2 * blocks + (1 if last else 0)) * c.norm_params
-        out.append(Collective("all_reduce", "tp", "sp norm weight grads", norms, c.hidden * FP32))
+        # FSDP sums tp's partial gradients of a replicated weight in the gradient's dtype: the
+        # compute dtype, or the reduce dtype it accumulates several micro-batches in.
+        grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
+        out.append(Collective("all_reduce", "tp", "sp norm weight grads", norms, c.hidden * grad))
     else:
         out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
                 Collective("all_reduce", "tp", "norm output grads bwd", sublayers, residual)]  # fmt: skip
@@ -244,7 +251,7 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
             tokens = c.micro_batch * c.tokens * FP32
             out.append(Collective("all_reduce", "tp", "vocab-parallel loss", 3 * n_micro, tokens))
         else:
-            logits = c.micro_batch * c.tokens * c.vocab * FP32
+            logits = c.micro_batch * c.tokens * c.vocab * c.compute_bytes
             out.append(Collective("all_gather", "tp", "logits fwd", n_micro, logits))
     return out
 
@@ -275,11 +282,11 @@ def cp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
 
 
 def pp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
-    """Stages pass the residual stream (fp32 under autocast) forward and its gradient back."""
+    """Stages pass the residual stream forward and its gradient back."""
     if c.pp == 1:
         return []
     seq = c.tokens // c.tp if c.sequence_parallel else c.tokens
-    act = c.micro_batch * seq * c.hidden * FP32
+    act = c.micro_batch * seq * c.hidden * c.residual_bytes
     not_last = sum(1 for s in stages if s != c.num_stages - 1)
     not_first = sum(1 for s in stages if s != 0)
     return [
@@ -288,35 +295,17 @@ def pp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     ]
 
 
-def norm_tensors(c: CommLayout, stages: list[int]) -> int:
-    """Parameter tensors counted in the gradient norm (the split tied copy once)."""
-    count = 0
-    for stage in stages:
-        first, last = stage == 0, stage == c.num_stages - 1
-        count += c.layer_counts[stage] * len(block_shapes(c))
-        count += len(embedding_shapes(c)) if first else 0
-        count += len(head_shapes(c, with_output=not c.tied)) if last else 0
-    return count
-
-
 def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
     """Once per iteration: tied gradients, gradient norm, loss and overflow agreements."""
     first, last = 0 in stages, c.num_stages - 1 in stages
     out = []
     if c.pp > 1 and c.tied and first != last:
         rows = -(-(c.vocab // c.tp) // c.shard) if c.fsdp else c.vocab // c.tp
-        out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * FP32))
-    if c.tp > 1 or c.fsdp:  # DTensor gradients: one all-reduce of the per-tensor norms
-        out.append(Collective("all_reduce", "dp_shard_tp", "grad norm", 1, norm_tensors(c, stages) * FP32))
-    if c.pp > 1:
-        out.append(Collective("all_reduce", "pp", "grad norm over stages", 1, FP32))
+        out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * c.grad_bytes))
     if last and c.dp * c.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", "loss tokens", 1, FP32))
-    loss_dims = (c.dp * c.cp > 1) + (c.pp > 1)
-    if loss_dims:
-        out.append(Collective("all_reduce", "dp_cp,pp", "loss", loss_dims, FP32))
-    if c.fp16:
-        out.append(Collective("all_reduce", "world", "fp16 overflow", 1, FP32))
+    if c.pp * c.dp * c.cp * c.tp > 1:  # each rank's loss part and sum of squares
+        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, 2 * FP32))
     return out
 
 
@@ -340,60 +329,3 @@ def totals(collectives: list[Collective]) -> dict[str, list[int]]:
             out[col.kind][0] += col.count
             out[col.kind][1] += col.bytes
     return dict(out)
-
-
-# -- what crosses the links --------------------------------------------------------------------
-
-
-def group_size(c: CommLayout, dim: str) -> int:
-    sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "dp_cp": c.dp * c.cp, "dp_shard": c.dp_shard,
-             "dp_shard_cp": c.shard, "dp_replicate": c.dp_replicate, "dp_shard_tp": c.shard * c.tp, "tied": 2,
-             "world": c.pp * c.dp * c.cp * c.tp, "dp_cp,pp": 2}  # fmt: skip
-    return sizes[dim]
-
-
-def link_bytes(col: Collective, n: int) -> float:
-    """Bytes one rank sends (and receives) for `col` in a ring of n ranks: (n-1)/n of the
-    message for all-gather and reduce-scatter, twice that for all-reduce, all of it for a send."""
-    if col.kind in ("send", "recv"):
-        return col.bytes
-    if n <= 1:
-        return 0.0
-    factor = 2 * (n - 1) / n if col.kind == "all_reduce" else (n - 1) / n
-    return col.bytes * factor
-
-
-NVLINK_GBPS = 300.0
-"""GB/s one GPU sends over NVLink within its node (A100 NVLink 3, per direction)."""
-INFINIBAND_GBPS = 25.0
-"""GB/s one GPU sends across nodes (one 200 Gb/s HDR InfiniBand adapter per GPU, as in
-Narayanan et al. 2021's A100 cluster)."""
-GPUS_PER_NODE = 8
-
-
-@dataclass(frozen=True)
-class RankTraffic:
-    pp_rank: int
-    sent_bytes: float
-    """sent per iteration (received is the same): tp over NVLink plus the rest over InfiniBand"""
-    nvlink_bytes: float
-    seconds: float
-    """if nothing overlapped with compute: nvlink_bytes / NVLink + the rest / InfiniBand"""
-
-
-def rank_traffic(
-    c: CommLayout, pp_rank: int, n_micro: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = INFINIBAND_GBPS
-) -> RankTraffic:
-    """What one rank at pipeline coordinate pp_rank moves per iteration: tp stays within the node
-    (innermost mesh dimension), and so does cp (next to it) when cp x tp fits a node; pp and dp
-    cross nodes."""
-    nvlink = other = 0.0
-    within_node = {"tp", "cp"} if c.cp * c.tp <= GPUS_PER_NODE else {"tp"}
-    for col in rank_collectives(c, pp_rank, n_micro):
-        moved = link_bytes(col, group_size(c, col.dim))
-        if col.dim in within_node:
-            nvlink += moved
-        else:
-            other += moved
-    seconds = nvlink / (nvlink_gbps * 1e9) + other / (ib_gbps * 1e9)
-    return RankTraffic(pp_rank, nvlink + other, nvlink, seconds)

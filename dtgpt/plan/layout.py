@@ -17,15 +17,17 @@ from dtgpt.config import (
     Config,
     ConfigError,
     fsdp_reshards_after_forward,
+    grads_reduced_in_fp32,
+    low_precision,
     num_microbatches,
     padded_vocabulary,
     validate,
 )
 from dtgpt.config.derived import null_tokenizer_ids
-from dtgpt.model import flops_per_token, num_parameters
+from dtgpt.model_size import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
-from dtgpt.plan import comm
+from dtgpt.plan import comm, links
 from dtgpt.plan import memory as pm
 from dtgpt.plan.ranks import BuiltRank, build_ranks
 from dtgpt.plan.report import layout_warnings
@@ -96,8 +98,8 @@ def plan_layout(
     *,
     tflops: float = 140.0,
     tokens: float = 300e9,
-    nvlink_gbps: float = comm.NVLINK_GBPS,
-    ib_gbps: float = comm.INFINIBAND_GBPS,
+    nvlink_gbps: float = links.NVLINK_GBPS,
+    ib_gbps: float = links.INFINIBAND_GBPS,
     gpu_memory_gib: float = 80.0,
     dp_ranks=(0,),
     all_ranks: bool = False,
@@ -111,7 +113,7 @@ def plan_layout(
     padded = padded_vocabulary(cfg, vocab)
     dims = ParallelDims.from_config(cfg, world_size)
     m, t, p = cfg.model, cfg.training, cfg.parallel
-    low = t.fp16 or t.bf16
+    low = low_precision(cfg)
     compute_bytes = 2 if low else 4
     v = p.virtual_pipeline_stages_per_rank
     batches = BatchSizeSchedule(t)
@@ -129,7 +131,8 @@ def plan_layout(
     ranks = []
     for rank, (pp_rank, dp_rank, tp_rank), b, built_as in built_ranks:
         states = pm.state_bytes(
-            b.local, b.gathered, b.largest_unit, low_precision=low, fsdp=dims.fsdp_enabled,
+            b.local, b.gathered, b.largest_unit, compute_bytes=compute_bytes,
+            grad_bytes=4 if grads_reduced_in_fp32(cfg) else compute_bytes, fsdp=dims.fsdp_enabled,
             pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
         )  # fmt: skip
         in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
@@ -165,7 +168,7 @@ def plan_layout(
         tflops=tflops, tokens=tokens, gpu_memory_gib=gpu_memory_gib, ranks=ranks, builds=builds,
     )  # fmt: skip
     layout = comm.CommLayout.from_config(cfg, world_size, padded)
-    plan.comm = [comm.rank_traffic(layout, r, micro, nvlink_gbps, ib_gbps) for r in range(dims.pp)]
+    plan.comm = [links.rank_traffic(layout, r, micro, nvlink_gbps, ib_gbps) for r in range(dims.pp)]
     plan.est_comm_s = max(t.seconds for t in plan.comm)
     if vocab_note:
         plan.notes.append(vocab_note)

@@ -123,7 +123,7 @@ class StateBytes:
     params: float
     """The fp32 parameters the optimizer updates (the master weights under fp16/bf16)."""
     copies: float
-    """Compute copies: autocast's cast of each weight, plus FSDP's gathered (fp32) params."""
+    """Compute copies: FSDP's gathered parameters, in the compute dtype."""
     grads: float
     adam: float
 
@@ -133,7 +133,8 @@ def state_bytes(
     unsharded_params: int,
     largest_unit: int,
     *,
-    low_precision: bool,
+    compute_bytes: int,
+    grad_bytes: int,
     fsdp: bool,
     pipelined: bool,
     reshard_after_forward: bool,
@@ -144,25 +145,30 @@ def state_bytes(
     local_params      what the rank's optimizer holds (the dp shard under FSDP)
     unsharded_params  the same parameters gathered over dp (tp-sharded only)
     largest_unit      the largest FSDP unit (a block), gathered over dp
+    compute_bytes     2 under fp16/bf16, 4 in fp32
+    grad_bytes        what gradients accumulate and reduce in (config.grads_reduced_in_fp32)
 
-    The fp32 parameters are the master; under fp16/bf16 autocast keeps a 2-byte cast of each
-    weight for the whole forward-backward, with or without FSDP (one precision regime at every
-    dp, see dtgpt/parallel/fsdp.py). With FSDP the fp32 parameters, gradients and Adam state are
-    dp shards, gathered in fp32 per unit: about two units at a time (the running one and the
-    prefetched one) when units reshard after forward, all of them otherwise. With more than one micro-batch per iteration (`accumulates`), and
-    always under pipelining, every unit's gradient stays unsharded, accumulated in fp32 over the
-    micro-batches, until the last micro-batch's one reduce-scatter (gradient sync is off before).
+    The fp32 parameters, gradients and Adam state are the master, dp shards under FSDP (an fp16
+    or bf16 run is FSDP-sharded at every dp, one rank included: dtgpt/parallel/fsdp.py). FSDP
+    gathers the parameters per unit in the compute dtype: about two units at a time (the running
+    one and the prefetched one) when units reshard after forward, all of them otherwise. Backward
+    gives each unit's gradients in the compute dtype, reduce-scattered from a grad_bytes buffer;
+    with more than one micro-batch per iteration (`accumulates`), and always under pipelining,
+    every unit's gradient stays unsharded, accumulated in grad_bytes, until the last micro-batch's
+    one reduce-scatter (gradient sync is off before).
     """
-    casts = 2 * unsharded_params if low_precision else 0
-    if not fsdp:
-        return StateBytes(params=4 * local_params, copies=casts, grads=4 * local_params, adam=8 * local_params)
+    if not fsdp:  # fp32 at dp = cp = 1
+        return StateBytes(params=4 * local_params, copies=0, grads=4 * local_params, adam=8 * local_params)
     gathered = unsharded_params if pipelined or not reshard_after_forward else 2 * largest_unit
-    copies = 4 * gathered + casts
-    # Unsharded fp32 gradients: all of them while accumulating (always under pp), else one unit's
-    # (the gradient and the buffer it is reduce-scattered from).
-    unsharded_grads = 4 * unsharded_params if pipelined or accumulates else 8 * largest_unit
+    if pipelined or accumulates:
+        unsharded_grads = grad_bytes * unsharded_params
+    else:
+        unsharded_grads = (compute_bytes + grad_bytes) * largest_unit
     return StateBytes(
-        params=4 * local_params, copies=copies, grads=4 * local_params + unsharded_grads, adam=8 * local_params
+        params=4 * local_params,
+        copies=compute_bytes * gathered,
+        grads=4 * local_params + unsharded_grads,
+        adam=8 * local_params,
     )
 
 

@@ -15,7 +15,7 @@ from dtgpt.config import (
     fsdp_reshards_after_forward,
     interleaved_round_size,
 )
-from dtgpt.plan.comm import GPUS_PER_NODE
+from dtgpt.plan.links import GPUS_PER_NODE
 from dtgpt.plan.results import Plan, RankPlan
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -71,7 +71,7 @@ class Plan:
     ranks: list[RankPlan]
     builds: int
     comm: list = field(default_factory=list)
-    """dtgpt.plan.comm.RankTraffic per pp rank: bytes each rank sends per iteration, and their time."""
+    """dtgpt.plan.links.RankTraffic per pp rank: bytes each rank sends per iteration, and their time."""
     est_comm_s: float = 0.0
     """the slowest pp rank's communication time per iteration, not overlapped with compute"""
     notes: list[str] = field(default_factory=list)
