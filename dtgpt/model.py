@@ -143,7 +143,8 @@ class Embedding(nn.Module):
         )
         # Always on the full sequence (before a sequence-parallel split): a replicated region.
         self.dropout = Dropout(cfg.hidden_dropout)
-        self.fp32_residual = cfg.fp32_residual_connection
+        # Megatron's fp32_residual_connection (set by dtgpt.parallel under fp16/bf16).
+        self.fp32_residual = False
 
     def declared_inits(self) -> DeclaredInits:
         inits = [(self.word.weight, Init.NORMAL)]

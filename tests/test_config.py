@@ -136,7 +136,7 @@ def test_toml_errors(tmp_path):
         ({"model__num_layers": 5, "parallel__pipeline_model_parallel_size": 2},
          None, "model.num_layers=5 must be divisible by the number of pipeline stages"),
         ({"training__fp16": True, "training__bf16": True}, None, "cannot both be set"),
-        ({"model__fp32_residual_connection": True}, None, "model.fp32_residual_connection=true needs training.fp16 or training.bf16"),
+        ({"training__fp32_residual_connection": True}, None, "training.fp32_residual_connection=true needs training.fp16 or training.bf16"),
         ({"optimizer__lr_warmup_iters": 200, "training__train_iters": 100}, None, "warmup < decay"),
         ({"optimizer__lr_warmup_fraction": 1.0}, None, "lr_warmup_fraction=1.0 must be in [0, 1)"),
         ({"training__global_batch_size": 10, "training__micro_batch_size": 4}, None,

@@ -24,7 +24,7 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
 def built(**training):
     """(cfg, model parts) of the tiny GPT in one process, with a process group of one."""
     cfg = dtgpt.make_config(
-        model={**MODEL, **training.pop("model", {})},
+        model=MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
         training=dict(micro_batch_size=2, global_batch_size=4, train_iters=1, **training),
     )
@@ -58,7 +58,7 @@ def test_bf16_model_is_the_plain_model_in_bf16_over_fp32_masters():
 
 def test_fp32_residual_connection_keeps_the_stream_in_fp32():
     try:
-        _, model = built(bf16=True, model=dict(fp32_residual_connection=True))
+        _, model = built(bf16=True, fp32_residual_connection=True)
         part = model.parts[0]
         seen = {}
         part.layers["1"].register_forward_hook(lambda m, args, out: seen.update(block_in=args[0].dtype, block_out=out.dtype))

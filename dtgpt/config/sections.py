@@ -42,8 +42,6 @@ class ModelConfig:
     """The vocabulary is padded to a multiple of this alone (never times tp), so the model is mesh-free."""
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    fp32_residual_connection: bool = False
-    """Keep the residual stream (and what pipeline stages pass) in fp32 under fp16 / bf16."""
     dropout_rng: str = "megatron"
     """How dropout masks are drawn: 'megatron' (per-rank generator streams, Megatron's semantics:
     the masks depend on the layout) or 'layout_invariant' (each mask element a hash of what it
@@ -74,6 +72,8 @@ class TrainingConfig:
     accumulate_allreduce_grads_in_fp32: bool = False
     """Accumulate gradients over micro-batches and reduce them over dp in fp32 (else in the
     compute dtype). Always on under bf16, as in Megatron."""
+    fp32_residual_connection: bool = False
+    """Keep the residual stream (and what pipeline stages pass) in fp32 under fp16 / bf16."""
     fp16_lm_cross_entropy: bool = False
     """Compute the loss from fp16 / bf16 logits instead of casting them to fp32 first."""
     recompute_granularity: Optional[str] = None

@@ -122,8 +122,8 @@ def _check_precision(cfg: Config) -> None:
     o = cfg.optimizer
     _require(not (t.fp16 and t.bf16), "training.fp16=true and training.bf16=true cannot both be set")
     _require(
-        t.fp16 or t.bf16 or not cfg.model.fp32_residual_connection,
-        "model.fp32_residual_connection=true needs training.fp16 or training.bf16 (an fp32 run's residual stream is fp32 already)",
+        t.fp16 or t.bf16 or not t.fp32_residual_connection,
+        "training.fp32_residual_connection=true needs training.fp16 or training.bf16 (an fp32 run's residual stream is fp32 already)",
     )
     _require(o.initial_loss_scale > 0 and o.min_loss_scale > 0, "optimizer.initial_loss_scale and min_loss_scale must be > 0")
     _require(o.hysteresis >= 1, f"optimizer.hysteresis={o.hysteresis} must be >= 1")

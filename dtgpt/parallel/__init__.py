@@ -70,6 +70,8 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
     apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     if cfg.training.compile:  # where a parity test covers it (config validation)
         apply_compile(model, dims)
+    if cfg.training.fp32_residual_connection and model.embedding is not None:
+        model.embedding.fp32_residual = True  # the stream is fp32 from the embedding on
     if dims.fsdp_enabled:
         apply_fsdp(
             model,

@@ -113,7 +113,7 @@ class CommLayout:
             pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, sequence_parallel=p.sequence_parallel and tp > 1,
             loss_parallel=p.loss_parallel, stages_per_rank=p.virtual_pipeline_stages_per_rank,
             schedule=p.pipeline_schedule, compute_bytes=e, grad_bytes=FP32 if grads_reduced_in_fp32(cfg) else e,
-            residual_bytes=FP32 if m.fp32_residual_connection else e, fp16=t.fp16,
+            residual_bytes=FP32 if t.fp32_residual_connection else e, fp16=t.fp16,
             reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
