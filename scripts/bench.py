@@ -5,10 +5,11 @@
     python scripts/bench.py --sizes tiny --device cpu --iters 3   # a smoke run on a CPU
     python scripts/bench.py --sizes 1.3b --json results.json
 
-dtgpt runs exactly as the trainer runs it on one device: a Config, the mesh of one
-(`ParallelDims.from_config(cfg, 1)`), the library's `build_model` (meta build -> parallelize ->
-materialise) and `build_train_state` (AdamW, LR schedule, loss scaler), then `train_step` once
-per iteration with one micro-batch. The reference is what one would write in a single file: the model of
+dtgpt runs exactly as the trainer runs it on one device: a Config, `init_distributed` (in bf16
+a process group of one: the model computes in bf16 over fp32 master weights, FSDP's cast,
+Megatron's regime), the library's `build_model` (meta build -> parallelize -> materialise) and
+`build_train_state` (AdamW, LR schedule, loss scaler), then `train_step` once per iteration with
+one micro-batch. The reference is what one would write in a single file: the model of
 scripts/reference_gpt.py (pre-LN GPT, learned positions, fused QKV, tanh-GeLU MLP, biases, final
 LayerNorm, tied head) and the step below: bf16 autocast, `torch.compile` of the model (loss
 included), AdamW (fused on CUDA), clipping at 1.0, and the loss read on the host once per
@@ -41,12 +42,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtgpt.config import Config, validate
-from dtgpt.distributed import Runtime, resolve_device
+from dtgpt.distributed import init_distributed, resolve_device, shutdown
 from dtgpt.metrics import peak_tflops
 from dtgpt.config import padded_vocab_size
 from dtgpt.model import GPT
 from dtgpt.model_size import flops_per_token, num_parameters
-from dtgpt.parallel import ParallelDims
 from dtgpt.api import build_model, build_train_state, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path
@@ -98,7 +98,7 @@ def bench_config(size: str, device_type: str, *, bf16: bool = True, compile: boo
 def build_dtgpt(cfg: Config, device: torch.device):
     """The TrainState (model parts, optimizer, LR schedule, scaler) of the trainer's own setup path."""
     torch.manual_seed(cfg.training.seed)
-    runtime = Runtime(rank=0, world_size=1, local_rank=0, device=device, dims=ParallelDims.from_config(cfg, 1))
+    runtime = init_distributed(cfg)  # bf16: a process group of one, for FSDP's cast (dtgpt/parallel/fsdp.py)
     return build_train_state(cfg, build_model(cfg, runtime, VOCAB_SIZE))
 
 
@@ -350,10 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dtgpt benchmark | {env['date']} | {env['device']} | torch {env['torch']}"
           + (f" | CUDA {env['cuda']}" if env["cuda"] else "") + f" | peak {_fmt(peak, 'g', 'n/a')} TFLOP/s")  # fmt: skip
     print(FLOP_FORMULA)
-    print(f"bf16 autocast, compile {'on' if args.compile else 'off'}, {args.warmup} warm-up + {args.iters} timed "
+    print(f"bf16 (dtgpt: Megatron's regime; reference: autocast), compile {'on' if args.compile else 'off'}, {args.warmup} warm-up + {args.iters} timed "
           f"iterations x {args.rounds} rounds per side (alternating order), batches "
           f"{'in pinned host memory' if args.host_batches else 'already on the device'}", flush=True)  # fmt: skip
-    results = {size: bench_size(size, device, args, peak) for size in args.sizes}
+    try:
+        results = {size: bench_size(size, device, args, peak) for size in args.sizes}
+    finally:
+        shutdown(clean=False)
     print_summary(results)
     if args.json:
         settings = {k: getattr(args, k) for k in ("device", "compile", "warmup", "iters", "rounds", "host_batches")}
