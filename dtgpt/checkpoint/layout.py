@@ -124,6 +124,8 @@ def swap_in(directory: Path, final: Path) -> None:
     fsynced). An old `final` is moved aside before and deleted after, so at every moment one
     complete copy exists; a crash in between leaves the pointer naming a missing directory, and
     a load falls back to the newest complete one."""
+    if final.exists() and not os.access(final, os.W_OK | os.X_OK):  # its files could not be removed after the swap
+        raise CheckpointError(f"{final} is read-only, so a new save cannot replace it; {POINTER} not moved")
     old = final.with_name(final.name + ".replaced")
     if old.exists():
         shutil.rmtree(old)
