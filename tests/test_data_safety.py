@@ -1,17 +1,19 @@
 """Data files that used to be read silently wrong (issue 21): a wrong dtype code in the `.idx`,
-a tampered index cache, and a preprocessing input that yields no document."""
+a tampered index cache (one whose checksum was rewritten to match too: issue 35), and a
+preprocessing input that yields no document."""
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import numpy as np
 import pytest
 
 from dtgpt.config import DataConfig
 from dtgpt.data.gpt_dataset import GPTDataset
-from dtgpt.data.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, dtype_code
+from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, dtype_code
 from dtgpt.data.preprocess import PreprocessError, preprocess
 
 DTYPE_CODE_OFFSET = 9 + 8  # after the magic and the version
@@ -50,6 +52,39 @@ def test_a_tampered_index_cache_is_rebuilt_with_one_line(corpus, tmp_path, capsy
     assert all(np.array_equal(b[i], e) for i, e in enumerate(expected))
     c = GPTDataset(IndexedDataset(corpus), (0, 30), 40, 16, 1234, cache)  # rebuilt: used as is now
     assert not capsys.readouterr().out and all(np.array_equal(c[i], e) for i, e in enumerate(expected))
+
+
+class Payload:
+    """Pickled as `exec(code)`: creates the marker file if it is ever unpickled."""
+
+    def __init__(self, marker):
+        self.code = f"open({str(marker)!r}, 'w').close()"
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+@pytest.mark.parametrize("planted", ["object_array", "float_array"])
+def test_an_index_cache_file_with_a_matching_checksum_but_no_index_array_is_refused(corpus, tmp_path, planted):
+    """Its checksum rewritten to match, so it is taken as cached: an object array (a pickle) is
+    refused without unpickling it, and one of floats is not misread as an index; one line each,
+    naming the file."""
+    cache, marker = str(tmp_path / "cache"), tmp_path / "PWNED"
+    GPTDataset(IndexedDataset(corpus), (0, 30), 40, 16, 1234, cache)
+    shuffle = next(os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("shuffle_index.npy"))
+    if planted == "object_array":
+        np.save(shuffle, np.array([Payload(marker), None], dtype=object), allow_pickle=True)
+    else:
+        np.save(shuffle, np.load(shuffle).astype(np.float64))
+    with open(f"{shuffle}.crc32", "w") as f:
+        f.write(f"{zlib.crc32(open(shuffle, 'rb').read())}\n")
+    with pytest.raises(DataError) as e:
+        GPTDataset(IndexedDataset(corpus), (0, 30), 40, 16, 1234, cache)
+    message = str(e.value)
+    assert message.startswith(f"data index cache {shuffle} is not an index array this cache writes (")
+    assert "\n" not in message and message.endswith("remove it (and its .crc32) to rebuild it")
+    assert ("Python objects" if planted == "object_array" else "its dtype is float64") in message
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("content", [b"", b"\x00\x01\xff\xfe binary\n", b'{"other": "key"}\n', b'{"text": ""}\n'])

@@ -1,5 +1,6 @@
 """Every command in the README runs as written (shortened to a few iterations), so the README
-cannot rot; and none of them prints a warning we have not accounted for.
+cannot rot; and none of them prints a warning we have not accounted for. A command that reads
+what another writes (checkpoints/debug, a converted checkpoint, preprocessed data) runs after it.
 
 The commands are read from the README's code blocks. A command added to the README without an
 entry in RUNS below fails `test_every_readme_command_has_a_run`.
@@ -7,7 +8,9 @@ entry in RUNS below fails `test_every_readme_command_has_a_run`.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -23,6 +26,18 @@ README = REPO / "README.md"
 PROGRAMS = ("make ", "python ", "torchrun ")
 
 SHORT_RUN = ["--training.train_iters=4", "--eval.eval_interval=2", "--eval.eval_iters=1", "--logging.log_interval=2"]
+PREPROCESS = (
+    "python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus --tokenizer-type ByteTokenizer --append-eod"
+)
+TRAIN_ON_IT = (
+    "python train.py --config configs/debug.toml --data.data_path=data/corpus_text_document "
+    "--checkpoint.save=checkpoints/corpus --checkpoint.load=checkpoints/corpus"
+)
+TO_MEGATRON = "python scripts/convert_checkpoint.py to-megatron checkpoints/debug megatron_ckpt"
+FROM_MEGATRON = "python scripts/convert_checkpoint.py from-megatron megatron_ckpt from_megatron --config configs/debug.toml"
+TO_TORCH = "python scripts/convert_checkpoint.py to-torch checkpoints/debug debug.pt"
+FROM_TORCH = "python scripts/convert_checkpoint.py from-torch debug.pt from_torch"
+GENERATE = "python scripts/generate.py checkpoints/debug --prompt 'def ' --max-new-tokens 40 --temperature 0.8 --top-k 20"
 RUNS: dict[str, list[str] | None] = {
     # README command (as extracted) -> arguments appended to shorten it; None: not run here
     "make train": SHORT_RUN,
@@ -35,7 +50,28 @@ RUNS: dict[str, list[str] | None] = {
     "python scripts/plan.py --config configs/debug_3d.toml --world-size 8 --check": [],
     "torchrun --nproc-per-node 8 train.py --config configs/gpt3_175b.toml": ["--training.train_iters=4"],
     "torchrun --nproc-per-node 2 examples/simple_train_loop.py": [],
+    # your data, checkpoints in and out, sampling: each reads what `make train` or the one before leaves
+    PREPROCESS: [],
+    TRAIN_ON_IT: SHORT_RUN,
+    TO_MEGATRON: [],
+    FROM_MEGATRON: [],
+    TO_TORCH: [],
+    FROM_TORCH: [],
+    GENERATE: [],
 }
+NEEDS = {TRAIN_ON_IT: [PREPROCESS], FROM_MEGATRON: [TO_MEGATRON], FROM_TORCH: [TO_TORCH]}
+"""README commands that read what another one writes: that one runs first, in the same folder."""
+OUTPUTS = {
+    PREPROCESS: ["data/corpus_text_document.bin", "data/corpus_text_document.idx"],
+    TRAIN_ON_IT: ["checkpoints/corpus/iter_0000004/complete"],
+    TO_MEGATRON: ["megatron_ckpt/iter_0000004/common.pt", "megatron_ckpt/latest_checkpointed_iteration.txt"],
+    FROM_MEGATRON: ["from_megatron/iter_0000004/complete"],
+    TO_TORCH: ["debug.pt"],
+    FROM_TORCH: ["from_torch/iter_0000004/complete"],
+}
+"""What a command must leave behind (besides exiting 0 without a warning)."""
+DEBUG_RUNS = ("make train", "python train.py --config configs/debug.toml")
+"""The commands that leave checkpoints/debug, which the others read (trained once: trained_debug)."""
 
 WARNING = re.compile(r"warn", re.IGNORECASE)
 EXPLAINED_WARNINGS = (
@@ -63,7 +99,7 @@ def readme_commands() -> list[str]:
 
 def run_key(command: str) -> str:
     """The RUNS entry of a command: itself, or its first line for the long debugging command."""
-    return next((key for key in RUNS if command == key or command.startswith(key + " --")), command)
+    return command if command in RUNS else next((key for key in RUNS if command.startswith(key + " --")), command)
 
 
 def test_every_readme_command_has_a_run():
@@ -75,10 +111,30 @@ def test_every_readme_command_has_a_run():
 
 def workspace(tmp_path: Path) -> Path:
     """A folder where relative paths of a command (configs/, checkpoints/, runs/) resolve as in a
-    checkout, while what the command writes stays out of the real one."""
+    checkout, while what the command writes stays out of the real one; with a `corpus.jsonl`."""
     for name in ("train.py", "configs", "scripts", "examples"):
         (tmp_path / name).symlink_to(REPO / name)
+    rng = random.Random(0)
+    words = "the rank reads its tokens and saves a checkpoint while every layout trains one model".split()
+    texts = (" ".join(rng.choices(words, k=rng.randint(20, 80))) for _ in range(300))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     return tmp_path
+
+
+def run_readme_command(command: str, where: Path) -> subprocess.CompletedProcess:
+    """`command` as written plus its RUNS arguments, in `where`, with the venv activated."""
+    argv = as_argv(command) + RUNS[run_key(command)]
+    argv = [a.replace("/tmp/ckpt", str(where / "ckpt")) for a in argv]  # keep runs apart
+    return subprocess.run(argv, cwd=where, env=activated_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def trained_debug(tmp_path_factory) -> Path:
+    """checkpoints/debug as `make train` leaves it (shortened), for the commands that read it."""
+    where = workspace(tmp_path_factory.mktemp("trained_debug"))
+    proc = run_readme_command(DEBUG_RUNS[1], where)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return where / "checkpoints/debug"
 
 
 def as_argv(command: str) -> list[str]:
@@ -112,15 +168,24 @@ COMMANDS = readme_commands()
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if RUNS.get(run_key(c)) is not None], ids=run_key)
-def test_readme_command_runs_without_warnings(tmp_path, command):
+def test_readme_command_runs_without_warnings(tmp_path, request, command):
     where = workspace(tmp_path)
-    argv = as_argv(command) + RUNS[run_key(command)]
-    argv = [a.replace("/tmp/ckpt", str(where / "ckpt")) for a in argv]  # keep runs apart
-    proc = subprocess.run(argv, cwd=where, env=activated_env(), capture_output=True, text=True, timeout=600)
+    before = NEEDS.get(run_key(command), [])
+    if run_key(command) not in DEBUG_RUNS and any("checkpoints/debug" in c for c in [command, *before]):
+        shutil.copytree(request.getfixturevalue("trained_debug"), where / "checkpoints/debug")
+    for earlier in before:
+        proc = run_readme_command(earlier, where)
+        assert proc.returncode == 0, f"{earlier}\n{(proc.stdout + proc.stderr)[-6000:]}"
+    proc = run_readme_command(command, where)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{command}\n{output[-6000:]}"
     assert not warnings_in(output), f"{command} printed warnings:\n" + "\n".join(warnings_in(output))
-    if "configs/debug.toml" in " ".join(argv):
+    if run_key(command) in OUTPUTS:
+        assert all((where / path).exists() for path in OUTPUTS[run_key(command)]), (command, sorted(where.rglob("*")))
+    if command == GENERATE:
+        assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def "), proc.stdout  # the prompt, then the sample
+        assert "> checkpoints/debug/iter_0000004: 40 tokens, temperature 0.8, top-k 20" in proc.stderr
+    if run_key(command) in DEBUG_RUNS:
         # make train leaves a checkpoint and logs behind, and says how to sample from it
         assert (where / "checkpoints/debug/latest_checkpointed_iteration.txt").read_text().strip() == "4"
         assert (where / "runs/debug/metrics.jsonl").exists() and any((where / "runs/debug/tensorboard").iterdir())

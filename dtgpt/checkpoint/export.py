@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.safe import SafeReader, unpickling_reason
+from dtgpt.checkpoint.safe import SafeReader, load_problem
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, shape_problem
 from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
@@ -149,7 +149,7 @@ def from_torch_file(path: str | Path, root: str | Path, config_path: str | None 
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - random bytes fail in many ways inside the unpickler; all read the same
         # weights_only refuses anything but tensors and containers: a crafted file ends here too
-        raise CheckpointError(f"{path} is not a torch file of tensors that dtgpt reads: {unpickling_reason(e)}") from None
+        raise CheckpointError(f"{path} is not a torch file of tensors that dtgpt reads: {load_problem(path, e)}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not a dict of tensors")
     if data.get("format") == TORCH_FORMAT:

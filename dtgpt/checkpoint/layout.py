@@ -124,6 +124,8 @@ def swap_in(directory: Path, final: Path) -> None:
     fsynced). An old `final` is moved aside before and deleted after, so at every moment one
     complete copy exists; a crash in between leaves the pointer naming a missing directory, and
     a load falls back to the newest complete one."""
+    if final.exists() and not os.access(final, os.W_OK | os.X_OK):  # its files could not be removed after the swap
+        raise CheckpointError(f"{final} is read-only, so a new save cannot replace it; {POINTER} not moved")
     old = final.with_name(final.name + ".replaced")
     if old.exists():
         shutil.rmtree(old)
@@ -142,6 +144,17 @@ def read_pointer(root: str | Path) -> int | None:
     except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isascii() and text.isdigit() else None
+
+
+def pointer_state(root: str | Path) -> str:
+    """What root's pointer says, for a message: the iteration it names, or why it names none."""
+    pointer, pointed = Path(root) / POINTER, read_pointer(root)
+    if pointed is not None or not pointer.exists():
+        return f"{POINTER} names iteration {pointed}" if pointed is not None else f"no {POINTER}"
+    try:
+        return f"{POINTER} holds {pointer.read_text().strip()[:40]!r}, not an iteration number"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{POINTER} cannot be read ({e})"
 
 
 def write_pointer(root: str | Path, iteration: int) -> None:
@@ -223,16 +236,19 @@ def _index_problem(directory: Path, trust_pickles: bool, sizes: bool) -> str | N
     checksums) naming data files shorter than it says."""
     try:
         metadata = read_metadata(directory, trust_pickles)
-        if not sizes:
-            return None
-        # The index records where each item lives; a data file shorter than that was truncated.
-        needed: dict[str, int] = {}
-        for info in (metadata.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        return short_data_file(directory, metadata) if sizes else None
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - any unreadable index means the same thing here
         return f"unreadable {DCP_METADATA}: {type(e).__name__}: {e}"
+
+
+def short_data_file(directory: Path, metadata: Metadata) -> str | None:
+    """The first data file of `directory` that is missing or shorter than DCP's index says (the
+    index records where each item lives: a shorter file was truncated), or None."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         path = directory / name
         if not path.is_file():
@@ -299,7 +315,8 @@ def resolve(
         why = why_not(pointed)
         if why is None:
             return Resolved(iteration_dir(root, pointed), pointed, warnings)
-        warnings.append(f"{root}/{POINTER} names iteration {pointed}, but {iteration_dir(root, pointed)} is not usable ({why})")
+        pointer = f"{pointer_state(root)}, but {iteration_dir(root, pointed).name} is not usable ({why})"
+        warnings.append(f"{root}/{pointer}")
     newest_why = None
     for iteration in reversed(candidates):
         why = why_not(iteration)
@@ -317,7 +334,8 @@ def resolve(
             f"(newest {newest_why}); refusing to start from scratch over them: "
             "fix or move them, or point checkpoint.save and checkpoint.load elsewhere"
         )
-    note = f"checkpoint.load={root} holds no complete checkpoint (no {POINTER}, no completed iter_* directory)"
+    pointer = pointer_state(root) if pointed is None else pointer
+    note = f"checkpoint.load={root} holds no complete checkpoint ({pointer}; no completed iter_* directory)"
     if not fresh_ok:
         raise CheckpointError(note + "; " + fix)
     return Resolved(None, 0, warnings, note)

@@ -1,5 +1,6 @@
 """One run per save directory, and only into a directory it may write: an advisory lock that
-rank 0 holds for the whole run, and the refusal to save over another run's checkpoints.
+rank 0 holds for the whole run, the refusal to save over another run's checkpoints, and over
+read-only ones.
 
 Two runs saving into one directory would replace each other's checkpoints (and one
 directory could mix the files of both). `fcntl.flock` is released by the kernel when the
@@ -15,7 +16,8 @@ import socket
 import time
 from pathlib import Path
 
-from dtgpt.checkpoint.layout import CheckpointError, list_iterations
+from dtgpt.checkpoint.layout import CheckpointError, iteration_dir, list_iterations
+from dtgpt.config import Config
 
 LOCK = ".lock"
 
@@ -63,6 +65,24 @@ def claim_save_dir(directory: str, run_id: str) -> SaveDirLock:
     if not os.access(directory, os.W_OK):
         raise CheckpointError(f"checkpoint.save={directory} is not writable")
     return SaveDirLock(directory, run_id, created=created)
+
+
+def check_save_dir(directory: str, start: int, cfg: Config, loaded_from_it: bool) -> None:
+    """Before training (rank 0): refuse a save directory whose checkpoints this run did not load
+    from (unless checkpoint.overwrite), or whose iter_* directories it would have to replace but
+    cannot (read-only: the save would fail only after training up to it). Nothing is written."""
+    if not (loaded_from_it or cfg.checkpoint.overwrite):
+        refuse_foreign_checkpoints(directory)
+    c, end = cfg.checkpoint, cfg.training.train_iters  # the run's last save: at train_iters or where exit_interval stops it
+    if c.exit_interval:
+        end = min(end, (start // c.exit_interval + 1) * c.exit_interval)
+    planned = [i for i in list_iterations(directory) if start < i <= end and (i == end or (c.save_interval and i % c.save_interval == 0))]
+    stuck = [i for i in planned if not os.access(iteration_dir(directory, i), os.W_OK | os.X_OK)]
+    if stuck:
+        raise CheckpointError(
+            f"checkpoint.save={directory}: {iteration_dir(directory, stuck[0])} is read-only, and this run would replace it "
+            f"when it saves iteration {stuck[0]}: make it writable, move it, or save elsewhere (nothing was written)"
+        )
 
 
 def refuse_foreign_checkpoints(directory: str) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.lock import SaveDirLock, claim_save_dir, refuse_foreign_checkpoints
+from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
@@ -131,9 +131,9 @@ class Checkpointer:
         self._lock = claim_save_dir(self.cfg.save, self.run_id)
 
     def _check_save_dir(self, loaded_from: str) -> None:
-        save = self.cfg.save
-        if save and not layout.same_path(loaded_from, save) and not self.cfg.overwrite:
-            self._from_rank0(lambda: refuse_foreign_checkpoints(save))
+        save, start = self.cfg.save, self.state.progress.iteration
+        if save:
+            self._from_rank0(lambda: check_save_dir(save, start, self.run_cfg, layout.same_path(loaded_from, save)))
 
     def release(self) -> None:
         """Give up the save directory's lock (finalize() does; a dead process does too)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -151,3 +152,27 @@ def unpickling_reason(error: BaseException) -> str:
             return rest or (lines[i + 1] if i + 1 < len(lines) else line)
     return lines[0] if lines else type(error).__name__
 
+
+def load_problem(path: Path, error: BaseException) -> str:
+    """Why torch.load failed on `path`, in one line: a torch.save archive cut short or damaged is
+    named as such (torch's own words for it are about zip internals or a bare errno), anything
+    else as the unpickler refused it."""
+    return archive_damage(Path(path)) or unpickling_reason(error)
+
+
+def archive_damage(path: Path) -> str | None:
+    """Why the zip archive torch.save writes is incomplete or damaged; None when it is whole, or
+    when the file is no zip archive at all (random bytes, a bare pickle: another problem)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                return None
+        size = path.stat().st_size
+    except OSError:  # unreadable: torch's error says it
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record against its CRC-32
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        return f"it is truncated or corrupt ({size} bytes, not a complete torch.save archive: {e})"
+    return f"it is corrupt (its record {bad} does not match its CRC-32)" if bad else None

@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from dtgpt.data.indexed import DataError
+
 DEFAULT_CACHE_ROOT = "~/.cache/dtgpt"
 
 
@@ -99,7 +101,18 @@ def is_cached(paths) -> bool:
 
 
 def load_npy(path: str) -> np.ndarray:
-    return np.load(path, mmap_mode="r", allow_pickle=False)
+    """A cached index array, read as data (never unpickled). The checksum proves only that the file
+    is the one written beside it: anything but an array of integers is refused in one line."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # an object array, a damaged header, no .npy at all
+        array, why = None, str(e).rstrip(".")
+    else:
+        why = f"its dtype is {array.dtype}"
+    if array is None or array.dtype.kind not in "iu":
+        raise DataError(f"data index cache {path} is not an index array this cache writes ({why}): "
+                        "remove it (and its .crc32) to rebuild it")  # fmt: skip
+    return array
 
 
 def _process_group():

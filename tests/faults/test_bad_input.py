@@ -1,14 +1,17 @@
 """Bad input: train.py prints ONE `error: ...` line and exits 2, with no traceback.
 
-One test per row of README's "Bad input" table. The runs are independent one-process
+One test per row of README's "Bad input" table, and the read-only checkpoints of docs/faults.md
+("What each kind of bad input gets"). The table's runs are independent one-process
 `python train.py` invocations; a module fixture starts them all at once (a few at a time) so
 the start-up cost of torch is paid in parallel, and each test checks its own result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -111,18 +114,22 @@ def results(tmp_path_factory):
     return tmp, done
 
 
-def single_error(results, name: str) -> str:
-    """The one `error:` line of case `name`, after checking exit status 2 and no traceback."""
-    tmp, done = results
-    if name not in done:
-        pytest.skip(f"{name}: needs the optional 'tokenizers' library")
-    proc = done[name]
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a run, after checking exit status 2 and no traceback."""
     output = proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert len(errors) == 1, output[-3000:]
-    return errors[0].replace(str(tmp) + "/", "")
+    return errors[0]
+
+
+def single_error(results, name: str) -> str:
+    """The one `error:` line of case `name` (paths relative to the cases' folder)."""
+    tmp, done = results
+    if name not in done:
+        pytest.skip(f"{name}: needs the optional 'tokenizers' library")
+    return error_line(done[name]).replace(str(tmp) + "/", "")
 
 
 def test_malformed_toml_names_line_and_column(results):
@@ -230,3 +237,54 @@ def test_config_error_under_torchrun_is_one_line_from_one_rank(tmp_path):
     # torchrun prints its own traceback (ChildFailedError) when a worker fails; none of ours
     ours = (f'File "{Path(TRAIN).parent / "dtgpt"}/', f'File "{TRAIN}"')
     assert not any(frame in proc.stdout + proc.stderr for frame in ours), proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def read_only(directory: Path):
+    """`directory` read-only for this user: its mode, and for root (whom modes do not stop) the
+    immutable attribute; skips where neither stops this user."""
+    directory.chmod(0o555)
+    immutable = (os.access(directory, os.W_OK) and shutil.which("chattr") is not None
+                 and subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0)  # fmt: skip
+    try:
+        if os.access(directory, os.W_OK):
+            pytest.skip("cannot make a directory read-only for this user (root without chattr)")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(directory)], check=True)
+        directory.chmod(0o755)
+
+
+def test_a_run_that_would_replace_a_read_only_checkpoint_stops_before_training(tmp_path):
+    """Resuming from iteration 2 with load == save, or a fresh run with checkpoint.overwrite=true,
+    would have to replace iter_0000004, which is read-only: one line before the first iteration
+    (not a failed save after training up to it), and nothing there is deleted or replaced."""
+    ckpt, run4 = tmp_path / "ckpt", TINY + MOCK + ["--training.train_iters=4", "--checkpoint.save_interval=2"]
+    assert run(tmp_path, run4 + [f"--checkpoint.save={ckpt}"]).returncode == 0 and layout.list_iterations(ckpt) == [2, 4]
+    files = {p: p.read_bytes() for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != ".lock"}
+    with read_only(layout.iteration_dir(ckpt, 4)):
+        for how in ([f"--checkpoint.load={ckpt}", "--checkpoint.load_iteration=2"], ["--checkpoint.overwrite=true"]):
+            proc = run(tmp_path, run4 + [f"--checkpoint.save={ckpt}", *how])
+            assert error_line(proc) == (
+                f"error: checkpoint.save={ckpt}: {ckpt}/iter_0000004 is read-only, and this run would replace it when it "
+                "saves iteration 4: make it writable, move it, or save elsewhere (nothing was written)"
+            )
+            assert "lm loss" not in proc.stdout, proc.stdout  # refused before training
+            assert {p: p.read_bytes() for p in files} == files and layout.list_iterations(ckpt) == [2, 4]
+            assert not list(ckpt.glob("*.saving")) and layout.read_pointer(ckpt) == 4
+
+
+def test_a_save_over_a_read_only_checkpoint_leaves_it_and_says_so(tmp_path):
+    """A save no check foresaw (a signal's, say) of an iteration whose directory is read-only: the
+    old directory stays as it was, the pointer does not move, and the error says why."""
+    root = tmp_path / "ckpt"
+    final, staging = layout.iteration_dir(root, 4), layout.staging_dir(layout.iteration_dir(root, 4))
+    final.mkdir(parents=True)
+    (final / "old").write_text("the checkpoint")
+    staging.mkdir()
+    (staging / "new").write_text("its replacement")
+    with read_only(final):
+        with pytest.raises(layout.CheckpointError, match=f"^{final} is read-only, so a new save cannot replace it; "):
+            layout.swap_in(staging, final)
+        assert [p.name for p in final.iterdir()] == ["old"] and (staging / "new").exists()

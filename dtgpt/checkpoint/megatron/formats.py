@@ -21,7 +21,7 @@ import torch
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.safe import unpickling_reason
+from dtgpt.checkpoint.safe import load_problem
 
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -55,15 +55,23 @@ def is_megatron_dir(directory: Path) -> bool:
 
 def find(root: str | Path, iteration: int = 0) -> Path | None:
     """The Megatron iteration directory `root` names (itself, its pointer's, or `iteration`),
-    or None when `root` holds no Megatron checkpoint (then it is dtgpt's, or nothing)."""
+    or None when `root` holds no Megatron checkpoint (then it is dtgpt's, or nothing). A root
+    of Megatron checkpoints whose pointer leads to none of them is one error saying why."""
     root = Path(root)
     if is_megatron_dir(root):
         return root
     pointed = iteration or layout.read_pointer(root)
-    if pointed is None:
+    directory = None if pointed is None else layout.iteration_dir(root, pointed)
+    if directory is not None and (is_megatron_dir(directory) or iteration or directory.is_dir()):
+        return directory if is_megatron_dir(directory) else None  # else dtgpt's own checks say what is wrong
+    found = [p for p in sorted(root.iterdir()) if p.name.startswith(("iter_", "release")) and is_megatron_dir(p)] if root.is_dir() else []
+    if not found:
         return None
-    directory = layout.iteration_dir(root, pointed)
-    return directory if is_megatron_dir(directory) else None
+    missing = "" if directory is None else f", but there is no {directory.name}"
+    raise CheckpointError(
+        f"{root} holds Megatron checkpoints ({', '.join(p.name for p in found)}) and {layout.pointer_state(root)}{missing}: "
+        f"name the directory to load itself, e.g. {found[-1]}"
+    )
 
 
 def load_pickle(path: Path) -> dict:
@@ -72,7 +80,7 @@ def load_pickle(path: Path) -> dict:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
-        raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {unpickling_reason(e)}") from None
+        raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {load_problem(path, e)}") from None
 
 
 # -- progress ----------------------------------------------------------------------------------

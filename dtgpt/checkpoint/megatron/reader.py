@@ -43,6 +43,9 @@ class MegatronReader:
             # Megatron keeps each layer's Transformer Engine state as a pickled `_extra_state`, and
             # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never reads them.
             metadata = layout.read_metadata(directory, unread=lambda key: "._extra_state" in key or key.startswith("optimizer."))
+            short = layout.short_data_file(directory, metadata)  # Megatron's format has no checksums
+            if short:
+                raise CheckpointError(f"Megatron checkpoint {directory}: {short}: the copy is incomplete or damaged")
             self.shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
                            if isinstance(v, TensorStorageMetadata)}  # fmt: skip
             self.dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()
@@ -57,7 +60,7 @@ class MegatronReader:
 
     @property
     def num_layers(self) -> int:
-        return self.shapes["decoder.layers.self_attention.linear_qkv.weight"][0]
+        return self.shapes.get("decoder.layers.self_attention.linear_qkv.weight", (0,))[0]
 
     def check(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]) -> None:
         """One clear error for the first tensor whose shape (or presence) differs, the vocabulary
@@ -68,7 +71,7 @@ class MegatronReader:
             key = "decoder.layers.self_attention.linear_qkv.weight"
             raise CheckpointError(
                 f"Megatron checkpoint {self.directory} does not fit this model: {key} stacks {self.num_layers} layers "
-                f"{self.shapes[key]} but model.num_layers={num_layers}"
+                f"{self.shapes.get(key, '(none stored)')} but model.num_layers={num_layers}"
             )
         used = {megatron_name(n)[0] for n in model_names}
         for name, shape in wanted.items():
@@ -215,6 +218,8 @@ class PerRankModel:
         for stage in range(len(self.stages)):
             for i in range(self._layer_count(stage)):
                 layers.append(self._join_tp(lambda tp: self._model(tp, stage)[self._stored_name(self._model(tp, stage), i, rest)], key))
+        if not layers:  # a file without transformer layers: check() names what the model misses
+            raise KeyError(key)
         return torch.stack(layers)
 
     def stacked_shapes(self) -> dict[str, tuple[int, ...]]:
