@@ -7,7 +7,6 @@ lost now leaves it loadable; out-of-range settings and bad files are one line.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -26,15 +25,8 @@ from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ConfigError, load_config
 from dtgpt.training import SkippedTooOftenError, check_skipped
 from dtgpt.state import RunHealth
-from tests.runs import REPO, TINY, TRAIN, read_metrics, run_train
+from tests.runs import TINY, TRAIN, load_script, read_metrics, run_train
 from tests.test_checkpoint_unit import SMALL, checkpointer, make_trainer, step
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _text(s: str) -> bytes:
