@@ -41,6 +41,7 @@ from dtgpt.plan.comm import (  # noqa: E402
     CommLayout,
     block_shapes,
     embedding_shapes,
+    gathered_numel,
     head_shapes,
     rank_collectives,
     rank_stages,
@@ -65,16 +66,6 @@ def collective_class(col: Collective) -> str:
     if col.dim == "tied":
         return "tied embedding grads"
     return "scalars"
-
-
-def numel(shapes: list[tuple[int, ...]]) -> int:
-    total = 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total
 
 
 def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective]:
@@ -110,10 +101,10 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
     if c.dp * c.cp > 1:
         params = 0
         for s in stages:
-            params += c.layer_counts[s] * numel(block_shapes(c))
-            params += numel(embedding_shapes(c)) if s == 0 else 0
+            params += c.layer_counts[s] * gathered_numel(block_shapes(c), 1)
+            params += gathered_numel(embedding_shapes(c), 1) if s == 0 else 0
             # the last stage's copy of a tied embedding is a parameter of its own there too
-            params += numel(head_shapes(c, with_output=not (c.tied and s == 0))) if s == c.num_stages - 1 else 0
+            params += gathered_numel(head_shapes(c, with_output=not (c.tied and s == 0)), 1) if s == c.num_stages - 1 else 0
         dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
         out += [Collective("reduce_scatter", dim, "dp grads", 1, params * g), Collective("all_gather", dim, "dp params", 1, params * e)]
     if c.pp > 1 and c.tied and first != last:

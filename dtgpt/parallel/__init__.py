@@ -47,6 +47,12 @@ def compute_dtype(cfg: Config) -> torch.dtype | None:
     return None
 
 
+def grad_reduce_dtype(cfg: Config) -> torch.dtype:
+    """The dtype gradients are accumulated and reduced in: fp32, or the compute dtype for fp16
+    without accumulate_allreduce_grads_in_fp32 (config.grads_reduced_in_fp32)."""
+    return torch.float32 if grads_reduced_in_fp32(cfg) else compute_dtype(cfg)
+
+
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
     """TP -> CP -> layout-invariant dropout -> recomputation -> compile -> FSDP, in place, on one model/stage.
 
@@ -76,7 +82,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
-            mixed_precision_policy(compute_dtype(cfg), grads_reduced_in_fp32(cfg)),
+            mixed_precision_policy(compute_dtype(cfg), grad_reduce_dtype(cfg)),
             reshard_after_forward=fsdp_reshards_after_forward(cfg),
         )
         for module in model.modules():
@@ -170,7 +176,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         dims=dims,
         device=device,
         schedules=schedules,
-        grad_reduce_dtype=torch.float32 if grads_reduced_in_fp32(cfg) else compute_dtype(cfg),
+        grad_reduce_dtype=grad_reduce_dtype(cfg),
         fsdp_reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
         loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),

@@ -7,7 +7,8 @@ master weights that the optimizer steps; gradients come out of backward in the c
 are accumulated and reduced in fp32 (`training.accumulate_allreduce_grads_in_fp32`, always on
 under bf16). FSDP's MixedPrecisionPolicy is exactly that, so a low-precision run is FSDP-sharded
 at every dp, one rank included (FSDP then gathers nothing and casts locally): the regime never
-depends on dp. Norms compute their statistics in fp32 inside the op (dtgpt.model.Norm), softmax
+depends on dp. Norms compute their statistics in fp32 inside the op (dtgpt.model.LayerNorm and
+RMSNorm return the compute dtype even from an fp32 residual stream), softmax
 in fp32 inside attention, the loss in fp32 (dtgpt.parallel.model_parts).
 
 Each block is one FSDP unit (its parameters are gathered just before it runs); the embedding
@@ -24,11 +25,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from dtgpt.model import GPT
 
 
-def mixed_precision_policy(compute: torch.dtype | None, reduce_in_fp32: bool) -> MixedPrecisionPolicy:
-    """Gather in the compute dtype (None: fp32 as stored); reduce in fp32 or the compute dtype."""
+def mixed_precision_policy(compute: torch.dtype | None, reduce: torch.dtype) -> MixedPrecisionPolicy:
+    """Gather in the compute dtype (None: fp32 as stored); accumulate and reduce in `reduce`."""
     # Inputs are left as they come: the model decides its dtypes (fp32_residual_connection).
-    reduce_dtype = torch.float32 if reduce_in_fp32 else compute
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, cast_forward_inputs=False)
 
 
 def apply_fsdp(
