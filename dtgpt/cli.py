@@ -42,6 +42,11 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
         if args.config is None and not overrides:
             raise ConfigError(NO_CONFIG)
         cfg = load_config(args.config, overrides)
+        taken = ""
+        if cfg.checkpoint.use_checkpoint_args:
+            from dtgpt.checkpoint.checkpoint_args import with_checkpoint_architecture
+
+            cfg, taken = with_checkpoint_architecture(cfg)
         if args.dry_run:
             from dtgpt.plan import main as plan_main
 
@@ -49,7 +54,7 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
             # planner takes the smallest world the mesh allows (data_parallel_shard_size -1 as 1).
             world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
             return plan_main(cfg, world_size)
-        print_start(cfg, args.config)
+        print_start(cfg, args.config, taken)
         from dtgpt.training import pretrain
 
         pretrain(cfg, model_provider, datasets_provider)
@@ -67,7 +72,7 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
     return 0
 
 
-def print_start(cfg, path: str | None) -> None:
+def print_start(cfg, path: str | None, architecture_from: str = "") -> None:
     """Rank 0's first line, at once: what is being built (the process group, the model and the
     data take a while before the start-up summary)."""
     if os.environ.get("RANK", "0") != "0":
@@ -78,6 +83,8 @@ def print_start(cfg, path: str | None) -> None:
         f"hidden {m.hidden_size}, sequence {m.seq_length}; then the data",
         flush=True,
     )
+    if architecture_from:
+        print(f"> {architecture_from}", flush=True)
 
 
 def print_next_steps(cfg) -> None:

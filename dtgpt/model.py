@@ -1,8 +1,9 @@
-"""The GPT-3 model of Megatron-LM in plain single-device PyTorch.
+"""Megatron-LM's GPT family in plain single-device PyTorch.
 
-Pre-LayerNorm blocks, learned absolute position embeddings (RoPE as an option), causal
-attention through `scaled_dot_product_attention`, a GeLU MLP, biases everywhere, and an output
-head tied to the word embedding. This file never imports torch.distributed: parallelism is
+GPT-3 by default: pre-LayerNorm blocks, learned absolute position embeddings, causal attention
+through `scaled_dot_product_attention`, a GeLU MLP, biases everywhere, and an output head tied
+to the word embedding. Llama-style options with Megatron's names (dtgpt/config/sections.py):
+grouped-query attention, SwiGLU, RMSNorm, RoPE, no biases, qk-layernorm, an untied head. This file never imports torch.distributed: parallelism is
 applied from the outside (dtgpt/parallel). What the model concedes to pipelining: blocks live in
 an `nn.ModuleDict` keyed "0".."L-1" (names survive deleting blocks), and the embedding, final
 norm and head may be None on a pipeline stage. What it concedes to recomputation: the attention
@@ -59,8 +60,8 @@ def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
 
 
 def norm_inits(norm: nn.Module) -> DeclaredInits:
-    """A norm starts as the identity: scale one, shift (LayerNorm only) zero."""
-    inits = [(norm.weight, Init.ONES)]
+    """A norm starts as the identity: scale one (stored zero if one_plus), shift (LayerNorm only) zero."""
+    inits = [(norm.weight, Init.ZEROS if norm.one_plus else Init.ONES)]
     if getattr(norm, "bias", None) is not None:
         inits.append((norm.bias, Init.ZEROS))
     return inits
@@ -88,46 +89,79 @@ class Dropout(nn.Module):
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose output has its parameters' dtype, whatever its input's: under fp16/bf16
     with fp32_residual_connection the residual stream is fp32 and the block computes in the
-    parameters' dtype. Statistics are fp32 inside the op either way."""
+    parameters' dtype. Statistics are fp32 inside the op either way. With `one_plus`
+    (apply_layernorm_1p) the stored weight is gamma - 1."""
+
+    def __init__(self, size: int, eps: float, one_plus: bool = False):
+        super().__init__(size, eps=eps)
+        self.one_plus = one_plus
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
-            return super().forward(x)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), bias, self.eps).to(self.weight.dtype)
+        weight = self.weight + 1 if self.one_plus else self.weight
+        bias = self.bias.to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, weight.to(x.dtype), bias, self.eps).to(self.weight.dtype)
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose output has its parameters' dtype (as LayerNorm)."""
+    """nn.RMSNorm whose output has its parameters' dtype (as LayerNorm, `one_plus` included)."""
+
+    def __init__(self, size: int, eps: float, one_plus: bool = False):
+        super().__init__(size, eps=eps)
+        self.one_plus = one_plus
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:
-            return super().forward(x)
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps).to(self.weight.dtype)
+        weight = self.weight + 1 if self.one_plus else self.weight
+        return F.rms_norm(x, self.normalized_shape, weight.to(x.dtype), self.eps).to(self.weight.dtype)
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.normalization == "RMSNorm":
-        return RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-    return LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+def build_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
+    """model.normalization over `size` channels (default: the hidden size)."""
+    norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return norm(size or cfg.hidden_size, eps=cfg.norm_epsilon, one_plus=cfg.apply_layernorm_1p)
 
 
-def apply_rotary(x: torch.Tensor, base: int, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, nh, T, hd) by angles of the token positions (RoPE).
+def rotary_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """RoPE's inverse frequencies (rotated channels / 2,), fp32: base^(-2i/d) over the first
+    d = rotary_percent * head_dim channels, with Llama 3.1's scaling if use_rope_scaling."""
+    dim = int(cfg.head_dim * cfg.rotary_percent)
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if not cfg.use_rope_scaling:
+        return inv_freq
+    # Llama 3.1: wavelengths beyond the original context (8192 tokens) slow down by the factor,
+    # those under a quarter of it stay, and the band between is interpolated.
+    factor, low, high, context = cfg.rope_scaling_factor, 1.0, 4.0, 8192
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(middle, blended, scaled)
 
-    positions (B, T): the position of each token (None: 0..T-1).
+
+def apply_rotary(
+    x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor | None = None, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate channel pairs of x (B, nh, T, hd) by angles of the token positions (RoPE).
+
+    The pairs are (i, i + d/2) of the first d = 2 * len(inv_freq) channels, or (2i, 2i+1) if
+    `interleaved`; the other channels pass unrotated. positions (B, T): each token's position
+    (None: 0..T-1). Angles in fp32, the rotation in x's dtype.
     """
-    T, hd = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    T, rotated_channels = x.shape[-2], 2 * inv_freq.numel()
     if positions is None:
         positions = torch.arange(T, device=x.device)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (T, hd/2) or (B, T, hd/2)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (T, d/2) or (B, T, d/2)
     if angles.dim() == 3:
-        angles = angles.unsqueeze(1)  # (B, 1, T, hd/2): the same for every head
+        angles = angles.unsqueeze(1)  # (B, 1, T, d/2): the same for every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2)
+    x, passed = x[..., :rotated_channels], x[..., rotated_channels:]
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
 class Embedding(nn.Module):
@@ -180,6 +214,14 @@ def allowed_keys(
     return mask
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """SDPA of q (B, nh, Tq, hd) over k, v (B, ng, Tk, hd), query head i reading key/value head
+    i // (nh / ng) (grouped-query attention); mask None means causal."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout; no parameters.
 
@@ -200,6 +242,7 @@ class CoreAttention(nn.Module):
         document_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,  # unused: as Dropout
     ) -> torch.Tensor:
+        """q (B, nh, T, hd); k, v (B, ng, T, hd) with ng dividing nh (see attend)."""
         dropout = self.attention_dropout if self.training else 0.0
         # Documents: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
         mask = None
@@ -207,53 +250,72 @@ class CoreAttention(nn.Module):
             idx = torch.arange(q.shape[2], device=q.device)
             mask = allowed_keys(idx, idx, document_ids, document_ids)
         with self.stream() if dropout else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None
-            )  # (B, nh, T, hd)
+            return attend(q, k, v, mask=mask, dropout=dropout)  # (B, nh, T, hd)
 
 
 class Attention(nn.Module):
-    """Causal self-attention with a fused QKV projection.
+    """Causal self-attention, grouped-query (ng key/value heads shared by nh query heads), with a
+    fused QKV projection.
 
-    The QKV weight rows are laid out head by head, [head, (q|k|v), head_dim], so that cutting the
-    rows into tp equal pieces gives each rank whole heads: column parallelism needs no reordering.
+    The QKV weight rows are laid out group by group, [group, (q_1 .. q_{nh/ng} | k | v), head_dim]
+    (Megatron's layout; one group per head without grouped-query attention), so that cutting the
+    rows into tp equal pieces gives each rank whole groups: column parallelism needs no reordering.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        hd, nh, ng = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+        self.head_dim, self.queries_per_group = hd, nh // ng
+        self.qkv = nn.Linear(cfg.hidden_size, (nh + 2 * ng) * hd, bias=cfg.qkv_bias)
+        self.q_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
+        self.k_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
         self.core = CoreAttention(cfg)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.rotary_base = cfg.rotary_base if cfg.position_embedding_type == "rope" else 0
+        self.proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.cfg = cfg  # RoPE's frequencies are drawn from it on the activations' device
+        self.rope = cfg.position_embedding_type == "rope"
 
     def declared_inits(self) -> DeclaredInits:
-        return linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
+        inits = linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
+        for norm in (self.q_norm, self.k_norm):
+            inits += norm_inits(norm) if norm is not None else []
+        return inits
 
     def forward(self, x: torch.Tensor, position_ids=None, document_ids=None, token_index=None) -> torch.Tensor:
         """x (B, T, C); the per-token inputs as GPT.forward takes them."""
         B, T, _ = x.shape
-        # -1 heads: under tensor parallelism this rank holds only its share of the heads.
-        qkv = self.qkv(x).view(B, T, -1, 3, self.head_dim)  # (B, T, nh, 3, hd)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh, T, hd)
-        if self.rotary_base:
-            q, k = apply_rotary(q, self.rotary_base, position_ids), apply_rotary(k, self.rotary_base, position_ids)
+        # -1 groups: under tensor parallelism this rank holds only its share of the groups.
+        qkv = self.qkv(x).view(B, T, -1, self.queries_per_group + 2, self.head_dim)  # (B, T, ng, nh/ng + 2, hd)
+        q = qkv[:, :, :, :-2].flatten(2, 3).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = qkv[:, :, :, -2].transpose(1, 2), qkv[:, :, :, -1].transpose(1, 2)  # (B, ng, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            inv_freq = rotary_frequencies(self.cfg, x.device)
+            q = apply_rotary(q, inv_freq, position_ids, self.cfg.rotary_interleaved)
+            k = apply_rotary(k, inv_freq, position_ids, self.cfg.rotary_interleaved)
         y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * hd)
 
 
 class MLP(nn.Module):
+    """fc2(gelu(fc1(x))), or with swiglu fc2(silu(gate(x)) * fc1(x)) (Megatron's fc1 holds
+    [gate; fc1] in one matrix; two here, so that each splits over tp on its own)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_size)
-        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.add_bias_linear) if cfg.swiglu else None
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.add_bias_linear)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.gelu_approximation = cfg.gelu_approximation
 
     def declared_inits(self) -> DeclaredInits:
-        return linear_inits(self.fc1, Init.NORMAL) + linear_inits(self.fc2, Init.SCALED_NORMAL)
+        inits = linear_inits(self.fc1, Init.NORMAL) + linear_inits(self.fc2, Init.SCALED_NORMAL)
+        return inits + (linear_inits(self.gate, Init.NORMAL) if self.gate is not None else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The tanh approximation, as GPT-2 and Megatron's fused bias-GeLU use.
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        if self.gate is not None:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.gelu_approximation))
 
 
 class Block(nn.Module):

@@ -2,7 +2,7 @@
 
 Run as a script, one process or under torchrun (gloo, one rank per TP rank):
 
-    python tests/megatron_gpt.py save DIR [--untied]      build, save Megatron-LM's torch_dist
+    python tests/megatron_gpt.py save DIR [--untied] [--arch A]  build, save Megatron-LM's torch_dist
                                                           iteration, write DIR/logits.pt and
                                                           DIR/loss.pt (its own loss on labels())
     python tests/megatron_gpt.py bf16 DIR                 as save, and DIR/bf16_logits.pt: the same
@@ -66,23 +66,49 @@ def labels() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
 
 
-def build(tp: int, untied: bool, layers: int = LAYERS):
+LLAMA_FFN, LLAMA_GROUPS = 128, 2
+
+ARCHS = {
+    # name: (TransformerConfig fields, GPTModel's position_embedding_type, Megatron-LM's args for common.pt)
+    "gpt": (dict(ffn_hidden_size=4 * HIDDEN, bias_activation_fusion=True),  # the tanh GeLU, as dtgpt and GPT-3 runs
+            "learned_absolute", dict(ffn_hidden_size=4 * HIDDEN, position_embedding_type="learned_absolute")),
+    # GPT-3 with RoPE in Megatron's default convention (rotary_interleaved False: channel i with i + d/2)
+    "rope": (dict(ffn_hidden_size=4 * HIDDEN, bias_activation_fusion=True), "rope",
+             dict(ffn_hidden_size=4 * HIDDEN, position_embedding_type="rope", rotary_interleaved=False,
+                  rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False, rope_scaling_factor=8.0)),
+    # Llama-style: RMSNorm, SwiGLU, grouped-query attention, no biases, RoPE (the head untied by --untied)
+    "llama": (dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                   add_bias_linear=False, num_query_groups=LLAMA_GROUPS, bias_activation_fusion=False), "rope",
+              dict(ffn_hidden_size=LLAMA_FFN, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                   add_bias_linear=False, add_qkv_bias=False, bias_gelu_fusion=False, group_query_attention=True,
+                   num_query_groups=LLAMA_GROUPS, rotary_interleaved=False, rotary_percent=1.0, rotary_base=10000,
+                   use_rope_scaling=False, rope_scaling_factor=8.0)),
+}  # fmt: skip
+
+
+def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    fields, positions, _ = ARCHS[arch]
     parallel_state.initialize_model_parallel(tp, 1)
     config = TransformerConfig(
-        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
+        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=0.02, bias_activation_fusion=True,  # the tanh GeLU, as dtgpt and GPT-3 runs
-        bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        init_method_std=0.02, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, **fields,
     )  # fmt: skip
     torch.manual_seed(1234)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
-                    share_embeddings_and_output_weights=not untied, position_embedding_type="learned_absolute")  # fmt: skip
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=not untied, position_embedding_type=positions)  # fmt: skip
+    if arch == "llama":  # biases do not exist, norms start at one: give the norms values to check
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "layernorm" in name:
+                    p.uniform_(0.5, 1.5)
+    return model
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,11 +142,17 @@ def logits(model) -> torch.Tensor:
     return torch.cat(shards, dim=-1)
 
 
-def trainer_state(tp: int, layers: int = LAYERS) -> dict:
-    """What Megatron-LM's trainer saves next to the model (its common.pt part)."""
+def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool = False) -> dict:
+    """What Megatron-LM's trainer saves next to the model (its common.pt part), its args
+    describing the architecture as Megatron-LM's do."""
     args = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID,
                               tensor_model_parallel_size=tp, num_layers=layers, hidden_size=HIDDEN,
+                              num_attention_heads=HEADS, kv_channels=HIDDEN // HEADS, normalization="LayerNorm",
+                              norm_epsilon=1e-5, swiglu=False, add_bias_linear=True, add_qkv_bias=True,
+                              bias_gelu_fusion=True, openai_gelu=False, group_query_attention=False, num_query_groups=1,
+                              apply_layernorm_1p=False, qk_layernorm=False, untie_embeddings_and_output_weights=untied,
                               make_vocab_size_divisible_by=DIVISIBLE_BY, padded_vocab_size=padded_vocab(tp))  # fmt: skip
+    vars(args).update(ARCHS[arch][2])
     return {"iteration": ITERATION, "checkpoint_version": 3.0, "args": args,
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
 
@@ -131,18 +163,20 @@ def main(argv: list[str]) -> None:
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
     args = parser.parse_args(argv)
     patch_megatron()
     from megatron.core import dist_checkpointing
 
     dist.init_process_group("gloo")
     tp, rank = dist.get_world_size(), dist.get_rank()
-    model = build(tp, args.untied, args.layers)
+    model = build(tp, args.untied, args.layers, args.arch)
+    state = trainer_state(tp, args.layers, args.arch, args.untied)
     root = Path(args.root)
     if args.command in ("adam", "load-adam"):
         from tests.megatron_adam import run_adam
 
-        run_adam(args.command, model, root, trainer_state(tp, args.layers))
+        run_adam(args.command, model, root, state)
         dist.destroy_process_group()
         return
     pointer = root / "latest_checkpointed_iteration.txt"
@@ -152,12 +186,12 @@ def main(argv: list[str]) -> None:
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save({"model": model.sharded_state_dict(), **trainer_state(tp, args.layers)}, str(directory))
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **state}, str(directory))
     elif args.command == "per-rank":
         # Megatron-LM's legacy save: one torch.save per model-parallel rank, per-layer keys.
         rank_dir = directory / f"mp_rank_{rank:02d}"
         rank_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict_for_save_checkpoint(), **trainer_state(tp, args.layers)}, rank_dir / "model_optim_rng.pt")
+        torch.save({"model": model.state_dict_for_save_checkpoint(), **state}, rank_dir / "model_optim_rng.pt")
     else:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
         model.load_state_dict(loaded, strict=False)

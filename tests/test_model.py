@@ -113,8 +113,8 @@ def test_modules_declare_megatrons_init(untie, rope, norm):
 def test_a_parameter_without_a_declared_init_is_an_error():
     with torch.device("meta"):
         model = GPT(tiny(), 64)
-    model.layers["1"].mlp.gate = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=r"parameter layers\.1\.mlp\.gate\.weight has no declared init"):
+    model.layers["1"].mlp.extra = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"parameter layers\.1\.mlp\.extra\.weight has no declared init"):
         model.init_kinds()
 
 

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.safe import SafeReader, load_problem
+from dtgpt.checkpoint.saved_config import as_saved, read_saved_config
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, shape_problem
 from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
@@ -54,7 +55,7 @@ def read_config(directory: Path, config_path: str | None = None) -> Config:
         raise CheckpointError(f"--config={config_path}: no such file")
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {layout.CONFIG}; pass the run's config explicitly")
-    return load_config(path)
+    return load_config(path) if config_path else read_saved_config(path)
 
 
 def read_sections(directory: Path, sections: tuple[str, ...] | None = None) -> dict[str, dict]:
@@ -169,7 +170,8 @@ def from_torch_file(path: str | Path, root: str | Path, config_path: str | None 
 
 
 def _config_from_text(text: str) -> Config:
-    cfg = config_from_dict(tomllib.loads(text), "the config stored in the torch file")
+    saved = tomllib.loads(text)
+    cfg = as_saved(config_from_dict(saved, "the config stored in the torch file"), saved)
     validate(cfg)
     return cfg
 

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dtgpt.checkpoint import safe
-from dtgpt.config import Config, ConfigError, load_config
+from dtgpt.checkpoint.saved_config import read_saved_config
+from dtgpt.config import Config, ConfigError
 
 POINTER = "latest_checkpointed_iteration.txt"
 MARKER = "complete"
@@ -67,7 +68,7 @@ def same_path(a: str, b: str) -> bool:
 def stored_config(directory: Path) -> Config | None:
     """The config a checkpoint was saved with; None when it has none, or one that no longer reads."""
     try:
-        return load_config(Path(directory) / CONFIG, check=False)
+        return read_saved_config(Path(directory) / CONFIG, check=False)
     except (ConfigError, OSError):
         return None
 

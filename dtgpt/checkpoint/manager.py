@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dtgpt.checkpoint import layout, megatron
+from dtgpt.checkpoint.architecture import saved_difference
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
@@ -205,7 +206,7 @@ class Checkpointer:
         request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=stateful)
         request = stored_items(request, TrainState.STATEFUL, metadata)
         model_request = flat_keys("model", request["model"])
-        problem = shape_problem(model_request, metadata, "model")
+        problem = saved_difference(layout.stored_config(directory), self.run_cfg) or shape_problem(model_request, metadata, "model")
         keys = [set(model_request)]
         if self.distributed:
             keys = [None] * dist.get_world_size()

@@ -33,6 +33,11 @@ def _check_tensor_parallel(cfg: Config) -> None:
         f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={m.num_attention_heads}",
     )
     _require(
+        m.query_groups % tp == 0,
+        f"parallel.tensor_model_parallel_size={tp} must divide model.num_query_groups={m.query_groups} "
+        "(each rank holds whole key/value groups)",
+    )
+    _require(
         m.ffn_size % tp == 0,
         f"parallel.tensor_model_parallel_size={tp} must divide the MLP width model.ffn_hidden_size={m.ffn_size}",
     )

@@ -25,8 +25,29 @@ class ModelConfig:
     """Transformer blocks."""
     hidden_size: int = 64
     num_attention_heads: int = 4
+    group_query_attention: bool = False
+    """Grouped-query attention: num_query_groups key/value heads, each shared by
+    num_attention_heads / num_query_groups query heads (else one per query head)."""
+    num_query_groups: int = 1
+    kv_channels: int = 0
+    """Channels per attention head; 0 means hidden_size / num_attention_heads."""
     ffn_hidden_size: int = 0
-    """MLP width; 0 means 4 * hidden_size."""
+    """MLP width; 0 means 4 * hidden_size (with swiglu: 8/3 * hidden_size rounded down to a
+    multiple of 64, as Megatron)."""
+    swiglu: bool = False
+    """A SwiGLU MLP, fc2(silu(gate(x)) * fc1(x)), instead of fc2(gelu(fc1(x)))."""
+    openai_gelu: bool = False
+    bias_gelu_fusion: bool = True
+    """Megatron's GeLU variant: the tanh approximation with bias_gelu_fusion (when the linears
+    have biases) or openai_gelu, else the exact erf GeLU."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (GPT-3); False gives Llama's bias-free layers."""
+    add_qkv_bias: bool = False
+    """A bias in the QKV projection even without add_bias_linear."""
+    qk_layernorm: bool = False
+    """Normalise each query and key head (model.normalization over the head channels)."""
+    apply_layernorm_1p: bool = False
+    """Norm weights stored as gamma - 1 (start at zero; the weight decay pulls gamma towards 1)."""
     seq_length: int = 128
     max_position_embeddings: int = 0
     """Rows of the learned position table; 0 means seq_length."""
@@ -34,6 +55,13 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' (GPT-3) or 'rope'."""
     rotary_base: int = 10000
+    rotary_interleaved: bool = False
+    """RoPE rotates channel pairs (2i, 2i+1) if set, else (i, i + d/2) (Megatron's default)."""
+    rotary_percent: float = 1.0
+    """The fraction of each head's channels RoPE rotates (the first ones)."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (original context 8192, low/high frequency factors 1/4)."""
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     """'LayerNorm' (GPT-3) or 'RMSNorm'."""
     norm_epsilon: float = 1e-5
@@ -49,7 +77,28 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(8 * self.hidden_size / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: num_query_groups under grouped-query attention, else one per head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def gelu_approximation(self) -> str:
+        """F.gelu's `approximate` for Megatron's GeLU variant (see bias_gelu_fusion)."""
+        tanh = self.openai_gelu or (self.bias_gelu_fusion and self.add_bias_linear)
+        return "tanh" if tanh else "none"
 
     @property
     def max_positions(self) -> int:
@@ -192,6 +241,9 @@ class CheckpointConfig:
     load_iteration: int = 0
     """Load this iteration instead of the one latest_checkpointed_iteration.txt names."""
     load_optimizer: bool = True
+    use_checkpoint_args: bool = False
+    """Take the model's architecture from the checkpoint to load (its saved config, or a
+    Megatron-LM checkpoint's args) instead of [model]."""
     auto_resume: bool = False
     save_interval: int = 0
     async_save: bool = False

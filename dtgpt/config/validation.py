@@ -76,15 +76,26 @@ def get_key(cfg: Config, dotted: str) -> Any:
 def _check_model(cfg: Config) -> None:
     """Rules of model shape."""
     m = cfg.model
+    _require(m.kv_channels >= 0, f"model.kv_channels={m.kv_channels} must be >= 0 (0 = hidden_size / heads)")
     _require(
-        m.hidden_size % m.num_attention_heads == 0,
-        f"model.num_attention_heads={m.num_attention_heads} must divide model.hidden_size={m.hidden_size}",
+        m.kv_channels > 0 or m.hidden_size % m.num_attention_heads == 0,
+        f"model.num_attention_heads={m.num_attention_heads} must divide model.hidden_size={m.hidden_size} "
+        "(or set model.kv_channels)",
     )
-    head_dim = m.hidden_size // m.num_attention_heads
     _require(
-        m.position_embedding_type != "rope" or head_dim % 2 == 0,
-        f"model.position_embedding_type='rope' needs an even head size, got hidden_size/heads={head_dim}",
+        not m.group_query_attention or (m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups == 0),
+        f"model.num_query_groups={m.num_query_groups} must divide model.num_attention_heads={m.num_attention_heads}",
     )
+    _require(
+        0.0 < m.rotary_percent <= 1.0, f"model.rotary_percent={m.rotary_percent} must be in (0, 1]"
+    )
+    rotated = int(m.head_dim * m.rotary_percent)
+    _require(
+        m.position_embedding_type != "rope" or (rotated > 0 and rotated % 2 == 0),
+        f"model.position_embedding_type='rope' rotates rotary_percent * head size = {rotated} channels, "
+        "which must be even and > 0",
+    )
+    _require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1")
     _require(
         m.seq_length <= m.max_positions,
         f"model.seq_length={m.seq_length} must be <= model.max_position_embeddings={m.max_position_embeddings}",

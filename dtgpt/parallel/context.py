@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtgpt.model import GPT, CoreAttention, allowed_keys
+from dtgpt.model import GPT, CoreAttention, allowed_keys, attend
 
 
 def split_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
@@ -79,7 +78,7 @@ class ContextParallelAttention(nn.Module):
         k_all, v_all = self.gather(k, dim=2), self.gather(v, dim=2)  # (B, nh, T, hd)
         mask = self.allowed(q.shape[2], document_ids, q.device)
         # Every query sees at least its own key, so no row of the mask is empty.
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # (B, nh, T_local, hd)
+        return attend(q, k_all, v_all, mask=mask)  # (B, nh, T_local, hd)
 
 
 def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:

@@ -103,6 +103,8 @@ class InvariantDropout(nn.Module):
 def dropped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd)) over the allowed keys, dropped by `keep` (scaled by 1/(1-p)), times v:
     what scaled_dot_product_attention computes, with a given mask. Softmax in fp32."""
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: each k/v head serves `groups` query heads
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, nh, Tq, Tk)
     probs = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
     return (probs * keep / (1.0 - p)).to(v.dtype) @ v  # (B, nh, Tq, hd)

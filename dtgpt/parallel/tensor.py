@@ -1,6 +1,6 @@
 """Tensor parallelism as DTensor `parallelize_module` plans (Megatron's column/row split).
 
-Per block: QKV and MLP-in are column-parallel, attention-out and MLP-out row-parallel, so each
+Per block: QKV and MLP-in (with SwiGLU its gate too) are column-parallel, attention-out and MLP-out row-parallel, so each
 block costs one all-reduce in forward (or, with sequence parallelism, one all-gather before and
 one reduce-scatter after each sub-layer). The word embedding is vocabulary-parallel, the output
 head column-parallel over the vocabulary; with loss parallelism the cross-entropy runs on the
@@ -77,8 +77,15 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
-    for name in model.layers:
+    for name, block in model.layers.items():
         prefix = f"layers.{name}."
+        if block.attention.q_norm is not None:
+            # Each rank normalises its own heads (B, nh/tp, T, hd): sharded on dim 1, so that the
+            # weights' gradients are summed over tp like a sequence-parallel norm's.
+            for norm in ("q_norm", "k_norm"):
+                plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        if block.mlp.gate is not None:
+            plan[prefix + "mlp.gate"] = ColwiseParallel()
         plan.update(
             {
                 prefix + "input_norm": _norm_style(sequence_parallel),

@@ -24,7 +24,7 @@ from dtgpt.config import (
     validate,
 )
 from dtgpt.config.derived import null_tokenizer_ids
-from dtgpt.model_size import flops_per_token, num_parameters
+from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
 from dtgpt.plan import comm, links
@@ -151,7 +151,7 @@ def plan_layout(
     total = sum(r.stage_params for r in heads) - tied_copy
     recomputed = sum(r.recomputed_layers for r in heads)
     model_fpt = flops_per_token(m, padded)
-    layer_fpt = pm.layer_flops_per_token(m.hidden_size, m.ffn_size, m.seq_length)
+    layer_fpt = layer_flops_per_token(m)
     hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt)
     tokens_per_iter = batches.final * m.seq_length
     plan = Plan(

@@ -175,11 +175,6 @@ def state_bytes(
 # -- time ------------------------------------------------------------------------------------
 
 
-def layer_flops_per_token(hidden: int, ffn: int, seq: int) -> float:
-    """Forward + backward FLOPs of one block per token (the per-layer term of flops_per_token)."""
-    return 12 * hidden * hidden * (2 + seq / hidden + ffn / hidden)
-
-
 def hardware_flops_per_token(model_flops: float, recomputed_layers: int, layer_flops: float) -> float:
     """Model FLOPs plus one more forward (a third of forward + backward) per recomputed layer."""
     return model_flops + recomputed_layers * layer_flops / 3

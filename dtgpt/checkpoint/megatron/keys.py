@@ -1,8 +1,9 @@
 """The key map between Megatron-LM's tensor names and dtgpt's, the full shapes, and the
 vocabulary rows.
 
-QKV rows need no reordering: Megatron interleaves them per query group, [q | k | v] of each
-group, which with one head per group (dtgpt has no GQA) is dtgpt's head-by-head layout.
+QKV rows need no reordering: Megatron interleaves them per query group, [q_1 .. q_n | k | v] of
+each group, as dtgpt does. SwiGLU's two input projections are one Megatron tensor, linear_fc1,
+whose full rows are [gate; fc1] (SWIGLU_HALVES); dtgpt keeps them as two.
 The vocabulary rows are read as stored, never dropped or zero-padded: every row, padding
 included, is in the softmax's denominator, so a model with other rows than Megatron's padding
 (make_vocab_size_divisible_by x tp) would not compute Megatron's loss; the reader refuses it.
@@ -33,16 +34,25 @@ LAYER_KEYS = {
     "input_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "attention.qkv.weight": "self_attention.linear_qkv.weight",
     "attention.qkv.bias": "self_attention.linear_qkv.bias",
+    "attention.q_norm.weight": "self_attention.q_layernorm.weight",
+    "attention.q_norm.bias": "self_attention.q_layernorm.bias",
+    "attention.k_norm.weight": "self_attention.k_layernorm.weight",
+    "attention.k_norm.bias": "self_attention.k_layernorm.bias",
     "attention.proj.weight": "self_attention.linear_proj.weight",
     "attention.proj.bias": "self_attention.linear_proj.bias",
     "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
     "mlp_norm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.gate.weight": "mlp.linear_fc1.weight",
+    "mlp.gate.bias": "mlp.linear_fc1.bias",
     "mlp.fc1.weight": "mlp.linear_fc1.weight",
     "mlp.fc1.bias": "mlp.linear_fc1.bias",
     "mlp.fc2.weight": "mlp.linear_fc2.weight",
     "mlp.fc2.bias": "mlp.linear_fc2.bias",
 }
 """dtgpt block-relative name -> Megatron's (torch_dist stacks it under `decoder.layers.`)."""
+
+SWIGLU_HALVES = {"mlp.gate": 0, "mlp.fc1": 1}
+"""With swiglu, which half of linear_fc1's rows each dtgpt projection is (the gate, activated, first)."""
 
 LOCAL_NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -63,23 +73,30 @@ def megatron_name(name: str) -> tuple[str, int | None]:
     return "decoder.layers." + LAYER_KEYS[rest], int(layer)
 
 
+def half_of(name: str, names) -> int | None:
+    """Which half of Megatron's linear_fc1 rows `name` is, given every name of the model
+    (`names`): fc1 is the second half when its block has a gate, else the whole tensor."""
+    prefix, _, rest = name.rpartition(".mlp.")
+    if not prefix.startswith("layers.") or rest.split(".")[0] not in ("gate", "fc1"):
+        return None
+    module, suffix = rest.split(".")
+    if f"{prefix}.mlp.gate.{suffix}" not in names:
+        return None
+    return SWIGLU_HALVES[f"mlp.{module}"]
+
+
 def dtgpt_names(cfg: ModelConfig) -> list[str]:
     """Every dtgpt FQN of the full model of `cfg` (a tied head's copy left out: it is the embedding)."""
-    num_layers, tied = cfg.num_layers, not cfg.untie_embeddings_and_output_weights
-    learned_positions = cfg.position_embedding_type == "learned_absolute"
-    names = ["embedding.word.weight"] + (["embedding.position.weight"] if learned_positions else [])
-    names += [f"layers.{i}.{rest}" for i in range(num_layers) for rest in LAYER_KEYS]
-    names += ["norm.weight", "norm.bias"] + ([] if tied else ["output.weight"])
-    if cfg.normalization == "RMSNorm":
-        names = [n for n in names if not n.endswith("norm.bias")]
-    return names
+    return list(full_model_shapes(cfg, cfg.make_vocab_size_divisible_by))
 
 
 def full_model_shapes(cfg: ModelConfig, vocab_rows: int) -> dict[str, tuple[int, ...]]:
-    """Every dtgpt tensor's full shape with a vocabulary of `vocab_rows` rows, on meta."""
+    """Every dtgpt tensor's full shape with a vocabulary of `vocab_rows` rows, on meta (a tied
+    head's copy left out)."""
     with torch.device("meta"):
         state = GPT(cfg, vocab_rows).state_dict()
-    return {name: tuple(state[name].shape) for name in dtgpt_names(cfg)}
+    tied = not cfg.untie_embeddings_and_output_weights
+    return {name: tuple(value.shape) for name, value in state.items() if not (tied and name == "output.weight")}
 
 
 def resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -101,6 +101,7 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     also the Adam state, iteration, consumed train and validation samples, LR schedule and loss
     scale that Megatron-LM stored. Returns notes for the log."""
     reader = MegatronReader(directory)
+    reader.check_architecture(cfg.model)
     full = full_model_shapes(cfg.model, state.model.parts[0].vocab_size)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
     has_moments, master = optimizer_slots(reader, list(full)) if stateful else (False, None)
@@ -172,7 +173,9 @@ def load_megatron_model(directory: Path, cfg: ModelConfig, vocab_rows: int) -> G
     model = GPT(cfg, vocab_rows)
     state = model.state_dict()
     wanted = {n: tuple(state[n].shape) for n in dtgpt_names(cfg)}
+    reader = MegatronReader(directory)
+    reader.check_architecture(cfg)
     with torch.no_grad():
-        for name, value in MegatronReader(directory).model(wanted, list(wanted)):
+        for name, value in reader.model(wanted, list(wanted)):
             state[name].copy_(value)
     return model

@@ -16,9 +16,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.architecture import megatron_architecture, require_same
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs
-from dtgpt.checkpoint.megatron.keys import GLOBAL_KEYS, LAYER_KEYS, LOCAL_NORM_NAMES, OPTIMIZER_PREFIX, VOCAB_KEYS, megatron_name
+from dtgpt.checkpoint.megatron.keys import GLOBAL_KEYS, LAYER_KEYS, LOCAL_NORM_NAMES, OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, megatron_name
 from dtgpt.checkpoint.megatron.regions import read_regions
+from dtgpt.config import ModelConfig
 
 _TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
            "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}  # fmt: skip
@@ -57,15 +59,23 @@ class MegatronReader:
             self.common = self._per_rank.common
             self.shapes = self._per_rank.stacked_shapes()
             self.dtypes = {}
+        self._model_names: frozenset[str] | None = None  # set by check()
 
     @property
     def num_layers(self) -> int:
         return self.shapes.get("decoder.layers.self_attention.linear_qkv.weight", (0,))[0]
 
+    def check_architecture(self, cfg: ModelConfig) -> None:
+        """One clear error for the first architecture key on which common.pt's args and `cfg` differ."""
+        args = self.common.get("args")
+        if args is not None:
+            require_same(megatron_architecture(args), cfg, f"Megatron checkpoint {self.directory}")
+
     def check(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]) -> None:
         """One clear error for the first tensor whose shape (or presence) differs, the vocabulary
         rows included (see vocab_problem). `wanted` may be one stage's share of the model whose
-        names are `model_names`."""
+        names are `model_names`. Must run before regions()."""
+        self._model_names = frozenset(model_names)
         num_layers = sum(1 for n in model_names if n.endswith("attention.qkv.weight"))
         if self.num_layers != num_layers:
             key = "decoder.layers.self_attention.linear_qkv.weight"
@@ -84,6 +94,8 @@ class MegatronReader:
             stored = self.shapes[key]
             if layer is not None:
                 stored = stored[1:]
+            if half_of(name, self._model_names) is not None:  # one of SwiGLU's two halves
+                stored = (stored[0] // 2, *stored[1:]) if stored[0] % 2 == 0 else stored
             if name in VOCAB_KEYS and tuple(stored[1:]) == tuple(shape)[1:] and stored[0] != shape[0]:
                 raise CheckpointError(self.vocab_problem(key, shape[0]))
             if tuple(stored) != tuple(shape):
@@ -125,9 +137,14 @@ class MegatronReader:
         stored chunks that overlap a region are read (one layer of a stacked tensor, one shard's
         rows), in one DCP load."""
         out, dcp_requests = {}, {}
+        if self._model_names is None:
+            raise RuntimeError("MegatronReader.check must run before regions")
         for request, (name, slot, offsets, sizes) in wanted.items():
             layer = megatron_name(name)[1]
             key = self.stored_key(name, slot)
+            half = half_of(name, self._model_names)
+            if half:  # the second half of linear_fc1's rows
+                offsets = (offsets[0] + half * self.shapes[megatron_name(name)[0]][1 if layer is not None else 0] // 2, *offsets[1:])
             target = out[request] = torch.empty(sizes, dtype=self.dtypes.get(key, torch.float32))
             at = tuple(offsets) if layer is None else (layer, *offsets)
             target_at = target if layer is None else target.unsqueeze(0)
@@ -173,6 +190,7 @@ class PerRankModel:
         if not self.chunks:
             raise CheckpointError(f"Megatron checkpoint {directory}: {self.files[(0, 0)] / PER_RANK_FILE} holds no 'model' or 'model0'")
         self.common = {k: v for k, v in first.items() if k not in self.chunks and k != "optimizer"}
+        self.swiglu = bool(getattr(self.common.get("args"), "swiglu", False))
         # (pp rank, chunk key) of each pipeline stage, in the model's order
         self.stages = [(stage % self.pp, self.chunks[stage // self.pp]) for stage in range(self.pp * len(self.chunks))]
 
@@ -200,7 +218,13 @@ class PerRankModel:
     def _join_tp(self, key_of_rank, key: str) -> torch.Tensor:
         parts = [key_of_rank(tp) for tp in range(self.tp)]
         dim = next((d for suffix, d in _TP_DIM.items() if key.endswith(suffix)), None)
-        return parts[0] if dim is None else torch.cat(parts, dim)
+        if dim is None:
+            return parts[0]
+        if self.swiglu and ".linear_fc1." in key:
+            # Each rank holds [its gate rows; its fc1 rows]; torch_dist's full tensor is [gate; fc1].
+            halves = [part.chunk(2, dim=0) for part in parts]
+            parts = [gate for gate, _ in halves] + [fc1 for _, fc1 in halves]
+        return torch.cat(parts, dim)
 
     def stacked(self, key: str) -> torch.Tensor:
         """One stacked tensor, glued from every rank's file (the last one is kept: a reader asks

@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from dtgpt.checkpoint import export, layout
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.architecture import megatron_args
 from dtgpt.checkpoint.megatron.formats import BACKEND_FILE, COMMON_FILE, find, progress_of
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, dtgpt_names, full_model_shapes, megatron_name, resize_vocab
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, dtgpt_names, full_model_shapes, half_of, megatron_name, resize_vocab
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, OptimizerConfig, padded_vocab_size, to_toml
 
@@ -101,24 +102,28 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
     adam = _has(metadata, "optimizer")
-    sources: dict[str, list[str]] = {}  # Megatron key -> the dtgpt keys it stacks (one per layer)
+    # Megatron key -> per layer (one entry if not stacked), the dtgpt keys its rows concatenate
+    # (two for SwiGLU's linear_fc1, [gate; fc1]; else one)
+    sources: dict[str, dict[int | None, list[str]]] = {}
     model_key: dict[str, str] = {}  # Megatron key -> the model tensor it is shaped as
-    for name in dtgpt_names(cfg.model):
-        mkey = megatron_name(name)[0]
+    names = dtgpt_names(cfg.model)
+    for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
+        mkey, layer = megatron_name(name)
         slots = {mkey: f"model.{name}"}
         if adam:  # the fp32 master weights are dtgpt's parameters
             slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in _adam_sources(name).items()}
         for key, dtgpt_key in slots.items():
             if dtgpt_key not in metadata.state_dict_metadata:
                 raise CheckpointError(f"{src} has no {dtgpt_key}, which the config's model has")
-            sources.setdefault(key, []).append(dtgpt_key)
+            sources.setdefault(key, {}).setdefault(layer, []).append(dtgpt_key)
             model_key[key] = mkey
     state: dict[str, object] = {}
-    for key, keys in sources.items():
-        entry = metadata.state_dict_metadata[keys[0]]
-        shape = tuple(entry.size)
+    for key, layers in sources.items():
+        parts = next(iter(layers.values()))
+        entry = metadata.state_dict_metadata[parts[0]]
+        shape = (len(parts) * entry.size[0], *entry.size[1:])
         if model_key[key].startswith("decoder.layers."):
-            shape = (len(keys), *shape)
+            shape = (len(layers), *shape)
         elif model_key[key] in MEGATRON_VOCAB_KEYS:
             shape = (rows, *shape[1:])
         state[key] = torch.empty(shape, dtype=entry.properties.dtype, device="meta")
@@ -128,9 +133,9 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
             state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = [None]
 
     def produce(key: str, layer: int | None) -> torch.Tensor:
+        value = _read_stacked(src, sources[key][layer], metadata).flatten(0, 1)  # its parts' rows in turn
         if layer is not None:  # one layer of a stacked tensor, (1, ...)
-            return _read_stacked(src, [sources[key][layer]], metadata)
-        value = _read_stacked(src, sources[key], metadata)[0]
+            return value.unsqueeze(0)
         return resize_vocab(value, rows) if model_key[key] in MEGATRON_VOCAB_KEYS else value
 
     directory = layout.iteration_dir(out_root, iteration)
@@ -187,9 +192,8 @@ def _common(iteration: int, progress: dict, cfg: Config, tp: int, rows: int) -> 
     consumed, consumed_valid = (int(train_state.get(key, 0)) for key in ("consumed_samples", "consumed_valid_samples"))
     m = cfg.model
     args = argparse.Namespace(
-        consumed_train_samples=consumed, consumed_valid_samples=consumed_valid, num_layers=m.num_layers, hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.ffn_size, padded_vocab_size=rows,
-        tensor_model_parallel_size=tp, untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        consumed_train_samples=consumed, consumed_valid_samples=consumed_valid, padded_vocab_size=rows,
+        tensor_model_parallel_size=tp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, **megatron_args(m),
     )  # fmt: skip
     common = {"iteration": iteration, "checkpoint_version": 3.0, "args": args}
     if "lr_schedule" in progress:
@@ -207,6 +211,7 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
     if directory is None:
         raise CheckpointError(f"{src} holds no Megatron checkpoint (no {BACKEND_FILE} or mp_rank_* directories)")
     reader = MegatronReader(directory)
+    reader.check_architecture(cfg.model)
     full = full_model_shapes(cfg.model, vocab_rows)
     reader.check(full, list(full))
     names = sorted(full, key=megatron_name)  # each Megatron tensor is read once

@@ -1,0 +1,154 @@
+"""A checkpoint's model architecture, compared with the config's before any tensor is read.
+
+Shapes alone do not tell a RoPE convention, a GeLU variant or a gamma stored as gamma - 1
+apart, so loading compares the architecture the checkpoint was saved with (a dtgpt
+checkpoint's config.toml, a Megatron-LM checkpoint's `args` in common.pt) with `[model]`, and
+refuses a difference in one line naming the key. Each `[model]` key is named as Megatron-LM's
+argument, so its args map one to one; `architecture` gives the effective values either way
+(Megatron fills kv_channels, the query groups and the GeLU variant in from other arguments).
+`checkpoint.use_checkpoint_args` takes the checkpoint's architecture instead (Megatron-LM's
+--use-checkpoint-args).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.config import Config, ModelConfig
+
+FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
+    "ffn_hidden_size", "swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
+    "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
+    "untie_embeddings_and_output_weights",
+)  # fmt: skip
+"""The [model] fields that make the architecture (use_checkpoint_args takes these)."""
+
+ROPE_KEYS = ("rotary_interleaved", "rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
+"""Compared only where both sides use RoPE."""
+
+
+def architecture(m: ModelConfig) -> dict[str, object]:
+    """The effective architecture of `m`, by Megatron-LM argument name."""
+    arch: dict[str, object] = {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.query_groups, "kv_channels": m.head_dim, "ffn_hidden_size": m.ffn_size,
+        "swiglu": m.swiglu, "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.qkv_bias,
+        "normalization": m.normalization, "apply_layernorm_1p": m.apply_layernorm_1p, "qk_layernorm": m.qk_layernorm,
+        "norm_epsilon": m.norm_epsilon, "position_embedding_type": m.position_embedding_type,
+        "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
+    }  # fmt: skip
+    if not m.swiglu:
+        arch["gelu"] = m.gelu_approximation
+    if m.position_embedding_type == "rope":
+        arch |= {key: getattr(m, key) for key in ROPE_KEYS}
+    return arch
+
+
+def megatron_architecture(args) -> dict[str, object]:
+    """The effective architecture Megatron-LM's args describe, for the keys they hold (older
+    Megatron versions store fewer; a key they lack is not compared)."""
+    get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
+    names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "swiglu", "add_bias_linear",
+             "normalization", "apply_layernorm_1p", "qk_layernorm", "position_embedding_type",
+             "untie_embeddings_and_output_weights")  # fmt: skip
+    arch = {key: get(key) for key in names}
+    arch["norm_epsilon"] = get("norm_epsilon", get("layernorm_epsilon"))
+    heads, hidden = arch["num_attention_heads"], arch["hidden_size"]
+    if heads:
+        arch["num_query_groups"] = get("num_query_groups") if get("group_query_attention") else heads
+        arch["kv_channels"] = get("kv_channels") or (hidden // heads if hidden else None)
+    bias = arch["add_bias_linear"]
+    if bias is not None:
+        arch["add_qkv_bias"] = bool(bias or get("add_qkv_bias", False))
+        if not arch["swiglu"]:  # Megatron's fused bias-GeLU (needs biases) and openai_gelu are tanh
+            arch["gelu"] = "tanh" if get("openai_gelu", False) or (get("bias_gelu_fusion", True) and bias) else "none"
+    if arch["position_embedding_type"] == "rope":
+        arch |= {key: get(key) for key in ROPE_KEYS}
+    return {key: value for key, value in arch.items() if value is not None}
+
+
+SETTINGS = {
+    "num_query_groups": "model.group_query_attention=true and model.num_query_groups={value}",
+    "kv_channels": "model.kv_channels={value}",
+    "gelu": "model.bias_gelu_fusion={fused} (and model.openai_gelu=false) for the {value} GeLU",
+}
+"""How to set a derived key in [model]; the others are set as they are named."""
+
+
+def difference(stored: dict[str, object], m: ModelConfig) -> str | None:
+    """The first architecture key on which `stored` (see architecture) and `m` differ, as a
+    sentence naming both values and the setting that takes the checkpoint's; None if none."""
+    ours = architecture(m)
+    for key, value in stored.items():
+        if key in ours and not _equal(ours[key], value):
+            setting = SETTINGS.get(key, "model.{key}={value}").format(key=key, value=_toml(value), fused=_toml(value == "tanh"))
+            return (
+                f"model.{key}: the checkpoint has {_toml(value)} but the config has {_toml(ours[key])}; "
+                f"set {setting}, or checkpoint.use_checkpoint_args=true to take the checkpoint's architecture"
+            )
+    return None
+
+
+def require_same(stored: dict[str, object], m: ModelConfig, where: str) -> None:
+    """CheckpointError(where: difference) if the architectures differ."""
+    problem = difference(stored, m)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}")
+
+
+def with_megatron_architecture(args, m: ModelConfig) -> ModelConfig:
+    """`m` with the architecture Megatron-LM's args describe (checkpoint.use_checkpoint_args)."""
+    stored = megatron_architecture(args)
+    changes = {key: stored[key] for key in FIELDS if key in stored and key not in ("num_query_groups", "kv_channels", "add_qkv_bias")}
+    if "num_query_groups" in stored:
+        grouped = stored["num_query_groups"] != stored["num_attention_heads"]
+        changes |= {"group_query_attention": grouped, "num_query_groups": stored["num_query_groups"] if grouped else 1}
+        changes["kv_channels"] = 0 if stored["kv_channels"] * stored["num_attention_heads"] == stored["hidden_size"] else stored["kv_channels"]
+    if "add_qkv_bias" in stored:
+        changes["add_qkv_bias"] = stored["add_qkv_bias"] and not stored["add_bias_linear"]
+    if "gelu" in stored:
+        tanh = stored["gelu"] == "tanh"
+        # dtgpt's tanh GeLU without biases is openai_gelu (Megatron's fused one needs biases)
+        changes |= {"bias_gelu_fusion": tanh, "openai_gelu": tanh and not stored["add_bias_linear"]}
+    for key in ("max_position_embeddings",):
+        if getattr(args, key, None):
+            changes[key] = getattr(args, key)
+    return dataclasses.replace(m, **changes)
+
+
+def with_architecture_of(saved: ModelConfig, m: ModelConfig) -> ModelConfig:
+    """`m` with the architecture fields of a dtgpt checkpoint's saved [model]."""
+    return dataclasses.replace(m, **{key: getattr(saved, key) for key in FIELDS})
+
+
+def megatron_args(m: ModelConfig) -> dict[str, object]:
+    """The architecture as Megatron-LM's own args (what `to-megatron` writes into common.pt)."""
+    args = {key: getattr(m, key) for key in FIELDS}
+    args |= {
+        "ffn_hidden_size": m.ffn_size, "kv_channels": m.head_dim, "num_query_groups": m.query_groups,
+        "add_qkv_bias": m.qkv_bias, "bias_gelu_fusion": m.bias_gelu_fusion and m.add_bias_linear,
+        "max_position_embeddings": m.max_positions, "seq_length": m.seq_length,
+    }  # fmt: skip
+    return args
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"'{value}'" if isinstance(value, str) else str(value)
+
+
+def saved_difference(saved: Config | None, cfg: Config) -> str | None:
+    """difference() between a dtgpt checkpoint's saved config (None: it has none) and the run's."""
+    return difference(architecture(saved.model), cfg.model) if saved is not None else None

@@ -1,0 +1,44 @@
+"""checkpoint.use_checkpoint_args: the model's architecture taken from the checkpoint to load
+(Megatron-LM's --use-checkpoint-args), before anything is built.
+
+A Megatron-LM checkpoint gives it from its args (common.pt), a dtgpt one from its saved config;
+the other [model] keys (dropout, the RNG of dropout, sequence length) stay the config's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dtgpt.checkpoint import layout, megatron
+from dtgpt.checkpoint.architecture import with_architecture_of, with_megatron_architecture
+from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.config import Config, ConfigError, validate
+from dtgpt.config.sections import require
+
+
+def with_checkpoint_architecture(cfg: Config) -> tuple[Config, str]:
+    """(cfg with the checkpoint's architecture, a line for the log saying where it came from);
+    cfg unchanged when there is no checkpoint yet to resume (auto_resume's first run)."""
+    c = cfg.checkpoint
+    root = c.load or (c.save if c.auto_resume else "")
+    require(bool(root), "checkpoint.use_checkpoint_args=true needs checkpoint.load: the checkpoint whose architecture to take")
+    directory = megatron.find(root, c.load_iteration)
+    if directory is not None:
+        args = MegatronReader(directory).common.get("args")
+        require(args is not None, f"checkpoint.use_checkpoint_args=true: Megatron checkpoint {directory} stores no args (no common.pt)")
+        model = with_megatron_architecture(args, cfg.model)
+    else:
+        root, iteration, _ = layout.load_root(root, c.load_iteration)
+        found = layout.resolve(root, iteration, fresh_ok=c.auto_resume, trust_pickles=c.trust_pickles)
+        if found.directory is None:
+            return cfg, ""
+        saved = layout.stored_config(found.directory)
+        if saved is None:
+            raise ConfigError(f"checkpoint.use_checkpoint_args=true: {found.directory} has no readable {layout.CONFIG}")
+        directory, model = found.directory, with_architecture_of(saved.model, cfg.model)
+    taken = dataclasses.replace(cfg, model=model)
+    try:
+        validate(taken)
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint.use_checkpoint_args=true: the architecture of {directory}: {e}") from None
+    return taken, f"the model's architecture is {directory}'s (checkpoint.use_checkpoint_args)"
