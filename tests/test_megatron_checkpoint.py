@@ -10,6 +10,7 @@ logits are compared.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 
 import pytest
@@ -19,7 +20,7 @@ from dtgpt.api import build_model, build_train_state, forward_backward, init_dis
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs, progress_of
-from dtgpt.checkpoint.megatron.keys import megatron_name
+from dtgpt.checkpoint.megatron.keys import full_model_shapes, megatron_name
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
@@ -152,6 +153,8 @@ def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch
 
     monkeypatch.setattr(SafeReader, "read_data", counting)
     reader = MegatronReader(find(tp1_tied))
+    full = full_model_shapes(model_cfg(), ROWS)
+    reader.check(full, list(full))
     stacked = reader.shapes["decoder.layers.mlp.linear_fc1.weight"]  # (2, 256, 64)
     layers = [reader.tensor(f"layers.{i}.mlp.fc1.weight", stacked[1:]) for i in range(2)]
     bytes_read.clear()
@@ -179,6 +182,35 @@ def test_trainer_state_is_read(tp2_untied):
                                    "lr_num_samples": LR_SAMPLES}
 
 
+@pytest.fixture(scope="module")
+def tp1_args_free(tp1_tied, tmp_path_factory):
+    """tp1_tied with common.pt's args holding no architecture (as older Megatron versions store
+    fewer args): only the shapes can tell a model that does not fit."""
+    root = tmp_path_factory.mktemp("megatron_args_free")
+    directory = shutil.copytree(find(tp1_tied), root / f"iter_{ITERATION:07d}")
+    common = load_pickle(directory / "common.pt")
+    common["args"] = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID)
+    torch.save(common, directory / "common.pt")
+    return directory
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hidden_size=32), "model.hidden_size: the checkpoint has 64 but the config has 32; set model.hidden_size=64, "
+                               "or checkpoint.use_checkpoint_args=true to take the checkpoint's architecture"),
+        (dict(ffn_hidden_size=128), "model.ffn_hidden_size: the checkpoint has 256 but the config has 128"),
+        (dict(num_layers=3), "model.num_layers: the checkpoint has 2 but the config has 3"),
+        (dict(untie_embeddings_and_output_weights=True), "model.untie_embeddings_and_output_weights: the checkpoint has false but the config has true"),
+        (dict(position_embedding_type="rope"), "model.position_embedding_type: the checkpoint has 'learned_absolute' but the config has 'rope'"),
+    ],
+)  # fmt: skip
+def test_an_architecture_other_than_the_args_names_the_key(tp1_tied, overrides, message):
+    with pytest.raises(CheckpointError) as e:
+        load_megatron_model(find(tp1_tied), model_cfg(**overrides), ROWS)
+    assert str(e.value).startswith(f"Megatron checkpoint {find(tp1_tied)}: {message}")
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -189,14 +221,14 @@ def test_trainer_state_is_read(tp2_untied):
         (dict(position_embedding_type="rope"), "its tensor embedding.position_embeddings.weight (32, 64) has no counterpart in this model"),
     ],
 )
-def test_incompatible_architecture_names_key_and_shapes(tp1_tied, overrides, message):
+def test_without_architecture_args_the_shapes_name_key_and_shapes(tp1_args_free, overrides, message):
     with pytest.raises(CheckpointError) as e:
-        load_megatron_model(find(tp1_tied), model_cfg(**overrides), ROWS)
-    assert str(e.value).startswith(f"Megatron checkpoint {tp1_tied}") and message in str(e.value)
+        load_megatron_model(tp1_args_free, model_cfg(**overrides), ROWS)
+    assert str(e.value).startswith(f"Megatron checkpoint {tp1_args_free}") and message in str(e.value)
 
 
-def test_tied_checkpoint_into_untied_model_and_back(tp2_untied):
-    with pytest.raises(CheckpointError, match="output_layer.weight .* has no counterpart in this model"):
+def test_an_untied_checkpoint_into_a_tied_model_is_refused(tp2_untied):
+    with pytest.raises(CheckpointError, match="model.untie_embeddings_and_output_weights: the checkpoint has true but the config has false"):
         load_megatron_model(find(tp2_untied), model_cfg(), ROWS_TP2)
 
 
@@ -300,7 +332,7 @@ def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1
                                 f"--checkpoint.load={tp1_tied}"], check=False)  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert len(lines) == 1 and "decoder.layers.mlp.linear_fc1.weight has shape (2, 256, 64) in the checkpoint" in lines[0]
+    assert len(lines) == 1 and "model.ffn_hidden_size: the checkpoint has 256 but the config has 128" in lines[0]
 
 
 # -- optimizer state ---------------------------------------------------------------------------

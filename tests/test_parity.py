@@ -4,9 +4,13 @@ Each layout runs the tiny fp32 model for STEPS iterations (warmup, then cosine d
 on the same mock data and must match the one-process run (tests/parity_oracle.py): the loss and
 the gradient norm of every iteration and every parameter after the last, to relative 1e-5
 (DESIGN's acceptance figure); the parameters come from each run's final checkpoint, in the same
-launch (a model-changing override, e.g. an untied head, applies to the reference too). The CI set covers dp, tp+SP, pp 1F1B with a tied and
-an untied head, pp 4 (two middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform, full block,
-selective), compile, context parallelism (cp2, cp2 x tp2 with SP) and Megatron's per-token options (document masking) under dp, tp+SP and pp; the rest are marked slow (`make test` runs them, `make test-fast` skips them).
+launch (a model-changing override, e.g. an untied head, applies to the reference too). The CI
+set covers dp, tp+SP, pp 1F1B with a tied head, pp 4 (two middle stages, which read no data), tp x
+pp without FSDP, each recomputation setting (full uniform, full block, selective), compile, context
+parallelism (cp2, cp2 x tp2 with SP), Megatron's per-token options (document masking) under dp,
+tp+SP and pp, and the Llama-style model (LLAMA: grouped-query attention, SwiGLU, RMSNorm, RoPE,
+qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp and pp x dp x tp; the rest are
+marked slow (`make test` runs them, `make test-fast` skips them).
 Every pipeline schedule and configs/debug_3d.toml itself (8 ranks) are in the fast set too, as
 short runs (SHORT iterations) compared with the start of the same reference: the LR schedule is
 pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one (the
@@ -33,6 +37,9 @@ CP2 = "--parallel.context_parallel_size=2"
 DOCS = ["--data.eod_mask_loss=true", "--data.reset_position_ids=true", "--data.reset_attention_mask=true"]
 ROPE = "--model.position_embedding_type=rope"
 DROPOUT = ["--model.hidden_dropout=0.1", "--model.attention_dropout=0.1", "--model.dropout_rng=layout_invariant"]
+# Llama-style: RMSNorm, SwiGLU, 2 key/value groups for 4 heads, no biases, RoPE, qk-layernorm, untied head
+LLAMA = ["--model.normalization=RMSNorm", "--model.swiglu=true", "--model.add_bias_linear=false", "--model.group_query_attention=true",
+         "--model.num_query_groups=2", ROPE, "--model.qk_layernorm=true", UNTIED]  # fmt: skip
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
@@ -42,7 +49,7 @@ LAYOUTS = {
     # one micro-batch per rank (above: 4, accumulated without gradient sync until the last)
     "dp_shard2_one_micro": (2, ["--parallel.data_parallel_shard_size=2", "--training.micro_batch_size=4"], False),
     # ZeRO-3 resharding: parameters re-gathered every micro-batch, gradients still reduced once
-    "dp_shard2_reshard_always": (2, ["--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"], True),
+    "llama_dp_shard2_reshard_always": (2, [*LLAMA, "--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"], True),
     "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
     "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
     # stages 1 and 2 hold neither the first nor the last stage: they read no batches
@@ -78,16 +85,17 @@ LAYOUTS = {
     "docs_cp2_rope": (2, [*DOCS, ROPE, CP2], False),
     "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"], True),
     "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
-    "tp2": (2, ["--parallel.tensor_model_parallel_size=2"], True),
+    # whole key/value groups per tp rank; the qk-norms' weights see only their rank's heads
+    "llama_tp2_sp": (2, [*LLAMA, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], True),
     "tp4": (4, ["--parallel.tensor_model_parallel_size=4"], True),
-    "pp2_untied_selective_ac": (
+    "llama_pp2_selective_ac": (
         2,
-        [UNTIED, "--parallel.pipeline_model_parallel_size=2", "--training.recompute_granularity=selective"],
+        [*LLAMA, "--parallel.pipeline_model_parallel_size=2", "--training.recompute_granularity=selective"],
         False,
     ),
-    "pp2_dp2_tp2": (
+    "llama_pp2_dp2_tp2": (
         8,
-        ["--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+        [*LLAMA, "--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
         True,
     ),
     # context parallelism: each rank holds 2 of 4 sequence chunks; full recomputation passes the
@@ -97,8 +105,8 @@ LAYOUTS = {
     # every pipeline stage gets its chunks' positions from the schedule (middle ranks read batches)
     "cp2_pp2_1f1b": (4, [CP2, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], True),
     "cp2_dp2": (4, [CP2, "--parallel.data_parallel_shard_size=2"], True),
-    # RoPE at global positions; the recomputed attention core re-gathers keys and values
-    "cp2_rope_selective_ac": (2, [CP2, "--model.position_embedding_type=rope", "--training.recompute_granularity=selective"], True),
+    # RoPE at global positions; the recomputed attention core re-gathers keys and values (of 2 groups)
+    "llama_cp2_selective_ac": (2, [*LLAMA, CP2, "--training.recompute_granularity=selective"], True),
     # layout-invariant dropout: the same masks on every layout (tp ranks' heads and sequence
     # chunks, pipeline micro-batches, dp ranks' samples, cp ranks' chunks and gathered keys);
     # recomputed blocks (pp2) and attention cores (cp2) redraw the masks of their forward
