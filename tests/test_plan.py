@@ -18,6 +18,7 @@ from dtgpt.config import ConfigError, interleaved_round_size, load_config
 from dtgpt.plan import memory as pm
 from dtgpt.plan import plan_layout, tokenizer_vocab_size
 from dtgpt.plan.activations import ActivationShape, embedding_activation_bytes, layer_activation_bytes, layer_activation_terms
+from tests.test_data_tokenizer import write_hf_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 GPT3_175B = str(REPO / "configs" / "gpt3_175b.toml")
@@ -347,6 +348,11 @@ def test_vocabulary_follows_the_tokenizer(tmp_path):
     assert tokenizer_vocab_size(load_config(None, SMALL))[0] == 257
     null = load_config(None, ["--data.mock_data=true", "--data.tokenizer_type=NullTokenizer", "--data.vocab_size=1000"])
     assert tokenizer_vocab_size(null)[0] == 1000
+    hf = ["--data.mock_data=true", "--data.tokenizer_type=HuggingFaceTokenizer"]
+    tokenizer_dir = write_hf_tokenizer(tmp_path / "hf")
+    assert tokenizer_vocab_size(load_config(None, [*hf, f"--data.tokenizer_model={tokenizer_dir}"])) == (321, None)
+    size, note = tokenizer_vocab_size(load_config(None, [*hf, "--data.tokenizer_model=missing", "--data.vocab_size=1000"]))
+    assert size == 1000 and "data.tokenizer_model='missing': no such directory" in note
 
 
 # -- launch scripts ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from dtgpt.config import (
     validate,
 )
 from dtgpt.config.derived import null_tokenizer_ids
+from dtgpt.data.tokenizer import HuggingFaceTokenizer
 from dtgpt.model_size import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
@@ -55,6 +56,13 @@ def tokenizer_vocab_size(cfg: Config) -> tuple[int, str | None]:
         return 257, None
     if d.tokenizer_type == "NullTokenizer":
         return null_tokenizer_ids(d) + 1, None  # the ids and the eod
+    if d.tokenizer_type == "HuggingFaceTokenizer":
+        try:  # its files hold the count in more than one place (model vocabulary, added tokens)
+            return HuggingFaceTokenizer(d.tokenizer_model).vocab_size, None
+        except (ImportError, OSError, ValueError) as e:
+            if d.vocab_size:
+                return d.vocab_size, f"{e}: assuming data.vocab_size={d.vocab_size} tokens"
+            return GPT2_VOCAB_SIZE, f"{e}: assuming GPT-2's {GPT2_VOCAB_SIZE} tokens"
     if d.mock_data and not d.vocab_file and not d.merge_file:
         return d.vocab_size or GPT2_VOCAB_SIZE, None
     if d.vocab_file and os.path.isfile(d.vocab_file):
