@@ -83,7 +83,10 @@ class Dropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         with self.stream():
-            return F.dropout(x, self.p, training=True)
+            # native_dropout keeps a 1-byte bool mask for backward, as Megatron's count assumes
+            # (dtgpt.plan.activations); F.dropout does that on CUDA only, and on CPU keeps the
+            # scaled mask in x's dtype. The same generator state draws the same mask.
+            return torch.native_dropout(x, self.p, True)[0]
 
 
 class LayerNorm(nn.LayerNorm):

@@ -21,6 +21,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from dtgpt.cli import os_error_line, print_error
 from dtgpt.config import DataConfig
+from dtgpt.config.validation import TOKENIZER_TYPES
 from dtgpt.data.preprocess import PreprocessError, preprocess
 
 
@@ -29,10 +30,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one dataset each")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"])
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
     p.add_argument("--vocab-file", default="", help="GPT-2 vocab.json")
     p.add_argument("--merge-file", default="", help="GPT-2 merges.txt")
+    p.add_argument("--tokenizer-model", default="", help="HuggingFaceTokenizer: the directory of its tokenizer.json")
+    p.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: add the special tokens its post-processor adds (e.g. a BOS)")
     p.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer: ids below it, eod = vocab_size (Megatron's)")
     p.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -42,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                          merge_file=args.merge_file, vocab_size=args.vocab_size)
+    data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                          vocab_size=args.vocab_size, tokenizer_model=args.tokenizer_model,
+                          tokenizer_hf_include_special_tokens=args.tokenizer_hf_include_special_tokens)
     try:
         stats = preprocess(args.input, args.output_prefix, data_cfg, json_keys=args.json_keys,
                            append_eod=args.append_eod, workers=args.workers, strict=args.strict)

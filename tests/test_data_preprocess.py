@@ -140,3 +140,30 @@ def test_empty_texts_as_megatron_writes_them(tmp_path, append_eod):
     builder.finalize(str(tmp_path / "megatron.idx"))
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours_text_document{ext}").read_bytes() == (tmp_path / f"megatron{ext}").read_bytes()
+
+
+def test_hugging_face_tokenizer(tmp_path):
+    """Megatron's `--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`: each document is
+    the tokenizer's ids then its eos (a BOS first only with --tokenizer-hf-include-special-tokens);
+    a directory without an eos token is one error line and writes nothing."""
+    from dtgpt.data.tokenizer import HuggingFaceTokenizer
+    from tests.test_data_tokenizer import TEXTS, write_hf_tokenizer
+
+    directory = write_hf_tokenizer(tmp_path / "tok")
+    texts = [f"{i}: {t}" for i, t in enumerate(TEXTS)]
+    src = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"text": t}) for t in texts])
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory, "--append-eod"]
+    for include in (False, True):
+        flags = ["--tokenizer-hf-include-special-tokens"] if include else []
+        r = run_script("--input", src, "--output-prefix", tmp_path / f"out{include}", *hf, *flags, "--workers", "2")
+        assert r.returncode == 0, r.stderr
+        tok = HuggingFaceTokenizer(str(directory), include_special_tokens=include)
+        ds = IndexedDataset(tmp_path / f"out{include}_text_document")
+        assert ds.dtype == np.uint16 and len(ds) == len(texts)
+        assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(t) + [tok.eod] for t in texts]
+        assert bool(ds[0][0] == 0) is include  # <s>, the BOS, is id 0
+    no_eos = write_hf_tokenizer(tmp_path / "no_eos", config=None)
+    r = run_script("--input", src, "--output-prefix", tmp_path / "bad", *hf[:2], "--tokenizer-model", no_eos)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: data.tokenizer_model=") and "no eos_token in tokenizer_config.json" in r.stderr
+    assert not list(tmp_path.glob("bad*"))

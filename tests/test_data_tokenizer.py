@@ -1,12 +1,14 @@
-"""Tokenizers: a BPE vocabulary trained in the test (no downloads), byte and null tokenizers."""
+"""Tokenizers: a BPE vocabulary and a Hugging Face tokenizer directory trained in the test (no
+downloads), byte and null tokenizers."""
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 
 from dtgpt.config import DataConfig
-from dtgpt.data.tokenizer import ByteTokenizer, GPT2BPETokenizer, NullTokenizer, build_tokenizer
+from dtgpt.data.tokenizer import ByteTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, build_tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -114,3 +116,118 @@ def test_build_tokenizer_choices(bpe_files):
     both = config_from_dict({"data": {"builtin_corpus": "python-docstrings", "tokenizer_type": "NullTokenizer", "vocab_size": 9}})
     with pytest.raises(ConfigError, match="data.builtin_corpus='python-docstrings' and data.tokenizer_type='NullTokenizer'"):
         validate(both)
+
+
+# -- HuggingFaceTokenizer ------------------------------------------------------------------------
+
+HF_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|endoftext|>",
+             "clean_up_tokenization_spaces": False}  # fmt: skip
+
+
+def write_hf_tokenizer(directory: Path, config: dict | None = HF_CONFIG, special_tokens_map: dict | None = None) -> Path:
+    """A Hugging Face tokenizer directory trained here: byte-level BPE whose post-processor adds a
+    BOS, one added token outside the model's vocabulary, and a truncation to 8 tokens stored in
+    tokenizer.json (transformers ignores it unless asked, so must dtgpt)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(TEXTS, trainer)
+    tok.add_special_tokens(["<pad>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.enable_truncation(max_length=8)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", special_tokens_map)):
+        if content is not None:
+            (directory / name).write_text(json.dumps(content))
+    return directory
+
+
+HF_TEXTS = ["The quick brown fox jumps over the lazy dog, again and again and again.", "", " ", "héllo wörld ✓\n\tx",
+            "a<|endoftext|>b", "<s> is text", "numbers 12345 " * 20]  # fmt: skip
+
+
+def megatron_hf_tokenizer(directory: Path, include_special_tokens: bool = False):
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    return MegatronTokenizer.from_pretrained(tokenizer_path=str(directory), metadata_path={"library": "huggingface"},
+                                             include_special_tokens=include_special_tokens)  # fmt: skip
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["megatron_default", "include_special_tokens"])
+def test_hugging_face_tokenizer_is_megatrons(tmp_path, include):
+    """megatron-core's HuggingFaceTokenizer (AutoTokenizer underneath) on the same directory gives
+    the same vocabulary, eod and ids; transformers' PreTrainedTokenizerFast on the file too."""
+    import transformers
+
+    directory = write_hf_tokenizer(tmp_path / "tok")
+    ours = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(directory),
+                                      tokenizer_hf_include_special_tokens=include))  # fmt: skip
+    assert isinstance(ours, HuggingFaceTokenizer)
+    theirs = megatron_hf_tokenizer(directory, include)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), eos_token="<|endoftext|>")
+    assert ours.vocab_size == theirs.vocab_size == len(fast) == 321  # 320 in the BPE model, then the added <pad>
+    assert ours.eod == theirs.eod == fast.eos_token_id == fast.convert_tokens_to_ids("<|endoftext|>")
+    for text in HF_TEXTS:
+        ids = ours.tokenize(text)
+        assert ids == theirs.tokenize(text) == fast(text, add_special_tokens=include)["input_ids"], text
+        assert ours.detokenize(ids) == fast.decode(ids), text
+    assert len(ours.tokenize(HF_TEXTS[-1])) > 8  # the stored truncation does not cut documents
+    assert (ours.tokenize("the")[0] == fast.convert_tokens_to_ids("<s>")) is include
+
+
+@pytest.mark.parametrize("layout", ["config", "map only", "map overrides", "added tokens keep the config", "sep only"])
+def test_hugging_face_eod_is_the_eos_transformers_reads(tmp_path, layout):
+    """eos from tokenizer_config.json or special_tokens_map.json, as AutoTokenizer reads them (the map
+    wins unless the config lists added_tokens_decoder); without an eos, Megatron's sep token."""
+    eos, bos = {"__type": "AddedToken", "content": "<|endoftext|>"}, "<s>"  # the dict form transformers saved once
+    config, special = {
+        "config": ({"eos_token": eos}, None),
+        "map only": (None, {"eos_token": "<|endoftext|>"}),
+        "map overrides": ({"eos_token": bos}, {"eos_token": eos}),
+        "added tokens keep the config": ({"eos_token": "<|endoftext|>", "added_tokens_decoder": {}}, {"eos_token": bos}),
+        "sep only": ({"sep_token": "<|endoftext|>"}, None),
+    }[layout]
+    directory = write_hf_tokenizer(tmp_path / "tok", config, special)
+    ours = HuggingFaceTokenizer(str(directory))
+    assert ours.eod == megatron_hf_tokenizer(directory).eod == ours.tokenize("<|endoftext|>")[0]
+
+
+def test_hugging_face_tokenizer_pickles(tmp_path):
+    tok = HuggingFaceTokenizer(str(write_hf_tokenizer(tmp_path / "tok")), include_special_tokens=True)
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.tokenize(HF_TEXTS[0]) == tok.tokenize(HF_TEXTS[0]) and (clone.eod, clone.vocab_size) == (tok.eod, tok.vocab_size)
+
+
+def test_hugging_face_tokenizer_bad_input(tmp_path):
+    """A missing key is a config error; a missing or unusable directory one line naming it."""
+    from dtgpt.config import ConfigError, config_from_dict, load_config, validate
+
+    with pytest.raises(ConfigError, match=r"data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model"):
+        load_config(None, ["--data.mock_data=true", "--data.tokenizer_type=HuggingFaceTokenizer"])
+    good = write_hf_tokenizer(tmp_path / "good")
+    both = config_from_dict({"data": {"builtin_corpus": "python-docstrings", "tokenizer_type": "HuggingFaceTokenizer",
+                                      "tokenizer_model": str(good)}})  # fmt: skip
+    with pytest.raises(ConfigError, match="data.builtin_corpus='python-docstrings' and data.tokenizer_model="):
+        validate(both)
+    (tmp_path / "empty").mkdir()
+    unusable = [
+        (tmp_path / "nope", FileNotFoundError, r"data.tokenizer_model='.*nope': no such directory"),
+        (good / "tokenizer.json", ValueError, r"tokenizer.json' is a file: name the directory that holds tokenizer.json"),
+        (tmp_path / "empty", FileNotFoundError, r"empty': holds no tokenizer.json"),
+        (write_hf_tokenizer(tmp_path / "no_eos", None), ValueError,
+         r"no_eos': no eos_token in tokenizer_config.json or special_tokens_map.json; HuggingFaceTokenizer ends documents"),
+        (write_hf_tokenizer(tmp_path / "eos_unknown", {"eos_token": "</s>"}), ValueError,
+         r"the eos_token '</s>' is not a token of its tokenizer.json"),
+    ]  # fmt: skip
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    unusable.append((tmp_path / "broken", ValueError, r"cannot read .*broken/tokenizer.json: "))
+    for directory, error, message in unusable:
+        with pytest.raises(error, match=message) as caught:
+            build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(directory)))
+        assert "\n" not in str(caught.value)

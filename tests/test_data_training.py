@@ -115,3 +115,27 @@ def test_middle_pipeline_stages_read_no_batches():
     train_iter, _, _ = build_data_iterators(cfg, runtime.dims, datasets, options)
     with pytest.raises(Exception, match="a middle pipeline stage read a sample"):
         next(train_iter)
+
+
+def test_train_on_hugging_face_tokenized_data(tmp_path):
+    """A corpus preprocessed with HuggingFaceTokenizer trains with the same tokenizer named in
+    [data]: its 321 tokens are the vocabulary (padded to 384), and the ids fit. A missing
+    tokenizer directory is one error line at start-up."""
+    from tests.test_data_tokenizer import TEXTS, write_hf_tokenizer
+
+    directory = write_hf_tokenizer(tmp_path / "tok")
+    (tmp_path / "corpus.jsonl").write_text("".join('{"text": "%d %s"}\n' % (i, t) for i, t in enumerate(TEXTS)))
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory)]
+    subprocess.run([sys.executable, str(REPO / "scripts/preprocess_data.py"), "--input", "corpus.jsonl",
+                    "--output-prefix", "corpus", *hf, "--append-eod"], cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+    data = ["--data.data_path=corpus_text_document", "--data.split=1", "--data.tokenizer_type=HuggingFaceTokenizer",
+            f"--data.tokenizer_model={directory}", "--training.train_iters=4", "--optimizer.lr_warmup_iters=1"]  # fmt: skip
+    losses = train_losses(tmp_path, data, base=BASE)
+    assert len(losses) == 4 and all(loss == loss for loss in losses) and losses[-1] < losses[0]
+    log = (tmp_path / "run.log").read_text()
+    assert "HuggingFaceTokenizer (321 ids)" in log and "Traceback" not in log
+    missing = run_train(tmp_path, BASE + data + ["--data.tokenizer_model=missing"], name="missing", check=False)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        "error: data.tokenizer_model='missing': no such directory (HuggingFaceTokenizer reads the tokenizer.json "
+        "and tokenizer_config.json that Hugging Face saves; dtgpt downloads nothing)"
+    ]

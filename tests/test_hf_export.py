@@ -30,6 +30,7 @@ from dtgpt.config import padded_vocab_size
 from dtgpt.model import GPT
 from tests.runs import REPO
 from tests.test_checkpoint_convert import load_script
+from tests.test_data_tokenizer import write_hf_tokenizer
 
 MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32"]
 BPE_TEXTS = [
@@ -42,14 +43,19 @@ BPE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory) -> Path:
-    """A GPT-2 style vocab.json + merges.txt trained here (no downloads)."""
+    """A GPT-2 style vocab.json + merges.txt trained here (no downloads), and in HF_TOKENIZER a
+    Hugging Face tokenizer directory (tests/test_data_tokenizer.py)."""
     from tokenizers import ByteLevelBPETokenizer
 
     d = tmp_path_factory.mktemp("bpe")
     trainer = ByteLevelBPETokenizer()
     trainer.train_from_iterator(BPE_TEXTS, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
     trainer.save_model(str(d))
+    write_hf_tokenizer(d / HF_TOKENIZER)
     return d
+
+
+HF_TOKENIZER = "hf_tokenizer"
 
 
 def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
@@ -57,6 +63,8 @@ def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
         return ["--data.tokenizer_type=ByteTokenizer"]
     if kind == "null":
         return ["--data.tokenizer_type=NullTokenizer", "--data.vocab_size=100"]
+    if kind == "hf":
+        return ["--data.tokenizer_type=HuggingFaceTokenizer", f"--data.tokenizer_model={bpe_dir / HF_TOKENIZER}"]
     return ["--data.tokenizer_type=GPT2BPETokenizer", f"--data.vocab_file={bpe_dir / 'vocab.json'}",
             f"--data.merge_file={bpe_dir / 'merges.txt'}"]  # fmt: skip
 
@@ -141,7 +149,7 @@ def test_export_loads_silently_with_dtgpt_logits(tmp_path, bpe_dir, tied):
         assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
 
 
-@pytest.mark.parametrize("kind", ["byte", "null", "bpe"])
+@pytest.mark.parametrize("kind", ["byte", "null", "bpe", "hf"])
 def test_autotokenizer_gives_dtgpt_ids(tmp_path, bpe_dir, kind):
     directory, out = export(tmp_path, kind, bpe_dir)
     ours = build_tokenizer(read_config(directory).data)
@@ -150,13 +158,31 @@ def test_autotokenizer_gives_dtgpt_ids(tmp_path, bpe_dir, kind):
     assert theirs.eos_token_id == ours.eod
     texts = sample_texts(kind)
     assert len(texts) >= 300
+    # HuggingFaceTokenizer leaves out the BOS its files' post-processor adds, as Megatron's does
+    special = kind != "hf"
     for text in texts:
         ids = ours.tokenize(text)
-        assert theirs(text)["input_ids"] == ids, text
+        assert theirs(text, add_special_tokens=special)["input_ids"] == ids, text
         assert theirs.decode(ids) == ours.detokenize(ids), text
-    if kind == "bpe":  # the run's own BPE files travel with the export
-        for name in ("vocab.json", "merges.txt"):
-            assert (out / name).read_bytes() == (bpe_dir / name).read_bytes()
+    # the run's own files travel with the export, as they are
+    names = {"bpe": ("vocab.json", "merges.txt"), "hf": ("tokenizer.json", "tokenizer_config.json")}.get(kind, ())
+    source = bpe_dir / HF_TOKENIZER if kind == "hf" else bpe_dir
+    for name in names:
+        assert (out / name).read_bytes() == (source / name).read_bytes()
+
+
+def test_hugging_face_tokenizer_without_config_exports_its_eos(tmp_path):
+    """Files that name the eos in special_tokens_map.json alone travel with a minimal
+    tokenizer_config.json, so transformers reads them as the fast tokenizer with that eos."""
+    files = tmp_path / "files"
+    write_hf_tokenizer(files / HF_TOKENIZER, config=None, special_tokens_map={"eos_token": "<|endoftext|>"})
+    directory, out = export(tmp_path, "hf", files)
+    ours = build_tokenizer(read_config(directory).data)
+    assert sorted(p.name for p in out.glob("*token*")) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    with no_transformers_warnings():
+        theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs.eos_token_id == ours.eod and len(theirs) == ours.vocab_size
+    assert theirs(BPE_TEXTS[3], add_special_tokens=False)["input_ids"] == ours.tokenize(BPE_TEXTS[3])
 
 
 def dtgpt_greedy(directory: Path, prompt_ids: list[int], n: int) -> list[int]:
@@ -206,7 +232,7 @@ def test_files_take_the_process_umask(tmp_path, bpe_dir):
     assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
 
-@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True)])
+@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True), ("hf", True)])
 def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     directory, out = export(tmp_path, kind, bpe_dir, tied)
     convert = load_script()
@@ -220,6 +246,9 @@ def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     if kind == "bpe":  # copied into the checkpoint, so the export directory may go
         assert Path(imported.data.vocab_file).parent == back.resolve()
         assert Path(imported.data.vocab_file).read_bytes() == (bpe_dir / "vocab.json").read_bytes()
+    if kind == "hf":  # the same: the directory holds the run's tokenizer files
+        assert Path(imported.data.tokenizer_model) == back.resolve()
+        assert (back / "tokenizer.json").read_bytes() == (bpe_dir / HF_TOKENIZER / "tokenizer.json").read_bytes()
     theirs, ours = build_tokenizer(imported.data), build_tokenizer(original.data)
     assert [theirs.tokenize(t) for t in sample_texts(kind)] == [ours.tokenize(t) for t in sample_texts(kind)]
     stored, reread = read_sections(directory, ("model",))["model"], read_sections(back, ("model",))["model"]
@@ -280,7 +309,7 @@ def edit_config(directory: Path, **changes) -> None:
     (directory / "config.json").write_text(json.dumps({**config, **changes}))
 
 
-@pytest.mark.parametrize("case", ["activation", "untied without lm_head", "tokenizer too big"])
+@pytest.mark.parametrize("case", ["activation", "untied without lm_head", "tokenizer too big", "tokenizer without eos"])
 def test_bad_input_is_one_clear_line(tmp_path, bpe_dir, capfd, case):
     if case == "tokenizer too big":  # a --config whose tokenizer does not fit the checkpoint's 128 rows
         make_checkpoint(tmp_path / "ckpt", "null", bpe_dir)
@@ -292,9 +321,14 @@ def test_bad_input_is_one_clear_line(tmp_path, bpe_dir, capfd, case):
         if case == "activation":
             edit_config(tmp_path / "gpt2", activation_function="relu")
             expected = "gpt2/config.json: activation_function='relu' is not one of"
-        else:
+        elif case == "untied without lm_head":
             edit_config(tmp_path / "gpt2", tie_word_embeddings=False)
             expected = "the GPT-2 weights have no tensor 'lm_head.weight'"
+        else:  # a tokenizer.json dtgpt reads as HuggingFaceTokenizer, but nothing names its eos
+            for name in ("vocab.json", "merges.txt"):
+                (tmp_path / "gpt2" / name).unlink()
+            write_hf_tokenizer(tmp_path / "gpt2", config=None)
+            expected = "gpt2': no eos_token in tokenizer_config.json or special_tokens_map.json"
         argv = ["from-gpt2", str(tmp_path / "gpt2"), str(tmp_path / "ckpt")]
     capfd.readouterr()  # transformers' progress bars
     assert load_script().main(argv) == 2

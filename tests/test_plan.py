@@ -14,9 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dtgpt.plan import memory as pm
 from dtgpt.config import ConfigError, interleaved_round_size, load_config
+from dtgpt.plan import memory as pm
 from dtgpt.plan import plan_layout, tokenizer_vocab_size
+from dtgpt.plan.activations import ActivationShape, embedding_activation_bytes, layer_activation_bytes, layer_activation_terms
+from tests.test_data_tokenizer import write_hf_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 GPT3_175B = str(REPO / "configs" / "gpt3_175b.toml")
@@ -97,9 +99,11 @@ def test_175b_schedule_and_time(plan_175b):
     first = next(r for r in plan["ranks"] if r["pp_rank"] == 0)
     last = next(r for r in plan["ranks"] if r["pp_rank"] == 15)
     assert (first["in_flight"], last["in_flight"]) == (16, 1)
-    shape = pm.ActivationShape(2048, 1, 12288, 96, 51200, 8, True)
-    per_layer = pm.layer_activation_bytes(shape, recompute="none")
-    expected = (16 * (6 * per_layer + pm.embedding_activation_bytes(shape))) / pm.GIB
+    # fp16 with dropout, Korthikanti's unfused attention core, dtgpt's SP (gathered inputs kept)
+    shape = ActivationShape(2048, 1, 12288, 96, 51200, 8, True, ffn_size=4 * 12288, megatron_sp=False)
+    assert shape == ActivationShape.for_config(load_config(GPT3_175B), 51200, 8)
+    per_layer = layer_activation_bytes(shape, recompute="none")
+    expected = (16 * (6 * per_layer + embedding_activation_bytes(shape))) / pm.GIB
     assert first["memory"]["activations"] == pytest.approx(expected)
     # fp16, FSDP of one rank: the fp32 master and its gradient, Adam m, v, the fp16 gathered copy
     # and the fp16 gradient accumulated over micro-batches (Megatron's default for fp16): 20 B.
@@ -159,23 +163,34 @@ def test_175b_on_1024_gpus_with_full_recomputation_takes_about_34_days():
 
 
 def test_activation_formulas():
+    """Korthikanti's 34·s·b·h + 5·a·s²·b per layer, /t with SP; selective drops the a·s²·b term
+    (the terms measured on the model: tests/test_activation_memory.py)."""
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     sbh = s * b * h
     base = dict(seq_length=s, micro_batch_size=b, hidden_size=h, num_heads=a, padded_vocab=51200)
-    none = pm.ActivationShape(**base, tp=1, sequence_parallel=False)
-    sp = pm.ActivationShape(**base, tp=t, sequence_parallel=True)
-    tp_only = pm.ActivationShape(**base, tp=t, sequence_parallel=False)
-    assert pm.layer_activation_bytes(none, "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
-    assert pm.layer_activation_bytes(sp, "none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
-    assert pm.layer_activation_bytes(tp_only, "none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    # Korthikanti's selective recomputation drops the attention-core term 5·a·s/h.
-    assert pm.layer_activation_bytes(none, "selective") == pytest.approx(sbh * 34)
-    assert pm.layer_activation_bytes(sp, "selective") == pytest.approx(sbh / t * 34)
-    assert pm.layer_activation_bytes(tp_only, "selective") == pytest.approx(sbh * (10 + 24 / t))
-    assert pm.layer_activation_bytes(sp, "full") == pytest.approx(2 * sbh / t)
-    assert pm.layer_activation_bytes(tp_only, "full") == pytest.approx(2 * sbh)
-    fp32 = pm.ActivationShape(**base, tp=1, sequence_parallel=False, bytes_scale=2.0)
-    assert pm.layer_activation_bytes(fp32, "none") == pytest.approx(2 * pm.layer_activation_bytes(none, "none"))
+    none, sp, tp_only = (ActivationShape(**base, tp=n, sequence_parallel=q) for n, q in ((1, False), (t, True), (t, False)))
+    assert layer_activation_bytes(none, "none") == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(sp, "none") == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(tp_only, "none") == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_activation_bytes(none, "selective") == pytest.approx(sbh * 34)
+    assert layer_activation_bytes(sp, "selective") == pytest.approx(sbh / t * 34)
+    assert layer_activation_bytes(tp_only, "selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert layer_activation_bytes(sp, "full") == pytest.approx(2 * sbh / t)
+    assert layer_activation_bytes(tp_only, "full") == pytest.approx(2 * sbh)
+    # Which terms apply: a dropout of p = 0 keeps no mask (nor, for attention, a dropped copy);
+    # a fused kernel keeps no scores; dtgpt's SP keeps the gathered QKV and fc1 inputs (not /t).
+    quiet = ActivationShape(**base, tp=1, sequence_parallel=False, hidden_dropout=False, attention_dropout=False)
+    assert layer_activation_bytes(quiet, "none") == pytest.approx(sbh * (32 + 2 * a * s / h))
+    flash = ActivationShape(**base, tp=1, sequence_parallel=False, scores_kept=False)
+    assert layer_activation_terms(flash, "none") == layer_activation_terms(none, "selective")
+    dtgpt_sp = ActivationShape(**base, tp=t, sequence_parallel=True, megatron_sp=False)
+    assert layer_activation_bytes(dtgpt_sp, "selective") == pytest.approx(sbh * (30 / t + 4))
+    # fp32 doubles every activation but the 1-byte dropout masks; fp32_residual_connection the norm inputs
+    fp32 = ActivationShape(**base, tp=1, sequence_parallel=False, compute_bytes=4)
+    assert layer_activation_bytes(fp32, "none") == pytest.approx(sbh * (66 + (4 + 1 + 4) * a * s / h))
+    fp32_residual = ActivationShape(**base, tp=1, sequence_parallel=False, residual_bytes=4)
+    assert layer_activation_bytes(fp32_residual, "selective") == pytest.approx(sbh * 38)
+    assert layer_activation_bytes(fp32_residual, "full") == pytest.approx(4 * sbh)
 
 
 def test_schedule_formulas():
@@ -274,6 +289,9 @@ def test_block_recomputation_follows_the_real_blocks():
     assert all(r.recomputed_layers == 0 for r in selective.ranks)
     for r, q in zip(selective.ranks, plain.ranks):
         assert 0 < r.memory["activations"] < q.memory["activations"]
+    # A fused attention kernel keeps no scores: what selective recomputation drops.
+    fused = plan_layout(load_config(None, SMALL), 8, fused_attention=True)
+    assert [r.memory["activations"] for r in fused.ranks] == pytest.approx([r.memory["activations"] for r in selective.ranks])
 
 
 def test_impossible_layouts_are_refused_with_the_rule():
@@ -330,6 +348,11 @@ def test_vocabulary_follows_the_tokenizer(tmp_path):
     assert tokenizer_vocab_size(load_config(None, SMALL))[0] == 257
     null = load_config(None, ["--data.mock_data=true", "--data.tokenizer_type=NullTokenizer", "--data.vocab_size=1000"])
     assert tokenizer_vocab_size(null)[0] == 1000
+    hf = ["--data.mock_data=true", "--data.tokenizer_type=HuggingFaceTokenizer"]
+    tokenizer_dir = write_hf_tokenizer(tmp_path / "hf")
+    assert tokenizer_vocab_size(load_config(None, [*hf, f"--data.tokenizer_model={tokenizer_dir}"])) == (321, None)
+    size, note = tokenizer_vocab_size(load_config(None, [*hf, "--data.tokenizer_model=missing", "--data.vocab_size=1000"]))
+    assert size == 1000 and "data.tokenizer_model='missing': no such directory" in note
 
 
 # -- launch scripts ------------------------------------------------------------------------------

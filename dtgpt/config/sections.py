@@ -224,9 +224,15 @@ class DataConfig:
     builtin_corpus: str = ""
     """'python-docstrings': text gathered from the installed standard library, no download."""
     tokenizer_type: str = "GPT2BPETokenizer"
-    """'GPT2BPETokenizer', 'ByteTokenizer' or 'NullTokenizer'."""
+    """'GPT2BPETokenizer', 'ByteTokenizer', 'NullTokenizer' or 'HuggingFaceTokenizer'."""
     vocab_file: str = ""
     merge_file: str = ""
+    tokenizer_model: str = ""
+    """HuggingFaceTokenizer: the directory of Hugging Face tokenizer files (tokenizer.json, and
+    tokenizer_config.json naming the eos token), as Megatron's --tokenizer-model."""
+    tokenizer_hf_include_special_tokens: bool = False
+    """HuggingFaceTokenizer: encode with the special tokens its post-processor adds (e.g. a BOS),
+    as Megatron's --tokenizer-hf-include-special-tokens; off, as Megatron's default."""
     vocab_size: int = 0
     """Vocabulary of NullTokenizer (and of mock data when no tokenizer file is given)."""
     data_cache_path: str = ""

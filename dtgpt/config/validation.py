@@ -25,6 +25,8 @@ from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 from dtgpt.config.split import parse_split
 
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer")
+
 _CHOICES = {
     "model.position_embedding_type": ("learned_absolute", "rope"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
@@ -37,7 +39,7 @@ _CHOICES = {
     "optimizer.lr_wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
     "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
     "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "data.tokenizer_type": ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer"),
+    "data.tokenizer_type": TOKENIZER_TYPES,
     "data.builtin_corpus": ("", "python-docstrings"),
     "data.order": ("megatron", "stable"),
     "distributed.backend": ("auto", "nccl", "gloo"),
@@ -185,6 +187,10 @@ def _check_data(cfg: Config) -> None:
     _require(
         d.tokenizer_type != "NullTokenizer" or d.vocab_size > 0,
         f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
+    )
+    _require(
+        d.tokenizer_type != "HuggingFaceTokenizer" or bool(d.tokenizer_model),
+        "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model, the directory of its tokenizer.json",
     )
     if d.tokenizer_type == "NullTokenizer":
         padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built

@@ -1,4 +1,5 @@
-"""Tokenizers: GPT-2 BPE from vocab.json + merges.txt, a byte tokenizer, and a null tokenizer.
+"""Tokenizers: GPT-2 BPE from vocab.json + merges.txt, Hugging Face tokenizer files, a byte
+tokenizer, and a null tokenizer.
 
 All share one small interface: `.vocab_size`, `.eod`, `.tokenize(text) -> list[int]`,
 `.detokenize(ids) -> str`. `build_tokenizer(data_cfg)` picks one from the `[data]` section.
@@ -6,14 +7,19 @@ All share one small interface: `.vocab_size`, `.eod`, `.tokenize(text) -> list[i
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable, Protocol, runtime_checkable
 
 from dtgpt.config import DataConfig
 from dtgpt.config.derived import null_tokenizer_ids
+from dtgpt.config.validation import TOKENIZER_TYPES
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 EOD_TEXT = "<|endoftext|>"
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 GPT2_VOCAB_SIZE = 50257
 """GPT-2's vocabulary (50,000 merges + 256 bytes + <|endoftext|>); mock data's default vocabulary."""
 
@@ -82,33 +88,21 @@ class GPT2BPETokenizer:
                     f"{key}={path!r}: no such file (GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt, which "
                     "dtgpt does not download: docs/data.md; data.tokenizer_type ByteTokenizer or NullTokenizer needs no files)"
                 )
+        tokenizers = _tokenizers_library("GPT2BPETokenizer")
         try:
-            from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-        except ImportError:
-            raise ImportError(
-                "GPT2BPETokenizer needs the 'tokenizers' library: pip install 'dtgpt[gpt2]'"
-            ) from None
-        try:
-            model = models.BPE.from_file(vocab_file, merge_file)
+            model = tokenizers.models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:
             # e.g. a merges.txt of another vocabulary: "Token `ab` out of vocabulary"
             raise DataError(f"cannot read GPT-2 BPE files {vocab_file!r} / {merge_file!r}: {e}") from None
-        tok = HFTokenizer(model)
+        tok = tokenizers.Tokenizer(model)
         # GPT-2 splits with its regex and maps bytes to printable characters; no leading space added.
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
         eod = tok.token_to_id(EOD_TEXT)
         if eod is None:
             raise DataError(f"{vocab_file}: has no {EOD_TEXT} token, which GPT-2 uses as end of document")
-        ids = tok.get_vocab().values()
-        if max(ids) + 1 != tok.get_vocab_size():
-            # The model's vocabulary is the token count: a larger id would index past the embedding.
-            raise DataError(
-                f"{vocab_file}: token ids are not 0..{tok.get_vocab_size() - 1} ({tok.get_vocab_size()} tokens, "
-                f"largest id {max(ids)}): vocab.json is not a GPT-2 vocabulary"
-            )
         self._tok = tok
-        self.vocab_size = tok.get_vocab_size()
+        self.vocab_size = _contiguous_vocabulary(tok, f"{vocab_file}: ", "vocab.json is not a GPT-2 vocabulary")
         self.eod = eod
         self.vocab_file, self.merge_file = vocab_file, merge_file
 
@@ -131,6 +125,106 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class HuggingFaceTokenizer:
+    """Megatron's HuggingFaceTokenizer: a directory of Hugging Face tokenizer files, run by the
+    `tokenizers` library.
+
+    As megatron-core's (which reads the same files with transformers' AutoTokenizer): vocab_size
+    counts every token (`len(tokenizer)`), eod is the eos token that tokenizer_config.json (or
+    special_tokens_map.json) names, else the sep token, and text is encoded without the special
+    tokens the post-processor adds (a BOS, say) unless `include_special_tokens`. Truncation or
+    padding stored in tokenizer.json is switched off, as transformers encodes: no document is cut.
+    """
+
+    def __init__(self, directory: str, include_special_tokens: bool = False):
+        where = f"data.tokenizer_model={directory!r}"
+        if not directory:
+            raise ValueError("HuggingFaceTokenizer needs data.tokenizer_model (the directory of its tokenizer.json); it is not set")
+        if os.path.isfile(directory):
+            raise DataError(f"{where} is a file: name the directory that holds tokenizer.json (Megatron's --tokenizer-model)")
+        path = os.path.join(directory, TOKENIZER_JSON)
+        if not os.path.isfile(path):
+            problem = "holds no tokenizer.json" if os.path.isdir(directory) else "no such directory"
+            raise DataFileNotFoundError(
+                f"{where}: {problem} (HuggingFaceTokenizer reads the tokenizer.json and tokenizer_config.json "
+                "that Hugging Face saves; dtgpt downloads nothing)"
+            )
+        tokenizers = _tokenizers_library("HuggingFaceTokenizer")
+        try:
+            tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the library's parse errors have no common class
+            raise DataError(f"cannot read {path}: {e}") from None
+        tok.no_truncation()
+        tok.no_padding()
+        special = _special_tokens(directory)
+        eos = special["eos_token"] or special["sep_token"]
+        if not eos:
+            raise DataError(
+                f"{where}: no eos_token in {TOKENIZER_CONFIG} or {SPECIAL_TOKENS_MAP}; "
+                "HuggingFaceTokenizer ends documents with the eos token, as Megatron's"
+            )
+        eod = tok.token_to_id(eos)
+        if eod is None:
+            raise DataError(f"{where}: the eos_token {eos!r} is not a token of its tokenizer.json")
+        self._tok = tok
+        self.vocab_size = _contiguous_vocabulary(tok, f"{path}: ", "the model's embedding rows are the token count")
+        self.eod = eod
+        self.eos_text = eos
+        self.directory, self.include_special_tokens = directory, include_special_tokens
+
+    def __getstate__(self) -> dict:
+        return {"directory": self.directory, "include_special_tokens": self.include_special_tokens}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["directory"], state["include_special_tokens"])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _tokenizers_library(kind: str):
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError(f"{kind} needs the 'tokenizers' library: pip install 'dtgpt[gpt2]'") from None
+    return tokenizers
+
+
+def _contiguous_vocabulary(tok, where: str, why: str) -> int:
+    """The token count, when the ids are 0..count-1: a larger id would index past the embedding."""
+    size, largest = tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(with_added_tokens=True).values())
+    if largest + 1 != size:
+        raise DataError(f"{where}token ids are not 0..{size - 1} ({size} tokens, largest id {largest}): {why}")
+    return size
+
+
+def _json_object(path: str) -> dict:
+    """A JSON file's object, {} when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _special_tokens(directory: str) -> dict[str, str | None]:
+    """The eos and sep tokens' text as transformers reads them: from tokenizer_config.json, where
+    special_tokens_map.json overrides unless the config lists its added tokens (the legacy layout)."""
+    found = _json_object(os.path.join(directory, TOKENIZER_CONFIG))
+    if "added_tokens_decoder" not in found:
+        found = {**found, **_json_object(os.path.join(directory, SPECIAL_TOKENS_MAP))}
+    tokens = {key: found.get(key) for key in ("eos_token", "sep_token")}
+    return {key: token.get("content") if isinstance(token, dict) else token for key, token in tokens.items()}
+
+
 def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
     """The tokenizer `[data]` asks for.
 
@@ -139,6 +233,7 @@ def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
     - Under `mock_data = true` no file is read, and `data.vocab_size` is the whole vocabulary,
       eod its last id: a NullTokenizer of vocab_size - 1 ids. GPT2BPETokenizer with no vocab_file
       becomes one too, of GPT-2's 50257 entries (eod 50256, GPT-2's) when vocab_size is 0.
+    - HuggingFaceTokenizer always reads its files (under mock data too), as Megatron's.
     """
     kind = data_cfg.tokenizer_type
     if data_cfg.builtin_corpus:
@@ -153,4 +248,6 @@ def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
         if data_cfg.mock_data and not data_cfg.vocab_file and not data_cfg.merge_file:
             return NullTokenizer((data_cfg.vocab_size or GPT2_VOCAB_SIZE) - 1)
         return GPT2BPETokenizer(data_cfg.vocab_file, data_cfg.merge_file)
-    raise ValueError(f"data.tokenizer_type={kind!r} is not one of 'GPT2BPETokenizer', 'ByteTokenizer', 'NullTokenizer'")
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(data_cfg.tokenizer_model, data_cfg.tokenizer_hf_include_special_tokens)
+    raise ValueError(f"data.tokenizer_type={kind!r} is not one of: {', '.join(map(repr, TOKENIZER_TYPES))}")

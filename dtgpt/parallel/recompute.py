@@ -83,6 +83,11 @@ def block_recompute(model: GPT) -> dict[str, str]:
     }
 
 
+def recompute_group_sizes(model: GPT) -> list[int]:
+    """The blocks in each recomputed group of `model`: a group keeps only its input."""
+    return [len(run.names) for run in model.block_runs or [] if isinstance(run, RecomputedGroup)]
+
+
 def largest_recompute_group(model: GPT) -> int:
     """Blocks recomputed at once in backward: their full activations live together for a moment."""
-    return max((len(run.names) for run in model.block_runs or [] if isinstance(run, RecomputedGroup)), default=0)
+    return max(recompute_group_sizes(model), default=0)

@@ -4,7 +4,7 @@ Every distinct (pp rank, tp rank) of the job is built on the meta device under P
 process group at the job's full world size, through the same `build_meta_parts()` -> `parallelize()`
 code path that training runs (dtgpt.plan.ranks), so the parameter counts are those of the real
 sharded DTensors. Nothing is allocated. Memory, bubble and time come from the formulas in
-dtgpt.plan.memory.
+dtgpt.plan.activations and dtgpt.plan.memory.
 
     python scripts/plan.py --config configs/gpt3_175b.toml [--json] [--world-size N] [--check]
     python train.py --config configs/gpt3_175b.toml --dry-run
@@ -12,11 +12,12 @@ dtgpt.plan.memory.
     results.py  the Plan and RankPlan records, LayoutError
     layout.py   plan_layout(): the inputs (vocabulary, world size), the build, the figures
     ranks.py    each distinct rank built on the fake process group
-    memory.py   the formulas (activations, in-flight micro-batches, bubble, states, time)
+    activations.py  one layer's activation memory, term by term (Korthikanti et al.)
+    memory.py   the other formulas (in-flight micro-batches, bubble, states, time)
     report.py   warnings and the per-rank table
     cli.py      the command line (scripts/plan.py, train.py --dry-run)
 
-Imports run one way: cli -> layout -> ranks, memory, report -> results.
+Imports run one way: cli -> layout -> ranks, activations, memory, report -> results.
 """
 
 from dtgpt.plan.cli import cli, main

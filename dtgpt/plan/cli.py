@@ -42,6 +42,8 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=float, default=300e9, help="tokens to train, for the time (default 300e9)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a rank does not fit in --gpu-memory-gib")
     parser.add_argument("--all-ranks", action="store_true", help="build every pp rank, not one per kind of stage")
+    parser.add_argument("--fused-attention", action="store_true",
+                        help="count no a*s*s attention scores (flash or memory-efficient SDPA; default: Korthikanti's unfused core)")
     args, overrides = parser.parse_known_args(argv)
     try:
         # Validated by the planner, which reports an impossible layout in its own words.
@@ -52,6 +54,6 @@ def cli(argv: list[str]) -> int:
     code = main(
         cfg, args.world_size, as_json=args.json, tflops=args.tflops, tokens=args.tokens,
         gpu_memory_gib=args.gpu_memory_gib, all_ranks=args.all_ranks, nvlink_gbps=args.nvlink_gbps,
-        ib_gbps=args.ib_gbps,
+        ib_gbps=args.ib_gbps, fused_attention=args.fused_attention,
     )  # fmt: skip
     return code if args.check or code == 2 else 0

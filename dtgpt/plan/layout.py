@@ -4,7 +4,7 @@ Every distinct (pp rank, tp rank) of the job is built on the meta device under P
 process group at the job's full world size, through the same `build_meta_parts()` -> `parallelize()`
 code path that training runs (dtgpt.plan.ranks), so the parameter counts are those of the real
 sharded DTensors. Nothing is allocated. Memory, bubble and time come from the formulas in
-dtgpt.plan.memory.
+dtgpt.plan.activations and dtgpt.plan.memory.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ from dtgpt.config import (
     validate,
 )
 from dtgpt.config.derived import null_tokenizer_ids
+from dtgpt.data.tokenizer import HuggingFaceTokenizer
 from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
 from dtgpt.plan import comm, links
 from dtgpt.plan import memory as pm
+from dtgpt.plan.activations import (
+    ActivationShape,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+)
 from dtgpt.plan.ranks import BuiltRank, build_ranks
 from dtgpt.plan.report import layout_warnings
 from dtgpt.plan.results import LayoutError, Plan, RankPlan
@@ -49,6 +56,13 @@ def tokenizer_vocab_size(cfg: Config) -> tuple[int, str | None]:
         return 257, None
     if d.tokenizer_type == "NullTokenizer":
         return null_tokenizer_ids(d) + 1, None  # the ids and the eod
+    if d.tokenizer_type == "HuggingFaceTokenizer":
+        try:  # its files hold the count in more than one place (model vocabulary, added tokens)
+            return HuggingFaceTokenizer(d.tokenizer_model).vocab_size, None
+        except (ImportError, OSError, ValueError) as e:
+            if d.vocab_size:
+                return d.vocab_size, f"{e}: assuming data.vocab_size={d.vocab_size} tokens"
+            return GPT2_VOCAB_SIZE, f"{e}: assuming GPT-2's {GPT2_VOCAB_SIZE} tokens"
     if d.mock_data and not d.vocab_file and not d.merge_file:
         return d.vocab_size or GPT2_VOCAB_SIZE, None
     if d.vocab_file and os.path.isfile(d.vocab_file):
@@ -81,14 +95,15 @@ def layout_errors(cfg: Config, world_size: int, vocab_size: int) -> list[str]:
 # -- the plan ----------------------------------------------------------------------------------
 
 
-def _activation_bytes(built: BuiltRank, shape: pm.ActivationShape, compute_bytes: int) -> tuple[float, float]:
+def _activation_bytes(built: BuiltRank, shape: ActivationShape) -> tuple[float, float]:
     """(bytes per chunk in flight averaged over the rank's stages, recompute working set)."""
-    total = sum(pm.layer_activation_bytes(shape, recompute=r) for r in built.recompute)
+    total = sum(layer_activation_bytes(shape, recompute=r) for r in built.recompute if r != "full")
+    total += built.recompute_groups * layer_activation_bytes(shape, recompute="full")
     if built.first:
-        total += pm.embedding_activation_bytes(shape)
+        total += embedding_activation_bytes(shape)
     if built.last:
-        total += pm.head_activation_bytes(shape, compute_bytes)
-    working = built.recompute_group * pm.layer_activation_bytes(shape, recompute="none")
+        total += head_activation_bytes(shape)
+    working = built.recompute_group * layer_activation_bytes(shape, recompute="none")
     return total / max(len(built.stage_ids), 1), working
 
 
@@ -103,8 +118,13 @@ def plan_layout(
     gpu_memory_gib: float = 80.0,
     dp_ranks=(0,),
     all_ranks: bool = False,
+    fused_attention: bool = False,
 ) -> Plan:
-    """Plan `cfg` at `world_size` GPUs; raises LayoutError listing why a layout is impossible."""
+    """Plan `cfg` at `world_size` GPUs; raises LayoutError listing why a layout is impossible.
+
+    fused_attention: plan for an SDPA kernel that keeps no a·s×s scores (flash, memory-efficient;
+    what torch picks on recent GPUs); by default Korthikanti's unfused core, an upper bound.
+    """
     world_size = world_size or default_world_size(cfg)
     vocab, vocab_note = tokenizer_vocab_size(cfg)
     errors = layout_errors(cfg, world_size, vocab)
@@ -122,10 +142,7 @@ def plan_layout(
     # does not divide runs in longer rounds: the peak over every count of the run.
     counts = sorted({num_microbatches(cfg, dims.dp, size) for size in batches.sizes()})
     reshard = fsdp_reshards_after_forward(cfg)
-    shape = pm.ActivationShape(
-        m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded, dims.tp,
-        p.sequence_parallel, bytes_scale=1.0 if low else 2.0, cp=dims.cp,
-    )  # fmt: skip
+    shape = ActivationShape.for_config(cfg, padded, dims.tp, dims.cp, scores_kept=not fused_attention)
 
     built_ranks, builds = build_ranks(cfg, world_size, padded, dp_ranks=dp_ranks, all_ranks=all_ranks)
     ranks = []
@@ -136,7 +153,7 @@ def plan_layout(
             pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
         )  # fmt: skip
         in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
-        chunk, working = _activation_bytes(b, shape, compute_bytes)
+        chunk, working = _activation_bytes(b, shape)
         memory = {**asdict(states), "activations": in_flight * chunk + working}
         memory = {k: val / pm.GIB for k, val in memory.items()}
         memory["total"] = sum(memory.values())

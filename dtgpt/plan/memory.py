@@ -1,7 +1,8 @@
-"""The planner's formulas: activation memory, micro-batches in flight, bubble, model-state bytes, time.
+"""The planner's formulas: micro-batches in flight, bubble, model-state bytes, time.
 
 Pure arithmetic on numbers the planner read from the real parallelised model (dtgpt.plan.layout);
-nothing here touches torch.distributed. Every formula is written out in docs/plan.md.
+nothing here touches torch.distributed. Every formula is written out in docs/plan.md; the
+activations of one layer are dtgpt.plan.activations.
 """
 
 from __future__ import annotations
@@ -12,79 +13,6 @@ from dtgpt.config import MULTI_STAGE_SCHEDULES, interleaved_round_size
 
 GIB = 2**30
 SECONDS_PER_DAY = 86400.0
-
-
-@dataclass(frozen=True)
-class ActivationShape:
-    """What the activation formulas need: per micro-batch s, b, h, a, V and the tp and cp layout."""
-
-    seq_length: int
-    micro_batch_size: int
-    hidden_size: int
-    num_heads: int
-    padded_vocab: int
-    tp: int
-    sequence_parallel: bool
-    bytes_scale: float = 1.0
-    """Korthikanti's counts assume 16-bit activations; fp32 training doubles them (2.0)."""
-    cp: int = 1
-    """Context parallelism: each rank holds seq_length / cp tokens of every sequence."""
-
-    @property
-    def local_tokens(self) -> float:
-        return self.seq_length / self.cp
-
-    @property
-    def sbh(self) -> float:
-        """Per rank: its share of the sequence (s/cp) times b and h."""
-        return self.local_tokens * self.micro_batch_size * self.hidden_size
-
-    @property
-    def sp(self) -> bool:
-        return self.sequence_parallel and self.tp > 1
-
-
-def layer_activation_bytes(shape: ActivationShape, recompute: str) -> float:
-    """Bytes one transformer layer keeps for backward, per micro-batch (Korthikanti et al. 2022).
-
-    no parallelism        s·b·h·(34 + 5·a·s/h)
-    tp with SP            s·b·h/t·(34 + 5·a·s/h)
-    tp without SP         s·b·h·(10 + 24/t + 5·a·s/(h·t))
-    recompute 'selective' the same without the attention-core term 5·a·s/h (the scores)
-    recompute 'full'      2·s·b·h, divided by t under SP (only the layer input is kept)
-
-    With cp, s·b·h is the rank's share (s/cp tokens) while a·s/h keeps the full s: each local
-    query scores every key. The attention core also keeps the keys and values gathered from the
-    other cp ranks, 4·s·b·h·(cp-1)/t more (none when the core is recomputed).
-    """
-    s, h, a, t = shape.seq_length, shape.hidden_size, shape.num_heads, shape.tp
-    scores = 0.0 if recompute == "selective" else 5 * a * s / h
-    if recompute == "full":
-        kept = 2 * shape.sbh / (t if shape.sp else 1)
-    elif t == 1:
-        kept = shape.sbh * (34 + scores)
-    elif shape.sp:
-        kept = shape.sbh / t * (34 + scores)
-    else:
-        kept = shape.sbh * (10 + 24 / t + scores / t)
-    if recompute == "none":
-        kept += 4 * shape.sbh * (shape.cp - 1) / t
-    return kept * shape.bytes_scale
-
-
-def embedding_activation_bytes(shape: ActivationShape) -> float:
-    """First stage: the 1-byte dropout mask of the embedding output (s·b·h, /t under SP)."""
-    return shape.sbh / (shape.tp if shape.sp else 1) * shape.bytes_scale
-
-
-def head_activation_bytes(shape: ActivationShape, compute_bytes: int) -> float:
-    """Last stage: final-norm input (2·s·b·h, /t under SP), the gathered head input (2·s·b·h),
-    and the vocabulary-sharded logits: compute dtype + an fp32 copy for the loss + its gradient."""
-    s, b, v, t = shape.local_tokens, shape.micro_batch_size, shape.padded_vocab, shape.tp
-    norm_in = 2 * shape.sbh / (t if shape.sp else 1)
-    head_in = 2 * shape.sbh
-    logits = (compute_bytes + 4 + 4) * s * b * v / t
-    return (norm_in + head_in) * shape.bytes_scale + logits
 
 
 def chunks_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int, microbatches: int) -> int:

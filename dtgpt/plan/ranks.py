@@ -21,7 +21,7 @@ from dtgpt.config import Config
 from dtgpt.model import GPT
 from dtgpt.parallel import ParallelDims, build_meta_parts
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
-from dtgpt.parallel.recompute import block_recompute, largest_recompute_group
+from dtgpt.parallel.recompute import block_recompute, largest_recompute_group, recompute_group_sizes
 
 
 def _chunk(n: int, k: int, i: int) -> int:
@@ -76,6 +76,8 @@ class BuiltRank:
     """Per block: 'full', 'selective' or 'none', as dtgpt.parallel.recompute set it up."""
     recompute_group: int
     """The most blocks recomputed at once (0: no full recomputation)."""
+    recompute_groups: int
+    """Recomputed groups: each keeps its input."""
     local: int
     gathered: int
     largest_unit: int
@@ -102,6 +104,7 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
             layer_ids=[n for n, _ in blocks],
             recompute=[kind for part in parts for kind in block_recompute(part).values()],
             recompute_group=max(largest_recompute_group(part) for part in parts),
+            recompute_groups=sum(len(recompute_group_sizes(part)) for part in parts),
             local=sum(_local_numel(p) for p in params),
             gathered=sum(_numel_gathered_over_dp(p) for p in params),
             largest_unit=max((sum(_numel_gathered_over_dp(p) for p in _unique_params(u)) for u in units), default=0),

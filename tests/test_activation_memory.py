@@ -1,0 +1,148 @@
+"""Activation memory measured against Megatron's formula (dtgpt/plan/activations.py, Korthikanti et al.).
+
+What a layer keeps for backward is measured as the bytes of the tensors autograd saves during
+one forward (torch.autograd.graph.saved_tensors_hooks), each storage counted once, parameters
+left out, between the embedding and the final norm, divided by the layers. On CPU this is the
+honest measure: torch's CPU allocator keeps no running statistics (nothing like
+torch.cuda.max_memory_allocated), and the allocations the profiler records also hold the
+transient buffers of each op and FSDP's gathered weights. On a GPU the allocator would add its
+rounding to the same tensors.
+
+The tiny config is bf16 (Megatron's regime: the model computes in bf16 over fp32 masters),
+hidden dropout 0.1 and attention dropout 0, and scaled_dot_product_attention runs its flash
+kernel (by name; the CPU's has no dropout, and takes it by itself without one), which keeps q, k,
+v, the output and a log-sum-exp, no a·s×s scores: the formula is stated for that kernel
+(scores_kept=False, as Megatron with flash attention). The scores term is
+measured on the math kernel, in fp32: on CPU the math kernel computes bf16 inputs in fp32, so
+only in fp32 does it keep the softmax output in the dtype the formula counts. Attention dropout
+is 0 in both: the math kernel keeps its mask in the input's dtype, not as Korthikanti's 1 byte.
+Tensor parallelism with sequence parallelism is built at tp 2 on PyTorch's fake process group
+(one process, as the planner builds ranks: the collectives move nothing, the shapes are real).
+
+    PYTHONPATH=. python tests/test_activation_memory.py    # prints the table in docs/plan.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import dtgpt
+from dtgpt.config import Config, padded_vocabulary
+from dtgpt.model import GPT
+from dtgpt.parallel import ParallelDims, build_model_parts
+from dtgpt.plan.activations import ActivationShape, layer_activation_bytes
+
+VOCAB = 32
+LAYERS = 2
+MODEL = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, seq_length=64, hidden_dropout=0.1, attention_dropout=0.0)
+RECOMPUTE = {
+    "none": {},
+    "selective": dict(recompute_granularity="selective"),
+    "full, groups of 1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full, one group of 2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+}
+CASES = {
+    # name: (recompute, tp, precision, model overrides, the attention kernel keeps the scores)
+    "bf16, flash": (["none", "selective", "full, groups of 1", "full, one group of 2"], 1, "bf16", {}, False),
+    "bf16, tp2 + SP, flash": (["none", "selective", "full, groups of 1"], 2, "bf16", {}, False),
+    "fp32, math kernel": (["none", "selective"], 1, "fp32", dict(seq_length=128, hidden_size=128), True),
+}
+TOLERANCE = 0.05
+
+
+def _config(recompute: str, tp: int, precision: str, model: dict) -> Config:
+    return dtgpt.make_config(
+        model={**MODEL, **model},
+        data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
+        training=dict(micro_batch_size=2, global_batch_size=2, train_iters=1, bf16=precision == "bf16", **RECOMPUTE[recompute]),
+        parallel=dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1),
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def saved_bytes_per_layer(cfg: Config, tp: int, kernel: SDPBackend) -> float:
+    """Bytes the blocks of tp rank 0 save for backward in one training forward with `kernel`, per block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        dims = ParallelDims.from_config(cfg, tp)
+        dims.build_mesh("cpu")
+        with torch.device("meta"):
+            whole = GPT(cfg.model, padded_vocabulary(cfg, VOCAB))
+        model = build_model_parts(cfg, dims, whole, torch.device("cpu")).parts[0]
+        params, seen, inside = set(), {}, [False]
+
+        def note_params(module, args):  # FSDP's gathered compute copies are in place by now
+            params.update(_local(p).untyped_storage().data_ptr() for p in module.parameters(recurse=False))
+
+        for module in model.modules():
+            module.register_forward_pre_hook(note_params)
+        model.embedding.register_forward_hook(lambda *_: inside.__setitem__(0, True))
+        model.norm.register_forward_pre_hook(lambda *_: inside.__setitem__(0, False))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = _local(t).untyped_storage()
+            if inside[0] and storage.data_ptr() not in params:
+                seen.setdefault(storage.data_ptr(), storage.nbytes())
+            return t
+
+        tokens = torch.randint(0, VOCAB, (cfg.training.micro_batch_size, cfg.model.seq_length))
+        model.train()
+        with sdpa_kernel(kernel), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens)
+        return sum(seen.values()) / cfg.model.num_layers
+    finally:
+        dist.destroy_process_group()
+
+
+def formula(cfg: Config, tp: int, scores_kept: bool, *, megatron_sp: bool = False) -> ActivationShape:
+    shape = ActivationShape.for_config(cfg, padded_vocabulary(cfg, VOCAB), tp, scores_kept=scores_kept)
+    return dataclasses.replace(shape, megatron_sp=megatron_sp)
+
+
+def _expected(cfg: Config, recompute: str, tp: int, scores_kept: bool, megatron_sp: bool = False) -> float:
+    """The formula for one layer: full recomputation keeps one input per group, over its layers."""
+    shape = formula(cfg, tp, scores_kept, megatron_sp=megatron_sp)
+    if recompute.startswith("full"):
+        groups = -(-LAYERS // cfg.training.recompute_num_layers)
+        return groups * layer_activation_bytes(shape, "full") / LAYERS
+    return layer_activation_bytes(shape, recompute)
+
+
+def _measure(case: str, recompute: str) -> tuple[float, float, float, Config]:
+    settings, tp, precision, model, scores_kept = CASES[case]
+    cfg = _config(recompute, tp, precision, model)
+    kernel = SDPBackend.MATH if scores_kept else SDPBackend.FLASH_ATTENTION
+    measured = saved_bytes_per_layer(cfg, tp, kernel)
+    return measured, _expected(cfg, recompute, tp, scores_kept), _expected(cfg, recompute, tp, scores_kept, True), cfg
+
+
+@pytest.mark.parametrize("case,recompute", [(c, r) for c, (rs, *_) in CASES.items() for r in rs])
+def test_saved_activations_match_the_formula(case, recompute):
+    measured, expected, _, _ = _measure(case, recompute)
+    assert measured == pytest.approx(expected, rel=TOLERANCE), (case, recompute)
+
+
+def main() -> None:
+    print("bytes one layer keeps on tp rank 0, in units of s·b·h; the formula for dtgpt, and with Megatron's SP")
+    print(f"{'case':<24} {'recompute':<22} {'measured':>9} {'formula':>9} {'Megatron':>9} {'ratio':>6}")
+    for case, (settings, *_) in CASES.items():
+        for recompute in settings:
+            measured, expected, megatron, cfg = _measure(case, recompute)
+            sbh = cfg.model.seq_length * cfg.training.micro_batch_size * cfg.model.hidden_size
+            print(f"{case:<24} {recompute:<22} {measured / sbh:>9.3f} {expected / sbh:>9.3f} {megatron / sbh:>9.3f} "
+                  f"{measured / expected:>6.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
