@@ -144,18 +144,16 @@ def rotary_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> 
 def apply_rotary(
     x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor | None = None, interleaved: bool = False
 ) -> torch.Tensor:
-    """Rotate channel pairs of x (B, nh, T, hd) by angles of the token positions (RoPE).
+    """Rotate channel pairs of x (B, T, nh, hd) by angles of the token positions (RoPE).
 
     The pairs are (i, i + d/2) of the first d = 2 * len(inv_freq) channels, or (2i, 2i+1) if
     `interleaved`; the other channels pass unrotated. positions (B, T): each token's position
     (None: 0..T-1). Angles in fp32, the rotation in x's dtype.
     """
-    T, rotated_channels = x.shape[-2], 2 * inv_freq.numel()
+    T, rotated_channels = x.shape[1], 2 * inv_freq.numel()
     if positions is None:
         positions = torch.arange(T, device=x.device)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (T, d/2) or (B, T, d/2)
-    if angles.dim() == 3:
-        angles = angles.unsqueeze(1)  # (B, 1, T, d/2): the same for every head
+    angles = (positions.to(torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(-2)  # (B or 1, T, 1, d/2): every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x, passed = x[..., :rotated_channels], x[..., rotated_channels:]
     if interleaved:
@@ -288,14 +286,20 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         # -1 groups: under tensor parallelism this rank holds only its share of the groups.
         qkv = self.qkv(x).view(B, T, -1, self.queries_per_group + 2, self.head_dim)  # (B, T, ng, nh/ng + 2, hd)
-        q = qkv[:, :, :, :-2].flatten(2, 3).transpose(1, 2)  # (B, nh, T, hd)
-        k, v = qkv[:, :, :, -2].transpose(1, 2), qkv[:, :, :, -1].transpose(1, 2)  # (B, ng, T, hd)
+        q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]  # (B, T, nh or ng, hd)
+        if self.q_norm is not None or self.rope:
+            # The norms and RoPE make new tensors of q and k; a view that backward keeps (a
+            # norm's input, attention's v) would keep the whole QKV output alive: copies keep just it.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             inv_freq = rotary_frequencies(self.cfg, x.device)
             q = apply_rotary(q, inv_freq, position_ids, self.cfg.rotary_interleaved)
             k = apply_rotary(k, inv_freq, position_ids, self.cfg.rotary_interleaved)
+        # Head-major views of token-major tensors: attention's output keeps the token-major
+        # layout, so the projection's input below is a view of it, not a copy.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or ng, T, hd)
         y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * hd)
 

@@ -41,6 +41,11 @@ from dtgpt.plan.activations import ActivationShape, layer_activation_bytes
 VOCAB = 32
 LAYERS = 2
 MODEL = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, seq_length=64, hidden_dropout=0.1, attention_dropout=0.0)
+# The Llama-style family with LayerNorm: on CPU torch's RMSNorm is a composite that keeps fp32
+# copies of its input and output (CUDA's fused kernel keeps the input and the statistics, as
+# LayerNorm's fused kernel does on both).
+FAMILY = dict(swiglu=True, add_bias_linear=False, group_query_attention=True, num_query_groups=2, qk_layernorm=True,
+              position_embedding_type="rope")  # fmt: skip
 RECOMPUTE = {
     "none": {},
     "selective": dict(recompute_granularity="selective"),
@@ -52,6 +57,8 @@ CASES = {
     "bf16, flash": (["none", "selective", "full, groups of 1", "full, one group of 2"], 1, "bf16", {}, False),
     "bf16, tp2 + SP, flash": (["none", "selective", "full, groups of 1"], 2, "bf16", {}, False),
     "fp32, math kernel": (["none", "selective"], 1, "fp32", dict(seq_length=128, hidden_size=128), True),
+    # 2 key/value groups for 4 heads, SwiGLU, qk-layernorm, RoPE, no biases
+    "bf16 GQA+SwiGLU, tp2+SP": (["none", "selective"], 2, "bf16", FAMILY, False),
 }
 TOLERANCE = 0.05
 

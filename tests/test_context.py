@@ -65,14 +65,14 @@ def test_cp_attention_equals_full_sequence_attention(cp, with_documents):
 
 def test_positions_reach_rope_and_the_learned_table():
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 8, 8)  # (B, nh, T, hd)
+    x = torch.randn(2, 8, 3, 8)  # (B, T, nh, hd)
     positions = torch.arange(8).expand(2, 8)
     cfg = load_config(None, ["--data.mock_data=true", "--model.num_layers=1", "--model.hidden_size=16",
                              "--model.num_attention_heads=2", "--model.seq_length=8"])  # fmt: skip
     inv_freq = rotary_frequencies(cfg.model)
     assert torch.equal(apply_rotary(x, inv_freq, positions), apply_rotary(x, inv_freq))
     cut = split_sequence(positions, 1, 2)
-    assert torch.allclose(apply_rotary(split_sequence(x, 1, 2, dim=2), inv_freq, cut), split_sequence(apply_rotary(x, inv_freq), 1, 2, dim=2))
+    assert torch.allclose(apply_rotary(split_sequence(x, 1, 2), inv_freq, cut), split_sequence(apply_rotary(x, inv_freq), 1, 2))
     model = GPT(cfg.model, 64).eval()
     model.init_weights(0)
     tokens = torch.randint(0, 64, (2, 8))

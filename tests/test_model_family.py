@@ -21,11 +21,11 @@ HEAD_DIM, SEQ = 32, 24
 
 
 def megatron_rope(x: torch.Tensor, percent: float, interleaved: bool, scaling: bool) -> torch.Tensor:
-    """megatron-core's RoPE of x (B, nh, T, hd), through its [T, B, nh, hd] layout."""
+    """megatron-core's RoPE of x (B, T, nh, hd), through its [T, B, nh, hd] layout."""
     rope = RotaryEmbedding(HEAD_DIM, percent, rotary_interleaved=interleaved, rotary_base=10000, rope_scaling=scaling,
                            use_cpu_initialization=True)  # fmt: skip
-    out = _apply_rotary_pos_emb_bshd(x.permute(2, 0, 1, 3), rope.get_emb(x.shape[2]), rotary_interleaved=interleaved)
-    return out.permute(1, 2, 0, 3)
+    out = _apply_rotary_pos_emb_bshd(x.transpose(0, 1), rope.get_emb(x.shape[1]), rotary_interleaved=interleaved)
+    return out.transpose(0, 1)
 
 
 @pytest.mark.parametrize("percent", [1.0, 0.5])
@@ -35,7 +35,7 @@ def test_rope_is_megatrons(percent, interleaved, scaling, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where get_emb puts its angles
     cfg = ModelConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, position_embedding_type="rope",
                       rotary_percent=percent, rotary_interleaved=interleaved, use_rope_scaling=scaling)  # fmt: skip
-    x = torch.randn(2, 3, SEQ, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, SEQ, 3, HEAD_DIM, generator=torch.Generator().manual_seed(0))
     ours = apply_rotary(x, rotary_frequencies(cfg), interleaved=interleaved)
     torch.testing.assert_close(ours, megatron_rope(x, percent, interleaved, scaling), rtol=1e-6, atol=1e-6)
     if percent < 1.0:  # the channels past the rotated ones pass unchanged

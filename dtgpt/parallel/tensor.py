@@ -80,10 +80,10 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
     for name, block in model.layers.items():
         prefix = f"layers.{name}."
         if block.attention.q_norm is not None:
-            # Each rank normalises its own heads (B, nh/tp, T, hd): sharded on dim 1, so that the
+            # Each rank normalises its own heads (B, T, nh/tp, hd): sharded on dim 2, so that the
             # weights' gradients are summed over tp like a sequence-parallel norm's.
             for norm in ("q_norm", "k_norm"):
-                plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=1, use_local_output=True)
+                plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if block.mlp.gate is not None:
             plan[prefix + "mlp.gate"] = ColwiseParallel()
         plan.update(

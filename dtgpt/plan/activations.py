@@ -51,17 +51,28 @@ class ActivationShape:
     which keeps the gathered input, and runs the embedding's dropout before the sequence split."""
     cp: int = 1
     """Context parallelism: each rank holds seq_length / cp tokens of every sequence."""
+    qkv_width: float = 3.0
+    """q, k, v's channels over h: (heads + 2·groups)·head_dim / h (3 without grouped-query attention)."""
+    query_width: float = 1.0
+    """The attention output's channels over h: heads·head_dim / h."""
+    swiglu: bool = False
+    """SwiGLU keeps the gate's output, its SiLU and fc1's output besides fc2's input (GeLU: one f-wide tensor before fc2's)."""
+    qk_norm_width: float = 0.0
+    """qk-layernorm's inputs over h: (heads + groups)·head_dim / h (0 without)."""
 
     @classmethod
     def for_config(cls, cfg: Config, padded_vocab: int, tp: int, cp: int = 1, *, scores_kept: bool = True) -> "ActivationShape":
         """dtgpt's run of `cfg` on a rank of tp x cp: its dtypes, its dropouts, its SP plan."""
         m, t = cfg.model, cfg.training
         e = 2 if low_precision(cfg) else 4
+        heads, groups = m.num_attention_heads * m.head_dim / m.hidden_size, m.query_groups * m.head_dim / m.hidden_size
         return cls(
             m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded_vocab, tp,
             cfg.parallel.sequence_parallel, ffn_size=m.ffn_size, compute_bytes=e,
             residual_bytes=4 if t.fp32_residual_connection else None, hidden_dropout=m.hidden_dropout > 0,
             attention_dropout=m.attention_dropout > 0, scores_kept=scores_kept, megatron_sp=False, cp=cp,
+            qkv_width=heads + 2 * groups, query_width=heads, swiglu=m.swiglu,
+            qk_norm_width=heads + groups if m.qk_layernorm else 0.0,
         )  # fmt: skip
 
     @property
@@ -99,6 +110,11 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none") -> d
     fc1 input (the first MLP matmul)        e·s·b·h                  as the qkv input
     gelu input                              e·s·b·f                  /t
     fc2 input (the GeLU output)             e·s·b·f                  /t
+
+    The GPT family changes the widths: with grouped-query attention q, k, v are (heads +
+    2·groups)·head_dim wide and the projection's input heads·head_dim; SwiGLU keeps three f-wide
+    tensors before fc2's input (the gate's output, its SiLU and fc1's output) where GeLU keeps
+    one; qk-layernorm keeps its inputs, (heads + groups)·head_dim wide.
     hidden dropout masks (2, 1 byte)        2·s·b·h                  /t with SP; none at p = 0
     softmax output (the scores)             e·a·s²·b                 /t; only a kernel that keeps scores
     attention dropout mask (1 byte), output (1 + e)·a·s²·b           /t; as the scores, and none at p = 0
@@ -121,12 +137,14 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none") -> d
     terms = {
         "norm inputs": 2 * r * sbh / shape.sp_divisor,
         "qkv input": e * sbh / shape.gathered_divisor,
-        "q, k, v": 3 * e * sbh / t,
-        "proj input": e * sbh / t,
+        "q, k, v": shape.qkv_width * e * sbh / t,
+        "proj input": shape.query_width * e * sbh / t,
         "fc1 input": e * sbh / shape.gathered_divisor,
-        "gelu input": e * sbf / t,
+        ("gate, silu, fc1 outputs" if shape.swiglu else "gelu input"): (3 if shape.swiglu else 1) * e * sbf / t,
         "fc2 input": e * sbf / t,
     }
+    if shape.qk_norm_width:
+        terms["qk-norm inputs"] = shape.qk_norm_width * e * sbh / t
     if shape.hidden_dropout:
         terms["hidden dropout masks"] = 2 * sbh / shape.sp_divisor
     scores = sbh * shape.num_heads * shape.seq_length / shape.hidden_size / t  # a·(s/cp)·s·b / t elements
