@@ -146,3 +146,43 @@ def test_32k_twin_trains_on_8_ranks(tmp_path):
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
     assert "cp=8" in proc.stdout and "validation loss at iteration 4 |" in proc.stdout
+
+
+# -- a Llama: configs/llama3_8b.toml and its twin ------------------------------------------------
+
+LLAMA = str(REPO / "configs" / "llama3_8b.toml")
+LLAMA_TWIN = str(REPO / "configs" / "llama3_8b_twin.toml")
+FULL_RECOMPUTE = ["--training.recompute_granularity=full", "--training.recompute_method=uniform", "--training.recompute_num_layers=1"]
+
+
+def test_llama3_8b_is_planned_as_megatron_runs_it():
+    """8.03B parameters (Llama 3 8B's count); Megatron's bf16 layout (dp 8 = FSDP, tp 1, pp 1) fits
+    an H200's 141 GB with flash attention, and 80 GB with full recomputation, not without."""
+    h200 = plan_layout(load_config(LLAMA), 8, gpu_memory_gib=141, fused_attention=True)
+    assert h200.total_params == 8_030_261_248 and h200.mesh["dp_shard"] == 8 and h200.fits
+    assert not plan_layout(load_config(LLAMA), 8, gpu_memory_gib=80, fused_attention=True).fits
+    assert plan_layout(load_config(LLAMA, FULL_RECOMPUTE), 8, gpu_memory_gib=80, fused_attention=True).fits
+
+
+def test_llama3_8b_twin_keeps_the_structure():
+    big, twin = load_config(LLAMA), load_config(LLAMA_TWIN)
+    for cfg in (big, twin):
+        m = cfg.model
+        assert m.num_attention_heads // m.query_groups == 4 and m.ffn_size / m.hidden_size == 3.5
+        assert (m.normalization, m.position_embedding_type, m.rotary_base) == ("RMSNorm", "rope", 500000)
+        assert m.swiglu and not m.add_bias_linear and m.untie_embeddings_and_output_weights and not m.rotary_interleaved
+        assert cfg.training.bf16 and cfg.parallel.tensor_model_parallel_size == 1 == cfg.parallel.pipeline_model_parallel_size
+    assert plan_layout(twin, 2).fits
+
+
+@pytest.mark.slow
+def test_llama3_8b_twin_trains_on_2_ranks(tmp_path):
+    metrics = tmp_path / "llama.jsonl"
+    args = ["--config", LLAMA_TWIN, "--training.train_iters=6", "--eval.eval_interval=6", "--eval.eval_iters=1",
+            "--checkpoint.save=", "--checkpoint.load=", "--logging.log_interval=1",
+            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
+    proc = run_train(tmp_path, args, nproc=2, name="llama", timeout=600)
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, 7))
+    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    assert "> mesh: pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=1 (2 ranks)" in proc.stdout
