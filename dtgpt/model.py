@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
+from dtgpt.norms import build_norm
+from dtgpt.rope import apply_rotary, rotary_frequencies
 
 WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_WEIGHT = "output.weight"
@@ -87,82 +89,6 @@ class Dropout(nn.Module):
             # (dtgpt.plan.activations); F.dropout does that on CUDA only, and on CPU keeps the
             # scaled mask in x's dtype. The same generator state draws the same mask.
             return torch.native_dropout(x, self.p, True)[0]
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose output has its parameters' dtype, whatever its input's: under fp16/bf16
-    with fp32_residual_connection the residual stream is fp32 and the block computes in the
-    parameters' dtype. Statistics are fp32 inside the op either way. With `one_plus`
-    (apply_layernorm_1p) the stored weight is gamma - 1."""
-
-    def __init__(self, size: int, eps: float, one_plus: bool = False):
-        super().__init__(size, eps=eps)
-        self.one_plus = one_plus
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.one_plus else self.weight
-        bias = self.bias.to(x.dtype)
-        return F.layer_norm(x, self.normalized_shape, weight.to(x.dtype), bias, self.eps).to(self.weight.dtype)
-
-
-class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm whose output has its parameters' dtype (as LayerNorm, `one_plus` included)."""
-
-    def __init__(self, size: int, eps: float, one_plus: bool = False):
-        super().__init__(size, eps=eps)
-        self.one_plus = one_plus
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.one_plus else self.weight
-        return F.rms_norm(x, self.normalized_shape, weight.to(x.dtype), self.eps).to(self.weight.dtype)
-
-
-def build_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
-    """model.normalization over `size` channels (default: the hidden size)."""
-    norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
-    return norm(size or cfg.hidden_size, eps=cfg.norm_epsilon, one_plus=cfg.apply_layernorm_1p)
-
-
-def rotary_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """RoPE's inverse frequencies (rotated channels / 2,), fp32: base^(-2i/d) over the first
-    d = rotary_percent * head_dim channels, with Llama 3.1's scaling if use_rope_scaling."""
-    dim = int(cfg.head_dim * cfg.rotary_percent)
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    if not cfg.use_rope_scaling:
-        return inv_freq
-    # Llama 3.1: wavelengths beyond the original context (8192 tokens) slow down by the factor,
-    # those under a quarter of it stay, and the band between is interpolated.
-    factor, low, high, context = cfg.rope_scaling_factor, 1.0, 4.0, 8192
-    wavelength = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelength - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    middle = (wavelength >= context / high) & (wavelength <= context / low)
-    return torch.where(middle, blended, scaled)
-
-
-def apply_rotary(
-    x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor | None = None, interleaved: bool = False
-) -> torch.Tensor:
-    """Rotate channel pairs of x (B, T, nh, hd) by angles of the token positions (RoPE).
-
-    The pairs are (i, i + d/2) of the first d = 2 * len(inv_freq) channels, or (2i, 2i+1) if
-    `interleaved`; the other channels pass unrotated. positions (B, T): each token's position
-    (None: 0..T-1). Angles in fp32, the rotation in x's dtype.
-    """
-    T, rotated_channels = x.shape[1], 2 * inv_freq.numel()
-    if positions is None:
-        positions = torch.arange(T, device=x.device)
-    angles = (positions.to(torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(-2)  # (B or 1, T, 1, d/2): every head
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x, passed = x[..., :rotated_channels], x[..., rotated_channels:]
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
 
 
 class Embedding(nn.Module):

@@ -67,22 +67,37 @@ def labels() -> torch.Tensor:
 
 
 LLAMA_FFN, LLAMA_GROUPS = 128, 2
+OPTIONS_KV_CHANNELS = 32  # 4 heads of 32 channels over a hidden size of 64
 
+ROPE_ARGS = dict(position_embedding_type="rope", rotary_interleaved=False, rotary_percent=1.0, rotary_base=10000,
+                 use_rope_scaling=False, rope_scaling_factor=8.0)  # fmt: skip
 ARCHS = {
-    # name: (TransformerConfig fields, GPTModel's position_embedding_type, Megatron-LM's args for common.pt)
-    "gpt": (dict(ffn_hidden_size=4 * HIDDEN, bias_activation_fusion=True),  # the tanh GeLU, as dtgpt and GPT-3 runs
-            "learned_absolute", dict(ffn_hidden_size=4 * HIDDEN, position_embedding_type="learned_absolute")),
+    # name: TransformerConfig fields ("config"), GPTModel's keywords ("model"), the local layer
+    # spec's ("spec"), and the Megatron-LM args that describe the model in common.pt ("args")
+    "gpt": dict(config=dict(ffn_hidden_size=4 * HIDDEN, bias_activation_fusion=True),  # the tanh GeLU, as GPT-3 runs
+                model=dict(position_embedding_type="learned_absolute"),
+                args=dict(ffn_hidden_size=4 * HIDDEN, position_embedding_type="learned_absolute")),
     # GPT-3 with RoPE in Megatron's default convention (rotary_interleaved False: channel i with i + d/2)
-    "rope": (dict(ffn_hidden_size=4 * HIDDEN, bias_activation_fusion=True), "rope",
-             dict(ffn_hidden_size=4 * HIDDEN, position_embedding_type="rope", rotary_interleaved=False,
-                  rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False, rope_scaling_factor=8.0)),
+    "rope": dict(config=dict(ffn_hidden_size=4 * HIDDEN, bias_activation_fusion=True), model=dict(position_embedding_type="rope"),
+                 args=dict(ffn_hidden_size=4 * HIDDEN, **ROPE_ARGS)),
     # Llama-style: RMSNorm, SwiGLU, grouped-query attention, no biases, RoPE (the head untied by --untied)
-    "llama": (dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                   add_bias_linear=False, num_query_groups=LLAMA_GROUPS, bias_activation_fusion=False), "rope",
-              dict(ffn_hidden_size=LLAMA_FFN, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                   add_bias_linear=False, add_qkv_bias=False, bias_gelu_fusion=False, group_query_attention=True,
-                   num_query_groups=LLAMA_GROUPS, rotary_interleaved=False, rotary_percent=1.0, rotary_base=10000,
-                   use_rope_scaling=False, rope_scaling_factor=8.0)),
+    "llama": dict(config=dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", gated_linear_unit=True,
+                              activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                              num_query_groups=LLAMA_GROUPS, bias_activation_fusion=False),
+                  model=dict(position_embedding_type="rope"),
+                  args=dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                            add_qkv_bias=False, bias_gelu_fusion=False, group_query_attention=True,
+                            num_query_groups=LLAMA_GROUPS, **ROPE_ARGS)),
+    # the other options at once: qk-layernorm, wider heads (kv_channels), RoPE on half of each head's
+    # channels in interleaved pairs with Llama 3.1's scaling, the exact GeLU, a QKV bias alone
+    "options": dict(config=dict(ffn_hidden_size=4 * HIDDEN, kv_channels=OPTIONS_KV_CHANNELS, qk_layernorm=True,
+                                rotary_interleaved=True, add_bias_linear=False, add_qkv_bias=True,
+                                bias_activation_fusion=False),
+                    model=dict(position_embedding_type="rope", rotary_percent=0.5, rope_scaling=True),
+                    spec=dict(qk_layernorm=True),
+                    args=dict(ffn_hidden_size=4 * HIDDEN, kv_channels=OPTIONS_KV_CHANNELS, qk_layernorm=True,
+                              add_bias_linear=False, add_qkv_bias=True, bias_gelu_fusion=False,
+                              **{**ROPE_ARGS, "rotary_interleaved": True, "rotary_percent": 0.5, "use_rope_scaling": True})),
 }  # fmt: skip
 
 
@@ -92,22 +107,20 @@ def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    fields, positions, _ = ARCHS[arch]
     parallel_state.initialize_model_parallel(tp, 1)
     config = TransformerConfig(
         num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, **fields,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, **ARCHS[arch]["config"],
     )  # fmt: skip
     torch.manual_seed(1234)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=not untied, position_embedding_type=positions)  # fmt: skip
-    if arch == "llama":  # biases do not exist, norms start at one: give the norms values to check
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "layernorm" in name:
-                    p.uniform_(0.5, 1.5)
+    model = GPTModel(config, get_gpt_layer_local_spec(**ARCHS[arch].get("spec", {})), vocab_size=padded_vocab(tp),
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=not untied, **ARCHS[arch]["model"])  # fmt: skip
+    with torch.no_grad():  # norms start at one and biases at zero: give them values a mix-up would show
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith("bias"):
+                p.uniform_(0.5, 1.5)
     return model
 
 
@@ -152,7 +165,7 @@ def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool
                               bias_gelu_fusion=True, openai_gelu=False, group_query_attention=False, num_query_groups=1,
                               apply_layernorm_1p=False, qk_layernorm=False, untie_embeddings_and_output_weights=untied,
                               make_vocab_size_divisible_by=DIVISIBLE_BY, padded_vocab_size=padded_vocab(tp))  # fmt: skip
-    vars(args).update(ARCHS[arch][2])
+    vars(args).update(ARCHS[arch]["args"])
     return {"iteration": ITERATION, "checkpoint_version": 3.0, "args": args,
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
 

@@ -179,6 +179,9 @@ def test_toml_errors(tmp_path):
          "under parallel.tensor_model_parallel_size=2"),
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__dropout_rng": "layout_invariant"},
          None, "training.compile=true is not supported with dropout"),
+        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__position_embedding_type": "rope", **NO_DROPOUT},
+         None, "training.compile=true is not supported with model.position_embedding_type='rope' under "
+               "parallel.tensor_model_parallel_size=2: torch 2.13's compiled backward"),
         # Context parallelism: whole chunk pairs per rank (and per tp rank under SP); dropout only
         # with the layout-invariant RNG (Megatron's streams have no cp term).
         ({"parallel__context_parallel_size": 3, "model__seq_length": 16, **NO_DROPOUT}, None,

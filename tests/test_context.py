@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dtgpt.config import load_config
-from dtgpt.model import GPT, CoreAttention, apply_rotary, rotary_frequencies
+from dtgpt.model import GPT, CoreAttention
+from dtgpt.rope import apply_rotary, rotary_frequencies
 from dtgpt.parallel.context import ContextParallelAttention, global_indices, split_sequence
 
 

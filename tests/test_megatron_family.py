@@ -3,7 +3,10 @@
 megatron-core builds two 2-layer models on CPU at tp 2 and saves them as Megatron-LM's
 torch_dist with Megatron-LM's args in common.pt (tests/megatron_gpt.py):
 - "rope": GPT-3 with RoPE in Megatron's default convention (channel i rotates with i + d/2);
-- "llama": Llama-style: RMSNorm, SwiGLU, 2 query groups over 4 heads, no biases, RoPE, untied head.
+- "llama": Llama-style: RMSNorm, SwiGLU, 2 query groups over 4 heads, no biases, RoPE, untied head;
+- "options": the other options at once: qk-layernorm, 32-channel heads over hidden 64
+  (kv_channels), RoPE on half of each head in interleaved pairs with Llama 3.1's scaling, the
+  exact GeLU, a QKV bias without the others.
 dtgpt loads each into one process and at pp2 and must give Megatron's logits; a [model] that
 differs from the checkpoint's args is one error naming the key; use_checkpoint_args takes them.
 """
@@ -24,7 +27,7 @@ from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
-from tests.megatron_gpt import ITERATION, LLAMA_FFN, LLAMA_GROUPS, SEQ, VOCAB, tokens
+from tests.megatron_gpt import ITERATION, LLAMA_FFN, LLAMA_GROUPS, OPTIONS_KV_CHANNELS, SEQ, VOCAB, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import run_train
 from tests.test_checkpoint_convert import load_script
@@ -37,6 +40,8 @@ ARCHS = {
     "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                   group_query_attention=True, num_query_groups=LLAMA_GROUPS, ffn_hidden_size=LLAMA_FFN,
                   untie_embeddings_and_output_weights=True),
+    "options": dict(position_embedding_type="rope", kv_channels=OPTIONS_KV_CHANNELS, qk_layernorm=True, rotary_interleaved=True,
+                    rotary_percent=0.5, use_rope_scaling=True, add_bias_linear=False, add_qkv_bias=True),
 }  # fmt: skip
 WORKER = Path(__file__).with_name("megatron_family_worker.py")
 

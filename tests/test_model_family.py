@@ -14,7 +14,9 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from dtgpt.config import ConfigError, ModelConfig, load_config
-from dtgpt.model import GPT, LayerNorm, RMSNorm, apply_rotary, attend, rotary_frequencies
+from dtgpt.model import GPT, attend
+from dtgpt.norms import LayerNorm, RMSNorm
+from dtgpt.rope import apply_rotary, rotary_frequencies
 from dtgpt.model_size import flops_per_token, num_parameters
 
 HEAD_DIM, SEQ = 32, 24

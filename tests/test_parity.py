@@ -74,7 +74,7 @@ LAYOUTS = {
     ),
     # torch.compile: whole model on one rank, per block under FSDP (tp/pp with compile are refused)
     "compile_single": (1, ["--training.compile=true"], False),
-    "compile_dp2_per_block": (2, ["--training.compile=true", "--parallel.data_parallel_shard_size=2"], True),
+    "llama_compile_dp2_per_block": (2, [*LLAMA, "--training.compile=true", "--parallel.data_parallel_shard_size=2"], True),
     # documents: loss masked at eods, positions reset, attention within each document (mock
     # data with vocabulary 128 holds an eod every 128 tokens). pp2 with RoPE: both stages need
     # the positions and document ids, which the schedule hands every stage as keyword arguments.

@@ -48,6 +48,7 @@ RUNS: dict[str, list[str] | None] = {
     "python train.py --config configs/gpt3_175b.toml --print-config": [],
     "python train.py --config configs/gpt3_175b.toml --dry-run": [],
     "python scripts/plan.py --config configs/debug_3d.toml --world-size 8 --check": [],
+    "python scripts/plan.py --config configs/llama3_8b.toml --world-size 8 --fused-attention --gpu-memory-gib 141 --check": [],
     "torchrun --nproc-per-node 8 train.py --config configs/gpt3_175b.toml": ["--training.train_iters=4"],
     "torchrun --nproc-per-node 2 examples/simple_train_loop.py": [],
     # your data, checkpoints in and out, sampling: each reads what `make train` or the one before leaves
