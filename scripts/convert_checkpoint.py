@@ -1,11 +1,15 @@
-"""Convert checkpoints between dtgpt's DCP layout, one torch.save file, and Hugging Face GPT-2.
+"""Convert checkpoints between dtgpt's DCP layout, one torch.save file, Hugging Face and Megatron-LM.
 
     python scripts/convert_checkpoint.py to-torch  CKPT out.pt [--iteration N] [--weights-only]
-    python scripts/convert_checkpoint.py to-gpt2   CKPT out_dir/ [--iteration N]   (model + tokenizer)
+    python scripts/convert_checkpoint.py to-hf     CKPT out_dir/ [--iteration N]   (model + tokenizer)
     python scripts/convert_checkpoint.py from-torch in.pt NEW_CKPT_DIR [--config run.toml]
-    python scripts/convert_checkpoint.py from-gpt2  gpt2_dir/ NEW_CKPT_DIR [--config run.toml]
+    python scripts/convert_checkpoint.py from-hf   hf_dir/ NEW_CKPT_DIR [--config run.toml]
     python scripts/convert_checkpoint.py to-megatron   CKPT MEGATRON_DIR [--tp N]   (Megatron-LM torch_dist)
     python scripts/convert_checkpoint.py from-megatron MEGATRON_DIR NEW_CKPT_DIR --config run.toml
+
+to-hf writes GPT2LMHeadModel for a GPT-3-style model (learned positions, LayerNorm, GeLU) and
+LlamaForCausalLM for a Llama-style one (RoPE, RMSNorm, SwiGLU); from-hf reads either.
+to-gpt2 and from-gpt2 are their earlier names.
 
 CKPT is a checkpoint root (the pointer is followed) or one iter_XXXXXXX directory, saved on any
 mesh. Start training from a converted checkpoint with
@@ -26,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from dtgpt.checkpoint import CheckpointError, megatron  # noqa: E402
 from dtgpt.checkpoint.export import (  # noqa: E402
     find_checkpoint,
-    from_gpt2_dir,
+    from_hf_dir,
     from_torch_file,
     read_config,
-    to_gpt2_dir,
+    to_hf_dir,
     to_torch_file,
 )
 from dtgpt.cli import os_error_line, print_error  # noqa: E402
@@ -37,15 +41,18 @@ from dtgpt.config import Config, ConfigError, load_config, padded_vocabulary  # 
 from dtgpt.data.tokenizer import build_tokenizer  # noqa: E402
 
 
-def to_gpt2(args) -> None:
+ALIASES = {"to-gpt2": "to-hf", "from-gpt2": "from-hf"}
+
+
+def to_hf(args) -> None:
     directory = find_checkpoint(args.src, args.iteration)
-    written = to_gpt2_dir(directory, read_config(directory, args.config), args.dst)
-    print(f"wrote {args.dst}: {', '.join(written)} from {directory} (padded vocabulary rows kept)")
+    architecture, written = to_hf_dir(directory, read_config(directory, args.config), args.dst)
+    print(f"wrote {args.dst} ({architecture}): {', '.join(written)} from {directory} (padded vocabulary rows kept)")
 
 
-def from_gpt2(args) -> None:
+def from_hf(args) -> None:
     cfg = load_config(args.config) if args.config else Config()
-    directory, summary = from_gpt2_dir(args.src, args.dst, cfg, args.iteration or 0)
+    directory, summary = from_hf_dir(args.src, args.dst, cfg, args.iteration or 0)
     print(f"wrote {directory} ({summary}); train from it with "
           f"--checkpoint.load={args.dst} --checkpoint.load_optimizer=false")  # fmt: skip
 
@@ -70,7 +77,8 @@ def from_megatron(args) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("to-torch", "to-gpt2", "from-torch", "from-gpt2", "to-megatron", "from-megatron"))
+    commands = ("to-torch", "to-hf", "from-torch", "from-hf", "to-megatron", "from-megatron", *ALIASES)
+    parser.add_argument("command", choices=commands)
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.add_argument("--iteration", type=int, default=0, help="iteration to read (default: the pointer's) or to write")
@@ -78,13 +86,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tp", type=int, default=1, help="to-megatron: pad the vocabulary as Megatron does at this tensor parallel size")
     parser.add_argument("--weights-only", action="store_true", help="to-torch: model tensors only")
     args = parser.parse_args(argv)
+    args.command = ALIASES.get(args.command, args.command)
     try:
         if args.command == "to-torch":
             directory = find_checkpoint(args.src, args.iteration)
             to_torch_file(directory, args.dst, weights_only=args.weights_only)
             print(f"wrote {args.dst} from {directory}")
-        elif args.command == "to-gpt2":
-            to_gpt2(args)
+        elif args.command == "to-hf":
+            to_hf(args)
         elif args.command == "from-torch":
             directory = from_torch_file(args.src, args.dst, args.config, args.iteration or None)
             print(f"wrote {directory}")
@@ -93,7 +102,7 @@ def main(argv: list[str]) -> int:
         elif args.command == "from-megatron":
             from_megatron(args)
         else:
-            from_gpt2(args)
+            from_hf(args)
     except (CheckpointError, ConfigError, ValueError, KeyError) as e:
         print_error(str(e))
         return 2

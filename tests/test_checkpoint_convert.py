@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtgpt.checkpoint import CheckpointError, gpt2, layout
+from dtgpt.checkpoint import CheckpointError, gpt2, hf_files, layout
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from tests import runs
 from tests.test_checkpoint_resume import assert_same_tensors
@@ -77,7 +77,7 @@ def test_gpt2_export_matches_gpt2_semantics_and_reads_back(saved, tmp_path):
     _, root = saved
     convert = load_script()
     assert convert.main(["to-gpt2", str(root), str(tmp_path / "hf")]) == 0
-    tensors, hf = gpt2.read_gpt2_dir(tmp_path / "hf")
+    tensors, hf = hf_files.read_hf_dir(tmp_path / "hf")
     assert hf["n_layer"] == 2 and hf["vocab_size"] == 128 and hf["activation_function"] == "gelu_new"
     assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D: (in, out)
     directory = layout.iteration_dir(root, 2)

@@ -88,7 +88,7 @@ def plant_item_payload(directory, marker) -> None:
     layout.write_marker(directory, {"format": layout.FORMAT, "iteration": 2, "mesh": None, "tied": True})
 
 
-ENTRY_POINTS = ["load", "load_weights_only", "auto_resume", "to-torch", "to-gpt2", "generate"]
+ENTRY_POINTS = ["load", "load_weights_only", "auto_resume", "to-torch", "to-hf", "generate"]
 
 
 def run_entry_point(kind: str, root, tmp_path, capfd) -> str:

@@ -1,8 +1,9 @@
-"""The Hugging Face round trip, checked with `transformers` itself (a pinned dev dependency).
+"""The Hugging Face GPT-2 round trip, checked with `transformers` itself (a pinned dev dependency).
+(The Llama layout: tests/test_hf_llama.py.)
 
-`to-gpt2` must write a directory that transformers loads whole and silently: the model gives
+`to-hf` must write a directory that transformers loads whole and silently: the model gives
 dtgpt's logits, AutoTokenizer gives dtgpt's token ids, and the text-generation pipeline
-generates what dtgpt's own greedy sampler generates. `from-gpt2` must read such a directory,
+generates what dtgpt's own greedy sampler generates. `from-hf` must read such a directory,
 and a directory transformers itself saved, back into a checkpoint that knows its tokenizer.
 """
 
@@ -69,9 +70,10 @@ def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
             f"--data.merge_file={bpe_dir / 'merges.txt'}"]  # fmt: skip
 
 
-def make_checkpoint(root: Path, kind: str, bpe_dir: Path, tied: bool = True) -> Path:
-    """A one-process checkpoint of a small GPT whose every parameter (biases and norms too) is random."""
-    args = [*MODEL, "--data.mock_data=true", f"--model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
+def make_checkpoint(root: Path, kind: str, bpe_dir: Path, tied: bool = True, model: tuple[str, ...] = ()) -> Path:
+    """A one-process checkpoint of a small GPT (MODEL, then `model`'s overrides) whose every
+    parameter (biases and norms too) is random."""
+    args = [*MODEL, *model, "--data.mock_data=true", f"--model.untie_embeddings_and_output_weights={str(not tied).lower()}"]
     cfg = load_config(None, args + tokenizer_args(kind, bpe_dir))
     vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size, cfg.model.make_vocab_size_divisible_by)
     model = GPT(cfg.model, vocab)
@@ -81,10 +83,11 @@ def make_checkpoint(root: Path, kind: str, bpe_dir: Path, tied: bool = True) -> 
     return layout.iteration_dir(root, 5)
 
 
-def export(tmp_path: Path, kind: str, bpe_dir: Path, tied: bool = True) -> tuple[Path, Path]:
-    """(checkpoint iteration directory, exported directory)."""
-    directory = make_checkpoint(tmp_path / "ckpt", kind, bpe_dir, tied)
-    assert load_script().main(["to-gpt2", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+def export(tmp_path: Path, kind: str, bpe_dir: Path, tied: bool = True, model: tuple[str, ...] = (), command: str = "to-hf") -> tuple[Path, Path]:
+    """(checkpoint iteration directory, exported directory). Some tests below say to-gpt2 and
+    from-gpt2, the earlier names of to-hf and from-hf, so that those keep working."""
+    directory = make_checkpoint(tmp_path / "ckpt", kind, bpe_dir, tied, model)
+    assert load_script().main([command, str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     return directory, tmp_path / "hf"
 
 
@@ -215,10 +218,10 @@ def test_docs_snippet_generates(tmp_path, bpe_dir, capsys):
     _, out = export(tmp_path, "byte", bpe_dir)
     docs = (REPO / "docs/checkpoints.md").read_text()
     snippet = docs.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(snippet.strip().splitlines()) == 3 and '"gpt2_dir"' in snippet
+    assert len(snippet.strip().splitlines()) == 3 and '"hf_dir"' in snippet
     capsys.readouterr()
     torch.manual_seed(0)
-    exec(snippet.replace('"gpt2_dir"', repr(str(out))), {})
+    exec(snippet.replace('"hf_dir"', repr(str(out))), {})
     assert capsys.readouterr().out.startswith("Return the")
 
 
@@ -236,7 +239,7 @@ def test_files_take_the_process_umask(tmp_path, bpe_dir):
 def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     directory, out = export(tmp_path, kind, bpe_dir, tied)
     convert = load_script()
-    assert convert.main(["from-gpt2", str(out), str(tmp_path / "back")]) == 0
+    assert convert.main(["from-hf", str(out), str(tmp_path / "back")]) == 0
     back = layout.iteration_dir(tmp_path / "back", 0)
     original, imported = read_config(directory), read_config(back)
     assert imported.data.tokenizer_type == original.data.tokenizer_type
@@ -291,7 +294,7 @@ def save_like_hugging_face(out: Path, bpe_dir: Path, layout_name: str) -> transf
 def test_hugging_face_gpt2_directory_imports(tmp_path, bpe_dir, layout_name):
     hf_model = save_like_hugging_face(tmp_path / "gpt2", bpe_dir, layout_name)
     assert (tmp_path / "gpt2" / "model.safetensors.index.json").is_file() == (layout_name == "sharded")
-    assert load_script().main(["from-gpt2", str(tmp_path / "gpt2"), str(tmp_path / "ckpt")]) == 0
+    assert load_script().main(["from-hf", str(tmp_path / "gpt2"), str(tmp_path / "ckpt")]) == 0
     directory = layout.iteration_dir(tmp_path / "ckpt", 0)
     cfg = read_config(directory)
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer"

@@ -37,6 +37,8 @@ TO_MEGATRON = "python scripts/convert_checkpoint.py to-megatron checkpoints/debu
 FROM_MEGATRON = "python scripts/convert_checkpoint.py from-megatron megatron_ckpt from_megatron --config configs/debug.toml"
 TO_TORCH = "python scripts/convert_checkpoint.py to-torch checkpoints/debug debug.pt"
 FROM_TORCH = "python scripts/convert_checkpoint.py from-torch debug.pt from_torch"
+TO_HF = "python scripts/convert_checkpoint.py to-hf checkpoints/debug hf_debug"
+FROM_HF = "python scripts/convert_checkpoint.py from-hf hf_debug from_hf"
 GENERATE = "python scripts/generate.py checkpoints/debug --prompt 'def ' --max-new-tokens 40 --temperature 0.8 --top-k 20"
 RUNS: dict[str, list[str] | None] = {
     # README command (as extracted) -> arguments appended to shorten it; None: not run here
@@ -58,9 +60,11 @@ RUNS: dict[str, list[str] | None] = {
     FROM_MEGATRON: [],
     TO_TORCH: [],
     FROM_TORCH: [],
+    TO_HF: [],
+    FROM_HF: [],
     GENERATE: [],
 }
-NEEDS = {TRAIN_ON_IT: [PREPROCESS], FROM_MEGATRON: [TO_MEGATRON], FROM_TORCH: [TO_TORCH]}
+NEEDS = {TRAIN_ON_IT: [PREPROCESS], FROM_MEGATRON: [TO_MEGATRON], FROM_TORCH: [TO_TORCH], FROM_HF: [TO_HF]}
 """README commands that read what another one writes: that one runs first, in the same folder."""
 OUTPUTS = {
     PREPROCESS: ["data/corpus_text_document.bin", "data/corpus_text_document.idx"],
@@ -69,6 +73,8 @@ OUTPUTS = {
     FROM_MEGATRON: ["from_megatron/iter_0000004/complete"],
     TO_TORCH: ["debug.pt"],
     FROM_TORCH: ["from_torch/iter_0000004/complete"],
+    TO_HF: ["hf_debug/model.safetensors", "hf_debug/config.json", "hf_debug/tokenizer.json"],
+    FROM_HF: ["from_hf/iter_0000000/complete"],
 }
 """What a command must leave behind (besides exiting 0 without a warning)."""
 DEBUG_RUNS = ("make train", "python train.py --config configs/debug.toml")

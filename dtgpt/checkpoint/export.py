@@ -1,5 +1,5 @@
 """Whole checkpoints in one process: read any checkpoint as full tensors, write one from tensors,
-and convert to and from a Hugging Face GPT-2 directory.
+and convert to and from a Hugging Face directory (GPT-2 or Llama: gpt2.py, hf_llama.py).
 
 Used by scripts/convert_checkpoint.py and scripts/generate.py. DCP reassembles the shards of
 whatever mesh saved the checkpoint into full tensors here, so nothing needs a process group.
@@ -7,6 +7,7 @@ whatever mesh saved the checkpoint into full tensors here, so nothing needs a pr
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import warnings
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dtgpt.checkpoint import gpt2, hf_tokenizer, layout
+from dtgpt.checkpoint import gpt2, hf_files, hf_llama, hf_tokenizer, layout
+from dtgpt.checkpoint.hf_files import HFLayout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.safe import SafeReader, load_problem
 from dtgpt.checkpoint.saved_config import as_saved, read_saved_config
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, shape_problem
-from dtgpt.config import Config, apply_override, config_from_dict, load_config, to_toml, validate
+from dtgpt.config import Config, ModelConfig, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
 
 if sys.version_info >= (3, 11):
@@ -176,30 +178,60 @@ def _config_from_text(text: str) -> Config:
     return cfg
 
 
-def to_gpt2_dir(directory: Path, cfg: Config, out: str | Path) -> list[str]:
+HF_LAYOUTS = (gpt2.LAYOUT, hf_llama.LAYOUT)
+
+
+def hf_layout_for(m: ModelConfig) -> HFLayout:
+    """The Hugging Face layout that holds the model: GPT2LMHeadModel (learned positions,
+    LayerNorm, GeLU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); ValueError naming the
+    settings each would need when neither does."""
+    needs = [(hf, hf.problems(m)) for hf in HF_LAYOUTS]
+    for hf, problems in needs:
+        if not problems:
+            return hf
+    wanted = "; ".join(f"{hf.architecture} needs {', '.join(problems)}" for hf, problems in sorted(needs, key=lambda n: len(n[1])))
+    raise ValueError(f"no Hugging Face model holds this one: {wanted}")
+
+
+def hf_layout_of(config: dict, source: str) -> HFLayout:
+    """The layout config.json names (model_type, else architectures)."""
+    architectures = config.get("architectures") or []
+    for hf in HF_LAYOUTS:
+        if config.get("model_type") == hf.model_type or (not config.get("model_type") and hf.architecture in architectures):
+            return hf
+    known = " or ".join(hf.architecture for hf in HF_LAYOUTS)
+    raise ValueError(f"{source}: model_type={config.get('model_type')!r} (architectures {architectures}) is not {known}")
+
+
+def to_hf_dir(directory: Path, cfg: Config, out: str | Path) -> tuple[str, list[str]]:
     """Write the checkpoint as a directory transformers loads whole: weights, config.json,
-    generation_config.json and the run's tokenizer. Returns the names of the files written."""
+    generation_config.json and the run's tokenizer. Returns the architecture and the names of
+    the files written."""
     out = Path(out)
+    hf = hf_layout_for(cfg.model)
     tokenizer = build_tokenizer(cfg.data)
     vocab = model_vocab_size(directory)
     _check_tokenizer_fits(tokenizer.vocab_size, vocab, directory)
-    tensors = gpt2.to_gpt2(read_sections(directory, ("model",))["model"], cfg.model)
-    gpt2.write_gpt2_dir(out, tensors, gpt2.hf_config(cfg.model, vocab, tokenizer.eod),
-                        gpt2.generation_config(tokenizer.eod, tokenizer.vocab_size, vocab))  # fmt: skip
+    model = hf_files.gamma_from_stored(read_sections(directory, ("model",))["model"], cfg.model)
+    hf_files.write_hf_dir(out, hf.to_hf(model, cfg.model), hf.config(cfg.model, vocab, tokenizer.eod),
+                          hf_files.generation_config(tokenizer.eod, tokenizer.vocab_size, vocab))  # fmt: skip
     written = hf_tokenizer.write_tokenizer_files(out, tokenizer, cfg.model.max_positions)
-    return [gpt2.HF_CONFIG, gpt2.GENERATION_CONFIG, gpt2.SAFETENSORS, *written]
+    return hf.architecture, [hf_files.HF_CONFIG, hf_files.GENERATION_CONFIG, hf_files.SAFETENSORS, *written]
 
 
-def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int = 0) -> tuple[Path, str]:
-    """Import a GPT-2 directory (ours or Hugging Face's) into a DCP checkpoint under root.
+def from_hf_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int = 0) -> tuple[Path, str]:
+    """Import a GPT-2 or Llama directory (ours or Hugging Face's) into a DCP checkpoint under root.
 
-    The model keys come from config.json and the tokenizer keys from the tokenizer files found
-    (the rest of `cfg` is kept). Returns the iteration directory and a line saying what was read.
+    The model's architecture comes from config.json and the tokenizer keys from the tokenizer
+    files found; the rest of `cfg` is kept, the storage conventions (hf_files.CONVENTIONS)
+    included, and the tensors are converted to them. Returns the iteration directory and a line
+    saying what was read.
     """
     src = Path(src)
-    tensors, hf = gpt2.read_gpt2_dir(src)
-    for key, value in gpt2.model_overrides(hf, str(src / gpt2.HF_CONFIG)).items():
-        apply_override(cfg, f"model.{key}", str(value))
+    tensors, config = hf_files.read_hf_dir(src)
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # fp32 master weights
+    hf = hf_layout_of(config, str(src / hf_files.HF_CONFIG))
+    cfg.model = dataclasses.replace(cfg.model, **hf.overrides(config, tensors, str(src / hf_files.HF_CONFIG)))
     cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
     directory = layout.iteration_dir(root, iteration)
     _refuse_existing(directory)
@@ -211,13 +243,13 @@ def from_gpt2_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int
     for key, value in found.items():
         setattr(cfg.data, key, value)
     validate(cfg)
-    vocab = padded_vocab_size(hf["vocab_size"], cfg.model.make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(config["vocab_size"], cfg.model.make_vocab_size_divisible_by)
     if found:  # fail here, not at the first use, when the tokenizer does not fit the model
         _check_tokenizer_fits(build_tokenizer(cfg.data).vocab_size, vocab, src)
-    model = gpt2.from_gpt2(tensors, cfg.model, vocab)
+    model = hf_files.stored_from_gamma(hf.from_hf(tensors, cfg.model, vocab), cfg.model)
     write_checkpoint(root, iteration, {"model": model}, cfg, source=str(src))
     kind = cfg.data.tokenizer_type if found else f"none found, kept data.tokenizer_type={cfg.data.tokenizer_type!r}"
-    return directory, f"vocabulary {hf['vocab_size']} padded to {vocab}; tokenizer: {kind}"
+    return directory, f"{hf.architecture}, vocabulary {config['vocab_size']} padded to {vocab}; tokenizer: {kind}"
 
 
 def _check_tokenizer_fits(tokens: int, rows: int, where: Path) -> None:
