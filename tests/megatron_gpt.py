@@ -13,6 +13,7 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           save model + optimizer, write DIR/adam.pt
                                                           (state saved, and after one more step)
     python tests/megatron_gpt.py load-adam DIR            load model + optimizer, write DIR/loaded_adam.pt
+    python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
 no RNG tracker fork (dropout is 0), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a
@@ -170,37 +171,54 @@ def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
 
 
+FAMILY = (("rope", "save", False), ("llama", "save", True), ("options", "save", False), ("llama", "per-rank", True))
+"""What the `family` command saves in one launch: (architecture, save command, untied head), each
+under ROOT/<arch> (the per-rank one under ROOT/<arch>_per_rank)."""
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam"))
+    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam", "family"))
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
     args = parser.parse_args(argv)
     patch_megatron()
+    dist.init_process_group("gloo")
+    root = Path(args.root)
+    if args.command == "family":  # several models in one launch: megatron-core's import is paid once
+        from megatron.core import parallel_state
+
+        for arch, command, untied in FAMILY:
+            run(command, root / (arch if command == "save" else f"{arch}_{command.replace('-', '_')}"), untied, args.layers, arch)
+            parallel_state.destroy_model_parallel()
+    else:
+        run(args.command, root, args.untied, args.layers, args.arch)
+    dist.destroy_process_group()
+
+
+def run(command: str, root: Path, untied: bool, layers: int, arch: str) -> None:
+    """One command on one model (see the module docstring)."""
     from megatron.core import dist_checkpointing
 
-    dist.init_process_group("gloo")
     tp, rank = dist.get_world_size(), dist.get_rank()
-    model = build(tp, args.untied, args.layers, args.arch)
-    state = trainer_state(tp, args.layers, args.arch, args.untied)
-    root = Path(args.root)
-    if args.command in ("adam", "load-adam"):
+    model = build(tp, untied, layers, arch)
+    state = trainer_state(tp, layers, arch, untied)
+    if command in ("adam", "load-adam"):
         from tests.megatron_adam import run_adam
 
-        run_adam(args.command, model, root, state)
-        dist.destroy_process_group()
+        run_adam(command, model, root, state)
         return
     pointer = root / "latest_checkpointed_iteration.txt"
-    iteration = int(pointer.read_text()) if args.command == "load" else ITERATION
+    iteration = int(pointer.read_text()) if command == "load" else ITERATION
     directory = root / f"iter_{iteration:07d}"
-    if args.command in ("save", "bf16"):
+    if command in ("save", "bf16"):
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save({"model": model.sharded_state_dict(), **state}, str(directory))
-    elif args.command == "per-rank":
+    elif command == "per-rank":
         # Megatron-LM's legacy save: one torch.save per model-parallel rank, per-layer keys.
         rank_dir = directory / f"mp_rank_{rank:02d}"
         rank_dir.mkdir(parents=True, exist_ok=True)
@@ -209,8 +227,8 @@ def main(argv: list[str]) -> None:
         loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
         model.load_state_dict(loaded, strict=False)
     out = logits(model)
-    own_loss = loss(model) if args.command in ("save", "bf16") else None
-    if args.command == "bf16":
+    own_loss = loss(model) if command in ("save", "bf16") else None
+    if command == "bf16":
         from megatron.core.transformer.module import Float16Module
 
         model.config.bf16 = True
@@ -219,11 +237,10 @@ def main(argv: list[str]) -> None:
             torch.save(bf16_out, root / "bf16_logits.pt")
     if rank == 0:
         pointer.write_text(str(iteration))
-        torch.save(out, root / ("loaded_logits.pt" if args.command == "load" else "logits.pt"))
+        torch.save(out, root / ("loaded_logits.pt" if command == "load" else "logits.pt"))
         if own_loss is not None:
             torch.save(own_loss, root / "loss.pt")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

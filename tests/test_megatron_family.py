@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtgpt.checkpoint import CheckpointError, layout
+import dtgpt
+from dtgpt.checkpoint import Checkpointer, CheckpointError, layout
 from dtgpt.checkpoint.architecture import architecture, megatron_architecture
+from dtgpt.checkpoint.checkpoint_args import with_checkpoint_architecture
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.reader import MegatronReader
-from dtgpt.config import ModelConfig
+from dtgpt.config import ModelConfig, load_config
 from tests.megatron_gpt import ITERATION, LLAMA_FFN, LLAMA_GROUPS, OPTIONS_KV_CHANNELS, SEQ, VOCAB, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import run_train
@@ -58,13 +60,17 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> dict[str, Path]:
-    """Each architecture saved by megatron-core at tp 2, with its logits."""
-    roots = {}
-    for arch in ARCHS:
-        roots[arch] = tmp_path_factory.mktemp(f"megatron_{arch}")
-        run_megatron_gpt("save", roots[arch], 2, "--arch", arch, *(["--untied"] if arch == "llama" else []))
-    return roots
+def family(tmp_path_factory) -> Path:
+    """Each architecture saved by megatron-core at tp 2 as torch_dist, with its logits, and the
+    Llama-style one in the per-rank format too (tests/megatron_gpt.py FAMILY), in one launch."""
+    root = tmp_path_factory.mktemp("megatron_family")
+    run_megatron_gpt("family", root, 2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def saved(family) -> dict[str, Path]:
+    return {arch: family / arch for arch in ARCHS}
 
 
 def test_megatron_family_checkpoints_give_megatrons_logits_in_one_process_and_at_pp2(saved):
@@ -129,13 +135,13 @@ def test_train_py_names_the_key_or_takes_the_checkpoints_architecture(saved, tmp
     assert f"iteration {ITERATION + 2:>8}/{ITERATION + 2:>8}" in log
 
 
-def test_llama_per_rank_format_gives_megatrons_logits(tmp_path):
+def test_llama_per_rank_format_gives_megatrons_logits(family):
     """Megatron-LM's per-rank files of the Llama-style model at tp 2: each rank's linear_fc1 is
     [its gate rows; its fc1 rows], glued into [gate; fc1]."""
-    run_megatron_gpt("per-rank", tmp_path, 2, "--arch", "llama", "--untied")
+    root = family / "llama_per_rank"
     with torch.no_grad():
-        ours = load_megatron_model(find(tmp_path), model_cfg("llama"), ROWS).eval()(tokens())
-    assert relative_error(ours, torch.load(tmp_path / "logits.pt", weights_only=True)) < 1e-5
+        ours = load_megatron_model(find(root), model_cfg("llama"), ROWS).eval()(tokens())
+    assert relative_error(ours, torch.load(root / "logits.pt", weights_only=True)) < 1e-5
 
 
 def test_llama_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
@@ -165,10 +171,17 @@ def test_a_rope_checkpoint_saved_before_rotary_interleaved_keeps_its_convention(
     marker = layout.read_marker(saved.parent)
     layout.write_marker(saved.parent, {k: v for k, v in marker.items() if k != "checksums"})  # as that dtgpt wrote it
     assert read_config(layout.iteration_dir(ckpt, 2)).model.rotary_interleaved is True
-    resume = [*RUN, "--model.position_embedding_type=rope", f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}", "--training.train_iters=3"]
-    proc = run_train(tmp_path, resume, check=False, name="refused")
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert "model.rotary_interleaved: the checkpoint has true but the config has false" in errors[0]
-    run_train(tmp_path, [*resume, "--checkpoint.use_checkpoint_args=true"], name="taken")
-    assert read_config(layout.iteration_dir(ckpt, 3)).model.rotary_interleaved is True
+    # the same run resumed with the new default (load only: a save directory is locked by its Checkpointer)
+    resume = [*RUN, "--model.position_embedding_type=rope", f"--checkpoint.load={ckpt}", "--training.train_iters=3"]
+    cfg = load_config(None, resume)
+    runtime = dtgpt.init_distributed(cfg)
+    try:
+        state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, VOCAB))
+        with pytest.raises(CheckpointError, match="model.rotary_interleaved: the checkpoint has true but the config has false"):
+            Checkpointer(state, cfg, runtime)
+        taken, note = with_checkpoint_architecture(load_config(None, [*resume, "--checkpoint.use_checkpoint_args=true"]))
+        assert taken.model.rotary_interleaved is True and "checkpoint.use_checkpoint_args" in note
+        state = dtgpt.build_train_state(taken, dtgpt.build_model(taken, runtime, VOCAB))
+        assert Checkpointer(state, taken, runtime).state.progress.iteration == 2
+    finally:
+        dtgpt.shutdown()
