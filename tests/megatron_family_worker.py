@@ -1,9 +1,11 @@
-"""Megatron checkpoints of the GPT family loaded by dtgpt at pp2, for tests/test_megatron_family.py.
+"""Megatron checkpoints of the GPT family loaded by dtgpt at pp2 and tp2 + SP, for
+tests/test_megatron_family.py.
 
-torchrun, 2 ranks: for each (name, checkpoint root, [model] fields) given as JSON in argv[1], a
-pp2 dtgpt model loads the checkpoint through the library API and runs tests/megatron_gpt.py's
+torchrun, 2 ranks: for each (checkpoint root, [model] fields) given as JSON in argv[1], a pp2
+dtgpt model loads the checkpoint through the library API and runs tests/megatron_gpt.py's
 tokens() through its two stages by hand (stage 0 sends its hidden states to stage 1); the last
-stage writes its logits to <root>/pp2_logits.pt.
+stage writes its logits to <root>/pp2_logits.pt. Then a tp2 + SP model loads it and rank 0
+writes its logits (gathered over the vocabulary) to <root>/tp2_logits.pt.
 """
 
 import json
@@ -12,38 +14,51 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import dtgpt
 from tests.megatron_gpt import SEQ, VOCAB, tokens
 
 
-def stage_logits(root: str, model_fields: dict) -> torch.Tensor | None:
+LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True)}
+
+
+def loaded(root: str, model_fields: dict, layout: str):
     cfg = dtgpt.make_config(
         model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
                    attention_dropout=0.0, **model_fields),
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
         training=dict(micro_batch_size=2, global_batch_size=2),
-        parallel=dict(pipeline_model_parallel_size=2),
+        parallel=LAYOUTS[layout],
     )  # fmt: skip
     runtime = dtgpt.init_distributed(cfg)
     state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, VOCAB))
     dtgpt.load_checkpoint(root, cfg, runtime, state)
-    stage = state.model.parts[0].eval()
-    rank = dist.get_rank()
-    with torch.no_grad():
-        if rank == 0:
-            dist.send(stage(tokens()).contiguous(), dst=1)
-            return None
-        hidden = torch.empty(2, tokens().shape[1], 64)
-        dist.recv(hidden, src=0)
-        return stage(hidden)
+    return state.model.parts[0].eval()
+
+
+@torch.no_grad()
+def pp2_logits(stage) -> torch.Tensor | None:
+    """The last stage's logits (None on the first, which sends its hidden states on)."""
+    if dist.get_rank() == 0:
+        dist.send(stage(tokens()).contiguous(), dst=1)
+        return None
+    hidden = torch.empty(2, tokens().shape[1], 64)
+    dist.recv(hidden, src=0)
+    return stage(hidden)
 
 
 def main() -> None:
     for root, model_fields in json.loads(sys.argv[1]):
-        logits = stage_logits(root, model_fields)
+        logits = pp2_logits(loaded(root, model_fields, "pp2"))
         if logits is not None:
             torch.save(logits, Path(root) / "pp2_logits.pt")
+        with torch.no_grad():
+            logits = loaded(root, model_fields, "tp2")(tokens())
+        if isinstance(logits, DTensor):  # vocabulary-sharded for the loss (loss parallelism)
+            logits = logits.full_tensor()
+        if dist.get_rank() == 0:
+            torch.save(logits, Path(root) / "tp2_logits.pt")
         dist.barrier()
     dtgpt.shutdown()
 

@@ -7,7 +7,7 @@ torch_dist with Megatron-LM's args in common.pt (tests/megatron_gpt.py):
 - "options": the other options at once: qk-layernorm, 32-channel heads over hidden 64
   (kv_channels), RoPE on half of each head in interleaved pairs with Llama 3.1's scaling, the
   exact GeLU, a QKV bias without the others.
-dtgpt loads each into one process and at pp2 and must give Megatron's logits; a [model] that
+dtgpt loads each into one process, at pp2 and at tp2 + SP and must give Megatron's logits; a [model] that
 differs from the checkpoint's args is one error naming the key; use_checkpoint_args takes them.
 """
 
@@ -73,7 +73,7 @@ def saved(family) -> dict[str, Path]:
     return {arch: family / arch for arch in ARCHS}
 
 
-def test_megatron_family_checkpoints_give_megatrons_logits_in_one_process_and_at_pp2(saved):
+def test_megatron_family_checkpoints_give_megatrons_logits_in_one_process_at_pp2_and_at_tp2(saved):
     for arch, root in saved.items():
         directory = find(root)
         assert megatron_architecture(MegatronReader(directory).common["args"]) == architecture(model_cfg(arch))
@@ -85,8 +85,9 @@ def test_megatron_family_checkpoints_give_megatrons_logits_in_one_process_and_at
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for arch, root in saved.items():
-        pp2 = torch.load(root / "pp2_logits.pt", weights_only=True)
-        assert relative_error(pp2, torch.load(root / "logits.pt", weights_only=True)) < 1e-5, arch
+        for mesh in ("pp2", "tp2"):
+            ours = torch.load(root / f"{mesh}_logits.pt", weights_only=True)
+            assert relative_error(ours, torch.load(root / "logits.pt", weights_only=True)) < 1e-5, (arch, mesh)
 
 
 @pytest.mark.parametrize(
