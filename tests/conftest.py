@@ -1,5 +1,26 @@
-"""Test-suite settings: slow tests run only with DTGPT_SLOW=1 (`make test` sets it; `make test-fast`
-and a bare `pytest` skip them)."""
+"""Test-suite settings.
+
+Two sets. `make test` (what CI runs) sets DTGPT_SLOW=1 and runs every test. `make test-fast` and a
+bare `pytest` skip the tests marked `slow`: what remains is the edit loop, about 4 minutes on 2 CPU
+cores: the unit tests, plus one end-to-end test for each headline claim:
+
+- installs and runs on a CPU: test_readme.py's `make train` (a tiny training run, as written)
+- every parallel layout trains the same model: test_parity.py's configs/debug_3d.toml
+  (pp2 x dp2 x tp2 + SP on 8 ranks against one process)
+- Megatron's data order sample for sample: test_data_megatron_oracle.py (megatron-core's datasets)
+- Megatron's checkpoints: test_megatron_checkpoint.py's round trip (dtgpt -> Megatron tp 2 ->
+  megatron-core's logits -> dtgpt)
+- bytes moved against Megatron: test_comm_model.py (the formula against Megatron's collectives;
+  test_comm_counts.py, slow, counts real ones)
+- fault handling: faults/test_recovery.py's SIGKILL mid-iteration, restart and bitwise resume
+- the 175B layout planned without a GPU: test_plan.py's 175B plan
+- one GPU as fast as plain PyTorch: test_bench.py's check that the benchmark's plain-PyTorch
+  reference computes dtgpt's losses (no timing on a CPU)
+- the README's commands: test_readme.py (every command has a run; `make train` and --print-config)
+
+Mark a test `slow` (`@pytest.mark.slow`, or `pytestmark` for a whole module) when it launches
+train.py, torchrun or megatron-core for more than a few seconds and is not one of the above.
+"""
 
 import os
 

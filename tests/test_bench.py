@@ -24,6 +24,7 @@ def load_bench():
     return module
 
 
+@pytest.mark.slow
 def test_tiny_cpu_run_writes_json(tmp_path):
     out = tmp_path / "out.json"
     cmd = [sys.executable, str(BENCH), "--sizes", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1", "--json", str(out)]

@@ -9,6 +9,8 @@ import pytest
 
 from tests.runs import REPO
 
+pytestmark = pytest.mark.slow  # a benchmark run
+
 
 def test_tiny_cpu_run_prints_the_ratio(tmp_path):
     out = tmp_path / "out.json"

@@ -20,6 +20,8 @@ from dtgpt.checkpoint import layout, stored
 from dtgpt.checkpoint.export import read_sections
 from tests.runs import REPO, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # train.py and torchrun runs
+
 BASE = [
     "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32",
     "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=8",
@@ -181,7 +183,6 @@ DUALPIPEV = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_s
              "--parallel.virtual_pipeline_stages_per_rank=2"]  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", sorted(SLOW_MESHES))
 def test_dp2_tp2_checkpoint_resumes_on_other_meshes(dp2_tp2, tmp_path, mesh):
     reference, root = dp2_tp2
@@ -190,7 +191,6 @@ def test_dp2_tp2_checkpoint_resumes_on_other_meshes(dp2_tp2, tmp_path, mesh):
     assert_close(reference, resumed, 1e-5)
 
 
-@pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_dualpipev(tmp_path):
     """V-shaped schedule: rank 0 holds the first and the last stage, so both copies of the tied
     weight live on one rank and are filled from one stored tensor."""
@@ -200,7 +200,6 @@ def test_one_process_checkpoint_resumes_on_dualpipev(tmp_path):
     assert_close(reference, resumed, 1e-5)
 
 
-@pytest.mark.slow
 def test_pp2_cp2_checkpoint_resumes_in_one_process(tmp_path):
     """Saved by two stages (tied copy left out) with FSDP over the two cp ranks, read by one model
     where the head is the embedding and the sequence is whole."""

@@ -201,6 +201,7 @@ def test_a_run_that_did_not_load_from_a_directory_does_not_write_into_it(tmp_pat
     checkpointer(c).finalize()  # allowed, and nothing is written before its first save
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_save_directory_gets_one_line_naming_the_holder(tmp_path):
     """Data loss (3): two runs saving into one directory. The lock is per open file, so a second
     Checkpointer in this process is refused like another process would be."""
@@ -252,6 +253,7 @@ def test_non_finite_weights_prune_nothing_and_consecutive_skips_stop_the_run(tmp
         check_skipped(3, 3, 12)
 
 
+@pytest.mark.slow
 def test_an_exploding_run_prunes_no_good_checkpoint_and_stops_in_one_line(tmp_path):
     """Data loss (4b): resumed with optimizer.lr=1e30 (finite, so accepted), iteration 5 makes the
     weights huge but finite and every later loss is NaN. Its saves (6, 8) are finite weights
@@ -317,6 +319,7 @@ def test_resaving_the_pointed_iteration_never_deletes_it_first(tmp_path, monkeyp
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000001", "iter_0000002"]
 
 
+@pytest.mark.slow
 def test_a_kill_while_resaving_the_pointed_iteration_leaves_it_loadable(tmp_path):
     """Atomic saves: a process SIGKILLed while it re-saves the iteration the pointer names (its
     data written, no marker yet) leaves that checkpoint complete, unchanged and pointed to; the
@@ -432,6 +435,7 @@ def test_script_outputs_that_cannot_be_written_are_one_line(tmp_path, capfd):
     assert layout.problem(layout.iteration_dir(root, 2)) is None
 
 
+@pytest.mark.slow
 def test_two_ranks_refuse_a_crafted_checkpoint_and_run_no_code(tmp_path):
     """Under torchrun rank 0 reads the index and every rank gets its verdict: each prints the
     one line, none runs the payload, and nothing is trained or saved."""

@@ -24,6 +24,8 @@ from tests.compile_worker import MODEL
 from tests.parity_oracle import assert_params_match
 from tests.runs import REPO
 
+pytestmark = pytest.mark.slow  # minutes of inductor compilation
+
 RTOL = 1e-5
 WORKER = str(REPO / "tests" / "compile_worker.py")
 LAUNCHES = {
@@ -92,10 +94,7 @@ def assert_matches(got: dict, want: dict) -> None:
 
 
 # The 4-rank launch runs first (listed first), so the 2-rank layouts compile with its graphs cached.
-@pytest.mark.parametrize(
-    "layout",
-    [pytest.param(n, marks=pytest.mark.slow) for n in LAUNCHES[4]] + LAUNCHES[2],
-)
+@pytest.mark.parametrize("layout", LAUNCHES[4] + LAUNCHES[2])
 def test_compiled_layout_matches_eager_single_process(results, layout):
     assert_matches(results(layout), results("single"))
 
@@ -104,7 +103,6 @@ class StaleProcessGroup(Exception):
     """A compiled graph from the cache called a process group of another run."""
 
 
-@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     raises=StaleProcessGroup,

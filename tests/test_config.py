@@ -261,6 +261,7 @@ def _train(*args):
     return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_print_config_and_clean_errors():
     out = _train("--config", "configs/gpt3_175b.toml", "--print-config")
     assert out.returncode == 0, out.stderr

@@ -46,6 +46,7 @@ def assert_same_fields(batch: Batch, i: int, item: dict, where: str) -> None:
     assert torch.equal(~allowed, item["attention_mask"]), f"{where}: attention_mask"  # Megatron's True: masked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_length", [16, 61, 128])
 def test_per_token_fields_are_megatrons(tmp_path, prefix, seq_length):
     ours = build_gpt_datasets([prefix], "1", ([], [], []), (FIRST, 0, 0), seq_length, SEED, str(tmp_path / "dtgpt"))[0]

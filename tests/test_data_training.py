@@ -14,6 +14,9 @@ from dtgpt.data.gpt_indices import num_epochs_needed
 from dtgpt.data.indexed import IndexedDataset
 from tests.runs import REPO, TINY, run_train, train_losses
 
+# train.py and torchrun runs; the middle-stage check leaves DataLoader workers behind that torch
+# takes ~10 s to shut down (after a worker's error, each join waits out its 5 s timeout)
+pytestmark = pytest.mark.slow
 
 BASE = [a for a in TINY if not a.startswith(("--data.mock_data", "--data.vocab_size"))]
 

@@ -5,9 +5,12 @@ import importlib.util
 import subprocess
 import sys
 
+import pytest
+
 from tests.runs import REPO
 
 
+@pytest.mark.slow
 def test_generate_on_a_folder_without_checkpoint_says_what_to_give(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts/generate.py"), str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 2

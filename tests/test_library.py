@@ -41,6 +41,7 @@ def test_example_is_short():
     assert len(EXAMPLE.read_text().splitlines()) <= 80
 
 
+@pytest.mark.slow
 def test_example_under_torchrun_matches_one_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE), str(tmp_path / "ckpt")],
@@ -79,6 +80,7 @@ RESUMED = ["--training.train_iters=8", "--model.hidden_dropout=0.1", "--training
 COMPARED = ("iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped", "nan")
 
 
+@pytest.mark.slow
 def test_library_checkpoint_resumes_in_train_py_bitwise(tmp_path):
     """4 iterations through the library API, dtgpt.save_checkpoint, then train.py resumes: its
     iterations 5-8 are bitwise those of one uninterrupted train.py run."""
@@ -143,6 +145,7 @@ def test_bare_model_checkpoint_claims_no_training_state(tmp_path):
         dtgpt.load_checkpoint(tmp_path / "bare", cfg, runtime, dtgpt.build_train_state(cfg, model))
 
 
+@pytest.mark.slow
 def test_a_model_of_another_layout_reads_by_its_own_mesh(tmp_path):
     """A runtime started at dp2 (tp1) builds a tp2 and a pp2 model from their own configs: each
     reads its batches by its own mesh (both tp ranks the same samples, the whole global batch)

@@ -6,6 +6,10 @@ own loss; dtgpt loads it (one process, and training on at pp2) and must give the
 loss. Megatron pads the vocabulary to 16 x tp rows, dtgpt to make_vocab_size_divisible_by: a model
 loads a checkpoint only with its rows (tp 2: divisible by 32), and only the 100 real tokens'
 logits are compared.
+
+Each megatron-core run takes tens of seconds on a CPU: `make test-fast` keeps one round trip
+(dtgpt -> Megatron tp 2 -> megatron-core's logits -> dtgpt) and the checks that run none; the
+rest are marked slow (`make test` runs them).
 """
 
 from __future__ import annotations
@@ -31,8 +35,6 @@ from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SA
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, read_metrics, run_train
 from tests.test_checkpoint_convert import load_script
-
-pytestmark = pytest.mark.slow
 
 ROWS = 112  # the padded vocabulary: 100 -> a multiple of 16 (Megatron at tp 1, dtgpt)
 ROWS_TP2 = 128  # Megatron at tp 2: a multiple of 32
@@ -67,6 +69,7 @@ def tp2_untied(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_bf16_model_gives_megatron_float16module_logits(tp1_tied):
     """Megatron's bf16 regime is the whole model in bf16 (Float16Module); dtgpt's is FSDP's cast of
     every parameter (tests/test_precision.py: exactly the model cast to bf16). Same weights, same
@@ -82,6 +85,7 @@ def test_bf16_model_gives_megatron_float16module_logits(tp1_tied):
     assert (ours - theirs).abs().max().item() <= 2 * ulp
 
 
+@pytest.mark.slow
 def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
     directory = find(tp1_tied)
     assert directory == tp1_tied / f"iter_{ITERATION:07d}" and is_torch_dist(directory)
@@ -103,6 +107,7 @@ def imported_loss(root, divisible_by: int) -> float:
     return forward_backward(state.model, Batch(tokens(), labels()), 1, forward_only=True)
 
 
+@pytest.mark.slow
 def test_imported_loss_is_megatrons_own_or_the_load_is_refused(tp1_tied):
     """Every vocabulary row, padding included, is in the softmax: a model padded to other rows
     (128, zero rows added: exp(0) each) than the checkpoint's 112 would not give Megatron's loss,
@@ -118,6 +123,7 @@ def test_imported_loss_is_megatrons_own_or_the_load_is_refused(tp1_tied):
     )
 
 
+@pytest.mark.slow
 def test_a_megatron_checkpoint_without_common_pt_says_it_restarts_at_zero(tp1_tied, tmp_path, capsys):
     """Weights alone (no common.pt): they load, and one warning says the schedule starts over."""
     root = tmp_path / "weights_only"
@@ -127,6 +133,7 @@ def test_a_megatron_checkpoint_without_common_pt_says_it_restarts_at_zero(tp1_ti
     assert "Megatron checkpoint: no common.pt (Megatron's iteration, sample counts, LR schedule and loss scale)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_megatron_shard_with_overwritten_bytes_is_refused(tp1_tied, tmp_path):
     """Megatron's format has no checksums: bytes overwritten with NaNs load, and are caught as
     non-finite weights instead of training on (every iteration skipped)."""
@@ -141,6 +148,7 @@ def test_a_megatron_shard_with_overwritten_bytes_is_refused(tp1_tied, tmp_path):
         imported_loss(root, 16)
 
 
+@pytest.mark.slow
 def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch):
     """What a pp2 x tp2 rank asks of a stacked tensor, layer 1's first half of rows, reads the
     one stored chunk of that layer (Megatron-LM stores each layer apart), not the stacked tensor."""
@@ -164,6 +172,7 @@ def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch
     assert len(bytes_read) == 1 and layer_bytes <= bytes_read[0] < 1.1 * layer_bytes  # a chunk: the layer and its header
 
 
+@pytest.mark.slow
 def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
     directory = find(tp2_untied)
     assert MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (ROWS_TP2, 64)  # 16 x tp 2
@@ -176,6 +185,7 @@ def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
         assert progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
 
 
+@pytest.mark.slow
 def test_trainer_state_is_read(tp2_untied):
     common = MegatronReader(find(tp2_untied)).common
     assert progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "consumed_valid_samples": CONSUMED_VALID,
@@ -194,6 +204,7 @@ def tp1_args_free(tp1_tied, tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -211,6 +222,7 @@ def test_an_architecture_other_than_the_args_names_the_key(tp1_tied, overrides, 
     assert str(e.value).startswith(f"Megatron checkpoint {find(tp1_tied)}: {message}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -227,6 +239,7 @@ def test_without_architecture_args_the_shapes_name_key_and_shapes(tp1_args_free,
     assert str(e.value).startswith(f"Megatron checkpoint {tp1_args_free}") and message in str(e.value)
 
 
+@pytest.mark.slow
 def test_an_untied_checkpoint_into_a_tied_model_is_refused(tp2_untied):
     with pytest.raises(CheckpointError, match="model.untie_embeddings_and_output_weights: the checkpoint has true but the config has false"):
         load_megatron_model(find(tp2_untied), model_cfg(), ROWS_TP2)
@@ -252,6 +265,7 @@ def write_stages(saved: dict, out, tp: int, pp: int, chunks: list[str], layers: 
         torch.save(content, out / f"mp_rank_{tp:02d}_{r:03d}" / PER_RANK_FILE)
 
 
+@pytest.mark.slow
 def test_per_rank_format_tp2_gives_megatron_logits_at_any_pipeline_layout(tmp_path):
     """Megatron-LM's per-rank files of a 4-layer tp 2 model, as saved (pp 1), cut into pp 2, and
     into pp 2 with virtual pipelining (model0, model1: pp rank 0 holds layers 0 and 2, rank 1
@@ -283,6 +297,7 @@ MEGATRON_RUN = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
     """Iteration and consumed samples come from Megatron's common.pt; pp2 trains on exactly as
     one process. The vocabulary is the checkpoint's own: 128 rows, Megatron's 16 x tp 2."""
@@ -327,6 +342,7 @@ def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1_tied, tmp_path):
     proc = run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--model.ffn_hidden_size=128",
                                 f"--checkpoint.load={tp1_tied}"], check=False)  # fmt: skip
@@ -382,6 +398,7 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
             assert error <= rtol, (slot, key, error)
 
 
+@pytest.mark.slow
 def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path):
     """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
     equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step.
@@ -408,6 +425,7 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path
     assert_state_close(stacked_state(stepped), loaded, 0.0)
 
 
+@pytest.mark.slow
 def test_load_optimizer_false_leaves_adam_fresh(adam_tp1, tmp_path):
     run_train(tmp_path, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
                          f"--checkpoint.save={tmp_path}/ckpt", "--training.train_iters=1"])  # fmt: skip

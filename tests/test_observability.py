@@ -4,6 +4,8 @@ import pytest
 
 from tests.runs import TINY, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # train.py runs
+
 HEADER = "(min, max) time across ranks (ms):"
 
 

@@ -4,17 +4,20 @@ Each layout runs the tiny fp32 model for STEPS iterations (warmup, then cosine d
 on the same mock data and must match the one-process run (tests/parity_oracle.py): the loss and
 the gradient norm of every iteration and every parameter after the last, to relative 1e-5
 (DESIGN's acceptance figure); the parameters come from each run's final checkpoint, in the same
-launch (a model-changing override, e.g. an untied head, applies to the reference too). The CI
-set covers dp, tp+SP, pp 1F1B with a tied head, pp 4 (two middle stages, which read no data), tp x
-pp without FSDP, each recomputation setting (full uniform, full block, selective), compile, context
-parallelism (cp2, cp2 x tp2 with SP), Megatron's per-token options (document masking) under dp,
-tp+SP and pp, and the Llama-style model (LLAMA: grouped-query attention, SwiGLU, RMSNorm, RoPE,
-qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp and pp x dp x tp; the rest are
-marked slow (`make test` runs them, `make test-fast` skips them).
-Every pipeline schedule and configs/debug_3d.toml itself (8 ranks) are in the fast set too, as
-short runs (SHORT iterations) compared with the start of the same reference: the LR schedule is
-pinned to STEPS iterations (lr_decay_iters), so a shorter run is a prefix of the longer one (the
-reference also saves its parameters after SHORT iterations).
+launch (a model-changing override, e.g. an untied head, applies to the reference too). The layouts
+cover dp (FSDP, HSDP), tp with and without SP, pp 1F1B with a tied and an untied head, pp 4 (two
+middle stages, which read no data), tp x pp without FSDP, each recomputation setting (full uniform,
+full block, selective), compile, context parallelism and Megatron's per-token options (document
+masking) under dp, tp+SP, pp and cp, and the Llama-style model (LLAMA: grouped-query attention,
+SwiGLU, RMSNorm, RoPE, qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp, pp x dp x tp
+and compiled under dp. Every other pipeline schedule runs SHORT iterations, compared
+with the start of the same reference: the LR schedule is pinned to STEPS iterations
+(lr_decay_iters), so a shorter run is a prefix of the longer one (the reference also saves its
+parameters after SHORT iterations). configs/debug_3d.toml itself (8 ranks) runs SHORT iterations
+against the same file on one process.
+
+`make test` runs every one; `make test-fast` (the edit loop) keeps one launch that combines three
+kinds of parallelism, configs/debug_3d.toml (pp2 x dp2 x tp2 + SP), and skips the rest (marked slow).
 
 Dropout 0.1 (hidden and attention) with model.dropout_rng='layout_invariant' runs on tp2 + SP,
 pp2, dp2 and cp2, two of them with recomputation (which must redraw the forward's masks): each
@@ -44,87 +47,81 @@ LLAMA = ["--model.normalization=RMSNorm", "--model.swiglu=true", "--model.add_bi
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
 LAYOUTS = {
-    # name: (ranks, overrides, slow)
-    "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"], False),
+    # name: (ranks, overrides)
+    "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"]),
     # one micro-batch per rank (above: 4, accumulated without gradient sync until the last)
-    "dp_shard2_one_micro": (2, ["--parallel.data_parallel_shard_size=2", "--training.micro_batch_size=4"], False),
+    "dp_shard2_one_micro": (2, ["--parallel.data_parallel_shard_size=2", "--training.micro_batch_size=4"]),
     # ZeRO-3 resharding: parameters re-gathered every micro-batch, gradients still reduced once
-    "llama_dp_shard2_reshard_always": (2, [*LLAMA, "--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"], True),
-    "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
-    "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
+    "llama_dp_shard2_reshard_always": (2, [*LLAMA, "--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"]),
+    "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
+    "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]),
     # stages 1 and 2 hold neither the first nor the last stage: they read no batches
-    "pp4_middle_stages": (4, ["--parallel.pipeline_model_parallel_size=4", "--parallel.pipeline_schedule=1F1B"], False),
+    "pp4_middle_stages": (4, ["--parallel.pipeline_model_parallel_size=4", "--parallel.pipeline_schedule=1F1B"]),
     # full recomputation, 'uniform' in groups of 2 of the 4 blocks
     "dp2_tp2_full_uniform_ac": (
         4,
         ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", *FULL, "--training.recompute_method=uniform", "--training.recompute_num_layers=2"],
-        False,
     ),
     # full recomputation, 'block': the first block of each stage
     "pp2_full_block_ac": (
         2,
         ["--parallel.pipeline_model_parallel_size=2", *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
-        False,
     ),
     # the 175B shape: tp x pp with dp = 1 (no FSDP), tied embedding split across stages
     "pp2_tp2_sp_dp1": (
         4,
         ["--parallel.pipeline_model_parallel_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
-        False,
     ),
     # torch.compile: whole model on one rank, per block under FSDP (tp/pp with compile are refused)
-    "compile_single": (1, ["--training.compile=true"], False),
-    "llama_compile_dp2_per_block": (2, [*LLAMA, "--training.compile=true", "--parallel.data_parallel_shard_size=2"], True),
+    "compile_single": (1, ["--training.compile=true"]),
+    "llama_compile_dp2_per_block": (2, [*LLAMA, "--training.compile=true", "--parallel.data_parallel_shard_size=2"]),
     # documents: loss masked at eods, positions reset, attention within each document (mock
     # data with vocabulary 128 holds an eod every 128 tokens). pp2 with RoPE: both stages need
     # the positions and document ids, which the schedule hands every stage as keyword arguments.
-    "docs_dp_shard2": (2, [*DOCS, "--parallel.data_parallel_shard_size=2"], False),
-    "docs_tp2_sp": (2, [*DOCS, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
-    "docs_pp2_rope": (2, [*DOCS, ROPE, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], False),
+    "docs_dp_shard2": (2, [*DOCS, "--parallel.data_parallel_shard_size=2"]),
+    "docs_tp2_sp": (2, [*DOCS, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
+    "docs_pp2_rope": (2, [*DOCS, ROPE, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]),
     # the documents' positions and ids cut with the sequence: each cp rank masks its chunks' tokens
-    "docs_cp2_rope": (2, [*DOCS, ROPE, CP2], False),
-    "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"], True),
-    "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"], True),
+    "docs_cp2_rope": (2, [*DOCS, ROPE, CP2]),
+    "dp_shard4": (4, ["--parallel.data_parallel_shard_size=4"]),
+    "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"]),
     # whole key/value groups per tp rank; the qk-norms' weights see only their rank's heads
-    "llama_tp2_sp": (2, [*LLAMA, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], True),
-    "tp4": (4, ["--parallel.tensor_model_parallel_size=4"], True),
+    "llama_tp2_sp": (2, [*LLAMA, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
+    "tp4": (4, ["--parallel.tensor_model_parallel_size=4"]),
     "llama_pp2_selective_ac": (
         2,
         [*LLAMA, "--parallel.pipeline_model_parallel_size=2", "--training.recompute_granularity=selective"],
-        False,
     ),
     "llama_pp2_dp2_tp2": (
         8,
         [*LLAMA, "--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
-        True,
     ),
     # context parallelism: each rank holds 2 of 4 sequence chunks; full recomputation passes the
     # chunks' positions through its recomputed groups
-    "cp2_full_uniform_ac": (2, [CP2, *FULL, "--training.recompute_method=uniform", "--training.recompute_num_layers=2"], False),
-    "cp2_tp2_sp": (4, [CP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
+    "cp2_full_uniform_ac": (2, [CP2, *FULL, "--training.recompute_method=uniform", "--training.recompute_num_layers=2"]),
+    "cp2_tp2_sp": (4, [CP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
     # every pipeline stage gets its chunks' positions from the schedule (middle ranks read batches)
-    "cp2_pp2_1f1b": (4, [CP2, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"], True),
-    "cp2_dp2": (4, [CP2, "--parallel.data_parallel_shard_size=2"], True),
+    "cp2_pp2_1f1b": (4, [CP2, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]),
+    "cp2_dp2": (4, [CP2, "--parallel.data_parallel_shard_size=2"]),
     # RoPE at global positions; the recomputed attention core re-gathers keys and values (of 2 groups)
-    "llama_cp2_selective_ac": (2, [*LLAMA, CP2, "--training.recompute_granularity=selective"], True),
+    "llama_cp2_selective_ac": (2, [*LLAMA, CP2, "--training.recompute_granularity=selective"]),
     # layout-invariant dropout: the same masks on every layout (tp ranks' heads and sequence
     # chunks, pipeline micro-batches, dp ranks' samples, cp ranks' chunks and gathered keys);
     # recomputed blocks (pp2) and attention cores (cp2) redraw the masks of their forward
-    "dropout_tp2_sp": (2, [*DROPOUT, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], False),
+    "dropout_tp2_sp": (2, [*DROPOUT, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
     "dropout_pp2_full_block_ac": (
         2,
         [*DROPOUT, "--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B", *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
-        False,
     ),
-    "dropout_dp_shard2": (2, [*DROPOUT, "--parallel.data_parallel_shard_size=2"], False),
-    "dropout_cp2_selective_ac": (2, [*DROPOUT, CP2, "--training.recompute_granularity=selective"], False),
+    "dropout_dp_shard2": (2, [*DROPOUT, "--parallel.data_parallel_shard_size=2"]),
+    "dropout_cp2_selective_ac": (2, [*DROPOUT, CP2, "--training.recompute_granularity=selective"]),
 }
 
 
 PP2 = "--parallel.pipeline_model_parallel_size=2"
 VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
 SCHEDULES = {
-    # every schedule besides 1F1B (above), on 2 ranks for SHORT iterations (fast set)
+    # every schedule besides 1F1B (above), on 2 ranks for SHORT iterations
     "GPipe": [PP2],
     "Interleaved1F1B": [PP2, VPP2],
     "LoopedBFS": [PP2, VPP2],
@@ -155,18 +152,14 @@ def reference(tmp_path_factory):
     return run_for
 
 
-def _params(name):
-    ranks, overrides, slow = LAYOUTS[name]
-    marks = [pytest.mark.slow] if slow else []
-    return pytest.param(ranks, overrides, id=name, marks=marks)
-
-
-@pytest.mark.parametrize("ranks,overrides", [_params(n) for n in LAYOUTS])
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,overrides", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_layout_matches_single_process(tmp_path, reference, ranks, overrides):
     expected = reference(model_overrides(overrides))
     assert_same_training(train_run(tmp_path, RUN + overrides, nproc=ranks), expected, STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_pipeline_schedule_matches_single_process(tmp_path, reference, schedule):
     overrides = [*SCHEDULES[schedule], f"--parallel.pipeline_schedule={schedule}", f"--training.train_iters={SHORT}"]

@@ -52,6 +52,7 @@ def one_process(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ramp_up_through_every_count_matches_one_process(tmp_path, one_process, layout):
     got = train_run(tmp_path, RAMP + LAYOUTS[layout], nproc=4)

@@ -45,6 +45,8 @@ import pytest
 from tests.parity_oracle import whole_distance
 from tests.runs import train_run
 
+pytestmark = pytest.mark.slow  # multi-rank runs
+
 STEPS = 6
 PRECISION = {
     "bf16": ["--training.bf16=true"],
@@ -66,13 +68,13 @@ PP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedul
 TP2_SP = ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]
 DP2 = ["--parallel.data_parallel_shard_size=2"]
 LAYOUTS = {
-    # name: (ranks, overrides, slow)
-    "dp2": (2, DP2, False),
-    "tp2_sp": (2, TP2_SP, True),
-    "pp2_1f1b": (2, PP2, True),
-    "dp2_tp2": (4, DP2 + TP2_SP, True),
-    "pp2_tp2": (4, PP2 + TP2_SP, False),
-    "cp2": (2, ["--parallel.context_parallel_size=2"], True),
+    # name: (ranks, overrides)
+    "dp2": (2, DP2),
+    "tp2_sp": (2, TP2_SP),
+    "pp2_1f1b": (2, PP2),
+    "dp2_tp2": (4, DP2 + TP2_SP),
+    "pp2_tp2": (4, PP2 + TP2_SP),
+    "cp2": (2, ["--parallel.context_parallel_size=2"]),
 }
 
 
@@ -127,12 +129,9 @@ def test_tolerance_covers_the_reordering_spread(tmp_path, one_process, precision
 
 
 def _cases():
-    for name, (ranks, overrides, slow) in LAYOUTS.items():
+    for name, (ranks, overrides) in LAYOUTS.items():
         for precision in PRECISION:
-            # One fast case per precision (dp1 vs dp2 in bf16, the 175B shape pp x tp in fp16).
-            fast = (name, precision) in {("dp2", "bf16"), ("pp2_tp2", "fp16")}
-            marks = [] if fast else [pytest.mark.slow]
-            yield pytest.param(ranks, overrides, precision, id=f"{name}-{precision}", marks=marks)
+            yield pytest.param(ranks, overrides, precision, id=f"{name}-{precision}")
 
 
 @pytest.mark.parametrize("ranks,overrides,precision", list(_cases()))

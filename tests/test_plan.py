@@ -1,4 +1,7 @@
-"""The layout planner: GPT-3 175B numbers, formulas, warnings, and a real CPU run as the oracle."""
+"""The layout planner: GPT-3 175B numbers, formulas, warnings, and a real CPU run as the oracle.
+
+`make test-fast` keeps the 175B plan (scripts/plan.py, no GPU) and the formulas; the launches of
+train.py and the scripts, the real CPU run and the slower plans are marked slow (`make test`)."""
 
 from __future__ import annotations
 
@@ -124,6 +127,7 @@ def test_cli_finishes_in_seconds(plan_175b):
     assert elapsed < 90
 
 
+@pytest.mark.slow
 def test_175b_compiled_without_dropout_passes_validation_and_plans():
     """configs/gpt3_175b.toml with training.compile=true (tp 8 x pp 16 with SP, 1F1B) is refused with
     its dropout 0.1 (no parity test covers compiled dropout under tp); without dropout it is a
@@ -142,6 +146,7 @@ def test_classic_time_formula():
     assert pm.classic_training_days(300e9, 175e9, 1024, 140, recompute=False) == pytest.approx(days * 6 / 8)
 
 
+@pytest.mark.slow
 def test_175b_on_1024_gpus_with_full_recomputation_takes_about_34_days():
     cfg = load_config(GPT3_175B, ["--training.recompute_granularity=full", "--training.recompute_method=uniform", "--training.recompute_num_layers=1"])
     plan = plan_layout(cfg, 1024)
@@ -253,6 +258,7 @@ def test_state_bytes():
     assert fp16.grads == 1000 + 2000
 
 
+@pytest.mark.slow
 def test_planner_counts_match_a_real_cpu_run(tmp_path):
     """The oracle: 8 ranks build the real model (tests/plan_real_counts.py) on CPU."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
@@ -294,6 +300,7 @@ def test_block_recomputation_follows_the_real_blocks():
     assert [r.memory["activations"] for r in fused.ranks] == pytest.approx([r.memory["activations"] for r in selective.ranks])
 
 
+@pytest.mark.slow
 def test_impossible_layouts_are_refused_with_the_rule():
     proc = run_plan("--config", GPT3_175B, "--parallel.tensor_model_parallel_size=5")
     assert proc.returncode == 2
@@ -310,6 +317,7 @@ def test_impossible_layouts_are_refused_with_the_rule():
                                                "--parallel.pipeline_layers_per_stage=[]", "--model.num_attention_heads=4"]), 8)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_over_memory_names_the_dominant_term_and_check_fails(tmp_path):
     args = ["--config", str(REPO / "configs" / "debug_3d.toml"), "--training.micro_batch_size=8", "--training.global_batch_size=64", "--gpu-memory-gib=0.02"]
     proc = run_plan(*args)
@@ -321,6 +329,7 @@ def test_over_memory_names_the_dominant_term_and_check_fails(tmp_path):
     assert run_plan("--config", str(REPO / "configs" / "debug_3d.toml"), "--check").returncode == 0
 
 
+@pytest.mark.slow
 def test_model_state_dominates_a_large_model_on_few_gpus():
     cfg = load_config(GPT3_175B, ["--parallel.pipeline_model_parallel_size=4", "--training.recompute_granularity=full", "--training.recompute_method=uniform", "--training.recompute_num_layers=1"])
     plan = plan_layout(cfg, 32)
@@ -329,6 +338,7 @@ def test_model_state_dominates_a_large_model_on_few_gpus():
     assert not plan.fits
 
 
+@pytest.mark.slow
 def test_train_py_dry_run_prints_the_plan():
     cmd = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "debug_3d.toml"), "--dry-run"]
     # debug_3d takes data_parallel_shard_size from the world size: 8 ranks, as torchrun would say
@@ -373,6 +383,7 @@ def _run_script(script: str, args: list[str], env: dict) -> subprocess.Completed
 PATHS = ["/ckpt", "/tb", "/vocab.json", "/merges.txt", "0.3 /data/a_text_document 0.7 /data/b_text_document"]
 
 
+@pytest.mark.slow
 def test_launch_script_plans_then_runs_torchrun(tmp_path):
     record = tmp_path / "torchrun.args"
     torchrun = _fake_tool(tmp_path, "torchrun", f'printf "%s\\n" "$@" > {record}')
@@ -389,6 +400,7 @@ def test_launch_script_plans_then_runs_torchrun(tmp_path):
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "env, extra, code",
     [
@@ -406,6 +418,7 @@ def test_launch_script_refuses_a_layout_the_planner_rejects(tmp_path, env, extra
     assert "refusing to launch" in proc.stderr and not record.exists()
 
 
+@pytest.mark.slow
 def test_sbatch_plans_then_srun_torchrun_with_c10d_rendezvous(tmp_path):
     _fake_tool(tmp_path, "scontrol", 'printf "gpu-node-017\\ngpu-node-018\\n"')
     env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "DTGPT_DRY_RUN": "1", "DTGPT_REPO": str(REPO),

@@ -174,7 +174,16 @@ def warnings_in(output: str) -> list[str]:
 COMMANDS = readme_commands()
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if RUNS.get(run_key(c)) is not None], ids=run_key)
+EDIT_LOOP = ("make train", "python train.py --config configs/gpt3_175b.toml --print-config")
+"""The commands `make test-fast` runs: a tiny training run on this CPU, and the 175B config read and
+resolved; the others are marked slow (`make test` runs every one)."""
+
+
+def readme_case(command: str):
+    return pytest.param(command, id=run_key(command), marks=[] if run_key(command) in EDIT_LOOP else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("command", [readme_case(c) for c in COMMANDS if RUNS.get(run_key(c)) is not None])
 def test_readme_command_runs_without_warnings(tmp_path, request, command):
     where = workspace(tmp_path)
     before = NEEDS.get(run_key(command), [])
@@ -208,6 +217,7 @@ def test_readme_command_runs_without_warnings(tmp_path, request, command):
         assert "> output: checkpoints checkpoints/debug (at the end); TensorBoard runs/debug/tensorboard" in proc.stdout
 
 
+@pytest.mark.slow
 def test_one_process_async_save_prints_no_warning(tmp_path):
     """DCP's background save thread warns that there is no process group, after the caller's
     `with` block has ended; a one-process run means exactly that (dtgpt/checkpoint/layout.py)."""

@@ -53,6 +53,7 @@ def tp_region(sp: bool, name: str) -> bool:
     return name.endswith("core") or (sp and name.startswith("layers.") and name.endswith("dropout"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 def test_tp_regions_draw_independent_masks_replicated_regions_equal_ones(masks, sp):
     rank0, rank1 = (m[f"sp{int(sp)}"]["draw 1"] for m in masks)
@@ -67,6 +68,7 @@ def test_tp_regions_draw_independent_masks_replicated_regions_equal_ones(masks, 
             assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 def test_both_streams_survive_save_and_load(masks, sp):
     for rank in masks:

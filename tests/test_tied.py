@@ -4,7 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.runs import REPO
+
+pytestmark = pytest.mark.slow  # a 2-rank launch
 
 
 def test_library_api_keeps_the_copies_equal_and_the_check_catches_a_drift(tmp_path):

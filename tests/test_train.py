@@ -4,6 +4,8 @@ import pytest
 
 from tests.runs import REPO, TINY, read_metrics, run_train, train_losses
 
+pytestmark = pytest.mark.slow  # train.py runs
+
 DESIGN_KEYS = {
     "iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "global_batch_size",
     "skipped", "nan", "tokens_per_s", "tflops_per_gpu", "mfu",

@@ -24,6 +24,8 @@ from dtgpt.checkpoint import layout
 from dtgpt.data.indexed import IndexedDatasetWriter
 from tests.runs import TRAIN
 
+pytestmark = pytest.mark.slow  # a train.py run per row
+
 TINY = [
     "--model.num_layers=1", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
     "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=4",

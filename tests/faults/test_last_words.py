@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from dtgpt.faults.last_words import Report, decide, roll_call
@@ -51,6 +52,7 @@ def test_the_roll_call_gives_every_survivor_the_same_list():
     assert rolls[2] is None  # too late: it saves nothing
 
 
+@pytest.mark.slow
 def test_sigkill_on_hsdp_loses_no_iteration(tmp_path):
     """Rank 3 dies at the start of iteration 5 (its peers fail in forward/backward); ranks 0, 1
     and 2 hold replica 0 whole, save iteration 4 over their own group, and the restart resumes

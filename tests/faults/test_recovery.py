@@ -3,8 +3,9 @@
 Each scenario injects one fault (`[faults]` keys, or a real signal to torchrun) into a tiny GPT
 run that checkpoints every 3 of 12 iterations with checkpoint.load == checkpoint.save, and
 compares the per-iteration losses with an uninterrupted run on the same mesh: bitwise equal
-(dropout on, so the RNG must come back too). CI runs one deterministic trial of each kind that
-matters most; the drill's remaining scenarios are @slow.
+(dropout on, so the RNG must come back too). One deterministic trial of each kind that matters
+most, then the drill's remaining scenarios; `make test` (and CI) runs them all, `make test-fast`
+only the SIGKILL mid-iteration (the others are @slow).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def test_sigkill_mid_iteration_restarts_and_resumes_bitwise(drill):
     assert result.equal and result.intact
 
 
+@pytest.mark.slow
 def test_sigint_to_one_rank_stops_every_rank_and_exits_zero(drill):
     """One rank gets SIGINT in iteration 5 (then SIGTERM and SIGINT again while it saves): every
     rank finishes iteration 5, the checkpoint is complete, every worker exits 0 (so torchrun
@@ -66,6 +68,7 @@ def test_sigint_to_one_rank_stops_every_rank_and_exits_zero(drill):
     assert result.ok and result.lost == 0 and result.equal, explain(result)
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_is_forwarded_and_every_rank_saves(drill):
     """A preemption: SIGTERM to torchrun, which forwards it to its workers; they finish the
     iteration, save it (the pointer moves to it) and stop; the relaunch resumes exactly."""
@@ -80,6 +83,7 @@ def test_sigterm_to_torchrun_is_forwarded_and_every_rank_saves(drill):
     assert result.ok and result.lost == 0 and result.equal and result.intact, explain(result)
 
 
+@pytest.mark.slow
 def test_hang_times_out_naming_rank_phase_iteration_with_heartbeats(drill, tmp_path):
     """Rank 1 sleeps forever in iteration 4. Rank 0 prints heartbeat lines, then its collective
     times out after distributed.timeout_minutes (6 s): the error names rank 0, the phase and the
@@ -96,6 +100,7 @@ def test_hang_times_out_naming_rank_phase_iteration_with_heartbeats(drill, tmp_p
     assert run.log.index("heartbeat: rank 0") < run.log.index("TrainingError: rank 0")
 
 
+@pytest.mark.slow
 def test_disk_full_during_save_keeps_the_previous_checkpoint(drill):
     """ENOSPC on rank 1 while writing iteration 6: one clear error line per rank, exit status 2,
     the pointer still names iteration 3, which is complete; the relaunch resumes from it."""

@@ -91,6 +91,7 @@ def test_fault_ranks_are_validated():
         load_config(None, ["--data.mock_data=true", "--distributed.heartbeat_min_seconds=0"])
 
 
+@pytest.mark.slow
 def test_disk_full_during_save_leaves_pointer_and_previous_checkpoint(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--faults.disk_full_at_iteration=2")
     ckpt = checkpointer(t)
