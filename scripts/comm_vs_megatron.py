@@ -14,7 +14,8 @@ runs the same config (fp16/bf16 model, distributed optimizer, SP as configured):
        2 reduce-scatters of b·s·h·e. Without SP: 1 all-reduce each way. The embedding reduce-
        scatters (SP) or all-reduces its output; the output layer gathers its input (SP, and again
        in backward) or all-reduces its input gradient; the vocabulary-parallel loss all-reduces
-       3 x b·s fp32. With SP the norm weights' gradients: 1 all-reduce of h·g per norm tensor.
+       3 x b·s fp32. With SP the norm weights' gradients: 1 all-reduce of h·g per norm tensor;
+       with qk-layernorm (any tp) 1 of head_dim·g per qk-norm tensor.
   PP   1 send and 1 recv of b·(s/tp under SP)·h·e per micro-batch and stage boundary, each way.
   DP   the distributed optimizer: 1 reduce-scatter of the gradients (g bytes) and 1 all-gather
        of the parameters (e bytes) per iteration.
@@ -91,6 +92,8 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
             out.append(Collective("all_reduce", "tp", "activations", 2 * sub, act))
             out += [Collective("all_reduce", "tp", "embedding", n, act)] if first else []
             out += [Collective("all_reduce", "tp", "head input grad", n, act)] if last else []
+        if c.qk_norm:  # qk-layernorm weights see their rank's heads: their gradients summed over tp
+            out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * g))
         if last:
             out.append(Collective("all_reduce", "tp", "vocab-parallel loss", 3 * n, c.micro_batch * c.tokens * FP32))
     if c.pp > 1:

@@ -57,12 +57,20 @@ MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16,
 PRECISIONS = {"bf16": dict(bf16=True), "fp16": dict(fp16=True), "fp32": {}}
 LOW_PRECISION_MODEL = {**MODEL, "hidden_size": 64, "seq_length": 32}
 LARGE = 1024
+# A layout name may start with "llama_": the Llama-style model (2 key/value groups for 4 heads, SwiGLU,
+# RMSNorm, RoPE, qk-layernorm, no biases, an untied head), whose qk-norms' gradients tp sums and
+# whose key/value groups cp gathers.
+LLAMA = "llama_"
+LLAMA_MODEL = {**MODEL, "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_size": 32, "add_bias_linear": False,
+               "group_query_attention": True, "num_query_groups": 2, "position_embedding_type": "rope",
+               "qk_layernorm": True, "untie_embeddings_and_output_weights": True}  # fmt: skip
 
 
 def split_name(name: str) -> tuple[str, str | None]:
-    """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix."""
-    base, _, suffix = name.rpartition("_")
-    return (base, suffix) if suffix in PRECISIONS else (name, None)
+    """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
+    without the "llama_" model prefix)."""
+    base, _, suffix = name.removeprefix(LLAMA).rpartition("_")
+    return (base, suffix) if suffix in PRECISIONS else (name.removeprefix(LLAMA), None)
 
 
 def layout_config(name: str, world_size: int, micro_per_rank: int):
@@ -73,7 +81,7 @@ def layout_config(name: str, world_size: int, micro_per_rank: int):
     model_parallel = [parallel.get(f"{k}_parallel_size", 1) for k in ("tensor_model", "pipeline_model", "context")]
     dp = world_size // (model_parallel[0] * model_parallel[1] * model_parallel[2])
     return dtgpt.make_config(
-        model=MODEL if precision is None else LOW_PRECISION_MODEL,
+        model=LLAMA_MODEL if name.startswith(LLAMA) else MODEL if precision is None else LOW_PRECISION_MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100),
         training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank, **PRECISIONS.get(precision, {})),
         parallel=parallel,

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from dtgpt.config import load_config
+from dtgpt.model import GPT
 from dtgpt.plan import plan_layout
-from dtgpt.plan.comm import Collective, CommLayout, rank_collectives, totals
+from dtgpt.plan.comm import Collective, CommLayout, block_shapes, gathered_numel, rank_collectives, totals
 from dtgpt.plan.links import link_bytes, rank_traffic
 from dtgpt.plan.report import format_plan
 from tests.runs import REPO, load_script
@@ -75,3 +78,15 @@ def test_no_class_of_collective_moves_more_than_megatron():
         assert all(ours <= theirs for _, _, ours, theirs in rows), [r for r in rows if r[2] > r[3]]
         tp = [ours / theirs for _, name, ours, theirs in rows if name == "tp activations"]
         assert all(0.75 < ratio < 0.85 for ratio in tp), tp
+
+
+def test_the_family_gathers_its_own_parameters():
+    """FSDP's gathers count a block's real parameters, whatever the family member: the Llama 3 8B
+    config's blocks (grouped QKV, SwiGLU, no biases) and a qk-layernorm model's, against the model."""
+    qk_norm = ["--model.qk_layernorm=true", "--model.add_qkv_bias=true", "--model.add_bias_linear=false", "--model.kv_channels=48"]
+    for path, overrides in (("llama3_8b.toml", []), ("debug.toml", qk_norm)):
+        cfg = load_config(str(REPO / "configs" / path), overrides)
+        with torch.device("meta"):
+            block = GPT(replace(cfg.model, num_layers=1), 128).layers["0"]
+        c = CommLayout.from_config(cfg, 1, 128)
+        assert gathered_numel(block_shapes(c), 1) == sum(p.numel() for p in block.parameters()), path

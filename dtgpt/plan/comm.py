@@ -20,7 +20,8 @@ below counts the rank's s/cp tokens):
                  shard over dp_replicate. Once per iteration: gradient sync is off and the
                  parameters stay gathered until the last micro-batch ('always' resharding:
                  2 all-gathers per unit per micro-batch, the root unit's 1).
-  CP  per block per micro-batch: 2 all-gathers (keys and values) of b·s·h/tp·e forward, again
+  CP  per block per micro-batch: 2 all-gathers (keys and values) of b·s·g·d/tp·e (g key/value
+                 groups of d channels; g·d = h without grouped-query attention) forward, again
                  where backward recomputes the attention core, and 2 reduce-scatters of their
                  gradients backward.
   TP  per block per micro-batch: without SP 2 all-reduces forward and 2 backward; with SP 2
@@ -99,6 +100,15 @@ class CommLayout:
     layer_counts: tuple[int, ...]
     recompute: tuple[str | None, str | None, int | None] = (None, None, None)
     """Megatron's (granularity, method, num_layers): which attention cores backward re-runs."""
+    heads: int = 0
+    """Query heads, key/value groups and channels per head (GPT-3: groups = heads, head_dim = h / heads)."""
+    groups: int = 0
+    head_dim: int = 0
+    swiglu: bool = False
+    bias: bool = True
+    """Biases in every linear layer; qkv_bias: in the QKV projection."""
+    qkv_bias: bool = True
+    qk_norm: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -117,6 +127,8 @@ class CommLayout:
             reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
+            heads=m.num_attention_heads, groups=m.query_groups, head_dim=m.head_dim, swiglu=m.swiglu,
+            bias=m.add_bias_linear, qkv_bias=m.qkv_bias, qk_norm=m.qk_layernorm,
         )  # fmt: skip
 
     @property
@@ -146,12 +158,16 @@ class CommLayout:
 
 
 def block_shapes(c: CommLayout) -> list[tuple[int, ...]]:
-    """One block's tp-local parameter shapes (column-parallel split on dim 0, row on dim 1)."""
-    h, f, tp = c.hidden, c.ffn, c.tp
+    """One block's tp-local parameter shapes (column-parallel split on dim 0, row on dim 1): the
+    grouped QKV rows, the projection, the qk-norms, one or (SwiGLU) two MLP inputs, the biases."""
+    h, f, tp, hd = c.hidden, c.ffn, c.tp, c.head_dim
     norm = [(h,)] * c.norm_params
-    attention = [(3 * h // tp, h), (3 * h // tp,), (h, h // tp), (h,)]
-    mlp = [(f // tp, h), (f // tp,), (h, f // tp), (h,)]
-    return norm + attention + norm + mlp
+    qkv = (c.heads + 2 * c.groups) * hd // tp
+    attention = [(qkv, h)] + [(qkv,)] * c.qkv_bias + [(h, c.heads * hd // tp)] + [(h,)] * c.bias
+    qk_norms = [(hd,)] * (2 * c.norm_params) * c.qk_norm
+    mlp_in = [(f // tp, h)] + [(f // tp,)] * c.bias
+    mlp = mlp_in * (2 if c.swiglu else 1) + [(h, f // tp)] + [(h,)] * c.bias
+    return norm + attention + qk_norms + norm + mlp
 
 
 def embedding_shapes(c: CommLayout) -> list[tuple[int, ...]]:
@@ -237,6 +253,9 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     else:
         out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
                 Collective("all_reduce", "tp", "norm output grads bwd", sublayers, residual)]  # fmt: skip
+    if c.qk_norm:  # each rank normalises its own heads: the weights' gradients summed as SP norms'
+        grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
+        out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * grad))
     if first:
         out.append(Collective("all_reduce", "tp", "vocab-parallel embedding fwd", n_micro, residual))
         if c.sequence_parallel:
@@ -272,7 +291,7 @@ def cp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     reduce-scatters their gradients; a recomputed core gathers them again."""
     if c.cp == 1:
         return []
-    gathered = c.micro_batch * c.seq * c.hidden // c.tp * c.compute_bytes
+    gathered = c.micro_batch * c.seq * c.groups * c.head_dim // c.tp * c.compute_bytes  # this rank's key/value groups
     blocks = sum(c.layer_counts[s] for s in stages)
     rerun = sum(recomputed_cores(c, s) for s in stages)
     return [
