@@ -187,6 +187,9 @@ class Attention(nn.Module):
     The QKV weight rows are laid out group by group, [group, (q_1 .. q_{nh/ng} | k | v), head_dim]
     (Megatron's layout; one group per head without grouped-query attention), so that cutting the
     rows into tp equal pieces gives each rank whole groups: column parallelism needs no reordering.
+    With fewer groups than tp ranks, each rank gets the whole QKV output (dtgpt.parallel.tensor
+    gathers it, as Megatron does) and takes its group and its share of the group's query heads
+    (`shared_group`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -200,6 +203,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.cfg = cfg  # RoPE's frequencies are drawn from it on the activations' device
         self.rope = cfg.position_embedding_type == "rope"
+        # (ranks sharing a group, this rank's index among all of them): set by dtgpt.parallel.tensor
+        # when there are fewer key/value groups than tp ranks; None: this rank holds whole groups.
+        self.shared_group: tuple[int, int] | None = None
 
     def declared_inits(self) -> DeclaredInits:
         inits = linear_inits(self.qkv, Init.NORMAL) + linear_inits(self.proj, Init.SCALED_NORMAL)
@@ -212,6 +218,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         # -1 groups: under tensor parallelism this rank holds only its share of the groups.
         qkv = self.qkv(x).view(B, T, -1, self.queries_per_group + 2, self.head_dim)  # (B, T, ng, nh/ng + 2, hd)
+        if self.shared_group is not None:  # every group is here: take this rank's group and queries
+            sharing, rank = self.shared_group
+            queries = self.queries_per_group // sharing
+            group = qkv[:, :, rank // sharing : rank // sharing + 1]  # (B, T, 1, nh/ng + 2, hd)
+            first = rank % sharing * queries
+            qkv = torch.cat((group[:, :, :, first : first + queries], group[:, :, :, -2:]), dim=3)
         q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]  # (B, T, nh or ng, hd)
         if self.q_norm is not None or self.rope:
             # The norms and RoPE make new tensors of q and k; a view that backward keeps (a

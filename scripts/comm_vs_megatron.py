@@ -92,6 +92,9 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
             out.append(Collective("all_reduce", "tp", "activations", 2 * sub, act))
             out += [Collective("all_reduce", "tp", "embedding", n, act)] if first else []
             out += [Collective("all_reduce", "tp", "head input grad", n, act)] if last else []
+        if c.groups < c.tp:  # fewer key/value groups than ranks: the QKV output gathered, its gradient reduce-scattered
+            qkv = c.micro_batch * c.tokens * (c.heads + 2 * c.groups) * c.head_dim * e
+            out += [Collective("all_gather", "tp", "qkv output", blocks * n, qkv), Collective("reduce_scatter", "tp", "qkv output", blocks * n, qkv)]
         if c.qk_norm:  # qk-layernorm weights see their rank's heads: their gradients summed over tp
             out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * g))
         if last:

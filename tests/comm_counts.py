@@ -66,11 +66,16 @@ LLAMA_MODEL = {**MODEL, "normalization": "RMSNorm", "swiglu": True, "ffn_hidden_
                "qk_layernorm": True, "untie_embeddings_and_output_weights": True}  # fmt: skip
 
 
+MQA = "mqa_"
+MQA_MODEL = {**LLAMA_MODEL, "num_query_groups": 1, "qk_layernorm": False}  # one group for both tp ranks
+
+
 def split_name(name: str) -> tuple[str, str | None]:
     """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
     without the "llama_" model prefix)."""
-    base, _, suffix = name.removeprefix(LLAMA).rpartition("_")
-    return (base, suffix) if suffix in PRECISIONS else (name.removeprefix(LLAMA), None)
+    bare = name.removeprefix(LLAMA).removeprefix(MQA)
+    base, _, suffix = bare.rpartition("_")
+    return (base, suffix) if suffix in PRECISIONS else (bare, None)
 
 
 def layout_config(name: str, world_size: int, micro_per_rank: int):
@@ -81,7 +86,7 @@ def layout_config(name: str, world_size: int, micro_per_rank: int):
     model_parallel = [parallel.get(f"{k}_parallel_size", 1) for k in ("tensor_model", "pipeline_model", "context")]
     dp = world_size // (model_parallel[0] * model_parallel[1] * model_parallel[2])
     return dtgpt.make_config(
-        model=LLAMA_MODEL if name.startswith(LLAMA) else MODEL if precision is None else LOW_PRECISION_MODEL,
+        model=LLAMA_MODEL if name.startswith(LLAMA) else MQA_MODEL if name.startswith(MQA) else MODEL if precision is None else LOW_PRECISION_MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100),
         training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank, **PRECISIONS.get(precision, {})),
         parallel=parallel,

@@ -89,6 +89,14 @@ ARCHS = {
                   args=dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                             add_qkv_bias=False, bias_gelu_fusion=False, group_query_attention=True,
                             num_query_groups=LLAMA_GROUPS, **ROPE_ARGS)),
+    # multi-query: one key/value group, which Megatron replicates over tp ranks (their QKV output gathered)
+    "mqa": dict(config=dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=False, num_query_groups=1,
+                            bias_activation_fusion=False),
+                model=dict(position_embedding_type="rope"),
+                args=dict(ffn_hidden_size=LLAMA_FFN, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                          add_qkv_bias=False, bias_gelu_fusion=False, group_query_attention=True, num_query_groups=1,
+                          **ROPE_ARGS)),
     # the other options at once: qk-layernorm, wider heads (kv_channels), RoPE on half of each head's
     # channels in interleaved pairs with Llama 3.1's scaling, the exact GeLU, a QKV bias alone
     "options": dict(config=dict(ffn_hidden_size=4 * HIDDEN, kv_channels=OPTIONS_KV_CHANNELS, qk_layernorm=True,
@@ -172,7 +180,8 @@ def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
 
 
-FAMILY = (("rope", "save", False), ("llama", "save", True), ("options", "save", False), ("llama", "per-rank", True))
+FAMILY = (("rope", "save", False), ("llama", "save", True), ("options", "save", False), ("mqa", "save", False),
+          ("llama", "per-rank", True))
 """What the `family` command saves in one launch: (architecture, save command, untied head), each
 under ROOT/<arch> (the per-rank one under ROOT/<arch>_per_rank)."""
 

@@ -4,6 +4,7 @@ megatron-core builds two 2-layer models on CPU at tp 2 and saves them as Megatro
 torch_dist with Megatron-LM's args in common.pt (tests/megatron_gpt.py):
 - "rope": GPT-3 with RoPE in Megatron's default convention (channel i rotates with i + d/2);
 - "llama": Llama-style: RMSNorm, SwiGLU, 2 query groups over 4 heads, no biases, RoPE, untied head;
+- "mqa": one key/value group for 4 heads, which both tp ranks of Megatron (and of dtgpt) share;
 - "options": the other options at once: qk-layernorm, 32-channel heads over hidden 64
   (kv_channels), RoPE on half of each head in interleaved pairs with Llama 3.1's scaling, the
   exact GeLU, a QKV bias without the others.
@@ -42,6 +43,8 @@ ARCHS = {
     "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                   group_query_attention=True, num_query_groups=LLAMA_GROUPS, ffn_hidden_size=LLAMA_FFN,
                   untie_embeddings_and_output_weights=True),
+    "mqa": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                group_query_attention=True, num_query_groups=1, ffn_hidden_size=LLAMA_FFN),
     "options": dict(position_embedding_type="rope", kv_channels=OPTIONS_KV_CHANNELS, qk_layernorm=True, rotary_interleaved=True,
                     rotary_percent=0.5, use_rope_scaling=True, add_bias_linear=False, add_qkv_bias=True),
 }  # fmt: skip

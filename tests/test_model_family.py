@@ -110,8 +110,11 @@ def test_swiglu_width_defaults_to_megatrons():
     "overrides, message",
     [
         (["--model.group_query_attention=true", "--model.num_query_groups=3"], "model.num_query_groups=3 must divide model.num_attention_heads=4"),
-        (["--model.group_query_attention=true", "--model.num_query_groups=2", "--parallel.tensor_model_parallel_size=4"],
-         "parallel.tensor_model_parallel_size=4 must divide model.num_query_groups=2"),
+        (["--model.num_attention_heads=6", "--model.hidden_size=48", "--model.group_query_attention=true", "--model.num_query_groups=3",
+          "--parallel.tensor_model_parallel_size=2"],
+         "parallel.tensor_model_parallel_size=2 and model.num_query_groups=3 must divide one another"),
+        (["--model.group_query_attention=true", "--model.num_query_groups=2", "--parallel.tensor_model_parallel_size=4",
+          "--model.qk_layernorm=true"], "model.qk_layernorm=true needs model.num_query_groups=2 >= parallel.tensor_model_parallel_size=4"),
         (["--model.position_embedding_type=rope", "--model.rotary_percent=0"], "model.rotary_percent=0.0 must be in (0, 1]"),
         (["--model.position_embedding_type=rope", "--model.rotary_percent=0.1"], "rotates rotary_percent * head size = 1 channels"),
         (["--model.kv_channels=-1"], "model.kv_channels=-1 must be >= 0"),

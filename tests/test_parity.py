@@ -10,7 +10,7 @@ middle stages, which read no data), tp x pp without FSDP, each recomputation set
 full block, selective), compile, context parallelism and Megatron's per-token options (document
 masking) under dp, tp+SP, pp and cp, and the Llama-style model (LLAMA: grouped-query attention,
 SwiGLU, RMSNorm, RoPE, qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp, pp x dp x tp
-and compiled under dp. Every other pipeline schedule runs SHORT iterations, compared
+and compiled under dp, and with one key/value group for two tp ranks. Every other pipeline schedule runs SHORT iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
 (lr_decay_iters), so a shorter run is a prefix of the longer one (the reference also saves its
 parameters after SHORT iterations). configs/debug_3d.toml itself (8 ranks) runs SHORT iterations
@@ -43,6 +43,8 @@ DROPOUT = ["--model.hidden_dropout=0.1", "--model.attention_dropout=0.1", "--mod
 # Llama-style: RMSNorm, SwiGLU, 2 key/value groups for 4 heads, no biases, RoPE, qk-layernorm, untied head
 LLAMA = ["--model.normalization=RMSNorm", "--model.swiglu=true", "--model.add_bias_linear=false", "--model.group_query_attention=true",
          "--model.num_query_groups=2", ROPE, "--model.qk_layernorm=true", UNTIED]  # fmt: skip
+# multi-query: the Llama-style model with one key/value group (and no qk-layernorm, which needs whole groups per rank)
+MQA = [*(o for o in LLAMA if "num_query_groups" not in o and "qk_layernorm" not in o), "--model.num_query_groups=1"]
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
@@ -87,6 +89,8 @@ LAYOUTS = {
     "hsdp_2x2": (4, ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"]),
     # whole key/value groups per tp rank; the qk-norms' weights see only their rank's heads
     "llama_tp2_sp": (2, [*LLAMA, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
+    # one key/value group for 2 tp ranks (multi-query): both take it from the gathered QKV output
+    "mqa_tp2_sp": (2, [*MQA, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
     "tp4": (4, ["--parallel.tensor_model_parallel_size=4"]),
     "llama_pp2_selective_ac": (
         2,

@@ -33,9 +33,15 @@ def _check_tensor_parallel(cfg: Config) -> None:
         f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads={m.num_attention_heads}",
     )
     _require(
-        m.query_groups % tp == 0,
-        f"parallel.tensor_model_parallel_size={tp} must divide model.num_query_groups={m.query_groups} "
-        "(each rank holds whole key/value groups)",
+        m.query_groups % tp == 0 or tp % m.query_groups == 0,
+        f"parallel.tensor_model_parallel_size={tp} and model.num_query_groups={m.query_groups} must divide one "
+        "another (each rank holds whole key/value groups, or a share of one group's query heads)",
+    )
+    _require(
+        m.query_groups >= tp or not m.qk_layernorm,
+        f"model.qk_layernorm=true needs model.num_query_groups={m.query_groups} >= "
+        f"parallel.tensor_model_parallel_size={tp}: with ranks sharing a group, each would normalise "
+        "the same keys, and their weight gradients would be summed as if they were others",
     )
     _require(
         m.ffn_size % tp == 0,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -50,6 +50,16 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+class GatheredColwiseParallel(ColwiseParallel):
+    """Column parallel, its output gathered whole on every rank (Megatron's QKV with fewer key/value
+    groups than tp ranks: each rank then takes its group from it). The gathered output's gradient
+    is partial, each rank's from the slices it used: backward reduce-scatters it."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
 def _own_storage(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
     return output.clone() if output._is_view() else output
 
@@ -77,8 +87,13 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    groups = model.cfg.query_groups
     for name, block in model.layers.items():
         prefix = f"layers.{name}."
+        qkv_style: ParallelStyle = ColwiseParallel()
+        if groups < tp_mesh.size():  # ranks share a group (validation: tp is a multiple of the groups)
+            qkv_style = GatheredColwiseParallel()
+            block.attention.shared_group = (tp_mesh.size() // groups, tp_mesh.get_local_rank())
         if block.attention.q_norm is not None:
             # Each rank normalises its own heads (B, T, nh/tp, hd): sharded on dim 2, so that the
             # weights' gradients are summed over tp like a sequence-parallel norm's.
@@ -90,7 +105,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             {
                 prefix + "input_norm": _norm_style(sequence_parallel),
                 prefix + "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                prefix + "attention.qkv": ColwiseParallel(),
+                prefix + "attention.qkv": qkv_style,
                 prefix + "attention.proj": RowwiseParallel(output_layouts=seq),
                 prefix + "mlp_norm": _norm_style(sequence_parallel),
                 prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),

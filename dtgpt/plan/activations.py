@@ -65,7 +65,8 @@ class ActivationShape:
         """dtgpt's run of `cfg` on a rank of tp x cp: its dtypes, its dropouts, its SP plan."""
         m, t = cfg.model, cfg.training
         e = 2 if low_precision(cfg) else 4
-        heads, groups = m.num_attention_heads * m.head_dim / m.hidden_size, m.query_groups * m.head_dim / m.hidden_size
+        # A rank that shares a key/value group with others keeps that one group: as if tp groups.
+        heads, groups = m.num_attention_heads * m.head_dim / m.hidden_size, max(m.query_groups, tp) * m.head_dim / m.hidden_size
         return cls(
             m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded_vocab, tp,
             cfg.parallel.sequence_parallel, ffn_size=m.ffn_size, compute_bytes=e,

@@ -253,6 +253,10 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     else:
         out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
                 Collective("all_reduce", "tp", "norm output grads bwd", sublayers, residual)]  # fmt: skip
+    if c.groups < c.tp:  # ranks share key/value groups: the QKV output is gathered whole (as Megatron does)
+        qkv = c.micro_batch * c.tokens * (c.heads + 2 * c.groups) * c.head_dim * c.compute_bytes
+        out += [Collective("all_gather", "tp", "qkv output fwd", blocks * n_micro, qkv),
+                Collective("reduce_scatter", "tp", "qkv output grads bwd", blocks * n_micro, qkv)]  # fmt: skip
     if c.qk_norm:  # each rank normalises its own heads: the weights' gradients summed as SP norms'
         grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
         out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * grad))
