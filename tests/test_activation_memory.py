@@ -62,6 +62,8 @@ CASES = {
 }
 TOLERANCE = 0.05
 
+pytestmark = pytest.mark.slow  # about 30 s: `make test` runs it, the edit loop (make test-fast) does not
+
 
 def _config(recompute: str, tp: int, precision: str, model: dict) -> Config:
     return dtgpt.make_config(

@@ -29,7 +29,7 @@ import pytest
 from tests.parity_oracle import assert_same_training
 from tests.runs import REPO, train_run
 
-STEPS = 10
+STEPS = 7
 SHORT = 5
 RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]  # what every run of the comparison shares
 
