@@ -185,11 +185,16 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class MissingLibraryError(DataError, ImportError):
+    """An optional library the config needs is not installed: a user error (one line), and still
+    an ImportError to code that asks for one."""
+
+
 def _tokenizers_library(kind: str):
     try:
         import tokenizers
     except ImportError:
-        raise ImportError(f"{kind} needs the 'tokenizers' library: pip install 'dtgpt[gpt2]'") from None
+        raise MissingLibraryError(f"{kind} needs the 'tokenizers' library: pip install 'dtgpt[gpt2]'") from None
     return tokenizers
 
 
