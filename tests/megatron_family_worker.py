@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import dtgpt
-from tests.megatron_gpt import SEQ, VOCAB, tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.megatron_gpt, run as a script
+
+import dtgpt  # noqa: E402
+from tests.megatron_gpt import SEQ, VOCAB, tokens  # noqa: E402
 
 
 LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True)}
