@@ -137,7 +137,7 @@ def megatron_args(m: ModelConfig) -> dict[str, object]:
 
 def _equal(a, b) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
-        return a is b or (isinstance(a, bool) and isinstance(b, bool) and a == b)
+        return a is b  # True and 1 are different settings
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return float(a) == float(b)
     return a == b

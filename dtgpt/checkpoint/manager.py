@@ -193,7 +193,7 @@ class Checkpointer:
         c, progress = self.cfg, self.state.progress
         metadata = layout.read_metadata(directory, c.trust_pickles)
         marker = layout.read_marker(directory)
-        where = f"checkpoint {directory} does not fit this model: "
+        where, saved = f"checkpoint {directory} does not fit this model: ", layout.stored_config(directory)
 
         has_optimizer = has_section(metadata, "optimizer")
         stateful = c.load_optimizer and self.state.resumable
@@ -206,7 +206,7 @@ class Checkpointer:
         request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=stateful)
         request = stored_items(request, TrainState.STATEFUL, metadata)
         model_request = flat_keys("model", request["model"])
-        problem = saved_difference(layout.stored_config(directory), self.run_cfg) or shape_problem(model_request, metadata, "model")
+        problem = saved_difference(saved, self.run_cfg) or shape_problem(model_request, metadata, "model")
         keys = [set(model_request)]
         if self.distributed:
             keys = [None] * dist.get_world_size()
@@ -231,7 +231,7 @@ class Checkpointer:
             dcp.load(request, checkpoint_id=str(directory), storage_reader=reader, no_dist=not self.distributed)
         self.state.load_state_dict(request)
         if stateful:
-            change = schedule_change(layout.stored_config(directory), self.run_cfg, self.state.lr_schedule.num_samples)
+            change = schedule_change(saved, self.run_cfg, self.state.lr_schedule.num_samples)
             if change:
                 self._log(change)
             if "rng" in request:

@@ -144,7 +144,8 @@ class MegatronReader:
             key = self.stored_key(name, slot)
             half = half_of(name, self._model_names)
             if half:  # the second half of linear_fc1's rows
-                offsets = (offsets[0] + half * self.shapes[megatron_name(name)[0]][1 if layer is not None else 0] // 2, *offsets[1:])
+                rows = self.shapes[key][0 if layer is None else 1]  # linear_fc1's rows (one layer's)
+                offsets = (offsets[0] + half * rows // 2, *offsets[1:])
             target = out[request] = torch.empty(sizes, dtype=self.dtypes.get(key, torch.float32))
             at = tuple(offsets) if layer is None else (layer, *offsets)
             target_at = target if layer is None else target.unsqueeze(0)
