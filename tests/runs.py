@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = str(REPO / "train.py")
+BATCH_WORKER = str(REPO / "tests" / "batch_worker.py")
 
 # A tiny fp32 GPT on deterministic mock data: every layout must train it identically.
 TINY = [
@@ -71,6 +76,28 @@ def train_losses(
     return [r["loss"] for r in read_metrics(metrics)]
 
 
+def run_args(tmp_path: Path, args: list[str], name: str, base: list[str], save_interval: int) -> list[str]:
+    """train.py's arguments for a run of base + args that train_run can read back."""
+    metrics, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
+    return base + args + [f"--logging.metrics_file={metrics}", f"--checkpoint.save={ckpt}", f"--checkpoint.save_interval={save_interval}"]
+
+
+def read_run(tmp_path: Path, name: str) -> dict:
+    """A finished run's per-iteration metrics by key ("loss", "grad_norm", "skipped",
+    "global_batch_size", ...), "params": {iteration: {name: full fp32 tensor}} for the final
+    iteration (and every save_interval) and "heads", the model's attention heads. The parameters
+    come from the run's own checkpoints, read whole by name (every rank's shard): no extra launch."""
+    from dtgpt.checkpoint.export import read_config, read_sections  # torch: only where needed
+
+    records = read_metrics(tmp_path / f"{name}.jsonl")
+    params = {}
+    for directory in sorted((tmp_path / f"{name}_ckpt").glob("iter_*")):
+        model = read_sections(directory, ("model",))["model"]
+        params[int(directory.name.split("_")[1])] = {k: v.float() for k, v in model.items()}
+    heads = read_config(directory).model.num_attention_heads
+    return {**{key: [r[key] for r in records] for key in records[0]}, "params": params, "heads": heads}
+
+
 def train_run(
     tmp_path: Path,
     args: list[str],
@@ -80,22 +107,92 @@ def train_run(
     save_interval: int = 0,
     **kw,
 ) -> dict:
-    """One run of base + args: its per-iteration metrics by key ("loss", "grad_norm", "skipped",
-    "global_batch_size", ...), "params": {iteration: {name: full fp32 tensor}} for the final
-    iteration (and every save_interval) and "heads", the model's attention heads. The parameters
-    come from the run's own checkpoints, read whole by name (every rank's shard): no extra launch."""
-    from dtgpt.checkpoint.export import read_config, read_sections  # torch: only where needed
+    """One run of base + args, launched on its own; read_run's dict."""
+    run_train(tmp_path, run_args(tmp_path, args, name, base, save_interval), nproc=nproc, name=name, **kw)
+    return read_run(tmp_path, name)
 
-    metrics, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
-    saving = [f"--checkpoint.save={ckpt}", f"--checkpoint.save_interval={save_interval}"]
-    run_train(tmp_path, base + args + [f"--logging.metrics_file={metrics}", *saving], nproc=nproc, name=name, **kw)
-    records = read_metrics(metrics)
-    params = {}
-    for directory in sorted(ckpt.glob("iter_*")):
-        model = read_sections(directory, ("model",))["model"]
-        params[int(directory.name.split("_")[1])] = {k: v.float() for k, v in model.items()}
-    heads = read_config(directory).model.num_attention_heads
-    return {**{key: [r[key] for r in records] for key in records[0]}, "params": params, "heads": heads}
+
+@dataclass
+class Run:
+    """One run of a batch (train_runs): base + args on nproc ranks, in its own directory."""
+
+    key: str
+    directory: Path
+    args: list[str]
+    nproc: int = 1
+    base: list[str] = field(default_factory=lambda: TINY)
+    save_interval: int = 0
+
+
+# A tiny run takes seconds (under 20 s with 4 ranks on 2 loaded cores); a hung one stops at
+# the collective timeout, so the bound only has to cover the slowest healthy batch.
+SECONDS_PER_RUN = 120
+
+
+def train_runs(runs: list[Run]) -> dict[str, dict | str]:
+    """The runs, launched together: one launch per rank count (tests/batch_worker.py), which pays
+    the processes' start-up once instead of once per run. Returns read_run's dict by key, or for a
+    run that failed or never ran (an earlier one in its launch raised) the text saying so."""
+    results: dict[str, dict | str] = {}
+    for nproc in sorted({run.nproc for run in runs}):
+        group = [run for run in runs if run.nproc == nproc]
+        results.update(_launch(group, nproc))
+    return results
+
+
+def _launch(runs: list[Run], nproc: int) -> dict[str, dict | str]:
+    workdir = runs[0].directory
+    spec = [{"key": r.key, "cwd": str(r.directory), "argv": run_args(r.directory, r.args, r.key, r.base, r.save_interval)} for r in runs]
+    (workdir / "runs.json").write_text(json.dumps(spec))
+    if nproc == 1:
+        cmd = [sys.executable, BATCH_WORKER]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", BATCH_WORKER]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # stderr into stdout: each run's error lines stay in its section of the log
+    proc = subprocess.run(
+        cmd + [str(workdir / "runs.json")], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=SECONDS_PER_RUN * len(runs),
+    )  # fmt: skip
+    log = proc.stdout
+    (workdir / "launch.log").write_text(log)
+    results: dict[str, dict | str] = {}
+    for run in runs:
+        rc_file = run.directory / f"{run.key}.rc"
+        if not rc_file.exists():
+            results[run.key] = f"{run.key} did not finish in its launch of {len(runs)} runs on {nproc} ranks (exit {proc.returncode}):\n{log[-6000:]}"
+        elif rc_file.read_text() != "0":
+            results[run.key] = f"{run.key} exited {rc_file.read_text()}:\n{_section(log, run.key)[-4000:]}"
+        else:
+            results[run.key] = read_run(run.directory, run.key)
+    return results
+
+
+def _section(log: str, key: str) -> str:
+    """The part of a launch's log that one run printed (from its first rank's header to the
+    first header of another run)."""
+    header = f"=== run {key} ==="
+    start = log.find(header)
+    other = re.compile(rf"^=== run (?!{re.escape(key)} ===)", re.M).search(log, start)
+    return log[start : other.start() if other else None]
+
+
+def selected_cases(request, test) -> list[str]:
+    """The ids of test's parametrized cases this session runs (after -k, without the skipped):
+    what a module fixture launches together."""
+    return [
+        item.callspec.id if hasattr(item, "callspec") else item.name
+        for item in request.session.items
+        if getattr(item, "function", None) is test and not item.get_closest_marker("skip")
+    ]
+
+
+def result_of(results: dict[str, dict | str], key: str) -> dict:
+    """A batched run's dict; a run that failed fails the test with its log."""
+    got = results[key]
+    if isinstance(got, str):
+        pytest.fail(got, pytrace=False)
+    return got
 
 
 def load_script(name: str):

@@ -16,6 +16,10 @@ with the start of the same reference: the LR schedule is pinned to STEPS iterati
 parameters after SHORT iterations). configs/debug_3d.toml itself (8 ranks) runs SHORT iterations
 against the same file on one process.
 
+The runs share launches: every layout of the same rank count (and the one-process references)
+runs in one launch, one after another through train.py's own entry (tests/runs.py train_runs),
+which pays the processes' start-up once per rank count instead of once per layout.
+
 `make test` runs every one; `make test-fast` (the edit loop) keeps one launch that combines three
 kinds of parallelism, configs/debug_3d.toml (pp2 x dp2 x tp2 + SP), and skips the rest (marked slow).
 
@@ -24,10 +28,12 @@ pp2, dp2 and cp2, two of them with recomputation (which must redraw the forward'
 mask element is a function of what it drops, so every layout trains the same model.
 """
 
+import hashlib
+
 import pytest
 
 from tests.parity_oracle import assert_same_training
-from tests.runs import REPO, train_run
+from tests.runs import REPO, Run, result_of, selected_cases, train_run, train_runs
 
 STEPS = 7
 SHORT = 5
@@ -139,35 +145,47 @@ def model_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o.startswith(MODEL_KEYS)]
 
 
+def reference_key(model_args: list[str]) -> str:
+    """The name of the one-process run of a model variant (tied by default, untied, ...)."""
+    return "single_" + hashlib.sha1(" ".join(model_args).encode()).hexdigest()[:10]
+
+
+def schedule_overrides(schedule: str) -> list[str]:
+    return [*SCHEDULES[schedule], f"--parallel.pipeline_schedule={schedule}", f"--training.train_iters={SHORT}"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One-process runs per model variant (tied by default, untied ...), computed once; each
-    saves its parameters after SHORT and STEPS iterations."""
-    cache: dict[tuple, dict] = {}
-
-    def run_for(model_args: list[str]) -> dict:
-        if tuple(model_args) not in cache:
-            path = tmp_path_factory.mktemp("reference")
-            run = train_run(path, RUN + model_args, name="single", save_interval=SHORT)
-            assert len(run["loss"]) == STEPS and run["loss"][-1] < run["loss"][0]
-            cache[tuple(model_args)] = run
-        return cache[tuple(model_args)]
-
-    return run_for
+def runs(request, tmp_path_factory) -> dict:
+    """Every selected layout and schedule, with the one-process run of each model variant they
+    need (which saves its parameters after SHORT and STEPS iterations), launched together: one
+    launch per rank count (tests/runs.py train_runs)."""
+    layouts = selected_cases(request, test_layout_matches_single_process)
+    schedules = selected_cases(request, test_every_pipeline_schedule_matches_single_process)
+    batch = [Run(name, tmp_path_factory.mktemp(name), RUN + LAYOUTS[name][1], LAYOUTS[name][0]) for name in layouts]
+    batch += [Run(name, tmp_path_factory.mktemp(name), RUN + schedule_overrides(name), 2) for name in schedules]
+    variants = {tuple(model_overrides(LAYOUTS[name][1])) for name in layouts} | ({()} if schedules else set())
+    for model_args in sorted(variants):
+        batch.append(Run(reference_key(list(model_args)), tmp_path_factory.mktemp("single"), RUN + list(model_args), save_interval=SHORT))
+    return train_runs(batch)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks,overrides", list(LAYOUTS.values()), ids=list(LAYOUTS))
-def test_layout_matches_single_process(tmp_path, reference, ranks, overrides):
-    expected = reference(model_overrides(overrides))
-    assert_same_training(train_run(tmp_path, RUN + overrides, nproc=ranks), expected, STEPS)
+def reference(runs: dict, model_args: list[str]) -> dict:
+    run = result_of(runs, reference_key(model_args))
+    assert len(run["loss"]) == STEPS and run["loss"][-1] < run["loss"][0]
+    return run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_every_pipeline_schedule_matches_single_process(tmp_path, reference, schedule):
-    overrides = [*SCHEDULES[schedule], f"--parallel.pipeline_schedule={schedule}", f"--training.train_iters={SHORT}"]
-    assert_same_training(train_run(tmp_path, RUN + overrides, nproc=2), reference([]), SHORT)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(runs, name):
+    expected = reference(runs, model_overrides(LAYOUTS[name][1]))
+    assert_same_training(result_of(runs, name), expected, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_pipeline_schedule_matches_single_process(runs, name):
+    assert_same_training(result_of(runs, name), reference(runs, []), SHORT)
 
 
 def test_debug_3d_config_matches_single_process(tmp_path):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parity_oracle import whole_distance
-from tests.runs import train_run
+from tests.runs import Run, result_of, selected_cases, train_runs
 
 RTOL = 1e-5
 # Parameters as one vector, ||theta - theta'|| / ||theta||: the one-process run with micro-batches
@@ -46,16 +46,18 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    run = train_run(tmp_path_factory.mktemp("single"), RAMP, name="single")
-    assert run["global_batch_size"] == BATCHES  # the ramp-up goes through the counts named above
-    return run
+def runs(request, tmp_path_factory) -> dict:
+    """The selected layouts and the one-process run, launched together (tests/runs.py train_runs)."""
+    layouts = selected_cases(request, test_ramp_up_through_every_count_matches_one_process)
+    batch = [Run(name, tmp_path_factory.mktemp(name), RAMP + LAYOUTS[name], 4) for name in layouts]
+    return train_runs([*batch, Run("single", tmp_path_factory.mktemp("single"), RAMP)])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ramp_up_through_every_count_matches_one_process(tmp_path, one_process, layout):
-    got = train_run(tmp_path, RAMP + LAYOUTS[layout], nproc=4)
+def test_ramp_up_through_every_count_matches_one_process(runs, layout):
+    got, one_process = result_of(runs, layout), result_of(runs, "single")
+    assert one_process["global_batch_size"] == BATCHES  # the ramp-up goes through the counts named above
     assert got["global_batch_size"] == BATCHES
     for key in ("loss", "grad_norm"):
         for it, (g, w) in enumerate(zip(got[key], one_process[key], strict=True), start=1):

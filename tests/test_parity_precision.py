@@ -43,7 +43,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parity_oracle import whole_distance
-from tests.runs import train_run
+from tests.runs import Run, result_of, selected_cases, train_runs
 
 pytestmark = pytest.mark.slow  # multi-rank runs
 
@@ -78,23 +78,45 @@ LAYOUTS = {
 }
 
 
-def run(tmp_path, name: str, precision: list[str], overrides: list[str], ranks: int = 1) -> dict:
-    """Losses, skipped flags and the final parameters (full tensors) of one run."""
-    got = train_run(tmp_path, [f"--training.train_iters={STEPS}", *precision, *overrides], nproc=ranks, name=name)
-    return {**got, "params": got["params"][STEPS]}
+def args(precision: list[str], overrides: list[str]) -> list[str]:
+    return [f"--training.train_iters={STEPS}", *precision, *overrides]
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    cache = {}
+def runs(request, tmp_path_factory) -> dict:
+    """The selected layouts, the reordered runs and the one-process runs they are compared with,
+    launched together: one launch per rank count (tests/runs.py train_runs)."""
+    layouts = selected_cases(request, test_layout_matches_one_process_in_low_precision)  # "dp2-bf16", ...
+    floors = selected_cases(request, test_tolerance_covers_the_reordering_spread)  # "bf16", ...
+    singles = {case.split("-")[1] for case in layouts}
+    if selected_cases(request, test_fp16_run_skips_overflowing_iterations):
+        singles.add("fp16")
 
-    def get(precision: str, settings: dict = PRECISION) -> dict:
-        key = tuple(settings[precision])
-        if key not in cache:
-            cache[key] = run(tmp_path_factory.mktemp(precision), "single", settings[precision], [])
-        return cache[key]
+    def run(key: str, precision: list[str], overrides: list[str], ranks: int = 1) -> Run:
+        return Run(key, tmp_path_factory.mktemp(key), args(precision, overrides), ranks)
 
-    return get
+    batch = {}
+    for case in layouts:
+        name, precision = case.split("-")
+        ranks, overrides = LAYOUTS[name]
+        batch[case] = run(case, PRECISION[precision], overrides, ranks)
+    for p in singles:
+        batch[f"single_{p}"] = run(f"single_{p}", PRECISION[p], [])
+    for p in floors:
+        batch[floor_key(p)] = run(floor_key(p), FLOOR[p], [])
+        batch[f"reordered_{p}"] = run(f"reordered_{p}", FLOOR[p], REORDER)
+    return train_runs(list(batch.values()))
+
+
+def floor_key(precision: str) -> str:
+    """The one-process run the reordered one is compared with (bf16's is the reference itself)."""
+    return f"single_{precision}" if FLOOR[precision] == PRECISION[precision] else f"floor_{precision}"
+
+
+def result(runs: dict, key: str) -> dict:
+    """Losses, skipped flags and the final parameters (full tensors) of one run."""
+    got = result_of(runs, key)
+    return {**got, "params": got["params"][STEPS]}
 
 
 def assert_norms_match(got: list, want: list, rtol: float) -> None:
@@ -112,16 +134,15 @@ def assert_matches(got: dict, want: dict, precision: str) -> None:
     assert whole_distance(got["params"], want["params"]) <= PARAM_RTOL[precision]
 
 
-def test_fp16_run_skips_overflowing_iterations(one_process):
-    skipped = one_process("fp16")["skipped"]
+def test_fp16_run_skips_overflowing_iterations(runs):
+    skipped = result(runs, "single_fp16")["skipped"]
     assert skipped[0] >= 1 and skipped[-1] < STEPS  # it overflowed, then trained
 
 
 @pytest.mark.parametrize("precision", list(PRECISION))
-def test_tolerance_covers_the_reordering_spread(tmp_path, one_process, precision):
+def test_tolerance_covers_the_reordering_spread(runs, precision):
     """The derivation's floor: one process, only the reduction order changed, within 1/4 of the tolerance."""
-    reordered = run(tmp_path, "reordered", FLOOR[precision], REORDER)
-    want = one_process(precision, FLOOR)
+    reordered, want = result(runs, f"reordered_{precision}"), result(runs, floor_key(precision))
     assert reordered["skipped"] == want["skipped"]
     assert reordered["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL[precision] / 4)
     assert_norms_match(reordered["grad_norm"], want["grad_norm"], GRAD_NORM_RTOL[precision] / 4)
@@ -129,16 +150,17 @@ def test_tolerance_covers_the_reordering_spread(tmp_path, one_process, precision
 
 
 def _cases():
-    for name, (ranks, overrides) in LAYOUTS.items():
+    for name in LAYOUTS:
         for precision in PRECISION:
-            yield pytest.param(ranks, overrides, precision, id=f"{name}-{precision}")
+            yield pytest.param(f"{name}-{precision}", id=f"{name}-{precision}")
 
 
-@pytest.mark.parametrize("ranks,overrides,precision", list(_cases()))
-def test_layout_matches_one_process_in_low_precision(tmp_path, one_process, ranks, overrides, precision):
-    got, want = run(tmp_path, "layout", PRECISION[precision], overrides, ranks), one_process(precision)
+@pytest.mark.parametrize("case", list(_cases()))
+def test_layout_matches_one_process_in_low_precision(runs, case):
+    name, precision = case.split("-")
+    got, want = result(runs, case), result(runs, f"single_{precision}")
     assert_matches(got, want, precision)
-    if overrides == DP2 and precision == "bf16":
+    if name == "dp2" and precision == "bf16":
         # One regime at every dp (FSDP casts at dp 1 too): before any update, each sample's
         # forward is the same arithmetic, only the fp32 sum over samples is split.
         assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-6)
