@@ -7,25 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from dtgpt.config import Config, ConfigError, load_config, to_toml, validate
+from dtgpt.config import Config, load_config, to_toml, validate
+from tests import test_config
 
 REPO = Path(__file__).resolve().parents[1]
 MOE = {"model__num_experts": 4, "model__moe_router_topk": 2}
 
 
 def base(**overrides) -> Config:
-    cfg = Config()
-    cfg.data.mock_data = True
-    for dotted, value in {**MOE, **overrides}.items():
-        section, key = dotted.split("__")
-        setattr(getattr(cfg, section), key, value)
-    return cfg
+    return test_config.base(**{**MOE, **overrides})
 
 
-def error_of(cfg: Config, world_size=None) -> str:
-    with pytest.raises(ConfigError) as exc:
-        validate(cfg, world_size)
-    return str(exc.value)
+error_of = test_config.error_of
 
 
 def test_megatron_defaults_and_layer_pattern():
