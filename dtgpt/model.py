@@ -16,7 +16,6 @@ draws every value from a generator seeded by (seed, parameter name) on the full 
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 import zlib
 from typing import Callable, ContextManager
@@ -26,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
+from dtgpt.inits import DeclaredInits, Init, linear_inits
 from dtgpt.norms import build_norm
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
@@ -33,32 +33,10 @@ WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_WEIGHT = "output.weight"
 
 
-class Init(enum.Enum):
-    """The initialisations a module may declare for its parameters (Megatron's GPT init)."""
-
-    NORMAL = "normal"
-    """N(0, init_method_std): Megatron's init_method."""
-    SCALED_NORMAL = "scaled_normal"
-    """N(0, init_method_std / sqrt(2 * num_layers)): Megatron's output_layer_init_method, for the
-    projections that write into the residual stream."""
-    ZEROS = "zeros"
-    ONES = "ones"
-
-
-DeclaredInits = list[tuple[nn.Parameter, Init]]
-
 RandomStream = Callable[[], ContextManager]
 """A context under which a dropout draws its mask. The default draws from torch's default
 generator; dtgpt.parallel.rng installs its model-parallel stream where a tp rank holds only a
 slice of the activations (local heads, a sequence-parallel chunk)."""
-
-
-def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
-    """A linear layer's weight gets `weight`; its bias, if any, starts at zero."""
-    inits = [(linear.weight, weight)]
-    if linear.bias is not None:
-        inits.append((linear.bias, Init.ZEROS))
-    return inits
 
 
 def norm_inits(norm: nn.Module) -> DeclaredInits:

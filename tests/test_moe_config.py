@@ -60,6 +60,7 @@ def test_keys_round_trip_through_toml_and_the_command_line(tmp_path):
         ({"model__moe_pad_expert_input_to_capacity": True}, None, "needs model.moe_expert_capacity_factor"),
         ({"model__moe_expert_capacity_factor": 0.0}, None, "model.moe_expert_capacity_factor=0.0 must be > 0"),
         ({"model__moe_aux_loss_coeff": -1.0}, None, "model.moe_aux_loss_coeff=-1.0 must be >= 0"),
+        ({"model__moe_router_topk": 1}, None, "model.moe_router_topk=1 with model.moe_router_score_function='softmax' needs"),
         ({"model__moe_layer_freq": 0}, None, "model.moe_layer_freq=0 must be >= 1"),
         (
             {"model__moe_expert_capacity_factor": 1.0, "parallel__tensor_model_parallel_size": 2,

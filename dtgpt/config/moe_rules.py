@@ -26,6 +26,11 @@ def check_moe(cfg: Config) -> None:
     e, k = m.num_experts, m.moe_router_topk
     _require(e >= 1, f"model.num_experts={e} must be >= 1 (or unset for a dense model)")
     _require(1 <= k <= e, f"model.moe_router_topk={k} must be in [1, model.num_experts={e}]")
+    _require(
+        k > 1 or m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax,
+        "model.moe_router_topk=1 with model.moe_router_score_function='softmax' needs model.moe_router_pre_softmax=true "
+        "(a softmax over the one chosen logit is always 1: the router would never learn), as in Megatron",
+    )
     _require(m.moe_layer_freq >= 1, f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
     for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(m, key)
