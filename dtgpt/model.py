@@ -16,6 +16,7 @@ draws every value from a generator seeded by (seed, parameter name) on the full 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 from typing import Callable, ContextManager
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init, linear_inits
+from dtgpt.moe.layer import MoELayer
 from dtgpt.norms import build_norm
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
@@ -242,12 +244,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """index: the block's place in the whole model (from 0), which picks MLP or MoE."""
         super().__init__()
         self.input_norm = build_norm(cfg)
         self.attention = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)
+        if cfg.is_moe_layer(index):
+            shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp = MoELayer(cfg, MLP(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None)
         # Megatron's hidden dropout after each sub-layer (on a sequence-parallel chunk under sp);
         # two modules, so that a mask keyed on what it drops (layout-invariant) differs between them.
         self.dropout = Dropout(cfg.hidden_dropout)
@@ -270,7 +276,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.embedding: Embedding | None = Embedding(cfg, vocab_size)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = build_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         self.tied = not cfg.untie_embeddings_and_output_weights
@@ -363,6 +369,9 @@ class GPT(nn.Module):
         the default copies it whole.
         """
         device = torch.device(device)
+        for module in self.modules():
+            if hasattr(module, "init_buffers"):  # state that is not a parameter (the router's expert bias)
+                module.init_buffers()
         kinds = self.init_kinds()
         for name, param in self.named_parameters():
             value = self.initial_value(name, kinds[name], param.shape, seed, device)
