@@ -86,7 +86,6 @@ def _check_expert_ranks(cfg: Config, dp_shard: int) -> None:
         f"parallel.expert_model_parallel_size={ep} must divide data_parallel_shard_size={dp_shard} * "
         f"context_parallel_size={cp} = {dp_shard * cp} (expert ranks are folded out of them)",
     )
-    _require(ep == 1, f"parallel.expert_model_parallel_size={ep}: expert parallelism is not built yet; use 1")
 
 
 def check_expert_mesh(cfg: Config, dp_shard: int) -> None:
