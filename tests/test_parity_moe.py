@@ -16,7 +16,7 @@ uninterrupted run to fp32 rounding.
 import pytest
 
 from tests.parity_oracle import assert_same_training
-from tests.runs import read_metrics, run_train, train_run
+from tests.runs import TINY, read_metrics, run_train, train_run
 
 pytestmark = pytest.mark.slow  # torchrun launches
 
@@ -51,7 +51,7 @@ def test_expert_parallel_layout_matches_single_process(tmp_path, reference, rank
     assert_same_training(got, reference, STEPS)
 
 
-RESUME = [*MOE, "--training.train_iters=6", "--optimizer.lr_decay_iters=6"]
+RESUME = [*TINY, *MOE, "--training.train_iters=6", "--optimizer.lr_decay_iters=6"]
 
 
 def losses_of(tmp_path, name: str, args: list[str], nproc: int) -> dict[int, float]:
