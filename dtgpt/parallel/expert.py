@@ -54,23 +54,29 @@ def apply_moe_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
 
     The router's and the experts' parameters become DTensors replicated over tp, as every other
     parameter (one mesh for FSDP and the gradient norm), whose gradients are partial sums over
-    the tp ranks' chunks; the router's losses count the experts' loads over the whole sequences.
+    the tp ranks' chunks.
     """
-    group = tp_mesh.get_group()
-
-    def sum_over_tp(counts: torch.Tensor) -> torch.Tensor:
-        counts = counts.detach().clone()
-        dist.all_reduce(counts, group=group)
-        return counts
-
     for layer in moe_layers(model):
         for module in (layer.router, layer.experts):
             for name, param in list(module.named_parameters(recurse=False)):
                 replicated = distribute_tensor(param.data, tp_mesh, [Replicate()], src_data_rank=None)
                 setattr(module, name, nn.Parameter(replicated, requires_grad=param.requires_grad))
         _compute_on_local_params(layer.router)
-        layer.router.sequence_ranks = tp_mesh.size()
-        layer.router.sum_over_sequence_ranks = sum_over_tp
+
+
+def apply_moe_sequence_ranks(model: GPT, sequence_mesh: DeviceMesh) -> None:
+    """Where each rank holds a chunk of every sequence (cp, tp under SP: `sequence_mesh`), the
+    router's losses count the experts' loads over the whole sequences, each rank its share."""
+    group = sequence_mesh.get_group()
+
+    def sum_over_sequence(counts: torch.Tensor) -> torch.Tensor:
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=group)
+        return counts
+
+    for layer in moe_layers(model):
+        layer.router.sequence_ranks = sequence_mesh.size()
+        layer.router.sum_over_sequence_ranks = sum_over_sequence
 
 
 def _compute_on_local_params(module: nn.Module) -> None:
