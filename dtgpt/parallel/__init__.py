@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
 from dtgpt.model import GPT
+from dtgpt.moe.stats import RoutingStats
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
@@ -182,6 +183,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
         cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy),
         rng=rng,
+        routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
         token_index=layout_invariant_dropout(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset
         # options, the token indices that layout-invariant dropout keys on.
