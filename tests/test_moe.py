@@ -171,3 +171,17 @@ def test_gpt_places_moe_layers_by_frequency_and_inits_them_on_full_shapes():
     logits = model(torch.randint(0, 64, (2, 8)))
     logits.sum().backward()
     assert params["layers.0.mlp.router.weight"].grad is not None
+
+
+def test_a_recomputed_forward_is_not_counted_twice():
+    """Under non-reentrant checkpointing backward reruns the layer; its routing is counted once
+    (early stop off: the rerun then reaches the counting, as it may for any layer)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    layer = MoELayer(dtgpt_config(AUX))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x, _ = inputs()
+    with set_checkpoint_early_stop(False):
+        checkpoint(layer, x.requires_grad_(True), use_reentrant=False).sum().backward()
+    assert int(layer.take_totals()["tokens_per_expert"].sum()) == BATCH * SEQ * 2
