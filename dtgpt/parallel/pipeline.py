@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
-from dtgpt.moe.stats import skip_one_forward
+from dtgpt.moe.stats import moe_layers, skip_one_forward
 from dtgpt.parallel.schedules import build_schedule
 
 
@@ -90,9 +90,10 @@ class ScheduleCache:
     def run(self, n_microbatches: int, loss: Callable, forward_only: bool, *args, **kwargs) -> None:
         """One schedule step (or eval) over n_microbatches with `loss` as the loss function."""
         schedule = self._get(n_microbatches)
-        if not forward_only and infers_metadata(schedule):
+        parts = [stage.submod for stage in self.stages]
+        if not forward_only and moe_layers(parts) and infers_metadata(schedule):
             # The stand-in forward routes no real tokens: the MoE layers must not count it.
-            skip_one_forward(stage.submod for stage in self.stages)
+            skip_one_forward(parts)
         self._loss = loss
         try:
             (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
