@@ -185,3 +185,18 @@ def test_a_recomputed_forward_is_not_counted_twice():
     with set_checkpoint_early_stop(False):
         checkpoint(layer, x.requires_grad_(True), use_reentrant=False).sum().backward()
     assert int(layer.take_totals()["tokens_per_expert"].sum()) == BATCH * SEQ * 2
+
+
+def test_closed_form_size_counts_the_experts():
+    from dtgpt.model import GPT
+    from dtgpt.model_size import flops_per_token, num_parameters
+
+    moe = dtgpt_config(dict(moe_shared_expert_intermediate_size=8, moe_layer_freq=2, moe_ffn_hidden_size=12))
+    moe.num_layers, moe.add_bias_linear = 3, True
+    model = GPT(moe, vocab_size=64)
+    assert num_parameters(moe, 64) == sum(p.numel() for p in model.parameters())
+    dense = dtgpt_config({})
+    dense.num_experts, dense.num_layers, dense.add_bias_linear = None, 3, True
+    # two MoE blocks run 2 experts of 12 plus a shared 8 (32) where the dense MLP runs 24
+    extra = 2 * 12 * HIDDEN * HIDDEN * (32 - FFN) / HIDDEN
+    assert flops_per_token(moe, 64) == pytest.approx(flops_per_token(dense, 64) + extra)
