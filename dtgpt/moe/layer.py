@@ -29,13 +29,12 @@ class _LossGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.loss_shape = loss.shape
+        ctx.scale, ctx.loss_shape, ctx.loss_dtype = scale, loss.shape, loss.dtype
         return activation.view_as(activation)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full(ctx.loss_shape, ctx.scale, device=grad.device, dtype=torch.float32), None
+        return grad, torch.full(ctx.loss_shape, ctx.scale, device=grad.device, dtype=ctx.loss_dtype), None
 
 
 def in_backward() -> bool:
