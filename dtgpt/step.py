@@ -240,7 +240,8 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
 
     Timers are the state's (built from logging.timers_log_level); faults, last words and the
     watchdog wrap this call from outside (dtgpt.faults). One host synchronisation per iteration:
-    the loss and norm are read together (a non-finite norm under fp16 is the overflow).
+    the loss and norm are read together (a non-finite norm under fp16 is the overflow), with an
+    MoE model's routing statistics (dtgpt/moe/stats.py).
     """
     model, optimizer, scaler, timers = state.model, state.optimizer, state.scaler, state.timers
     global_batch_size = BatchSizeSchedule(cfg.training).global_batch_size(state.progress.consumed_samples)
@@ -261,7 +262,8 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
         routing = stats.local(model.parts, model.device) if stats is not None else None
         loss, grad_norm, routing = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model), routing)
         clip_gradients(model, cfg.optimizer.clip_grad, grad_norm)
-        loss_value, norm_value, *routing_values = torch.cat([torch.stack([loss, grad_norm])] + ([routing] if routing is not None else [])).tolist()
+        numbers = torch.stack([loss, grad_norm])
+        loss_value, norm_value, *routing_values = (numbers if routing is None else torch.cat([numbers, routing])).tolist()
     result = classify(loss_value, norm_value, overflow=scaler.enabled and not math.isfinite(norm_value))
     if stats is not None:  # Megatron moves the expert biases whether or not the step is taken
         stats.update_expert_biases(model.parts, routing)
