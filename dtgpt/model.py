@@ -16,7 +16,7 @@ draws every value from a generator seeded by (seed, parameter name) on the full 
 from __future__ import annotations
 
 import contextlib
-import enum
+import dataclasses
 import math
 import zlib
 from typing import Callable, ContextManager
@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
+from dtgpt.inits import DeclaredInits, Init, linear_inits
+from dtgpt.moe.layer import MoELayer
 from dtgpt.norms import build_norm
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
@@ -33,32 +35,10 @@ WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_WEIGHT = "output.weight"
 
 
-class Init(enum.Enum):
-    """The initialisations a module may declare for its parameters (Megatron's GPT init)."""
-
-    NORMAL = "normal"
-    """N(0, init_method_std): Megatron's init_method."""
-    SCALED_NORMAL = "scaled_normal"
-    """N(0, init_method_std / sqrt(2 * num_layers)): Megatron's output_layer_init_method, for the
-    projections that write into the residual stream."""
-    ZEROS = "zeros"
-    ONES = "ones"
-
-
-DeclaredInits = list[tuple[nn.Parameter, Init]]
-
 RandomStream = Callable[[], ContextManager]
 """A context under which a dropout draws its mask. The default draws from torch's default
 generator; dtgpt.parallel.rng installs its model-parallel stream where a tp rank holds only a
 slice of the activations (local heads, a sequence-parallel chunk)."""
-
-
-def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
-    """A linear layer's weight gets `weight`; its bias, if any, starts at zero."""
-    inits = [(linear.weight, weight)]
-    if linear.bias is not None:
-        inits.append((linear.bias, Init.ZEROS))
-    return inits
 
 
 def norm_inits(norm: nn.Module) -> DeclaredInits:
@@ -264,12 +244,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """index: the block's place in the whole model (from 0), which picks MLP or MoE."""
         super().__init__()
         self.input_norm = build_norm(cfg)
         self.attention = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)
+        if cfg.is_moe_layer(index):
+            shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp = MoELayer(cfg, MLP(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None)
         # Megatron's hidden dropout after each sub-layer (on a sequence-parallel chunk under sp);
         # two modules, so that a mask keyed on what it drops (layout-invariant) differs between them.
         self.dropout = Dropout(cfg.hidden_dropout)
@@ -292,7 +276,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.embedding: Embedding | None = Embedding(cfg, vocab_size)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = build_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         self.tied = not cfg.untie_embeddings_and_output_weights
@@ -385,6 +369,9 @@ class GPT(nn.Module):
         the default copies it whole.
         """
         device = torch.device(device)
+        for module in self.modules():
+            if hasattr(module, "init_buffers"):  # state that is not a parameter (the router's expert bias)
+                module.init_buffers()
         kinds = self.init_kinds()
         for name, param in self.named_parameters():
             value = self.initial_value(name, kinds[name], param.shape, seed, device)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dtgpt.config.moe_keys import MoEKeys
+
 
 class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key, the value and the rule."""
@@ -20,7 +22,9 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(MoEKeys):
+    """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys."""
+
     num_layers: int = 2
     """Transformer blocks."""
     hidden_size: int = 64
@@ -103,6 +107,10 @@ class ModelConfig:
     @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
 
 
 @dataclass
@@ -194,6 +202,9 @@ class ParallelConfig:
     """Explicit layer count per stage (pp * virtual entries); empty means an even split."""
     loss_parallel: bool = True
     """Under tp, cross-entropy on vocabulary-sharded logits (no full-logit gather)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split each MoE layer's experts, folded out of data_parallel_shard_size *
+    context_parallel_size (Megatron's; expert tensor parallelism is 1)."""
     fsdp_reshard_after_forward: str = "never"
     """'never' (= 'default', Megatron's distributed optimizer: each FSDP unit is all-gathered once
     per iteration and kept through every micro-batch) or 'always' (ZeRO-3: re-gathered in each

@@ -13,11 +13,13 @@ from dtgpt.config.derived import (
     lr_decay_length,
     lr_warmup_length,
     lr_wsd_decay_length,
+    mesh_shape,
     null_tokenizer_ids,
     num_microbatches,
     padded_vocabulary,
 )
 from dtgpt.config.blend import parse_blend
+from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.ranges import check_ranges
@@ -44,6 +46,7 @@ _CHOICES = {
     "data.order": ("megatron", "stable"),
     "distributed.backend": ("auto", "nccl", "gloo"),
     "faults.signal_name": ("SIGTERM", "SIGINT"),
+    **MOE_CHOICES,
 }
 
 FAULT_RANKS = ("faults.kill_rank", "faults.hang_rank", "faults.signal_rank", "faults.disk_full_rank")
@@ -261,6 +264,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_conflicts(cfg)
     _check_model(cfg)
     check_parallelism(cfg)
+    check_moe(cfg)
     _check_batch_sizes(cfg)
     _check_precision(cfg)
     _check_learning_rate(cfg)
@@ -294,6 +298,7 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
             f"= {fixed * dps}; "
             f"launch {fixed * dps} ranks, or set parallel.data_parallel_shard_size=-1 to take the rest",
         )
+    check_expert_mesh(cfg, mesh_shape(cfg, world_size)[2])
     for key in FAULT_RANKS:
         _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")
     dp = data_parallel_size(cfg, world_size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from dtgpt.model import GPT
+from dtgpt.moe.layer import MoELayer
 
 
 class ReplicateParallel(ParallelStyle):
@@ -58,6 +59,68 @@ class GatheredColwiseParallel(ColwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+class LocalReplicaParallel(ParallelStyle):
+    """Parameters replicated over tp as DTensors; the module computes on plain tensors: its own
+    tokens (a sequence-parallel chunk) with the local values of its parameters, whose gradients
+    come back as pending sums over tp (Partial: reduce_pending_grads sums them once).
+
+    For the MoE router and experts, whose routing (top-k, sorting, grouped GEMMs) has no DTensor
+    sharding rules and whose tokens differ per tp rank: no stock style runs a module on local
+    tensors with replicated parameters and sums their gradients. Buffers (the expert bias) stay plain.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_parameters(_name, sub, mesh):
+            for key, param in list(sub.named_parameters(recurse=False)):
+                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), param.requires_grad))
+
+        distribute_module(module, device_mesh, partition_fn=replicate_parameters)
+        module.register_forward_pre_hook(_local_parameters)
+        module.register_forward_hook(_replicated_parameters)
+        return module
+
+
+def _local_parameters(module: nn.Module, _inputs) -> None:
+    # Swapped in place for the forward (FSDP has already put its gathered parameters there).
+    module._replicas = []
+    for sub in module.modules():
+        for key, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                module._replicas.append((sub, key, param))
+                # Under expert parallelism the experts live on (ep, tp): sharded over ep, replicated over tp.
+                sub._parameters[key] = param.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in param.placements])
+
+
+def _replicated_parameters(module: nn.Module, _inputs, _output) -> None:
+    for sub, key, param in module._replicas:
+        sub._parameters[key] = param
+    module._replicas = []
+
+
+def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    """An MoE block's plan under sequence parallelism (config: MoE with tp needs it): the router
+    and experts route this rank's chunk of tokens with replicated weights; the shared expert is
+    a tensor-parallel MLP like the dense one."""
+    # The router's loads over the whole sequences: dtgpt.parallel.expert.apply_moe_sequence_ranks (tp x cp).
+    plan = {
+        prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        prefix + "mlp.router": LocalReplicaParallel(),
+        prefix + "mlp.experts": LocalReplicaParallel(),
+    }
+    shared = block.mlp.shared_expert
+    if shared is not None:
+        plan.update(
+            {
+                prefix + "mlp.shared_expert": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                prefix + "mlp.shared_expert.fc1": ColwiseParallel(),
+                prefix + "mlp.shared_expert.fc2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
+        if shared.gate is not None:
+            plan[prefix + "mlp.shared_expert.gate"] = ColwiseParallel()
+    return plan
 
 
 def _own_storage(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
@@ -99,8 +162,6 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             # weights' gradients are summed over tp like a sequence-parallel norm's.
             for norm in ("q_norm", "k_norm"):
                 plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if block.mlp.gate is not None:
-            plan[prefix + "mlp.gate"] = ColwiseParallel()
         plan.update(
             {
                 prefix + "input_norm": _norm_style(sequence_parallel),
@@ -108,6 +169,15 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
                 prefix + "attention.qkv": qkv_style,
                 prefix + "attention.proj": RowwiseParallel(output_layouts=seq),
                 prefix + "mlp_norm": _norm_style(sequence_parallel),
+            }
+        )
+        if isinstance(block.mlp, MoELayer):
+            plan.update(_moe_plan(prefix, block, tp_mesh))
+            continue
+        if block.mlp.gate is not None:
+            plan[prefix + "mlp.gate"] = ColwiseParallel()
+        plan.update(
+            {
                 prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
                 prefix + "mlp.fc1": ColwiseParallel(),
                 prefix + "mlp.fc2": RowwiseParallel(output_layouts=seq),

@@ -1,0 +1,57 @@
+"""The mixture-of-experts keys of [model], with Megatron-LM's names, defaults and meanings.
+
+A base of ModelConfig (dtgpt/config/sections.py) so that [model] stays one section, as in
+Megatron's args; its rules are dtgpt/config/moe_rules.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class MoEKeys:
+    num_experts: Optional[int] = None
+    """Experts per MoE layer; unset: every block has a dense MLP."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Each expert's MLP width; unset: the dense width (ffn_hidden_size)."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+    moe_layer_freq: int = 1
+    """Block i (from 0) is an MoE layer when i % moe_layer_freq == 0, the others dense."""
+    moe_router_score_function: str = "softmax"
+    """'softmax' or 'sigmoid' over the router's logits."""
+    moe_router_pre_softmax: bool = False
+    """softmax: take the top-k of the softmax over all experts (else the softmax of the top-k logits)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """'aux_loss' (the Switch loss over each micro-batch), 'seq_aux_loss' (per sequence, averaged)
+    or 'none'."""
+    moe_aux_loss_coeff: float = 0.0
+    """The load-balancing loss's weight (0: none)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """The router z-loss's weight, mean(logsumexp(logits)^2) (unset: none)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only,
+    moved by moe_router_bias_update_rate towards the mean load after every iteration (sigmoid only)."""
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: Optional[float] = None
+    """Each expert takes at most ceil(tokens * topk / num_experts * factor) tokens of a
+    micro-batch; unset: dropless."""
+    moe_token_drop_policy: str = "probs"
+    """Over capacity, keep an expert's highest-probability tokens ('probs') or its earliest
+    positions ('position')."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor, every expert runs exactly its capacity of tokens."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of an MLP every token also goes through (the shared expert); unset: none."""
+    moe_grouped_gemm: bool = False
+    """Run the experts as grouped matrix multiplications (torch._grouped_mm), not one by one."""
+
+    @property
+    def moe_enabled(self) -> bool:
+        return self.num_experts is not None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` (0-based, global) holds an MoE layer instead of the dense MLP."""
+        return self.moe_enabled and index % self.moe_layer_freq == 0

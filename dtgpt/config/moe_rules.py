@@ -1,0 +1,95 @@
+"""The rules of the mixture-of-experts keys ([model] num_experts, moe_*; [parallel]
+expert_model_parallel_size): check_moe needs no world size, check_expert_mesh needs it."""
+
+from __future__ import annotations
+
+from dtgpt.config.sections import Config
+from dtgpt.config.sections import require as _require
+
+MOE_CHOICES = {
+    "model.moe_router_score_function": ("softmax", "sigmoid"),
+    "model.moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
+    "model.moe_token_drop_policy": ("probs", "position"),
+}
+
+
+def check_moe(cfg: Config) -> None:
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    ep = p.expert_model_parallel_size
+    _require(ep >= 1, f"parallel.expert_model_parallel_size={ep} must be >= 1")
+    if not m.moe_enabled:
+        _require(
+            ep == 1,
+            f"parallel.expert_model_parallel_size={ep} needs model.num_experts (expert parallelism splits experts)",
+        )
+        return
+    e, k = m.num_experts, m.moe_router_topk
+    _require(e >= 1, f"model.num_experts={e} must be >= 1 (or unset for a dense model)")
+    _require(1 <= k <= e, f"model.moe_router_topk={k} must be in [1, model.num_experts={e}]")
+    _require(
+        k > 1 or m.moe_router_score_function != "softmax" or m.moe_router_pre_softmax,
+        "model.moe_router_topk=1 with model.moe_router_score_function='softmax' needs model.moe_router_pre_softmax=true "
+        "(a softmax over the one chosen logit is always 1: the router would never learn), as in Megatron",
+    )
+    _require(m.moe_layer_freq >= 1, f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = getattr(m, key)
+        _require(value is None or value > 0, f"model.{key}={value} must be > 0 (or unset)")
+    _require(m.moe_aux_loss_coeff >= 0, f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0")
+    z = m.moe_z_loss_coeff
+    _require(z is None or z >= 0, f"model.moe_z_loss_coeff={z} must be >= 0 (or unset)")
+    _require(
+        not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+        "model.moe_router_enable_expert_bias=true needs model.moe_router_score_function='sigmoid' "
+        f"(got {m.moe_router_score_function!r}), as in Megatron",
+    )
+    rate = m.moe_router_bias_update_rate
+    _require(rate >= 0, f"model.moe_router_bias_update_rate={rate} must be >= 0")
+    factor = m.moe_expert_capacity_factor
+    _require(factor is None or factor > 0, f"model.moe_expert_capacity_factor={factor} must be > 0 (or unset: dropless)")
+    _require(
+        factor is not None or not m.moe_pad_expert_input_to_capacity,
+        "model.moe_pad_expert_input_to_capacity=true needs model.moe_expert_capacity_factor",
+    )
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    _require(
+        tp == 1 or p.sequence_parallel,
+        f"model.num_experts={e} with parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
+        "(as Megatron: each tp rank routes its own sequence chunk)",
+    )
+    shared = m.moe_shared_expert_intermediate_size
+    _require(
+        shared is None or shared % tp == 0,
+        f"parallel.tensor_model_parallel_size={tp} must divide model.moe_shared_expert_intermediate_size={shared} "
+        "(the shared expert is split over tp like the dense MLP)",
+    )
+    _require(
+        factor is None or (tp == 1 and cp == 1),
+        f"model.moe_expert_capacity_factor={factor} needs tensor_model_parallel_size=1 and context_parallel_size=1 "
+        f"(got {tp} and {cp}): capacity is counted over the tokens a rank holds, so which tokens drop would "
+        "depend on how sequences are split",
+    )
+    _require(
+        not t.compile,
+        f"training.compile=true is not supported with model.num_experts={e}: no parity test covers compiled "
+        "MoE layers; set training.compile=false",
+    )
+    _require(e % ep == 0, f"parallel.expert_model_parallel_size={ep} must divide model.num_experts={e}")
+    if p.data_parallel_shard_size > 0:
+        _check_expert_ranks(cfg, p.data_parallel_shard_size)
+
+
+def _check_expert_ranks(cfg: Config, dp_shard: int) -> None:
+    p = cfg.parallel
+    ep, cp = p.expert_model_parallel_size, p.context_parallel_size
+    _require(
+        dp_shard * cp % ep == 0,
+        f"parallel.expert_model_parallel_size={ep} must divide data_parallel_shard_size={dp_shard} * "
+        f"context_parallel_size={cp} = {dp_shard * cp} (expert ranks are folded out of them)",
+    )
+
+
+def check_expert_mesh(cfg: Config, dp_shard: int) -> None:
+    """With the world size known: expert ranks fold out of the data-parallel shard x cp ranks."""
+    if cfg.model.moe_enabled:
+        _check_expert_ranks(cfg, dp_shard)
