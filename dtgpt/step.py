@@ -217,7 +217,12 @@ def reduce_loss_and_norm(
 @torch.no_grad()
 def clip_gradients(model: ModelParts, max_norm: float, total_norm: torch.Tensor) -> None:
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total_norm, foreach=True)
+        # A foreach kernel takes DTensors of one mesh; expert parameters (ep) live on their own.
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for param in model.parameters():
+            by_mesh.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
 
 
 @dataclass

@@ -70,11 +70,6 @@ def check_moe(cfg: Config) -> None:
         "depend on how sequences are split",
     )
     _require(
-        cp == 1,
-        f"model.num_experts={e} with parallel.context_parallel_size={cp} (> 1) is not supported yet: "
-        "no parity test covers MoE under context parallelism",
-    )
-    _require(
         not t.compile,
         f"training.compile=true is not supported with model.num_experts={e}: no parity test covers compiled "
         "MoE layers; set training.compile=false",
@@ -92,7 +87,6 @@ def _check_expert_ranks(cfg: Config, dp_shard: int) -> None:
         f"parallel.expert_model_parallel_size={ep} must divide data_parallel_shard_size={dp_shard} * "
         f"context_parallel_size={cp} = {dp_shard * cp} (expert ranks are folded out of them)",
     )
-    _require(ep == 1, f"parallel.expert_model_parallel_size={ep}: expert parallelism is not built yet; use 1")
 
 
 def check_expert_mesh(cfg: Config, dp_shard: int) -> None:

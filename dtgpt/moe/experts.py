@@ -31,14 +31,20 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 _GEMM_ALIGNMENT_BYTES = 16
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's experts: a parameter sharded over the expert axis is computed on locally."""
-    return param.to_local() if isinstance(param, DTensor) else param
+    """This rank's experts, as a plain tensor (dtgpt.parallel.expert shards them over ep).
+
+    Every rank computes on its own tokens (each tp rank on its sequence chunk), so where a
+    parameter is replicated (over tp) its gradients are partial sums over the replicas.
+    """
+    if not isinstance(param, DTensor):
+        return param
+    return param.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in param.placements])
 
 
 def _dense_grad(grad: torch.Tensor) -> torch.Tensor:

@@ -31,20 +31,20 @@ def logged_losses(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def moe_layers(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:
+def moe_layers_by_block(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:
     """Global block index -> MoE layer, of the model parts this rank holds."""
     return {int(name): block.mlp for part in parts for name, block in part.layers.items() if isinstance(block.mlp, MoELayer)}
 
 
 def set_aux_loss_scale(parts: Iterable[nn.Module], scale: float) -> None:
     """The gradient each router loss gets in backward (MoELayer.aux_loss_scale)."""
-    for layer in moe_layers(parts).values():
+    for layer in moe_layers_by_block(parts).values():
         layer.aux_loss_scale = scale
 
 
 def skip_one_forward(parts: Iterable[nn.Module]) -> None:
     """The next forward of each MoE layer in `parts` routes stand-in tokens: count nothing of it."""
-    for layer in moe_layers(parts).values():
+    for layer in moe_layers_by_block(parts).values():
         layer.uncounted_forwards = 1
 
 
@@ -66,7 +66,7 @@ class RoutingStats:
         losses = torch.zeros(len(self.names), device=device)
         tokens = torch.zeros(len(self.layers), self.experts, device=device)
         dropped = torch.zeros(len(self.layers), device=device)
-        for index, layer in moe_layers(parts).items():
+        for index, layer in moe_layers_by_block(parts).items():
             totals, row = layer.take_totals(), self.layers.index(index)
             for i, name in enumerate(self.names):
                 losses[i] += totals.get(name, 0.0)
@@ -93,5 +93,5 @@ class RoutingStats:
     def update_expert_biases(self, parts: Iterable[nn.Module], reduced: torch.Tensor) -> None:
         """Aux-loss-free balancing after the iteration, from its tokens per expert over every rank."""
         per_layer = self.tokens_per_expert(reduced)
-        for index, layer in moe_layers(parts).items():
+        for index, layer in moe_layers_by_block(parts).items():
             layer.router.update_expert_bias(per_layer[self.layers.index(index)])

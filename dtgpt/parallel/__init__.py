@@ -18,6 +18,7 @@ from dtgpt.moe.stats import RoutingStats
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
+from dtgpt.parallel.expert import apply_ep, apply_moe_sequence_ranks, moe_layers
 from dtgpt.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from dtgpt.parallel.invariant_dropout import apply_invariant_dropout
 from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
@@ -55,7 +56,7 @@ def grad_reduce_dtype(cfg: Config) -> torch.dtype:
 
 
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
-    """TP -> CP -> layout-invariant dropout -> recomputation -> compile -> FSDP, in place, on one model/stage.
+    """TP -> CP -> EP -> layout-invariant dropout -> recomputation -> compile -> FSDP, in place, on one model/stage.
 
     `rng` (under tp, with Megatron's RNG) is the model-parallel stream that tensor-parallel
     dropout draws from; with model.dropout_rng='layout_invariant' there is none.
@@ -71,6 +72,10 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
     if dims.cp_enabled:  # before recomputation, which may wrap the attention core it replaces
         apply_cp(model, dims.sub("cp"))
+    if (dims.tp_enabled or dims.cp_enabled) and moe_layers(model):
+        apply_moe_sequence_ranks(model, dims.sequence_mesh())
+    if dims.ep_enabled:
+        apply_ep(model, dims.sub("ep"), dims.expert_mesh())
     if layout_invariant_dropout(cfg):  # after CP (its core wraps cp's), before recomputation
         apply_invariant_dropout(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
     t = cfg.training
@@ -85,6 +90,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             dims.fsdp_mesh(),
             mixed_precision_policy(compute_dtype(cfg), grad_reduce_dtype(cfg)),
             reshard_after_forward=fsdp_reshards_after_forward(cfg),
+            expert_mesh=dims.expert_fsdp_mesh() if dims.ep_enabled else None,
         )
         for module in model.modules():
             if isinstance(module, FSDPModule):

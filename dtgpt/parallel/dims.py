@@ -5,6 +5,10 @@ ranks are neighbours (one node), cp next to it. dp = dp_replicate * dp_shard cou
 read different samples; cp ranks read the same samples and hold different pieces of each
 sequence, so what sums over tokens (the loss, its token count, gradients) runs over dp x cp
 ("dp_cp"), and FSDP shards over dp_shard x cp ("dp_shard_cp"), as torchtitan does.
+
+Expert parallelism adds no dimension of its own: its ep ranks are folded out of dp_shard x cp
+(cp innermost, so ep = dp_shard / efsdp x cp), "ep" over neighbouring ranks, and the experts'
+FSDP shards over the "efsdp" ranks that remain (dtgpt/parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel ranks, folded out of dp_shard x cp (not a factor of world_size)."""
     low_precision: bool = False
     """fp16/bf16: FSDP casts the parameters even at dp = cp = 1 (dtgpt/parallel/fsdp.py)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
@@ -40,7 +46,8 @@ class ParallelDims:
         """Resolve dp_shard = -1 to the rest and check the product (before any group exists)."""
         validate_mesh(cfg, world_size)
         pp, dpr, dps, cp, tp = mesh_shape(cfg, world_size)
-        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size, low_precision=low_precision(cfg))
+        ep = cfg.parallel.expert_model_parallel_size
+        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size, ep=ep, low_precision=low_precision(cfg))
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -62,6 +69,10 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -88,7 +99,22 @@ class ParallelDims:
         # this flattened view DTensor reduces it in one all-reduce, in one order on every rank,
         # instead of two in sequence (DTensor finds a flattened view by the ranks it spans).
         self.mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
+        if self.cp_enabled and self.tp_enabled:  # see sequence_mesh
+            self.flat["cp_tp"] = self.mesh["cp", "tp"]._flatten("cp_tp")
+        if self.ep_enabled:
+            self._build_expert_meshes()
         return self.mesh
+
+    def _build_expert_meshes(self) -> None:
+        """'ep' (the experts' all-to-all), 'efsdp' (their FSDP shards), 'ep_tp' (where each
+        expert parameter lives) and, with dp_replicate, 'hsdp_efsdp' (their HSDP mesh)."""
+        efsdp = self.dp_shard * self.cp // self.ep
+        expert = self.flat["dp_cp"]._unflatten(0, (self.dp_replicate, efsdp, self.ep), ("dp_replicate", "efsdp", "ep"))
+        self.flat["ep"], self.flat["efsdp"] = expert["ep"], expert["efsdp"]
+        if self.dp_replicate > 1:
+            self.flat["hsdp_efsdp"] = expert["dp_replicate", "efsdp"]
+        if self.tp_enabled:
+            self.flat["ep_tp"] = DeviceMesh._concatenate([expert["ep"], self.mesh["tp"]])
 
     def sub(self, name: str) -> DeviceMesh | None:
         """mesh['tp'], mesh['pp'], mesh['dp'], mesh['dp_cp'] ...; None when there is no mesh."""
@@ -101,6 +127,20 @@ class ParallelDims:
         if self.dp_replicate == 1:
             return self.flat["dp_shard_cp"]
         return self.flat["hsdp_cp"] if self.cp_enabled else self.mesh["dp_replicate", "dp_shard"]
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The experts' FSDP mesh: the dp ranks that remain once ep is folded out (HSDP: 2-D)."""
+        return self.flat["hsdp_efsdp"] if self.dp_replicate > 1 else self.flat["efsdp"]
+
+    def expert_mesh(self) -> DeviceMesh:
+        """Where an expert parameter lives: sharded over ep, replicated over tp."""
+        return self.flat["ep_tp"] if self.tp_enabled else self.flat["ep"]
+
+    def sequence_mesh(self) -> DeviceMesh:
+        """The ranks that hold chunks of the same sequences: cp x tp (tp under sequence parallelism)."""
+        if self.cp_enabled and self.tp_enabled:
+            return self.flat["cp_tp"]
+        return self.mesh["cp"] if self.cp_enabled else self.mesh["tp"]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension `name` (0 without a mesh)."""

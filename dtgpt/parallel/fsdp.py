@@ -13,7 +13,11 @@ in fp32 inside attention, the loss in fp32 (dtgpt.parallel.model_parts).
 
 Each block is one FSDP unit (its parameters are gathered just before it runs); the embedding
 and norm+head get units of their own unless the model ties them, in which case the shared
-weight stays with the root unit, the only module that holds both users of it.
+weight stays with the root unit, the only module that holds both users of it. Under expert
+parallelism each MoE layer's experts are a unit of their own inside their block's, sharded over
+the dp ranks that remain once ep is folded out (`expert_mesh`, dtgpt/parallel/expert.py), on
+their second axis: the first is already split over ep, and two splits of one axis would make
+FSDP's strided placements (_StridedShard) out of plain shards.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from dtgpt.model import GPT
+from dtgpt.parallel.expert import moe_layers
 
 
 def mixed_precision_policy(compute: torch.dtype | None, reduce: torch.dtype) -> MixedPrecisionPolicy:
@@ -37,10 +43,17 @@ def apply_fsdp(
     mp: MixedPrecisionPolicy,
     *,
     reshard_after_forward: bool,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
+    """expert_mesh: under expert parallelism, the mesh that shards the (ep-sharded) experts."""
+
     def shard(module):
         fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
+    if expert_mesh is not None:
+        for layer in moe_layers(model):
+            fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=lambda _param: Shard(1))  # fmt: skip
     for block in model.layers.values():
         shard(block)
     tied_here = model.tied and model.embedding is not None and model.output is not None

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
-from dtgpt.moe.stats import moe_layers, skip_one_forward
+from dtgpt.moe.stats import moe_layers_by_block, skip_one_forward
 from dtgpt.parallel.schedules import build_schedule
 
 
@@ -91,7 +91,7 @@ class ScheduleCache:
         """One schedule step (or eval) over n_microbatches with `loss` as the loss function."""
         schedule = self._get(n_microbatches)
         parts = [stage.submod for stage in self.stages]
-        if not forward_only and moe_layers(parts) and infers_metadata(schedule):
+        if not forward_only and moe_layers_by_block(parts) and infers_metadata(schedule):
             # The stand-in forward routes no real tokens: the MoE layers must not count it.
             skip_one_forward(parts)
         self._loss = loss
