@@ -11,7 +11,9 @@ full block, selective), compile, context parallelism and Megatron's per-token op
 masking) under dp, tp+SP, pp and cp, and the Llama-style model (LLAMA: grouped-query attention,
 SwiGLU, RMSNorm, RoPE, qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp, pp x dp x tp
 and compiled under dp, and with one key/value group for two tp ranks, and a tiny MoE (MOE) on dp,
-tp+SP with a shared expert, and pp with recomputation and the expert bias. Every other pipeline schedule runs SHORT iterations, compared
+tp+SP with a shared expert, pp with recomputation and the expert bias, and expert parallelism
+(ep2 and ep4, beside FSDP, pp, tp + SP and cp). Every other pipeline schedule runs SHORT
+iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
 (lr_decay_iters), so a shorter run is a prefix of the longer one (the reference also saves its
 parameters after SHORT iterations). configs/debug_3d.toml itself (8 ranks) runs SHORT iterations
@@ -56,6 +58,13 @@ MQA = [*(o for o in LLAMA if "num_query_groups" not in o and "qk_layernorm" not 
 # a tiny MoE (4 experts, top-2, dropless) with both router losses in every block
 MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64",
        "--model.moe_aux_loss_coeff=1e-2", "--model.moe_z_loss_coeff=1e-3"]  # fmt: skip
+MOE_GROUPED = [*MOE, "--model.moe_grouped_gemm=true"]
+DP_SHARD2 = "--parallel.data_parallel_shard_size=2"
+
+
+def ep(size: int) -> str:
+    return f"--parallel.expert_model_parallel_size={size}"
+
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
@@ -146,6 +155,16 @@ LAYOUTS = {
          "--model.moe_router_bias_update_rate=0.05", "--model.moe_layer_freq=2", PP2, "--parallel.pipeline_schedule=1F1B",
          *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
     ),  # fmt: skip
+    # expert parallelism (grouped GEMM): ep folded out of dp_shard x cp, tokens sent to their
+    # experts' ranks by all-to-all; with 2 ranks left for the experts' FSDP (ep2 of dp_shard 4),
+    # under a pipeline, beside tp + SP (each tp rank's chunk goes to its own ep group) and on the
+    # ranks of cp2. The experts are saved whole (E, ...) whatever ep is.
+    "moe_ep2": (2, [*MOE_GROUPED, DP_SHARD2, ep(2)]),
+    "moe_ep4": (4, [*MOE_GROUPED, "--parallel.data_parallel_shard_size=4", ep(4)]),
+    "moe_ep2_dp_shard4": (4, [*MOE_GROUPED, "--parallel.data_parallel_shard_size=4", ep(2)]),
+    "moe_ep2_pp2": (4, [*MOE_GROUPED, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
+    "moe_ep2_tp2_sp": (4, [*MOE_GROUPED, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", ep(2)]),
+    "moe_ep2_cp2": (2, [*MOE_GROUPED, CP2, ep(2)]),
 }
 
 

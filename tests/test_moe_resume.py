@@ -1,0 +1,44 @@
+"""An MoE model's checkpoints are mesh-free under expert parallelism (DESIGN invariant 3); its
+layouts train the one-process model (invariant 1) in tests/test_parity.py (moe_ep*).
+
+The tiny fp32 GPT of tests/runs.py with every block's MLP an MoE layer: dropless top-2 over 4
+experts (grouped GEMM, the load-balancing loss on). A run saved at ep2 resumes at ep1 and one
+saved at ep1 resumes at ep2, each equal to the uninterrupted run to fp32 rounding.
+"""
+
+import pytest
+
+from tests.runs import TINY, read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # torchrun launches
+
+MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_grouped_gemm=true", "--model.moe_aux_loss_coeff=1e-2"]
+
+
+def ep(size: int) -> str:
+    return f"--parallel.expert_model_parallel_size={size}"
+
+
+RESUME = [*TINY, *MOE, "--training.train_iters=6", "--optimizer.lr_decay_iters=6"]
+
+
+def losses_of(tmp_path, name: str, args: list[str], nproc: int) -> dict[int, float]:
+    metrics = tmp_path / f"{name}.jsonl"
+    run_train(tmp_path, RESUME + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name)
+    return {r["iteration"]: r["loss"] for r in read_metrics(metrics)}
+
+
+@pytest.mark.parametrize("saved_at,resumed_at", [(2, 1), (1, 2)], ids=["ep2_to_ep1", "ep1_to_ep2"])
+def test_a_checkpoint_resumes_at_another_ep(tmp_path, saved_at, resumed_at):
+    def layout(size: int) -> tuple[list[str], int]:
+        return (["--parallel.data_parallel_shard_size=2", ep(2)], 2) if size == 2 else ([], 1)
+
+    root = tmp_path / "ckpt"
+    args, ranks = layout(saved_at)
+    whole = losses_of(tmp_path, "whole", args + [f"--checkpoint.save={root}", "--checkpoint.save_interval=3"], ranks)
+    assert sorted(whole) == list(range(1, 7))
+    args, ranks = layout(resumed_at)
+    resumed = losses_of(tmp_path, "resumed", args + [f"--checkpoint.load={root}", "--checkpoint.load_iteration=3"], ranks)
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(whole[iteration], rel=1e-5), iteration
