@@ -17,12 +17,19 @@ import dataclasses
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import Config, ModelConfig
 
+MOE_FIELDS = (
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+)  # fmt: skip
+"""The mixture-of-experts keys that change the model's tensors or what it computes from them
+(the losses' coefficients, capacity and the bias's update rate are training settings)."""
+
 FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
     "ffn_hidden_size", "swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
     "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "untie_embeddings_and_output_weights",
+    "untie_embeddings_and_output_weights", *MOE_FIELDS,
 )  # fmt: skip
 """The [model] fields that make the architecture (use_checkpoint_args takes these)."""
 
@@ -44,7 +51,25 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         arch["gelu"] = m.gelu_approximation
     if m.position_embedding_type == "rope":
         arch |= {key: getattr(m, key) for key in ROPE_KEYS}
+    arch["num_experts"] = m.num_experts
+    if m.moe_enabled:
+        arch |= {key: getattr(m, key) for key in MOE_FIELDS} | {"moe_ffn_hidden_size": m.expert_ffn_size}
     return arch
+
+
+def _megatron_moe(args) -> dict[str, object]:
+    """The MoE part of Megatron-LM's args: num_experts None for a dense model, nothing when the
+    args predate MoE. validate_args fills moe_ffn_hidden_size in from ffn_hidden_size; args
+    lacking it get the same."""
+    if not hasattr(args, "num_experts"):
+        return {}
+    if not args.num_experts:
+        return {"num_experts": None}
+    moe = {key: getattr(args, key, None) for key in MOE_FIELDS}
+    moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or getattr(args, "ffn_hidden_size", None)
+    if moe["moe_layer_freq"] is not None and not isinstance(moe["moe_layer_freq"], int):
+        moe["moe_layer_freq"] = list(moe["moe_layer_freq"])  # a per-layer pattern: never equal to an int
+    return {key: value for key, value in moe.items() if value is not None or key == "num_experts"}
 
 
 def megatron_architecture(args) -> dict[str, object]:
@@ -67,7 +92,7 @@ def megatron_architecture(args) -> dict[str, object]:
             arch["gelu"] = "tanh" if get("openai_gelu", False) or (get("bias_gelu_fusion", True) and bias) else "none"
     if arch["position_embedding_type"] == "rope":
         arch |= {key: get(key) for key in ROPE_KEYS}
-    return {key: value for key, value in arch.items() if value is not None}
+    return {key: value for key, value in arch.items() if value is not None} | _megatron_moe(args)
 
 
 SETTINGS = {
@@ -85,6 +110,8 @@ def difference(stored: dict[str, object], m: ModelConfig) -> str | None:
     for key, value in stored.items():
         if key in ours and not _equal(ours[key], value):
             setting = SETTINGS.get(key, "model.{key}={value}").format(key=key, value=_toml(value), fused=_toml(value == "tanh"))
+            if value is None:  # a dense checkpoint: the MoE key unset
+                setting = f"no model.{key}"
             return (
                 f"model.{key}: the checkpoint has {_toml(value)} but the config has {_toml(ours[key])}; "
                 f"set {setting}, or checkpoint.use_checkpoint_args=true to take the checkpoint's architecture"
@@ -144,6 +171,8 @@ def _equal(a, b) -> bool:
 
 
 def _toml(value) -> str:
+    if value is None:
+        return "unset"
     if isinstance(value, bool):
         return str(value).lower()
     return f"'{value}'" if isinstance(value, str) else str(value)
