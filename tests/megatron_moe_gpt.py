@@ -11,7 +11,9 @@ expert biases drawn wide so that routing depends on them, then in one launch:
   (mp_rank_00[_EEE]/model_optim_rng.pt, each expert-parallel rank's `local_experts.K`) under
   ROOT/megatron_per_rank, and writes its logits to ROOT/logits.pt;
 - if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
-  another seed, loads it with dist_checkpointing and writes ROOT/loaded_logits.pt.
+  another seed, loads it with dist_checkpointing and writes ROOT/loaded_logits.pt;
+- if ROOT/from_dtgpt_per_rank holds per-rank files (to-megatron --format per-rank --ep N), each
+  rank loads its own with a strict load_state_dict, and ROOT/loaded_per_rank_logits.pt follows.
 
 megatron-core runs with tests/megatron_gpt.py's CPU patches and one more (the MoE layer's
 Transformer Engine GEMM, absent: moe_utils.te_general_gemm = None), and the allgather dispatcher
@@ -119,6 +121,15 @@ def main(root: Path) -> None:
         out = logits(other)
         if rank == 0:
             torch.save(out, root / "loaded_logits.pt")
+    per_rank = root / "from_dtgpt_per_rank"
+    if per_rank.is_dir():  # Megatron-LM's legacy load: each rank its own file, strictly
+        other = build(ep, 99)
+        iteration = int((per_rank / "latest_checkpointed_iteration.txt").read_text())
+        own = per_rank / f"iter_{iteration:07d}" / f"mp_rank_00{suffix}" / "model_optim_rng.pt"
+        other.load_state_dict(torch.load(own, weights_only=False)["model"], strict=True)
+        out = logits(other)
+        if rank == 0:
+            torch.save(out, root / "loaded_per_rank_logits.pt")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -70,7 +70,10 @@ def moe_root(tmp_path_factory) -> Path:
     """dtgpt's checkpoint and its to-megatron conversion, then megatron-core's launch at ep 2."""
     root = tmp_path_factory.mktemp("megatron_moe")
     save_dtgpt(root / "dtgpt")
-    assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
+    convert = load_script()
+    assert convert.main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
+    per_rank = ["--format", "per-rank", "--ep", "2"]
+    assert convert.main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), str(root)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -118,6 +121,21 @@ def test_dtgpt_moe_checkpoint_to_megatron_loads_in_megatron_core_at_ep2_with_equ
 
 
 @pytest.mark.slow
+def test_dtgpt_moe_per_rank_files_at_ep2_load_in_megatron_core_with_equal_logits(moe_root):
+    """to-megatron --format per-rank --ep 2: megatron-core's ranks each load their own file
+    strictly (every key, _extra_state included) and give dtgpt's logits; dtgpt reads them back."""
+    saved = layout.iteration_dir(moe_root / "dtgpt", 3)
+    model = load_model(saved, read_config(saved)).eval()
+    with torch.no_grad():
+        ours = model(tokens())
+    assert relative_error(ours, torch.load(moe_root / "loaded_per_rank_logits.pt", weights_only=True)) < 1e-5
+    directory = find(moe_root / "from_dtgpt_per_rank")
+    assert sorted(p.name for p in directory.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    with torch.no_grad():
+        assert relative_error(load_megatron_model(directory, model_cfg(), ROWS).eval()(tokens()), ours) < 1e-6
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, key", [
     (dict(moe_router_topk=1), "model.moe_router_topk: the checkpoint has 2 but the config has 1"),
     (dict(num_experts=None, moe_router_enable_expert_bias=False), "model.num_experts: the checkpoint has 4 but the config has unset"),
@@ -127,3 +145,68 @@ def test_a_moe_architecture_other_than_megatrons_args_is_one_error(moe_root, ove
     for name in ("megatron", "megatron_per_rank"):
         with pytest.raises(CheckpointError, match=key):
             load_megatron_model(find(moe_root / name), model_cfg(**overrides), ROWS)
+
+
+@pytest.fixture(scope="module")
+def dtgpt_moe(tmp_path_factory) -> Path:
+    """dtgpt's MoE checkpoint alone (no megatron-core launch)."""
+    root = tmp_path_factory.mktemp("dtgpt_moe")
+    save_dtgpt(root)
+    return root
+
+
+def test_per_rank_files_at_tp2_ep2_hold_each_ranks_slice_and_read_back_whole(dtgpt_moe, tmp_path):
+    """Megatron-LM's names (mp_rank_TT_EEE), each ep rank's two experts numbered from 0 and split
+    over tp; dtgpt glues every tensor back whole."""
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path), "--format", "per-rank", "--tp", "2", "--ep", "2"]) == 0
+    directory = find(tmp_path)
+    assert sorted(p.name for p in directory.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    saved = layout.iteration_dir(dtgpt_moe, 3)
+    ours = load_model(saved, read_config(saved)).state_dict()
+    second = torch.load(directory / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)
+    # ep rank 1's local expert 0 is global expert 2; tp rank 1 holds the second half of its fc2 columns
+    fc2 = second["model"]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert torch.equal(fc2, ours["layers.1.mlp.experts.fc2_weight"][2][:, EXPERT_FFN // 2:])
+    assert "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight" not in second["model"]
+    assert second["args"].expert_model_parallel_size == 2 and second["args"].num_experts == EXPERTS
+    back = load_megatron_model(directory, model_cfg(make_vocab_size_divisible_by=32), 128).state_dict()
+    for name, value in ours.items():
+        stored = back[name][: value.shape[0]] if name in ("embedding.word.weight", "output.weight") else back[name]
+        assert torch.equal(stored, value), name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--format", "per-rank", "--ep", "3"], "--ep 3: the expert-parallel ranks must split model.num_experts=4 evenly"),
+    (["--ep", "2"], "--ep names the per-rank format's expert-parallel files"),
+])  # fmt: skip
+def test_to_megatron_refuses_an_expert_split_in_one_line(dtgpt_moe, tmp_path, capfd, flags, message):
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "out"), *flags]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+def test_a_model_mixing_dense_and_moe_layers_is_one_error(dtgpt_moe, tmp_path, capfd):
+    """megatron-core saves such a model per layer (non-homogeneous layers), which dtgpt does not map."""
+    config = tmp_path / "mixed.toml"
+    config.write_text((layout.iteration_dir(dtgpt_moe, 3) / "config.toml").read_text().replace("moe_layer_freq = 1", "moe_layer_freq = 2"))
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "out"), "--config", str(config)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.moe_layer_freq=2: Megatron stores a model that mixes dense and MoE layers" in err[0]
+
+
+def test_moe_architecture_keys_are_compared_with_megatrons_args():
+    """The MoE args Megatron-LM keeps (validate_args fills moe_ffn_hidden_size in from
+    ffn_hidden_size) against [model]; a dense checkpoint's num_experts None against a MoE config."""
+    import argparse
+
+    from dtgpt.checkpoint.architecture import difference, megatron_architecture, megatron_args
+
+    cfg = model_cfg()
+    args = argparse.Namespace(**megatron_args(cfg))
+    assert difference(megatron_architecture(args), cfg) is None
+    assert "model.moe_ffn_hidden_size: the checkpoint has 128" in difference(
+        megatron_architecture(argparse.Namespace(**{**vars(args), "moe_ffn_hidden_size": None})), cfg)
+    dense = argparse.Namespace(**megatron_args(model_cfg(num_experts=None, moe_router_enable_expert_bias=False)))
+    assert "model.num_experts: the checkpoint has unset but the config has 4; set no model.num_experts" in difference(
+        megatron_architecture(dense), cfg)
+    assert difference(megatron_architecture(argparse.Namespace(**{k: v for k, v in vars(dense).items() if "expert" not in k})), cfg) is None

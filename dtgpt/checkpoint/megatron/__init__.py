@@ -7,10 +7,12 @@
     regions.py  DCP reads of sub-regions of stored tensors (a rank reads only what it holds)
     load.py     a Megatron checkpoint into a TrainState at any mesh, or into a one-device GPT
     write.py    streaming conversion dtgpt <-> Megatron torch_dist
+    write_per_rank.py  dtgpt -> Megatron's per-rank files at tp x ep
 """
 
 from dtgpt.checkpoint.megatron.formats import find
 from dtgpt.checkpoint.megatron.load import load_into_state, load_megatron_model
 from dtgpt.checkpoint.megatron.write import from_megatron, to_megatron
+from dtgpt.checkpoint.megatron.write_per_rank import to_megatron_per_rank
 
-__all__ = ["find", "from_megatron", "load_into_state", "load_megatron_model", "to_megatron"]
+__all__ = ["find", "from_megatron", "load_into_state", "load_megatron_model", "to_megatron", "to_megatron_per_rank"]

@@ -18,7 +18,7 @@ from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle, per_rank_dirs
 from dtgpt.checkpoint.megatron.keys import EXPERT_KEY, GLOBAL_KEYS, LAYER_KEYS, LOCAL_NORM_NAMES
 
-_TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
+TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
            "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}  # fmt: skip
 """How the per-rank format splits a tensor over TP ranks (column parallel: rows; row parallel:
 columns); anything not named is replicated."""
@@ -86,7 +86,7 @@ class PerRankModel:
 
     def _join_tp(self, key_of_rank, key: str) -> torch.Tensor:
         parts = [key_of_rank(tp) for tp in range(self.tp)]
-        dim = next((d for suffix, d in _TP_DIM.items() if key.endswith(suffix)), None)
+        dim = next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
         if dim is None:
             return parts[0]
         if self.swiglu and ".linear_fc1." in key:

@@ -164,7 +164,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     stacked = frozenset(key for key in sources if model_key[key].startswith("decoder.layers."))
     _save_streaming(state, directory, produce, stacked)
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if _has(metadata, "train_state") else {}
-    common = _common(iteration, progress, cfg, tp, rows)
+    common = trainer_common(iteration, progress, cfg, tp, rows)
     if adam:
         common |= megatron_optimizer_common(cfg.optimizer, _adam_step(src, metadata))
     torch.save(common, directory / COMMON_FILE)
@@ -208,7 +208,7 @@ def _has(metadata, section: str) -> bool:
     return any(k.startswith(section + ".") for k in metadata.state_dict_metadata)
 
 
-def _common(iteration: int, progress: dict, cfg: Config, tp: int, rows: int) -> dict:
+def trainer_common(iteration: int, progress: dict, cfg: Config, tp: int, rows: int) -> dict:
     """Megatron-LM's common.pt: where training stands, in its names."""
     train_state = progress.get("train_state", {})
     consumed, consumed_valid = (int(train_state.get(key, 0)) for key in ("consumed_samples", "consumed_valid_samples"))
