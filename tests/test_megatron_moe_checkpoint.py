@@ -33,6 +33,7 @@ from tests.test_megatron_family import ARCHS
 
 ROWS = 112  # 100 padded to a multiple of 16, Megatron's at tp 1
 SCRIPT = Path(__file__).with_name("megatron_moe_gpt.py")
+WORKER = Path(__file__).with_name("megatron_family_worker.py")
 MOE = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_router_score_function="sigmoid",
            moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN)  # fmt: skip
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0, attention_dropout=0.0,
@@ -133,6 +134,24 @@ def test_dtgpt_moe_per_rank_files_at_ep2_load_in_megatron_core_with_equal_logits
     assert sorted(p.name for p in directory.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
     with torch.no_grad():
         assert relative_error(load_megatron_model(directory, model_cfg(), ROWS).eval()(tokens()), ours) < 1e-6
+
+
+@pytest.mark.slow
+def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_tp2_and_pp2(moe_root):
+    """checkpoint.load of Megatron's MoE checkpoints at dtgpt meshes (tests/megatron_family_worker.py):
+    the experts split over ep 2 (each rank reads only its experts' region), tp 2 + SP, pp 2."""
+    import json
+
+    fields = {k: v for k, v in MODEL.items() if k not in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                                             "hidden_dropout", "attention_dropout")}  # fmt: skip
+    jobs = [[str(moe_root / "megatron"), fields, ["ep2", "tp2", "pp2"]], [str(moe_root / "megatron_per_rank"), fields, ["ep2"]]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), json.dumps(jobs)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    theirs = torch.load(moe_root / "logits.pt", weights_only=True)
+    for root, layouts in (("megatron", ("ep2", "tp2", "pp2")), ("megatron_per_rank", ("ep2",))):
+        for name in layouts:
+            assert relative_error(torch.load(moe_root / root / f"{name}_logits.pt", weights_only=True), theirs) < 1e-5, (root, name)
 
 
 @pytest.mark.slow
