@@ -26,10 +26,9 @@ columns); anything not named is replicated."""
 LOCAL_EXPERTS = "mlp.experts.local_experts."
 
 
-def _expert_parallel(directory: Path) -> bool:
-    """Whether mp_rank_TT_NNN names ep ranks: the args of any file say ep > 1 with pp 1."""
-    first = min(per_rank_dirs(directory).values())
-    args = load_pickle(first / PER_RANK_FILE).get("args")
+def _expert_parallel(saved: dict) -> bool:
+    """Whether mp_rank_TT_NNN names ep ranks: a file's args say ep > 1 with pp 1."""
+    args = saved.get("args")
     return getattr(args, "expert_model_parallel_size", 1) > 1 and getattr(args, "pipeline_model_parallel_size", 1) <= 1
 
 
@@ -42,7 +41,9 @@ class PerRankModel:
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.files = per_rank_dirs(directory, _expert_parallel(directory))
+        first_dir = min(per_rank_dirs(directory).values())  # mp_rank_00[_000[_000]]: rank 0's, whatever the names mean
+        first = load_pickle(first_dir / PER_RANK_FILE)
+        self.files = per_rank_dirs(directory, _expert_parallel(first))
         self.tp, self.pp, self.ep = (1 + max(rank[i] for rank in self.files) for i in range(3))
         missing = [rank for rank in itertools.product(range(self.tp), range(self.pp), range(self.ep)) if rank not in self.files]
         if missing:
@@ -51,9 +52,8 @@ class PerRankModel:
                 f"Megatron checkpoint {directory}: the per-rank files of tp {self.tp} x pp {self.pp} x ep {self.ep} ranks "
                 f"lack (tp {tp}, pp {pp}, ep {ep})'s {PER_RANK_FILE}: the copy is incomplete"
             )
-        self._models: dict[tuple[int, int, int], dict] = {}
+        self._models: dict[tuple[int, int, int], dict] = {(0, 0, 0): first}
         self._last: tuple[str, torch.Tensor] | None = None
-        first = self._load(0, 0)
         chunk_keys = (f"model{v}" for v in itertools.count())
         self.chunks = ["model"] if "model" in first else list(itertools.takewhile(first.__contains__, chunk_keys))
         if not self.chunks:

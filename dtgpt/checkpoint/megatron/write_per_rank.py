@@ -28,7 +28,7 @@ from dtgpt.config import Config, padded_vocab_size
 
 def _full_megatron_tensors(src: Path, cfg: Config, rows: int) -> dict[tuple[str, int | None], torch.Tensor]:
     """(torch_dist key, layer or None) -> the full tensor of that layer, in Megatron's layout."""
-    state = {k: v for k, v in export.load_model(src, cfg).state_dict().items()}
+    state = export.load_model(src, cfg).state_dict()
     names = [n for n in state if not (n == "output.weight" and not cfg.model.untie_embeddings_and_output_weights)]
     out: dict[tuple[str, int | None], list[torch.Tensor]] = {}
     for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
@@ -86,9 +86,8 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
     full = _full_megatron_tensors(src, cfg, rows)
-    metadata = layout.read_metadata(src)
-    has = lambda section: any(k.startswith(section + ".") for k in metadata.state_dict_metadata)  # noqa: E731
-    progress = export.read_sections(src, ("train_state", "lr_schedule")) if has("train_state") else {}
+    stored = layout.read_metadata(src).state_dict_metadata
+    progress = export.read_sections(src, ("train_state", "lr_schedule")) if any(k.startswith("train_state.") for k in stored) else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
     vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=1)
     directory = layout.iteration_dir(out_root, iteration)
