@@ -5,7 +5,8 @@ torchrun, 2 ranks: for each (checkpoint root, [model] fields) given as JSON in a
 dtgpt model loads the checkpoint through the library API and runs tests/megatron_gpt.py's
 tokens() through its two stages by hand (stage 0 sends its hidden states to stage 1); the last
 stage writes its logits to <root>/pp2_logits.pt. Then a tp2 + SP model loads it and rank 0
-writes its logits (gathered over the vocabulary) to <root>/tp2_logits.pt.
+writes its logits (gathered over the vocabulary) to <root>/tp2_logits.pt. An entry may name its
+layouts as a third element (default ["pp2", "tp2"]; "ep2": experts split over 2 ranks of dp_shard 2).
 """
 
 import json
@@ -22,7 +23,8 @@ import dtgpt  # noqa: E402
 from tests.megatron_gpt import SEQ, VOCAB, tokens  # noqa: E402
 
 
-LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True)}
+LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+           "ep2": dict(data_parallel_shard_size=2, expert_model_parallel_size=2)}  # fmt: skip
 
 
 def loaded(root: str, model_fields: dict, layout: str):
@@ -30,7 +32,7 @@ def loaded(root: str, model_fields: dict, layout: str):
         model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
                    attention_dropout=0.0, **model_fields),
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
-        training=dict(micro_batch_size=2, global_batch_size=2),
+        training=dict(micro_batch_size=1 if layout == "ep2" else 2, global_batch_size=2),  # ep2: 2 data-parallel ranks
         parallel=LAYOUTS[layout],
     )  # fmt: skip
     runtime = dtgpt.init_distributed(cfg)
@@ -51,17 +53,20 @@ def pp2_logits(stage) -> torch.Tensor | None:
 
 
 def main() -> None:
-    for root, model_fields in json.loads(sys.argv[1]):
-        logits = pp2_logits(loaded(root, model_fields, "pp2"))
-        if logits is not None:
-            torch.save(logits, Path(root) / "pp2_logits.pt")
-        with torch.no_grad():
-            logits = loaded(root, model_fields, "tp2")(tokens())
-        if isinstance(logits, DTensor):  # vocabulary-sharded for the loss (loss parallelism)
-            logits = logits.full_tensor()
-        if dist.get_rank() == 0:
-            torch.save(logits, Path(root) / "tp2_logits.pt")
-        dist.barrier()
+    for root, model_fields, *layouts in json.loads(sys.argv[1]):
+        layouts = layouts[0] if layouts else ["pp2", "tp2"]
+        if "pp2" in layouts:
+            logits = pp2_logits(loaded(root, model_fields, "pp2"))
+            if logits is not None:
+                torch.save(logits, Path(root) / "pp2_logits.pt")
+        for layout in (name for name in layouts if name != "pp2"):  # every rank runs the whole model
+            with torch.no_grad():
+                logits = loaded(root, model_fields, layout)(tokens())
+            if isinstance(logits, DTensor):  # vocabulary-sharded for the loss (loss parallelism)
+                logits = logits.full_tensor()
+            if dist.get_rank() == 0:
+                torch.save(logits, Path(root) / f"{layout}_logits.pt")
+            dist.barrier()
     dtgpt.shutdown()
 
 

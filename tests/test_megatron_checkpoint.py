@@ -272,7 +272,7 @@ def test_per_rank_format_tp2_gives_megatron_logits_at_any_pipeline_layout(tmp_pa
     layers 1 and 3), all give megatron-core's logits; a file missing a chunk is one clear error."""
     run_megatron_gpt("per-rank", tmp_path, 2, "--untied", "--layers", "4")
     directory = find(tmp_path)
-    assert sorted(per_rank_dirs(directory)) == [(0, 0), (1, 0)]
+    assert sorted(per_rank_dirs(directory)) == [(0, 0, 0), (1, 0, 0)]
     assert not is_torch_dist(directory)
     cfg = model_cfg(untie_embeddings_and_output_weights=True, num_layers=4)
     assert_same_logits(tmp_path, directory, cfg, rows=ROWS_TP2)
@@ -281,7 +281,7 @@ def test_per_rank_format_tp2_gives_megatron_logits_at_any_pipeline_layout(tmp_pa
         for tp in range(2):
             saved = load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
             write_stages(saved, tmp_path / name, tp, 2, chunks, layers=4)
-        assert sorted(per_rank_dirs(tmp_path / name)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert sorted(per_rank_dirs(tmp_path / name)) == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
         assert_same_logits(tmp_path, tmp_path / name, cfg, rows=ROWS_TP2)
         assert progress_of(MegatronReader(tmp_path / name).common)["iteration"] == ITERATION
     damaged = tmp_path / "pp2_vpp2" / "mp_rank_01_001" / PER_RANK_FILE

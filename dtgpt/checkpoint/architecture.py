@@ -17,12 +17,23 @@ import dataclasses
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import Config, ModelConfig
 
+MOE_FIELDS = (
+    "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
+    "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+)  # fmt: skip
+"""The mixture-of-experts keys that change the model's tensors or what it computes from them
+(the losses' coefficients, capacity and the bias's update rate are training settings)."""
+
+OPTIONAL_SIZES = ("moe_shared_expert_intermediate_size",)
+"""MoE keys whose None is a setting (no shared expert), compared as such; other None values
+are keys the args lack, not compared."""
+
 FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
     "ffn_hidden_size", "swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
     "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "untie_embeddings_and_output_weights",
+    "untie_embeddings_and_output_weights", *MOE_FIELDS,
 )  # fmt: skip
 """The [model] fields that make the architecture (use_checkpoint_args takes these)."""
 
@@ -44,7 +55,22 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         arch["gelu"] = m.gelu_approximation
     if m.position_embedding_type == "rope":
         arch |= {key: getattr(m, key) for key in ROPE_KEYS}
+    if m.moe_enabled:
+        moe = {key: getattr(m, key) for key in MOE_FIELDS} | {"moe_ffn_hidden_size": m.expert_ffn_size}
+        arch |= {key: value for key, value in moe.items() if value is not None or key in OPTIONAL_SIZES}
     return arch
+
+
+def _megatron_moe(args) -> dict[str, object]:
+    """The MoE part of Megatron-LM's args (nothing for a dense model). validate_args fills
+    moe_ffn_hidden_size in from ffn_hidden_size; args lacking it get the same."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    moe = {key: getattr(args, key, None) for key in MOE_FIELDS}
+    moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or getattr(args, "ffn_hidden_size", None)
+    if moe["moe_layer_freq"] is not None and not isinstance(moe["moe_layer_freq"], int):
+        moe["moe_layer_freq"] = list(moe["moe_layer_freq"])  # a per-layer pattern: never equal to an int
+    return {key: value for key, value in moe.items() if value is not None or key in OPTIONAL_SIZES}
 
 
 def megatron_architecture(args) -> dict[str, object]:
@@ -67,7 +93,7 @@ def megatron_architecture(args) -> dict[str, object]:
             arch["gelu"] = "tanh" if get("openai_gelu", False) or (get("bias_gelu_fusion", True) and bias) else "none"
     if arch["position_embedding_type"] == "rope":
         arch |= {key: get(key) for key in ROPE_KEYS}
-    return {key: value for key, value in arch.items() if value is not None}
+    return {key: value for key, value in arch.items() if value is not None} | _megatron_moe(args)
 
 
 SETTINGS = {
@@ -82,9 +108,15 @@ def difference(stored: dict[str, object], m: ModelConfig) -> str | None:
     """The first architecture key on which `stored` (see architecture) and `m` differ, as a
     sentence naming both values and the setting that takes the checkpoint's; None if none."""
     ours = architecture(m)
+    if "num_layers" in stored and "num_experts" in ours and "num_experts" not in stored:
+        stored = {**stored, "num_experts": None}  # a dense model's architecture names no MoE key
     for key, value in stored.items():
+        if key == "num_experts" and key not in ours:
+            ours = {**ours, key: None}
         if key in ours and not _equal(ours[key], value):
             setting = SETTINGS.get(key, "model.{key}={value}").format(key=key, value=_toml(value), fused=_toml(value == "tanh"))
+            if value is None:  # a dense checkpoint: the MoE key unset
+                setting = f"no model.{key}"
             return (
                 f"model.{key}: the checkpoint has {_toml(value)} but the config has {_toml(ours[key])}; "
                 f"set {setting}, or checkpoint.use_checkpoint_args=true to take the checkpoint's architecture"
@@ -103,6 +135,8 @@ def with_megatron_architecture(args, m: ModelConfig) -> ModelConfig:
     """`m` with the architecture Megatron-LM's args describe (checkpoint.use_checkpoint_args)."""
     stored = megatron_architecture(args)
     changes = {key: stored[key] for key in FIELDS if key in stored and key not in ("num_query_groups", "kv_channels", "add_qkv_bias")}
+    if "num_layers" in stored and "num_experts" not in stored:
+        changes["num_experts"] = None  # a dense checkpoint
     if "num_query_groups" in stored:
         grouped = stored["num_query_groups"] != stored["num_attention_heads"]
         changes |= {"group_query_attention": grouped, "num_query_groups": stored["num_query_groups"] if grouped else 1}
@@ -131,6 +165,7 @@ def megatron_args(m: ModelConfig) -> dict[str, object]:
         "ffn_hidden_size": m.ffn_size, "kv_channels": m.head_dim, "num_query_groups": m.query_groups,
         "add_qkv_bias": m.qkv_bias, "bias_gelu_fusion": m.bias_gelu_fusion and m.add_bias_linear,
         "max_position_embeddings": m.max_positions, "seq_length": m.seq_length,
+        "moe_ffn_hidden_size": m.expert_ffn_size if m.moe_enabled else None,  # filled in, as Megatron's validate_args does
     }  # fmt: skip
     return args
 
@@ -144,6 +179,8 @@ def _equal(a, b) -> bool:
 
 
 def _toml(value) -> str:
+    if value is None:
+        return "unset"
     if isinstance(value, bool):
         return str(value).lower()
     return f"'{value}'" if isinstance(value, str) else str(value)

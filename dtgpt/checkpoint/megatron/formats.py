@@ -26,7 +26,7 @@ from dtgpt.checkpoint.safe import load_problem
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 PER_RANK_FILE = "model_optim_rng.pt"
-_PER_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_PER_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 SAFE_GLOBALS = [argparse.Namespace]
 """What Megatron's pickles hold besides tensors and plain containers (its `args`)."""
@@ -39,13 +39,22 @@ def is_torch_dist(directory: Path) -> bool:
         return False
 
 
-def per_rank_dirs(directory: Path) -> dict[tuple[int, int], Path]:
-    """(tp_rank, pp_rank) -> mp_rank_TT[_PPP] directory holding model_optim_rng.pt."""
+def per_rank_dirs(directory: Path, expert_parallel: bool = False) -> dict[tuple[int, int, int], Path]:
+    """(tp_rank, pp_rank, ep_rank) -> mp_rank_TT[_PPP][_EEE] directory holding model_optim_rng.pt.
+
+    Megatron-LM adds _PPP only with pp > 1 and _EEE only with ep > 1, so mp_rank_TT_NNN is a pp
+    rank, or with `expert_parallel` (its args' expert_model_parallel_size > 1 and pp 1) an ep rank."""
     found = {}
     for sub in directory.iterdir() if directory.is_dir() else ():
         match = _PER_RANK_DIR.match(sub.name)
         if match and (sub / PER_RANK_FILE).is_file():
-            found[(int(match.group(1)), int(match.group(2) or 0))] = sub
+            tp, first, second = (int(g) if g else None for g in match.groups())
+            if second is not None:
+                found[(tp, first, second)] = sub
+            elif expert_parallel:
+                found[(tp, 0, first or 0)] = sub
+            else:
+                found[(tp, first or 0, 0)] = sub
     return found
 
 

@@ -48,11 +48,41 @@ LAYER_KEYS = {
     "mlp.fc1.bias": "mlp.linear_fc1.bias",
     "mlp.fc2.weight": "mlp.linear_fc2.weight",
     "mlp.fc2.bias": "mlp.linear_fc2.bias",
+    # an MoE layer (its pre-norm keeps the dense MLP's name above); Megatron's torch_dist keeps
+    # the experts on a global expert axis after the layer axis, (L, E, ...), whichever expert
+    # module saved them (SequentialMLP, GroupedMLP or TEGroupedMLP), and at any ep
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.bias": "mlp.router.bias",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    "mlp.experts.fc1_weight": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.fc1_bias": "mlp.experts.experts.linear_fc1.bias",
+    "mlp.experts.fc2_weight": "mlp.experts.experts.linear_fc2.weight",
+    "mlp.experts.fc2_bias": "mlp.experts.experts.linear_fc2.bias",
+    "mlp.shared_expert.gate.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_expert.gate.bias": "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_expert.fc1.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_expert.fc1.bias": "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_expert.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_expert.fc2.bias": "mlp.shared_experts.linear_fc2.bias",
 }
 """dtgpt block-relative name -> Megatron's (torch_dist stacks it under `decoder.layers.`)."""
 
-SWIGLU_HALVES = {"mlp.gate": 0, "mlp.fc1": 1}
-"""With swiglu, which half of linear_fc1's rows each dtgpt projection is (the gate, activated, first)."""
+BUFFERS = ("mlp.router.expert_bias",)
+"""Block-relative dtgpt names that are buffers, not parameters: saved with the model, with no
+optimizer state (Megatron's expert bias is a buffer too, moved outside the optimizer)."""
+
+
+def is_buffer(name: str) -> bool:
+    return name.endswith(BUFFERS)
+
+
+EXPERT_KEY = "mlp.experts.experts."
+"""The torch_dist prefix of the routed experts' tensors, (L, E, ...); the per-rank format keeps
+each expert whole under `mlp.experts.local_experts.<K>.` in its expert-parallel rank's file."""
+
+SWIGLU_HALVES = {"gate": 0, "fc1": 1}
+"""With swiglu, which half of linear_fc1's rows each dtgpt projection is (the gate, activated, first);
+the dense MLP's and the shared expert's alike (the routed experts keep [gate; fc1] as one tensor)."""
 
 LOCAL_NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -76,13 +106,21 @@ def megatron_name(name: str) -> tuple[str, int | None]:
 def half_of(name: str, names) -> int | None:
     """Which half of Megatron's linear_fc1 rows `name` is, given every name of the model
     (`names`): fc1 is the second half when its block has a gate, else the whole tensor."""
-    prefix, _, rest = name.rpartition(".mlp.")
-    if not prefix.startswith("layers.") or rest.split(".")[0] not in ("gate", "fc1"):
+    parts = name.split(".")
+    if not name.startswith("layers.") or len(parts) < 4 or parts[-2] not in SWIGLU_HALVES or ".mlp." not in name:
         return None
-    module, suffix = rest.split(".")
-    if f"{prefix}.mlp.gate.{suffix}" not in names:
+    if ".".join([*parts[:-2], "gate", parts[-1]]) not in names:
         return None
-    return SWIGLU_HALVES[f"mlp.{module}"]
+    return SWIGLU_HALVES[parts[-2]]
+
+
+def unsupported(cfg: ModelConfig) -> str | None:
+    """Why Megatron's checkpoint layout of model `cfg` is not one dtgpt reads or writes, or None."""
+    if cfg.moe_enabled and cfg.moe_layer_freq != 1:
+        # megatron-core then saves every layer under its own keys (non-homogeneous layers)
+        return (f"model.moe_layer_freq={cfg.moe_layer_freq}: Megatron stores a model that mixes dense and MoE "
+                "layers per layer, which dtgpt does not read or write yet (moe_layer_freq=1 it does)")
+    return None
 
 
 def dtgpt_names(cfg: ModelConfig) -> list[str]:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtgpt.checkpoint.megatron.formats import progress_of
-from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, megatron_name
+from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, is_buffer, megatron_name
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT
@@ -91,7 +91,7 @@ def adam_step(optimizer_common) -> float | None:
 def optimizer_slots(reader: MegatronReader, names: list[str]) -> tuple[bool, str | None]:
     """(whether every parameter's Adam moments are stored, the master-weight slot or None)."""
     def stored(slot: str) -> bool:
-        return all(reader.stored_key(name, slot) in reader.shapes for name in names)
+        return all(reader.stored_key(name, slot) in reader.shapes for name in names if not is_buffer(name))
 
     return all(stored(m) for m in MOMENTS), next((s for s in MASTER_SLOTS if stored(s)), None)
 
@@ -110,7 +110,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     weights_slot = master if use_adam else None
     for part in state.model.parts:
         live = get_model_state_dict(part)
-        read_into(reader, {name: (_source(state, name), weights_slot, value) for name, value in live.items()})
+        read_into(reader, {name: (_source(state, name), None if is_buffer(name) else weights_slot, value)
+                           for name, value in live.items()})  # fmt: skip
     notes = []
     if use_adam:
         _load_adam(state, reader, step)

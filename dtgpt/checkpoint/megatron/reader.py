@@ -8,7 +8,6 @@ described in formats.py, the key map in keys.py.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import torch
@@ -17,16 +16,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
-from dtgpt.checkpoint.megatron.formats import COMMON_FILE, PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs
-from dtgpt.checkpoint.megatron.keys import GLOBAL_KEYS, LAYER_KEYS, LOCAL_NORM_NAMES, OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, megatron_name
+from dtgpt.checkpoint.megatron.formats import COMMON_FILE, is_torch_dist, load_pickle
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, megatron_name, unsupported
+from dtgpt.checkpoint.megatron.per_rank import PerRankModel
 from dtgpt.checkpoint.megatron.regions import read_regions
 from dtgpt.config import ModelConfig
-
-_TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
-           "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}  # fmt: skip
-"""How the per-rank format splits a tensor over TP ranks (column parallel: rows; row parallel:
-columns); anything not named is replicated."""
-
 
 def _mismatch(directory: Path, key: str, stored, wanted, name: str) -> CheckpointError:
     return CheckpointError(
@@ -70,6 +64,12 @@ class MegatronReader:
         args = self.common.get("args")
         if args is not None:
             require_same(megatron_architecture(args), cfg, f"Megatron checkpoint {self.directory}")
+        self.check_supported(cfg)
+
+    def check_supported(self, cfg: ModelConfig) -> None:
+        problem = unsupported(cfg)
+        if problem:
+            raise CheckpointError(f"Megatron checkpoint {self.directory}: {problem}")
 
     def check(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]) -> None:
         """One clear error for the first tensor whose shape (or presence) differs, the vocabulary
@@ -169,90 +169,3 @@ class MegatronReader:
         self.check(wanted, model_names)
         for name in sorted(wanted, key=lambda n: megatron_name(n)):
             yield name, self.tensor(name, tuple(wanted[name]))
-
-
-class PerRankModel:
-    """Megatron-LM's per-rank format, glued back into torch_dist's stacked, full tensors.
-
-    A file holds its pp rank's model under `model`, or with virtual pipelining one chunk per
-    virtual stage under `model0`, `model1`, ...: as in Megatron's interleaved layout, chunk v of
-    pp rank r is pipeline stage v * pp + r. Layers are numbered within their chunk."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.files = per_rank_dirs(directory)
-        self.tp = 1 + max(t for t, _ in self.files)
-        self.pp = 1 + max(p for _, p in self.files)
-        self._models: dict[tuple[int, int], dict] = {}
-        self._last: tuple[str, torch.Tensor] | None = None
-        first = self._load(0, 0)
-        chunk_keys = (f"model{v}" for v in itertools.count())
-        self.chunks = ["model"] if "model" in first else list(itertools.takewhile(first.__contains__, chunk_keys))
-        if not self.chunks:
-            raise CheckpointError(f"Megatron checkpoint {directory}: {self.files[(0, 0)] / PER_RANK_FILE} holds no 'model' or 'model0'")
-        self.common = {k: v for k, v in first.items() if k not in self.chunks and k != "optimizer"}
-        self.swiglu = bool(getattr(self.common.get("args"), "swiglu", False))
-        # (pp rank, chunk key) of each pipeline stage, in the model's order
-        self.stages = [(stage % self.pp, self.chunks[stage // self.pp]) for stage in range(self.pp * len(self.chunks))]
-
-    def _load(self, tp: int, pp: int) -> dict:
-        if (tp, pp) not in self._models:
-            self._models[(tp, pp)] = load_pickle(self.files[(tp, pp)] / PER_RANK_FILE)
-        return self._models[(tp, pp)]
-
-    def _model(self, tp: int, stage: int) -> dict:
-        pp, chunk = self.stages[stage]
-        saved = self._load(tp, pp)
-        if chunk not in saved:
-            where = self.files[(tp, pp)] / PER_RANK_FILE
-            raise CheckpointError(f"Megatron checkpoint {self.directory}: {where} has no '{chunk}' (rank 0's file has {self.chunks})")
-        return saved[chunk]
-
-    def _layer_count(self, stage: int) -> int:
-        suffix = ".self_attention.linear_qkv.weight"
-        return sum(1 for k in self._model(0, stage) if k.startswith("decoder.layers.") and k.endswith(suffix))
-
-    def _stored_name(self, model: dict, layer: int, rest: str) -> str:
-        name = f"decoder.layers.{layer}.{rest}"
-        return name if name in model or rest not in LOCAL_NORM_NAMES else f"decoder.layers.{layer}.{LOCAL_NORM_NAMES[rest]}"
-
-    def _join_tp(self, key_of_rank, key: str) -> torch.Tensor:
-        parts = [key_of_rank(tp) for tp in range(self.tp)]
-        dim = next((d for suffix, d in _TP_DIM.items() if key.endswith(suffix)), None)
-        if dim is None:
-            return parts[0]
-        if self.swiglu and ".linear_fc1." in key:
-            # Each rank holds [its gate rows; its fc1 rows]; torch_dist's full tensor is [gate; fc1].
-            halves = [part.chunk(2, dim=0) for part in parts]
-            parts = [gate for gate, _ in halves] + [fc1 for _, fc1 in halves]
-        return torch.cat(parts, dim)
-
-    def stacked(self, key: str) -> torch.Tensor:
-        """One stacked tensor, glued from every rank's file (the last one is kept: a reader asks
-        for it once per layer)."""
-        if self._last is None or self._last[0] != key:
-            self._last = (key, self._glue(key))
-        return self._last[1]
-
-    def _glue(self, key: str) -> torch.Tensor:
-        if not key.startswith("decoder.layers."):
-            stage = len(self.stages) - 1 if key.startswith(("decoder.final", "output_layer")) else 0
-            return self._join_tp(lambda tp: self._model(tp, stage)[key], key)
-        rest = key[len("decoder.layers."):]
-        layers = []
-        for stage in range(len(self.stages)):
-            for i in range(self._layer_count(stage)):
-                layers.append(self._join_tp(lambda tp: self._model(tp, stage)[self._stored_name(self._model(tp, stage), i, rest)], key))
-        if not layers:  # a file without transformer layers: check() names what the model misses
-            raise KeyError(key)
-        return torch.stack(layers)
-
-    def stacked_shapes(self) -> dict[str, tuple[int, ...]]:
-        keys = set(GLOBAL_KEYS.values()) | {"decoder.layers." + k for k in LAYER_KEYS.values()}
-        shapes = {}
-        for key in keys:
-            try:
-                shapes[key] = tuple(self._glue(key).shape)
-            except KeyError:
-                continue  # not in this checkpoint (tied head, no learned positions, no bias)
-        return shapes

@@ -24,13 +24,34 @@ from dtgpt.checkpoint import export, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_args
 from dtgpt.checkpoint.megatron.formats import BACKEND_FILE, COMMON_FILE, find, progress_of
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, dtgpt_names, full_model_shapes, half_of, megatron_name, resize_vocab
+from dtgpt.checkpoint.megatron.keys import (
+    OPTIMIZER_PREFIX, VOCAB_KEYS, dtgpt_names, full_model_shapes, half_of, is_buffer, megatron_name, resize_vocab, unsupported,
+)  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
-from dtgpt.config import Config, OptimizerConfig, padded_vocab_size, to_toml
+from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
-LINEAR_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-"""Megatron's linear layers, each with an `_extra_state` object per layer (None for the local spec)."""
+ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
+MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+
+def extra_state_keys(cfg: ModelConfig) -> list[str]:
+    """The `_extra_state` objects megatron-core's loader asks for (None for the local spec): one
+    per linear layer and layer, and per routed expert too (its shard named `<layer>.<expert>`)."""
+    L = cfg.num_layers
+    per_layer = ATTENTION_LINEARS
+    if cfg.moe_enabled:
+        per_layer += SHARED_EXPERT_LINEARS if cfg.moe_shared_expert_intermediate_size else ()
+    else:
+        per_layer += MLP_LINEARS
+    keys = [f"decoder.layers.{module}._extra_state/shard_{i}_{L}" for module in per_layer for i in range(L)]
+    if cfg.moe_enabled:
+        E = cfg.num_experts
+        keys += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{L}.{E}"
+                 for module in EXPERT_LINEARS for i in range(L) for e in range(E)]  # fmt: skip
+    return keys
 
 
 class StreamingPlanner(DefaultSavePlanner):
@@ -97,6 +118,9 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     """Write dtgpt checkpoint `src` as Megatron-LM's torch_dist iteration under out_root, its
     vocabulary padded as Megatron pads for tensor parallel size `tp`, with its Adam state (when
     it has one) as megatron-core's distributed optimizer stores it in model space. Returns the directory."""
+    problem = unsupported(cfg.model)
+    if problem:
+        raise CheckpointError(f"cannot write {src} as Megatron's torch_dist: {problem}")
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
@@ -110,7 +134,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
         mkey, layer = megatron_name(name)
         slots = {mkey: f"model.{name}"}
-        if adam:  # the fp32 master weights are dtgpt's parameters
+        if adam and not is_buffer(name):  # the fp32 master weights are dtgpt's parameters
             slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in _adam_sources(name).items()}
         for key, dtgpt_key in slots.items():
             if dtgpt_key not in metadata.state_dict_metadata:
@@ -127,10 +151,8 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
         elif model_key[key] in MEGATRON_VOCAB_KEYS:
             shape = (rows, *shape[1:])
         state[key] = torch.empty(shape, dtype=entry.properties.dtype, device="meta")
-    L = cfg.model.num_layers
-    for module in LINEAR_MODULES:
-        for i in range(L):
-            state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = [None]
+    for key in extra_state_keys(cfg.model):
+        state[key] = [None]
 
     def produce(key: str, layer: int | None) -> torch.Tensor:
         value = _read_stacked(src, sources[key][layer], metadata).flatten(0, 1)  # its parts' rows in turn
@@ -142,7 +164,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     stacked = frozenset(key for key in sources if model_key[key].startswith("decoder.layers."))
     _save_streaming(state, directory, produce, stacked)
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if _has(metadata, "train_state") else {}
-    common = _common(iteration, progress, cfg, tp, rows)
+    common = trainer_common(iteration, progress, cfg, tp, rows)
     if adam:
         common |= megatron_optimizer_common(cfg.optimizer, _adam_step(src, metadata))
     torch.save(common, directory / COMMON_FILE)
@@ -186,7 +208,7 @@ def _has(metadata, section: str) -> bool:
     return any(k.startswith(section + ".") for k in metadata.state_dict_metadata)
 
 
-def _common(iteration: int, progress: dict, cfg: Config, tp: int, rows: int) -> dict:
+def trainer_common(iteration: int, progress: dict, cfg: Config, tp: int, rows: int) -> dict:
     """Megatron-LM's common.pt: where training stands, in its names."""
     train_state = progress.get("train_state", {})
     consumed, consumed_valid = (int(train_state.get(key, 0)) for key in ("consumed_samples", "consumed_valid_samples"))

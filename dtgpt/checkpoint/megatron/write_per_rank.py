@@ -1,0 +1,100 @@
+"""A dtgpt checkpoint as Megatron-LM's per-rank format: mp_rank_TT[_EEE]/model_optim_rng.pt.
+
+What Megatron-LM's legacy save writes at tp x ep (pp 1): each file holds the whole model's layers
+under the local spec's names, its TP split of each tensor (column-parallel rows, row-parallel
+columns; SwiGLU's linear_fc1 as [its gate rows; its fc1 rows]), and of each MoE layer's routed
+experts only its ep rank's, numbered from 0 as `mlp.experts.local_experts.<K>.` (ep rank r holds
+global experts r * E / ep ...). Every linear layer has its `_extra_state` (None for the local
+spec), which megatron-core's strict load_state_dict asks for. The weights only: Megatron keeps
+the optimizer state of this format in files of its own DP layout, which dtgpt does not write.
+Unlike the torch_dist conversion this holds the whole model in memory (the format is per
+rank, each file a slice of every tensor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dtgpt.checkpoint import export, layout
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE
+from dtgpt.checkpoint.megatron.keys import EXPERT_KEY, LOCAL_NORM_NAMES, VOCAB_KEYS, half_of, megatron_name, resize_vocab, unsupported
+from dtgpt.checkpoint.megatron.per_rank import TP_DIM, LOCAL_EXPERTS
+from dtgpt.checkpoint.megatron.write import trainer_common
+from dtgpt.config import Config, padded_vocab_size
+
+
+def _full_megatron_tensors(src: Path, cfg: Config, rows: int) -> dict[tuple[str, int | None], torch.Tensor]:
+    """(torch_dist key, layer or None) -> the full tensor of that layer, in Megatron's layout."""
+    state = export.load_model(src, cfg).state_dict()
+    names = [n for n in state if not (n == "output.weight" and not cfg.model.untie_embeddings_and_output_weights)]
+    out: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+    for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
+        value = resize_vocab(state[name], rows) if name in VOCAB_KEYS else state[name]
+        out.setdefault(megatron_name(name), []).append(value)
+    return {key: torch.cat(parts) if len(parts) > 1 else parts[0] for key, parts in out.items()}
+
+
+def _tp_part(key: str, value: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
+    """Rank `rank`'s part of a full tensor under Megatron's TP split (per_rank.TP_DIM)."""
+    dim = next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
+    if dim is None or tp == 1:
+        return value.clone()
+    if swiglu and ".linear_fc1." in key:  # [gate; fc1]: each rank holds [its gate rows; its fc1 rows]
+        gate, fc1 = value.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], fc1.chunk(tp, dim=0)[rank]]).clone()
+    return value.chunk(tp, dim=dim)[rank].clone()
+
+
+def _rank_model(full: dict, cfg: Config, tp: int, tp_rank: int, ep: int, ep_rank: int) -> dict[str, object]:
+    swiglu = cfg.model.swiglu
+    model: dict[str, object] = {}
+    for (key, layer), value in full.items():
+        if layer is None:
+            model[key] = _tp_part(key, value, tp, tp_rank, swiglu)
+            continue
+        rest = key.removeprefix("decoder.layers.")
+        prefix = f"decoder.layers.{layer}."
+        if rest.startswith(EXPERT_KEY):  # (E, ...): this ep rank's experts, numbered locally
+            local = value.shape[0] // ep
+            suffix = rest[len(EXPERT_KEY):]
+            for k in range(local):
+                name = f"{prefix}{LOCAL_EXPERTS}{k}.{suffix}"
+                model[name] = _tp_part(name, value[ep_rank * local + k], tp, tp_rank, swiglu)
+        else:
+            name = prefix + LOCAL_NORM_NAMES.get(rest, rest)
+            model[name] = _tp_part(name, value, tp, tp_rank, swiglu)
+    for name in [n for n in model if n.endswith(".weight") and ".linear_" in n]:
+        model[name.removesuffix(".weight") + "._extra_state"] = None
+    return model
+
+
+def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int = 1, ep: int = 1) -> Path:
+    """Write dtgpt checkpoint `src` as Megatron-LM's per-rank iteration at tensor parallel size
+    `tp` and expert parallel size `ep` (pp 1), its vocabulary padded as Megatron pads at `tp`.
+    Returns the iteration directory."""
+    problem = unsupported(cfg.model)
+    if problem:
+        raise CheckpointError(f"cannot write {src} as Megatron's per-rank format: {problem}")
+    experts = cfg.model.num_experts or 0
+    if ep < 1 or (ep > 1 and experts % ep):
+        what = f"model.num_experts={experts}" if experts else "a model without experts (model.num_experts unset)"
+        raise CheckpointError(f"--ep {ep}: the expert-parallel ranks must split {what} evenly")
+    marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
+    iteration = int(marker.get("iteration", 0))
+    rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
+    full = _full_megatron_tensors(src, cfg, rows)
+    stored = layout.read_metadata(src).state_dict_metadata
+    progress = export.read_sections(src, ("train_state", "lr_schedule")) if any(k.startswith("train_state.") for k in stored) else {}
+    common = trainer_common(iteration, progress, cfg, tp, rows)
+    vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=1)
+    directory = layout.iteration_dir(out_root, iteration)
+    for tp_rank in range(tp):
+        for ep_rank in range(ep):
+            rank_dir = directory / (f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else ""))
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": _rank_model(full, cfg, tp, tp_rank, ep, ep_rank), **common}, rank_dir / PER_RANK_FILE)
+    layout.write_pointer(out_root, iteration)
+    return directory

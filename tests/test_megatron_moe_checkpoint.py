@@ -1,0 +1,236 @@
+"""Megatron MoE checkpoints in and out, with megatron-core's own MoE GPTModel as the oracle.
+
+One megatron-core launch on 2 gloo ranks at ep 2 (tests/megatron_moe_gpt.py): a 2-layer model of
+MoE layers (4 SequentialMLP experts, top-2 of a sigmoid router with the expert bias, a SwiGLU
+shared expert) saves torch_dist (the experts on their global axis) and the per-rank format
+(mp_rank_00_000 and mp_rank_00_001, each with its 2 local_experts), and records its logits; in
+the same launch it loads the checkpoints dtgpt wrote before it (to-megatron torch_dist and
+per-rank at ep 2) into a model from another seed and records those logits. dtgpt must give the
+same logits both ways.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dtgpt
+from dtgpt.checkpoint import CheckpointError, layout
+from dtgpt.checkpoint.export import load_model, read_config
+from dtgpt.checkpoint.megatron import find, load_megatron_model
+from dtgpt.checkpoint.megatron.formats import is_torch_dist, per_rank_dirs, progress_of
+from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.config import ModelConfig
+from tests.megatron_gpt import ITERATION, VOCAB, tokens
+from tests.megatron_moe_gpt import EXPERT_FFN, EXPERTS, SHARED_FFN, TOPK
+from tests.test_checkpoint_convert import load_script
+from tests.test_megatron_family import ARCHS
+
+ROWS = 112  # 100 padded to a multiple of 16, Megatron's at tp 1
+SCRIPT = Path(__file__).with_name("megatron_moe_gpt.py")
+WORKER = Path(__file__).with_name("megatron_family_worker.py")
+MOE = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_router_score_function="sigmoid",
+           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN)  # fmt: skip
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0, attention_dropout=0.0,
+             make_vocab_size_divisible_by=16, **ARCHS["llama"], **MOE)  # fmt: skip
+
+
+def model_cfg(**overrides) -> ModelConfig:
+    return ModelConfig(**{**MODEL, **overrides})
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    ours, theirs = ours[..., :VOCAB], theirs[..., :VOCAB]
+    return ((ours - theirs).norm() / theirs.norm()).item()
+
+
+def save_dtgpt(root: Path) -> Path:
+    """A dtgpt checkpoint of the MoE model at its seeded init, with router weights, expert biases
+    and norms drawn wide (routing then depends on them; a mix-up of any would show)."""
+    cfg = dtgpt.make_config(model=MODEL, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+                            training=dict(micro_batch_size=2, global_batch_size=2))  # fmt: skip
+    runtime = dtgpt.init_distributed(cfg)
+    model = dtgpt.build_model(cfg, runtime, VOCAB)
+    draw = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, value in model.parts[0].state_dict(keep_vars=True).items():
+            if "router" in name:
+                value.copy_(torch.randn(value.shape, generator=draw))
+            elif "norm" in name:
+                value.uniform_(0.5, 1.5, generator=draw)
+    return dtgpt.save_checkpoint(root, cfg, runtime, model, iteration=3)
+
+
+@pytest.fixture(scope="module")
+def moe_root(tmp_path_factory) -> Path:
+    """dtgpt's checkpoint and its to-megatron conversion, then megatron-core's launch at ep 2."""
+    root = tmp_path_factory.mktemp("megatron_moe")
+    save_dtgpt(root / "dtgpt")
+    convert = load_script()
+    assert convert.main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
+    per_rank = ["--format", "per-rank", "--ep", "2"]
+    assert convert.main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), str(root)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return root
+
+
+@pytest.mark.slow
+def test_megatron_moe_torch_dist_at_ep2_gives_megatrons_logits(moe_root):
+    directory = find(moe_root / "megatron")
+    assert is_torch_dist(directory)
+    reader = MegatronReader(directory)
+    # the experts on torch_dist's global expert axis, after the layer axis
+    assert reader.shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, EXPERTS, 2 * EXPERT_FFN, 64)
+    assert reader.shapes["decoder.layers.mlp.router.expert_bias"] == (2, EXPERTS)
+    model = load_megatron_model(directory, model_cfg(), ROWS).eval()
+    assert model.layers["0"].mlp.router.expert_bias.abs().min() > 0  # Megatron's drawn bias, not the zero init
+    with torch.no_grad():
+        assert relative_error(model(tokens()), torch.load(moe_root / "logits.pt", weights_only=True)) < 1e-5
+
+
+@pytest.mark.slow
+def test_megatron_moe_per_rank_files_at_ep2_give_megatrons_logits(moe_root):
+    directory = find(moe_root / "megatron_per_rank")
+    # Megatron-LM names ep ranks with a lone 3-digit suffix when pp is 1: (tp, pp, ep)
+    assert sorted(per_rank_dirs(directory, expert_parallel=True)) == [(0, 0, 0), (0, 0, 1)]
+    assert progress_of(MegatronReader(directory).common)["iteration"] == ITERATION
+    model = load_megatron_model(directory, model_cfg(), ROWS).eval()
+    with torch.no_grad():
+        assert relative_error(model(tokens()), torch.load(moe_root / "logits.pt", weights_only=True)) < 1e-5
+
+
+@pytest.mark.slow
+def test_dtgpt_moe_checkpoint_to_megatron_loads_in_megatron_core_at_ep2_with_equal_logits(moe_root, tmp_path):
+    saved = layout.iteration_dir(moe_root / "dtgpt", 3)
+    model = load_model(saved, read_config(saved)).eval()
+    with torch.no_grad():
+        ours = model(tokens())
+    assert relative_error(ours, torch.load(moe_root / "loaded_logits.pt", weights_only=True)) < 1e-5
+    # and back: from-megatron gives every tensor again, the expert bias included
+    config = saved / "config.toml"
+    assert load_script().main(["from-megatron", str(moe_root / "from_dtgpt"), str(tmp_path / "back"), "--config", str(config)]) == 0
+    back = load_model(layout.iteration_dir(tmp_path / "back", 3), read_config(saved))
+    for (name, p), q in zip(model.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.slow
+def test_dtgpt_moe_per_rank_files_at_ep2_load_in_megatron_core_with_equal_logits(moe_root):
+    """to-megatron --format per-rank --ep 2: megatron-core's ranks each load their own file
+    strictly (every key, _extra_state included) and give dtgpt's logits; dtgpt reads them back."""
+    saved = layout.iteration_dir(moe_root / "dtgpt", 3)
+    model = load_model(saved, read_config(saved)).eval()
+    with torch.no_grad():
+        ours = model(tokens())
+    assert relative_error(ours, torch.load(moe_root / "loaded_per_rank_logits.pt", weights_only=True)) < 1e-5
+    directory = find(moe_root / "from_dtgpt_per_rank")
+    assert sorted(p.name for p in directory.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    with torch.no_grad():
+        assert relative_error(load_megatron_model(directory, model_cfg(), ROWS).eval()(tokens()), ours) < 1e-6
+
+
+@pytest.mark.slow
+def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_and_pp2(moe_root):
+    """checkpoint.load of Megatron's MoE checkpoints at dtgpt meshes (tests/megatron_family_worker.py):
+    the experts split over ep 2 (each rank reads only its experts' region), pp 2. (tp 2 is left
+    out: dtgpt's MoE forward at tp 2 with the expert bias fails before any checkpoint is involved.)"""
+    import json
+
+    fields = {k: v for k, v in MODEL.items() if k not in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                                             "hidden_dropout", "attention_dropout")}  # fmt: skip
+    jobs = [[str(moe_root / "megatron"), fields, ["ep2", "pp2"]], [str(moe_root / "megatron_per_rank"), fields, ["ep2"]]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), json.dumps(jobs)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    theirs = torch.load(moe_root / "logits.pt", weights_only=True)
+    for root, layouts in (("megatron", ("ep2", "pp2")), ("megatron_per_rank", ("ep2",))):
+        for name in layouts:
+            assert relative_error(torch.load(moe_root / root / f"{name}_logits.pt", weights_only=True), theirs) < 1e-5, (root, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, key", [
+    (dict(moe_router_topk=1), "model.moe_router_topk: the checkpoint has 2 but the config has 1"),
+    (dict(num_experts=None, moe_router_enable_expert_bias=False), "model.num_experts: the checkpoint has 4 but the config has unset"),
+    (dict(moe_shared_expert_intermediate_size=None), "model.moe_shared_expert_intermediate_size: the checkpoint has 48"),
+    (dict(moe_ffn_hidden_size=None), "model.moe_ffn_hidden_size: the checkpoint has 32 but the config has 128"),
+])  # fmt: skip
+def test_a_moe_architecture_other_than_megatrons_args_is_one_error(moe_root, overrides, key):
+    for name in ("megatron", "megatron_per_rank"):
+        with pytest.raises(CheckpointError, match=key):
+            load_megatron_model(find(moe_root / name), model_cfg(**overrides), ROWS)
+
+
+@pytest.fixture(scope="module")
+def dtgpt_moe(tmp_path_factory) -> Path:
+    """dtgpt's MoE checkpoint alone (no megatron-core launch)."""
+    root = tmp_path_factory.mktemp("dtgpt_moe")
+    save_dtgpt(root)
+    return root
+
+
+def test_per_rank_files_at_tp2_ep2_hold_each_ranks_slice_and_read_back_whole(dtgpt_moe, tmp_path):
+    """Megatron-LM's names (mp_rank_TT_EEE), each ep rank's two experts numbered from 0 and split
+    over tp; dtgpt glues every tensor back whole."""
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path), "--format", "per-rank", "--tp", "2", "--ep", "2"]) == 0
+    directory = find(tmp_path)
+    assert sorted(p.name for p in directory.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    saved = layout.iteration_dir(dtgpt_moe, 3)
+    ours = load_model(saved, read_config(saved)).state_dict()
+    second = torch.load(directory / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)
+    # ep rank 1's local expert 0 is global expert 2; tp rank 1 holds the second half of its fc2 columns
+    fc2 = second["model"]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert torch.equal(fc2, ours["layers.1.mlp.experts.fc2_weight"][2][:, EXPERT_FFN // 2:])
+    assert "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight" not in second["model"]
+    assert second["args"].expert_model_parallel_size == 2 and second["args"].num_experts == EXPERTS
+    back = load_megatron_model(directory, model_cfg(make_vocab_size_divisible_by=32), 128).state_dict()
+    for name, value in ours.items():
+        stored = back[name][: value.shape[0]] if name in ("embedding.word.weight", "output.weight") else back[name]
+        assert torch.equal(stored, value), name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--format", "per-rank", "--ep", "3"], "--ep 3: the expert-parallel ranks must split model.num_experts=4 evenly"),
+    (["--ep", "2"], "--ep names the per-rank format's expert-parallel files"),
+])  # fmt: skip
+def test_to_megatron_refuses_an_expert_split_in_one_line(dtgpt_moe, tmp_path, capfd, flags, message):
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "out"), *flags]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+def test_a_model_mixing_dense_and_moe_layers_is_one_error(dtgpt_moe, tmp_path, capfd):
+    """megatron-core saves such a model per layer (non-homogeneous layers), which dtgpt does not map."""
+    config = tmp_path / "mixed.toml"
+    config.write_text((layout.iteration_dir(dtgpt_moe, 3) / "config.toml").read_text().replace("moe_layer_freq = 1", "moe_layer_freq = 2"))
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "out"), "--config", str(config)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.moe_layer_freq=2: Megatron stores a model that mixes dense and MoE layers" in err[0]
+
+
+def test_moe_architecture_keys_are_compared_with_megatrons_args():
+    """The MoE args Megatron-LM keeps (validate_args fills moe_ffn_hidden_size in from
+    ffn_hidden_size) against [model]; a dense checkpoint's num_experts None against a MoE config."""
+    import argparse
+
+    from dtgpt.checkpoint.architecture import difference, megatron_architecture, megatron_args, with_megatron_architecture
+
+    cfg = model_cfg()
+    args = argparse.Namespace(**megatron_args(cfg))
+    assert difference(megatron_architecture(args), cfg) is None
+    assert "model.moe_ffn_hidden_size: the checkpoint has 128" in difference(
+        megatron_architecture(argparse.Namespace(**{**vars(args), "moe_ffn_hidden_size": None})), cfg)
+    dense = argparse.Namespace(**megatron_args(model_cfg(num_experts=None, moe_router_enable_expert_bias=False)))
+    assert "model.num_experts: the checkpoint has unset but the config has 4; set no model.num_experts" in difference(
+        megatron_architecture(dense), cfg)
+    unshared = argparse.Namespace(**{**vars(args), "moe_shared_expert_intermediate_size": None})
+    assert "model.moe_shared_expert_intermediate_size: the checkpoint has unset but the config has 48" in difference(
+        megatron_architecture(unshared), cfg)
+    assert with_megatron_architecture(dense, cfg).num_experts is None
