@@ -193,6 +193,7 @@ def train(
     finally:
         profiler.close()
         watchdog.close()
+        last_words.close()
     return reason
 
 

@@ -33,14 +33,15 @@ BASE = [
     "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
     "--optimizer.lr_decay_style=cosine", "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer",
     "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=1",
-    "--distributed.timeout_minutes=0.5",
 ]  # fmt: skip
+"""The default collective timeout (10 minutes): a dead rank is detected without it (dtgpt/faults/detect.py)."""
 ENV = {"OMP_NUM_THREADS": "1"}
 OPT_OUT = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Not set, even when the caller's environment has it: restarts must work on torchrun's shared
 store as a plain torchrun command leaves it (dtgpt/faults/attempt_store.py)."""
 SHUTDOWN_TIMEOUT = 10
-"""torchrun's grace period between forwarding a signal and SIGKILL (default 30 s)."""
+"""torchrun's grace period between forwarding a signal and SIGKILL (default 30 s) on 2 ranks,
+where no rank has last words to say; None leaves torchrun's default."""
 
 
 OUR_CODE = (Path(layout.__file__).resolve().parents[1], REPO / "train.py")
@@ -145,18 +146,19 @@ class Runner:
     """Runs jobs in `workdir/<scenario>/` on `nproc` ranks; caches the reference run."""
 
     def __init__(
-        self, workdir: Path, nproc: int = 2, log=print, layout: list[str] = (), iters: int = ITERS, grace: int = SHUTDOWN_TIMEOUT,
-        label: str = "",
+        self, workdir: Path, nproc: int = 2, log=print, layout: list[str] = (), iters: int = ITERS,
+        grace: int | None = SHUTDOWN_TIMEOUT, label: str = "",
     ):
         """`layout`: extra arguments of every run (a mesh, say); `iters`: training.train_iters;
-        `grace`: torchrun's --shutdown-timeout; `label`: a prefix of scenario names."""
+        `grace`: torchrun's --shutdown-timeout (None: its default); `label`: a prefix of scenario names."""
         self.workdir, self.nproc, self.log = Path(workdir), nproc, log
         self.layout, self.iters, self.grace, self.label = list(layout), iters, grace, label
         self._reference: dict[int, float] | None = None
 
     def command(self, restarts: int) -> list[str]:
+        grace = [] if self.grace is None else [f"--shutdown-timeout={self.grace}"]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
-                f"--max-restarts={restarts}", f"--shutdown-timeout={self.grace}", str(REPO / "train.py")]  # fmt: skip
+                f"--max-restarts={restarts}", *grace, str(REPO / "train.py")]  # fmt: skip
 
     def launch(self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300) -> Run:
         """torchrun train.py BASE + args in `where`; `on_line(line, proc)` sees every output line."""

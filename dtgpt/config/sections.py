@@ -302,7 +302,9 @@ class DistributedConfig:
     backend: str = "auto"
     """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
     timeout_minutes: float = 10.0
-    """Collective timeout: a dead or stuck peer becomes an error after this long, not a hang."""
+    """Collective timeout: a stuck (live) peer becomes an error after this long, not a hang. A dead
+    peer needs no timeout: the failure notice makes every rank leave its collectives
+    (dtgpt/faults/detect.py)."""
     heartbeat_factor: float = 10.0
     """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
     heartbeat_min_seconds: float = 30.0

@@ -7,6 +7,8 @@ One concern per module; import the one you need (this package imports none of th
   stop every rank after the same iteration, which is then saved (`ExitConditions`).
 - `last_words`: the survivors' save after a hard failure (a peer SIGKILLed, segfaulted, OOM
   killed): roll call, decide, save the last completed iteration over the survivors' group.
+- `detect`: failure detection: the first rank whose collective fails posts a notice in the
+  attempt's store, and every rank leaves its collectives within a second (no collective timeout).
 - `attempt_store`: the store prefix of one torchrun attempt, so a restarted group never reads a
   dead attempt's keys.
 - `watchdog`: the heartbeat line when an iteration runs far longer than usual.

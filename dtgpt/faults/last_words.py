@@ -1,13 +1,15 @@
 """Last words after a hard failure: the survivors save the last completed iteration.
 
 When a rank dies (SIGKILL, a segfault, an OOM kill), its peers' next collective fails ("Connection
-closed by peer", or the collective timeout), and torchrun sends the survivors SIGTERM and, after
-its `--shutdown-timeout`, SIGKILL. In that window the survivors:
+closed by peer"); the first to fail posts a failure notice and every survivor leaves the
+collective it is blocked in within a second (detect.py), and torchrun sends the survivors
+SIGTERM and, after its `--shutdown-timeout` (30 s), SIGKILL. In that window the survivors:
 
 1. **roll call**: each sets a key in this attempt's store (dtgpt/faults/attempt_store.py) with the last
    iteration it completed and whether it was inside the optimizer step; they wait until every
    rank has answered or `distributed.roll_call_seconds` passed, and the first to close the roll
-   fixes the list of survivors for everyone (an atomic compare-and-set);
+   fixes the list of survivors for everyone (an atomic compare-and-set). No survivor is still
+   blocked in a collective by then (detect.py), so each answers within the window;
 2. **decide** (`decide`, a pure function): last words only when nobody was inside the optimizer
    step and all agree on the last completed iteration (the consistency rule: a failure during
    forward/backward leaves the last completed iteration's weights, optimizer moments, schedule
@@ -16,15 +18,15 @@ its `--shutdown-timeout`, SIGKILL. In that window the survivors:
    and when the survivors hold a complete copy of the state: every rank of at least one
    data-parallel replica is alive (with `data_parallel_replicate_size >= 2`; without replicas, a
    dead rank's shards exist nowhere else);
-3. **save**: over a survivors' group (`dist.new_group(..., use_local_synchronization=True)`; gloo
-   cannot shrink a group) as a normal checkpoint, marker and pointer included. Each DTensor's
-   local shard carries its global offset, and DCP keeps one copy of each shard that replicas
-   hold twice, so the metadata describes whole tensors and the restart loads it at any mesh.
+3. **save**: over a new gloo group of the survivors (`dist.new_group(..., use_local_synchronization=True)`;
+   the training groups were left in step 1, and gloo cannot shrink a group) as a normal
+   checkpoint, marker and pointer included. Each DTensor's local shard carries its global
+   offset, and DCP keeps one copy of each shard that replicas hold twice, so the metadata
+   describes whole tensors and the restart loads it at any mesh.
 
-Otherwise one line says why not and which checkpoint the restart will use. A survivor still
-waiting in a collective on another survivor (not on the dead rank) notices only when that
-collective times out (`distributed.timeout_minutes`): keep that below the roll-call window, and
-torchrun's `--shutdown-timeout` above the window plus one checkpoint save (docs/faults.md).
+Otherwise one line says why not and which checkpoint the restart will use. The defaults fit
+torchrun's: the roll call (10 s) plus one save of a small model inside its 30 s grace; a large
+model's save needs `--shutdown-timeout` above the window plus one save (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dtgpt.checkpoint import layout
+from dtgpt.faults.detect import FailureDetector
 from dtgpt.parallel.dims import MESH_DIMS
 from dtgpt.state import TrainState, rng_state
 
@@ -119,7 +122,8 @@ def roll_call(store: dist.Store, rank: int, world_size: int, report: Report, sec
 
 
 def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight, seconds: float) -> None:
-    """After a failed collective in the train step: roll call, decide, save or say why not."""
+    """After a failed collective in the train step (and detect.py's leave): roll call, decide,
+    save or say why not."""
     dims, rank = state.model.dims, dist.get_rank()
     if dims.dp_replicate < 2:  # no rank's shards exist twice: nothing to wait for
         if store.compare_set(f"{PREFIX}/speaker", "", str(rank)) == str(rank).encode():  # one line, from the first
@@ -133,7 +137,9 @@ def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight
     checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
     iteration, why = decide(reports, replicas(dims))
     if iteration is not None and not checkpointer.saved(iteration):
-        group = dist.new_group(sorted(reports), use_local_synchronization=True)
+        # gloo whatever the training backend: on NCCL the groups were just aborted, and a new
+        # NCCL communicator could be split from an aborted one.
+        group = dist.new_group(sorted(reports), backend="gloo", use_local_synchronization=True)
         start = time.perf_counter()
         directory = checkpointer.save_over(iteration, group, inflight.rng)
         if speaker:
@@ -151,11 +157,11 @@ def _none(checkpointer, why: str) -> None:
 
 class LastWords:
     """Wraps each train step, remembering its start (InFlight), and the stop decision after it
-    (its all-reduce is where survivors of a rank that died in the optimizer step fail); speaks
-    when a collective in either fails."""
+    (its all-reduce is where survivors of a rank that died in the optimizer step fail); when a
+    collective in either fails, declares the failure (detect.py) and speaks."""
 
-    def __init__(self, state: TrainState, checkpointer, store: dist.Store, seconds: float):
-        self.state, self.checkpointer, self.store, self.seconds = state, checkpointer, store, seconds
+    def __init__(self, state: TrainState, checkpointer, detector: FailureDetector, seconds: float):
+        self.state, self.checkpointer, self.detector, self.seconds = state, checkpointer, detector, seconds
         self.inflight = InFlight(state)
 
     @contextlib.contextmanager
@@ -170,23 +176,47 @@ class LastWords:
         try:
             yield
         except (RuntimeError, OSError) as e:
-            # gloo reports a dead peer and a timeout as a plain RuntimeError; dtgpt's own errors
-            # (bad data, a non-finite loss) subclass it and are no hard failure of a peer.
-            if type(e) in (RuntimeError, OSError) or isinstance(e, dist.DistError):
-                speak(self.state, self.checkpointer, self.store, self.inflight, self.seconds)
+            if _peer_failure(e):
+                self.detector.declare(str(e))
+                speak(self.state, self.checkpointer, self.detector.store, self.inflight, self.seconds)
             raise
+
+    def close(self) -> None:
+        self.detector.close()
+
+
+def _peer_failure(e: BaseException) -> bool:
+    """gloo reports a dead peer and a timeout as a plain RuntimeError; dtgpt's own errors (bad
+    data, a non-finite loss) subclass it and are no hard failure of a peer."""
+    return type(e) in (RuntimeError, OSError) or isinstance(e, dist.DistError)
 
 
 class Silent:
-    """No last words: one process, no checkpoint.save, or distributed.roll_call_seconds = 0."""
+    """No last words: one process, no checkpoint.save, or distributed.roll_call_seconds = 0. A
+    failed collective still declares the failure, so that no peer waits for its timeout."""
 
-    def iteration(self) -> contextlib.nullcontext:
-        return contextlib.nullcontext()
+    def __init__(self, detector: FailureDetector | None = None):
+        self.detector = detector
 
-    guard = iteration
+    def iteration(self) -> contextlib.AbstractContextManager:
+        return self.guard()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        try:
+            yield
+        except (RuntimeError, OSError) as e:
+            if self.detector is not None and _peer_failure(e):
+                self.detector.declare(str(e))
+            raise
+
+    def close(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
 
 
 def build_last_words(cfg, runtime, state: TrainState, checkpointer) -> LastWords | Silent:
-    if runtime.store is None or checkpointer is None or not cfg.checkpoint.save or cfg.distributed.roll_call_seconds <= 0:
-        return Silent()
-    return LastWords(state, checkpointer, runtime.store, cfg.distributed.roll_call_seconds)
+    detector = FailureDetector(runtime.store, runtime.rank) if runtime.store is not None and runtime.world_size > 1 else None
+    if detector is None or checkpointer is None or not cfg.checkpoint.save or cfg.distributed.roll_call_seconds <= 0:
+        return Silent(detector)
+    return LastWords(state, checkpointer, detector, cfg.distributed.roll_call_seconds)

@@ -57,9 +57,8 @@ def test_sigkill_on_hsdp_loses_no_iteration(tmp_path):
     """Rank 3 dies at the start of iteration 5 (its peers fail in forward/backward); ranks 0, 1
     and 2 hold replica 0 whole, save iteration 4 over their own group, and the restart resumes
     right after it: nothing is trained twice, every loss equals the uninterrupted run's."""
-    # fault_drill.FAST_FAILURE: 6 s collective timeout, 15 s roll call; torchrun's grace covers both and the save
-    drill = fault_drill.Drill(tmp_path, nproc=4, layout=fault_drill.HSDP + fault_drill.FAST_FAILURE, iters=6,
-                              grace=fault_drill.LAST_WORDS_GRACE)  # fmt: skip
+    # Every default: 10-minute collective timeout, 10 s roll call, torchrun's 30 s grace.
+    drill = fault_drill.Drill(tmp_path, nproc=4, layout=fault_drill.HSDP, iters=6, grace=None)
     result = drill.sigkill(rank=3, iteration=5)
     log = result.runs[0].log
     assert "last words: ranks [0, 1, 2] saved iteration 4" in log, explain(result)

@@ -1,0 +1,107 @@
+"""Failure detection (dtgpt/faults/detect.py) on 3 real gloo processes: a rank blocked in a
+collective on a *live* peer (the case gloo never wakes by itself before its timeout) leaves it
+as soon as a failure is declared, and the processes can still build a new group afterwards, as
+the survivors' save does."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtgpt.faults.detect import NOTICE, FailureDetector
+
+TIMEOUT = timedelta(minutes=5)
+"""The collectives' own timeout: far beyond BOUND_S, so a timeout cannot pass for detection."""
+BOUND_S = 60.0
+"""Generous: the detector checks every 0.5 s; a loaded 2-core machine may delay it by seconds."""
+
+
+def _rank(rank: int, port: int, declarer: int, watch: bool, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=TIMEOUT)
+    attempt = dist.PrefixStore("attempt", store)
+    # Rank 0's watch may be off: then only the peer it waits on leaving can wake it.
+    detector = FailureDetector(attempt, rank, poll_s=0.5 if watch or rank != 0 else 3600)
+    pair = dist.new_group([0, 1])
+    dist.barrier()
+    record = {}
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=pair)  # rank 1 is alive and never joins
+            record["left"] = "completed"
+        except RuntimeError as e:
+            record["left"] = str(e).splitlines()[0]
+        record["seconds"] = time.monotonic() - start
+    elif rank == declarer:
+        time.sleep(2.0)  # rank 0 is blocked by now
+        detector.declare("rank 3 died (a test's word for it)\nsecond line")
+    attempt.add("waited", 1)
+    while attempt.add("waited", 0) < 3:  # rank 1 stays alive until rank 0 has left
+        time.sleep(0.05)
+    # What the survivors' save does next: a new group over the old ones, and a collective on it.
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=group)
+    record.update(total=total.item(), notice=detector.notice(), left_at=detector.left_at)
+    detector.close()
+    Path(out, f"{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def run_ranks(tmp_path: Path, declarer: int, watch: bool = True) -> dict[int, dict]:
+    # The store lives here, as torchrun's agent hosts it, so no rank's exit takes it down.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    port = server.port
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, port, declarer, watch, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    return {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("declarer,watch", [(2, True), (1, False)], ids=["a-third-rank-declares", "the-peer-declares"])
+def test_a_rank_blocked_on_a_live_peer_leaves_when_a_failure_is_declared(tmp_path, declarer, watch):
+    """Rank 0 waits in an all-reduce with rank 1, which is alive and never joins. A third rank
+    declares a failure (rank 0's watch sees the notice), or rank 1 itself does (rank 0's watch
+    is off: rank 1 leaving its collectives is what wakes rank 0). Either way rank 0's all-reduce
+    fails long before its 5-minute timeout, every rank has left, and a new group works."""
+    records = run_ranks(tmp_path, declarer, watch)
+    blocked = records[0]
+    assert blocked["left"] != "completed" and "Timed out" not in blocked["left"], blocked
+    assert blocked["seconds"] < BOUND_S, blocked
+    assert all(r["total"] == 3.0 for r in records.values())  # 0 + 1 + 2 over the new group
+    assert all(r["notice"]["rank"] == declarer for r in records.values())
+    assert blocked["notice"]["why"] == "rank 3 died (a test's word for it)"  # its first line
+    assert records[declarer]["left_at"] is not None  # the declarer left at once; the others when they saw it
+
+
+def test_no_notice_no_leaving():
+    """Without a notice the watch never acts: the store key is absent, nothing is left."""
+    store = dist.HashStore()
+    left = []
+    detector = FailureDetector(store, 0, poll_s=0.05, leave=left.append)
+    time.sleep(0.3)
+    assert detector.notice() is None and detector.left_at is None and not left
+    store.set(NOTICE, json.dumps({"rank": 1, "why": "x", "at": time.time()}))
+    deadline = time.monotonic() + 30
+    while detector.left_at is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    detector.close()
+    assert len(left) == 1 and detector.left_at is not None
+    detector.leave()
+    assert len(left) == 1  # once
