@@ -19,7 +19,9 @@ def ep(size: int) -> str:
     return f"--parallel.expert_model_parallel_size={size}"
 
 
-RESUME = [*TINY, *MOE, "--training.train_iters=6", "--optimizer.lr_decay_iters=6"]
+# the expert bias on: it is state a resume must restore (its Adam-free updates come from the counts)
+EXPERT_BIAS = ["--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true", "--model.moe_router_bias_update_rate=0.05"]
+RESUME = [*TINY, *MOE, *EXPERT_BIAS, "--training.train_iters=6", "--optimizer.lr_decay_iters=6"]
 
 
 def losses_of(tmp_path, name: str, args: list[str], nproc: int) -> dict[int, float]:

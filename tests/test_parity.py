@@ -59,6 +59,8 @@ MQA = [*(o for o in LLAMA if "num_query_groups" not in o and "qk_layernorm" not 
 MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64",
        "--model.moe_aux_loss_coeff=1e-2", "--model.moe_z_loss_coeff=1e-3"]  # fmt: skip
 MOE_GROUPED = [*MOE, "--model.moe_grouped_gemm=true"]
+# aux-loss-free balancing: a sigmoid router whose expert bias moves by every iteration's counts
+EXPERT_BIAS = ["--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true", "--model.moe_router_bias_update_rate=0.05"]
 DP_SHARD2 = "--parallel.data_parallel_shard_size=2"
 
 
@@ -151,19 +153,22 @@ LAYOUTS = {
     ),
     "moe_pp2_expert_bias_full_block_ac": (
         2,
-        [*MOE, "--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true",
-         "--model.moe_router_bias_update_rate=0.05", "--model.moe_layer_freq=2", PP2, "--parallel.pipeline_schedule=1F1B",
+        [*MOE, *EXPERT_BIAS, "--model.moe_layer_freq=2", PP2, "--parallel.pipeline_schedule=1F1B",
          *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
     ),  # fmt: skip
     # expert parallelism (grouped GEMM): ep folded out of dp_shard x cp, tokens sent to their
     # experts' ranks by all-to-all; with 2 ranks left for the experts' FSDP (ep2 of dp_shard 4),
-    # under a pipeline, beside tp + SP (each tp rank's chunk goes to its own ep group) and on the
+    # under a pipeline, beside tp + SP with the expert bias (each tp rank's chunk goes to its own ep
+    # group; the bias stays a plain buffer) and on the
     # ranks of cp2. The experts are saved whole (E, ...) whatever ep is.
     "moe_ep2": (2, [*MOE_GROUPED, DP_SHARD2, ep(2)]),
     "moe_ep4": (4, [*MOE_GROUPED, "--parallel.data_parallel_shard_size=4", ep(4)]),
     "moe_ep2_dp_shard4": (4, [*MOE_GROUPED, "--parallel.data_parallel_shard_size=4", ep(2)]),
     "moe_ep2_pp2": (4, [*MOE_GROUPED, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
-    "moe_ep2_tp2_sp": (4, [*MOE_GROUPED, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", ep(2)]),
+    "moe_ep2_tp2_sp_expert_bias": (
+        4,
+        [*MOE_GROUPED, *EXPERT_BIAS, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", ep(2)],
+    ),
     "moe_ep2_cp2": (2, [*MOE_GROUPED, CP2, ep(2)]),
 }
 

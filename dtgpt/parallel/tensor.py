@@ -72,11 +72,11 @@ class LocalReplicaParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def replicate_parameters(_name, sub, mesh):
+        # Not distribute_module: it makes every buffer a DTensor too, and the router adds its
+        # expert bias to plain scores.
+        for sub in module.modules():
             for key, param in list(sub.named_parameters(recurse=False)):
-                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), param.requires_grad))
-
-        distribute_module(module, device_mesh, partition_fn=replicate_parameters)
+                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]), param.requires_grad))
         module.register_forward_pre_hook(_local_parameters)
         module.register_forward_hook(_replicated_parameters)
         return module
