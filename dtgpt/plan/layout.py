@@ -25,7 +25,7 @@ from dtgpt.config import (
 )
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.tokenizer import HuggingFaceTokenizer
-from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters
+from dtgpt.model_size import flops_per_token, num_parameters
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
 from dtgpt.plan import comm, links
@@ -168,13 +168,16 @@ def plan_layout(
     total = sum(r.stage_params for r in heads) - tied_copy
     recomputed = sum(r.recomputed_layers for r in heads)
     model_fpt = flops_per_token(m, padded)
-    layer_fpt = layer_flops_per_token(m)
+    # A recomputed block costs one more forward of itself; MoE and dense blocks differ, so the mean.
+    layer_fpt = (model_fpt - 6 * m.hidden_size * padded) / m.num_layers
     hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt)
     tokens_per_iter = batches.final * m.seq_length
     plan = Plan(
         world_size=world_size,
-        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v},
+        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v,
+              "ep": dims.ep, "efsdp": dims.dp_shard * dims.cp // dims.ep},
         vocab_size=vocab, padded_vocab_size=padded, total_params=total,
+        active_params=num_parameters(m, padded, active=True),
         microbatches=micro, microbatches_initial=micro0, microbatch_counts=counts,
         bubble_fraction=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro),
         bubble_fraction_initial=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro0),
