@@ -20,50 +20,49 @@ micro-batch (each tp rank routes its own sequence chunk under SP), per MoE layer
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dtgpt.plan.comm import Collective, CommLayout
+# `c` below is a dtgpt.plan.comm.CommLayout and `collective` its Collective class, passed in:
+# comm imports this module, and the plan package's imports run one way.
 
 
-def is_moe_block(c: "CommLayout", index: int) -> bool:
+def is_moe_block(c, index: int) -> bool:
     """Block `index` (global, from 0) holds an MoE layer: every moe_layer_freq-th from block 0."""
     return c.experts > 0 and index % c.moe_layer_freq == 0
 
 
-def stage_blocks(c: "CommLayout", stage: int) -> list[int]:
+def stage_blocks(c, stage: int) -> list[int]:
     """The global indices of a stage's blocks."""
     first = sum(c.layer_counts[:stage])
     return list(range(first, first + c.layer_counts[stage]))
 
 
-def mlp_shapes(c: "CommLayout", width: int) -> list[tuple[int, ...]]:
+def mlp_shapes(c, width: int) -> list[tuple[int, ...]]:
     """A tensor-parallel MLP of `width`: fc1 (and SwiGLU's gate) column-split, fc2 row-split."""
     tp = c.tp
     mlp_in = [(width // tp, c.hidden)] + [(width // tp,)] * c.bias
     return mlp_in * (2 if c.swiglu else 1) + [(c.hidden, width // tp)] + [(c.hidden,)] * c.bias
 
 
-def moe_block_shapes(c: "CommLayout") -> list[tuple[int, ...]]:
+def moe_block_shapes(c) -> list[tuple[int, ...]]:
     """What an MoE layer leaves in its block's FSDP unit: the router (replicated over tp) and the
     shared expert (tensor-parallel as a dense MLP)."""
     router = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias
     return router + (mlp_shapes(c, c.shared_ffn) if c.shared_ffn else [])
 
 
-def expert_shapes(c: "CommLayout") -> list[tuple[int, ...]]:
+def expert_shapes(c) -> list[tuple[int, ...]]:
     """One MoE layer's stacked experts on a rank: E/ep of them, whole (replicated over tp)."""
     local, f, h = c.experts // c.ep, c.expert_ffn, c.hidden
     fc1 = (2 if c.swiglu else 1) * f
     return [(local, fc1, h), (local, h, f)] + ([(local, fc1), (local, h)] if c.bias else [])
 
 
-def expert_gathered_numel(c: "CommLayout") -> int:
+def expert_gathered_numel(c) -> int:
     """Elements FSDP gathers for one expert unit: dim 1 padded up to a multiple of efsdp."""
     return sum(math.prod((s[0], -(-s[1] // c.efsdp) * c.efsdp, *s[2:])) for s in expert_shapes(c))
 
 
-def routed_rows(c: "CommLayout") -> int:
+def routed_rows(c) -> int:
     """R: the (token, expert) rows a rank sends its experts per micro-batch and MoE layer."""
     tokens = c.micro_batch * c.tokens // (c.tp if c.sequence_parallel else 1)
     if c.capacity_factor is not None and c.pad_to_capacity:
@@ -71,7 +70,7 @@ def routed_rows(c: "CommLayout") -> int:
     return tokens * c.topk
 
 
-def expert_fsdp_collectives(c: "CommLayout", stages: list[int], collective) -> list["Collective"]:
+def expert_fsdp_collectives(c, stages: list[int], collective) -> list:
     """The experts' FSDP units: one gather and one reduce-scatter per MoE layer and iteration."""
     if c.efsdp * c.dp_replicate == 1 or c.experts == 0:
         return []
@@ -86,7 +85,7 @@ def expert_fsdp_collectives(c: "CommLayout", stages: list[int], collective) -> l
     return out
 
 
-def all_to_all_collectives(c: "CommLayout", stages: list[int], n_micro: int, rerun_blocks, collective) -> list["Collective"]:
+def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
     """Expert parallelism's token exchange (module docstring); `rerun_blocks(stage)`: the global
     indices of the stage's blocks whose forward backward runs again."""
     if c.ep == 1 or c.experts == 0:

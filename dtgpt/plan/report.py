@@ -155,6 +155,8 @@ def _comm_lines(plan: Plan) -> list[str]:
     lines = []
     mesh = plan.mesh
     in_node = "tp/cp" if mesh["cp"] > 1 and mesh["cp"] * mesh["tp"] <= GPUS_PER_NODE else "tp"
+    if mesh["ep"] > 1 and mesh["ep"] * mesh["tp"] <= GPUS_PER_NODE:  # dtgpt.plan.links
+        in_node += "/ep"
     across = "pp/dp" if in_node == "tp/cp" or mesh["cp"] == 1 else "pp/dp/cp"
     for t in plan.comm:
         lines.append(
@@ -164,6 +166,12 @@ def _comm_lines(plan: Plan) -> list[str]:
         )
     if len(lines) > 4:  # the 175B layout has 16 pp ranks: first, a middle one, last
         lines = [lines[0], lines[len(lines) // 2], lines[-1]]
+    if any(plan.all_to_all_bytes):
+        per_rank = ", ".join(f"{b / 1e9:.3g}" for b in plan.all_to_all_bytes)
+        lines.append(
+            f"all-to-all each rank sends {per_rank} GB of routed tokens per iteration (pp rank 0 to {len(plan.all_to_all_bytes) - 1}; "
+            f"dispatch and combine, forward and backward, over ep {mesh['ep']})"
+        )
     if lines:
         lines.append(
             f"comm       not overlapped with compute: {plan.est_iteration_s + plan.est_comm_s:.2f} s per iteration, "
