@@ -51,7 +51,6 @@ def test_keys_round_trip_through_toml_and_the_command_line(tmp_path):
         ({"model__num_experts": 0}, None, "model.num_experts=0 must be >= 1"),
         ({"parallel__expert_model_parallel_size": 3}, None, "parallel.expert_model_parallel_size=3 must divide model.num_experts=4"),
         ({"parallel__expert_model_parallel_size": 4}, 2, "expert_model_parallel_size=4 must divide data_parallel_shard_size=2 * context_parallel_size=1"),
-        ({"parallel__expert_model_parallel_size": 2}, 2, "expert parallelism is not built yet"),
         ({"model__num_experts": None, "parallel__expert_model_parallel_size": 2}, None, "needs model.num_experts"),
         ({"parallel__tensor_model_parallel_size": 2, "model__ffn_hidden_size": 128}, 2, "needs parallel.sequence_parallel=true"),
         ({"model__moe_router_score_function": "relu"}, None, "model.moe_router_score_function='relu' is not one of"),

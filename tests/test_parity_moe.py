@@ -7,7 +7,8 @@ to relative 1e-5 (tests/parity_oracle.py): loss and gradient norm of every itera
 parameter after the last, read whole from the run's final checkpoint (the experts' parameters
 keep their full (E, ...) shapes whatever ep is). EP is folded out of the data-parallel ranks:
 ep2 on dp_shard 2, ep4 on dp_shard 4, ep2 on dp_shard 4 (the experts' FSDP then shards over
-the 2 ranks that remain), ep2 under a 2-stage pipeline.
+the 2 ranks that remain), ep2 under a 2-stage pipeline, tp2 + SP with ep1 and ep2, and ep2 on
+the two ranks of cp2.
 
 A run saved at ep2 resumes at ep1 and one saved at ep1 resumes at ep2, each equal to the
 uninterrupted run to fp32 rounding.
@@ -29,12 +30,18 @@ def ep(size: int) -> str:
     return f"--parallel.expert_model_parallel_size={size}"
 
 
+TP2_SP = ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]
 LAYOUTS = {
     # name: (ranks, overrides)
     "ep2": (2, ["--parallel.data_parallel_shard_size=2", ep(2)]),
     "ep4": (4, ["--parallel.data_parallel_shard_size=4", ep(4)]),
     "ep2_dp_shard4": (4, ["--parallel.data_parallel_shard_size=4", ep(2)]),
     "ep2_pp2": (4, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B", ep(2)]),
+    # each tp rank routes its own sequence chunk (its ep group: the same tp coordinate)
+    "tp2_sp": (2, TP2_SP),
+    "ep2_tp2_sp": (4, ["--parallel.data_parallel_shard_size=2", *TP2_SP, ep(2)]),
+    # ep folded onto the cp ranks: each routes its own chunks of every sequence
+    "ep2_cp2": (2, ["--parallel.context_parallel_size=2", ep(2)]),
 }
 
 

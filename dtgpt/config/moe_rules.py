@@ -64,11 +64,6 @@ def check_moe(cfg: Config) -> None:
         "depend on how sequences are split",
     )
     _require(
-        cp == 1,
-        f"model.num_experts={e} with parallel.context_parallel_size={cp} (> 1) is not supported yet: "
-        "no parity test covers MoE under context parallelism",
-    )
-    _require(
         not t.compile,
         f"training.compile=true is not supported with model.num_experts={e}: no parity test covers compiled "
         "MoE layers; set training.compile=false",

@@ -17,7 +17,7 @@ from dtgpt.model import GPT
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
-from dtgpt.parallel.expert import apply_ep
+from dtgpt.parallel.expert import apply_ep, apply_moe_sequence_ranks, moe_layers
 from dtgpt.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from dtgpt.parallel.invariant_dropout import apply_invariant_dropout
 from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
@@ -71,6 +71,8 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
     if dims.cp_enabled:  # before recomputation, which may wrap the attention core it replaces
         apply_cp(model, dims.sub("cp"))
+    if (dims.tp_enabled or dims.cp_enabled) and moe_layers(model):
+        apply_moe_sequence_ranks(model, dims.sequence_mesh())
     if dims.ep_enabled:
         apply_ep(model, dims.sub("ep"), dims.expert_mesh())
     if layout_invariant_dropout(cfg):  # after CP (its core wraps cp's), before recomputation

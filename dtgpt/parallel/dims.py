@@ -99,6 +99,8 @@ class ParallelDims:
         # this flattened view DTensor reduces it in one all-reduce, in one order on every rank,
         # instead of two in sequence (DTensor finds a flattened view by the ranks it spans).
         self.mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
+        if self.cp_enabled and self.tp_enabled:  # see sequence_mesh
+            self.flat["cp_tp"] = self.mesh["cp", "tp"]._flatten("cp_tp")
         if self.ep_enabled:
             self._build_expert_meshes()
         return self.mesh
@@ -133,6 +135,12 @@ class ParallelDims:
     def expert_mesh(self) -> DeviceMesh:
         """Where an expert parameter lives: sharded over ep, replicated over tp."""
         return self.flat["ep_tp"] if self.tp_enabled else self.flat["ep"]
+
+    def sequence_mesh(self) -> DeviceMesh:
+        """The ranks that hold chunks of the same sequences: cp x tp (tp under sequence parallelism)."""
+        if self.cp_enabled and self.tp_enabled:
+            return self.flat["cp_tp"]
+        return self.mesh["cp"] if self.cp_enabled else self.mesh["tp"]
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension `name` (0 without a mesh)."""

@@ -27,6 +27,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from dtgpt.model import GPT
+from dtgpt.moe.layer import MoELayer
+from dtgpt.parallel.expert import apply_moe_tp
 
 
 class ReplicateParallel(ParallelStyle):
@@ -68,6 +70,18 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
+def _mlp_plan(prefix: str, mlp: nn.Module, seq) -> dict[str, ParallelStyle]:
+    """A dense MLP: fc1 (and SwiGLU's gate) column-parallel, fc2 row-parallel."""
+    plan: dict[str, ParallelStyle] = {
+        prefix: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        prefix + ".fc1": ColwiseParallel(),
+        prefix + ".fc2": RowwiseParallel(output_layouts=seq),
+    }
+    if mlp.gate is not None:
+        plan[prefix + ".gate"] = ColwiseParallel()
+    return plan
+
+
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
@@ -99,8 +113,6 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             # weights' gradients are summed over tp like a sequence-parallel norm's.
             for norm in ("q_norm", "k_norm"):
                 plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if block.mlp.gate is not None:
-            plan[prefix + "mlp.gate"] = ColwiseParallel()
         plan.update(
             {
                 prefix + "input_norm": _norm_style(sequence_parallel),
@@ -108,12 +120,19 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
                 prefix + "attention.qkv": qkv_style,
                 prefix + "attention.proj": RowwiseParallel(output_layouts=seq),
                 prefix + "mlp_norm": _norm_style(sequence_parallel),
-                prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                prefix + "mlp.fc1": ColwiseParallel(),
-                prefix + "mlp.fc2": RowwiseParallel(output_layouts=seq),
             }
         )
+        if isinstance(block.mlp, MoELayer):
+            # Megatron's MoE under tp (expert tensor parallelism 1, sequence parallelism on, as
+            # validation requires): each rank routes its own sequence chunk, no gather; the
+            # shared expert is a dense MLP split over tp.
+            plan[prefix + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True)
+            if block.mlp.shared_expert is not None:
+                plan.update(_mlp_plan(prefix + "mlp.shared_expert", block.mlp.shared_expert, seq))
+        else:
+            plan.update(_mlp_plan(prefix + "mlp", block.mlp, seq))
     parallelize_module(model, tp_mesh, plan)
+    apply_moe_tp(model, tp_mesh)
     if sequence_parallel and model.embedding is not None:
         # The sequence chunk is a view of the full embedding output. FSDP2 hooks its backward
         # on the module's output and (rightly) distrusts views, which an in-place op later could
