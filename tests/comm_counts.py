@@ -50,6 +50,7 @@ LAYOUTS = {
     "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     "ep2": {"expert_model_parallel_size": 2},
     "pp2_ep2": {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2},
+    "ep2_tp2_sp": {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     "ep2_full": {"expert_model_parallel_size": 2, "recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1},
 }  # fmt: skip
@@ -205,7 +206,7 @@ class TensorListRecord(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-TORCH_DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
+TORCH_DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half", torch.int64: "long int"}
 
 
 def profile_iteration(cfg, state, batch) -> tuple[dict[str, list[int]], list]:

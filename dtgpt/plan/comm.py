@@ -121,6 +121,8 @@ class CommLayout:
     ep: int = 1
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
+    load_balancing: str = "none"
+    aux_loss_coeff: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -144,7 +146,8 @@ class CommLayout:
             experts=m.num_experts or 0, topk=m.moe_router_topk if m.moe_enabled else 0, moe_layer_freq=m.moe_layer_freq,
             expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
             ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor,
-            pad_to_capacity=m.moe_pad_expert_input_to_capacity,
+            pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
+            aux_loss_coeff=m.moe_aux_loss_coeff,
         )  # fmt: skip
 
     @property
@@ -259,7 +262,8 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     blocks = sum(c.layer_counts[s] for s in stages)
     first = 0 in stages
     last = c.num_stages - 1 in stages
-    sublayers = 2 * blocks * n_micro
+    moe = sum(1 for s in stages for i in comm_moe.stage_blocks(c, s) if comm_moe.is_moe_block(c, i))
+    sublayers = (2 * blocks - moe) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
     out = []
     if c.sequence_parallel:
         out += [Collective("all_gather", "tp", "sp norm outputs fwd", sublayers, residual),
@@ -371,6 +375,7 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
         + cp_collectives(c, stages, n_micro)
         + pp_collectives(c, stages, n_micro)
         + comm_moe.all_to_all_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
+        + comm_moe.sequence_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
         + step_collectives(c, stages)
     )
 

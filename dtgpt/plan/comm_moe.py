@@ -10,6 +10,12 @@ micro-batch (each tp rank routes its own sequence chunk under SP), per MoE layer
        same two backward; a recomputed block (full recomputation) runs its forward again, counts
        and both exchanges. Each rank sends its own R rows; what it receives depends on the
        routing, so R·h·e is the mean over the ep ranks (their sum is exact).
+  under tp (+ SP) and cp: the router and the experts run on the rank's own tokens, so an MoE
+       block has no SP gather/scatter around its MLP (only the attention's); the router's
+       per-expert load counts (E int64, B·E for seq_aux_loss) are summed over the ranks holding
+       chunks of the same sequences (cp x tp) per micro-batch, again in a recomputed forward; the
+       router's and experts' gradients, partial over tp, are all-reduced once per iteration
+       (in the compute dtype with one micro-batch, else in the reduce dtype, as SP's norms).
   FSDP over efsdp = dp_shard·cp/ep (the ranks left once ep is folded out): each MoE layer's
        experts are a unit of their own, E/ep experts sharded on their second axis; one
        all-gather and one reduce-scatter per iteration as any unit, none at efsdp = 1; HSDP adds
@@ -98,3 +104,23 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
         collective("all_to_all", "ep", "dispatch + combine fwd", 2 * (layers + rerun) * n_micro, rows),
         collective("all_to_all", "ep", "dispatch + combine grads bwd", 2 * layers * n_micro, rows),
     ]
+
+
+def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
+    """tp and cp's MoE terms (module docstring): the router's load counts and the gradients of the
+    parameters tp replicates (router, experts)."""
+    if c.experts == 0:
+        return []
+    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
+    out = []
+    tp = c.tp if c.sequence_parallel else 1
+    if c.cp * tp > 1 and c.load_balancing != "none" and c.aux_loss_coeff > 0:
+        dim = "cp_tp" if c.cp > 1 and tp > 1 else "cp" if c.cp > 1 else "tp"
+        counts = 8 * c.experts * (c.micro_batch if c.load_balancing == "seq_aux_loss" else 1)
+        out.append(collective("all_reduce", dim, "router load counts", (layers + rerun) * n_micro, counts))
+    if c.tp > 1:
+        grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
+        replicated = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + expert_shapes(c)
+        out += [collective("all_reduce", "tp", "router and expert grads", layers, math.prod(s) * grad) for s in replicated]
+    return out

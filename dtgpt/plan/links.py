@@ -12,7 +12,7 @@ from dtgpt.plan.comm import Collective, CommLayout, rank_collectives
 def group_size(c: CommLayout, dim: str) -> int:
     sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "dp_cp": c.dp * c.cp, "dp_shard": c.dp_shard,
              "dp_shard_cp": c.shard, "dp_replicate": c.dp_replicate, "dp_shard_tp": c.shard * c.tp, "tied": 2,
-             "ep": c.ep, "efsdp": c.efsdp,
+             "ep": c.ep, "efsdp": c.efsdp, "cp_tp": c.cp * c.tp,
              "world": c.pp * c.dp * c.cp * c.tp}  # fmt: skip
     return sizes[dim]
 
@@ -55,7 +55,7 @@ def rank_traffic(
     (innermost mesh dimension), and so does cp (next to it) when cp x tp fits a node; pp and dp
     cross nodes."""
     nvlink = other = 0.0
-    within_node = {"tp", "cp"} if c.cp * c.tp <= GPUS_PER_NODE else {"tp"}
+    within_node = {"tp", "cp", "cp_tp"} if c.cp * c.tp <= GPUS_PER_NODE else {"tp"}
     if c.ep * c.tp <= GPUS_PER_NODE:  # an ep group is ep neighbours at stride tp (dtgpt.parallel.dims)
         within_node.add("ep")
     for col in rank_collectives(c, pp_rank, n_micro):
