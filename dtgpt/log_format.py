@@ -10,6 +10,9 @@ from datetime import datetime
 from typing import Any, Mapping, Optional
 
 MEMORY_KEYS: tuple[str, ...] = ("mem_allocated_gib", "mem_reserved_gib", "mem_peak_gib")
+# Megatron's names of the MoE router losses it logs (dtgpt/moe/stats.py), then the routing counts.
+MOE_LOSS_KEYS: tuple[str, ...] = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+MOE_KEYS: tuple[str, ...] = MOE_LOSS_KEYS + ("tokens_per_expert", "dropped_tokens")
 # exp() of a diverged loss overflows; Megatron caps the exponent at 20 for the same reason.
 _MAX_PPL_EXPONENT = 20.0
 
@@ -35,6 +38,7 @@ def format_log_line(
     tokens_per_s: Optional[float] = None,
     mfu: Optional[float] = None,
     memory: Optional[Mapping[str, float]] = None,
+    router_losses: Optional[Mapping[str, float]] = None,
     now: Optional[datetime] = None,
 ) -> str:
     """One training log line. Megatron's fields keep Megatron's names, widths and order so
@@ -56,6 +60,8 @@ def format_log_line(
     fields.append(f"global batch size: {global_batch_size:5d}")
     if loss is not None:
         fields.append(f"lm loss: {loss:.6E}")
+    for name, value in (router_losses or {}).items():  # after lm loss, as Megatron prints them
+        fields.append(f"{name}: {value:.6E}")
     if loss_scale is not None:
         fields.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
@@ -99,6 +105,11 @@ def _time_weighted(records: list[Mapping[str, Any]], key: str) -> Optional[float
     return sum(v for v, _ in pairs) / len(pairs)
 
 
+def _mean(records: list[Mapping[str, Any]], key: str) -> Optional[float]:
+    values = [r[key] for r in records if _is_number(r.get(key))]
+    return sum(values) / len(values) if values else None
+
+
 def summarize_interval(
     records: list[Mapping[str, Any]], skipped_before: int, nan_before: int
 ) -> dict[str, Any]:
@@ -108,7 +119,8 @@ def summarize_interval(
 
     Like Megatron: the loss is the mean over iterations that were neither skipped nor
     non-finite, the time per iteration is the mean over all of them, skipped/nan are counts
-    within the interval, and lr, batch size, loss scale, grad norm, memory are the latest values.
+    within the interval, and lr, batch size, loss scale, grad norm, memory are the latest values;
+    the MoE router losses are means over the interval's iterations, as Megatron prints them.
     """
     last = records[-1]
     losses = []
@@ -133,4 +145,5 @@ def summarize_interval(
         "tokens_per_s": _time_weighted(records, "tokens_per_s"),
         "mfu": _time_weighted(records, "mfu"),
         "memory": {k: last[k] for k in MEMORY_KEYS if k in last},
+        "router_losses": {k: v for k in MOE_LOSS_KEYS if (v := _mean(records, k)) is not None},
     }

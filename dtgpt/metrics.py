@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from dtgpt.config import LoggingConfig
-from dtgpt.log_format import MEMORY_KEYS, format_eval_block, format_log_line, perplexity, summarize_interval
+from dtgpt.log_format import MEMORY_KEYS, MOE_KEYS, MOE_LOSS_KEYS, format_eval_block, format_log_line, perplexity, summarize_interval
 from dtgpt.timers import Timers, format_times
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per device, fp16 for V100/T4 that
@@ -122,9 +122,11 @@ def _json_value(value: Any) -> Any:
 
 
 def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tuple[float, float]]] = None) -> str:
-    """The JSONL line for one record: exactly METRICS_KEYS, in that order, then `timers_ms`
+    """The JSONL line for one record: exactly METRICS_KEYS, in that order, then those of MOE_KEYS
+    an MoE run records (Megatron's router losses, tokens_per_expert [layer][expert], dropped_tokens), then `timers_ms`
     ({phase: [min, max]} per iteration) on the lines that close a log interval with timers on."""
     line = {k: _json_value(record[k]) for k in METRICS_KEYS}
+    line.update({k: _json_value(record[k]) for k in MOE_KEYS if k in record})  # MoE runs only
     if times:
         line["timers_ms"] = {name: [lo, hi] for name, (lo, hi) in times.items()}
     return json.dumps(line, allow_nan=False)
@@ -133,11 +135,11 @@ def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tu
 def check_record(record: Mapping[str, Any]) -> None:
     """Reject a record with a missing or misspelled key now, not as a silently empty chart."""
     missing = [k for k in RECORD_KEYS if k not in record]
-    unknown = [k for k in record if k not in RECORD_KEYS and k not in MEMORY_KEYS]
+    unknown = [k for k in record if k not in RECORD_KEYS and k not in MEMORY_KEYS and k not in MOE_KEYS]
     if missing or unknown:
         raise ValueError(
             f"metrics record: missing keys {missing}, unknown keys {unknown}; "
-            f"expected {list(RECORD_KEYS)} plus optional {list(MEMORY_KEYS)}"
+            f"expected {list(RECORD_KEYS)} plus optional {list(MEMORY_KEYS + MOE_KEYS)}"
         )
 
 
@@ -157,6 +159,8 @@ _TB_SCALARS: tuple[tuple[str, str], ...] = (
     ("mem_allocated_gib", "mem-allocated-gib"),
     ("mem_reserved_gib", "mem-reserved-gib"),
     ("mem_peak_gib", "mem-peak-gib"),
+    *((key, key) for key in MOE_LOSS_KEYS),  # Megatron writes its router losses under their own names
+    ("dropped_tokens", "dropped-tokens"),
 )
 # Also plotted against consumed samples, which stays comparable across batch-size ramp-up.
 _TB_VS_SAMPLES: tuple[tuple[str, str], ...] = (

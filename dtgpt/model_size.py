@@ -64,8 +64,9 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
     width, grouped-query attention and SwiGLU: forward + backward (3x) of the QKV, output and MLP
     matmuls (2 FLOPs per multiply-add), the s×s attention scores and values counted in full (no
     causal discount), and the logit layer. Recomputation is not counted (it is extra work, not
-    useful FLOPs). MoE layers count their top-k experts, the shared expert and the router
-    (Megatron's formula counts the first two; the router adds 6·h·E, under 0.1% for Mixtral).
+    useful FLOPs). An MoE layer counts its top-k experts and the shared expert, as Megatron's
+    formula does; the router's small matmul is left out there too (router_flops_per_token: under
+    0.1% of Mixtral's), so that logged TFLOP/s compare with Megatron's.
     """
     moe = num_moe_layers(cfg)
     dense = cfg.num_layers - moe
@@ -75,7 +76,7 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
 
 def layer_flops_per_token(cfg: ModelConfig, *, moe: bool = False) -> float:
     """Forward + backward FLOPs of one block per token (the per-layer term of flops_per_token);
-    `moe`: of an MoE block (k experts, the shared expert, the router) instead of a dense one."""
+    `moe`: of an MoE block (k experts and the shared expert) instead of a dense one."""
     h, s = cfg.hidden_size, cfg.seq_length
     query_width = cfg.num_attention_heads * cfg.head_dim / h
     attention = (1 + cfg.query_groups / cfg.num_attention_heads + s / h) * query_width
@@ -83,5 +84,10 @@ def layer_flops_per_token(cfg: ModelConfig, *, moe: bool = False) -> float:
     if not moe:
         return 12 * h * h * (attention + cfg.ffn_size / h * gated)
     widths = cfg.moe_router_topk * cfg.expert_ffn_size + (cfg.moe_shared_expert_intermediate_size or 0)
-    router = 6 * h * cfg.num_experts
-    return 12 * h * h * (attention + widths / h * gated) + router
+    return 12 * h * h * (attention + widths / h * gated)
+
+
+def router_flops_per_token(cfg: ModelConfig) -> float:
+    """The routers' forward + backward FLOPs per token, 6·h·E per MoE layer: real work that
+    flops_per_token leaves out as Megatron does (the planner adds it to the hardware FLOPs)."""
+    return num_moe_layers(cfg) * 6 * cfg.hidden_size * (cfg.num_experts or 0)

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dtgpt.config import Config, num_microbatches
 from dtgpt.data.batch import IGNORE_INDEX, Batch, build_batch
+from dtgpt.moe.stats import set_aux_loss_scale
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel.context import split_sequence
 from dtgpt.parallel.fsdp import set_micro_batch_sync
@@ -96,6 +97,8 @@ def local_forward_backward(
     per-token inputs (position_ids, document_ids).
     """
     loss = None
+    # The router losses' gradient: the LM loss's scale over the global batch's micro-batches.
+    set_aux_loss_scale(model.parts, loss_scale / (num_microbatches * model.dims.dp))
     if model.reads_batches:
         batch = rank_batch(model, batch, first_sample)
     if model.has_last_stage:
@@ -194,16 +197,21 @@ def local_squared_grad_norm(model: ModelParts) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(local)).float().pow(2).sum()
 
 
-def reduce_loss_and_norm(model: ModelParts, local_loss: torch.Tensor, squared_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global loss, global gradient norm) from one fp32 all-reduce of two numbers over every rank,
-    the scalars Megatron moves per iteration too (its norm and its overflow flag: here a non-finite
-    norm is the overflow). tp ranks hold the same loss: only tp rank 0 contributes it."""
+def reduce_loss_and_norm(
+    model: ModelParts, local_loss: torch.Tensor, squared_norm: torch.Tensor, routing: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(global loss, global gradient norm, summed MoE routing statistics) from one fp32 all-reduce
+    over every rank: the scalars Megatron moves per iteration too (its norm and its overflow flag:
+    here a non-finite norm is the overflow), and the routing statistics' vector (dtgpt/moe/stats.py)
+    when there is one. tp ranks hold the same loss: only tp rank 0 contributes it."""
     dims = model.dims
     loss = local_loss.float() if dims.tp_rank == 0 else torch.zeros_like(local_loss, dtype=torch.float32)
     both = torch.stack([loss, squared_norm.to(loss.device)])
+    if routing is not None:
+        both = torch.cat([both, routing.to(both)])
     if dims.mesh is not None and dims.world_size > 1:
         dist.all_reduce(both)
-    return both[0], both[1].sqrt()
+    return both[0], both[1].sqrt(), (both[2:] if routing is not None else None)
 
 
 @torch.no_grad()
@@ -228,6 +236,8 @@ class StepResult:
     found_inf: bool
     global_batch_size: int = 0
     lr: float = 0.0
+    moe: dict | None = None
+    """The MoE routing entries of the metrics record (dtgpt/moe/stats.py); None: a dense model."""
 
 
 def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | None) -> StepResult:
@@ -235,7 +245,8 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
 
     Timers are the state's (built from logging.timers_log_level); faults, last words and the
     watchdog wrap this call from outside (dtgpt.faults). One host synchronisation per iteration:
-    the loss and norm are read together (a non-finite norm under fp16 is the overflow).
+    the loss and norm are read together (a non-finite norm under fp16 is the overflow), with an
+    MoE model's routing statistics (dtgpt/moe/stats.py).
     """
     model, optimizer, scaler, timers = state.model, state.optimizer, state.scaler, state.timers
     global_batch_size = BatchSizeSchedule(cfg.training).global_batch_size(state.progress.consumed_samples)
@@ -252,10 +263,16 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
         model.sync_tied_grads()
         if scaler.enabled:  # an inf/NaN gradient (an overflow) shows in the norm below
             scaler.unscale_and_check_([p.grad for p in model.parameters() if p.grad is not None])
-        loss, grad_norm = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model))
+        stats = model.routing_stats
+        routing = stats.local(model.parts, model.device) if stats is not None else None
+        loss, grad_norm, routing = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model), routing)
         clip_gradients(model, cfg.optimizer.clip_grad, grad_norm)
-        loss_value, norm_value = torch.stack([loss, grad_norm]).tolist()
+        numbers = torch.stack([loss, grad_norm])
+        loss_value, norm_value, *routing_values = (numbers if routing is None else torch.cat([numbers, routing])).tolist()
     result = classify(loss_value, norm_value, overflow=scaler.enabled and not math.isfinite(norm_value))
+    if stats is not None:  # Megatron moves the expert biases whether or not the step is taken
+        stats.update_expert_biases(model.parts, routing)
+        result.moe = stats.summary(routing_values, global_batch_size // cfg.training.micro_batch_size)
     if not result.skipped:
         with timers("optimizer-inner-step"):
             optimizer.step()

@@ -56,7 +56,12 @@ def assert_same_training(got: dict, want: dict, iterations: int, rtol: float = R
     """got and want as tests/runs.py train_run returns them; compares the first `iterations`
     iterations and the parameters after iteration `iterations` (both runs saved it)."""
     assert len(got["loss"]) == iterations <= len(want["loss"])
-    for key in ("loss", "grad_norm"):
+    # An MoE run's router losses and routing counts are global figures too (dtgpt/moe/stats.py).
+    losses = [k for k in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss") if k in want]
+    for key in ("loss", "grad_norm", *losses):
         for it, (g, w) in enumerate(zip(got[key], want[key][:iterations]), start=1):
             assert g == pytest.approx(w, rel=rtol), f"iteration {it}: {key} {g} vs one-process {w}"
+    for key in ("tokens_per_expert", "dropped_tokens"):
+        if key in want:
+            assert got[key] == want[key][:iterations], f"{key} differs from one process"
     assert_params_match(got["params"][iterations], want["params"][iterations], want["heads"], rtol)

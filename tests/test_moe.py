@@ -171,3 +171,54 @@ def test_gpt_places_moe_layers_by_frequency_and_inits_them_on_full_shapes():
     logits = model(torch.randint(0, 64, (2, 8)))
     logits.sum().backward()
     assert params["layers.0.mlp.router.weight"].grad is not None
+
+
+def test_a_recomputed_forward_is_not_counted_twice():
+    """Under non-reentrant checkpointing backward reruns the layer; its routing is counted once
+    (early stop off: the rerun then reaches the counting, as it may for any layer)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    layer = MoELayer(dtgpt_config(AUX))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x, _ = inputs()
+    with set_checkpoint_early_stop(False):
+        checkpoint(layer, x.requires_grad_(True), use_reentrant=False).sum().backward()
+    assert int(layer.take_totals()["tokens_per_expert"].sum()) == BATCH * SEQ * 2
+
+
+def test_closed_form_size_counts_the_experts():
+    from dtgpt.model import GPT
+    from dtgpt.model_size import flops_per_token, num_parameters
+
+    moe = dtgpt_config(dict(moe_shared_expert_intermediate_size=8, moe_layer_freq=2, moe_ffn_hidden_size=12))
+    moe.num_layers, moe.add_bias_linear = 3, True
+    model = GPT(moe, vocab_size=64)
+    assert num_parameters(moe, 64) == sum(p.numel() for p in model.parameters())
+    dense = dtgpt_config({})
+    dense.num_experts, dense.num_layers, dense.add_bias_linear = None, 3, True
+    # two MoE blocks run 2 experts of 12 plus a shared 8 (32) where the dense MLP runs 24
+    extra = 2 * 12 * HIDDEN * HIDDEN * (32 - FFN) / HIDDEN
+    assert flops_per_token(moe, 64) == pytest.approx(flops_per_token(dense, 64) + extra)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_sequence_parallel_shares_sum_to_the_whole_loss(kind):
+    """Two ranks holding half the positions each (what tp ranks hold under sequence parallelism,
+    contiguous rows in position-major order), with counts summed between them: their losses add
+    up to the one-rank loss, load-balancing and z loss alike."""
+    router = Router(dtgpt_config(dict(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x, _ = inputs()
+    tokens = x.transpose(0, 1).reshape(-1, HIDDEN)
+    whole = router(tokens, BATCH, weighted=True)
+    halves = tokens.chunk(2)
+    counts = []
+    router.sum_over_sequence_ranks = lambda c: counts.append(c) or c
+    for half in halves:
+        router(half, BATCH, weighted=True)
+    router.sequence_ranks, router.sum_over_sequence_ranks = 2, lambda c: counts[0] + counts[1]
+    shares = [router(half, BATCH, weighted=True) for half in halves]
+    torch.testing.assert_close(shares[0].loss + shares[1].loss, whole.loss)
+    for name, value in whole.logged.items():
+        torch.testing.assert_close(shares[0].logged[name] + shares[1].logged[name], value)

@@ -160,3 +160,20 @@ def test_init_draws_the_full_experts_and_is_reproducible():
     other = GroupedExperts(4, 16, 24, True, False, True, init_std=0.2, output_init_std=0.1)
     other.init_weights(0, prefix="layers.1.mlp.experts.")
     assert not torch.equal(other.fc1_weight, a.fc1_weight)
+
+
+def test_standalone_init_draws_what_the_model_draws():
+    """GroupedExperts.init_weights (with its name in the model) gives the values GPT.init_weights
+    gives the same parameters through the layer's declared inits: one initialisation, two callers."""
+    from dtgpt.config import ModelConfig
+    from dtgpt.model import GPT
+
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_experts=4, add_bias_linear=True)
+    gpt = GPT(cfg, vocab_size=64)
+    gpt.init_weights(seed=3)
+    experts = gpt.layers["1"].mlp.experts
+    alone = GroupedExperts(4, 16, cfg.expert_ffn_size, cfg.swiglu, True, True, experts.init_std, experts.output_init_std)
+    alone.init_weights(3, prefix="layers.1.mlp.experts.")
+    for name, param in alone.named_parameters():
+        assert torch.equal(param, getattr(experts, name)), name
+    assert not torch.equal(alone.fc1_weight, gpt.layers["0"].mlp.experts.fc1_weight)

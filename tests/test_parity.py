@@ -10,7 +10,8 @@ middle stages, which read no data), tp x pp without FSDP, each recomputation set
 full block, selective), compile, context parallelism and Megatron's per-token options (document
 masking) under dp, tp+SP, pp and cp, and the Llama-style model (LLAMA: grouped-query attention,
 SwiGLU, RMSNorm, RoPE, qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp, pp x dp x tp
-and compiled under dp, and with one key/value group for two tp ranks. Every other pipeline schedule runs SHORT iterations, compared
+and compiled under dp, and with one key/value group for two tp ranks, and a tiny MoE (MOE) on dp,
+tp+SP with a shared expert, and pp with recomputation and the expert bias. Every other pipeline schedule runs SHORT iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
 (lr_decay_iters), so a shorter run is a prefix of the longer one (the reference also saves its
 parameters after SHORT iterations). configs/debug_3d.toml itself (8 ranks) runs SHORT iterations
@@ -34,6 +35,7 @@ SHORT = 5
 RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]  # what every run of the comparison shares
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
+PP2 = "--parallel.pipeline_model_parallel_size=2"
 FULL = ["--training.recompute_granularity=full"]  # Megatron's full recomputation; the method follows
 CP2 = "--parallel.context_parallel_size=2"
 # Megatron's per-token options, all on (eod_mask_loss, reset_position_ids, reset_attention_mask).
@@ -45,6 +47,9 @@ LLAMA = ["--model.normalization=RMSNorm", "--model.swiglu=true", "--model.add_bi
          "--model.num_query_groups=2", ROPE, "--model.qk_layernorm=true", UNTIED]  # fmt: skip
 # multi-query: the Llama-style model with one key/value group (and no qk-layernorm, which needs whole groups per rank)
 MQA = [*(o for o in LLAMA if "num_query_groups" not in o and "qk_layernorm" not in o), "--model.num_query_groups=1"]
+# a tiny MoE (4 experts, top-2, dropless) with both router losses in every block
+MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64",
+       "--model.moe_aux_loss_coeff=1e-2", "--model.moe_z_loss_coeff=1e-3"]  # fmt: skip
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
 
@@ -119,10 +124,25 @@ LAYOUTS = {
     ),
     "dropout_dp_shard2": (2, [*DROPOUT, "--parallel.data_parallel_shard_size=2"]),
     "dropout_cp2_selective_ac": (2, [*DROPOUT, CP2, "--training.recompute_granularity=selective"]),
+    # MoE: FSDP shards the stacked experts; tp ranks route their own sequence chunks with
+    # replicated router and experts (a tensor-parallel shared expert beside them); pp with
+    # recomputed blocks and aux-loss-free balancing, whose bias moves by every iteration's counts
+    # (counting the pipeline's metadata-inference forward would change them). Router losses,
+    # tokens per expert and dropped tokens are compared too (tests/parity_oracle.py).
+    "moe_dp_shard2": (2, [*MOE, "--parallel.data_parallel_shard_size=2"]),
+    "moe_tp2_sp_shared_expert": (
+        2,
+        [*MOE, "--model.moe_shared_expert_intermediate_size=64", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+    ),
+    "moe_pp2_expert_bias_full_block_ac": (
+        2,
+        [*MOE, "--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true",
+         "--model.moe_router_bias_update_rate=0.05", "--model.moe_layer_freq=2", PP2, "--parallel.pipeline_schedule=1F1B",
+         *FULL, "--training.recompute_method=block", "--training.recompute_num_layers=1"],
+    ),  # fmt: skip
 }
 
 
-PP2 = "--parallel.pipeline_model_parallel_size=2"
 VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
 SCHEDULES = {
     # every schedule besides 1F1B (above), on 2 ranks for SHORT iterations

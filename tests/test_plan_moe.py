@@ -16,7 +16,7 @@ import torch
 import dtgpt
 from dtgpt.config import load_config
 from dtgpt.model import GPT
-from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters
+from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters, router_flops_per_token
 from dtgpt.plan import memory as pm
 from dtgpt.plan import plan_layout
 from tests.test_plan import ENV, REPO
@@ -89,12 +89,15 @@ def test_closed_forms_count_the_built_model(bias):
     assert num_parameters(cfg, 64) - num_parameters(cfg, 64, active=True) == 2 * (4 - 2) * expert
 
 
-def test_one_expert_of_the_dense_width_costs_the_dense_flops_plus_the_router():
+def test_one_expert_of_the_dense_width_costs_the_dense_flops_and_the_router_apart():
+    """Megatron's count (flops_per_token) is the dense one; the routers' 6·h·E per MoE layer is
+    the planner's hardware extra."""
     dense = dtgpt.make_config(model=dict(TINY, num_experts=None, moe_shared_expert_intermediate_size=None), data=DATA).model
     one = dataclasses.replace(dense, num_experts=1, moe_router_topk=1, moe_ffn_hidden_size=None)
-    assert layer_flops_per_token(one, moe=True) == layer_flops_per_token(dense) + 6 * dense.hidden_size
+    assert layer_flops_per_token(one, moe=True) == layer_flops_per_token(dense)
+    assert flops_per_token(one, 64) == flops_per_token(dense, 64)
     moe_blocks = 2  # blocks 0 and 2 of 4 at moe_layer_freq 2
-    assert flops_per_token(one, 64) == flops_per_token(dense, 64) + 6 * dense.hidden_size * moe_blocks
+    assert router_flops_per_token(one) == 6 * dense.hidden_size * moe_blocks and router_flops_per_token(dense) == 0
 
 
 def test_expert_state_is_sharded_over_ep_then_the_remaining_ranks():

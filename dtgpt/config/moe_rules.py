@@ -57,6 +57,12 @@ def check_moe(cfg: Config) -> None:
         f"model.num_experts={e} with parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
         "(as Megatron: each tp rank routes its own sequence chunk)",
     )
+    shared = m.moe_shared_expert_intermediate_size
+    _require(
+        shared is None or shared % tp == 0,
+        f"parallel.tensor_model_parallel_size={tp} must divide model.moe_shared_expert_intermediate_size={shared} "
+        "(the shared expert is split over tp like the dense MLP)",
+    )
     _require(
         factor is None or (tp == 1 and cp == 1),
         f"model.moe_expert_capacity_factor={factor} needs tensor_model_parallel_size=1 and context_parallel_size=1 "

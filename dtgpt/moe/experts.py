@@ -72,6 +72,8 @@ def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> t
 
 
 class GroupedExperts(nn.Module):
+    """E expert MLPs as stacked parameters (shapes in the module docstring), run on tokens sorted by expert."""
+
     def __init__(
         self,
         num_experts: int,

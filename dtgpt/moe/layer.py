@@ -29,13 +29,12 @@ class _LossGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.loss_shape = loss.shape
+        ctx.scale, ctx.loss_shape, ctx.loss_dtype = scale, loss.shape, loss.dtype
         return activation.view_as(activation)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full(ctx.loss_shape, ctx.scale, device=grad.device, dtype=torch.float32), None
+        return grad, torch.full(ctx.loss_shape, ctx.scale, device=grad.device, dtype=ctx.loss_dtype), None
 
 
 def in_backward() -> bool:
@@ -64,6 +63,8 @@ class MoELayer(nn.Module):
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.shared_expert = shared_expert
         self.aux_loss_scale = 1.0
+        self.uncounted_forwards = 0
+        """Forwards still to come whose routing is not counted (a pipeline's metadata inference)."""
         self.totals: dict[str, torch.Tensor] = {}
         """This rank's routing statistics since take_totals(): the logged losses (Routing.logged),
         tokens_per_expert (E,) and dropped_tokens, summed over the micro-batches trained."""
@@ -88,7 +89,10 @@ class MoELayer(nn.Module):
         if routing.loss is not None:
             out = _LossGradient.apply(out, routing.loss, self.aux_loss_scale)
         if training and not in_backward():
-            self._count(routing)
+            if self.uncounted_forwards:
+                self.uncounted_forwards -= 1
+            else:
+                self._count(routing)
         return out
 
     @torch.no_grad()

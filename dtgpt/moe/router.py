@@ -151,7 +151,7 @@ class Router(nn.Module):
             )  # fmt: skip
             dropped = (chosen - (routing_map & (probs > 0)).sum()).clamp(min=0)
         losses, logged = self._losses(logits, batch_size) if weighted else ([], {})
-        loss = torch.stack(losses).sum() if losses else None
+        loss = torch.stack([part.float() for part in losses]).sum() if losses else None
         return Routing(probs, routing_map, loss, logged, dropped)
 
     def _losses(self, logits: torch.Tensor, batch_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

@@ -14,10 +14,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
 from dtgpt.model import GPT
+from dtgpt.moe.stats import RoutingStats, moe_layers
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
-from dtgpt.parallel.expert import apply_ep, apply_moe_sequence_ranks, moe_layers
+from dtgpt.parallel.expert import apply_ep, apply_moe_sequence_ranks
 from dtgpt.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from dtgpt.parallel.invariant_dropout import apply_invariant_dropout
 from dtgpt.parallel.model_parts import ModelParts, build_cross_entropy
@@ -71,7 +72,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
     if dims.cp_enabled:  # before recomputation, which may wrap the attention core it replaces
         apply_cp(model, dims.sub("cp"))
-    if (dims.tp_enabled or dims.cp_enabled) and moe_layers(model):
+    if (dims.tp_enabled or dims.cp_enabled) and moe_layers([model]):
         apply_moe_sequence_ranks(model, dims.sequence_mesh())
     if dims.ep_enabled:
         apply_ep(model, dims.sub("ep"), dims.expert_mesh())
@@ -188,6 +189,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
         cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy),
         rng=rng,
+        routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
         token_index=layout_invariant_dropout(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset
         # options, the token indices that layout-invariant dropout keys on.

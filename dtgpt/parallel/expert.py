@@ -18,16 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from dtgpt.model import GPT
 from dtgpt.moe.dispatch import AllToAllDispatcher
-from dtgpt.moe.layer import MoELayer
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    """The MoE layers of a model or pipeline stage, in block order."""
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+from dtgpt.moe.stats import moe_layers
 
 
 def apply_ep(model: GPT, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> None:
@@ -39,29 +34,14 @@ def apply_ep(model: GPT, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = N
     expert_mesh = expert_mesh or ep_mesh
     placements = [Shard(0)] + [Replicate()] * (expert_mesh.ndim - 1)
     group = ep_mesh.get_group()
-    for layer in moe_layers(model):
+    for layer in moe_layers([model]).values():
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             full = param.data.to_local() if isinstance(param, DTensor) else param.data  # replicated over tp: whole
             # src_data_rank=None: each rank takes its own chunk (the values are drawn later, on the full shape).
             sharded = distribute_tensor(full, expert_mesh, placements, src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatcher = AllToAllDispatcher(experts.num_experts, group, capacity=getattr(layer.dispatcher, "capacity", None))
-
-
-def apply_moe_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
-    """Under tp (with sequence parallelism) each rank routes and computes its own sequence chunk.
-
-    The router's and the experts' parameters become DTensors replicated over tp, as every other
-    parameter (one mesh for FSDP and the gradient norm), whose gradients are partial sums over
-    the tp ranks' chunks.
-    """
-    for layer in moe_layers(model):
-        for module in (layer.router, layer.experts):
-            for name, param in list(module.named_parameters(recurse=False)):
-                replicated = distribute_tensor(param.data, tp_mesh, [Replicate()], src_data_rank=None)
-                setattr(module, name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        _compute_on_local_params(layer.router)
+        layer.dispatcher = AllToAllDispatcher(experts.num_experts, group, capacity=layer.dispatcher.capacity)
 
 
 def apply_moe_sequence_ranks(model: GPT, sequence_mesh: DeviceMesh) -> None:
@@ -74,27 +54,7 @@ def apply_moe_sequence_ranks(model: GPT, sequence_mesh: DeviceMesh) -> None:
         dist.all_reduce(counts, group=group)
         return counts
 
-    for layer in moe_layers(model):
+    for layer in moe_layers([model]).values():
         layer.router.sequence_ranks = sequence_mesh.size()
         layer.router.sum_over_sequence_ranks = sum_over_sequence
 
-
-def _compute_on_local_params(module: nn.Module) -> None:
-    """While `module` runs, its DTensor parameters are plain local tensors.
-
-    The router computes on plain tensors (its own tokens), and no stock parallel style fits:
-    they all run the module's forward on DTensors (every op of the routing, its top-k, capacity
-    and losses, would then follow DTensor's rules), or tag the input replicated, which would
-    all-reduce the input's gradient over ranks that hold different tokens. So each parameter is
-    swapped for its local tensor, whose gradient is a partial sum over the replicas, and back.
-    """
-    def to_local(mod: nn.Module, _args) -> None:
-        mod._dtensor_params = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
-        for n, p in mod._dtensor_params.items():
-            mod._parameters[n] = p.to_local(grad_placements=[Partial() if q.is_replicate() else q for q in p.placements])
-
-    def restore(mod: nn.Module, _args, _output) -> None:
-        mod._parameters.update(mod.__dict__.pop("_dtensor_params", {}))
-
-    module.register_forward_pre_hook(to_local)
-    module.register_forward_hook(restore)

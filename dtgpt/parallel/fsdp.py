@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from dtgpt.model import GPT
-from dtgpt.parallel.expert import moe_layers
+from dtgpt.moe.stats import moe_layers
 
 
 def mixed_precision_policy(compute: torch.dtype | None, reduce: torch.dtype) -> MixedPrecisionPolicy:
@@ -51,7 +51,7 @@ def apply_fsdp(
         fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
     if expert_mesh is not None:
-        for layer in moe_layers(model):
+        for layer in moe_layers([model]).values():
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=lambda _param: Shard(1))  # fmt: skip
     for block in model.layers.values():

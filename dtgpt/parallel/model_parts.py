@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.model import GPT
+from dtgpt.moe.stats import RoutingStats
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
 from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_tied_grads, tied_pair_on_rank
@@ -83,6 +84,8 @@ class ModelParts:
     fsdp_reshard_every_micro_batch: bool = False
     """parallel.fsdp_reshard_after_forward='always': free gathered parameters after each
     micro-batch's backward too; otherwise they stay gathered until the last one."""
+    routing_stats: RoutingStats | None = None
+    """The layout of the iteration's MoE routing statistics (None: a dense model)."""
     every_stage_reads_batches: bool = False
     """Every stage takes per-token inputs (reset position ids: RoPE in every block; document
     masking: every attention), so middle pipeline stages read the batches too."""

@@ -16,6 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
+from dtgpt.moe.stats import moe_layers, skip_one_forward
 from dtgpt.parallel.schedules import build_schedule
 
 
@@ -63,6 +64,16 @@ def build_pipeline_stages(
     ]
 
 
+def infers_metadata(schedule) -> bool:
+    """Whether a training step of `schedule` first runs every stage once on stand-in inputs, with
+    gradients on (torch's metadata inference: on its first step, and on the first after an eval).
+    Reads torch's private flags; tests/test_moe_training.py's pp2 run checks the routing counts."""
+    single = hasattr(schedule, "_stage_forward_initialized")
+    forward = schedule._stage_forward_initialized if single else schedule._stages_forward_initialized
+    backward = schedule._stage_backward_initialized if single else schedule._stages_backward_initialized
+    return not forward or not backward
+
+
 class ScheduleCache:
     """One schedule per micro-batch count (batch-size ramp-up changes it), built on first use.
 
@@ -79,6 +90,10 @@ class ScheduleCache:
     def run(self, n_microbatches: int, loss: Callable, forward_only: bool, *args, **kwargs) -> None:
         """One schedule step (or eval) over n_microbatches with `loss` as the loss function."""
         schedule = self._get(n_microbatches)
+        parts = [stage.submod for stage in self.stages]
+        if not forward_only and moe_layers(parts) and infers_metadata(schedule):
+            # The stand-in forward routes no real tokens: the MoE layers must not count it.
+            skip_one_forward(parts)
         self._loss = loss
         try:
             (schedule.eval if forward_only else schedule.step)(*args, **kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -28,7 +28,6 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from dtgpt.model import GPT
 from dtgpt.moe.layer import MoELayer
-from dtgpt.parallel.expert import apply_moe_tp
 
 
 class ReplicateParallel(ParallelStyle):
@@ -62,24 +61,74 @@ class GatheredColwiseParallel(ColwiseParallel):
         return outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
 
 
+class LocalReplicaParallel(ParallelStyle):
+    """Parameters replicated over tp as DTensors; the module computes on plain tensors: its own
+    tokens (a sequence-parallel chunk) with the local values of its parameters, whose gradients
+    come back as pending sums over tp (Partial: reduce_pending_grads sums them once).
+
+    For the MoE router and experts, whose routing (top-k, sorting, grouped GEMMs) has no DTensor
+    sharding rules and whose tokens differ per tp rank: no stock style runs a module on local
+    tensors with replicated parameters and sums their gradients. Buffers (the expert bias) stay plain.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_parameters(_name, sub, mesh):
+            for key, param in list(sub.named_parameters(recurse=False)):
+                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), param.requires_grad))
+
+        distribute_module(module, device_mesh, partition_fn=replicate_parameters)
+        module.register_forward_pre_hook(_local_parameters)
+        module.register_forward_hook(_replicated_parameters)
+        return module
+
+
+def _local_parameters(module: nn.Module, _inputs) -> None:
+    # Swapped in place for the forward (FSDP has already put its gathered parameters there).
+    module._replicas = []
+    for sub in module.modules():
+        for key, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                module._replicas.append((sub, key, param))
+                # Under expert parallelism the experts live on (ep, tp): sharded over ep, replicated over tp.
+                sub._parameters[key] = param.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in param.placements])
+
+
+def _replicated_parameters(module: nn.Module, _inputs, _output) -> None:
+    for sub, key, param in module._replicas:
+        sub._parameters[key] = param
+    module._replicas = []
+
+
+def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    """An MoE block's plan under sequence parallelism (config: MoE with tp needs it): the router
+    and experts route this rank's chunk of tokens with replicated weights; the shared expert is
+    a tensor-parallel MLP like the dense one."""
+    # The router's loads over the whole sequences: dtgpt.parallel.expert.apply_moe_sequence_ranks (tp x cp).
+    plan = {
+        prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
+        prefix + "mlp.router": LocalReplicaParallel(),
+        prefix + "mlp.experts": LocalReplicaParallel(),
+    }
+    shared = block.mlp.shared_expert
+    if shared is not None:
+        plan.update(
+            {
+                prefix + "mlp.shared_expert": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                prefix + "mlp.shared_expert.fc1": ColwiseParallel(),
+                prefix + "mlp.shared_expert.fc2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        )
+        if shared.gate is not None:
+            plan[prefix + "mlp.shared_expert.gate"] = ColwiseParallel()
+    return plan
+
+
 def _own_storage(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
     return output.clone() if output._is_view() else output
 
 
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
-
-
-def _mlp_plan(prefix: str, mlp: nn.Module, seq) -> dict[str, ParallelStyle]:
-    """A dense MLP: fc1 (and SwiGLU's gate) column-parallel, fc2 row-parallel."""
-    plan: dict[str, ParallelStyle] = {
-        prefix: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        prefix + ".fc1": ColwiseParallel(),
-        prefix + ".fc2": RowwiseParallel(output_layouts=seq),
-    }
-    if mlp.gate is not None:
-        plan[prefix + ".gate"] = ColwiseParallel()
-    return plan
 
 
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -123,16 +172,18 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             }
         )
         if isinstance(block.mlp, MoELayer):
-            # Megatron's MoE under tp (expert tensor parallelism 1, sequence parallelism on, as
-            # validation requires): each rank routes its own sequence chunk, no gather; the
-            # shared expert is a dense MLP split over tp.
-            plan[prefix + "mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True)
-            if block.mlp.shared_expert is not None:
-                plan.update(_mlp_plan(prefix + "mlp.shared_expert", block.mlp.shared_expert, seq))
-        else:
-            plan.update(_mlp_plan(prefix + "mlp", block.mlp, seq))
+            plan.update(_moe_plan(prefix, block, tp_mesh))
+            continue
+        if block.mlp.gate is not None:
+            plan[prefix + "mlp.gate"] = ColwiseParallel()
+        plan.update(
+            {
+                prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                prefix + "mlp.fc1": ColwiseParallel(),
+                prefix + "mlp.fc2": RowwiseParallel(output_layouts=seq),
+            }
+        )
     parallelize_module(model, tp_mesh, plan)
-    apply_moe_tp(model, tp_mesh)
     if sequence_parallel and model.embedding is not None:
         # The sequence chunk is a view of the full embedding output. FSDP2 hooks its backward
         # on the module's output and (rightly) distrusts views, which an in-place op later could

@@ -27,7 +27,7 @@ from dtgpt.config import (
 )
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.tokenizer import HuggingFaceTokenizer
-from dtgpt.model_size import flops_per_token, num_parameters
+from dtgpt.model_size import flops_per_token, num_parameters, router_flops_per_token
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
 from dtgpt.plan import comm, links
@@ -177,7 +177,7 @@ def plan_layout(
     model_fpt = flops_per_token(m, padded)
     # A recomputed block costs one more forward of itself; MoE and dense blocks differ, so the mean.
     layer_fpt = (model_fpt - 6 * m.hidden_size * padded) / m.num_layers
-    hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt)
+    hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt) + router_flops_per_token(m)
     tokens_per_iter = batches.final * m.seq_length
     plan = Plan(
         world_size=world_size,
