@@ -123,6 +123,7 @@ class CommLayout:
     pad_to_capacity: bool = False
     load_balancing: str = "none"
     aux_loss_coeff: float = 0.0
+    z_loss: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -147,7 +148,7 @@ class CommLayout:
             expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
             ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor,
             pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
-            aux_loss_coeff=m.moe_aux_loss_coeff,
+            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None,
         )  # fmt: skip
 
     @property
@@ -361,8 +362,8 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
         out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * c.grad_bytes))
     if last and c.dp * c.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", "loss tokens", 1, FP32))
-    if c.pp * c.dp * c.cp * c.tp > 1:  # each rank's loss part and sum of squares
-        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, 2 * FP32))
+    if c.pp * c.dp * c.cp * c.tp > 1:  # each rank's loss part and sum of squares (and MoE routing statistics)
+        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, (2 + comm_moe.routing_stats_numel(c)) * FP32))
     return out
 
 

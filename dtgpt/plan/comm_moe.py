@@ -106,6 +106,17 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
     ]
 
 
+def routing_stats_numel(c) -> int:
+    """fp32 numbers an MoE model adds to the iteration's loss-and-norm all-reduce over the world
+    (dtgpt/moe/stats.py): each logged router loss, then per MoE layer of the whole model its
+    tokens per expert and its dropped tokens."""
+    if c.experts == 0:
+        return 0
+    losses = int(c.load_balancing != "none" and c.aux_loss_coeff > 0) + int(c.z_loss)
+    layers = sum(1 for i in range(c.num_layers) if is_moe_block(c, i))
+    return losses + layers * (c.experts + 1)
+
+
 def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
     """tp and cp's MoE terms (module docstring): the router's load counts and the gradients of the
     parameters tp replicates (router, experts)."""
