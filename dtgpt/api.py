@@ -69,7 +69,7 @@ def make_config(**sections: dict) -> Config:
 def _dims_for(cfg: Config, runtime: Runtime) -> ParallelDims:
     """The runtime's mesh when cfg has its layout, else a second mesh over the same ranks."""
     dims = ParallelDims.from_config(cfg, runtime.world_size)
-    if dims.shape == runtime.dims.shape:
+    if (dims.shape, dims.ep) == (runtime.dims.shape, runtime.dims.ep):  # ep's meshes are built with the rest
         return dataclasses.replace(runtime.dims, low_precision=dims.low_precision)
     dims.build_mesh(runtime.device.type)
     return dims

@@ -1,37 +1,60 @@
-"""Closed forms for the size of a GPT: its parameters and its training FLOPs per token."""
+"""Closed forms for the size of a GPT: its parameters and its training FLOPs per token.
+
+A mixture-of-experts block (model.num_experts, every moe_layer_freq-th block from block 0)
+holds a router (E x h, and E biases with add_bias_linear), E experts of the MLP's shape at
+width moe_ffn_hidden_size (default ffn_hidden_size), and an optional shared expert (an MLP of
+width moe_shared_expert_intermediate_size) in place of the dense MLP. A token runs through the
+router, its top-k experts and the shared expert: its *active* parameters count k experts.
+"""
 
 from __future__ import annotations
 
 from dtgpt.config import ModelConfig
 
 
-def num_parameters(cfg: ModelConfig, vocab_size: int) -> int:
-    """Closed-form parameter count of the full model (tied head counted once)."""
-    h, f, L, hd = cfg.hidden_size, cfg.ffn_size, cfg.num_layers, cfg.head_dim
+def _norm(cfg: ModelConfig, size: int) -> int:
+    return 2 * size if cfg.normalization == "LayerNorm" else size
+
+
+def _mlp(cfg: ModelConfig, width: int) -> int:
+    """An MLP of `width` (fc1, SwiGLU's second input, fc2, their biases)."""
+    h, bias = cfg.hidden_size, cfg.add_bias_linear
+    return (2 if cfg.swiglu else 1) * (h * width + (width if bias else 0)) + width * h + (h if bias else 0)
+
+
+def _attention(cfg: ModelConfig) -> int:
+    h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.query_groups * hd  # query and key (or value) widths
+    qkv = h * (q + 2 * kv) + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    proj = q * h + (h if cfg.add_bias_linear else 0)
+    return qkv + proj + (2 * _norm(cfg, hd) if cfg.qk_layernorm else 0)
 
-    def norm(size: int) -> int:
-        return 2 * size if cfg.normalization == "LayerNorm" else size
 
-    def linear(inputs: int, outputs: int, bias: bool) -> int:
-        return inputs * outputs + (outputs if bias else 0)
+def num_moe_layers(cfg: ModelConfig) -> int:
+    """Blocks whose MLP is a mixture of experts (block i when i % moe_layer_freq == 0)."""
+    return sum(1 for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
 
-    bias = cfg.add_bias_linear
-    attention = linear(h, q + 2 * kv, cfg.qkv_bias) + linear(q, h, bias) + (2 * norm(hd) if cfg.qk_layernorm else 0)
 
-    def mlp(width: int) -> int:
-        return (2 if cfg.swiglu else 1) * linear(h, width, bias) + linear(width, h, bias)
+def moe_parameters(cfg: ModelConfig, experts: int | None = None) -> int:
+    """One MoE layer's parameters with `experts` experts (default all of them; the top-k for the
+    active count): router, experts, shared expert."""
+    experts = cfg.num_experts if experts is None else experts
+    router = cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.add_bias_linear else 0)
+    shared = _mlp(cfg, cfg.moe_shared_expert_intermediate_size) if cfg.moe_shared_expert_intermediate_size else 0
+    return router + experts * _mlp(cfg, cfg.expert_ffn_size) + shared
 
-    def block(index: int) -> int:
-        if not cfg.is_moe_layer(index):
-            return 2 * norm(h) + attention + mlp(f)
-        shared = cfg.moe_shared_expert_intermediate_size
-        moe = linear(h, cfg.num_experts, bias) + cfg.num_experts * mlp(cfg.expert_ffn_size) + (mlp(shared) if shared else 0)
-        return 2 * norm(h) + attention + moe
 
+def num_parameters(cfg: ModelConfig, vocab_size: int, *, active: bool = False) -> int:
+    """Closed-form parameter count of the full model (tied head counted once); `active`: the
+    parameters one token uses (k of each MoE layer's experts), Mixtral's "12.9B of 46.7B"."""
+    h, L = cfg.hidden_size, cfg.num_layers
+    moe = num_moe_layers(cfg)
+    block = 2 * _norm(cfg, h) + _attention(cfg)
+    experts = cfg.moe_router_topk if active else None
+    mlps = (L - moe) * _mlp(cfg, cfg.ffn_size) + (moe * moe_parameters(cfg, experts) if moe else 0)
     embed = vocab_size * h + (cfg.max_positions * h if cfg.position_embedding_type == "learned_absolute" else 0)
     head = 0 if not cfg.untie_embeddings_and_output_weights else vocab_size * h
-    return sum(block(i) for i in range(L)) + embed + norm(h) + head
+    return L * block + mlps + embed + _norm(cfg, h) + head
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
@@ -41,19 +64,30 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
     width, grouped-query attention and SwiGLU: forward + backward (3x) of the QKV, output and MLP
     matmuls (2 FLOPs per multiply-add), the s×s attention scores and values counted in full (no
     causal discount), and the logit layer. Recomputation is not counted (it is extra work, not
-    useful FLOPs). An MoE layer's MLP term is, as Megatron's, its topk experts' widths plus the
-    shared expert's (the router's small matmul left out).
+    useful FLOPs). An MoE layer counts its top-k experts and the shared expert, as Megatron's
+    formula does; the router's small matmul is left out there too (router_flops_per_token: under
+    0.1% of Mixtral's), so that logged TFLOP/s compare with Megatron's.
     """
-    return sum(layer_flops_per_token(cfg, i) for i in range(cfg.num_layers)) + 6 * cfg.hidden_size * vocab_size
+    moe = num_moe_layers(cfg)
+    dense = cfg.num_layers - moe
+    total = dense * layer_flops_per_token(cfg) + moe * (layer_flops_per_token(cfg, moe=True) if moe else 0)
+    return total + 6 * cfg.hidden_size * vocab_size
 
 
-def layer_flops_per_token(cfg: ModelConfig, index: int = 0) -> float:
-    """Forward + backward FLOPs of block `index` per token (a per-layer term of flops_per_token)."""
+def layer_flops_per_token(cfg: ModelConfig, *, moe: bool = False) -> float:
+    """Forward + backward FLOPs of one block per token (the per-layer term of flops_per_token);
+    `moe`: of an MoE block (k experts and the shared expert) instead of a dense one."""
     h, s = cfg.hidden_size, cfg.seq_length
     query_width = cfg.num_attention_heads * cfg.head_dim / h
     attention = (1 + cfg.query_groups / cfg.num_attention_heads + s / h) * query_width
-    width = cfg.ffn_size
-    if cfg.is_moe_layer(index):
-        width = cfg.moe_router_topk * cfg.expert_ffn_size + (cfg.moe_shared_expert_intermediate_size or 0)
-    mlp = width / h * (1.5 if cfg.swiglu else 1.0)
-    return 12 * h * h * (attention + mlp)
+    gated = 1.5 if cfg.swiglu else 1.0
+    if not moe:
+        return 12 * h * h * (attention + cfg.ffn_size / h * gated)
+    widths = cfg.moe_router_topk * cfg.expert_ffn_size + (cfg.moe_shared_expert_intermediate_size or 0)
+    return 12 * h * h * (attention + widths / h * gated)
+
+
+def router_flops_per_token(cfg: ModelConfig) -> float:
+    """The routers' forward + backward FLOPs per token, 6·h·E per MoE layer: real work that
+    flops_per_token leaves out as Megatron does (the planner adds it to the hardware FLOPs)."""
+    return num_moe_layers(cfg) * 6 * cfg.hidden_size * (cfg.num_experts or 0)

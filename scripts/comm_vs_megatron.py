@@ -19,6 +19,12 @@ runs the same config (fp16/bf16 model, distributed optimizer, SP as configured):
   PP   1 send and 1 recv of b·(s/tp under SP)·h·e per micro-batch and stage boundary, each way.
   DP   the distributed optimizer: 1 reduce-scatter of the gradients (g bytes) and 1 all-gather
        of the parameters (e bytes) per iteration.
+  EP   (MoE, the alltoall dispatcher) per MoE layer and micro-batch: the routed rows, R·h·e,
+       dispatched and combined forward and both again backward (a recomputed block dispatches
+       again), and the tokens per expert all-gathered over ep (ep·E int64). The distributed
+       optimizer shards the experts over the expert data-parallel ranks (dp·cp/ep) and the rest
+       over dp·cp. Under tp Megatron folds the tp ranks into the experts' data-parallel group:
+       that layout is not compared here (tp 1 only for MoE).
   tied the embedding gradient, all-reduced between the first and last stage (g bytes).
   scalars  the gradient norm (1 fp32), the loss and its token count (2 fp32 over dp), the fp16
        overflow flag (1 fp32).
@@ -47,11 +53,12 @@ from dtgpt.plan.comm import (  # noqa: E402
     rank_collectives,
     rank_stages,
 )
+from dtgpt.plan.comm_moe import expert_shapes, is_moe_block, routed_rows, stage_blocks  # noqa: E402
 from dtgpt.plan.layout import tokenizer_vocab_size  # noqa: E402
 from dtgpt.plan.links import group_size, link_bytes  # noqa: E402
 
 CLASSES = ("tp activations", "tp norm-weight grads", "tp loss", "pp activations", "dp param gathers",
-           "dp grad reductions", "tied embedding grads", "scalars")  # fmt: skip
+           "dp grad reductions", "tied embedding grads", "ep all-to-all", "scalars")  # fmt: skip
 
 
 def collective_class(col: Collective) -> str:
@@ -66,6 +73,8 @@ def collective_class(col: Collective) -> str:
         return "dp param gathers" if col.kind == "all_gather" else "dp grad reductions"
     if col.dim == "tied":
         return "tied embedding grads"
+    if col.dim == "ep":
+        return "ep all-to-all"
     return "scalars"
 
 
@@ -104,10 +113,20 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
         boundaries = sum(1 for s in stages if s != c.num_stages - 1) + sum(1 for s in stages if s != 0)
         message = c.micro_batch * seq * c.hidden * c.residual_bytes
         out += [Collective("send", "pp", "activations", n * boundaries, message), Collective("recv", "pp", "activations", n * boundaries, message)]
+    moe = [i for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i)]
+    if c.ep > 1 and moe:
+        rerun = len(moe) if c.recompute[0] == "full" else 0  # Megatron's uniform/block full recomputation reruns each block
+        rows = routed_rows(c) * c.hidden * e
+        out += [Collective("all_to_all", "ep", "dispatch + combine", (4 * len(moe) + 2 * rerun) * n, rows),
+                Collective("all_gather", "ep", "tokens per expert", (len(moe) + rerun) * n, c.ep * c.experts * 8)]  # fmt: skip
+    if c.efsdp > 1 and moe:
+        experts = len(moe) * gathered_numel(expert_shapes(c), 1)
+        out += [Collective("reduce_scatter", "efsdp", "dp expert grads", 1, experts * g),
+                Collective("all_gather", "efsdp", "dp expert params", 1, experts * e)]  # fmt: skip
     if c.dp * c.cp > 1:
         params = 0
         for s in stages:
-            params += c.layer_counts[s] * gathered_numel(block_shapes(c), 1)
+            params += sum(gathered_numel(block_shapes(c, is_moe_block(c, i)), 1) for i in stage_blocks(c, s))
             params += gathered_numel(embedding_shapes(c), 1) if s == 0 else 0
             # the last stage's copy of a tied embedding is a parameter of its own there too
             params += gathered_numel(head_shapes(c, with_output=not (c.tied and s == 0)), 1) if s == c.num_stages - 1 else 0
@@ -147,8 +166,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--world-size", type=int)
     args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, check=False)
     p = cfg.parallel
+    if cfg.model.moe_enabled and p.tensor_model_parallel_size > 1:
+        print("error: MoE under tp is not compared (module docstring): set parallel.tensor_model_parallel_size=1")
+        return 2
     world = args.world_size or p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     rows = compare(cfg, world)
     print(f"{'pp rank':>7}  {'class':<22} {'dtgpt GB':>12} {'Megatron GB':>12} {'ratio':>6}")

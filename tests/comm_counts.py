@@ -48,7 +48,13 @@ LAYOUTS = {
     "pp2_tp2": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2},
     "cp2": {"context_parallel_size": 2},
     "cp2_tp2_sp": {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "ep2": {"expert_model_parallel_size": 2},
+    "pp2_ep2": {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2},
+    "ep2_tp2_sp": {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "ep2_full": {"expert_model_parallel_size": 2, "recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1},
 }  # fmt: skip
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers")  # [training] keys in a layout
 # No dropout: context parallelism refuses it under Megatron's RNG (and dropout communicates nothing).
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
 # A layout name may end in a precision ("tp2_sp_bf16", "tp2_sp_fp32"). Those runs use a wider model, whose every
@@ -71,10 +77,24 @@ MQA = "mqa_"
 MQA_MODEL = {**LLAMA_MODEL, "num_query_groups": 1, "qk_layernorm": False}  # one group for both tp ranks
 
 
+# A layout name may start with "moe_": Mixtral's structure in miniature (the Llama model with 4 SwiGLU experts
+# in every block, top-2, the load-balancing loss), whose experts exchange tokens over ep.
+MOE = "moe_"
+MOE_MODEL = {**LLAMA_MODEL, "qk_layernorm": False, "num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+             "moe_grouped_gemm": True}  # fmt: skip
+
+
+def _model(name: str, precision: str | None) -> dict:
+    for prefix, model in ((LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL)):
+        if name.startswith(prefix):
+            return model
+    return MODEL if precision is None else LOW_PRECISION_MODEL
+
+
 def split_name(name: str) -> tuple[str, str | None]:
     """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
-    without the "llama_" model prefix)."""
-    bare = name.removeprefix(LLAMA).removeprefix(MQA)
+    without the "llama_", "mqa_" or "moe_" model prefix)."""
+    bare = name.removeprefix(LLAMA).removeprefix(MQA).removeprefix(MOE)
     base, _, suffix = bare.rpartition("_")
     return (base, suffix) if suffix in PRECISIONS else (bare, None)
 
@@ -83,13 +103,14 @@ def layout_config(name: str, world_size: int, micro_per_rank: int):
     """The tiny GPT in layout `name` (fp32 unless it names a precision), with `micro_per_rank`
     micro-batches per dp rank."""
     base, precision = split_name(name)
-    parallel = LAYOUTS[base]
+    parallel = {k: v for k, v in LAYOUTS[base].items() if k not in RECOMPUTE_KEYS}
+    recompute = {k: v for k, v in LAYOUTS[base].items() if k in RECOMPUTE_KEYS}
     model_parallel = [parallel.get(f"{k}_parallel_size", 1) for k in ("tensor_model", "pipeline_model", "context")]
     dp = world_size // (model_parallel[0] * model_parallel[1] * model_parallel[2])
     return dtgpt.make_config(
-        model=LLAMA_MODEL if name.startswith(LLAMA) else MQA_MODEL if name.startswith(MQA) else MODEL if precision is None else LOW_PRECISION_MODEL,
+        model=_model(name, precision),
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100),
-        training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank, **PRECISIONS.get(precision, {})),
+        training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank, **PRECISIONS.get(precision, {}), **recompute),
         parallel=parallel,
     )
 
@@ -106,6 +127,7 @@ OPS = {
     "_c10d_functional::all_gather_into_tensor": ("all_gather", 0),  # input is the shard: x group size
     "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0),
     "_c10d_functional::all_to_all_single": ("all_to_all", 0),
+    "c10d::alltoall_base_": ("all_to_all", 1),  # (output, input, ...): the dispatcher's token counts
 }
 OTHER_COMM_PREFIXES = ("c10d::", "_c10d_functional::")
 NOT_COLLECTIVES = {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::monitored_barrier_"}
@@ -184,7 +206,7 @@ class TensorListRecord(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-TORCH_DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}
+TORCH_DTYPES = {torch.float32: "float", torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half", torch.int64: "long int"}
 
 
 def profile_iteration(cfg, state, batch) -> tuple[dict[str, list[int]], list]:

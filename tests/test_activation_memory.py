@@ -46,6 +46,7 @@ MODEL = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, seq_leng
 # LayerNorm's fused kernel does on both).
 FAMILY = dict(swiglu=True, add_bias_linear=False, group_query_attention=True, num_query_groups=2, qk_layernorm=True,
               position_embedding_type="rope")  # fmt: skip
+MOE = dict(FAMILY, qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_grouped_gemm=True)
 RECOMPUTE = {
     "none": {},
     "selective": dict(recompute_granularity="selective"),
@@ -59,6 +60,8 @@ CASES = {
     "fp32, math kernel": (["none", "selective"], 1, "fp32", dict(seq_length=128, hidden_size=128), True),
     # 2 key/value groups for 4 heads, SwiGLU, qk-layernorm, RoPE, no biases
     "bf16 GQA+SwiGLU, tp2+SP": (["none", "selective"], 2, "bf16", FAMILY, False),
+    # Mixtral's MoE block: 4 SwiGLU experts, top-2, the load-balancing loss, in every block
+    "bf16 MoE top-2, flash": (["none", "full, groups of 1"], 1, "bf16", MOE, False),
 }
 TOLERANCE = 0.05
 
@@ -125,7 +128,7 @@ def _expected(cfg: Config, recompute: str, tp: int, scores_kept: bool, megatron_
     if recompute.startswith("full"):
         groups = -(-LAYERS // cfg.training.recompute_num_layers)
         return groups * layer_activation_bytes(shape, "full") / LAYERS
-    return layer_activation_bytes(shape, recompute)
+    return layer_activation_bytes(shape, recompute, moe=cfg.model.moe_enabled)
 
 
 def _measure(case: str, recompute: str) -> tuple[float, float, float, Config]:

@@ -4,7 +4,8 @@ Two torchrun launches (2 and 4 ranks) each build several layouts in turn through
 API (tests/comm_counts.py); every rank's counts and message bytes per collective kind must
 equal dtgpt.plan.comm's, for 1 and 4 micro-batches per rank (pipelines: 2 and 4, a schedule
 needs at least pp). Gradients and all-gathers are once per iteration: FSDP's counts do not
-grow with the micro-batches.
+grow with the micro-batches. An all-to-all's message is what a rank sends: its count is the
+formula's on every rank, its bytes depend on the routing, so their sum over the ranks is.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ pytestmark = pytest.mark.slow
 LAUNCHES = {
     2: ["dp2", "dp2_zero3", "tp2", "tp2_sp", "pp2_1f1b", "pp2_interleaved", "cp2",
         "dp2_bf16", "tp2_sp_bf16", "pp2_1f1b_bf16", "cp2_bf16", "dp2_fp16", "tp2_sp_fp32", "pp2_1f1b_fp32", "llama_tp2",
-        "mqa_tp2"],
+        "mqa_tp2", "moe_ep2", "moe_ep2_full", "moe_tp2_sp"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
-        "llama_cp2_tp2_sp"],
+        "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp"],
 }  # fmt: skip
 # Megatron's regime (issue: half the bytes on every link): in these, every collective of at least
 # LARGE elements moves the compute dtype, except FSDP's gradient reductions (fp32 by design).
@@ -59,9 +60,27 @@ def expected(name: str, world: int, rank: int, micro: int) -> dict[str, list[int
 def test_counts_equal_the_formula(counted):
     world, ranks = counted
     for name in LAUNCHES[world]:
-        for rank, counts in enumerate(ranks):
-            for micro, measured in counts["counts"][name].items():
-                assert measured == expected(name, world, rank, int(micro)), (name, rank, micro)
+        for micro in ranks[0]["counts"][name]:
+            sent = formula = 0
+            for rank, counts in enumerate(ranks):
+                measured, want = dict(counts["counts"][name][micro]), expected(name, world, rank, int(micro))
+                a2a, a2a_want = measured.pop("all_to_all", [0, 0]), want.pop("all_to_all", [0, 0])
+                assert measured == want and a2a[0] == a2a_want[0], (name, rank, micro)
+                sent, formula = sent + a2a[1], formula + a2a_want[1]
+            assert sent == formula, (name, micro)
+
+
+def test_experts_exchange_tokens_and_shard_over_the_remaining_ranks(counted):
+    """ep2: every MoE layer's tokens cross ranks (dispatch, combine, both gradients), and at dp 4 the
+    experts' own FSDP unit over the 2 ranks left is one more all-gather per layer than at dp 2."""
+    world, ranks = counted
+    a2a = ranks[0]["counts"]["moe_ep2"]["1"]["all_to_all"]
+    assert a2a[0] == 5 * MODEL["num_layers"] and a2a[1] > 0
+    gathers = ranks[0]["counts"]["moe_ep2"]["1"]["all_gather"][0]
+    assert gathers == MODEL["num_layers"] + 1 + (MODEL["num_layers"] if world == 4 else 0)
+    if world == 2:  # full recomputation dispatches again: 1 count and 2 token exchanges more per layer
+        rerun = ranks[0]["counts"]["moe_ep2_full"]["1"]["all_to_all"]
+        assert rerun[0] == a2a[0] + 3 * MODEL["num_layers"]
 
 
 def test_fsdp_gradients_and_gathers_once_per_iteration(counted):

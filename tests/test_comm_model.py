@@ -90,3 +90,16 @@ def test_the_family_gathers_its_own_parameters():
             block = GPT(replace(cfg.model, num_layers=1), 128).layers["0"]
         c = CommLayout.from_config(cfg, 1, 128)
         assert gathered_numel(block_shapes(c), 1) == sum(p.numel() for p in block.parameters()), path
+
+
+def test_mixtral_moves_no_more_than_megatron_but_in_scalars():
+    """Mixtral 8x7B (pp 4 x ep 8 on 32 GPUs): the experts' all-to-all moves what Megatron's
+    alltoall dispatcher moves (its per-expert counts are an all-gather, ours an all-to-all of
+    1/ep of it), and every other class at most Megatron's, but for the scalars: in bf16 with pp
+    and dp, dtgpt's one all-reduce of loss and norm over the world sends a few bytes more than
+    Megatron's norm over the world plus loss over dp (dense layouts alike, not MoE's)."""
+    script = load_script("comm_vs_megatron")
+    rows = script.compare(load_config(str(REPO / "configs" / "mixtral_8x7b.toml"), [], check=False), 32)
+    a2a = [(ours, theirs) for _, name, ours, theirs in rows if name == "ep all-to-all"]
+    assert len(a2a) == 4 and all(0.99 < ours / theirs <= 1 for ours, theirs in a2a), a2a
+    assert all(ours <= theirs for _, name, ours, theirs in rows if name != "scalars"), rows

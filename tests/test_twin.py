@@ -186,3 +186,40 @@ def test_llama3_8b_twin_trains_on_2_ranks(tmp_path):
     assert [r["iteration"] for r in rows] == list(range(1, 7))
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
     assert "> mesh: pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=1 (2 ranks)" in proc.stdout
+
+
+# -- a mixture of experts: configs/mixtral_8x7b.toml and its twin --------------------------------
+
+MIXTRAL = str(REPO / "configs" / "mixtral_8x7b.toml")
+MIXTRAL_TWIN = str(REPO / "configs" / "mixtral_8x7b_twin.toml")
+
+
+def test_mixtral_twin_keeps_the_structure():
+    """Experts, top-k, GQA groups, expert width and the family as Mixtral; ep folded out of all of
+    dp_shard (each expert whole on its rank) on a pipeline, as Megatron's pp 4 x ep 8 on 32 GPUs."""
+    big, twin = load_config(MIXTRAL, check=False), load_config(MIXTRAL_TWIN)
+    plans = plan_layout(big, fused_attention=True), plan_layout(twin)
+    for cfg, plan in zip((big, twin), plans):
+        m, p = cfg.model, cfg.parallel
+        assert (m.num_experts, m.moe_router_topk, m.moe_router_load_balancing_type) == (8, 2, "aux_loss")
+        assert m.num_attention_heads // m.query_groups == 4 and m.expert_ffn_size / m.hidden_size == 3.5
+        assert m.moe_grouped_gemm and m.moe_aux_loss_coeff == 0.01 and m.moe_layer_freq == 1
+        assert (m.normalization, m.position_embedding_type, m.rotary_base) == ("RMSNorm", "rope", 1000000)
+        assert m.swiglu and not m.add_bias_linear and m.untie_embeddings_and_output_weights and cfg.training.bf16
+        assert p.pipeline_model_parallel_size > 1 and p.tensor_model_parallel_size == 1
+        assert plan.mesh["ep"] == plan.mesh["dp_shard"] > 1 and plan.mesh["efsdp"] == 1 and plan.fits
+    assert plans[1].world_size == 4
+
+
+@pytest.mark.slow
+def test_mixtral_twin_trains_on_4_ranks(tmp_path):
+    metrics = tmp_path / "mixtral.jsonl"
+    args = ["--config", MIXTRAL_TWIN, "--training.train_iters=4", "--eval.eval_interval=4", "--eval.eval_iters=1",
+            "--checkpoint.save=", "--checkpoint.load=", "--logging.log_interval=1", "--logging.tensorboard_dir=",
+            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
+    proc = run_train(tmp_path, args, nproc=4, name="mixtral", timeout=600)
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    assert "validation loss at iteration 4 |" in proc.stdout
+    assert "> mesh: pp=2 dp_replicate=1 dp_shard=2 cp=1 tp=1 (4 ranks)" in proc.stdout

@@ -59,6 +59,15 @@ class ActivationShape:
     """SwiGLU keeps the gate's output, its SiLU and fc1's output besides fc2's input (GeLU: one f-wide tensor before fc2's)."""
     qk_norm_width: float = 0.0
     """qk-layernorm's inputs over h: (heads + groups)·head_dim / h (0 without)."""
+    experts: int = 0
+    """MoE layers (layer_activation_terms(moe=True)): E experts, each token sent to topk of them,
+    expert_ffn wide; routed_rows_per_token: the rows each local token becomes (topk dropless,
+    more when padded to capacity); shared_ffn: the shared expert's width (0: none)."""
+    topk: int = 0
+    expert_ffn: int = 0
+    routed_rows_per_token: float = 0.0
+    shared_ffn: int = 0
+    ep: int = 1
 
     @classmethod
     def for_config(cls, cfg: Config, padded_vocab: int, tp: int, cp: int = 1, *, scores_kept: bool = True) -> "ActivationShape":
@@ -73,8 +82,13 @@ class ActivationShape:
             residual_bytes=4 if t.fp32_residual_connection else None, hidden_dropout=m.hidden_dropout > 0,
             attention_dropout=m.attention_dropout > 0, scores_kept=scores_kept, megatron_sp=False, cp=cp,
             qkv_width=heads + 2 * groups, query_width=heads, swiglu=m.swiglu,
-            qk_norm_width=heads + groups if m.qk_layernorm else 0.0,
+            qk_norm_width=heads + groups if m.qk_layernorm else 0.0, **_moe_fields(cfg),
         )  # fmt: skip
+
+    @property
+    def routed_tokens(self) -> float:
+        """Tokens one rank routes per micro-batch: its sequence chunk (s/cp, /t under SP) times b."""
+        return self.local_tokens * self.micro_batch_size / self.sp_divisor
 
     @property
     def local_tokens(self) -> float:
@@ -100,7 +114,59 @@ class ActivationShape:
         return self.sp_divisor if self.megatron_sp else 1
 
 
-def layer_activation_terms(shape: ActivationShape, recompute: str = "none") -> dict[str, float]:
+def _moe_fields(cfg: Config) -> dict:
+    m = cfg.model
+    if not m.moe_enabled:
+        return {}
+    rows = float(m.moe_router_topk)
+    if m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity:
+        rows = m.moe_router_topk * m.moe_expert_capacity_factor  # every expert runs its capacity
+    return dict(experts=m.num_experts, topk=m.moe_router_topk, expert_ffn=m.expert_ffn_size,
+                routed_rows_per_token=rows, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
+                ep=cfg.parallel.expert_model_parallel_size)  # fmt: skip
+
+
+def moe_activation_terms(shape: ActivationShape) -> dict[str, float]:
+    """What an MoE layer keeps in place of the dense MLP's terms, per micro-batch on one rank.
+
+    Korthikanti's method (every tensor autograd saves, counted once) applied to dtgpt/moe: each
+    of the R = k·N routed rows (N = the tokens this rank routes, b·s/cp, /t under SP) is a token
+    of an expert MLP, so the MLP terms reappear with R rows and the expert's width f_e:
+
+    moe input (the router's and the shared expert's)  e·s·b·h       as the dense fc1 input
+    router: top-k indices (two int64 copies), top-k    (20·k + 4·E)·N
+      weights and every expert's score (fp32)
+    expert fc1 inputs                                  e·R·h
+    expert gelu input | fc1 output (gate and up), silu e·R·f_e | 3·e·R·f_e
+    expert fc2 inputs                                  e·R·f_e
+    combine: expert outputs, their probability-        2·e·R·h + e·R
+      weighted copy (index_add keeps its source), probabilities
+    routing indices (int64): the gather, and under     8·R, 3·8·R under ep
+      ep the two sorts around the all-to-all
+    shared expert (width f_s), as the dense MLP        (1 | 3)·e·s·b·f_s/t + e·s·b·f_s/t
+
+    tests/test_activation_memory.py measures the saved tensors of a real MoE layer against it.
+    """
+    e, t = shape.compute_bytes, shape.tp
+    n = shape.routed_tokens
+    rows = shape.routed_rows_per_token * n
+    gated = 3 if shape.swiglu else 1
+    terms = {
+        "moe input": e * shape.sbh / shape.gathered_divisor,
+        "router": (20 * shape.topk + 4 * shape.experts) * n,
+        "expert fc1 inputs": e * rows * shape.hidden_size,
+        ("expert gate, silu, fc1 outputs" if shape.swiglu else "expert gelu inputs"): gated * e * rows * shape.expert_ffn,
+        "expert fc2 inputs": e * rows * shape.expert_ffn,
+        "combine: expert outputs, weighted, probabilities": (2 * e * shape.hidden_size + e) * rows,
+        "routing indices": (3 if shape.ep > 1 else 1) * 8 * rows,
+    }
+    if shape.shared_ffn:
+        sbf = shape.sbh * shape.shared_ffn / shape.hidden_size
+        terms["shared expert"] = (gated + 1) * e * sbf / t
+    return terms
+
+
+def layer_activation_terms(shape: ActivationShape, recompute: str = "none", *, moe: bool = False) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward per micro-batch on one rank, by term.
 
     term (kept by)                          bytes, no parallelism    under tp t
@@ -128,7 +194,8 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none") -> d
     recomputed group, r·s·b·h (/t with SP); the planner counts it once per group.
     With cp, s·b·h is the rank's share (s/cp tokens) while a·s²·b keeps one full s: each local
     query scores every key. Not counted (under 1% at h >= 256): the norms' statistics and a fused
-    kernel's log-sum-exp, a few bytes per token.
+    kernel's log-sum-exp, a few bytes per token. `moe`: an MoE layer, whose MLP terms are
+    moe_activation_terms'.
     """
     e, t, sbh = shape.compute_bytes, shape.tp, shape.sbh
     r = shape.residual_bytes or e
@@ -144,6 +211,10 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none") -> d
         ("gate, silu, fc1 outputs" if shape.swiglu else "gelu input"): (3 if shape.swiglu else 1) * e * sbf / t,
         "fc2 input": e * sbf / t,
     }
+    if moe:
+        for dense in ("fc1 input", "gate, silu, fc1 outputs", "gelu input", "fc2 input"):
+            terms.pop(dense, None)
+        terms.update(moe_activation_terms(shape))
     if shape.qk_norm_width:
         terms["qk-norm inputs"] = shape.qk_norm_width * e * sbh / t
     if shape.hidden_dropout:
@@ -158,9 +229,9 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none") -> d
     return terms
 
 
-def layer_activation_bytes(shape: ActivationShape, recompute: str) -> float:
+def layer_activation_bytes(shape: ActivationShape, recompute: str, *, moe: bool = False) -> float:
     """The sum of layer_activation_terms."""
-    return sum(layer_activation_terms(shape, recompute).values())
+    return sum(layer_activation_terms(shape, recompute, moe=moe).values())
 
 
 def embedding_activation_bytes(shape: ActivationShape) -> float:

@@ -33,7 +33,7 @@ def cli(argv: list[str]) -> int:
         prog="plan.py", description="Plan a layout without GPUs: per-rank parameters and memory, bubble, training time."
     )
     parser.add_argument("--config", required=True, help="TOML config file")
-    parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*tp, dp_shard -1 as 1)")
+    parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*cp*tp, dp_shard -1 as 1, or as the fewest ranks ep folds out of)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tflops", type=float, default=140.0, help="achieved TFLOP/s per GPU (default 140)")
     parser.add_argument("--nvlink-gbps", type=float, default=300.0, help="GB/s a GPU sends within a node, for tp (default 300)")

@@ -33,6 +33,8 @@ below counts the rank's s/cp tokens):
                  h elements per iteration (g bytes each, e with a single micro-batch).
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
+  MoE            the experts' all-to-all over ep and their FSDP units over efsdp:
+                 dtgpt.plan.comm_moe.
   per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the
                  first and last stage; the loss's token count over dp x cp (last stage); the
                  loss with the squared gradient norm: 1 all-reduce of 2 fp32 over the world (a
@@ -47,8 +49,9 @@ from dataclasses import dataclass
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import recompute_groups
+from dtgpt.plan import comm_moe
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
 
 
@@ -56,7 +59,7 @@ FP32 = 4
 class Collective:
     kind: str
     dim: str
-    """the mesh dimension it runs over: tp, cp, pp, dp, dp_cp, dp_shard(_cp), dp_replicate, tied, world"""
+    """the mesh dimension it runs over: tp, cp, pp, dp, dp_cp, dp_shard(_cp), dp_replicate, ep, efsdp, tied, world"""
     what: str
     count: int
     message_bytes: int
@@ -109,6 +112,18 @@ class CommLayout:
     """Biases in every linear layer; qkv_bias: in the QKV projection."""
     qkv_bias: bool = True
     qk_norm: bool = False
+    experts: int = 0
+    """MoE (dtgpt.plan.comm_moe): experts per MoE layer (0: dense), top-k, which blocks, widths."""
+    topk: int = 0
+    moe_layer_freq: int = 1
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    ep: int = 1
+    capacity_factor: float | None = None
+    pad_to_capacity: bool = False
+    load_balancing: str = "none"
+    aux_loss_coeff: float = 0.0
+    z_loss: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -129,6 +144,11 @@ class CommLayout:
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
             heads=m.num_attention_heads, groups=m.query_groups, head_dim=m.head_dim, swiglu=m.swiglu,
             bias=m.add_bias_linear, qkv_bias=m.qkv_bias, qk_norm=m.qk_layernorm,
+            experts=m.num_experts or 0, topk=m.moe_router_topk if m.moe_enabled else 0, moe_layer_freq=m.moe_layer_freq,
+            expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
+            ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor,
+            pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
+            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None,
         )  # fmt: skip
 
     @property
@@ -139,6 +159,11 @@ class CommLayout:
     def shard(self) -> int:
         """FSDP's shard degree: dp_shard x cp."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks that shard the experts: dp_shard x cp with ep folded out."""
+        return self.shard // self.ep
 
     @property
     def fsdp(self) -> bool:
@@ -157,16 +182,16 @@ class CommLayout:
 # -- parameters: tp-local shapes, padded for FSDP ----------------------------------------------
 
 
-def block_shapes(c: CommLayout) -> list[tuple[int, ...]]:
+def block_shapes(c: CommLayout, moe: bool = False) -> list[tuple[int, ...]]:
     """One block's tp-local parameter shapes (column-parallel split on dim 0, row on dim 1): the
-    grouped QKV rows, the projection, the qk-norms, one or (SwiGLU) two MLP inputs, the biases."""
-    h, f, tp, hd = c.hidden, c.ffn, c.tp, c.head_dim
+    grouped QKV rows, the projection, the qk-norms, one or (SwiGLU) two MLP inputs, the biases;
+    `moe`: the router and shared expert in place of the MLP (the experts are a unit of their own)."""
+    h, tp, hd = c.hidden, c.tp, c.head_dim
     norm = [(h,)] * c.norm_params
     qkv = (c.heads + 2 * c.groups) * hd // tp
     attention = [(qkv, h)] + [(qkv,)] * c.qkv_bias + [(h, c.heads * hd // tp)] + [(h,)] * c.bias
     qk_norms = [(hd,)] * (2 * c.norm_params) * c.qk_norm
-    mlp_in = [(f // tp, h)] + [(f // tp,)] * c.bias
-    mlp = mlp_in * (2 if c.swiglu else 1) + [(h, f // tp)] + [(h,)] * c.bias
+    mlp = comm_moe.moe_block_shapes(c) if moe else comm_moe.mlp_shapes(c, c.ffn)
     return norm + attention + qk_norms + norm + mlp
 
 
@@ -193,7 +218,7 @@ def gathered_numel(shapes: list[tuple[int, ...]], dp_shard: int) -> int:
 def fsdp_units(c: CommLayout, stage: int) -> list[tuple[str, list[tuple[int, ...]], bool]]:
     """(name, tp-local shapes, is root) of each FSDP unit of one stage, as apply_fsdp builds them."""
     first, last = stage == 0, stage == c.num_stages - 1
-    units = [("block", block_shapes(c), False)] * c.layer_counts[stage]
+    units = [("block", block_shapes(c, comm_moe.is_moe_block(c, i)), False) for i in comm_moe.stage_blocks(c, stage)]
     if c.tied and first and last:  # the root keeps the shared weight, and with it the rest
         return units + [("root", embedding_shapes(c) + head_shapes(c, with_output=False), True)]
     if first:
@@ -226,7 +251,7 @@ def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Col
             if c.dp_replicate > 1:
                 shard = numel // c.shard * c.grad_bytes
                 out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, shard))
-    return out
+    return out + comm_moe.expert_fsdp_collectives(c, stages, Collective)
 
 
 def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
@@ -238,7 +263,8 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     blocks = sum(c.layer_counts[s] for s in stages)
     first = 0 in stages
     last = c.num_stages - 1 in stages
-    sublayers = 2 * blocks * n_micro
+    moe = sum(1 for s in stages for i in comm_moe.stage_blocks(c, s) if comm_moe.is_moe_block(c, i))
+    sublayers = (2 * blocks - moe) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
     out = []
     if c.sequence_parallel:
         out += [Collective("all_gather", "tp", "sp norm outputs fwd", sublayers, residual),
@@ -277,6 +303,15 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
             logits = c.micro_batch * c.tokens * c.vocab * c.compute_bytes
             out.append(Collective("all_gather", "tp", "logits fwd", n_micro, logits))
     return out
+
+
+def recomputed_blocks(c: CommLayout, stage: int) -> list[int]:
+    """The global indices of a stage's blocks whose whole forward backward runs again (full recomputation)."""
+    granularity, method, num_layers = c.recompute
+    if granularity != "full":
+        return []
+    blocks = comm_moe.stage_blocks(c, stage)
+    return [blocks[int(n)] for g in recompute_groups([str(i) for i in range(len(blocks))], method, num_layers) for n in g]
 
 
 def recomputed_cores(c: CommLayout, stage: int) -> int:
@@ -327,8 +362,8 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
         out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * c.grad_bytes))
     if last and c.dp * c.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", "loss tokens", 1, FP32))
-    if c.pp * c.dp * c.cp * c.tp > 1:  # each rank's loss part and sum of squares
-        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, 2 * FP32))
+    if c.pp * c.dp * c.cp * c.tp > 1:  # each rank's loss part and sum of squares (and MoE routing statistics)
+        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, (2 + comm_moe.routing_stats_numel(c)) * FP32))
     return out
 
 
@@ -340,6 +375,8 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
         + tp_collectives(c, stages, n_micro)
         + cp_collectives(c, stages, n_micro)
         + pp_collectives(c, stages, n_micro)
+        + comm_moe.all_to_all_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
+        + comm_moe.sequence_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
         + step_collectives(c, stages)
     )
 

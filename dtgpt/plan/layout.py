@@ -10,11 +10,13 @@ dtgpt.plan.activations and dtgpt.plan.memory.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict
 
 from dtgpt.config import (
     Config,
+    ModelConfig,
     ConfigError,
     fsdp_reshards_after_forward,
     grads_reduced_in_fp32,
@@ -25,7 +27,7 @@ from dtgpt.config import (
 )
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.tokenizer import HuggingFaceTokenizer
-from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters
+from dtgpt.model_size import flops_per_token, num_parameters, router_flops_per_token
 from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
 from dtgpt.plan import comm, links
@@ -72,9 +74,12 @@ def tokenizer_vocab_size(cfg: Config) -> tuple[int, str | None]:
 
 
 def default_world_size(cfg: Config) -> int:
-    """pp * dp_replicate * dp_shard * cp * tp, with dp_shard = -1 ("the rest") taken as 1."""
+    """pp * dp_replicate * dp_shard * cp * tp, with dp_shard = -1 ("the rest") taken as 1, or
+    under expert parallelism as the fewest ranks ep folds out of (dp_shard x cp a multiple of ep):
+    Mixtral's pp 4 x ep 8 is 32 GPUs, as Megatron's script runs it on 4 nodes of 8."""
     p = cfg.parallel
-    dps = p.data_parallel_shard_size if p.data_parallel_shard_size > 0 else 1
+    ep, cp = max(p.expert_model_parallel_size, 1), max(p.context_parallel_size, 1)
+    dps = p.data_parallel_shard_size if p.data_parallel_shard_size > 0 else ep // math.gcd(ep, cp)
     model_parallel = p.pipeline_model_parallel_size * p.context_parallel_size * p.tensor_model_parallel_size
     return model_parallel * p.data_parallel_replicate_size * dps
 
@@ -95,15 +100,17 @@ def layout_errors(cfg: Config, world_size: int, vocab_size: int) -> list[str]:
 # -- the plan ----------------------------------------------------------------------------------
 
 
-def _activation_bytes(built: BuiltRank, shape: ActivationShape) -> tuple[float, float]:
+def _activation_bytes(built: BuiltRank, shape: ActivationShape, model: ModelConfig) -> tuple[float, float]:
     """(bytes per chunk in flight averaged over the rank's stages, recompute working set)."""
-    total = sum(layer_activation_bytes(shape, recompute=r) for r in built.recompute if r != "full")
+    kinds = list(zip(built.layer_ids, built.recompute))
+    total = sum(layer_activation_bytes(shape, r, moe=model.is_moe_layer(i)) for i, r in kinds if r != "full")
     total += built.recompute_groups * layer_activation_bytes(shape, recompute="full")
     if built.first:
         total += embedding_activation_bytes(shape)
     if built.last:
         total += head_activation_bytes(shape)
-    working = built.recompute_group * layer_activation_bytes(shape, recompute="none")
+    moe = any(model.is_moe_layer(i) for i in built.layer_ids)  # a recomputed group's largest block
+    working = built.recompute_group * layer_activation_bytes(shape, recompute="none", moe=moe)
     return total / max(len(built.stage_ids), 1), working
 
 
@@ -153,7 +160,7 @@ def plan_layout(
             pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
         )  # fmt: skip
         in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
-        chunk, working = _activation_bytes(b, shape)
+        chunk, working = _activation_bytes(b, shape, m)
         memory = {**asdict(states), "activations": in_flight * chunk + working}
         memory = {k: val / pm.GIB for k, val in memory.items()}
         memory["total"] = sum(memory.values())
@@ -168,13 +175,16 @@ def plan_layout(
     total = sum(r.stage_params for r in heads) - tied_copy
     recomputed = sum(r.recomputed_layers for r in heads)
     model_fpt = flops_per_token(m, padded)
-    layer_fpt = layer_flops_per_token(m)
-    hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt)
+    # A recomputed block costs one more forward of itself; MoE and dense blocks differ, so the mean.
+    layer_fpt = (model_fpt - 6 * m.hidden_size * padded) / m.num_layers
+    hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt) + router_flops_per_token(m)
     tokens_per_iter = batches.final * m.seq_length
     plan = Plan(
         world_size=world_size,
-        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v},
+        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v,
+              "ep": dims.ep, "efsdp": dims.dp_shard * dims.cp // dims.ep},
         vocab_size=vocab, padded_vocab_size=padded, total_params=total,
+        active_params=num_parameters(m, padded, active=True),
         microbatches=micro, microbatches_initial=micro0, microbatch_counts=counts,
         bubble_fraction=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro),
         bubble_fraction_initial=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro0),
@@ -187,6 +197,9 @@ def plan_layout(
     layout = comm.CommLayout.from_config(cfg, world_size, padded)
     plan.comm = [links.rank_traffic(layout, r, micro, nvlink_gbps, ib_gbps) for r in range(dims.pp)]
     plan.est_comm_s = max(t.seconds for t in plan.comm)
+    plan.all_to_all_bytes = [
+        sum(col.bytes for col in comm.rank_collectives(layout, r, micro) if col.kind == "all_to_all") for r in range(dims.pp)
+    ]
     if vocab_note:
         plan.notes.append(vocab_note)
     expected = num_parameters(m, padded)

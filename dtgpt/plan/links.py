@@ -12,15 +12,18 @@ from dtgpt.plan.comm import Collective, CommLayout, rank_collectives
 def group_size(c: CommLayout, dim: str) -> int:
     sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "dp_cp": c.dp * c.cp, "dp_shard": c.dp_shard,
              "dp_shard_cp": c.shard, "dp_replicate": c.dp_replicate, "dp_shard_tp": c.shard * c.tp, "tied": 2,
+             "ep": c.ep, "efsdp": c.efsdp, "cp_tp": c.cp * c.tp,
              "world": c.pp * c.dp * c.cp * c.tp}  # fmt: skip
     return sizes[dim]
 
 
 def link_bytes(col: Collective, n: int) -> float:
     """Bytes one rank sends (and receives) for `col` in a ring of n ranks: (n-1)/n of the
-    message for all-gather and reduce-scatter, twice that for all-reduce, all of it for a send."""
+    message for all-gather, reduce-scatter and all-to-all, twice that for all-reduce, all of it for a send."""
     if col.kind in ("send", "recv"):
         return col.bytes
+    if col.kind == "all_to_all":  # a rank keeps its own 1/n of the message
+        return col.bytes * (n - 1) / n if n > 1 else 0.0
     if n <= 1:
         return 0.0
     factor = 2 * (n - 1) / n if col.kind == "all_reduce" else (n - 1) / n
@@ -52,7 +55,9 @@ def rank_traffic(
     (innermost mesh dimension), and so does cp (next to it) when cp x tp fits a node; pp and dp
     cross nodes."""
     nvlink = other = 0.0
-    within_node = {"tp", "cp"} if c.cp * c.tp <= GPUS_PER_NODE else {"tp"}
+    within_node = {"tp", "cp", "cp_tp"} if c.cp * c.tp <= GPUS_PER_NODE else {"tp"}
+    if c.ep * c.tp <= GPUS_PER_NODE:  # an ep group is ep neighbours at stride tp (dtgpt.parallel.dims)
+        within_node.add("ep")
     for col in rank_collectives(c, pp_rank, n_micro):
         moved = link_bytes(col, group_size(c, col.dim))
         if col.dim in within_node:

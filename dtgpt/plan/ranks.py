@@ -34,6 +34,11 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
+_FSDP_DIMS = ("dp", "hsdp", "efsdp")
+"""Mesh dimensions FSDP shards over (and gathers back): dp_shard(_cp), HSDP's, and the experts'
+efsdp (dtgpt.parallel.dims); the others (tp, ep) stay split."""
+
+
 def _numel_gathered_over_dp(p: torch.Tensor) -> int:
     """The size this rank's copy has once FSDP has all-gathered it (the tp shard only)."""
     if not isinstance(p, DTensor):
@@ -41,7 +46,7 @@ def _numel_gathered_over_dp(p: torch.Tensor) -> int:
     shape = list(p.shape)
     mesh, coord = p.device_mesh, p.device_mesh.get_coordinate()
     for i, placement in enumerate(p.placements):
-        if isinstance(placement, Shard) and not mesh.mesh_dim_names[i].startswith("dp"):
+        if isinstance(placement, Shard) and not mesh.mesh_dim_names[i].startswith(_FSDP_DIMS):
             shape[placement.dim] = _chunk(shape[placement.dim], mesh.size(i), coord[i])
     return math.prod(shape)
 

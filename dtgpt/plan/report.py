@@ -155,6 +155,8 @@ def _comm_lines(plan: Plan) -> list[str]:
     lines = []
     mesh = plan.mesh
     in_node = "tp/cp" if mesh["cp"] > 1 and mesh["cp"] * mesh["tp"] <= GPUS_PER_NODE else "tp"
+    if mesh["ep"] > 1 and mesh["ep"] * mesh["tp"] <= GPUS_PER_NODE:  # dtgpt.plan.links
+        in_node += "/ep"
     across = "pp/dp" if in_node == "tp/cp" or mesh["cp"] == 1 else "pp/dp/cp"
     for t in plan.comm:
         lines.append(
@@ -164,6 +166,12 @@ def _comm_lines(plan: Plan) -> list[str]:
         )
     if len(lines) > 4:  # the 175B layout has 16 pp ranks: first, a middle one, last
         lines = [lines[0], lines[len(lines) // 2], lines[-1]]
+    if any(plan.all_to_all_bytes):
+        per_rank = ", ".join(f"{b / 1e9:.3g}" for b in plan.all_to_all_bytes)
+        lines.append(
+            f"all-to-all each rank sends {per_rank} GB of routed tokens per iteration (pp rank 0 to {len(plan.all_to_all_bytes) - 1}; "
+            f"dispatch and combine, forward and backward, over ep {mesh['ep']})"
+        )
     if lines:
         lines.append(
             f"comm       not overlapped with compute: {plan.est_iteration_s + plan.est_comm_s:.2f} s per iteration, "
@@ -172,13 +180,26 @@ def _comm_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _moe_line(cfg: Config, plan: Plan) -> str:
+    m = cfg.model
+    ffn = m.expert_ffn_size
+    shared = f" + a shared expert of {m.moe_shared_expert_intermediate_size}" if m.moe_shared_expert_intermediate_size else ""
+    return (
+        f"experts    {m.num_experts} of width {ffn}{shared} in every {m.moe_layer_freq} block(s), top-{m.moe_router_topk}; "
+        f"ep {plan.mesh['ep']} (each rank holds {m.num_experts // plan.mesh['ep']} per layer), experts FSDP-sharded "
+        f"over the {plan.mesh['efsdp']} data-parallel ranks that remain"
+    )
+
+
 def format_plan(cfg: Config, plan: Plan) -> str:
     m, t, p = cfg.model, cfg.training, cfg.parallel
     mesh = plan.mesh
     precision = "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
     lines = [
         f"model      {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
-        f"vocab {plan.vocab_size} -> {plan.padded_vocab_size} padded: {plan.total_params:,} parameters",
+        f"vocab {plan.vocab_size} -> {plan.padded_vocab_size} padded: {plan.total_params:,} parameters"
+        + (f" ({plan.active_params:,} active per token)" if m.moe_enabled else ""),
+        *([_moe_line(cfg, plan)] if m.moe_enabled else []),
         f"layout     {plan.world_size} GPUs = pp {mesh['pp']} x dp_replicate {mesh['dp_replicate']} x dp_shard "
         f"{mesh['dp_shard']} x cp {mesh['cp']} x tp {mesh['tp']}"
         + (f", {mesh['vpp']} virtual stages per rank" if mesh["vpp"] > 1 else "")

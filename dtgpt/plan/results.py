@@ -70,6 +70,10 @@ class Plan:
     gpu_memory_gib: float
     ranks: list[RankPlan]
     builds: int
+    active_params: int = 0
+    """The parameters one token uses: all of them, but k of each MoE layer's experts."""
+    all_to_all_bytes: list = field(default_factory=list)
+    """Per pp rank: the message bytes a rank's expert-parallel all-to-alls send per iteration."""
     comm: list = field(default_factory=list)
     """dtgpt.plan.links.RankTraffic per pp rank: bytes each rank sends per iteration, and their time."""
     est_comm_s: float = 0.0

@@ -1,0 +1,137 @@
+"""The mixture-of-experts terms of the communication model (dtgpt.plan.comm): the MoE block's
+parameter shapes as FSDP holds them, and the all-to-all token exchange of expert parallelism.
+
+With E experts, top-k routing, ep expert-parallel ranks and N = b·s/tp tokens a rank routes per
+micro-batch (each tp rank routes its own sequence chunk under SP), per MoE layer:
+
+  all-to-all over ep, per micro-batch: 1 exchange of the per-expert counts (E int64) forward,
+       then the routed rows, R·h·e bytes each (R = N·k dropless, E·capacity when padded to
+       capacity, at most N·k when a capacity drops tokens): dispatch and combine forward, the
+       same two backward; a recomputed block (full recomputation) runs its forward again, counts
+       and both exchanges. Each rank sends its own R rows; what it receives depends on the
+       routing, so R·h·e is the mean over the ep ranks (their sum is exact).
+  under tp (+ SP) and cp: the router and the experts run on the rank's own tokens, so an MoE
+       block has no SP gather/scatter around its MLP (only the attention's); the router's
+       per-expert load counts (E int64, B·E for seq_aux_loss) are summed over the ranks holding
+       chunks of the same sequences (cp x tp) per micro-batch, again in a recomputed forward; the
+       router's and experts' gradients, partial over tp, are all-reduced once per iteration
+       (in the compute dtype with one micro-batch, else in the reduce dtype, as SP's norms).
+  FSDP over efsdp = dp_shard·cp/ep (the ranks left once ep is folded out): each MoE layer's
+       experts are a unit of their own, E/ep experts sharded on their second axis; one
+       all-gather and one reduce-scatter per iteration as any unit, none at efsdp = 1; HSDP adds
+       the all-reduce of the shard over dp_replicate. The router (E x h) and the shared expert
+       stay in the block's unit.
+"""
+
+from __future__ import annotations
+
+import math
+
+# `c` below is a dtgpt.plan.comm.CommLayout and `collective` its Collective class, passed in:
+# comm imports this module, and the plan package's imports run one way.
+
+
+def is_moe_block(c, index: int) -> bool:
+    """Block `index` (global, from 0) holds an MoE layer: every moe_layer_freq-th from block 0."""
+    return c.experts > 0 and index % c.moe_layer_freq == 0
+
+
+def stage_blocks(c, stage: int) -> list[int]:
+    """The global indices of a stage's blocks."""
+    first = sum(c.layer_counts[:stage])
+    return list(range(first, first + c.layer_counts[stage]))
+
+
+def mlp_shapes(c, width: int) -> list[tuple[int, ...]]:
+    """A tensor-parallel MLP of `width`: fc1 (and SwiGLU's gate) column-split, fc2 row-split."""
+    tp = c.tp
+    mlp_in = [(width // tp, c.hidden)] + [(width // tp,)] * c.bias
+    return mlp_in * (2 if c.swiglu else 1) + [(c.hidden, width // tp)] + [(c.hidden,)] * c.bias
+
+
+def moe_block_shapes(c) -> list[tuple[int, ...]]:
+    """What an MoE layer leaves in its block's FSDP unit: the router (replicated over tp) and the
+    shared expert (tensor-parallel as a dense MLP)."""
+    router = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias
+    return router + (mlp_shapes(c, c.shared_ffn) if c.shared_ffn else [])
+
+
+def expert_shapes(c) -> list[tuple[int, ...]]:
+    """One MoE layer's stacked experts on a rank: E/ep of them, whole (replicated over tp)."""
+    local, f, h = c.experts // c.ep, c.expert_ffn, c.hidden
+    fc1 = (2 if c.swiglu else 1) * f
+    return [(local, fc1, h), (local, h, f)] + ([(local, fc1), (local, h)] if c.bias else [])
+
+
+def expert_gathered_numel(c) -> int:
+    """Elements FSDP gathers for one expert unit: dim 1 padded up to a multiple of efsdp."""
+    return sum(math.prod((s[0], -(-s[1] // c.efsdp) * c.efsdp, *s[2:])) for s in expert_shapes(c))
+
+
+def routed_rows(c) -> int:
+    """R: the (token, expert) rows a rank sends its experts per micro-batch and MoE layer."""
+    tokens = c.micro_batch * c.tokens // (c.tp if c.sequence_parallel else 1)
+    if c.capacity_factor is not None and c.pad_to_capacity:
+        return c.experts * math.ceil(tokens * c.topk / c.experts * c.capacity_factor)
+    return tokens * c.topk
+
+
+def expert_fsdp_collectives(c, stages: list[int], collective) -> list:
+    """The experts' FSDP units: one gather and one reduce-scatter per MoE layer and iteration."""
+    if c.efsdp * c.dp_replicate == 1 or c.experts == 0:
+        return []
+    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    numel = expert_gathered_numel(c)
+    out = []
+    if c.efsdp > 1:
+        out += [collective("all_gather", "efsdp", "fsdp experts params", layers, numel * c.compute_bytes),
+                collective("reduce_scatter", "efsdp", "fsdp experts grads", layers, numel * c.grad_bytes)]  # fmt: skip
+    if c.dp_replicate > 1:
+        out.append(collective("all_reduce", "dp_replicate", "hsdp experts grads", layers, numel // c.efsdp * c.grad_bytes))
+    return out
+
+
+def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
+    """Expert parallelism's token exchange (module docstring); `rerun_blocks(stage)`: the global
+    indices of the stage's blocks whose forward backward runs again."""
+    if c.ep == 1 or c.experts == 0:
+        return []
+    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
+    rows = routed_rows(c) * c.hidden * c.compute_bytes
+    return [
+        collective("all_to_all", "ep", "tokens per expert fwd", (layers + rerun) * n_micro, 8 * c.experts),
+        collective("all_to_all", "ep", "dispatch + combine fwd", 2 * (layers + rerun) * n_micro, rows),
+        collective("all_to_all", "ep", "dispatch + combine grads bwd", 2 * layers * n_micro, rows),
+    ]
+
+
+def routing_stats_numel(c) -> int:
+    """fp32 numbers an MoE model adds to the iteration's loss-and-norm all-reduce over the world
+    (dtgpt/moe/stats.py): each logged router loss, then per MoE layer of the whole model its
+    tokens per expert and its dropped tokens."""
+    if c.experts == 0:
+        return 0
+    losses = int(c.load_balancing != "none" and c.aux_loss_coeff > 0) + int(c.z_loss)
+    layers = sum(1 for i in range(c.num_layers) if is_moe_block(c, i))
+    return losses + layers * (c.experts + 1)
+
+
+def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
+    """tp and cp's MoE terms (module docstring): the router's load counts and the gradients of the
+    parameters tp replicates (router, experts)."""
+    if c.experts == 0:
+        return []
+    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
+    out = []
+    tp = c.tp if c.sequence_parallel else 1
+    if c.cp * tp > 1 and c.load_balancing != "none" and c.aux_loss_coeff > 0:
+        dim = "cp_tp" if c.cp > 1 and tp > 1 else "cp" if c.cp > 1 else "tp"
+        counts = 8 * c.experts * (c.micro_batch if c.load_balancing == "seq_aux_loss" else 1)
+        out.append(collective("all_reduce", dim, "router load counts", (layers + rerun) * n_micro, counts))
+    if c.tp > 1:
+        grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
+        replicated = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + expert_shapes(c)
+        out += [collective("all_reduce", "tp", "router and expert grads", layers, math.prod(s) * grad) for s in replicated]
+    return out
