@@ -170,6 +170,10 @@ LAYOUTS = {
         [*MOE_GROUPED, *EXPERT_BIAS, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", ep(2)],
     ),
     "moe_ep2_cp2": (2, [*MOE_GROUPED, CP2, ep(2)]),
+    # a capacity factor: each expert takes at most 1.0 x its share of a micro-batch's tokens,
+    # counted per micro-batch, which no dp, ep or pp split changes (tp and cp, which split a
+    # sequence, are refused): the same tokens drop on every layout (dropped_tokens compared)
+    "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
 

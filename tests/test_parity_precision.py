@@ -33,6 +33,10 @@ compute dtype (2^-8 bf16, 2^-11 fp16).
   2u (bf16 7.8e-3), 4u (fp16 2.0e-3); test_tolerance_covers_the_reordering_spread keeps the
   floor under a quarter of it.
 
+The MoE layout (top-2 of 4 experts on ep2) is held to the same tolerances: routing is discrete,
+so a near-tie that rounded differently on another layout would send a token elsewhere and show as
+a failure, not as noise; none does on this model and data.
+
 A real bug is far outside: one step more or less moves ||theta|| by ~lr sqrt(N) / ||theta|| ~ 5e-2
 here, a wrong normaliser changes the loss in the second decimal, and a gradient norm that counts
 a replicated weight twice is off by tens of percent.
@@ -67,6 +71,7 @@ REORDER = ["--training.micro_batch_size=2"]
 PP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]
 TP2_SP = ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]
 DP2 = ["--parallel.data_parallel_shard_size=2"]
+MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_grouped_gemm=true", "--model.moe_aux_loss_coeff=1e-2"]
 LAYOUTS = {
     # name: (ranks, overrides)
     "dp2": (2, DP2),
@@ -75,6 +80,9 @@ LAYOUTS = {
     "dp2_tp2": (4, DP2 + TP2_SP),
     "pp2_tp2": (4, PP2 + TP2_SP),
     "cp2": (2, ["--parallel.context_parallel_size=2"]),
+    # MoE (top-2 of 4, grouped GEMM) with expert parallelism: tokens cross the all-to-all in the
+    # compute dtype; compared with the one-process MoE model
+    "moe_ep2": (2, [*MOE, *DP2, "--parallel.expert_model_parallel_size=2"]),
 }
 
 
@@ -88,9 +96,9 @@ def runs(request, tmp_path_factory) -> dict:
     launched together: one launch per rank count (tests/runs.py train_runs)."""
     layouts = selected_cases(request, test_layout_matches_one_process_in_low_precision)  # "dp2-bf16", ...
     floors = selected_cases(request, test_tolerance_covers_the_reordering_spread)  # "bf16", ...
-    singles = {case.split("-")[1] for case in layouts}
+    singles = {single_key(case) for case in layouts}
     if selected_cases(request, test_fp16_run_skips_overflowing_iterations):
-        singles.add("fp16")
+        singles.add("single_fp16")
 
     def run(key: str, precision: list[str], overrides: list[str], ranks: int = 1) -> Run:
         return Run(key, tmp_path_factory.mktemp(key), args(precision, overrides), ranks)
@@ -100,12 +108,23 @@ def runs(request, tmp_path_factory) -> dict:
         name, precision = case.split("-")
         ranks, overrides = LAYOUTS[name]
         batch[case] = run(case, PRECISION[precision], overrides, ranks)
-    for p in singles:
-        batch[f"single_{p}"] = run(f"single_{p}", PRECISION[p], [])
+    for key in singles:
+        precision, model = key.split("_")[1], MODELS[key.split("_", 2)[2]] if key.count("_") == 2 else []
+        batch[key] = run(key, PRECISION[precision], model)
     for p in floors:
         batch[floor_key(p)] = run(floor_key(p), FLOOR[p], [])
         batch[f"reordered_{p}"] = run(f"reordered_{p}", FLOOR[p], REORDER)
     return train_runs(list(batch.values()))
+
+
+MODELS = {"moe": MOE}  # the model variants the layouts train (by their name's prefix), besides the dense one
+
+
+def single_key(case: str) -> str:
+    """The one-process run a layout case ("dp2-bf16", "moe_ep2-fp16") is compared with."""
+    name, precision = case.split("-")
+    variant = name.split("_")[0]
+    return f"single_{precision}_{variant}" if variant in MODELS else f"single_{precision}"
 
 
 def floor_key(precision: str) -> str:
@@ -158,7 +177,7 @@ def _cases():
 @pytest.mark.parametrize("case", list(_cases()))
 def test_layout_matches_one_process_in_low_precision(runs, case):
     name, precision = case.split("-")
-    got, want = result(runs, case), result(runs, f"single_{precision}")
+    got, want = result(runs, case), result(runs, single_key(case))
     assert_matches(got, want, precision)
     if name == "dp2" and precision == "bf16":
         # One regime at every dp (FSDP casts at dp 1 too): before any update, each sample's
