@@ -4,7 +4,9 @@ vocabulary dtgpt.model's init_weights reads, shared with the MoE modules (dtgpt/
 from __future__ import annotations
 
 import enum
+import zlib
 
+import torch
 import torch.nn as nn
 
 
@@ -29,3 +31,11 @@ def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
     if linear.bias is not None:
         inits.append((linear.bias, Init.ZEROS))
     return inits
+
+
+def named_normal(name: str, shape, std: float, seed: int, device: torch.device) -> torch.Tensor:
+    """N(0, std) of `shape`, drawn from a generator seeded by (seed, name) alone: a parameter's
+    initial value never depends on which other parameters a rank holds or the order of the draws."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)

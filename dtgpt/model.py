@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import zlib
 from typing import Callable, ContextManager
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
-from dtgpt.inits import DeclaredInits, Init, linear_inits
+from dtgpt.inits import DeclaredInits, Init, linear_inits, named_normal
 from dtgpt.moe.layer import MoELayer
 from dtgpt.norms import build_norm
 from dtgpt.rope import apply_rotary, rotary_frequencies
@@ -352,9 +351,7 @@ class GPT(nn.Module):
             std = std / math.sqrt(2.0 * self.cfg.num_layers)
         if name == OUTPUT_WEIGHT and self.tied:
             name = WORD_EMBEDDING  # the last pipeline stage's copy of the tied weight starts equal
-        generator = torch.Generator(device=device)
-        generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+        return named_normal(name, shape, std, seed, device)
 
     @torch.no_grad()
     def init_weights(

@@ -25,13 +25,14 @@ gradient reductions see the same parameters whatever the routing.
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
+
+from dtgpt.inits import named_normal
 
 _GEMM_ALIGNMENT_BYTES = 16
 
@@ -127,9 +128,7 @@ class GroupedExperts(nn.Module):
             if std == 0.0:
                 value = torch.zeros(shape, device=device)
             else:
-                generator = torch.Generator(device=device)
-                generator.manual_seed((seed * 1_000_003 + zlib.crc32((prefix + name).encode())) % (2**63))
-                value = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+                value = named_normal(prefix + name, shape, std, seed, device)
             if assign is not None:
                 assign(param, value)
             elif param.shape[0] == self.num_experts:
