@@ -57,6 +57,20 @@ def _run_twin(tmp_path: Path, name: str, extra: list[str]):
     return proc, read_metrics(metrics)
 
 
+def train_briefly(tmp_path: Path, config: str, name: str, nproc: int, iterations: int, extra: tuple[str, ...] = ()):
+    """A twin trained for `iterations` without checkpoints, evaluated once at the end: its
+    output and metrics, after checking that every iteration ran and the loss fell."""
+    metrics = tmp_path / f"{name}.jsonl"
+    args = ["--config", config, f"--training.train_iters={iterations}", f"--eval.eval_interval={iterations}",
+            "--eval.eval_iters=1", "--checkpoint.save=", "--checkpoint.load=", "--logging.log_interval=1", *extra,
+            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
+    proc = run_train(tmp_path, args, nproc=nproc, name=name, timeout=600)
+    rows = read_metrics(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
+    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    return proc, rows
+
+
 @pytest.mark.slow
 def test_twin_trains_evaluates_checkpoints_and_resumes(tmp_path):
     has_checkpoint = importlib.util.find_spec("dtgpt.checkpoint") is not None
@@ -137,14 +151,7 @@ def test_32k_twin_keeps_the_structure():
 
 @pytest.mark.slow
 def test_32k_twin_trains_on_8_ranks(tmp_path):
-    metrics = tmp_path / "long.jsonl"
-    args = ["--config", LONG_TWIN, "--training.train_iters=4", "--eval.eval_interval=4", "--eval.eval_iters=1",
-            "--checkpoint.save=", "--checkpoint.load=", "--logging.tensorboard_dir=", "--logging.log_interval=1",
-            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
-    proc = run_train(tmp_path, args, nproc=8, name="long", timeout=600)
-    rows = read_metrics(metrics)
-    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
-    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    proc, _ = train_briefly(tmp_path, LONG_TWIN, "long", nproc=8, iterations=4, extra=("--logging.tensorboard_dir=",))
     assert "cp=8" in proc.stdout and "validation loss at iteration 4 |" in proc.stdout
 
 
@@ -177,14 +184,7 @@ def test_llama3_8b_twin_keeps_the_structure():
 
 @pytest.mark.slow
 def test_llama3_8b_twin_trains_on_2_ranks(tmp_path):
-    metrics = tmp_path / "llama.jsonl"
-    args = ["--config", LLAMA_TWIN, "--training.train_iters=6", "--eval.eval_interval=6", "--eval.eval_iters=1",
-            "--checkpoint.save=", "--checkpoint.load=", "--logging.log_interval=1",
-            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
-    proc = run_train(tmp_path, args, nproc=2, name="llama", timeout=600)
-    rows = read_metrics(metrics)
-    assert [r["iteration"] for r in rows] == list(range(1, 7))
-    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    proc, _ = train_briefly(tmp_path, LLAMA_TWIN, "llama", nproc=2, iterations=6)
     assert "> mesh: pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=1 (2 ranks)" in proc.stdout
 
 
@@ -213,13 +213,6 @@ def test_mixtral_twin_keeps_the_structure():
 
 @pytest.mark.slow
 def test_mixtral_twin_trains_on_4_ranks(tmp_path):
-    metrics = tmp_path / "mixtral.jsonl"
-    args = ["--config", MIXTRAL_TWIN, "--training.train_iters=4", "--eval.eval_interval=4", "--eval.eval_iters=1",
-            "--checkpoint.save=", "--checkpoint.load=", "--logging.log_interval=1", "--logging.tensorboard_dir=",
-            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
-    proc = run_train(tmp_path, args, nproc=4, name="mixtral", timeout=600)
-    rows = read_metrics(metrics)
-    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
-    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    proc, _ = train_briefly(tmp_path, MIXTRAL_TWIN, "mixtral", nproc=4, iterations=4, extra=("--logging.tensorboard_dir=",))
     assert "validation loss at iteration 4 |" in proc.stdout
     assert "> mesh: pp=2 dp_replicate=1 dp_shard=2 cp=1 tp=1 (4 ranks)" in proc.stdout
