@@ -96,9 +96,9 @@ def runs(request, tmp_path_factory) -> dict:
     launched together: one launch per rank count (tests/runs.py train_runs)."""
     layouts = selected_cases(request, test_layout_matches_one_process_in_low_precision)  # "dp2-bf16", ...
     floors = selected_cases(request, test_tolerance_covers_the_reordering_spread)  # "bf16", ...
-    singles = {single_key(case) for case in layouts}
+    singles = {single_key(case): single_run(case) for case in layouts}  # key -> (precision, model overrides)
     if selected_cases(request, test_fp16_run_skips_overflowing_iterations):
-        singles.add("single_fp16")
+        singles["single_fp16"] = ("fp16", [])
 
     def run(key: str, precision: list[str], overrides: list[str], ranks: int = 1) -> Run:
         return Run(key, tmp_path_factory.mktemp(key), args(precision, overrides), ranks)
@@ -108,8 +108,7 @@ def runs(request, tmp_path_factory) -> dict:
         name, precision = case.split("-")
         ranks, overrides = LAYOUTS[name]
         batch[case] = run(case, PRECISION[precision], overrides, ranks)
-    for key in singles:
-        precision, model = key.split("_")[1], MODELS[key.split("_", 2)[2]] if key.count("_") == 2 else []
+    for key, (precision, model) in singles.items():
         batch[key] = run(key, PRECISION[precision], model)
     for p in floors:
         batch[floor_key(p)] = run(floor_key(p), FLOOR[p], [])
@@ -125,6 +124,12 @@ def single_key(case: str) -> str:
     name, precision = case.split("-")
     variant = name.split("_")[0]
     return f"single_{precision}_{variant}" if variant in MODELS else f"single_{precision}"
+
+
+def single_run(case: str) -> tuple[str, list[str]]:
+    """That run's precision and model overrides."""
+    name, precision = case.split("-")
+    return precision, MODELS.get(name.split("_")[0], [])
 
 
 def floor_key(precision: str) -> str:
