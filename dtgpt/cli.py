@@ -1,4 +1,4 @@
-"""The command line of train.py: --config, overrides, --print-config, --dry-run.
+"""The command line of train.py: --config, overrides, Megatron-LM's flags, --print-config, --dry-run.
 
 Config errors print one line naming the key, the value and the rule, and exit 2 without a
 traceback; nothing has been started by then. Bad data files and unusable checkpoints (a load
@@ -14,13 +14,15 @@ import shutil
 import sys
 
 from dtgpt.config import ConfigError, load_config, to_toml, validate
+from dtgpt.config.megatron_flags import ignored_note, translate
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="train.py",
-        description="Pretrain a GPT model. Override any config key with --section.key=value.",
+        description="Pretrain a GPT model. Override any config key with --section.key=value, or give "
+        "Megatron-LM's flags (--num-layers 24 --fp16 ...; docs/megatron_flags.md).",
     )
     parser.add_argument("--config", help="TOML config file (default: built-in defaults)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
@@ -37,8 +39,9 @@ NO_CONFIG = (
 def run_main(argv: list[str], model_provider, datasets_provider) -> int:
     args, overrides = parse_args(argv)
     try:
+        ignored = translate(overrides).ignored  # Megatron flags that change nothing here
         if args.print_config:
-            return print_config(args.config, overrides)
+            return print_config(args.config, overrides, ignored)
         if args.config is None and not overrides:
             raise ConfigError(NO_CONFIG)
         cfg = load_config(args.config, overrides)
@@ -55,6 +58,8 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
             world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
             return plan_main(cfg, world_size)
         print_start(cfg, args.config, taken)
+        if ignored and os.environ.get("RANK", "0") == "0":
+            print(ignored_note(ignored), flush=True)
         from dtgpt.training import pretrain
 
         pretrain(cfg, model_provider, datasets_provider)
@@ -112,11 +117,13 @@ def python_command() -> str:
     return sys.executable if relative.startswith("..") else relative
 
 
-def print_config(path: str | None, overrides: list[str]) -> int:
+def print_config(path: str | None, overrides: list[str], ignored: list[str] = ()) -> int:
     """Print the resolved config as TOML, even one that does not validate yet (the defaults
-    alone name no data); its first problem follows as an error line, and the exit code is 2."""
+    alone name no data); its first problem follows as an error line, and the exit code is 2.
+    Ignored Megatron flags are named in a TOML comment first."""
     cfg = load_config(path, overrides, check=False)
-    print(to_toml(cfg), end="", flush=True)
+    note = f"# {ignored_note(ignored)[2:]}\n" if ignored else ""
+    print(note + to_toml(cfg), end="", flush=True)
     validate(cfg)
     return 0
 

@@ -385,28 +385,32 @@ PATHS = ["/ckpt", "/tb", "/vocab.json", "/merges.txt", "0.3 /data/a_text_documen
 
 @pytest.mark.slow
 def test_launch_script_plans_then_runs_torchrun(tmp_path):
+    """Megatron's 175B script with train.py: its arrays of Megatron flags, planned first."""
     record = tmp_path / "torchrun.args"
     torchrun = _fake_tool(tmp_path, "torchrun", f'printf "%s\\n" "$@" > {record}')
     proc = _run_script("scripts/train_gpt3_175b_distributed.sh", PATHS, {"TORCHRUN": str(torchrun), "NODE_RANK": "3"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1,463,270,400" in proc.stdout  # the plan was printed first
+    assert "1,461,894,144" in proc.stdout  # the plan was printed first (pp rank 0's parameters)
     args = record.read_text().splitlines()
-    assert args[:10] == ["--nproc-per-node", "8", "--nnodes", "16", "--node-rank", "3", "--master-addr", "localhost",
-                         "--master-port", "6000"]  # fmt: skip
-    assert args[10:13] == [str(REPO / "train.py"), "--config", GPT3_175B]
-    assert args[13:] == [
-        "--checkpoint.save=/ckpt", "--checkpoint.load=/ckpt", "--logging.tensorboard_dir=/tb",
-        "--data.vocab_file=/vocab.json", "--data.merge_file=/merges.txt", f"--data.data_path={PATHS[4]}",
-    ]  # fmt: skip
+    assert args[:10] == ["--nproc_per_node", "8", "--nnodes", "16", "--node_rank", "3", "--master_addr", "localhost",
+                         "--master_port", "6000"]  # fmt: skip
+    assert args[10] == str(REPO / "train.py")
+    train_args = args[11:]
+    assert train_args[:12] == ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96",
+                               "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-backend", "auto"]  # fmt: skip
+    assert train_args[train_args.index("--rampup-batch-size") :][:4] == ["--rampup-batch-size", "16", "16", "5859375"]
+    assert train_args[train_args.index("--data-path") :][:5] == ["--data-path", *PATHS[4].split()]
+    assert train_args[-14:] == ["--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+                                "--save", "/ckpt", "--load", "/ckpt", "--eval-iters", "10", "--tensorboard-dir", "/tb"]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "env, extra, code",
     [
-        ({}, ["--parallel.tensor_model_parallel_size=5"], 2),  # 96 heads
+        ({}, ["--group-query-attention", "--num-query-groups", "5"], 2),  # 5 key/value heads over tp 8
         ({"NUM_NODES": "3"}, [], 2),  # 24 GPUs for pp 16 x tp 8
-        ({"CONFIG": str(REPO / "configs" / "debug_3d.toml"), "NUM_NODES": "1", "GPU_MEMORY_GIB": "0.0001"}, [], 1),
+        ({"GPU_MEMORY_GIB": "40"}, [], 1),
     ],
     ids=["heads", "world-size", "memory"],
 )

@@ -40,6 +40,11 @@ FROM_TORCH = "python scripts/convert_checkpoint.py from-torch debug.pt from_torc
 TO_HF = "python scripts/convert_checkpoint.py to-hf checkpoints/debug hf_debug"
 FROM_HF = "python scripts/convert_checkpoint.py from-hf hf_debug from_hf"
 GENERATE = "python scripts/generate.py checkpoints/debug --prompt 'def ' --max-new-tokens 40 --temperature 0.8 --top-k 20"
+MEGATRON_FLAGS = (
+    "python train.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
+    "--global-batch-size 8 --train-iters 10 --lr 3e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 127 "
+    "--use-mcore-models"
+)
 RUNS: dict[str, list[str] | None] = {
     # README command (as extracted) -> arguments appended to shorten it; None: not run here
     "make train": SHORT_RUN,
@@ -53,6 +58,7 @@ RUNS: dict[str, list[str] | None] = {
     "python scripts/plan.py --config configs/llama3_8b.toml --world-size 8 --fused-attention --gpu-memory-gib 141 --check": [],
     "torchrun --nproc-per-node 8 train.py --config configs/gpt3_175b.toml": ["--training.train_iters=4"],
     "torchrun --nproc-per-node 2 examples/simple_train_loop.py": [],
+    MEGATRON_FLAGS: [],  # ten iterations as written
     # your data, checkpoints in and out, sampling: each reads what `make train` or the one before leaves
     PREPROCESS: [],
     TRAIN_ON_IT: SHORT_RUN,
@@ -198,6 +204,9 @@ def test_readme_command_runs_without_warnings(tmp_path, request, command):
     assert not warnings_in(output), f"{command} printed warnings:\n" + "\n".join(warnings_in(output))
     if run_key(command) in OUTPUTS:
         assert all((where / path).exists() for path in OUTPUTS[run_key(command)]), (command, sorted(where.rglob("*")))
+    if command == MEGATRON_FLAGS:  # Megatron's flags set the keys; the internals one gets its note
+        assert "> ignoring Megatron-LM flags that choose only Megatron's internals: --use-mcore-models" in proc.stdout
+        assert "building a GPT of 2 layers, hidden 64, sequence 64" in proc.stdout
     if command == GENERATE:
         assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def "), proc.stdout  # the prompt, then the sample
         assert "> checkpoints/debug/iter_0000004: 40 tokens, temperature 0.8, top-k 20" in proc.stderr

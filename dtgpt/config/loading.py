@@ -1,5 +1,6 @@
-"""Reading a config: TOML files, `--section.key=value` overrides coerced to the field types,
-unknown names rejected with the closest match; and writing the resolved config back as TOML.
+"""Reading a config: TOML files, `--section.key=value` overrides and Megatron-LM's flags coerced
+to the field types, unknown names rejected with the closest match; and writing the resolved
+config back as TOML.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from dtgpt.config.megatron_flags import translate
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.validation import validate
@@ -177,23 +179,23 @@ def apply_override(cfg: Config, dotted_key: str, text: str) -> None:
 
 
 def split_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """`--a.b=1 --c.d 2` -> [("a.b", "1"), ("c.d", "2")]."""
-    pairs = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key=value")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override {arg} has no value")
-            key, value = arg[2:], args[i + 1]
-            i += 2
-        pairs.append((key, value))
-    return pairs
+    """`--a.b=1 --c.d 2 --num-layers 4` -> [("a.b", "1"), ("c.d", "2"), ("model.num_layers", "4")]:
+    Megatron-LM's flags become overrides of their keys (dtgpt/config/megatron_flags.py)."""
+    return [(key, value) for key, value, _ in translate(list(args)).overrides]
+
+
+def _apply_command_line(cfg: Config, args: list[str], levels: dict[str, int]) -> None:
+    """Apply the overrides in order. A Megatron flag and another command-line setting that give
+    one key different values are refused (two `--section.key` settings: the last one counts)."""
+    said: dict[str, tuple[Any, str]] = {}
+    for key, value, spelling in translate(args).overrides:
+        apply_override(cfg, key, value)
+        levels[key] = COMMAND_LINE
+        section, name = key.split(".", 1)
+        now = getattr(getattr(cfg, section), name)
+        if key in said and said[key][0] != now and not all(s.startswith(f"--{key}") for s in (said[key][1], spelling)):
+            raise ConfigError(f"{said[key][1]} and {spelling} both set {key}, to {said[key][0]!r} and {now!r}; keep one")
+        said[key] = (now, spelling)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), check: bool = True) -> Config:
@@ -205,9 +207,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), check: bool 
     data = load_toml(path) if path else {}
     cfg = config_from_dict(data, str(path))
     levels = {f"{s}.{k}": FILE for s, table in data.items() for k in table}
-    for key, value in split_overrides(list(overrides)):
-        apply_override(cfg, key, value)
-        levels[key] = COMMAND_LINE
+    _apply_command_line(cfg, list(overrides), levels)
     resolve_conflicts(cfg, levels)
     if check:
         validate(cfg)

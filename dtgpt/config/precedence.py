@@ -2,7 +2,7 @@
 
 Some choices exclude each other: the source of the training data (mock data, the built-in
 corpus, a blend of prefixes, per-split prefixes), the length of the LR warmup (a fraction, in
-iterations or in samples), and the built-in corpus against a tokenizer other than the byte
+iterations or in samples), fp16 against bf16, and the built-in corpus against a tokenizer other than the byte
 tokenizer it was built with. A user who runs a config file with
 `--data.data_path=...` means "this data instead"; so a choice made on the command line resets
 the file's competing keys to their defaults. Two competing choices made in the same place (both
@@ -31,6 +31,10 @@ EXCLUSIVE_CHOICES = (
         ("optimizer.lr_warmup_fraction",),
         ("optimizer.lr_warmup_iters",),
         ("optimizer.lr_warmup_samples",),
+    ),
+    (  # the low precision the model computes in (Megatron's --fp16 / --bf16)
+        ("training.fp16",),
+        ("training.bf16",),
     ),
 )
 """Each group lists the ways of saying one thing; at most one way per group may be used. A key
@@ -121,6 +125,9 @@ def check_conflicts(cfg: Config) -> None:
     keys = [k for group in EXCLUSIVE_CHOICES for keys in group for k in keys]
     keys += ["data.tokenizer_type", *TOKENIZER_FILES]
     scratch = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data), optimizer=dataclasses.replace(cfg.optimizer)
+        cfg,
+        data=dataclasses.replace(cfg.data),
+        optimizer=dataclasses.replace(cfg.optimizer),
+        training=dataclasses.replace(cfg.training),
     )  # resolve_conflicts works in place: let it work on a copy
     resolve_conflicts(scratch, {k: FILE for k in keys if _is_set(cfg, (k,))})

@@ -28,11 +28,11 @@ def main(cfg: Config, world_size: int | None = None, **options) -> int:
 
 
 def cli(argv: list[str]) -> int:
-    """scripts/plan.py: --config F [--section.key=value ...] [--json] [--check] ..."""
+    """scripts/plan.py: [--config F] [--section.key=value ... | Megatron flags] [--json] [--check] ..."""
     parser = argparse.ArgumentParser(
         prog="plan.py", description="Plan a layout without GPUs: per-rank parameters and memory, bubble, training time."
     )
-    parser.add_argument("--config", required=True, help="TOML config file")
+    parser.add_argument("--config", help="TOML config file (default: the built-in defaults, set by the overrides and Megatron flags)")
     parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*cp*tp, dp_shard -1 as 1, or as the fewest ranks ep folds out of)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--tflops", type=float, default=140.0, help="achieved TFLOP/s per GPU (default 140)")

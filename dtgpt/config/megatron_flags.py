@@ -1,0 +1,224 @@
+"""Megatron-LM's own flags on train.py's command line: `--num-layers 96 --fp16 --data-path 0.3 a`.
+
+One table maps each Megatron flag to a dtgpt key. It is derived: a config key is named as
+Megatron's argument in snake_case, so a flag maps to the key of its name or of its argparse dest
+(`--no-bias-gelu-fusion` stores False in bias_gelu_fusion); a `--no-X` flag that stores True sets
+key X to False. RENAMED lists the few keys dtgpt names otherwise. Flags that only choose how
+Megatron computes (kernels, fusions, overlap, logging extras) are accepted and listed in one
+note (IGNORED); any other Megatron flag is refused by name, since dtgpt would silently train
+something else. The flag list itself is dtgpt/config/megatron_names.py.
+
+    python -m dtgpt.config.megatron_flags > docs/megatron_flags.md   # the documented table
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from functools import lru_cache
+from typing import NamedTuple
+
+from dtgpt.config.megatron_names import MEGATRON_0_16_FLAGS, NEWER_FLAGS
+from dtgpt.config.sections import Config, ConfigError
+
+RENAMED = {
+    "no-load-optim": ("checkpoint.load_optimizer", False),
+    "distributed-backend": ("distributed.backend", None),
+    "distributed-timeout-minutes": ("distributed.timeout_minutes", None),
+    "timing-log-level": ("logging.timers_log_level", None),
+    "ckpt-step": ("checkpoint.load_iteration", None),
+    "num-virtual-stages-per-pipeline-rank": ("parallel.virtual_pipeline_stages_per_rank", None),
+}
+"""flag -> (dtgpt key, the value a flag without a value sets; None: the flag takes values)."""
+
+IGNORED = (
+    "use-mcore-models", "transformer-impl", "use-flash-attn", "attention-backend",
+    "no-masked-softmax-fusion", "no-bias-dropout-fusion", "no-bias-swiglu-fusion", "no-rope-fusion",
+    "no-persist-layer-norm", "no-gradient-accumulation-fusion", "attention-softmax-in-fp32",
+    "cross-entropy-loss-fusion", "cross-entropy-fusion-impl", "use-distributed-optimizer",
+    "overlap-grad-reduce", "overlap-param-gather", "use-torch-fsdp2", "tp-comm-overlap",
+    "no-async-tensor-model-parallel-allreduce", "use-cpu-initialization", "empty-unused-memory-level",
+    "manual-gc", "manual-gc-interval", "dataloader-type", "no-mmap-bin-files",
+    "no-create-attention-mask-in-dataloader", "ckpt-format", "ckpt-fully-parallel-load",
+    "ckpt-assume-constant-structure", "log-throughput", "log-timers-to-tensorboard",
+    "log-validation-ppl-to-tensorboard", "log-memory-to-tensorboard", "log-params-norm",
+    "log-num-zeros-in-grad", "no-log-loss-scale-to-tensorboard", "tensorboard-log-interval",
+    "tensorboard-queue-size", "profile", "use-pytorch-profiler",
+)  # fmt: skip
+"""Megatron internals with no effect on what dtgpt trains: accepted with one note on rank 0."""
+
+DTGPT_OPTIONS = ("--config", "--print-config", "--dry-run")
+
+
+class Flag(NamedTuple):
+    name: str  # without the dashes
+    dest: str
+    arity: str  # "0": no value; "1": one; "*": one or more; "3": exactly three
+    stores: bool | None  # what a flag without a value stores
+
+
+class Mapping(NamedTuple):
+    flag: Flag
+    key: str  # section.key
+    value: bool | None  # what the flag sets, for a flag without a value
+
+
+@lru_cache(maxsize=None)
+def megatron_flags() -> dict[str, Flag]:
+    """Megatron's flags by name, read from the packed list of dtgpt/config/megatron_names.py."""
+    flags = {}
+    for entry in (MEGATRON_0_16_FLAGS + NEWER_FLAGS).split():
+        spec, _, dest = entry.partition("=")
+        name, stores, arity = spec, None, "1"
+        if spec[-1] in "!~":
+            name, stores, arity = spec[:-1], spec[-1] == "!", "0"
+        elif spec.endswith("*"):
+            name, arity = spec[:-1], "*"
+        elif ":" in spec:
+            name, arity = spec.split(":")
+        flags[name] = Flag(name, dest or name.replace("-", "_"), arity, stores)
+    return flags
+
+
+def _config_keys() -> dict[str, str]:
+    """Each key name -> section.key (key names are unique across sections)."""
+    return {
+        f.name: f"{section.name}.{f.name}"
+        for section in dataclasses.fields(Config)
+        for f in dataclasses.fields(section.default_factory)  # type: ignore[arg-type]
+    }
+
+
+@lru_cache(maxsize=None)
+def flag_table() -> dict[str, Mapping]:
+    """Every Megatron flag that sets a dtgpt key, by name: the one table."""
+    keys, table = _config_keys(), {}
+    for flag in megatron_flags().values():
+        if flag.name in RENAMED:
+            key, value = RENAMED[flag.name]
+        elif flag.name.replace("-", "_") in keys or flag.dest in keys:
+            key = keys.get(flag.name.replace("-", "_")) or keys[flag.dest]
+            value = flag.stores
+        elif flag.name.startswith("no-") and flag.stores and flag.name[3:].replace("-", "_") in keys:
+            key, value = keys[flag.name[3:].replace("-", "_")], False
+        else:
+            continue
+        table[flag.name] = Mapping(flag, key, value)
+    return table
+
+
+class Translated(NamedTuple):
+    overrides: list[tuple[str, str, str]]  # (section.key, value as text, how the user spelled it)
+    ignored: list[str]  # Megatron flags accepted without effect
+
+
+def translate(args: list[str]) -> Translated:
+    """Split the command line after train.py's own options into `--section.key=value` overrides
+    and Megatron flags, the flags turned into overrides of their dtgpt keys."""
+    overrides, ignored, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        name, has_value, inline = arg[2:].partition("=") if arg.startswith("--") else (arg, "", "")
+        if arg.startswith("--") and "." in name:  # a dtgpt override: --section.key=value or --section.key value
+            if not has_value and i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            value = inline if has_value else args[i + 1]
+            overrides.append((name, value, f"{arg}" if has_value else f"{arg} {value}"))
+            i += 1 if has_value else 2
+            continue
+        flag = megatron_flags().get(name) if arg.startswith("--") else None
+        if flag is None:
+            raise ConfigError(_unknown(arg))
+        values = [inline] if has_value else []
+        i += 1
+        wanted = 0 if has_value else {"0": 0, "1": 1, "*": len(args)}.get(flag.arity) or int(flag.arity)
+        while len(values) < wanted and i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
+        _check_arity(arg, flag, values)
+        if name in IGNORED:
+            ignored.append(" ".join(["--" + name, *values]))
+        elif name in flag_table():
+            mapping = flag_table()[name]
+            text = _as_text(mapping, values)
+            overrides.append((mapping.key, text, " ".join(["--" + name, *values])))
+        else:
+            raise ConfigError(f"--{name} is a Megatron-LM flag dtgpt does not implement (docs/megatron_flags.md lists the ones it maps)")
+    return Translated(overrides, ignored)
+
+
+def _check_arity(arg: str, flag: Flag, values: list[str]) -> None:
+    if flag.arity == "0" and values:
+        raise ConfigError(f"{arg}: --{flag.name} takes no value")
+    if flag.arity in "1*" and not values:
+        raise ConfigError(f"--{flag.name} needs a value")
+    if flag.arity.isdigit() and flag.arity not in "01" and len(values) != int(flag.arity):
+        raise ConfigError(f"--{flag.name} needs {flag.arity} values, got {len(values)}")
+
+
+def _as_text(mapping: Mapping, values: list[str]) -> str:
+    """The override text of a flag's values: a TOML list for a list key, so that a path holding
+    a comma or a space stays one element."""
+    if mapping.flag.arity == "0":
+        return "true" if mapping.value else "false"
+    if mapping.flag.arity == "1":
+        return values[0]
+    if _key_type(mapping.key) == list[str]:
+        return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+    return " ".join(values)
+
+
+def _key_type(dotted: str):
+    section, key = dotted.split(".")
+    section_cls = {f.name: f.default_factory for f in dataclasses.fields(Config)}[section]
+    return typing.get_type_hints(section_cls)[key]
+
+
+def _unknown(arg: str) -> str:
+    if not arg.startswith("--"):
+        return f"unexpected argument {arg!r}; overrides look like --section.key=value"
+    known = [*DTGPT_OPTIONS, *("--" + n for n in flag_table()), *("--" + n for n in IGNORED)]
+    match = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.6)
+    hint = f"did you mean '{match[0]}'?" if match else "overrides look like --section.key=value, or Megatron-LM's flags"
+    return f"unexpected argument {arg!r}; {hint}"
+
+
+def ignored_note(ignored: list[str]) -> str:
+    """The one line rank 0 prints for the Megatron flags that change nothing in dtgpt."""
+    return f"> ignoring Megatron-LM flags that choose only Megatron's internals: {' '.join(ignored)}"
+
+
+def markdown_table() -> str:
+    """docs/megatron_flags.md: every flag dtgpt maps, then the ones it ignores."""
+    lines = [
+        "# Megatron-LM flags on train.py",
+        "",
+        "`train.py` takes Megatron-LM's flags as written in a Megatron launch script, mixed freely with",
+        "`--config` and `--section.key=value`. Each sets the dtgpt key below (a flag without a value sets",
+        "the value shown). Where a Megatron flag and another command-line setting name one key with",
+        "different values, that is an error; the command line beats the config file, and a command-line",
+        "choice resets the file's competing keys (the data source, the warmup length, fp16 against bf16).",
+        "The flags listed last only choose Megatron's kernels, fusions or logging extras: they are",
+        "accepted with one note. Any other Megatron flag is refused by name.",
+        "",
+        "One difference in meaning: Megatron pads the vocabulary to `--make-vocab-size-divisible-by`",
+        "times the tensor-parallel size; dtgpt pads to the key alone (so the model does not depend on",
+        "the layout): pass 128 x tp to get Megatron's padded vocabulary.",
+        "",
+        "Generated by `python -m dtgpt.config.megatron_flags > docs/megatron_flags.md`;",
+        "tests/test_megatron_flags.py checks it is current.",
+        "",
+        "| Megatron flag | dtgpt key | sets |",
+        "|---|---|---|",
+    ]
+    for name, m in sorted(flag_table().items(), key=lambda item: (item[1].key, item[0])):
+        arity = {"0": str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
+        lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
+    lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
