@@ -5,6 +5,8 @@ object down explicitly. Nothing here reads global state.
 
     sections.py    the dataclasses (the config contract of DESIGN.md)
     loading.py     TOML, overrides, type coercion, closest-name suggestions, printing as TOML
+    megatron_flags.py  Megatron-LM's flags (--num-layers 96 --fp16 ...) onto the keys: one table
+                   derived from these dataclasses and Megatron's flag list (megatron_names.py)
     validation.py  the cross-field rules: every rule lives here once
     derived.py     one helper per derived quantity (mesh, micro-batches, padded vocabulary,
                    LR schedule lengths), shared by validation and the builders
