@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Union
 import torch
 
 from dtgpt.config import Config, config_from_dict, padded_vocabulary, validate
+from dtgpt.config.batch_schedule import BatchSizeSchedule, total_train_samples, train_iterations
 from dtgpt.config import num_microbatches as num_microbatches  # re-exported
 from dtgpt.data import build_datasets, build_tokenizer
 from dtgpt.data.batch import TokenOptions
@@ -41,7 +42,7 @@ from dtgpt.distributed import Runtime
 from dtgpt.distributed import init_distributed as init_distributed  # re-exported
 from dtgpt.distributed import shutdown as shutdown  # re-exported
 from dtgpt.model import GPT
-from dtgpt.optim import BatchSizeSchedule, PartOptimizers, total_train_samples
+from dtgpt.optim import PartOptimizers
 from dtgpt.parallel import ModelParts, ParallelDims, build_model_parts
 from dtgpt.state import Progress, TrainState
 from dtgpt.state import build_train_state as build_train_state  # re-exported
@@ -91,8 +92,8 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int, model_provider: 
 def num_samples_needed(cfg: Config) -> tuple[int, int, int]:
     """Samples of train, valid and test that the run will read (Megatron's accounting)."""
     t, e = cfg.training, cfg.eval
-    evals = t.train_iters // e.eval_interval + 1
-    return total_train_samples(t), evals * e.eval_iters * t.global_batch_size, e.eval_iters * t.global_batch_size
+    evals = train_iterations(t, cfg.model.seq_length) // e.eval_interval + 1
+    return total_train_samples(t, cfg.model.seq_length), evals * e.eval_iters * t.global_batch_size, e.eval_iters * t.global_batch_size
 
 
 def resumed_valid_samples(cfg: Config, progress: Progress) -> int:
@@ -160,7 +161,7 @@ def build_data_iterators(
         period = len(dataset) // eval_size * eval_size
         return _cycle(lambda start: loader(dataset, start, lambda _: eval_size), consumed % period if period else 0)
 
-    train = iter(loader(train_ds, consumed_samples, BatchSizeSchedule(cfg.training).global_batch_size))
+    train = iter(loader(train_ds, consumed_samples, BatchSizeSchedule(cfg.training, cfg.model.seq_length).global_batch_size))
     return train, evaluation(valid_ds, consumed_valid_samples), evaluation(test_ds, 0)
 
 
@@ -216,7 +217,7 @@ def load_checkpoint(directory: str | Path, cfg: Config, runtime: Runtime, model:
 
     whole = isinstance(model, TrainState) or optimizer is not None
     run = dataclasses.replace(
-        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save="", load=str(directory), load_optimizer=whole)
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save="", load=str(directory), load_optimizer=whole, finetune=False, load_rng=True)
     )
     state = _as_state(model, optimizer, 0)
     Checkpointer(state, run, runtime).restore_rng()

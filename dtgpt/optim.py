@@ -1,4 +1,5 @@
-"""AdamW with weight-decay groups, the batch-size ramp-up and the learning-rate schedule.
+"""AdamW with weight-decay groups and the learning-rate schedule (the batch-size schedules are
+dtgpt/config/batch_schedule.py).
 
 Every length here is counted in samples, as Megatron's OptimizerParamScheduler counts them when
 it trains by samples: an iteration-denominated key (lr_decay_iters, lr_warmup_iters, ...) is
@@ -9,14 +10,14 @@ See docs/schedules.md for the definitions and where dtgpt deliberately differs f
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtgpt.config import Config, OptimizerConfig, TrainingConfig, get_key
-from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length, rampup_active
+from dtgpt.config import Config, OptimizerConfig, get_key
+from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
 
 # ---------------------------------------------------------------------------------------------
 # AdamW
@@ -91,90 +92,6 @@ class PartOptimizers:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch-size ramp-up
-
-
-class BatchSizeSchedule:
-    """The global batch size as a function of samples consumed so far (Megatron's ramp-up).
-
-    With rampup_batch_size = [start, incr, ramp_samples], the batch grows from `start` by `incr`
-    in equal slices of ramp_samples / num_increments samples, and is global_batch_size once more
-    than ramp_samples have been consumed. The float division and the strict comparison are kept
-    as Megatron writes them (at exactly ramp_samples the division may land just short of the last
-    increment), so the batch sizes match Megatron's sample for sample
-    (tests/test_megatron_oracle_schedules.py).
-
-    dtgpt also allows the ramp-up with train_iters (Megatron refuses it): an iteration is one
-    optimizer step whose batch is global_batch_size(samples consumed before it), so the samples
-    consumed after i iterations are a function of i alone (see consumed_samples()).
-    """
-
-    def __init__(self, cfg: TrainingConfig):
-        self.final = cfg.global_batch_size
-        ramp = list(cfg.rampup_batch_size)  # validated: [start, increment, samples]
-        self.enabled = rampup_active(cfg)
-        self.start, self.increment, self.ramp_samples = ramp if self.enabled else (self.final, 0, 0)
-        self.num_increments = (self.final - self.start) // self.increment if self.enabled else 0
-        self._samples_per_increment = self.ramp_samples / self.num_increments if self.enabled else 0.0
-
-    def global_batch_size(self, consumed_samples: int) -> int:
-        """The batch of the iteration that starts after `consumed_samples` samples."""
-        if consumed_samples < 0:
-            raise ValueError(f"consumed_samples={consumed_samples} must be >= 0")
-        if not self.enabled or consumed_samples > self.ramp_samples:
-            return self.final
-        steps = int(consumed_samples / self._samples_per_increment)
-        return min(self.start + steps * self.increment, self.final)
-
-    def _plateau_end(self, consumed: int) -> int:
-        """The first sample count after `consumed` at which the batch size changes."""
-        batch = self.global_batch_size(consumed)
-        steps = (batch - self.start) // self.increment
-        # Exact rational estimate, then nudged to where the float rule really switches.
-        end = min(-(-(steps + 1) * self.ramp_samples // self.num_increments), self.ramp_samples)
-        end = max(end, consumed + 1)
-        while end - 1 > consumed and self.global_batch_size(end - 1) != batch:
-            end -= 1
-        while self.global_batch_size(end) == batch:
-            end += 1
-        return end
-
-    def _ramp_plateaus(self) -> Iterator[tuple[int, int]]:
-        """(batch size, iterations at it) for each ramp-up batch size the run uses, in order."""
-        consumed = 0
-        while (batch := self.global_batch_size(consumed)) != self.final:
-            span = -(-(self._plateau_end(consumed) - consumed) // batch)  # iterations at this batch
-            yield batch, span
-            consumed += span * batch
-
-    def sizes(self) -> list[int]:
-        """Every global batch size the run's iterations use, in order, the final one last (a
-        ramp-up can step over some of start + k * increment)."""
-        return [batch for batch, _ in self._ramp_plateaus()] + [self.final]
-
-    def consumed_samples(self, iterations: int) -> int:
-        """Samples consumed by the first `iterations` iterations.
-
-        Walks whole plateaus of constant batch size, so the cost is O(num_increments), not
-        O(iterations).
-        """
-        if iterations < 0:
-            raise ValueError(f"iterations={iterations} must be >= 0")
-        consumed, left = 0, iterations
-        for batch, span in self._ramp_plateaus():
-            done = min(span, left)
-            consumed, left = consumed + done * batch, left - done
-            if left == 0:
-                return consumed
-        return consumed + left * self.final
-
-
-def total_train_samples(cfg: TrainingConfig) -> int:
-    """Samples read over the whole run: the sum of the batches of train_iters iterations."""
-    return BatchSizeSchedule(cfg).consumed_samples(cfg.train_iters)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +178,7 @@ SCHEDULE_KEYS = (
     "optimizer.lr_decay_samples", "optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters",
     "optimizer.lr_warmup_samples", "optimizer.lr_warmup_init", "optimizer.lr_wsd_decay_style",
     "optimizer.lr_wsd_decay_iters", "optimizer.lr_wsd_decay_samples", "training.train_iters",
-    "training.global_batch_size",
+    "training.train_samples", "training.global_batch_size",
 )  # fmt: skip
 """The keys the LR schedule is made of (its lengths count samples of the final global batch)."""
 

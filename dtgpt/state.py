@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -244,15 +244,15 @@ class TrainState(Stateful):
             state["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=False)
         return state
 
-    def load_request(self, optimizer: bool, stateful: bool) -> dict:
+    def load_request(self, optimizer: bool, sections: Iterable[str] = ()) -> dict:
         """A dict in state_dict()'s layout whose tensors alias the live state, for dcp.load to
-        fill in place; hand it to load_state_dict() afterwards."""
+        fill in place (the weights, the AdamW state if `optimizer`, and these STATEFUL
+        `sections`); hand it to load_state_dict() afterwards."""
         request = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=True)}
         if optimizer:
             request["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=True)
-        if stateful:
-            for section, attr in self.STATEFUL.items():
-                request[section] = scalars_to_tensors(getattr(self, attr).state_dict())
+        for section in sections:
+            request[section] = scalars_to_tensors(getattr(self, self.STATEFUL[section]).state_dict())
         return request
 
     def load_state_dict(self, state: dict) -> None:

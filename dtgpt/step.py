@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dtgpt.config import Config, num_microbatches
+from dtgpt.config.batch_schedule import BatchSizeSchedule
 from dtgpt.data.batch import IGNORE_INDEX, Batch, build_batch
 from dtgpt.moe.stats import set_aux_loss_scale
-from dtgpt.optim import BatchSizeSchedule
 from dtgpt.parallel.context import split_sequence
 from dtgpt.parallel.fsdp import set_micro_batch_sync
 from dtgpt.parallel.model_parts import GlobalBatchLoss, ModelParts
@@ -78,6 +78,20 @@ def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float
     return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy)
 
 
+def micro_batch_means(model: ModelParts, batch: Batch, loss_scale: float, num_microbatches: int) -> tuple[Batch, GlobalBatchLoss]:
+    """Megatron's default loss (calculate_per_token_loss=false): the mean of the micro-batch
+    means. Each micro-batch is divided by its own loss tokens, summed over cp so that every cp
+    layout averages over whole sequences, and by the micro-batches of the global batch (times
+    dp, whose ranks' losses are summed). The counts travel as a last label column."""
+    counts = torch.stack([loss_tokens(chunk) for chunk in batch.labels.chunk(num_microbatches)])
+    model.dims.all_reduce(counts, ("cp",))
+    rows = batch.labels.shape[0] // num_microbatches
+    column = counts.to(batch.labels.dtype).repeat_interleave(rows)[:, None]
+    loss = GlobalBatchLoss(torch.tensor(float(num_microbatches * model.dims.dp), device=model.device), loss_scale,
+                           model.cross_entropy, count_column=True)  # fmt: skip
+    return replace(batch, labels=torch.cat([batch.labels, column], dim=1)), loss
+
+
 def local_forward_backward(
     model: ModelParts,
     batch: Batch | torch.Tensor | None,
@@ -86,6 +100,7 @@ def local_forward_backward(
     forward_only: bool = False,
     loss_scale: float = 1.0,
     first_sample: int = 0,
+    per_token: bool = True,
 ) -> torch.Tensor:
     """Run this rank's share of a global batch (num_microbatches micro-batches) whose first
     sample is sample `first_sample` of the run (what layout-invariant dropout keys on).
@@ -102,7 +117,10 @@ def local_forward_backward(
     if model.reads_batches:
         batch = rank_batch(model, batch, first_sample)
     if model.has_last_stage:
-        loss = global_batch_loss(model, batch.labels, loss_scale)
+        if per_token:
+            loss = global_batch_loss(model, batch.labels, loss_scale)
+        else:
+            batch, loss = micro_batch_means(model, batch, loss_scale, num_microbatches)
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
         total = _run(model, loss, batch, num_microbatches, forward_only)
@@ -249,13 +267,14 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
     MoE model's routing statistics (dtgpt/moe/stats.py).
     """
     model, optimizer, scaler, timers = state.model, state.optimizer, state.scaler, state.timers
-    global_batch_size = BatchSizeSchedule(cfg.training).global_batch_size(state.progress.consumed_samples)
+    global_batch_size = BatchSizeSchedule(cfg.training, cfg.model.seq_length).global_batch_size(state.progress.consumed_samples)
     microbatches = num_microbatches(cfg, model.dims.dp, global_batch_size)
     lr = state.lr_schedule.apply(optimizer)
     optimizer.zero_grad(set_to_none=True)
     with timers("forward-backward"):
         local_loss = local_forward_backward(
-            model, batch, microbatches, loss_scale=scaler.scale, first_sample=state.progress.consumed_samples
+            model, batch, microbatches, loss_scale=scaler.scale, first_sample=state.progress.consumed_samples,
+            per_token=cfg.training.calculate_per_token_loss,
         )
     timers("optimizer").start()
     with timers("grads-reduce-clip"):

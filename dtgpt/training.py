@@ -27,6 +27,7 @@ from dtgpt.api import (
     train_step,
 )
 from dtgpt.config import Config, padded_vocabulary, to_toml
+from dtgpt.config.batch_schedule import train_iterations
 from dtgpt.data import build_tokenizer
 from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime
@@ -99,6 +100,14 @@ class IterationGuard:
             yield
 
 
+def run_length(cfg: Config, iterations: int) -> str:
+    """The key that sets the run's length, as the log names it."""
+    t = cfg.training
+    if t.train_samples is None:
+        return f"training.train_iters={t.train_iters}"
+    return f"training.train_samples={t.train_samples} ({iterations} iterations)"
+
+
 def check_nan(runtime: Runtime, cfg: Config, result: StepResult, iteration: int) -> None:
     """training.nan_policy on a non-finite loss or gradient norm: stop, or say it was skipped."""
     if not result.nan:
@@ -156,12 +165,13 @@ def train(
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     flops = flops_per_token(cfg.model, state.model.parts[0].vocab_size)
     reason, skipped_in_a_row = "train_iters reached", 0
-    if progress.iteration >= cfg.training.train_iters:
-        log0(runtime, f"> nothing to train: the run is at iteration {progress.iteration} and training.train_iters="
-                      f"{cfg.training.train_iters}; raise train_iters to train on")  # fmt: skip
+    end = train_iterations(cfg.training, cfg.model.seq_length)
+    if progress.iteration >= end:
+        log0(runtime, f"> nothing to train: the run is at iteration {progress.iteration} and {run_length(cfg, end)}; "
+                      "raise that key to train on")  # fmt: skip
     state.model.train(True)
     try:
-        while progress.iteration < cfg.training.train_iters:
+        while progress.iteration < end:
             profiler.step(progress.iteration + 1)
             start = time.perf_counter()
             with guard(progress.iteration + 1):
@@ -228,7 +238,7 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         if checkpointer is not None:
             checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
         metrics = MetricsLogger(
-            cfg.logging, cfg.training.train_iters, runtime.is_logging_rank, to_toml(cfg),
+            cfg.logging, train_iterations(cfg.training, cfg.model.seq_length), runtime.is_logging_rank, to_toml(cfg),
             skipped_before=progress.skipped_iters, nan_before=progress.nan_iters,
             resumed=progress.iteration > 0 or runtime.restart_count > 0,  # a restarted attempt continues its file
         )  # fmt: skip

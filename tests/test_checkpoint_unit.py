@@ -318,7 +318,7 @@ def test_weights_only_load(tmp_path):
     t = make_trainer(f"--checkpoint.save={tmp_path}")
     step(t, 2)
     checkpointer(t).save(2)
-    b = make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_optimizer=false")
+    b = make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.finetune=true")
     checkpointer(b)
     assert b.state.progress.iteration == 0 and b.state.lr_schedule.num_samples == 0
     assert not b.state.optimizer.optimizers[0].state
@@ -364,8 +364,9 @@ def test_load_naming_an_iteration_directory_loads_it(tmp_path, capsys):
 
 
 def test_a_resume_that_changes_the_lr_schedule_says_so(tmp_path, capsys):
-    """The schedule's lengths come from the config: stretching train_iters on resume moves the LR,
-    and one line says which keys changed and the LR under each schedule."""
+    """With optimizer.override_opt_param_scheduler the schedule's lengths come from the config:
+    stretching train_iters on resume moves the LR, and one line says which keys changed and the
+    LR under each schedule (without the key the load refuses: tests/test_resume_controls.py)."""
     t = make_trainer(f"--checkpoint.save={tmp_path}", "--optimizer.lr_decay_style=cosine")
     ckpt = checkpointer(t)
     step(t, 2)
@@ -374,7 +375,8 @@ def test_a_resume_that_changes_the_lr_schedule_says_so(tmp_path, capsys):
     capsys.readouterr()
     checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", "--optimizer.lr_decay_style=cosine"))
     assert "the LR schedule differs" not in capsys.readouterr().out
-    b = make_trainer(f"--checkpoint.load={tmp_path}", "--optimizer.lr_decay_style=cosine", "--training.train_iters=20")
+    b = make_trainer(f"--checkpoint.load={tmp_path}", "--optimizer.lr_decay_style=cosine", "--training.train_iters=20",
+                     "--optimizer.override_opt_param_scheduler=true")  # fmt: skip
     checkpointer(b)
     out = capsys.readouterr().out
     assert "the LR schedule differs from the checkpoint's (training.train_iters 10 -> 20)" in out

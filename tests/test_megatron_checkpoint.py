@@ -427,8 +427,9 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path
 
 @pytest.mark.slow
 def test_load_optimizer_false_leaves_adam_fresh(adam_tp1, tmp_path):
+    """Megatron's --no-load-optim: a fresh AdamW, but the iteration goes on from the checkpoint's."""
     run_train(tmp_path, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
-                         f"--checkpoint.save={tmp_path}/ckpt", "--training.train_iters=1"])  # fmt: skip
+                         f"--checkpoint.save={tmp_path}/ckpt", f"--training.train_iters={ITERATION + 1}"])  # fmt: skip
     assert "optimizer state loaded" not in (tmp_path / "run.log").read_text()
-    steps = read_sections(layout.iteration_dir(tmp_path / "ckpt", 1), ("optimizer",))["optimizer"]
+    steps = read_sections(layout.iteration_dir(tmp_path / "ckpt", ITERATION + 1), ("optimizer",))["optimizer"]
     assert {float(v) for k, v in steps.items() if k.endswith(".step")} == {1.0}  # fresh AdamW, one step

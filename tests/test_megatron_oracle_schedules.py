@@ -28,7 +28,8 @@ with warnings.catch_warnings():
 
 from dtgpt.config import Config, OptimizerConfig, TrainingConfig, num_microbatches
 from dtgpt.loss_scaler import BACKOFF_FACTOR, GROWTH_FACTOR, LossScaler
-from dtgpt.optim import BatchSizeSchedule, LRSchedule
+from dtgpt.config.batch_schedule import BatchSizeSchedule
+from dtgpt.optim import LRSchedule
 
 # -- loss scale --------------------------------------------------------------------------------
 

@@ -7,12 +7,8 @@ import torch
 from torch import nn
 
 from dtgpt.config import Config, OptimizerConfig, TrainingConfig
-from dtgpt.optim import (
-    BatchSizeSchedule,
-    LRSchedule,
-    build_optimizer,
-    total_train_samples,
-)
+from dtgpt.config.batch_schedule import BatchSizeSchedule, total_train_samples
+from dtgpt.optim import LRSchedule, build_optimizer
 
 # ---------------------------------------------------------------------------------------------
 # AdamW param groups

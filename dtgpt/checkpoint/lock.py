@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dtgpt.checkpoint.layout import CheckpointError, iteration_dir, list_iterations
 from dtgpt.config import Config
+from dtgpt.config.batch_schedule import train_iterations
 
 LOCK = ".lock"
 
@@ -73,7 +74,7 @@ def check_save_dir(directory: str, start: int, cfg: Config, loaded_from_it: bool
     cannot (read-only: the save would fail only after training up to it). Nothing is written."""
     if not (loaded_from_it or cfg.checkpoint.overwrite):
         refuse_foreign_checkpoints(directory)
-    c, end = cfg.checkpoint, cfg.training.train_iters  # the run's last save: at train_iters or where exit_interval stops it
+    c, end = cfg.checkpoint, train_iterations(cfg.training, cfg.model.seq_length)  # the run's last save: at train_iters or where exit_interval stops it
     if c.exit_interval:
         end = min(end, (start // c.exit_interval + 1) * c.exit_interval)
     planned = [i for i in list_iterations(directory) if start < i <= end and (i == end or (c.save_interval and i % c.save_interval == 0))]

@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
+from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
-from dtgpt.optim import schedule_change
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
@@ -172,20 +172,21 @@ class Checkpointer:
         s = self.state.progress
         self._log(
             f"loaded checkpoint {found.directory} in {time.perf_counter() - start:.2f} s: iteration {s.iteration}, "
-            f"consumed samples {s.consumed_samples}" + ("" if c.load_optimizer else " (weights only: fresh optimizer and schedule)")
+            f"consumed samples {s.consumed_samples}" + fresh_note(c)
         )
         if layout.same_path(root, c.save):
             self._saved.add(s.iteration)
         return root
 
     def _load_megatron(self, directory: Path) -> None:
-        stateful = self.cfg.load_optimizer and self.state.resumable
-        for note in megatron.load_into_state(self.state, directory, self.run_cfg, stateful):
+        plan = load_plan(self.cfg, self.state.resumable)  # what Megatron's load keys take: see resume_controls.py
+        notes = megatron.load_into_state(self.state, directory, self.run_cfg, "lr_schedule" in plan.sections, bool(plan.sections))
+        for note in notes:
             self._log(f"Megatron checkpoint: {note}")
         if not self.state.weights_finite():  # Megatron's files carry no checksums: a damaged shard shows here
             raise CheckpointError(f"Megatron checkpoint {directory} holds non-finite weights (NaN or inf): a damaged file?")
         s = self.state.progress
-        if stateful:  # Megatron's RNG states belong to its own ranks and generators
+        if plan.rng:  # Megatron's RNG states belong to its own ranks and generators
             self._derive_rng_at = s.iteration
         self._log(f"loaded Megatron checkpoint {directory}: iteration {s.iteration}, consumed samples {s.consumed_samples}")
 
@@ -195,15 +196,15 @@ class Checkpointer:
         marker = layout.read_marker(directory)
         where, saved = f"checkpoint {directory} does not fit this model: ", layout.stored_config(directory)
 
-        has_optimizer = has_section(metadata, "optimizer")
-        stateful = c.load_optimizer and self.state.resumable
+        plan = load_plan(c, self.state.resumable)
+        stateful = "lr_schedule" in plan.sections
         if stateful and not has_section(metadata, "train_state"):
             raise CheckpointError(
                 f"checkpoint {directory} holds no training state (LR schedule, loss scale, progress): a converted "
                 "checkpoint, or one saved by dtgpt.save_checkpoint from a bare model; set "
-                "checkpoint.load_optimizer=false to start training from its weights"
+                "checkpoint.finetune=true (or checkpoint.load_optimizer=false) to start training from its weights"
             )
-        request = self.state.load_request(optimizer=c.load_optimizer and has_optimizer, stateful=stateful)
+        request = self.state.load_request(optimizer=plan.optimizer and has_section(metadata, "optimizer"), sections=plan.sections)
         request = stored_items(request, TrainState.STATEFUL, metadata)
         model_request = flat_keys("model", request["model"])
         problem = saved_difference(saved, self.run_cfg) or shape_problem(model_request, metadata, "model")
@@ -216,11 +217,11 @@ class Checkpointer:
         if "optimizer" in request:
             problem = shape_problem(flat_keys("optimizer", request["optimizer"]), metadata, "optimizer")
             self._agree(problem and where + problem)
-        elif c.load_optimizer:
+        elif plan.optimizer:
             self._log("the checkpoint has no optimizer state (saved before the first optimizer step): fresh AdamW state")
 
         here = mesh_info(self.run_cfg, self.state.model.dims)
-        if stateful:
+        if plan.rng:
             wanted = {k: v.clone() for k, v in rng_state(self.state.model).items()}
             stored = {k: v for k, v in wanted.items() if f"rng.{k}" in metadata.state_dict_metadata}
             if same_rng_coordinates(marker.get("mesh"), here) and len(stored) == len(wanted):
@@ -230,10 +231,9 @@ class Checkpointer:
             reader = SafeReader(directory, c.trust_pickles)
             dcp.load(request, checkpoint_id=str(directory), storage_reader=reader, no_dist=not self.distributed)
         self.state.load_state_dict(request)
-        if stateful:
-            change = schedule_change(saved, self.run_cfg, self.state.lr_schedule.num_samples)
-            if change:
-                self._log(change)
+        if stateful and (note := resume_schedule(saved, self.run_cfg, self.state)):
+            self._log(note)
+        if plan.rng:
             if "rng" in request:
                 self._rng = request["rng"]
             else:

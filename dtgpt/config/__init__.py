@@ -3,13 +3,16 @@
 Load a TOML file, apply `--section.key=value` overrides, validate once, then pass the `Config`
 object down explicitly. Nothing here reads global state.
 
-    sections.py    the dataclasses (the config contract of DESIGN.md)
+    sections.py    the dataclasses (the config contract of DESIGN.md); run_keys.py holds
+                   [distributed], [profiling] and [faults]
     loading.py     TOML, overrides, type coercion, closest-name suggestions, printing as TOML
     megatron_flags.py  Megatron-LM's flags (--num-layers 96 --fp16 ...) onto the keys: one table
                    derived from these dataclasses and Megatron's flag list (megatron_names.py)
     validation.py  the cross-field rules: every rule lives here once
     derived.py     one helper per derived quantity (mesh, micro-batches, padded vocabulary,
                    LR schedule lengths), shared by validation and the builders
+    batch_schedule.py  the global batch by samples consumed (ramp-up, step schedule) and
+                   the run's iteration count (train_iters, or derived from train_samples)
 """
 
 from dtgpt.config.sections import (

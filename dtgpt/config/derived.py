@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from dtgpt.config.sections import Config, ConfigError, TrainingConfig
+from dtgpt.config.sections import Config, ConfigError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,19 +82,6 @@ def num_microbatches(cfg: Config, dp: int, global_batch_size: int | None = None,
     return global_batch_size // per_step
 
 
-def rampup_active(t: TrainingConfig) -> bool:
-    """Whether training.rampup_batch_size ramps at all: one that starts at the final size or
-    lasts no samples is no ramp (the first batch is then global_batch_size)."""
-    return bool(t.rampup_batch_size) and t.rampup_batch_size[0] < t.global_batch_size and t.rampup_batch_size[2] > 0
-
-
-def first_batch_size(t: TrainingConfig) -> tuple[int, str]:
-    """The first iteration's global batch, the smallest of the run, and the key that sets it."""
-    if rampup_active(t):
-        return t.rampup_batch_size[0], "training.rampup_batch_size start"
-    return t.global_batch_size, "training.global_batch_size"
-
-
 def interleaved_round_size(microbatches: int, pp: int) -> int:
     """Micro-batches per round of an interleaved schedule: each rank runs a round through one
     of its stages, then the same round through the next (Megatron's
@@ -158,6 +145,8 @@ def lr_decay_length(cfg: Config) -> Length:
         return Length(o.lr_decay_samples, "optimizer.lr_decay_samples", o.lr_decay_samples)
     if o.lr_decay_iters is not None:
         return Length(o.lr_decay_iters * t.global_batch_size, "optimizer.lr_decay_iters", o.lr_decay_iters)
+    if t.train_samples is not None:  # sample-based training decays over its samples, as Megatron
+        return Length(t.train_samples, "training.train_samples", t.train_samples)
     return Length(t.train_iters * t.global_batch_size, "training.train_iters", t.train_iters)
 
 

@@ -4,7 +4,8 @@ calls check_pipeline_microbatches once it knows the data-parallel size)."""
 
 from __future__ import annotations
 
-from dtgpt.config.derived import first_batch_size, num_microbatches, num_pipeline_stages
+from dtgpt.config.batch_schedule import smallest_batch_size
+from dtgpt.config.derived import num_microbatches, num_pipeline_stages
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 
@@ -153,7 +154,7 @@ def check_pipeline_microbatches(cfg: Config, dp: int) -> None:
     if p.pipeline_model_parallel_size == 1 or p.pipeline_schedule != "DualPipeV":
         return
     stages = num_pipeline_stages(cfg)
-    batch, key = first_batch_size(t)
+    batch, key = smallest_batch_size(t, cfg.model.seq_length)
     micro = num_microbatches(cfg, dp, batch, key)
     _require(
         micro >= stages,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable
 
+from dtgpt.config.batch_schedule import STEP_KEY, step_schedule
 from dtgpt.config.sections import Config, ConfigError
 
 DEFAULT, FILE, COMMAND_LINE = 0, 1, 2
@@ -26,6 +27,10 @@ EXCLUSIVE_CHOICES = (
         ("data.builtin_corpus",),
         ("data.data_path",),
         ("data.train_data_path", "data.valid_data_path", "data.test_data_path"),
+    ),
+    (  # how long the run is
+        ("training.train_iters",),
+        ("training.train_samples",),
     ),
     (  # how long the LR warmup is
         ("optimizer.lr_warmup_fraction",),
@@ -40,6 +45,7 @@ EXCLUSIVE_CHOICES = (
 """Each group lists the ways of saying one thing; at most one way per group may be used. A key
 is used when it differs from its default."""
 
+GLOBAL_BATCH = "training.global_batch_size"
 BYTE_TOKENIZER = "ByteTokenizer"
 TOKENIZER_FILES = ("data.vocab_file", "data.merge_file", "data.tokenizer_model")
 
@@ -111,19 +117,37 @@ def _builtin_tokenizer(cfg: Config, levels: dict[str, int]) -> None:
     cfg.data.tokenizer_type = BYTE_TOKENIZER
 
 
+def _schedule_sets_global_batch(cfg: Config, levels: dict[str, int]) -> None:
+    """A step schedule sets the global batch (its last batch size; Megatron refuses an explicit
+    --global-batch-size beside it): a global_batch_size from a lower place gives way, one from a
+    higher place replaces the schedule, and two that disagree in one place are refused."""
+    t = cfg.training
+    if not t.step_batch_size_schedule:
+        return
+    last = step_schedule(t, cfg.model.seq_length)[-1][1]
+    batch, schedule = levels.get(GLOBAL_BATCH, DEFAULT), levels.get(STEP_KEY, DEFAULT)
+    if t.global_batch_size == last or batch < schedule:
+        t.global_batch_size = last
+    elif batch > schedule:
+        _reset(cfg, STEP_KEY)
+    else:
+        _refuse(cfg, STEP_KEY, GLOBAL_BATCH, batch)
+
+
 def resolve_conflicts(cfg: Config, levels: dict[str, int]) -> None:
     """Apply the rules above in place; `levels` says where each key was set (FILE or
     COMMAND_LINE); a key not in it has its default."""
     for group in EXCLUSIVE_CHOICES:
         _one_choice(cfg, levels, group)
     _builtin_tokenizer(cfg, levels)
+    _schedule_sets_global_batch(cfg, levels)
 
 
 def check_conflicts(cfg: Config) -> None:
     """Validation's view, where nobody says which key came from where: every key that differs
     from its default counts as set in one place, so any competing pair is refused."""
     keys = [k for group in EXCLUSIVE_CHOICES for keys in group for k in keys]
-    keys += ["data.tokenizer_type", *TOKENIZER_FILES]
+    keys += ["data.tokenizer_type", *TOKENIZER_FILES, GLOBAL_BATCH, STEP_KEY]
     scratch = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dtgpt.config.moe_keys import MoEKeys
+from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 
 
 class ConfigError(ValueError):
@@ -119,7 +120,17 @@ class TrainingConfig:
     global_batch_size: int = 8
     rampup_batch_size: list[int] = field(default_factory=list)
     """[start, increment, ramp_samples]; empty means no ramp-up."""
+    step_batch_size_schedule: str = ""
+    """Megatron's step schedule "THRESHOLD:BS ...": the global batch is BS from THRESHOLD tokens
+    consumed (suffixes K, M, B, T = 1e3 ... 1e12; the first threshold 0). Needs train_samples;
+    global_batch_size is its last BS (docs/schedules.md)."""
     train_iters: int = 100
+    train_samples: Optional[int] = None
+    """Sample-based training: stop once this many samples are consumed (train_iters is then
+    derived, as Megatron derives it, and may not be set too)."""
+    calculate_per_token_loss: bool = True
+    """The loss is the sum of token losses over the global batch's loss tokens (true), or
+    Megatron's default (false): the mean of each micro-batch's per-token mean (docs/schedules.md)."""
     seed: int = 1234
     fp16: bool = False
     bf16: bool = False
@@ -170,6 +181,11 @@ class OptimizerConfig:
     """Anneal of WSD: 'linear', 'cosine', 'exponential' or 'minus_sqrt'."""
     lr_wsd_decay_iters: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
+    override_opt_param_scheduler: bool = False
+    """On resume, follow this config's LR schedule whatever the checkpoint's was."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, take lr, min_lr, warmup, decay length and style from the checkpoint. With
+    neither key, they must agree with the checkpoint's (as Megatron asserts)."""
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -258,6 +274,13 @@ class CheckpointConfig:
     load_iteration: int = 0
     """Load this iteration instead of the one latest_checkpointed_iteration.txt names."""
     load_optimizer: bool = True
+    """False (Megatron's --no-load-optim): AdamW state, LR schedule and loss scale start fresh;
+    weights, progress and RNG are loaded."""
+    load_rng: bool = True
+    """False (--no-load-rng): the generators keep their fresh seeding instead of the checkpoint's."""
+    finetune: bool = False
+    """Load the weights only (Megatron's --finetune): iteration, consumed samples, optimizer, LR
+    schedule, loss scale and RNG start fresh."""
     use_checkpoint_args: bool = False
     """Take the model's architecture from the checkpoint to load (its saved config, or a
     Megatron-LM checkpoint's args) instead of [model]."""
@@ -295,65 +318,6 @@ class LoggingConfig:
 class EvalConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
-
-
-@dataclass
-class DistributedConfig:
-    backend: str = "auto"
-    """'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'."""
-    timeout_minutes: float = 10.0
-    """Collective timeout: a stuck (live) peer becomes an error after this long, not a hang. A dead
-    peer needs no timeout: the failure notice makes every rank leave its collectives
-    (dtgpt/faults/detect.py)."""
-    heartbeat_factor: float = 10.0
-    """Print a heartbeat when a phase runs this many times the median iteration (0 disables)."""
-    heartbeat_min_seconds: float = 30.0
-    """...and at least this long; the heartbeat then repeats at this interval."""
-    roll_call_seconds: float = 10.0
-    """After a collective fails in the train step (a peer died), how long the survivors wait for
-    each other before deciding on last words (dtgpt/faults/last_words.py; needs checkpoint.save; 0: no
-    last words). torchrun's --shutdown-timeout must exceed it plus one checkpoint save."""
-
-
-@dataclass
-class ProfilingConfig:
-    profile_step_start: int = 0
-    """First iteration traced by torch.profiler; 0 disables profiling."""
-    profile_step_end: int = 0
-    """The trace is written when this iteration starts (exclusive)."""
-    trace_dir: str = ""
-    """Each rank writes rank{N}.*.pt.trace.json here (TensorBoard's profiler plugin reads it)."""
-    memory_snapshot_path: str = ""
-    """CUDA only: an allocator-history pickle over the window ('{rank}' is filled in)."""
-
-
-@dataclass
-class FaultsConfig:
-    """Deliberate faults for drills and tests; empty in real runs."""
-
-    nan_at_iterations: list[int] = field(default_factory=list)
-    """Make the loss and one gradient non-finite at these iterations (tests the NaN guard)."""
-    kill_at_iteration: int = 0
-    """SIGKILL rank kill_rank during this iteration (0: never). Like every fault below, only on
-    the first attempt: a group restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) runs clean."""
-    kill_rank: int = 0
-    kill_during_save: bool = False
-    """Kill in the checkpoint save of kill_at_iteration instead, after this rank wrote its data."""
-    kill_during_step: bool = False
-    """Kill inside the optimizer step of kill_at_iteration instead (the first model part's
-    parameters updated, the iteration not yet recorded)."""
-    hang_at_iteration: int = 0
-    """Rank hang_rank sleeps forever in this iteration (0: never): a stuck peer."""
-    hang_rank: int = 0
-    signal_at_iteration: int = 0
-    """Rank signal_rank sends itself signal_name in this iteration, and SIGTERM and SIGINT again
-    while the checkpoint that follows is written (0: never)."""
-    signal_rank: int = 0
-    signal_name: str = "SIGTERM"
-    disk_full_at_iteration: int = 0
-    """The checkpoint save of this iteration fails with ENOSPC on rank disk_full_rank, after
-    writing part of its data (0: never)."""
-    disk_full_rank: int = 0
 
 
 @dataclass

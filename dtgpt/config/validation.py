@@ -18,6 +18,7 @@ from dtgpt.config.derived import (
     num_microbatches,
     padded_vocabulary,
 )
+from dtgpt.config.batch_schedule import STEP_KEY, step_schedule, train_iterations
 from dtgpt.config.blend import parse_blend
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
@@ -130,6 +131,36 @@ def _check_batch_sizes(cfg: Config) -> None:
             f"training.rampup_batch_size={t.rampup_batch_size}: global_batch_size={t.global_batch_size} - start "
             f"must be a non-negative multiple of the increment",
         )
+    if t.step_batch_size_schedule:
+        _check_step_schedule(cfg)
+    if t.train_samples is not None:
+        _check_sample_based(cfg)
+
+
+def _check_step_schedule(cfg: Config) -> None:
+    """Megatron's rules of the step schedule (its format's own rules: batch_schedule.py)."""
+    t = cfg.training
+    last = step_schedule(t, cfg.model.seq_length)[-1][1]
+    schedule = f'{STEP_KEY}="{t.step_batch_size_schedule}"'
+    _require(not t.rampup_batch_size, f"{schedule} and training.rampup_batch_size={t.rampup_batch_size} cannot both be set; keep one")
+    _require(t.train_samples is not None, f"{schedule} needs sample-based training: set training.train_samples")
+    _require(
+        t.global_batch_size == last,
+        f"training.global_batch_size={t.global_batch_size} must be the last batch size of {schedule} ({last}): "
+        "the schedule sets the global batch (a config file's global_batch_size gives way to a schedule given "
+        "on the command line)",
+    )
+
+
+def _check_sample_based(cfg: Config) -> None:
+    """training.train_samples: the iteration-denominated LR keys are refused, as Megatron refuses them."""
+    t, o = cfg.training, cfg.optimizer
+    _require(t.train_samples > 0, f"training.train_samples={t.train_samples} must be > 0")
+    for key in ("optimizer.lr_decay_iters", "optimizer.lr_wsd_decay_iters"):
+        _require(get_key(cfg, key) is None, f"{key}={get_key(cfg, key)} counts iterations: under training.train_samples use {key[:-5]}samples")
+    _require(o.lr_warmup_iters == 0, f"optimizer.lr_warmup_iters={o.lr_warmup_iters} counts iterations: under training.train_samples use optimizer.lr_warmup_samples")
+    iterations = train_iterations(t, cfg.model.seq_length)
+    _require(iterations > 0, f"training.train_samples={t.train_samples} is less than one global batch: no iteration to train")
 
 
 def _check_precision(cfg: Config) -> None:
@@ -213,6 +244,12 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
     c = cfg.checkpoint
     for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration"):
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+    o = cfg.optimizer
+    _require(
+        not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
+        "optimizer.override_opt_param_scheduler and optimizer.use_checkpoint_opt_param_scheduler cannot both be "
+        "true: the LR schedule comes from the config or from the checkpoint",
+    )
     _require(c.exit_duration_in_mins >= 0, f"checkpoint.exit_duration_in_mins={c.exit_duration_in_mins} must be >= 0")
     _require(cfg.eval.eval_iters >= 0, f"eval.eval_iters={cfg.eval.eval_iters} must be >= 0")
     _require(
@@ -306,6 +343,8 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
     if t.rampup_batch_size:
         start, incr, _ = t.rampup_batch_size
         batch_sizes.update({"training.rampup_batch_size start": start, "training.rampup_batch_size increment": incr})
+    for i, (_, size) in enumerate(step_schedule(t, cfg.model.seq_length)):
+        batch_sizes[f"{STEP_KEY} batch {i + 1}"] = size
     for key, size in batch_sizes.items():
         num_microbatches(cfg, dp, size, key)  # raises when dp * micro_batch_size does not divide it
     check_pipeline_microbatches(cfg, dp)

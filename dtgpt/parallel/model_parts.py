@@ -53,14 +53,24 @@ class GlobalBatchLoss:
     Summing this over micro-batches and data-parallel ranks gives the global-batch mean exactly,
     whatever the layout (not a mean of means). `scale` is the fp16 loss scale. One is built per
     global batch (its denominator is that batch's), and never changed.
+
+    With `count_column` (training.calculate_per_token_loss=false) the labels carry one more
+    column, the loss tokens of the row's micro-batch, which multiplies the denominator: the
+    micro-batch's own count comes with its labels, however a schedule orders or repeats its
+    loss calls (a pipeline schedule's first step also calls it on stand-in outputs).
     """
 
     denominator: torch.Tensor
     scale: float
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    count_column: bool = False
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.cross_entropy(logits, labels) * (self.scale / self.denominator)
+        denominator = self.denominator
+        if self.count_column:
+            denominator = denominator * labels[0, -1].clamp(min=1)  # at least 1, as Megatron
+            labels = labels[:, :-1]
+        return self.cross_entropy(logits, labels) * (self.scale / denominator)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dtgpt.config import (
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.tokenizer import HuggingFaceTokenizer
 from dtgpt.model_size import flops_per_token, num_parameters, router_flops_per_token
-from dtgpt.optim import BatchSizeSchedule
+from dtgpt.config.batch_schedule import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims
 from dtgpt.plan import comm, links
 from dtgpt.plan import memory as pm
@@ -143,7 +143,7 @@ def plan_layout(
     low = low_precision(cfg)
     compute_bytes = 2 if low else 4
     v = p.virtual_pipeline_stages_per_rank
-    batches = BatchSizeSchedule(t)
+    batches = BatchSizeSchedule(t, m.seq_length)
     micro, micro0 = (num_microbatches(cfg, dims.dp, size) for size in (batches.final, batches.start))
     # Activations peak at the final batch, except under interleaving, where a ramp-up count that pp
     # does not divide runs in longer rounds: the peak over every count of the run.

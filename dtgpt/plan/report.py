@@ -19,7 +19,7 @@ from dtgpt.plan.links import GPUS_PER_NODE
 from dtgpt.plan.results import Plan, RankPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dtgpt.optim import BatchSizeSchedule
+    from dtgpt.config.batch_schedule import BatchSizeSchedule
     from dtgpt.parallel import ParallelDims
 
 RAMPUP_BUBBLE_WARNING = 0.2

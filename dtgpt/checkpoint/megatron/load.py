@@ -96,10 +96,11 @@ def optimizer_slots(reader: MegatronReader, names: list[str]) -> tuple[bool, str
     return all(stored(m) for m in MOMENTS), next((s for s in MASTER_SLOTS if stored(s)), None)
 
 
-def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool) -> list[str]:
+def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool, counts: bool = False) -> list[str]:
     """Fill a TrainState (any mesh) from a Megatron checkpoint: the weights; with `stateful`,
     also the Adam state, iteration, consumed train and validation samples, LR schedule and loss
-    scale that Megatron-LM stored. Returns notes for the log."""
+    scale that Megatron-LM stored; with `counts` alone, the iteration and sample counts
+    (Megatron's --no-load-optim). Returns notes for the log."""
     reader = MegatronReader(directory)
     reader.check_architecture(cfg.model)
     full = full_model_shapes(cfg.model, state.model.parts[0].vocab_size)
@@ -125,7 +126,7 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
             why = ("its distributed optimizer state is in the dp_reshardable layout (per-bucket buffers of "
                    "Megatron's own DP split); save with the fully_reshardable sharding type to carry it")  # fmt: skip
         notes.append(f"optimizer state not read: {why}; fresh AdamW moments")
-    if not stateful:
+    if not (stateful or counts):
         return notes
     found = progress_of(reader.common)
     if not reader.common:
@@ -135,6 +136,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     progress.iteration = found.get("iteration", 0)
     progress.consumed_samples = found.get("consumed_samples", 0)
     progress.consumed_valid_samples = found.get("consumed_valid_samples", 0)
+    if not stateful:
+        return notes
     state.lr_schedule.num_samples = found.get("lr_num_samples", progress.consumed_samples)
     if "lr_num_samples" not in found:
         notes.append("no opt_param_scheduler: the LR schedule resumes at the consumed samples")

@@ -1,0 +1,95 @@
+"""What a load takes from a checkpoint, per Megatron's controls, and the LR schedule it resumes.
+
+    checkpoint.finetune=true         weights only: iteration, samples, AdamW, LR schedule, loss
+                                     scale and RNG start fresh (--finetune)
+    checkpoint.load_optimizer=false  AdamW, LR schedule and loss scale start fresh; weights,
+                                     iteration, samples and RNG are loaded (--no-load-optim)
+    checkpoint.load_rng=false        the generators keep their fresh seeding (--no-load-rng)
+
+A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
+minimum LR, warmup and decay lengths (samples), decay style and weight decay must equal the
+config's, unless optimizer.override_opt_param_scheduler (the config's are used) or
+optimizer.use_checkpoint_opt_param_scheduler (the checkpoint's are used).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.config import CheckpointConfig, Config
+from dtgpt.config.derived import lr_decay_length, lr_warmup_length
+from dtgpt.optim import LRSchedule, schedule_change
+from dtgpt.state import TrainState
+
+
+class LoadPlan(NamedTuple):
+    optimizer: bool
+    """Load the AdamW state, the LR schedule and the loss scale."""
+    sections: tuple[str, ...]
+    """The TrainState.STATEFUL sections to read."""
+    rng: bool
+
+
+def load_plan(c: CheckpointConfig, resumable: bool) -> LoadPlan:
+    """What to read, from the checkpoint keys (a bare model of the library API has no schedule,
+    loss scale or progress of ours: only weights, AdamW state and RNG)."""
+    optimizer = c.load_optimizer and not c.finetune
+    if c.finetune or not resumable:
+        return LoadPlan(optimizer, (), False)
+    sections = ("train_state", "lr_schedule", "loss_scaler") if optimizer else ("train_state",)
+    return LoadPlan(optimizer, sections, c.load_rng)
+
+
+def fresh_note(c: CheckpointConfig) -> str:
+    """What a load left fresh, for its log line."""
+    if c.finetune:
+        return " (checkpoint.finetune: weights only; iteration, optimizer, LR schedule and RNG start fresh)"
+    return "" if c.load_optimizer else " (checkpoint.load_optimizer=false: fresh optimizer, LR schedule and loss scale)"
+
+
+def scheduler_values(cfg: Config) -> list[tuple[str, str, object]]:
+    """(what, the key that sets it, value) for each value Megatron's scheduler checks on load."""
+    schedule, o = LRSchedule(cfg), cfg.optimizer
+    return [
+        ("learning rate", "optimizer.lr", schedule.max_lr),
+        ("minimum learning rate", "optimizer.min_lr", schedule.min_lr),
+        ("warmup samples", lr_warmup_length(cfg).key, schedule.warmup_steps),
+        ("decay samples", lr_decay_length(cfg).key, schedule.decay_steps),
+        ("learning rate decay style", "optimizer.lr_decay_style", schedule.style),
+        ("weight decay", "optimizer.weight_decay", o.weight_decay),
+    ]
+
+
+def resume_schedule(saved: Config | None, cfg: Config, state: TrainState) -> str | None:
+    """After the LR schedule's position was loaded: apply optimizer.override_opt_param_scheduler /
+    use_checkpoint_opt_param_scheduler, or refuse a schedule that disagrees with the checkpoint's
+    (CheckpointError naming the value). Returns a line for the log, or None. A checkpoint without
+    its saved config (converted from elsewhere) has nothing to check against."""
+    if saved is None:
+        return None
+    o, num_samples = cfg.optimizer, state.lr_schedule.num_samples
+    if o.use_checkpoint_opt_param_scheduler:
+        return _take_checkpoint_schedule(saved, state)
+    if not o.override_opt_param_scheduler:
+        for (what, key, ours), (_, saved_key, theirs) in zip(scheduler_values(cfg), scheduler_values(saved)):
+            if ours != theirs:
+                raise CheckpointError(
+                    f"the LR schedule's {what} is {ours} here ({key}) but {theirs} in the checkpoint ({saved_key}): "
+                    "set optimizer.override_opt_param_scheduler=true to follow the config, or "
+                    "optimizer.use_checkpoint_opt_param_scheduler=true to follow the checkpoint"
+                )
+    return schedule_change(saved, cfg, num_samples)
+
+
+def _take_checkpoint_schedule(saved: Config, state: TrainState) -> str:
+    """Megatron's --use-checkpoint-opt_param-scheduler: the checked values come from the checkpoint."""
+    ours, theirs = state.lr_schedule, LRSchedule(saved)
+    ours.max_lr, ours.min_lr, ours.style = theirs.max_lr, theirs.min_lr, theirs.style
+    ours.warmup_steps, ours.decay_steps = theirs.warmup_steps, theirs.decay_steps
+    if ours.style == "WSD" and not ours.wsd_decay_steps:
+        ours.wsd_decay_steps = theirs.wsd_decay_steps
+    for optimizer in state.optimizer.optimizers:
+        optimizer.param_groups[0]["weight_decay"] = saved.optimizer.weight_decay  # the decaying group
+    values = ", ".join(f"{what} {value}" for what, _, value in scheduler_values(saved))
+    return f"LR schedule from the checkpoint (optimizer.use_checkpoint_opt_param_scheduler): {values}"

@@ -1,0 +1,108 @@
+"""Megatron's load controls in one process: checkpoint.finetune (--finetune),
+checkpoint.load_optimizer=false (--no-load-optim), checkpoint.load_rng=false (--no-load-rng), and
+the LR schedule's check on resume with optimizer.override_opt_param_scheduler and
+optimizer.use_checkpoint_opt_param_scheduler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtgpt.checkpoint import CheckpointError
+from dtgpt.config import ConfigError
+from tests.test_checkpoint_unit import Trainer, checkpointer, make_trainer, step
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A trainer two iterations in (dropout on: the RNG moved), saved, with its RNG at the save."""
+    t = make_trainer(f"--checkpoint.save={tmp_path}")
+    step(t, 2)
+    checkpointer(t).save(2)
+    return t, tmp_path, torch.get_rng_state()
+
+
+def loaded(root, *overrides: str) -> Trainer:
+    """A fresh trainer that loaded root (and put the RNG in place, as the trainer does)."""
+    b = make_trainer(f"--checkpoint.load={root}", *overrides)
+    checkpointer(b).restore_rng()
+    return b
+
+
+def same_weights(a: Trainer, b: Trainer) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state.model.parameters(), b.state.model.parameters()))
+
+
+def fresh_rng_state() -> torch.Tensor:
+    make_trainer()  # builds the model as every trainer does: the generator as a fresh run seeds it
+    return torch.get_rng_state()
+
+
+def test_finetune_loads_the_weights_only(saved):
+    t, root, _ = saved
+    b = loaded(root, "--checkpoint.finetune=true")
+    p = b.state.progress
+    assert (p.iteration, p.consumed_samples, b.state.lr_schedule.num_samples) == (0, 0, 0)
+    assert not b.state.optimizer.optimizers[0].state and same_weights(t, b)
+    assert torch.equal(torch.get_rng_state(), fresh_rng_state())
+
+
+def test_no_load_optim_keeps_progress_and_rng(saved):
+    """Megatron's --no-load-optim: AdamW, LR schedule and loss scale fresh (the schedule from 0
+    samples); iteration, consumed samples and RNG from the checkpoint."""
+    t, root, rng = saved
+    b = loaded(root, "--checkpoint.load_optimizer=false")
+    p = b.state.progress
+    assert (p.iteration, p.consumed_samples) == (2, 8) and b.state.lr_schedule.num_samples == 0
+    assert not b.state.optimizer.optimizers[0].state and same_weights(t, b)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_no_load_rng_keeps_the_fresh_seeding(saved):
+    t, root, rng = saved
+    b = loaded(root, "--checkpoint.load_rng=false")
+    assert b.state.progress.iteration == 2 and b.state.optimizer.optimizers[0].state
+    assert torch.equal(torch.get_rng_state(), fresh_rng_state()) and not torch.equal(torch.get_rng_state(), rng)
+    loaded(root)  # and without the key, the checkpoint's
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--optimizer.lr=0.002", r"the LR schedule's learning rate is 0.002 here \(optimizer.lr\) but 0.0003 in the checkpoint"),
+        ("--optimizer.min_lr=1e-05", r"minimum learning rate is 1e-05 here"),
+        ("--training.train_iters=12", r"decay samples is 48 here \(training.train_iters\) but 40 in the checkpoint \(training.train_iters\)"),
+        ("--optimizer.lr_warmup_iters=1", r"warmup samples is 4 here \(optimizer.lr_warmup_iters\) but 0 in the checkpoint"),
+        ("--optimizer.lr_decay_style=cosine", r"learning rate decay style is cosine here"),
+        ("--optimizer.weight_decay=0.1", r"weight decay is 0.1 here"),
+    ],
+)
+def test_a_changed_schedule_is_refused_naming_the_value(saved, override, message):
+    """Megatron asserts each scheduler value equals the checkpoint's unless told which to follow."""
+    _, root, _ = saved
+    with pytest.raises(CheckpointError, match=message + ".*override_opt_param_scheduler=true.*use_checkpoint_opt_param_scheduler=true"):
+        loaded(root, override)
+
+
+def test_override_follows_the_config_and_use_checkpoint_the_checkpoint(saved):
+    _, root, _ = saved
+    changed = ["--optimizer.lr=0.002", "--training.train_iters=12", "--optimizer.weight_decay=0.1"]
+    ours = loaded(root, *changed, "--optimizer.override_opt_param_scheduler=true").state
+    assert (ours.lr_schedule.max_lr, ours.lr_schedule.decay_steps, ours.lr_schedule.num_samples) == (0.002, 48, 8)
+    assert ours.optimizer.optimizers[0].param_groups[0]["weight_decay"] == 0.1
+    theirs = loaded(root, *changed, "--optimizer.use_checkpoint_opt_param_scheduler=true").state
+    assert (theirs.lr_schedule.max_lr, theirs.lr_schedule.decay_steps, theirs.lr_schedule.num_samples) == (3e-4, 40, 8)
+    assert theirs.optimizer.optimizers[0].param_groups[0]["weight_decay"] == 0.01
+    assert theirs.lr_schedule.current_lr == pytest.approx(3e-4 * (1 - 8 / 40))
+
+
+def test_no_check_when_the_schedule_is_not_loaded(saved):
+    _, root, _ = saved
+    for fresh in ("--checkpoint.load_optimizer=false", "--checkpoint.finetune=true"):
+        assert loaded(root, "--optimizer.lr=0.002", fresh).state.lr_schedule.max_lr == 0.002
+
+
+def test_the_two_schedule_keys_exclude_each_other():
+    with pytest.raises(ConfigError, match="override_opt_param_scheduler and optimizer.use_checkpoint_opt_param_scheduler cannot both be true"):
+        make_trainer("--optimizer.override_opt_param_scheduler=true", "--optimizer.use_checkpoint_opt_param_scheduler=true")
