@@ -95,8 +95,14 @@ def test_flag_list_is_megatrons():
     assert {name for name in megatron_flags() if name != "step-batch-size-schedule"} <= theirs
 
 
-def _value_for(tp) -> typing.Any:
+FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8"}
+"""Keys whose strings have a format that is checked as they are read: a well-formed value."""
+
+
+def _value_for(key: str, tp) -> typing.Any:
     """A value unlike any default, for a key of type tp."""
+    if key in FORMATTED:
+        return FORMATTED[key]
     inner, _ = _unwrap_optional(tp)
     if inner is bool:
         return True
@@ -112,7 +118,7 @@ def test_every_key_with_a_megatron_flag_maps_and_round_trips():
         if m.flag.arity == "0":
             argv, expected = [f"--{name}"], m.value
         else:
-            expected = _value_for(types[m.key])
+            expected = _value_for(m.key, types[m.key])
             values = expected if isinstance(expected, list) else [str(expected)]
             argv = [f"--{name}", *(str(v) for v in values)]
         cfg = load_config(None, argv, check=False)
