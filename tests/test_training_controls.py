@@ -189,7 +189,9 @@ def test_command_line_train_samples_replaces_the_files_train_iters(tmp_path):
 
 # -- runs --------------------------------------------------------------------------------------
 
-RUN = [*TINY, *SCHEDULE, "--training.micro_batch_size=2", "--logging.log_interval=1"]
+RUN = [*TINY, "--training.micro_batch_size=2", "--logging.log_interval=1",
+       # the command line, in Megatron's own flags
+       "--step-batch-size-schedule", "0:4 512:8", "--train-samples", "64", "--seq-length", "32"]  # fmt: skip
 RUN.remove("--training.train_iters=10")
 RUN.remove("--optimizer.lr_warmup_iters=2")
 RUN.remove("--training.global_batch_size=8")
