@@ -138,5 +138,8 @@ def hand_over(state: TrainState, twins: list[int], newcomers: set[int], own: dic
 
 
 def keep(state: TrainState, rng: dict) -> dict:
-    """A survivor's `own` for hand_over, from its old objects (read before their groups go)."""
-    return {"tensors": [t.detach() for t in tensors(state)], "layout": optimizer_layout(state), "scalars": scalars(state), "rng": rng}
+    """A survivor's `own` for hand_over, from its old objects (read before their groups go).
+    Device tensors are copied to the host, so that the old objects can be freed before the new
+    ones are built: the device never holds two copies of the model and optimizer."""
+    kept = [t.detach().to("cpu", copy=True) if t.device.type != "cpu" else t.detach() for t in tensors(state)]
+    return {"tensors": kept, "layout": optimizer_layout(state), "scalars": scalars(state), "rng": rng}

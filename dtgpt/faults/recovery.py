@@ -32,6 +32,7 @@ model, train state, handover, checkpointer, datasets (`CollectiveOrder` in docs/
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ def rejoin_process_group(cfg, runtime) -> None:
     dims = ParallelDims.from_config(cfg, runtime.world_size)
     dims.build_mesh(runtime.device.type)
     runtime.dims = dims
-    if runtime.is_main:
+    if runtime.is_main:  # (a replaced rank 0 says nothing here: it is the replacement)
         print(f"in-process recovery: the process group is rebuilt in {time.perf_counter() - start:.2f} s", flush=True)
 
 
@@ -235,6 +236,10 @@ def recover(pending: Pending, state: TrainState, builder, checkpointer) -> tuple
     if checkpointer is not None:
         checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
     own = keep(state, pending.rng)
+    state.model = state.optimizer = None  # the old objects go (their groups are left): memory for the new ones
+    gc.collect()
+    if runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
     rejoin_process_group(builder.cfg, runtime)
     fresh = builder.build_state()
     received = exchange(fresh, runtime, own)
@@ -243,7 +248,7 @@ def recover(pending: Pending, state: TrainState, builder, checkpointer) -> tuple
         checkpointer.rejoin()
     _datasets, train_iter, valid_iter, _test = builder.data(state)
     set_rng_state(received["rng"], state.model)
-    if runtime.is_main:
+    if runtime.rank == min(set(range(runtime.world_size)) - set(pending.dead)):
         print(f"in-process recovery: rank(s) {pending.dead} replaced, the others kept their state; iteration "
               f"{state.progress.iteration + 1} is redone ({time.perf_counter() - start:.2f} s)", flush=True)  # fmt: skip
     return train_iter, valid_iter
