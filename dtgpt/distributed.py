@@ -32,6 +32,8 @@ class Runtime:
     """How often torchrun has restarted the group (TORCHELASTIC_RESTART_COUNT); 0 on the first attempt."""
     store: dist.Store | None = None
     """This attempt's key-value store (dtgpt/faults/attempt_store.py); None without a process group."""
+    launcher: str = ""
+    """Who started this worker, when it says so (DTGPT_LAUNCHER): "dtgpt.run" replaces a dead worker alone."""
     replacement: int = 0
     """How often the launcher (`python -m dtgpt.run`) respawned this rank (DTGPT_REPLACEMENT); 0 for a
     rank of the start. A replacement takes its state from a replica twin (dtgpt/faults/recovery.py)."""
@@ -84,8 +86,10 @@ def init_distributed(cfg: Config) -> Runtime:
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
     torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
-    replacement = int(os.environ.get("DTGPT_REPLACEMENT", "0"))
-    return Runtime(rank, world_size, local_rank, device, dims, restart_count, store, replacement, last_stage_rank(cfg, world_size))
+    launcher, replacement = os.environ.get("DTGPT_LAUNCHER", ""), int(os.environ.get("DTGPT_REPLACEMENT", "0"))
+    return Runtime(
+        rank, world_size, local_rank, device, dims, restart_count, store, launcher, replacement, last_stage_rank(cfg, world_size)
+    )
 
 
 def backend_for(cfg: Config, device: torch.device) -> str:

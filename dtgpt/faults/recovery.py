@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -50,10 +49,6 @@ LAUNCHER = "dtgpt.run"
 _REPLACING, _NO_REPLACEMENT, _RECOVERED = (f"dtgpt/launcher/{what}/{{rank}}" for what in ("replacing", "no_replacement", "recovered"))
 """The job store's keys (dtgpt/run/keys.py): the launcher starts a replacement of `rank`, or
 will not (its reason); training says the replacement has joined."""
-
-
-def launched_by_dtgpt_run() -> bool:
-    return os.environ.get("DTGPT_LAUNCHER") == LAUNCHER
 
 
 def twin_groups(dims) -> list[list[int]]:
@@ -148,7 +143,7 @@ class Recovery:
 
     def _decide(self) -> bool:
         state, rank, dims, store = self.state, self.runtime.rank, self.state.model.dims, self.detector.store
-        reports, why = None, precondition(launched_by_dtgpt_run(), dims.dp_replicate, self.seconds)
+        reports, why = None, precondition(self.runtime.launcher == LAUNCHER, dims.dp_replicate, self.seconds)
         if why is None:
             report = Report(state.progress.iteration, self.inflight.stepping)
             reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
