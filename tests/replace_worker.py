@@ -10,6 +10,7 @@ then, by MODE:
   not recover"); in the next round everyone exits 0.
 - `kill-always`: every rank-3 process of every round SIGKILLs itself; the survivors wait until
   the launcher stops them, and on its SIGTERM record the `no_replacement` key if it is set.
+- `sleep`: nobody dies; every rank waits until the launcher stops it (SIGTERM recorded).
 """
 
 from __future__ import annotations
@@ -35,12 +36,7 @@ def main() -> None:
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     replacement = replacement_number()
     me = f"{rank}-{restart}-{replacement}"
-    (out / f"start-{me}.json").write_text(json.dumps({"pid": os.getpid(), "env": dict(os.environ)}))
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    if rank == VICTIM:
-        if mode == "kill-always" or (restart == 0 and replacement == 0):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return
 
     def on_sigterm(signum, frame):
         key = no_replacement_key(VICTIM)
@@ -49,9 +45,15 @@ def main() -> None:
         sys.exit(1)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    if mode == "kill-always" or restart > 0:
-        if mode == "kill-always":
-            time.sleep(WAIT_S)
+    (out / f"start-{me}.json").write_text(json.dumps({"pid": os.getpid(), "env": dict(os.environ)}))
+    if rank == VICTIM and mode != "sleep":
+        if mode == "kill-always" or (restart == 0 and replacement == 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    if mode in ("kill-always", "sleep"):
+        time.sleep(WAIT_S)
+        return
+    if restart > 0:  # survivors-fail's second round: everyone exits 0
         return
     deadline = time.monotonic() + WAIT_S  # polled: a signal handler cannot run inside store.wait
     while not store.check([replacing_key(VICTIM)]) and time.monotonic() < deadline:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,25 @@ def test_no_restart_left_fails_as_torchrun_does_and_tells_the_survivors(tmp_path
     assert set(started) == {(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0), (3, 0, 1)}  # one replacement, then none
     for rank in range(3):  # stopped by the launcher, after it said no replacement would come
         assert read(tmp_path / f"sigterm-{rank}-0-0.json") == {"no_replacement": "restarts exhausted"}
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+    cmd = [sys.executable, "-m", "dtgpt.run", "--standalone", "--nproc-per-node", "4", "--max-restarts=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen(cmd + [WORKER, str(tmp_path), "sleep"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        while len(starts(tmp_path)) < 4 and launcher.poll() is None:
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        _out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0  # torchrun, too, exits non-zero on a signal
+    assert "SignalException" in err
+    assert sorted(p.name for p in tmp_path.glob("sigterm-*.json")) == [f"sigterm-{r}-0-0.json" for r in range(4)]
+    assert set(starts(tmp_path)) == {(r, 0, 0) for r in range(4)}  # stopped, not replaced
 
 
 @pytest.mark.parametrize(
