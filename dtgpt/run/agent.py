@@ -8,7 +8,7 @@ steps are specialised:
   (dtgpt/run/workers.py), with torch's own environment for it;
 - `_monitor_workers` looks at failures first. One worker failed while every other local worker
   runs, a restart is left, no earlier replacement on this node is still joining, and the
-  workers share the agent's store: it posts `dtgpt/replacing/<rank>` and starts the
+  workers share the agent's store: it posts `dtgpt/launcher/replacing/<rank>` and starts the
   replacement, with the same environment plus `DTGPT_REPLACEMENT=<n>`; the survivors keep their
   processes. Anything else is torchrun's behaviour: post `no_replacement` for each failed rank,
   stop every worker, restart them all in a new rendezvous round while restarts remain.

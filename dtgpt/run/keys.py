@@ -18,13 +18,13 @@ store, `TORCHELASTIC_USE_AGENT_STORE=True`), without any prefix, i.e. what a wor
 `dist.TCPStore(MASTER_ADDR, MASTER_PORT, is_master=False)`, or the first store of
 `dist.rendezvous("env://")`:
 
-- `dtgpt/replacing/<rank>` = `<n>`: global rank `<rank>` died and its n-th replacement
+- `dtgpt/launcher/replacing/<rank>` = `<n>`: global rank `<rank>` died and its n-th replacement
   is being started (set before the process starts).
-- `dtgpt/no_replacement/<rank>` = a reason: global rank `<rank>` died and no replacement
+- `dtgpt/launcher/no_replacement/<rank>` = a reason: global rank `<rank>` died and no replacement
   will come (restarts exhausted, several workers failed at once, or a replacement still joining
   failed); the launcher stops every worker (SIGTERM, then SIGKILL after
   `--shutdown-timeout`) and restarts them all if restarts remain, as torchrun does.
-- `dtgpt/recovered/<rank>` = `<n>`: set by training, not the launcher, once the n-th
+- `dtgpt/launcher/recovered/<rank>` = `<n>`: set by training, not the launcher, once the n-th
   replacement of `<rank>` has joined and the job runs again. Until then a further failure on
   that node (survivors that could not recover, or the replacement itself) gets a full restart.
 
@@ -42,7 +42,7 @@ import os
 LAUNCHER_ENV = "DTGPT_LAUNCHER"
 LAUNCHER_NAME = "dtgpt.run"
 REPLACEMENT_ENV = "DTGPT_REPLACEMENT"
-KEY_ROOT = "dtgpt"
+KEY_ROOT = "dtgpt/launcher"
 
 
 def replacing_key(rank: int) -> str:
