@@ -46,8 +46,9 @@ from dtgpt.parallel.dims import MESH_DIMS
 from dtgpt.state import TrainState, rng_state
 
 LAUNCHER = "dtgpt.run"
-REPLACING = "dtgpt/replacing/{rank}"
-"""The job store's key the launcher sets when it respawns `rank` (dtgpt/run.py)."""
+_REPLACING, _NO_REPLACEMENT, _RECOVERED = (f"dtgpt/launcher/{what}/{{rank}}" for what in ("replacing", "no_replacement", "recovered"))
+"""The job store's keys (dtgpt/run/keys.py): the launcher starts a replacement of `rank`, or
+will not (its reason); training says the replacement has joined."""
 
 
 def launched_by_dtgpt_run() -> bool:
@@ -60,15 +61,32 @@ def twin_groups(dims) -> list[list[int]]:
     return ranks.reshape(-1, dims.dp_replicate).tolist()
 
 
-def verdict(launched: bool, dp_replicate: int, reports: dict[int, Report] | None, twins: list[list[int]]) -> str | None:
-    """Why the survivors cannot recover in-process, or None when they can. `reports`: the
-    survivors' roll call (None when this rank missed it)."""
+def precondition(launched: bool, dp_replicate: int, roll_call_seconds: float) -> str | None:
+    """Why no in-process recovery can happen in this run at all (checked without a roll call), or None."""
     if not launched:
         return "not launched by `python -m dtgpt.run`, which alone replaces one worker"
     if dp_replicate < 2:
         return "no replicas: parallel.data_parallel_replicate_size=1, so a dead rank's shards exist nowhere else"
+    if roll_call_seconds <= 0:
+        return "distributed.roll_call_seconds=0 turns the survivors' roll call off"
+    return None
+
+
+def verdict(
+    launched: bool, dp_replicate: int, reports: dict[int, Report] | None, twins: list[list[int]],
+    refused: dict[int, str] | None = None, roll_call_seconds: float = 10.0,
+) -> str | None:
+    """Why the survivors cannot recover in-process, or None when they can. `reports`: the
+    survivors' roll call (None when this rank missed it); `refused`: the launcher's reason per
+    dead rank it will not replace."""
+    why = precondition(launched, dp_replicate, roll_call_seconds)
+    if why is not None:
+        return why
     if reports is None:
         return "this rank answered the roll call too late"
+    if refused:
+        rank = min(refused)
+        return f"the launcher will not replace rank {rank} ({refused[rank]})"
     iteration, why = consistent(reports)
     if iteration is None:
         return why
@@ -92,16 +110,22 @@ class Recovery:
     decide, and either mark the step for an in-process recovery (the exception is swallowed;
     `pending` is set) or say why not, let last words speak, and re-raise."""
 
-    def __init__(self, state: TrainState, runtime, detector: FailureDetector, seconds: float, checkpointer, last_words: bool):
+    def __init__(self, state: TrainState, runtime, detector: FailureDetector, seconds: float, checkpointer, last_words):
+        """`last_words`: the fallback's LastWords (it speaks), or None (Silent: nothing to save)."""
         self.state, self.runtime, self.detector, self.seconds = state, runtime, detector, seconds
         self.checkpointer, self.last_words = checkpointer, last_words
-        self.inflight = InFlight(state)
+        self.inflight = last_words.inflight if last_words is not None else InFlight(state)
         self.pending: Pending | None = None
         self.shared = detector.store.underlying_store
 
     def _known_dead(self) -> int:
-        keys = [REPLACING.format(rank=r) for r in range(self.runtime.world_size)]
+        """Ranks the launcher replaces or gave up on: the roll call need not wait for them."""
+        keys = [key.format(rank=r) for key in (_REPLACING, _NO_REPLACEMENT) for r in range(self.runtime.world_size)]
         return sum(self.shared.check([key]) for key in keys)
+
+    def _refused(self) -> dict[int, str]:
+        keys = {r: _NO_REPLACEMENT.format(rank=r) for r in range(self.runtime.world_size)}
+        return {r: self.shared.get(key).decode() for r, key in keys.items() if self.shared.check([key])}
 
     @contextlib.contextmanager
     def iteration(self) -> Iterator[None]:
@@ -122,32 +146,27 @@ class Recovery:
                 raise
 
     def _decide(self) -> bool:
-        state, rank, dims = self.state, self.runtime.rank, self.state.model.dims
-        report = Report(state.progress.iteration, self.inflight.stepping)
-        store = self.detector.store
-        reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
-        why = verdict(launched_by_dtgpt_run(), dims.dp_replicate, reports, twin_groups(dims))
+        state, rank, dims, store = self.state, self.runtime.rank, self.state.model.dims, self.detector.store
+        reports, why = None, precondition(launched_by_dtgpt_run(), dims.dp_replicate, self.seconds)
+        if why is None:
+            report = Report(state.progress.iteration, self.inflight.stepping)
+            reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
+            why = verdict(True, dims.dp_replicate, reports, twin_groups(dims), self._refused(), self.seconds)
         if why is None:
             rng = self.inflight.rng or rng_state(state.model)  # None: the failure came after the iteration
             self.pending = Pending(rng, sorted(set(range(dims.world_size)) - set(reports)))
             return True
-        if reports is None or rank == min(reports):
+        # One line: the roll's first rank, or without a roll the first to get here.
+        speaker = rank == min(reports) if reports else store.compare_set("recovery/speaker", "", str(rank)) == str(rank).encode()
+        if speaker:
             fallback = "last words follow" if self.last_words else "the restart resumes from the last checkpoint"
             print(f"in-process recovery: none ({why}); {fallback}", flush=True)
-        if self.last_words:
+        if self.last_words is not None:
             speak(state, self.checkpointer, store, self.inflight, self.seconds)
         return False
 
     def close(self) -> None:
         self.detector.close()
-
-
-def recoverable(cfg, runtime) -> bool:
-    """Whether a failure in this run may be recovered in-process (else last words alone watch)."""
-    return (
-        launched_by_dtgpt_run() and runtime.store is not None and runtime.world_size > 1
-        and runtime.dims.dp_replicate >= 2 and cfg.distributed.roll_call_seconds > 0
-    )  # fmt: skip
 
 
 def rejoin_process_group(cfg, runtime) -> None:
@@ -170,13 +189,13 @@ def rejoin_process_group(cfg, runtime) -> None:
 def build_failure_watch(cfg, runtime, state: TrainState, checkpointer):
     """What wraps each train step: in-process recovery (with last words as its fallback) when
     the run may recover so, else last words (or the Silent detector) alone."""
-    from dtgpt.faults.last_words import build_last_words
+    from dtgpt.faults.last_words import LastWords, build_last_words
 
     watch = build_last_words(cfg, runtime, state, checkpointer)
-    if not recoverable(cfg, runtime):
+    if watch.detector is None:  # one process
         return watch
-    speaks = hasattr(watch, "inflight")  # a LastWords, not Silent
-    return Recovery(state, runtime, watch.detector, cfg.distributed.roll_call_seconds, checkpointer, speaks)
+    last_words = watch if isinstance(watch, LastWords) else None
+    return Recovery(state, runtime, watch.detector, cfg.distributed.roll_call_seconds, checkpointer, last_words)
 
 
 def exchange(state: TrainState, runtime, own: dict | None) -> dict:
@@ -199,6 +218,7 @@ def join(state: TrainState, runtime) -> dict:
 
     received = exchange(state, runtime, None)
     load_scalars(state, received["scalars"])
+    runtime.store.underlying_store.set(_RECOVERED.format(rank=runtime.rank), str(runtime.replacement))
     print(f"in-process recovery: rank {runtime.rank} (replacement {runtime.replacement}) took its state from rank "
           f"{received['source']} at iteration {state.progress.iteration}", flush=True)  # fmt: skip
     return received
