@@ -19,6 +19,7 @@ from dtgpt.config import Config, low_precision, validate
 from dtgpt.parallel import last_stage_rank
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
+from dtgpt.run.keys import LAUNCHER_ENV, replacement_number
 
 
 @dataclass
@@ -86,7 +87,7 @@ def init_distributed(cfg: Config) -> Runtime:
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
     torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
-    launcher, replacement = os.environ.get("DTGPT_LAUNCHER", ""), int(os.environ.get("DTGPT_REPLACEMENT", "0"))
+    launcher, replacement = os.environ.get(LAUNCHER_ENV, ""), replacement_number()
     return Runtime(
         rank, world_size, local_rank, device, dims, restart_count, store, launcher, replacement, last_stage_rank(cfg, world_size)
     )

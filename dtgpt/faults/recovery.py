@@ -43,13 +43,8 @@ import torch.distributed as dist
 from dtgpt.faults.detect import FailureDetector
 from dtgpt.faults.last_words import InFlight, Report, peer_failure, consistent, roll_call, speak
 from dtgpt.parallel.dims import MESH_DIMS
+from dtgpt.run.keys import LAUNCHER_NAME, no_replacement_key, recovered_key, replacing_key
 from dtgpt.state import TrainState, rng_state
-
-LAUNCHER = "dtgpt.run"
-_REPLACING, _NO_REPLACEMENT, _RECOVERED = (f"dtgpt/launcher/{what}/{{rank}}" for what in ("replacing", "no_replacement", "recovered"))
-"""The job store's keys (dtgpt/run/keys.py): the launcher starts a replacement of `rank`, or
-will not (its reason); training says the replacement has joined."""
-
 
 def twin_groups(dims) -> list[list[int]]:
     """The global ranks of each replica-twin group: equal pp/dp_shard/cp/tp coordinates, one per dp_replicate index."""
@@ -116,11 +111,11 @@ class Recovery:
 
     def _known_dead(self) -> int:
         """Ranks the launcher replaces or gave up on: the roll call need not wait for them."""
-        keys = [key.format(rank=r) for key in (_REPLACING, _NO_REPLACEMENT) for r in range(self.runtime.world_size)]
+        keys = [key(r) for key in (replacing_key, no_replacement_key) for r in range(self.runtime.world_size)]
         return sum(self.shared.check([key]) for key in keys)
 
     def _refused(self) -> dict[int, str]:
-        keys = {r: _NO_REPLACEMENT.format(rank=r) for r in range(self.runtime.world_size)}
+        keys = {r: no_replacement_key(r) for r in range(self.runtime.world_size)}
         return {r: self.shared.get(key).decode() for r, key in keys.items() if self.shared.check([key])}
 
     @contextlib.contextmanager
@@ -143,7 +138,7 @@ class Recovery:
 
     def _decide(self) -> bool:
         state, rank, dims, store = self.state, self.runtime.rank, self.state.model.dims, self.detector.store
-        reports, why = None, precondition(self.runtime.launcher == LAUNCHER, dims.dp_replicate, self.seconds)
+        reports, why = None, precondition(self.runtime.launcher == LAUNCHER_NAME, dims.dp_replicate, self.seconds)
         if why is None:
             report = Report(state.progress.iteration, self.inflight.stepping)
             reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
@@ -214,7 +209,7 @@ def join(state: TrainState, runtime) -> dict:
 
     received = exchange(state, runtime, None)
     load_scalars(state, received["scalars"])
-    runtime.store.underlying_store.set(_RECOVERED.format(rank=runtime.rank), str(runtime.replacement))
+    runtime.store.underlying_store.set(recovered_key(runtime.rank), str(runtime.replacement))
     print(f"in-process recovery: rank {runtime.rank} (replacement {runtime.replacement}) took its state from rank "
           f"{received['source']} at iteration {state.progress.iteration}", flush=True)  # fmt: skip
     return received
