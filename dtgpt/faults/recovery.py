@@ -26,7 +26,8 @@ The launcher respawns the dead worker alone, with the same rank and `DTGPT_REPLA
    never recorded).
 
 The survivors and the replacement must issue the same collectives in the same order: mesh,
-model, train state, handover, checkpointer, datasets (`CollectiveOrder` in docs/faults.md).
+model, train state, handover, checkpointer, datasets: both build through training.Builder
+(docs/faults.md, "In-process recovery").
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dtgpt.faults.last_words import InFlight, Report, peer_failure, consistent, 
 from dtgpt.parallel.dims import MESH_DIMS
 from dtgpt.run.keys import LAUNCHER_NAME, no_replacement_key, recovered_key, replacing_key
 from dtgpt.state import TrainState, rng_state
+
 
 def twin_groups(dims) -> list[list[int]]:
     """The global ranks of each replica-twin group: equal pp/dp_shard/cp/tp coordinates, one per dp_replicate index."""
