@@ -19,6 +19,7 @@ from dtgpt.config import Config, low_precision, validate
 from dtgpt.parallel import last_stage_rank
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
+from dtgpt.run.keys import LAUNCHER_ENV, replacement_number
 
 
 @dataclass
@@ -32,6 +33,11 @@ class Runtime:
     """How often torchrun has restarted the group (TORCHELASTIC_RESTART_COUNT); 0 on the first attempt."""
     store: dist.Store | None = None
     """This attempt's key-value store (dtgpt/faults/attempt_store.py); None without a process group."""
+    launcher: str = ""
+    """Who started this worker, when it says so (DTGPT_LAUNCHER): "dtgpt.run" replaces a dead worker alone."""
+    replacement: int = 0
+    """How often the launcher (`python -m dtgpt.run`) respawned this rank (DTGPT_REPLACEMENT); 0 for a
+    rank of the start. A replacement takes its state from a replica twin (dtgpt/faults/recovery.py)."""
     logging_rank: int = 0
     """The rank that logs metrics: the last one holding the last pipeline stage, as Megatron logs
     from its last rank (under a V-shaped schedule pp rank 0 holds it; parallel.last_stage_rank)."""
@@ -81,7 +87,10 @@ def init_distributed(cfg: Config) -> Runtime:
     # depend on this seed (they have their own, see GPT.initial_value and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
     torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
-    return Runtime(rank, world_size, local_rank, device, dims, restart_count, store, last_stage_rank(cfg, world_size))
+    launcher, replacement = os.environ.get(LAUNCHER_ENV, ""), replacement_number()
+    return Runtime(
+        rank, world_size, local_rank, device, dims, restart_count, store, launcher, replacement, last_stage_rank(cfg, world_size)
+    )
 
 
 def backend_for(cfg: Config, device: torch.device) -> str:
@@ -100,11 +109,15 @@ def init_one_rank_group(cfg: Config, device: torch.device) -> None:
     )  # fmt: skip
 
 
-def init_process_group(cfg: Config, device: torch.device) -> dist.Store:
-    """The default group, on a store of this attempt's own (dtgpt/faults/attempt_store.py: why); returns that store."""
+def init_process_group(cfg: Config, device: torch.device, shared: dist.Store | None = None) -> dist.Store:
+    """The default group, on a store of this attempt's own (dtgpt/faults/attempt_store.py: why); returns that store.
+    `shared`: the job's store, when rebuilding the group in-process (dtgpt/faults/recovery.py)."""
     backend = backend_for(cfg, device)
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
-    shared, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    if shared is None:
+        shared, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store, _token = attempt_store(shared, rank, world_size, timeout)
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dtgpt.api import (
@@ -32,13 +33,13 @@ from dtgpt.data import build_tokenizer
 from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import FaultHooks, build_faults
-from dtgpt.faults.last_words import build_last_words
+from dtgpt.faults.recovery import build_failure_watch, join, recover
 from dtgpt.faults.signals import ExitConditions
 from dtgpt.faults.watchdog import Watchdog
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model_size import flops_per_token
 from dtgpt.profiling import Profiler
-from dtgpt.state import TrainState
+from dtgpt.state import TrainState, set_rng_state
 from dtgpt.step import StepResult
 from dtgpt.summary import startup_summary
 
@@ -108,6 +109,32 @@ def run_length(cfg: Config, iterations: int) -> str:
     return f"training.train_samples={t.train_samples} ({iterations} iterations)"
 
 
+@dataclass
+class Builder:
+    """What pretrain builds from the config on the current mesh: the train state, the datasets and
+    iterators. An in-process recovery (dtgpt/faults/recovery.py) builds them again through this,
+    so that survivors and the replacement issue the same collectives in the same order."""
+
+    cfg: Config
+    runtime: Runtime
+    model_provider: ModelProvider
+    datasets_provider: "DatasetsProvider"
+    tokenizer: object
+
+    def build_state(self) -> TrainState:
+        return build_train_state(self.cfg, build_model(self.cfg, self.runtime, self.tokenizer.vocab_size, self.model_provider))
+
+    def data(self, state: TrainState) -> tuple:
+        """(datasets, train, validation, test iterators) from the state's consumed sample counts."""
+        cfg, progress = self.cfg, state.progress
+        datasets = self.datasets_provider(cfg, self.tokenizer, num_samples_needed(cfg))
+        options = TokenOptions.from_config(cfg.data, self.tokenizer.eod)
+        iterators = build_data_iterators(
+            cfg, state.model, datasets, options, progress.consumed_samples, progress.consumed_valid_samples
+        )
+        return (datasets, *iterators)
+
+
 def check_nan(runtime: Runtime, cfg: Config, result: StepResult, iteration: int) -> None:
     """training.nan_policy on a non-finite loss or gradient norm: stop, or say it was skipped."""
     if not result.nan:
@@ -149,7 +176,7 @@ def iteration_record(
 
 def train(
     cfg: Config, runtime: Runtime, state: TrainState, train_iter: Iterator, valid_iter: Iterator | None,
-    metrics: MetricsLogger, checkpointer, exits: ExitConditions, faults: FaultHooks,
+    metrics: MetricsLogger, checkpointer, exits: ExitConditions, faults: FaultHooks, builder: Builder | None = None,
 ) -> str:
     """The loop, then the final save; returns why it stopped."""
     progress, timers = state.progress, state.timers
@@ -160,7 +187,7 @@ def train(
     )  # fmt: skip
     watchdog = Watchdog(runtime.rank, cfg.distributed.heartbeat_factor, cfg.distributed.heartbeat_min_seconds)
     phase = Phase(watchdog, runtime.rank)
-    last_words = build_last_words(cfg, runtime, state, checkpointer)
+    last_words = build_failure_watch(cfg, runtime, state, checkpointer)
     guard = IterationGuard(phase, faults, last_words, state)
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     flops = flops_per_token(cfg.model, state.model.parts[0].vocab_size)
@@ -178,19 +205,27 @@ def train(
                 with timers("batch-generator"):
                     batch = next(train_iter)
                 result = train_step(cfg, state, batch)
+            if getattr(last_words, "pending", None) is not None:  # recovered in-process: redo the iteration
+                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer)
+                guard = IterationGuard(phase, faults, last_words, state)
+                continue
             elapsed = time.perf_counter() - start
             check_nan(runtime, cfg, result, progress.iteration)
             metrics.log(iteration_record(cfg, runtime, state, result, elapsed, flops, peak), timers)
-            if progress.iteration % cfg.logging.log_interval == 0:
-                state.model.check_tied_copies(progress.iteration)
             skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
             check_skipped(skipped_in_a_row, cfg.training.exit_skipped_iters, progress.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"):
                     loss = run_validation(cfg, state, valid_iter)
                 metrics.log_eval(progress.iteration, "validation", loss)
-            with last_words.guard():
+            with last_words.guard():  # collectives between iterations: a dead peer is recovered from here too
+                if progress.iteration % cfg.logging.log_interval == 0:
+                    state.model.check_tied_copies(progress.iteration)
                 stop = exits.reason(progress.iteration)
+            if getattr(last_words, "pending", None) is not None:  # the next iteration starts afresh
+                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer)
+                guard = IterationGuard(phase, faults, last_words, state)
+                continue
             if checkpointer is not None and (stop or checkpointer.due(progress.iteration)):
                 with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
                     checkpointer.save(progress.iteration)
@@ -207,13 +242,22 @@ def train(
     return reason
 
 
-def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults: FaultHooks):
-    """The checkpoint manager when saving or loading is configured (it loads on construction)."""
+def _recovered(watch, state: TrainState, builder: Builder, checkpointer) -> tuple:
+    """Carry out the in-process recovery `watch` decided; (train iterator, validation iterator, new watch)."""
+    pending, watch.pending = watch.pending, None
+    watch.close()
+    train_iter, valid_iter = recover(pending, state, builder, checkpointer)
+    return train_iter, valid_iter, build_failure_watch(builder.cfg, builder.runtime, state, checkpointer)
+
+
+def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults: FaultHooks, joining: bool = False):
+    """The checkpoint manager when saving or loading is configured (it loads on construction,
+    unless `joining`: a replacement's state came from its replica twin)."""
     if not (cfg.checkpoint.save or cfg.checkpoint.load):
         return None
     from dtgpt.checkpoint import Checkpointer
 
-    return Checkpointer(state, cfg, runtime, faults)
+    return Checkpointer(state, cfg, runtime, faults, joining=joining)
 
 
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
@@ -222,30 +266,33 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
     clean, checkpointer = False, None
     try:
         tokenizer = build_tokenizer(cfg.data)
-        state = build_train_state(cfg, build_model(cfg, runtime, tokenizer.vocab_size, model_provider))
-        faults = build_faults(cfg.faults, runtime.rank, runtime.restart_count)
-        checkpointer = build_checkpointer(cfg, runtime, state, faults)
-        datasets = datasets_provider(cfg, tokenizer, num_samples_needed(cfg))
+        builder = Builder(cfg, runtime, model_provider, datasets_provider, tokenizer)
+        state = builder.build_state()
+        # A replacement's state comes from its replica twin, in the survivors' order of collectives.
+        joined = join(state, runtime) if runtime.replacement else None
+        faults = build_faults(cfg.faults, runtime.rank, runtime.restart_count + runtime.replacement)
+        checkpointer = build_checkpointer(cfg, runtime, state, faults, joining=joined is not None)
+        progress = state.progress  # a resumed run starts from the checkpoint's counts
+        progress.consumed_valid_samples = resumed_valid_samples(cfg, progress)
+        datasets, train_iter, valid_iter, test_iter = builder.data(state)
         n_params = sum(p.numel() for p in state.model.parameters())
         vocab_size = padded_vocabulary(cfg, tokenizer.vocab_size)
         log0(runtime, startup_summary(cfg, runtime.dims, n_params, vocab_size, tokenizer, datasets))
-        options = TokenOptions.from_config(cfg.data, tokenizer.eod)
-        progress = state.progress  # a resumed run starts from the checkpoint's counts
-        progress.consumed_valid_samples = resumed_valid_samples(cfg, progress)
-        train_iter, valid_iter, test_iter = build_data_iterators(
-            cfg, state.model, datasets, options, progress.consumed_samples, progress.consumed_valid_samples
-        )
-        if checkpointer is not None:
-            checkpointer.restore_rng()  # only now: creating the loaders' iterators draws from the RNG
+        # Only now: creating the loaders' iterators draws from the RNG.
+        if joined is not None:
+            set_rng_state(joined["rng"], state.model)
+        elif checkpointer is not None:
+            checkpointer.restore_rng()
         metrics = MetricsLogger(
             cfg.logging, train_iterations(cfg.training, cfg.model.seq_length), runtime.is_logging_rank, to_toml(cfg),
             skipped_before=progress.skipped_iters, nan_before=progress.nan_iters,
-            resumed=progress.iteration > 0 or runtime.restart_count > 0,  # a restarted attempt continues its file
+            # a restarted attempt or a replacement continues the file
+            resumed=progress.iteration > 0 or runtime.restart_count > 0 or runtime.replacement > 0,
         )  # fmt: skip
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
         exits = ExitConditions(cfg.checkpoint, runtime.device, announce=runtime.is_main)
         try:
-            reason = train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults)
+            reason = train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults, builder)
             log0(runtime, f"> training stopped: {reason}")
             final_evaluation(cfg, state, metrics, valid_iter, test_iter, reason)
         finally:

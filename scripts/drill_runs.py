@@ -67,6 +67,61 @@ class Run:
     rc: int
     log: str
     seconds: float
+    lines_at: list[tuple[float, str]] = field(default_factory=list)
+    """Each output line with the seconds since the launch at which the drill read it."""
+    worker_pids: dict[int, set[int]] = field(default_factory=dict)
+    """RANK -> the pids of the launcher's children that had it (sampled while the job ran)."""
+
+
+ITERATION_LINE = re.compile(r"^\s*\[[^]]*\] iteration\s+(\d+)/")
+
+
+def recovery_seconds(run: Run, completed_before: int) -> float | None:
+    """From the `fault: SIGKILL` line to the first logged iteration beyond `completed_before` (the
+    iterations completed when the rank died): how long the job took to make progress again."""
+    killed = next((t for t, line in run.lines_at if line.startswith("fault: SIGKILL")), None)
+    if killed is None:
+        return None
+    for t, line in run.lines_at:
+        match = ITERATION_LINE.match(line)
+        if t >= killed and match and int(match[1]) > completed_before:
+            return t - killed
+    return None
+
+
+class WorkerWatch:
+    """Samples the children of a launcher (its workers) and their RANK, from /proc, until stopped."""
+
+    def __init__(self, launcher_pid: int, period: float = 0.2):
+        self.pid, self.period, self.seen = launcher_pid, period, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) not in self.seen:
+                    self._look(int(entry))
+
+    def _look(self, pid: int) -> None:
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent != self.pid:
+                return
+            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        except (OSError, IndexError, ValueError):
+            return
+        if "RANK" in env:
+            self.seen[pid] = int(env["RANK"])
+
+    def stop(self) -> dict[int, set[int]]:
+        self._stop.set()
+        self._thread.join()
+        by_rank: dict[int, set[int]] = {}
+        for pid, rank in self.seen.items():
+            by_rank.setdefault(rank, set()).add(pid)
+        return by_rank
 
 
 HEADER = [
@@ -88,6 +143,10 @@ class Result:
     """Recovered: finished with every check passing."""
     seconds: float = 0.0
     runs: list[Run] = field(default_factory=list)
+    pids_kept: bool | None = None
+    """In-process scenarios: the dead rank had two processes, every other rank one."""
+    recovery: float | None = None
+    """Seconds from the kill to the first iteration beyond those completed before it."""
 
     def row(self) -> str:
         def cell(v):
@@ -147,17 +206,19 @@ class Runner:
 
     def __init__(
         self, workdir: Path, nproc: int = 2, log=print, layout: list[str] = (), iters: int = ITERS,
-        grace: int | None = SHUTDOWN_TIMEOUT, label: str = "",
+        grace: int | None = SHUTDOWN_TIMEOUT, label: str = "", launcher: str = "torch.distributed.run",
     ):
         """`layout`: extra arguments of every run (a mesh, say); `iters`: training.train_iters;
-        `grace`: torchrun's --shutdown-timeout (None: its default); `label`: a prefix of scenario names."""
+        `grace`: torchrun's --shutdown-timeout (None: its default); `label`: a prefix of scenario names;
+        `launcher`: the module that launches (torchrun's, or dtgpt.run, which replaces a dead worker alone)."""
         self.workdir, self.nproc, self.log = Path(workdir), nproc, log
         self.layout, self.iters, self.grace, self.label = list(layout), iters, grace, label
+        self.launcher = launcher
         self._reference: dict[int, float] | None = None
 
     def command(self, restarts: int) -> list[str]:
         grace = [] if self.grace is None else [f"--shutdown-timeout={self.grace}"]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}",
+        return [sys.executable, "-m", self.launcher, "--standalone", f"--nproc-per-node={self.nproc}",
                 f"--max-restarts={restarts}", *grace, str(REPO / "train.py")]  # fmt: skip
 
     def launch(self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300) -> Run:
@@ -165,15 +226,19 @@ class Runner:
         where.mkdir(parents=True, exist_ok=True)
         cmd = self.command(restarts) + BASE + [f"--training.train_iters={self.iters}"] + self.layout + args
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=where, env=plain_env(), stdout=subprocess.PIPE,
+        env = plain_env()
+        if self.launcher != "torch.distributed.run":  # a launcher module of this checkout, run from `where`
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(cmd, cwd=where, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        watch = WorkerWatch(proc.pid)
         # A job that outlives `timeout` (a hang nobody turned into an error) is killed, group and all.
         timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
-        lines = []
+        lines_at = []
         try:
             for line in proc.stdout:
-                lines.append(line)
+                lines_at.append((time.monotonic() - start, line))
                 if on_line is not None:
                     on_line(line, proc)
             proc.wait()
@@ -183,8 +248,8 @@ class Runner:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         if time.monotonic() - start >= timeout:
-            lines.append(f"fault drill: killed after {timeout} s\n")
-        run = Run(proc.returncode, "".join(lines), time.monotonic() - start)
+            lines_at.append((time.monotonic() - start, f"fault drill: killed after {timeout} s\n"))
+        run = Run(proc.returncode, "".join(line for _t, line in lines_at), time.monotonic() - start, lines_at, watch.stop())
         (where / f"{name}.log").write_text(run.log)
         return run
 

@@ -30,12 +30,56 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # drill_runs, also when loaded by path
 from drill_runs import (  # noqa: E402
     HEADER, ITERS, OPT_OUT, SAVE_INTERVAL, Result, Runner, layout, our_traceback_frames, plain_env, read_losses,
+    recovery_seconds,
 )
 
 __all__ = ["Drill", "HSDP", "ITERS", "OPT_OUT", "our_traceback_frames", "plain_env", "scenarios"]
 
 HSDP = ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=2"]
 NO_REPLICAS = ["--parallel.data_parallel_replicate_size=1", "--parallel.data_parallel_shard_size=4"]
+REPLICATED = {
+    "hsdp": HSDP,
+    "pp2-dpr2": ["--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_replicate_size=2",
+                 "--parallel.data_parallel_shard_size=1"],  # fmt: skip
+    "tp2-dpr2": ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_replicate_size=2",
+                 "--parallel.data_parallel_shard_size=1"],  # fmt: skip
+}
+"""The 4-rank layouts with a replica of every shard, where a dead rank can be replaced in-process."""
+IN_PROCESS_HEADER = [
+    "| scenario | outcome | recovered | survivors' PIDs unchanged | iterations recomputed | losses equal | "
+    "recovery s, in-process | recovery s, restart-all + checkpoint (its outcome, iterations recomputed) |",
+    "|---|---|---|---|---:|---|---:|---|",
+]
+
+
+def kill_faults(rank: int, iteration: int, during: str, async_save: bool) -> list[str]:
+    return [f"--faults.kill_at_iteration={iteration}", f"--faults.kill_rank={rank}",
+            f"--faults.kill_during_save={during == 'save'}", f"--faults.kill_during_step={during == 'step'}",
+            f"--checkpoint.async_save={async_save}"]  # fmt: skip
+
+
+def kill_kind(during: str, async_save: bool) -> str:
+    return {"iteration": "iteration", "step": "step", "save": "save-" + ("async" if async_save else "sync")}[during]
+
+
+def completed_at_kill(iteration: int, during: str) -> int:
+    """The iterations complete when the rank dies: a kill in forward/backward comes before its
+    iteration is done; one in the optimizer step or the save after it, once the others finish it."""
+    return iteration - 1 if during == "iteration" else iteration
+
+
+def compared_row(replaced: Result, restarted: Result) -> str:
+    def cell(v):
+        return "n/a" if v is None else ("yes" if v is True else "NO" if v is False else str(v))
+
+    def secs(v):
+        return "n/a" if v is None else f"{v:.1f}"
+
+    cells = [replaced.scenario, replaced.outcome, cell(replaced.ok), cell(replaced.pids_kept), cell(replaced.lost),
+             cell(replaced.equal), secs(replaced.recovery),
+             f"{secs(restarted.recovery)} ({restarted.outcome}; {cell(restarted.lost)} recomputed"
+             f"{'' if restarted.ok else '; NOT recovered'})"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
 
 
 class Drill(Runner):
@@ -48,12 +92,8 @@ class Drill(Runner):
         inside its optimizer step (`during="step"`) or while it writes that iteration's checkpoint
         (`during="save"`). Survivors holding a whole replica save the last completed iteration
         (last words); torchrun restarts the group, which resumes from the newest checkpoint."""
-        kind = {"iteration": "iteration", "step": "step", "save": "save-" + ("async" if async_save else "sync")}[during]
-        name, where = self.place(f"{self.label}sigkill-{kind}-r{rank}-i{iteration}")
-        faults = [f"--faults.kill_at_iteration={iteration}", f"--faults.kill_rank={rank}",
-                  f"--faults.kill_during_save={during == 'save'}", f"--faults.kill_during_step={during == 'step'}",
-                  f"--checkpoint.async_save={async_save}"]  # fmt: skip
-        run = self.launch(where, "run", self.job(where, faults))
+        name, where = self.place(f"{self.label}sigkill-{kill_kind(during, async_save)}-r{rank}-i{iteration}")
+        run = self.launch(where, "run", self.job(where, kill_faults(rank, iteration, during, async_save)))
         resumed = re.search(r"loaded checkpoint \S+ in [\d.]+ s: iteration (\d+)", run.log)
         spoke = re.search(r"last words: ranks \S.*? saved iteration (\d+)", run.log)
         silent = re.search(r"last words: none \((.*?)\);", run.log)
@@ -73,6 +113,31 @@ class Drill(Runner):
             outcome = "FAILED: the fault did not fire"
         result = self.finish(Result(name, outcome, runs=[run]), where)
         result.ok = result.ok and "restarted" in outcome and "FAILED" not in outcome
+        result.recovery = recovery_seconds(run, completed_at_kill(iteration, during))
+        return result
+
+    def replace(self, rank: int, iteration: int, during: str = "iteration", async_save: bool = False) -> Result:
+        """The same kill under `python -m dtgpt.run --max-restarts=2` (a Drill with launcher="dtgpt.run"):
+        only the dead rank is started again, the survivors keep their processes and their state
+        (in-process recovery), and the interrupted iteration is redone; nothing is trained twice."""
+        name, where = self.place(f"{self.label}replace-{kill_kind(during, async_save)}-r{rank}-i{iteration}")
+        run = self.launch(where, "run", self.job(where, kill_faults(rank, iteration, during, async_save)), restarts=2)
+        replaced = re.search(r"in-process recovery: rank\(s\) (\[[\d, ]+\]) replaced.*?iteration (\d+) is redone", run.log)
+        refused = re.search(r"in-process recovery: none \((.*?)\);", run.log)
+        if "fault: SIGKILL" not in run.log:
+            outcome = "FAILED: the fault did not fire"
+        elif run.rc != 0:
+            outcome = f"FAILED (rc {run.rc})"
+        elif replaced:
+            outcome = f"rank(s) {replaced[1]} replaced in-process, iteration {replaced[2]} redone"
+        else:
+            outcome = f"not in-process ({refused[1] if refused else 'no recovery line'})"
+        result = self.finish(Result(name, outcome, runs=[run]), where)
+        pids = run.worker_pids
+        result.pids_kept = sorted(pids) == list(range(self.nproc)) and all(
+            len(p) == (2 if r == rank else 1) for r, p in pids.items())  # fmt: skip
+        result.recovery = recovery_seconds(run, completed_at_kill(iteration, during))
+        result.ok = result.ok and bool(replaced) and result.pids_kept and result.lost == 0
         return result
 
     def stop_signal(self, sig: str = "SIGTERM", whole_group: bool = False, after: int = 4) -> Result:
@@ -243,6 +308,28 @@ def last_words_scenarios(hsdp: Drill, no_replicas: Drill, seed: int) -> list[tup
     ]
 
 
+def in_process_scenarios(workdir: Path, trials: int, seed: int) -> list[tuple[str, object]]:
+    """Per replicated layout: `trials` SIGKILLs of a random rank at a random iteration, one in the
+    optimizer step and one in an async save, each run under dtgpt.run (replaced in-process) and,
+    for comparison, under a plain torchrun (restart all, resume from last words or a checkpoint).
+    Each scenario returns (in-process result, restart-all result)."""
+    rng = random.Random(seed)
+    todo = []
+    for label, mesh in REPLICATED.items():
+        replacing = Drill(workdir / label / "replace", 4, layout=mesh, grace=None, label=f"{label}-", launcher="dtgpt.run")
+        restarting = Drill(workdir / label / "restart", 4, layout=mesh, grace=None, label=f"{label}-")
+        replacing.reference = restarting.reference  # one uninterrupted run per layout
+        # The last rank writes the metrics file: it is spared in the step and the save (see last_words_scenarios).
+        kills = [(rng.randrange(4), rng.choice(range(2, ITERS)), "iteration", False) for _ in range(trials)]
+        kills += [(rng.randrange(3), rng.choice(range(2, ITERS)), "step", False), (rng.randrange(3), 2 * SAVE_INTERVAL, "save", True)]
+        for rank, iteration, during, async_save in kills:
+            def both(a=(rank, iteration, during, async_save), x=replacing, y=restarting):
+                return x.replace(*a), y.sigkill(*a)
+
+            todo.append((f"in-process-{label}-{kill_kind(during, async_save)}", both))
+    return todo
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default="/tmp/dtgpt_fault_drill")
@@ -250,12 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3, help="random SIGKILL trials")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", help="run scenarios whose name starts with one of these")
+    parser.add_argument("--in-process", action="store_true",
+                        help="only the in-process scenarios (python -m dtgpt.run), each beside a restart-all run")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     if workdir.exists():
         import shutil
 
         shutil.rmtree(workdir)
+    if args.in_process:
+        return run_in_process(workdir, args)
     drill = Drill(workdir, args.nproc)
     # The 4-rank layouts run with every default: collective timeout, roll call, torchrun's grace.
     hsdp = Drill(workdir / "hsdp", 4, layout=HSDP, grace=None, label="hsdp-")
@@ -272,6 +363,23 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(HEADER + [r.row() for r in rows]))
     failed = [r.scenario for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} scenarios recovered" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def run_in_process(workdir: Path, args) -> int:
+    print(f"fault drill, in-process: 4 ranks, {ITERS} iterations, {args.trials} random kill(s) per layout, work in {workdir}",
+          flush=True)  # fmt: skip
+    rows, failed = [], []
+    for name, scenario in in_process_scenarios(workdir, args.trials, args.seed):
+        if args.only and not any(name.startswith(p) for p in args.only):
+            continue
+        replaced, restarted = scenario()
+        rows.append(compared_row(replaced, restarted))
+        print(rows[-1], flush=True)
+        if not replaced.ok:
+            failed.append(replaced.scenario)
+    print("\n".join(IN_PROCESS_HEADER + rows))
+    print(f"{len(rows) - len(failed)}/{len(rows)} recovered in-process" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 

@@ -59,6 +59,9 @@ RUNS: dict[str, list[str] | None] = {
     "torchrun --nproc-per-node 8 train.py --config configs/gpt3_175b.toml": ["--training.train_iters=4"],
     "torchrun --nproc-per-node 2 examples/simple_train_loop.py": [],
     MEGATRON_FLAGS: [],  # ten iterations as written
+    # the launcher that replaces a dead worker alone (docs/faults.md), on a run without a fault
+    "python -m dtgpt.run --standalone --nproc-per-node 2 --max-restarts 2 train.py --config configs/debug.toml "
+    "--parallel.data_parallel_replicate_size=2": SHORT_RUN,
     # your data, checkpoints in and out, sampling: each reads what `make train` or the one before leaves
     PREPROCESS: [],
     TRAIN_ON_IT: SHORT_RUN,

@@ -18,7 +18,6 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from dtgpt.checkpoint.architecture import saved_difference
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.rejoin import Rejoining
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
@@ -54,11 +54,11 @@ class PendingSave:
     verdict: SaveVerdict
 
 
-class Checkpointer:
+class Checkpointer(Rejoining):
     """Saves `state` every checkpoint.save_interval iterations; loads it on construction (see
-    module doc). `faults` may make a save fail on purpose (dtgpt.faults.injection)."""
+    module doc), unless `joining` (rejoin.py). `faults` may make a save fail on purpose (dtgpt.faults.injection)."""
 
-    def __init__(self, state: TrainState, cfg: Config, runtime: Runtime, faults: FaultHooks = NO_FAULTS):
+    def __init__(self, state: TrainState, cfg: Config, runtime: Runtime, faults: FaultHooks = NO_FAULTS, joining: bool = False):
         self.state, self.run_cfg, self.runtime = state, cfg, runtime
         self.cfg = cfg.checkpoint
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -70,15 +70,13 @@ class Checkpointer:
         self._derive_rng_at: int | None = None
         self.blocked_s: list[float] = []
         """Seconds each save kept training waiting (for logs and the benchmark)."""
-        # A background save's collectives run on a gloo group of their own (never interleaved with
-        # training's), with the run's timeout, not 30 minutes: a dead peer fails it, not hangs it.
-        background = self.cfg.async_save and self.cfg.save and self.distributed
-        timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
-        self._async_group = dist.new_group(backend="gloo", timeout=timeout) if background else None
+        self._async_group = self._background_group()
         self._stager: DefaultStager | None = None  # built by the first async save
         self._faults = faults
         self.run_id = uuid.uuid4().hex[:12]
         self._lock: SaveDirLock | None = None  # rank 0's, while it runs
+        if joining:
+            return self._join()
         if self.cfg.save:
             self._from_rank0(self._take_save_dir)
         try:

@@ -9,6 +9,9 @@ One concern per module; import the one you need (this package imports none of th
   killed): roll call, decide, save the last completed iteration over the survivors' group.
 - `detect`: failure detection: the first rank whose collective fails posts a notice in the
   attempt's store, and every rank leaves its collectives within a second (no collective timeout).
+- `recovery`: in-process recovery under `python -m dtgpt.run`: the survivors keep their state,
+  rebuild the process groups, and the replacement of a dead rank takes its state from its
+  replica twin (`handover`); the interrupted iteration is redone, nothing is read from disk.
 - `attempt_store`: the store prefix of one torchrun attempt, so a restarted group never reads a
   dead attempt's keys.
 - `watchdog`: the heartbeat line when an iteration runs far longer than usual.

@@ -35,7 +35,7 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -91,27 +91,38 @@ def replicas(dims) -> list[list[int]]:
     return [dims.mesh.mesh.select(dim, r).flatten().tolist() for r in range(dims.dp_replicate)]
 
 
-def decide(reports: dict[int, Report], replica_ranks: list[list[int]]) -> tuple[int | None, str]:
-    """(the iteration the survivors can save, or None; why not). `reports` holds the survivors."""
+def consistent(reports: dict[int, Report]) -> tuple[int | None, str]:
+    """(the last completed iteration every survivor holds intact, or None; why not): the consistency rule."""
     if any(r.stepping for r in reports.values()):
         stepping = sorted(rank for rank, r in reports.items() if r.stepping)
         return None, f"rank {stepping[0]} was inside the optimizer step, so no iteration is intact"
     completed = {r.iteration for r in reports.values()}
     if len(completed) > 1:
         return None, f"the survivors completed different iterations {sorted(completed)}"
+    return completed.pop(), ""
+
+
+def decide(reports: dict[int, Report], replica_ranks: list[list[int]]) -> tuple[int | None, str]:
+    """(the iteration the survivors can save, or None; why not). `reports` holds the survivors."""
+    iteration, why = consistent(reports)
+    if iteration is None:
+        return None, why
     whole = [ranks for ranks in replica_ranks if all(rank in reports for rank in ranks)]
     if not whole:
         dead = sorted({rank for ranks in replica_ranks for rank in ranks} - set(reports))
         return None, f"no replica of the model and optimizer is whole without rank(s) {dead}"
-    return completed.pop(), ""
+    return iteration, ""
 
 
-def roll_call(store: dist.Store, rank: int, world_size: int, report: Report, seconds: float) -> dict[int, Report] | None:
-    """Every survivor's report, the same on each; None for a rank that answered after the roll closed."""
+def roll_call(
+    store: dist.Store, rank: int, world_size: int, report: Report, seconds: float, known_dead: Callable[[], int] = lambda: 0
+) -> dict[int, Report] | None:
+    """Every survivor's report, the same on each; None for a rank that answered after the roll closed.
+    `known_dead()`: how many ranks are known to be gone (the launcher says so), who need not be waited for."""
     store.set(f"{PREFIX}/report/{rank}", json.dumps(report.__dict__))
     store.add(f"{PREFIX}/answered", 1)
     deadline = time.monotonic() + seconds
-    while store.add(f"{PREFIX}/answered", 0) < world_size and time.monotonic() < deadline:
+    while store.add(f"{PREFIX}/answered", 0) + known_dead() < world_size and time.monotonic() < deadline:
         time.sleep(0.05)
     present = [r for r in range(world_size) if store.check([f"{PREFIX}/report/{r}"])]
     # The first rank to get here fixes the roll; everyone else reads that one.
@@ -176,7 +187,7 @@ class LastWords:
         try:
             yield
         except (RuntimeError, OSError) as e:
-            if _peer_failure(e):
+            if peer_failure(e):
                 self.detector.declare(str(e))
                 speak(self.state, self.checkpointer, self.detector.store, self.inflight, self.seconds)
             raise
@@ -185,7 +196,7 @@ class LastWords:
         self.detector.close()
 
 
-def _peer_failure(e: BaseException) -> bool:
+def peer_failure(e: BaseException) -> bool:
     """gloo reports a dead peer and a timeout as a plain RuntimeError; dtgpt's own errors (bad
     data, a non-finite loss) subclass it and are no hard failure of a peer."""
     return type(e) in (RuntimeError, OSError) or isinstance(e, dist.DistError)
@@ -206,7 +217,7 @@ class Silent:
         try:
             yield
         except (RuntimeError, OSError) as e:
-            if self.detector is not None and _peer_failure(e):
+            if self.detector is not None and peer_failure(e):
                 self.detector.declare(str(e))
             raise
 

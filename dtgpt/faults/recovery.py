@@ -1,0 +1,246 @@
+"""In-process recovery: when a rank dies under `python -m dtgpt.run`, only it is replaced; the
+survivors keep their state in memory and nobody reads or writes a checkpoint.
+
+The launcher respawns the dead worker alone, with the same rank and `DTGPT_REPLACEMENT` set. Meanwhile:
+
+1. **Detect, roll call** (detect.py, last_words.py): the survivors leave their collectives and
+   report their last completed iteration and whether they were inside the optimizer step. The
+   roll closes once every rank has answered or is known gone (the launcher's `replacing` keys).
+2. **Decide** (`verdict`, a pure function): recover when launched by dtgpt.run, the consistency
+   rule holds (last_words.consistent), and every dead rank's replica twin (same pp/dp_shard/cp/tp
+   coordinates, another dp_replicate index) survived; otherwise one line says why, and last
+   words (or the last checkpoint) take over as under plain torchrun.
+3. **Rejoin**: each survivor destroys the old process groups and builds the default group and
+   the mesh again (same shape), under a new store prefix (attempt_store.py's handshake, run
+   again: the replacement runs it from start-up, as rank 0 or a follower).
+4. **Hand over** (handover.py): survivors rebuild model and optimizer on the new mesh (FSDP,
+   DTensor and pipeline stages hold the old groups) and copy their own shards in; the
+   replacement, having built the same objects as at start-up, receives its shards, the optimizer
+   state, progress, LR schedule, loss scale and the RNG states from its twin over their
+   dp_replicate group.
+5. **Redo** the interrupted iteration from its start: gradients are gone with the old objects,
+   every rank rebuilds its data iterators at the consumed-samples count, and the RNG states are
+   those at the iteration's start (snapshotted at each start: dp_replicate twins hold equal
+   ones, as Megatron seeds dropout by pipeline stage only). The run stays bitwise identical to an
+   uninterrupted one, and the metrics file records each iteration once (the interrupted one was
+   never recorded).
+
+The survivors and the replacement must issue the same collectives in the same order: mesh,
+model, train state, handover, checkpointer, datasets: both build through training.Builder
+(docs/faults.md, "In-process recovery").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from dtgpt.faults.detect import FailureDetector
+from dtgpt.faults.last_words import InFlight, Report, peer_failure, consistent, roll_call, speak
+from dtgpt.parallel.dims import MESH_DIMS
+from dtgpt.run.keys import LAUNCHER_NAME, no_replacement_key, recovered_key, replacing_key
+from dtgpt.state import TrainState, rng_state
+
+
+def twin_groups(dims) -> list[list[int]]:
+    """The global ranks of each replica-twin group: equal pp/dp_shard/cp/tp coordinates, one per dp_replicate index."""
+    ranks = dims.mesh.mesh.movedim(MESH_DIMS.index("dp_replicate"), -1)
+    return ranks.reshape(-1, dims.dp_replicate).tolist()
+
+
+def precondition(launched: bool, dp_replicate: int, roll_call_seconds: float) -> str | None:
+    """Why no in-process recovery can happen in this run at all (checked without a roll call), or None."""
+    if not launched:
+        return "not launched by `python -m dtgpt.run`, which alone replaces one worker"
+    if dp_replicate < 2:
+        return "no replicas: parallel.data_parallel_replicate_size=1, so a dead rank's shards exist nowhere else"
+    if roll_call_seconds <= 0:
+        return "distributed.roll_call_seconds=0 turns the survivors' roll call off"
+    return None
+
+
+def verdict(
+    launched: bool, dp_replicate: int, reports: dict[int, Report] | None, twins: list[list[int]],
+    refused: dict[int, str] | None = None, roll_call_seconds: float = 10.0,
+) -> str | None:
+    """Why the survivors cannot recover in-process, or None when they can. `reports`: the
+    survivors' roll call (None when this rank missed it); `refused`: the launcher's reason per
+    dead rank it will not replace."""
+    why = precondition(launched, dp_replicate, roll_call_seconds)
+    if why is not None:
+        return why
+    if reports is None:
+        return "this rank answered the roll call too late"
+    if refused:
+        rank = min(refused)
+        return f"the launcher will not replace rank {rank} ({refused[rank]})"
+    iteration, why = consistent(reports)
+    if iteration is None:
+        return why
+    for group in twins:
+        if not any(rank in reports for rank in group):
+            return f"rank(s) {group} hold the same shards and all died"
+    return None
+
+
+@dataclass
+class Pending:
+    """A recovery decided in the train step, carried out by the loop (`recover`)."""
+
+    rng: dict[str, torch.Tensor]
+    """The RNG states at the start of the iteration to redo."""
+    dead: list[int]
+
+
+class Recovery:
+    """Wraps each train step (as last_words.LastWords does); on a peer's failure: roll call,
+    decide, and either mark the step for an in-process recovery (the exception is swallowed;
+    `pending` is set) or say why not, let last words speak, and re-raise."""
+
+    def __init__(self, state: TrainState, runtime, detector: FailureDetector, seconds: float, checkpointer, last_words):
+        """`last_words`: the fallback's LastWords (it speaks), or None (Silent: nothing to save)."""
+        self.state, self.runtime, self.detector, self.seconds = state, runtime, detector, seconds
+        self.checkpointer, self.last_words = checkpointer, last_words
+        self.inflight = last_words.inflight if last_words is not None else InFlight(state)
+        self.pending: Pending | None = None
+        self.shared = detector.store.underlying_store
+
+    def _known_dead(self) -> int:
+        """Ranks the launcher replaces or gave up on: the roll call need not wait for them."""
+        keys = [key(r) for key in (replacing_key, no_replacement_key) for r in range(self.runtime.world_size)]
+        return sum(self.shared.check([key]) for key in keys)
+
+    def _refused(self) -> dict[int, str]:
+        keys = {r: no_replacement_key(r) for r in range(self.runtime.world_size)}
+        return {r: self.shared.get(key).decode() for r, key in keys.items() if self.shared.check([key])}
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        self.inflight.begin()
+        with self.guard():
+            yield
+        self.inflight.end()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        try:
+            yield
+        except (RuntimeError, OSError) as e:
+            if not peer_failure(e):
+                raise
+            self.detector.declare(str(e))
+            if not self._decide():
+                raise
+
+    def _decide(self) -> bool:
+        state, rank, dims, store = self.state, self.runtime.rank, self.state.model.dims, self.detector.store
+        reports, why = None, precondition(self.runtime.launcher == LAUNCHER_NAME, dims.dp_replicate, self.seconds)
+        if why is None:
+            report = Report(state.progress.iteration, self.inflight.stepping)
+            reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
+            why = verdict(True, dims.dp_replicate, reports, twin_groups(dims), self._refused(), self.seconds)
+        if why is None:
+            rng = self.inflight.rng or rng_state(state.model)  # None: the failure came after the iteration
+            self.pending = Pending(rng, sorted(set(range(dims.world_size)) - set(reports)))
+            return True
+        # One line: the roll's first rank, or without a roll the first to get here.
+        speaker = rank == min(reports) if reports else store.compare_set("recovery/speaker", "", str(rank)) == str(rank).encode()
+        if speaker:
+            fallback = "last words follow" if self.last_words else "the restart resumes from the last checkpoint"
+            print(f"in-process recovery: none ({why}); {fallback}", flush=True)
+        if self.last_words is not None:
+            speak(state, self.checkpointer, store, self.inflight, self.seconds)
+        return False
+
+    def close(self) -> None:
+        self.detector.close()
+
+
+def rejoin_process_group(cfg, runtime) -> None:
+    """Destroy the old groups (left by detect.py) and build the default group and the mesh again,
+    same shape, under a new store prefix; `runtime` is updated in place."""
+    from dtgpt.distributed import init_process_group
+    from dtgpt.parallel.dims import ParallelDims
+
+    shared = runtime.store.underlying_store
+    start = time.perf_counter()
+    dist.destroy_process_group()
+    runtime.store = init_process_group(cfg, runtime.device, shared)
+    dims = ParallelDims.from_config(cfg, runtime.world_size)
+    dims.build_mesh(runtime.device.type)
+    runtime.dims = dims
+    if runtime.is_main:  # (a replaced rank 0 says nothing here: it is the replacement)
+        print(f"in-process recovery: the process group is rebuilt in {time.perf_counter() - start:.2f} s", flush=True)
+
+
+def build_failure_watch(cfg, runtime, state: TrainState, checkpointer):
+    """What wraps each train step: in-process recovery (with last words as its fallback) when
+    the run may recover so, else last words (or the Silent detector) alone."""
+    from dtgpt.faults.last_words import LastWords, build_last_words
+
+    watch = build_last_words(cfg, runtime, state, checkpointer)
+    if watch.detector is None:  # one process
+        return watch
+    last_words = watch if isinstance(watch, LastWords) else None
+    return Recovery(state, runtime, watch.detector, cfg.distributed.roll_call_seconds, checkpointer, last_words)
+
+
+def exchange(state: TrainState, runtime, own: dict | None) -> dict:
+    """Every rank of the new world: who is new, then the handover (handover.py)."""
+    from dtgpt.faults.handover import hand_over
+
+    flags: list = [None] * runtime.world_size
+    dist.all_gather_object(flags, own is None)
+    newcomers = {rank for rank, new in enumerate(flags) if new}
+    twins = next(group for group in twin_groups(runtime.dims) if runtime.rank in group)
+    received = hand_over(state, twins, newcomers, own)
+    received["source"] = min(r for r in twins if r not in newcomers)
+    received["newcomers"] = sorted(newcomers)
+    return received
+
+
+def join(state: TrainState, runtime) -> dict:
+    """A replacement, right after building its train state as at start-up: take the twin's."""
+    from dtgpt.faults.handover import load_scalars
+
+    received = exchange(state, runtime, None)
+    load_scalars(state, received["scalars"])
+    runtime.store.underlying_store.set(recovered_key(runtime.rank), str(runtime.replacement))
+    print(f"in-process recovery: rank {runtime.rank} (replacement {runtime.replacement}) took its state from rank "
+          f"{received['source']} at iteration {state.progress.iteration}", flush=True)  # fmt: skip
+    return received
+
+
+def recover(pending: Pending, state: TrainState, builder, checkpointer) -> tuple:
+    """A survivor, after `Recovery` decided: rejoin, rebuild, hand over; returns the train and
+    validation iterators at the start of the iteration to redo (RNG states set to its start)."""
+    from dtgpt.faults.handover import keep
+    from dtgpt.state import set_rng_state
+
+    start = time.perf_counter()
+    runtime = builder.runtime
+    if checkpointer is not None:
+        checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
+    own = keep(state, pending.rng)
+    state.model = state.optimizer = None  # the old objects go (their groups are left): memory for the new ones
+    gc.collect()
+    if runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
+    rejoin_process_group(builder.cfg, runtime)
+    fresh = builder.build_state()
+    received = exchange(fresh, runtime, own)
+    state.model, state.optimizer = fresh.model, fresh.optimizer
+    if checkpointer is not None:
+        checkpointer.rejoin()
+    _datasets, train_iter, valid_iter, _test = builder.data(state)
+    set_rng_state(received["rng"], state.model)
+    if runtime.rank == min(set(range(runtime.world_size)) - set(pending.dead)):
+        print(f"in-process recovery: rank(s) {pending.dead} replaced, the others kept their state; iteration "
+              f"{state.progress.iteration + 1} is redone ({time.perf_counter() - start:.2f} s)", flush=True)  # fmt: skip
+    return train_iter, valid_iter
