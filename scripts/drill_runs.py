@@ -80,7 +80,8 @@ def recovery_seconds(run: Run, completed_before: int) -> float | None:
     """From the `fault: SIGKILL` line to the first logged iteration beyond those completed when the
     rank died (`completed_before`, or a later one logged before the kill line: an async save's
     thread kills while the next iteration runs): how long the job took to make progress again."""
-    killed = next((t for t, line in run.lines_at if line.startswith("fault: SIGKILL")), None)
+    # the dying rank's line may share a line with another rank's output, so it is looked for anywhere
+    killed = next((t for t, line in run.lines_at if "fault: SIGKILL" in line), None)
     if killed is None:
         return None
     logged = [int(m[1]) for t, line in run.lines_at if t < killed and (m := ITERATION_LINE.match(line))]

@@ -3,6 +3,7 @@
     python scripts/fault_drill.py                      # every scenario, 3 random SIGKILL trials
     python scripts/fault_drill.py --trials 5 --seed 7 --nproc 2 --workdir /tmp/drill
     python scripts/fault_drill.py --only sigkill disk-full hsdp
+    python scripts/fault_drill.py --in-process --trials 1   # replaced in-process (dtgpt.run) beside restart-all
 
 Each scenario runs a tiny GPT (mock data, dropout on) for ITERS iterations on `--nproc` CPU
 ranks under a plain `torchrun --max-restarts=1`, checkpointing every SAVE_INTERVAL iterations
