@@ -77,11 +77,15 @@ ITERATION_LINE = re.compile(r"^\s*\[[^]]*\] iteration\s+(\d+)/")
 
 
 def recovery_seconds(run: Run, completed_before: int) -> float | None:
-    """From the `fault: SIGKILL` line to the first logged iteration beyond `completed_before` (the
-    iterations completed when the rank died): how long the job took to make progress again."""
-    killed = next((t for t, line in run.lines_at if line.startswith("fault: SIGKILL")), None)
+    """From the `fault: SIGKILL` line to the first logged iteration beyond those completed when the
+    rank died (`completed_before`, or a later one logged before the kill line: an async save's
+    thread kills while the next iteration runs): how long the job took to make progress again."""
+    # the dying rank's line may share a line with another rank's output, so it is looked for anywhere
+    killed = next((t for t, line in run.lines_at if "fault: SIGKILL" in line), None)
     if killed is None:
         return None
+    logged = [int(m[1]) for t, line in run.lines_at if t < killed and (m := ITERATION_LINE.match(line))]
+    completed_before = max([completed_before, *logged])
     for t, line in run.lines_at:
         match = ITERATION_LINE.match(line)
         if t >= killed and match and int(match[1]) > completed_before:

@@ -3,6 +3,7 @@
     python scripts/fault_drill.py                      # every scenario, 3 random SIGKILL trials
     python scripts/fault_drill.py --trials 5 --seed 7 --nproc 2 --workdir /tmp/drill
     python scripts/fault_drill.py --only sigkill disk-full hsdp
+    python scripts/fault_drill.py --in-process --trials 1   # replaced in-process (dtgpt.run) beside restart-all
 
 Each scenario runs a tiny GPT (mock data, dropout on) for ITERS iterations on `--nproc` CPU
 ranks under a plain `torchrun --max-restarts=1`, checkpointing every SAVE_INTERVAL iterations
@@ -123,6 +124,8 @@ class Drill(Runner):
         name, where = self.place(f"{self.label}replace-{kill_kind(during, async_save)}-r{rank}-i{iteration}")
         run = self.launch(where, "run", self.job(where, kill_faults(rank, iteration, during, async_save)), restarts=2)
         replaced = re.search(r"in-process recovery: rank\(s\) (\[[\d, ]+\]) replaced.*?iteration (\d+) is redone", run.log)
+        # a replaced rank 0 logs its own line instead (the survivors' line is rank 0's)
+        joined = re.search(r"in-process recovery: rank (\d+) \(replacement \d+\) took its state from rank (\d+) at iteration (\d+)", run.log)
         refused = re.search(r"in-process recovery: none \((.*?)\);", run.log)
         if "fault: SIGKILL" not in run.log:
             outcome = "FAILED: the fault did not fire"
@@ -130,6 +133,8 @@ class Drill(Runner):
             outcome = f"FAILED (rc {run.rc})"
         elif replaced:
             outcome = f"rank(s) {replaced[1]} replaced in-process, iteration {replaced[2]} redone"
+        elif joined:
+            outcome = f"rank {joined[1]} replaced in-process, its state from rank {joined[2]} at iteration {joined[3]}"
         else:
             outcome = f"not in-process ({refused[1] if refused else 'no recovery line'})"
         result = self.finish(Result(name, outcome, runs=[run]), where)
@@ -137,7 +142,7 @@ class Drill(Runner):
         result.pids_kept = sorted(pids) == list(range(self.nproc)) and all(
             len(p) == (2 if r == rank else 1) for r, p in pids.items())  # fmt: skip
         result.recovery = recovery_seconds(run, completed_at_kill(iteration, during))
-        result.ok = result.ok and bool(replaced) and result.pids_kept and result.lost == 0
+        result.ok = result.ok and bool(replaced or joined) and result.pids_kept and result.lost == 0
         return result
 
     def stop_signal(self, sig: str = "SIGTERM", whole_group: bool = False, after: int = 4) -> Result:
