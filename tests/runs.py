@@ -129,20 +129,55 @@ class Run:
 SECONDS_PER_RUN = 120
 
 
+@dataclass
+class Command:
+    """One train.py run of a batch with arguments of its own (launch_commands), run in directory."""
+
+    key: str
+    directory: Path
+    argv: list[str]
+    nproc: int = 1
+    seconds: float = SECONDS_PER_RUN
+    """its share of its launch's timeout"""
+
+
+@dataclass
+class Finished:
+    """A batched run's outcome: failure is empty when it exited 0, else what to show; output is
+    what every rank printed during it (stdout and stderr), rank by rank."""
+
+    failure: str
+    output: str
+
+    def checked(self) -> str:
+        """The output; a run that failed fails the test with its log."""
+        if self.failure:
+            pytest.fail(self.failure, pytrace=False)
+        return self.output
+
+
 def train_runs(runs: list[Run]) -> dict[str, dict | str]:
     """The runs, launched together: one launch per rank count (tests/batch_worker.py), which pays
     the processes' start-up once instead of once per run. Returns read_run's dict by key, or for a
     run that failed or never ran (an earlier one in its launch raised) the text saying so."""
-    results: dict[str, dict | str] = {}
-    for nproc in sorted({run.nproc for run in runs}):
-        group = [run for run in runs if run.nproc == nproc]
-        results.update(_launch(group, nproc))
-    return results
+    commands = [Command(r.key, r.directory, run_args(r.directory, r.args, r.key, r.base, r.save_interval), r.nproc) for r in runs]
+    finished = launch_commands(sorted(commands, key=lambda c: c.nproc))
+    return {r.key: finished[r.key].failure or read_run(r.directory, r.key) for r in runs}
 
 
-def _launch(runs: list[Run], nproc: int) -> dict[str, dict | str]:
-    workdir = runs[0].directory
-    spec = [{"key": r.key, "cwd": str(r.directory), "argv": run_args(r.directory, r.args, r.key, r.base, r.save_interval)} for r in runs]
+def launch_commands(commands: list[Command]) -> dict[str, Finished]:
+    """The commands, one launch per rank count, the rank counts in the order they first appear
+    and each launch's commands in the order given: a launch can hold a run and then its resume,
+    and a later launch resume what an earlier one saved. Finished by key."""
+    finished: dict[str, Finished] = {}
+    for nproc in dict.fromkeys(c.nproc for c in commands):
+        finished.update(_launch([c for c in commands if c.nproc == nproc], nproc))
+    return finished
+
+
+def _launch(commands: list[Command], nproc: int) -> dict[str, Finished]:
+    workdir = commands[0].directory
+    spec = [{"key": c.key, "cwd": str(c.directory), "argv": c.argv} for c in commands]
     (workdir / "runs.json").write_text(json.dumps(spec))
     if nproc == 1:
         cmd = [sys.executable, BATCH_WORKER]
@@ -152,20 +187,23 @@ def _launch(runs: list[Run], nproc: int) -> dict[str, dict | str]:
     # stderr into stdout: each run's error lines stay in its section of the log
     proc = subprocess.run(
         cmd + [str(workdir / "runs.json")], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=SECONDS_PER_RUN * len(runs),
+        text=True, timeout=sum(c.seconds for c in commands),
     )  # fmt: skip
     log = proc.stdout
     (workdir / "launch.log").write_text(log)
-    results: dict[str, dict | str] = {}
-    for run in runs:
-        rc_file = run.directory / f"{run.key}.rc"
+    finished: dict[str, Finished] = {}
+    for c in commands:
+        rc_file = c.directory / f"{c.key}.rc"
+        outputs = [c.directory / f"{c.key}.rank{rank}.out" for rank in range(nproc)]
+        output = "".join(path.read_text() for path in outputs if path.exists())
         if not rc_file.exists():
-            results[run.key] = f"{run.key} did not finish in its launch of {len(runs)} runs on {nproc} ranks (exit {proc.returncode}):\n{log[-6000:]}"
+            failure = f"{c.key} did not finish in its launch of {len(commands)} runs on {nproc} ranks (exit {proc.returncode}):\n{log[-6000:]}"
         elif rc_file.read_text() != "0":
-            results[run.key] = f"{run.key} exited {rc_file.read_text()}:\n{_section(log, run.key)[-4000:]}"
+            failure = f"{c.key} exited {rc_file.read_text()}:\n{_section(log, c.key)[-4000:]}"
         else:
-            results[run.key] = read_run(run.directory, run.key)
-    return results
+            failure = ""
+        finished[c.key] = Finished(failure, output)
+    return finished
 
 
 def _section(log: str, key: str) -> str:

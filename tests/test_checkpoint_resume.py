@@ -4,6 +4,10 @@ Same mesh: per-iteration losses equal exactly (dropout on, so the RNG state must
 Another mesh: the model and optimizer are resharded and the losses match to fp32 rounding.
 Each uninterrupted run saves at iteration 10 and goes on to 20; resuming from iteration 10
 (checkpoint.load_iteration) must reproduce iterations 11..20.
+
+The runs share launches (tests/runs.py launch_commands): one per rank count, each resume after
+the run it resumes, 4 ranks first (their checkpoints are resumed on 1 and 2 ranks), then 1, then
+2; each run still starts its own process group and reads its checkpoint from disk.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from dtgpt.checkpoint import layout, stored
 from dtgpt.checkpoint.export import read_sections
-from tests.runs import REPO, read_metrics, run_train
+from tests.runs import REPO, Command, launch_commands, read_metrics, selected_cases
 
 pytestmark = pytest.mark.slow  # train.py and torchrun runs
 
@@ -35,27 +39,87 @@ DP2_TP2 = ["--parallel.tensor_model_parallel_size=2"]
 PP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]
 
 
-def run(tmp_path, name: str, args: list[str], nproc: int = 1):
-    """(losses by iteration, the run's output) of BASE + args."""
-    metrics = tmp_path / f"{name}.jsonl"
-    proc = run_train(tmp_path, BASE + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name)
-    return {r["iteration"]: r["loss"] for r in read_metrics(metrics)}, proc.stdout
+SECONDS = 180  # per run: 20 tiny iterations on up to 4 ranks, 2 loaded cores
+LAUNCH_ORDER = (4, 1, 2)  # rank counts: a 4-rank checkpoint is resumed on 1 and 2 ranks
 
 
-def uninterrupted(tmp_path, name: str, args: list[str], nproc: int):
-    """20 iterations, saving at 10 and 20; returns (losses, checkpoint root)."""
-    root = tmp_path / f"{name}_ckpt"
-    losses, _ = run(tmp_path, name, args + [f"--checkpoint.save={root}", "--checkpoint.save_interval=10"], nproc)
+def train(directory, key: str, args: list[str], nproc: int = 1) -> Command:
+    """A run of BASE + args in `directory`, its metrics in KEY.jsonl there."""
+    return Command(key, directory, BASE + args + [f"--logging.metrics_file={directory / f'{key}.jsonl'}"], nproc, SECONDS)
+
+
+def uninterrupted(directory, key: str, args: list[str], nproc: int) -> Command:
+    """20 iterations, saving at 10 and 20 into KEY_ckpt."""
+    return train(directory, key, args + [f"--checkpoint.save={directory / f'{key}_ckpt'}", "--checkpoint.save_interval=10"], nproc)
+
+
+def resume(directory, key: str, root, args: list[str], nproc: int, save=None) -> Command:
+    """From iteration 10 of the checkpoints under root (saved by an earlier run of the batch)."""
+    extra = [f"--checkpoint.load={root}", "--checkpoint.load_iteration=10"]
+    if save:
+        extra.append(f"--checkpoint.save={save}")
+    return train(directory, key, args + extra, nproc)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict:
+    """Every run the selected tests read, launched together: {key: (Finished, its directory)}."""
+
+    def selected(test) -> list[str]:
+        return selected_cases(request, test)
+
+    directory = tmp_path_factory.mktemp
+    commands: list[Command] = []
+    if selected(test_resume_one_process_is_bitwise_identical):
+        d = directory("one_process")
+        commands += [uninterrupted(d, "bitwise", DROPOUT, 1), resume(d, "bitwise_resumed", d / "bitwise_ckpt", DROPOUT, 1)]
+    if selected(test_evaluation_after_a_resume_continues_the_validation_stream):
+        d = directory("evaluation")
+        commands += [train(d, "eval", EVAL + [f"--checkpoint.save={d / 'eval_ckpt'}", "--checkpoint.save_interval=4"]),
+                     train(d, "eval_resumed", EVAL + [f"--checkpoint.load={d / 'eval_ckpt'}", "--checkpoint.load_iteration=4"])]  # fmt: skip
+    if selected(test_resume_two_ranks_bitwise_and_async_equals_sync):
+        d = directory("two_ranks")
+        commands += [uninterrupted(d, "pp2", DROPOUT + PP2 + ["--checkpoint.async_save=true"], 2),
+                     resume(d, "pp2_resumed", d / "pp2_ckpt", DROPOUT + PP2, 2, save=d / "pp2_resumed_ckpt")]  # fmt: skip
+    meshes = selected(test_dp2_tp2_checkpoint_resumes_on_other_meshes)
+    one = selected(test_dp2_tp2_checkpoint_resumes_in_one_process)
+    if meshes or one or any(selected(t) for t in (test_every_stored_key_is_documented_in_stored_py, test_generate_from_dp2_tp2_checkpoint)):
+        d = directory("dp2tp2")
+        commands.append(uninterrupted(d, "dp2tp2", NO_DROPOUT + DP2_TP2, 4))
+        for mesh in meshes:
+            nproc, args = SLOW_MESHES[mesh]
+            commands.append(resume(directory(mesh), f"dp2tp2_{mesh}", d / "dp2tp2_ckpt", NO_DROPOUT + args, nproc))
+        if one:
+            commands.append(resume(directory("dp2tp2_one"), "dp2tp2_one", d / "dp2tp2_ckpt", NO_DROPOUT, 1))
+    if selected(test_one_process_checkpoint_resumes_on_dualpipev):
+        d = directory("dualpipev")
+        commands += [uninterrupted(d, "four_layers", FOUR_LAYERS, 1), resume(d, "dualpipev", d / "four_layers_ckpt", FOUR_LAYERS + DUALPIPEV, 2)]
+    if selected(test_pp2_cp2_checkpoint_resumes_in_one_process):
+        d = directory("pp2cp2")
+        commands += [uninterrupted(d, "pp2cp2", NO_DROPOUT + PP2 + ["--parallel.context_parallel_size=2"], 4),
+                     resume(d, "pp2cp2_one", d / "pp2cp2_ckpt", NO_DROPOUT, 1)]  # fmt: skip
+    finished = launch_commands(sorted(commands, key=lambda c: LAUNCH_ORDER.index(c.nproc)))
+    return {c.key: (finished[c.key], c.directory) for c in commands}
+
+
+def losses_of(runs: dict, key: str) -> tuple[dict[int, float], str]:
+    """(losses by iteration, the run's output) of a run that finished; one that failed fails the test."""
+    finished, directory = runs[key]
+    output = finished.checked()
+    return {r["iteration"]: r["loss"] for r in read_metrics(directory / f"{key}.jsonl")}, output
+
+
+def uninterrupted_run(runs: dict, key: str):
+    """An uninterrupted run's (losses, checkpoint root), checked: 20 iterations, saved at 10 and 20."""
+    losses, _ = losses_of(runs, key)
+    root = runs[key][1] / f"{key}_ckpt"
     assert sorted(losses) == list(range(1, 21))
     assert layout.read_pointer(root) == 20 and layout.list_iterations(root) == [10, 20]
     return losses, root
 
 
-def resume(tmp_path, name: str, root, args: list[str], nproc: int, save=None):
-    extra = [f"--checkpoint.load={root}", "--checkpoint.load_iteration=10"]
-    if save:
-        extra.append(f"--checkpoint.save={save}")
-    losses, out = run(tmp_path, name, args + extra, nproc)
+def resumed_run(runs: dict, key: str):
+    losses, out = losses_of(runs, key)
     assert sorted(losses) == list(range(11, 21)), "the resumed run must start at iteration 11"
     return losses, out
 
@@ -77,9 +141,9 @@ def assert_same_tensors(a_dir, b_dir) -> None:
                 assert value == b[section][key], f"{section}.{key}"
 
 
-def test_resume_one_process_is_bitwise_identical(tmp_path):
-    reference, root = uninterrupted(tmp_path, "full", DROPOUT, 1)
-    resumed, out = resume(tmp_path, "resumed", root, DROPOUT, 1)
+def test_resume_one_process_is_bitwise_identical(runs):
+    reference, _ = uninterrupted_run(runs, "bitwise")
+    resumed, out = resumed_run(runs, "bitwise_resumed")
     assert resumed == {it: reference[it] for it in range(11, 21)}
     assert "loaded checkpoint" in out and "iteration 10, consumed samples 80" in out
 
@@ -90,14 +154,16 @@ def evaluation_lines(output: str) -> dict[str, str]:
     return dict(found)
 
 
-def test_evaluation_after_a_resume_continues_the_validation_stream(tmp_path):
+EVAL = DROPOUT + ["--training.train_iters=8", "--eval.eval_interval=4", "--eval.eval_iters=2"]
+
+
+def test_evaluation_after_a_resume_continues_the_validation_stream(runs):
     """8 iterations evaluating every 4 vs 4 + save + resume to 8: the resumed run's validation at
     iteration 8 reads the batches the uninterrupted one read there (consumed_valid_samples is in
     the checkpoint, as Megatron's args.consumed_valid_samples), and the test split starts at 0."""
-    args = DROPOUT + ["--training.train_iters=8", "--eval.eval_interval=4", "--eval.eval_iters=2"]
-    root = tmp_path / "ckpt"
-    _, full = run(tmp_path, "full", args + [f"--checkpoint.save={root}", "--checkpoint.save_interval=4"])
-    _, resumed = run(tmp_path, "resumed", args + [f"--checkpoint.load={root}", "--checkpoint.load_iteration=4"])
+    _, full = losses_of(runs, "eval")
+    _, resumed = losses_of(runs, "eval_resumed")
+    root = runs["eval"][1] / "eval_ckpt"
     reference, after = evaluation_lines(full), evaluation_lines(resumed)
     assert set(reference) == {"iteration 4", "iteration 8", "iteration 8 on test set"}
     assert reference["iteration 4"] != reference["iteration 8"]
@@ -106,30 +172,29 @@ def test_evaluation_after_a_resume_continues_the_validation_stream(tmp_path):
     assert int(progress["consumed_valid_samples"]) == 2 * 8  # eval_iters global batches of 8
 
 
-def test_resume_two_ranks_bitwise_and_async_equals_sync(tmp_path):
+def test_resume_two_ranks_bitwise_and_async_equals_sync(runs):
     """pp=2 (1F1B). The uninterrupted run saves asynchronously, the resumed one synchronously:
     both final checkpoints hold the same state, so their tensors are equal. The last stage's
     copy of the tied weight is not stored; it is read back from the embedding."""
-    reference, root = uninterrupted(tmp_path, "full", DROPOUT + PP2 + ["--checkpoint.async_save=true"], 2)
+    reference, root = uninterrupted_run(runs, "pp2")
     keys = layout.read_metadata(layout.iteration_dir(root, 10)).state_dict_metadata
     assert not any("output.weight" in k for k in keys) and "optimizer.state.embedding.word.weight.exp_avg" in keys
     assert {"rng.pp_0.tp_0.cpu", "rng.pp_1.tp_0.cpu"} <= set(keys)
-    resumed_root = tmp_path / "resumed_ckpt"
-    resumed, _ = resume(tmp_path, "resumed", root, DROPOUT + PP2, 2, save=resumed_root)
+    resumed_root = runs["pp2"][1] / "pp2_resumed_ckpt"
+    resumed, _ = resumed_run(runs, "pp2_resumed")
     assert resumed == {it: reference[it] for it in range(11, 21)}
     assert_same_tensors(layout.iteration_dir(root, 20), layout.iteration_dir(resumed_root, 20))
 
 
-@pytest.fixture(scope="module")
-def dp2_tp2(tmp_path_factory):
-    """An uninterrupted dp2 x tp2 run (4 ranks) and its checkpoints."""
-    tmp = tmp_path_factory.mktemp("dp2tp2")
-    return uninterrupted(tmp, "full", NO_DROPOUT + DP2_TP2, 4)
+@pytest.fixture
+def dp2_tp2(runs):
+    """An uninterrupted dp2 x tp2 run (4 ranks): (losses, its checkpoints' root)."""
+    return uninterrupted_run(runs, "dp2tp2")
 
 
-def test_dp2_tp2_checkpoint_resumes_in_one_process(dp2_tp2, tmp_path):
-    reference, root = dp2_tp2
-    resumed, out = resume(tmp_path, "one", root, NO_DROPOUT, 1)
+def test_dp2_tp2_checkpoint_resumes_in_one_process(dp2_tp2, runs):
+    reference, _ = dp2_tp2
+    resumed, out = resumed_run(runs, "dp2tp2_one")
     assert_close(reference, resumed, 1e-5)
     assert "re-derived" in out  # other mesh: the saved per-rank RNG states do not apply
 
@@ -184,25 +249,26 @@ DUALPIPEV = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_s
 
 
 @pytest.mark.parametrize("mesh", sorted(SLOW_MESHES))
-def test_dp2_tp2_checkpoint_resumes_on_other_meshes(dp2_tp2, tmp_path, mesh):
-    reference, root = dp2_tp2
-    nproc, args = SLOW_MESHES[mesh]
-    resumed, _ = resume(tmp_path, mesh, root, NO_DROPOUT + args, nproc)
+def test_dp2_tp2_checkpoint_resumes_on_other_meshes(dp2_tp2, runs, mesh):
+    reference, _ = dp2_tp2
+    resumed, _ = resumed_run(runs, f"dp2tp2_{mesh}")
     assert_close(reference, resumed, 1e-5)
 
 
-def test_one_process_checkpoint_resumes_on_dualpipev(tmp_path):
+FOUR_LAYERS = NO_DROPOUT + ["--model.num_layers=4"]
+
+
+def test_one_process_checkpoint_resumes_on_dualpipev(runs):
     """V-shaped schedule: rank 0 holds the first and the last stage, so both copies of the tied
     weight live on one rank and are filled from one stored tensor."""
-    four = NO_DROPOUT + ["--model.num_layers=4"]
-    reference, root = uninterrupted(tmp_path, "full", four, 1)
-    resumed, _ = resume(tmp_path, "v", root, four + DUALPIPEV, 2)
+    reference, _ = uninterrupted_run(runs, "four_layers")
+    resumed, _ = resumed_run(runs, "dualpipev")
     assert_close(reference, resumed, 1e-5)
 
 
-def test_pp2_cp2_checkpoint_resumes_in_one_process(tmp_path):
+def test_pp2_cp2_checkpoint_resumes_in_one_process(runs):
     """Saved by two stages (tied copy left out) with FSDP over the two cp ranks, read by one model
     where the head is the embedding and the sequence is whole."""
-    reference, root = uninterrupted(tmp_path, "full", NO_DROPOUT + PP2 + ["--parallel.context_parallel_size=2"], 4)
-    resumed, _ = resume(tmp_path, "one", root, NO_DROPOUT, 1)
+    reference, _ = uninterrupted_run(runs, "pp2cp2")
+    resumed, _ = resumed_run(runs, "pp2cp2_one")
     assert_close(reference, resumed, 1e-5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from dtgpt.data.batch import Batch
 from tests.megatron_adam import ADAM
 from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, SEQ, VOCAB, labels, tokens
 from tests.megatron_oracle import run_megatron_gpt
-from tests.runs import TINY, read_metrics, run_train
+from tests.runs import TINY, Command, launch_commands, read_metrics, run_train, selected_cases
 from tests.test_checkpoint_convert import load_script
 
 ROWS = 112  # the padded vocabulary: 100 -> a multiple of 16 (Megatron at tp 1, dtgpt)
@@ -297,18 +298,51 @@ MEGATRON_RUN = [
 ]  # fmt: skip
 
 
+PP2_FROM_TP2 = (("one", 1, []), ("pp2", 2, ["--parallel.pipeline_model_parallel_size=2"]))
+
+
+@pytest.fixture(scope="module")
+def trained_on(request, tmp_path_factory) -> dict:
+    """train.py's runs from megatron-core's checkpoints that the selected tests read, launched
+    together: one launch per rank count (tests/runs.py launch_commands). {key: (Finished, its directory)}."""
+    commands = []
+
+    def add(key: str, nproc: int, args: list[str], save: bool = False) -> None:
+        directory = tmp_path_factory.mktemp(key)
+        saves = [f"--checkpoint.save={directory}/ckpt"] if save else []
+        commands.append(Command(key, directory, [*args, *saves, f"--logging.metrics_file={directory}/m.jsonl"], nproc))
+
+    if selected_cases(request, test_megatron_tp2_checkpoint_trains_on_at_pp2):
+        tp2_untied = request.getfixturevalue("tp2_untied")
+        for name, nproc, mesh in PP2_FROM_TP2:
+            add(f"tp2_{name}", nproc, [*MEGATRON_RUN, "--model.make_vocab_size_divisible_by=32", *mesh, f"--checkpoint.load={tp2_untied}"])
+    if selected_cases(request, test_megatron_adam_state_loads_and_steps_on_like_megatron):
+        adam_tp1 = request.getfixturevalue("adam_tp1")
+        for name, nproc, iters, mesh in ADAM_LAYOUTS:
+            add(f"adam_{name}", nproc, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1}"], save=True)
+    if selected_cases(request, test_load_optimizer_false_leaves_adam_fresh):
+        adam_tp1 = request.getfixturevalue("adam_tp1")
+        add("adam_fresh", 1, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
+                                "--training.train_iters=" + str(ITERATION + 1)], save=True)  # fmt: skip
+    finished = launch_commands(sorted(commands, key=lambda c: c.nproc))
+    return {c.key: (finished[c.key], c.directory) for c in commands}
+
+
+def trained(trained_on: dict, key: str) -> tuple[str, Path]:
+    """(output, directory) of a run that finished; one that failed fails the test with its log."""
+    finished, directory = trained_on[key]
+    return finished.checked(), directory
+
+
 @pytest.mark.slow
-def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, tmp_path):
+def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, trained_on):
     """Iteration and consumed samples come from Megatron's common.pt; pp2 trains on exactly as
     one process. The vocabulary is the checkpoint's own: 128 rows, Megatron's 16 x tp 2."""
     runs = {}
-    for name, nproc, mesh in (("one", 1, []), ("pp2", 2, ["--parallel.pipeline_model_parallel_size=2"])):
-        run = tmp_path / name
-        run.mkdir()
-        args = [*MEGATRON_RUN, "--model.make_vocab_size_divisible_by=32", *mesh, f"--checkpoint.load={tp2_untied}", f"--logging.metrics_file={run}/m.jsonl"]
-        run_train(run, args, nproc=nproc)
-        assert f"loaded Megatron checkpoint {tp2_untied}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in (run / "run.log").read_text()
-        runs[name] = read_metrics(run / "m.jsonl")
+    for name, _, _ in PP2_FROM_TP2:
+        output, directory = trained(trained_on, f"tp2_{name}")
+        assert f"loaded Megatron checkpoint {tp2_untied}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
+        runs[name] = read_metrics(directory / "m.jsonl")
     one, pp2 = runs["one"], runs["pp2"]
     assert [m["iteration"] for m in one] == list(range(ITERATION + 1, ITERATION + 6))
     assert one[0]["consumed_samples"] == CONSUMED + 8
@@ -398,24 +432,25 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
             assert error <= rtol, (slot, key, error)
 
 
+ADAM_LAYOUTS = (("one", 1, ITERATION, []), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"]),
+                ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"]))  # fmt: skip
+
+
 @pytest.mark.slow
-def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path):
+def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_on, tmp_path):
     """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
     equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step.
     The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal."""
     oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
-    layouts = (("one", 1, ITERATION, []), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"]),
-               ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"]))  # fmt: skip
-    for name, nproc, iters, mesh in layouts:
-        run = tmp_path / name
-        run.mkdir()
-        run_train(run, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1}", f"--checkpoint.save={run}/ckpt"], nproc=nproc)
-        log = (run / "run.log").read_text()
+    ckpt = {}
+    for name, _, _, _ in ADAM_LAYOUTS:
+        log, directory = trained(trained_on, f"adam_{name}")
         assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log and "fresh AdamW" not in log
-    assert_state_close(stacked_state(layout.iteration_dir(tmp_path / "one/ckpt", ITERATION)), oracle["saved"], 1e-7)
+        ckpt[name] = directory / "ckpt"
+    assert_state_close(stacked_state(layout.iteration_dir(ckpt["one"], ITERATION)), oracle["saved"], 1e-7)
     for name in ("tp2", "pp2"):  # tp2: DTensor shards of weights and moments
-        assert_state_close(stacked_state(layout.iteration_dir(tmp_path / name / "ckpt", ITERATION + 1)), oracle["stepped"], 1e-5)
-    stepped = layout.iteration_dir(tmp_path / "pp2/ckpt", ITERATION + 1)
+        assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), oracle["stepped"], 1e-5)
+    stepped = layout.iteration_dir(ckpt["pp2"], ITERATION + 1)
     # and back into megatron-core's distributed optimizer
     out = tmp_path / "megatron"
     assert load_script().main(["to-megatron", str(stepped), str(out), "--tp", "1"]) == 0
@@ -426,10 +461,9 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, tmp_path
 
 
 @pytest.mark.slow
-def test_load_optimizer_false_leaves_adam_fresh(adam_tp1, tmp_path):
+def test_load_optimizer_false_leaves_adam_fresh(trained_on):
     """Megatron's --no-load-optim: a fresh AdamW, but the iteration goes on from the checkpoint's."""
-    run_train(tmp_path, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
-                         f"--checkpoint.save={tmp_path}/ckpt", f"--training.train_iters={ITERATION + 1}"])  # fmt: skip
-    assert "optimizer state loaded" not in (tmp_path / "run.log").read_text()
-    steps = read_sections(layout.iteration_dir(tmp_path / "ckpt", ITERATION + 1), ("optimizer",))["optimizer"]
+    log, directory = trained(trained_on, "adam_fresh")
+    assert "optimizer state loaded" not in log
+    steps = read_sections(layout.iteration_dir(directory / "ckpt", ITERATION + 1), ("optimizer",))["optimizer"]
     assert {float(v) for k, v in steps.items() if k.endswith(".step")} == {1.0}  # fresh AdamW, one step

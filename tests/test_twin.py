@@ -7,10 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-from runs import read_metrics, run_train
 
 from dtgpt.config import load_config
 from dtgpt.plan import plan_layout
+from tests.runs import Command, launch_commands, read_metrics, selected_cases
 
 REPO = Path(__file__).resolve().parent.parent
 TWIN = str(REPO / "configs" / "gpt3_175b_twin.toml")
@@ -49,34 +49,75 @@ def test_twin_keeps_the_structure_of_the_175b_job():
     assert twin_plan.world_size == 8 and twin_plan.fits
 
 
-def _run_twin(tmp_path: Path, name: str, extra: list[str]):
-    metrics = tmp_path / f"{name}.jsonl"
-    args = ["--config", TWIN, *BRIEF, f"--data.data_cache_path={tmp_path / 'cache'}",
-            f"--logging.tensorboard_dir={tmp_path / 'tb' / name}", f"--logging.metrics_file={metrics}", *extra]  # fmt: skip
-    proc = run_train(tmp_path, args, nproc=8, name=name, timeout=600)
-    return proc, read_metrics(metrics)
+HAS_CHECKPOINT = importlib.util.find_spec("dtgpt.checkpoint") is not None
+SECONDS = 600  # per run: an 8-rank twin on 2 loaded cores takes minutes
 
 
-def train_briefly(tmp_path: Path, config: str, name: str, nproc: int, iterations: int, extra: tuple[str, ...] = ()):
-    """A twin trained for `iterations` without checkpoints, evaluated once at the end: its
-    output and metrics, after checking that every iteration ran and the loss fell."""
-    metrics = tmp_path / f"{name}.jsonl"
-    args = ["--config", config, f"--training.train_iters={iterations}", f"--eval.eval_interval={iterations}",
+def twin_args(directory: Path, name: str, extra: list[str]) -> list[str]:
+    return ["--config", TWIN, *BRIEF, f"--data.data_cache_path={directory / 'cache'}",
+            f"--logging.tensorboard_dir={directory / 'tb' / name}", f"--logging.metrics_file={directory / f'{name}.jsonl'}", *extra]  # fmt: skip
+
+
+def brief_args(directory: Path, config: str, name: str, iterations: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """A twin trained for `iterations` without checkpoints, evaluated once at the end."""
+    return ["--config", config, f"--training.train_iters={iterations}", f"--eval.eval_interval={iterations}",
             "--eval.eval_iters=1", "--checkpoint.save=", "--checkpoint.load=", "--logging.log_interval=1", *extra,
-            f"--data.data_cache_path={tmp_path / 'cache'}", f"--logging.metrics_file={metrics}"]  # fmt: skip
-    proc = run_train(tmp_path, args, nproc=nproc, name=name, timeout=600)
-    rows = read_metrics(metrics)
+            f"--data.data_cache_path={directory / 'cache'}", f"--logging.metrics_file={directory / f'{name}.jsonl'}"]  # fmt: skip
+
+
+def twin_commands(directory: Path) -> list[Command]:
+    """The full twin (saving at 3 and 6), then its resume from 3 into another directory."""
+    ckpt = directory / "ckpt"
+    save = [f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}"] if HAS_CHECKPOINT else ["--checkpoint.save=", "--checkpoint.load="]
+    commands = [Command("full", directory, twin_args(directory, "full", save), 8, SECONDS)]
+    if HAS_CHECKPOINT:
+        resumed = [f"--checkpoint.load={ckpt}", "--checkpoint.load_iteration=3", f"--checkpoint.save={directory / 'resumed'}"]
+        commands.append(Command("resumed", directory, twin_args(directory, "resumed", resumed), 8, SECONDS))
+    return commands
+
+
+def dp1_args(directory: Path) -> list[str]:
+    return ["--config", TWIN, "--parallel.pipeline_model_parallel_size=4", "--parallel.data_parallel_shard_size=1",
+            "--training.train_iters=2", "--eval.eval_iters=0", "--checkpoint.save=", "--checkpoint.load=",
+            "--logging.tensorboard_dir=", f"--data.data_cache_path={directory / 'cache'}",
+            f"--logging.metrics_file={directory / 'dp1.jsonl'}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def twins(request, tmp_path_factory) -> dict:
+    """The selected tests' twin runs, launched together: one launch per rank count (the 8-rank
+    runs share one; tests/runs.py launch_commands). {key: (Finished, its directory)}."""
+    plans = {  # test: its runs, given a directory of its own
+        test_twin_trains_evaluates_checkpoints_and_resumes: twin_commands,
+        test_twin_at_the_175b_job_shape_dp1: lambda d: [Command("dp1", d, dp1_args(d), 8, SECONDS / 2)],
+        test_32k_twin_trains_on_8_ranks: lambda d: [
+            Command("long", d, brief_args(d, LONG_TWIN, "long", 4, ("--logging.tensorboard_dir=",)), 8, SECONDS)],
+        test_llama3_8b_twin_trains_on_2_ranks: lambda d: [Command("llama", d, brief_args(d, LLAMA_TWIN, "llama", 6), 2, SECONDS)],
+        test_mixtral_twin_trains_on_4_ranks: lambda d: [
+            Command("mixtral", d, brief_args(d, MIXTRAL_TWIN, "mixtral", 4, ("--logging.tensorboard_dir=",)), 4, SECONDS)],
+    }  # fmt: skip
+    commands = [c for test, plan in plans.items() if selected_cases(request, test) for c in plan(tmp_path_factory.mktemp(test.__name__))]
+    finished = launch_commands(commands)
+    return {c.key: (finished[c.key], c.directory) for c in commands}
+
+
+def twin_run(twins: dict, key: str) -> tuple[str, list[dict]]:
+    """(output, metrics) of a run that finished; one that failed fails the test with its log."""
+    finished, directory = twins[key]
+    return finished.checked(), read_metrics(directory / f"{key}.jsonl")
+
+
+def trained_briefly(twins: dict, key: str, iterations: int) -> str:
+    """A brief twin's output, after checking that every iteration ran and the loss fell."""
+    output, rows = twin_run(twins, key)
     assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
-    return proc, rows
+    return output
 
 
 @pytest.mark.slow
-def test_twin_trains_evaluates_checkpoints_and_resumes(tmp_path):
-    has_checkpoint = importlib.util.find_spec("dtgpt.checkpoint") is not None
-    ckpt = tmp_path / "ckpt"
-    save = [f"--checkpoint.save={ckpt}", f"--checkpoint.load={ckpt}"] if has_checkpoint else ["--checkpoint.save=", "--checkpoint.load="]
-    proc, rows = _run_twin(tmp_path, "full", save)
+def test_twin_trains_evaluates_checkpoints_and_resumes(twins):
+    output, rows = twin_run(twins, "full")
 
     assert [r["iteration"] for r in rows] == list(range(1, 7))
     assert all(math.isfinite(r["loss"]) for r in rows)
@@ -87,17 +128,15 @@ def test_twin_trains_evaluates_checkpoints_and_resumes(tmp_path):
     peak = lrs.index(max(lrs))
     assert 0 < peak < len(lrs) - 1 and lrs[0] < lrs[peak] > lrs[-1]  # warmup, then cosine decay
     assert max(r["loss_scale"] for r in rows) > 4096  # fp16: the dynamic scale grew
-    assert "validation loss at iteration 3 |" in proc.stdout and "validation loss at iteration 6 |" in proc.stdout
-    assert "on test set" in proc.stdout
-    if not has_checkpoint:
+    assert "validation loss at iteration 3 |" in output and "validation loss at iteration 6 |" in output
+    assert "on test set" in output
+    if not HAS_CHECKPOINT:
         pytest.skip("dtgpt.checkpoint is not built yet: the save/resume half of the twin is skipped")
 
+    ckpt = twins["full"][1] / "ckpt"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-    # Resume from iteration 3 into another directory: iterations 4-6 must repeat exactly.
-    resumed_dir = tmp_path / "resumed"
-    _, resumed = _run_twin(
-        tmp_path, "resumed", [f"--checkpoint.load={ckpt}", "--checkpoint.load_iteration=3", f"--checkpoint.save={resumed_dir}"]
-    )
+    # Resumed from iteration 3 into another directory (after it, in its launch): iterations 4-6 must repeat exactly.
+    _, resumed = twin_run(twins, "resumed")
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     assert [r["consumed_samples"] for r in resumed] == [r["consumed_samples"] for r in rows[3:]]
     for a, b in zip(rows[3:], resumed):
@@ -108,18 +147,12 @@ def test_twin_trains_evaluates_checkpoints_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_twin_at_the_175b_job_shape_dp1(tmp_path):
+def test_twin_at_the_175b_job_shape_dp1(twins):
     """pp 4 x tp 2 x dp 1: the 175B job's own 128-GPU shape (no FSDP, fp16 by autocast)."""
-    metrics = tmp_path / "dp1.jsonl"
-    args = ["--config", TWIN, "--parallel.pipeline_model_parallel_size=4", "--parallel.data_parallel_shard_size=1",
-            "--training.train_iters=2", "--eval.eval_iters=0", "--checkpoint.save=", "--checkpoint.load=",
-            "--logging.tensorboard_dir=", f"--data.data_cache_path={tmp_path / 'cache'}",
-            f"--logging.metrics_file={metrics}"]  # fmt: skip
     # This shape once failed: the vocabulary-parallel embedding's gradient came back replicated
     # ([V, h]) while the head's was sharded ([V/tp, h]); dtgpt.parallel.tied now aligns them.
-    proc = run_train(tmp_path, args, nproc=8, name="dp1", check=False, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2]
+    _, rows = twin_run(twins, "dp1")
+    assert [r["iteration"] for r in rows] == [1, 2]
 
 
 # -- the long-sequence job: configs/gpt3_1.3b_32k.toml and its twin -----------------------------
@@ -150,9 +183,9 @@ def test_32k_twin_keeps_the_structure():
 
 
 @pytest.mark.slow
-def test_32k_twin_trains_on_8_ranks(tmp_path):
-    proc, _ = train_briefly(tmp_path, LONG_TWIN, "long", nproc=8, iterations=4, extra=("--logging.tensorboard_dir=",))
-    assert "cp=8" in proc.stdout and "validation loss at iteration 4 |" in proc.stdout
+def test_32k_twin_trains_on_8_ranks(twins):
+    output = trained_briefly(twins, "long", 4)
+    assert "cp=8" in output and "validation loss at iteration 4 |" in output
 
 
 # -- a Llama: configs/llama3_8b.toml and its twin ------------------------------------------------
@@ -183,9 +216,9 @@ def test_llama3_8b_twin_keeps_the_structure():
 
 
 @pytest.mark.slow
-def test_llama3_8b_twin_trains_on_2_ranks(tmp_path):
-    proc, _ = train_briefly(tmp_path, LLAMA_TWIN, "llama", nproc=2, iterations=6)
-    assert "> mesh: pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=1 (2 ranks)" in proc.stdout
+def test_llama3_8b_twin_trains_on_2_ranks(twins):
+    output = trained_briefly(twins, "llama", 6)
+    assert "> mesh: pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=1 (2 ranks)" in output
 
 
 # -- a mixture of experts: configs/mixtral_8x7b.toml and its twin --------------------------------
@@ -212,7 +245,7 @@ def test_mixtral_twin_keeps_the_structure():
 
 
 @pytest.mark.slow
-def test_mixtral_twin_trains_on_4_ranks(tmp_path):
-    proc, _ = train_briefly(tmp_path, MIXTRAL_TWIN, "mixtral", nproc=4, iterations=4, extra=("--logging.tensorboard_dir=",))
-    assert "validation loss at iteration 4 |" in proc.stdout
-    assert "> mesh: pp=2 dp_replicate=1 dp_shard=2 cp=1 tp=1 (4 ranks)" in proc.stdout
+def test_mixtral_twin_trains_on_4_ranks(twins):
+    output = trained_briefly(twins, "mixtral", 4)
+    assert "validation loss at iteration 4 |" in output
+    assert "> mesh: pp=2 dp_replicate=1 dp_shard=2 cp=1 tp=1 (4 ranks)" in output
