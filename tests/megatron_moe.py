@@ -1,4 +1,5 @@
-"""megatron-core 0.16.1's MoE layer on CPU, in the test process: the oracle for dtgpt/moe.
+"""megatron-core's MoE layer on CPU, in the test process: the oracle for dtgpt/moe (the dev
+extra's megatron-core: 0.19.2, or 0.16.1 below Python 3.12).
 
 Its MoELayer from the local layer spec (SequentialMLP experts, the allgather dispatcher) runs on
 one gloo rank (a HashStore, no rendezvous) with four patches of what it assumes of CUDA, none of

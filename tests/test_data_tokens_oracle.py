@@ -1,4 +1,5 @@
-"""Megatron's per-token options and mock data, against megatron-core 0.16.1's GPTDataset.
+"""Megatron's per-token options and mock data, against megatron-core's GPTDataset
+(0.19.2; 0.16.1 below Python 3.12).
 
 For three sequence lengths and eod_mask_loss, reset_position_ids and reset_attention_mask each
 off and on (all off, each alone, all on), the first 1,000 samples' loss mask, position ids and attention mask
