@@ -1,6 +1,7 @@
 # `make train` and `make test` each set up .venv on first use, then run.
-# torch: a venv that has none gets the pinned release (on a machine without CUDA pip serves it
-# from the CPU wheel); a venv that already has a torch (CPU or CUDA, >= 2.11) keeps it.
+# torch: a venv that has none gets the pinned release (the CPU wheel where pip's indexes or
+# find-links offer one for this Python, else PyPI's Linux wheel: the CUDA build, its CUDA
+# libraries about 3.5 GB more); a venv that already has a torch (CPU or CUDA, >= 2.11) keeps it.
 # Python 3.12 where the machine has one (on PATH or under pyenv): the tests' oracle, megatron-core
 # 0.19, ships wheels for 3.12 only; elsewhere python3, and the oracle is megatron-core 0.16.1.
 PYTHON312 := $(firstword $(foreach p,python3.12 $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python3.12),$(shell $(p) -c 'print("$(p)")' 2>/dev/null)))
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 # megatron-core 0.16.1 apart from the venv, only for the batch-size ramp-up calculator that 0.17
-# removed (tests/test_megatron_rampup_0161.py imports it from here in a subprocess).
+# removed (tests/test_megatron_oracle_schedules.py loads that one module file from here).
 MCORE_0161 := .oracle/mcore-0.16.1
 
 .PHONY: train test test-fast setup clean
