@@ -207,7 +207,7 @@ def tp1_args_free(tp1_tied, tmp_path_factory):
     fewer args): only the shapes can tell a model that does not fit."""
     root = tmp_path_factory.mktemp("megatron_args_free")
     directory = shutil.copytree(find(tp1_tied), root / f"iter_{ITERATION:07d}")
-    common = load_pickle(directory / "common.pt")
+    common = MegatronReader(directory).common  # from common.pt, or megatron-core 0.19's DCP item
     common["args"] = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID)
     torch.save(common, directory / "common.pt")
     return directory
