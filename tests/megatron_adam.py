@@ -91,7 +91,9 @@ def build_optimizer(model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **ADAM)
+    # min_lr as Megatron-LM's --min-lr default sets it (a bare OptimizerConfig has None): megatron-core
+    # 0.19 matches a loaded checkpoint's param groups to its own by min_lr, among other keys
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=0.0, **ADAM)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 
