@@ -16,13 +16,15 @@ megatron-core 0.16.1 cannot save `fully_sharded_model_space` at all ("ShardedTen
 is not supported", on any device), so `fully_reshardable` is the model-space format it writes.
 Patches on top of megatron_gpt.patch_megatron, none about numerics: factory calls with
 device="cuda" make CPU tensors, `Tensor.cuda()` is the identity, `Tensor.type()` answers with the
-CUDA type names its distributed optimizer checks for, and its model-space loader keeps torch
+CUDA type names its distributed optimizer checks for, torch.cuda.current_stream() is a stream that
+waits for nothing (0.19's grad sync asks for it), and its model-space loader keeps torch
 AdamW's per-parameter step (TE's and apex's Adam, its GPU optimizers, keep none).
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from pathlib import Path
 
 import torch
@@ -56,6 +58,10 @@ def patch_for_optimizer() -> None:
 
     torch.Tensor.type = cuda_type
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # megatron-core 0.19's grad sync asks for the current CUDA stream to wait on CUDA-graph
+    # events (there are none): a stream that waits for nothing
+    idle = types.SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None)
+    torch.cuda.current_stream = lambda *args, **kwargs: idle
 
     # torch's AdamW (used without TE or apex) keeps a per-parameter "step", which the model-space
     # loader does not hand over (load_state_dict already set it from the param groups): keep it.
@@ -85,7 +91,9 @@ def build_optimizer(model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **ADAM)
+    # min_lr as Megatron-LM's --min-lr default sets it (a bare OptimizerConfig has None): megatron-core
+    # 0.19 matches a loaded checkpoint's param groups to its own by min_lr, among other keys
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=0.0, **ADAM)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 

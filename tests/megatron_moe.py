@@ -1,4 +1,5 @@
-"""megatron-core 0.16.1's MoE layer on CPU, in the test process: the oracle for dtgpt/moe.
+"""megatron-core's MoE layer on CPU, in the test process: the oracle for dtgpt/moe (the dev
+extra's megatron-core: 0.19.2, or 0.16.1 below Python 3.12).
 
 Its MoELayer from the local layer spec (SequentialMLP experts, the allgather dispatcher) runs on
 one gloo rank (a HashStore, no rendezvous) with four patches of what it assumes of CUDA, none of
@@ -11,6 +12,7 @@ so they end with the test, and destroys Megatron's groups and the process group 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -65,9 +67,11 @@ def build_layer(**moe):
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, moe_token_dispatcher_type="allgather", **moe,
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    mlp = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
     torch.manual_seed(7)
-    layer = MoELayer(config, spec.submodules.mlp.submodules)
+    # megatron-core 0.16's layer spec holds a ModuleSpec for the MoE layer; 0.19's holds the
+    # layer's builder, functools.partial(MoELayer, submodules=...)
+    layer = mlp(config) if isinstance(mlp, functools.partial) else MoELayer(config, mlp.submodules)
     layer.set_layer_number(1)  # the router logs its losses only with one (the transformer layer sets it)
     with torch.no_grad():  # a spread of logits, so that routing and the losses are far from uniform
         layer.router.weight.normal_(0.0, 0.5)

@@ -52,6 +52,14 @@ def one_rank_group(directory: str):
         dist.destroy_process_group()
 
 
+def megatron_null_tokenizer(ids: int = VOCAB) -> NullTokenizer:
+    """megatron-core's NullTokenizer with the ids 0..ids-1 and the eod `ids` after them (ids + 1
+    rows, as dtgpt's NullTokenizer(ids)). megatron-core 0.19 changed what its argument means:
+    0.16's NullTokenizer(n) has n + 1 rows and eod n, 0.19's n rows and eod n - 1."""
+    tokenizer = NullTokenizer(ids + 1)
+    return tokenizer if tokenizer.eod == ids else NullTokenizer(ids)
+
+
 PER_TOKEN_OFF = dict(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                      create_attention_mask=False)
 
@@ -68,7 +76,7 @@ def megatron_datasets(cache_dir: str, sizes: tuple[int, int, int], seq_length: i
         blend_per_split = [get_blend_from_list(p) if p else None for p in per_split_paths]
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=split, path_to_cache=os.path.join(cache_dir, "megatron"), tokenizer=NullTokenizer(VOCAB),
+        split=split, path_to_cache=os.path.join(cache_dir, "megatron"), tokenizer=megatron_null_tokenizer(),
         **{**PER_TOKEN_OFF, **per_token},
     )
     with one_rank_group(cache_dir):
@@ -80,7 +88,7 @@ def megatron_mock_datasets(cache_dir: str, sizes: tuple[int, int, int], seq_leng
     (no blend: the config turns `mock` on itself)."""
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, split=split,
-        path_to_cache=os.path.join(cache_dir, "megatron-mock"), tokenizer=NullTokenizer(VOCAB), **PER_TOKEN_OFF,
+        path_to_cache=os.path.join(cache_dir, "megatron-mock"), tokenizer=megatron_null_tokenizer(), **PER_TOKEN_OFF,
     )
     with one_rank_group(cache_dir):
         return BlendedMegatronDatasetBuilder(MockGPTDataset, list(sizes), lambda: True, config).build()

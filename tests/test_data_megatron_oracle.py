@@ -1,10 +1,11 @@
 """data.order = "megatron": sample i of every split is megatron-core's sample i.
 
-Each case builds the same indexed datasets through dtgpt and through megatron-core 0.16.1's
-BlendedMegatronDatasetBuilder and compares the first 5,000 samples of each split token for token
-(all of them when a split holds fewer). With split 969,30,1 over 1,000 documents the valid split
-needs ~90 epochs and the test split (one document) thousands, so every case is multi-epoch there;
-the train split is run on both sides of Megatron's 80 % separate-final-epoch rule.
+Each case builds the same indexed datasets through dtgpt and through megatron-core's
+BlendedMegatronDatasetBuilder (the dev extra's: 0.19.2, or 0.16.1 below Python 3.12) and
+compares the first 5,000 samples of each split token for token (all of them when a split holds
+fewer). With split 969,30,1 over 1,000 documents the valid split needs ~90 epochs and the test
+split (one document) thousands, so every case is multi-epoch there; the train split is run on
+both sides of Megatron's 80 % separate-final-epoch rule.
 """
 
 import numpy as np

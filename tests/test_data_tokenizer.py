@@ -82,9 +82,9 @@ def test_byte_tokenizer():
 
 
 def test_null_tokenizer_is_megatrons():
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as MegatronNull
+    from tests.megatron_oracle import megatron_null_tokenizer  # 1000 ids and the eod after them
 
-    tok, theirs = NullTokenizer(1000), MegatronNull(1000)
+    tok, theirs = NullTokenizer(1000), megatron_null_tokenizer(1000)
     assert (tok.vocab_size, tok.eod) == (theirs.vocab_size, theirs.eod) == (1001, 1000)
     assert tok.tokenize("3 1 4") == theirs.text_to_ids("3 1 4")
     assert tok.tokenize("3 1 4 1 5\n9") == [3, 1, 4, 1, 5, 9]

@@ -1,4 +1,5 @@
-"""Megatron's per-token options and mock data, against megatron-core 0.16.1's GPTDataset.
+"""Megatron's per-token options and mock data, against megatron-core's GPTDataset
+(0.19.2; 0.16.1 below Python 3.12).
 
 For three sequence lengths and eod_mask_loss, reset_position_ids and reset_attention_mask each
 off and on (all off, each alone, all on), the first 1,000 samples' loss mask, position ids and attention mask
@@ -18,7 +19,7 @@ from dtgpt.model import allowed_keys
 from tests.megatron_oracle import VOCAB, megatron_datasets, megatron_mock_datasets, megatron_sample, write_documents
 
 SEED, SPLIT, FIRST = 1234, "969,30,1", 1000
-EOD = VOCAB  # megatron-core's NullTokenizer(VOCAB) puts the eod after the ids
+EOD = VOCAB  # megatron_null_tokenizer() puts the eod after the ids
 SWITCHES = ("eod_mask_loss", "reset_position_ids", "reset_attention_mask")
 # Every switch off and on: all off, each alone, all together (the resets share Megatron's eod loop).
 COMBINATIONS = [(False, False, False), (True, False, False), (False, True, False), (False, False, True), (True, True, True)]

@@ -7,14 +7,20 @@ DynamicGradScaler (megatron.core.optimizer.grad_scaler), OptimizerParamScheduler
 groups, all it touches) and RampupBatchsizeNumMicroBatchesCalculator
 (megatron.core.num_microbatches_calculator). The one CPU patch: DynamicGradScaler makes its
 tensors on "cuda", so the fixture lets its module's torch.tensor ignore the device.
+
+megatron-core 0.17 removed the ramp-up calculator (StepBatchsizeNumMicroBatchesCalculator took its
+place), so it comes from megatron-core 0.16.1: the venv's own below Python 3.12, else the copy
+`make setup` installs apart in .oracle/mcore-0.16.1 (see rampup_calculator).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import random
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +136,23 @@ def test_learning_rate_follows_megatron_optimizer_param_scheduler(name):
 
 # -- batch-size ramp-up ------------------------------------------------------------------------
 
+MCORE_0161 = Path(__file__).resolve().parents[1] / ".oracle" / "mcore-0.16.1"
+
+
+def rampup_calculator() -> type:
+    """megatron-core 0.16.1's RampupBatchsizeNumMicroBatchesCalculator: the venv's where it has
+    it, else the module file of the copy in .oracle/mcore-0.16.1, loaded alone under its own name
+    (it imports only the standard library, so none of 0.16.1 mixes with the venv's release)."""
+    if hasattr(num_microbatches_calculator, "RampupBatchsizeNumMicroBatchesCalculator"):
+        return num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator
+    assert (MCORE_0161 / "megatron_core-0.16.1.dist-info").is_dir(), f"no megatron-core 0.16.1 in {MCORE_0161}: run `make setup`"
+    spec = importlib.util.spec_from_file_location(
+        "mcore_0161_num_microbatches_calculator", MCORE_0161 / "megatron" / "core" / "num_microbatches_calculator.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RampupBatchsizeNumMicroBatchesCalculator
+
 
 @pytest.mark.parametrize(
     "rampup, gbs, micro, dp",
@@ -145,7 +168,7 @@ def test_rampup_follows_megatron_num_microbatches_calculator(rampup, gbs, micro,
     cfg = Config(training=TrainingConfig(micro_batch_size=micro, global_batch_size=gbs, rampup_batch_size=rampup))
     ours = BatchSizeSchedule(cfg.training)
     start, increment, samples = rampup
-    theirs = num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator(
+    theirs = rampup_calculator()(
         global_batch_size=gbs, micro_batch_size=micro, data_parallel_size=dp, decrease_batch_size_if_needed=False,
         rank=0, start_global_batch_size=start, batch_size_increment=increment, ramup_samples=samples,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""dtgpt's MoE router and layer against megatron-core 0.16.1's (tests/megatron_moe.py) on CPU:
+"""dtgpt's MoE router and layer against megatron-core's (tests/megatron_moe.py) on CPU:
 for the same weights and tokens, the same router probabilities, routing, layer output, gradients
 and auxiliary losses, option by option."""
 

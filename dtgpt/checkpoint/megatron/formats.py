@@ -3,7 +3,8 @@ unpickling its files, and reading where its training stood.
 
 Two formats, both under Megatron's `iter_XXXXXXX/` + `latest_checkpointed_iteration.txt`:
 
-    torch_dist   iter_N/metadata.json ({"sharded_backend": "torch_dist"}), common.pt, .metadata and
+    torch_dist   iter_N/metadata.json ({"sharded_backend": "torch_dist"}), common.pt (megatron-core
+                 >= 0.19: the bytes item common_state/shard_0_1 instead), .metadata and
                  __<rank>_<n>.distcp: DCP underneath, mesh-free keys, the layers stacked on a
                  leading dimension (decoder.layers.self_attention.linear_qkv.weight is (L, 3h, h))
     per-rank     iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt: one torch.save dict per model-parallel
@@ -13,6 +14,7 @@ Two formats, both under Megatron's `iter_XXXXXXX/` + `latest_checkpointed_iterat
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 from pathlib import Path
@@ -25,6 +27,9 @@ from dtgpt.checkpoint.safe import load_problem
 
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
+COMMON_ITEM = "common_state/shard_0_1"
+"""Where megatron-core 0.19 keeps what common.pt held: one bytes item of the DCP checkpoint, a
+torch.save of [that dict], read from its bytes by load_pickle (DCP's own reader would unpickle it)."""
 PER_RANK_FILE = "model_optim_rng.pt"
 _PER_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
@@ -83,11 +88,17 @@ def find(root: str | Path, iteration: int = 0) -> Path | None:
     )
 
 
-def load_pickle(path: Path) -> dict:
-    """A Megatron pickle, unpickled with only tensors, containers and argparse.Namespace allowed."""
+def load_pickle(path: Path, span: tuple[int, int] | None = None):
+    """A Megatron pickle, unpickled with only tensors, containers and argparse.Namespace allowed:
+    the file `path`, or the `span` (offset, length) of its bytes that one DCP item takes."""
     try:
+        source = path
+        if span is not None:
+            with open(path, "rb") as f:
+                f.seek(span[0])
+                source = io.BytesIO(f.read(span[1]))
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
         raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {load_problem(path, e)}") from None
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
-from dtgpt.checkpoint.megatron.formats import COMMON_FILE, is_torch_dist, load_pickle
+from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, megatron_name, unsupported
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel
 from dtgpt.checkpoint.megatron.regions import read_regions
@@ -38,7 +38,10 @@ class MegatronReader:
         if self.torch_dist:
             # Megatron keeps each layer's Transformer Engine state as a pickled `_extra_state`, and
             # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never reads them.
-            metadata = layout.read_metadata(directory, unread=lambda key: "._extra_state" in key or key.startswith("optimizer."))
+            # COMMON_ITEM is read below, from its bytes, with load_pickle's allowlist.
+            metadata = layout.read_metadata(
+                directory, unread=lambda key: "._extra_state" in key or key.startswith("optimizer.") or key == COMMON_ITEM
+            )
             short = layout.short_data_file(directory, metadata)  # Megatron's format has no checksums
             if short:
                 raise CheckpointError(f"Megatron checkpoint {directory}: {short}: the copy is incomplete or damaged")
@@ -47,7 +50,13 @@ class MegatronReader:
             self.dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()
                            if isinstance(v, TensorStorageMetadata)}  # fmt: skip
             common = directory / COMMON_FILE
-            self.common = load_pickle(common) if common.is_file() else {}
+            item = metadata.storage_data.get(MetadataIndex(COMMON_ITEM))
+            if common.is_file():
+                self.common = load_pickle(common)
+            elif item is not None:  # megatron-core >= 0.19
+                self.common = load_pickle(directory / item.relative_path, (item.offset, item.length))[0]
+            else:
+                self.common = {}
         else:
             self._per_rank = PerRankModel(directory)
             self.common = self._per_rank.common
