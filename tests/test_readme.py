@@ -50,6 +50,7 @@ RUNS: dict[str, list[str] | None] = {
     "make train": SHORT_RUN,
     "make test": None,  # the test suite itself: CI runs it
     "make test-fast": None,  # the suite's fast subset
+    "make test-oracle": None,  # the oracle tests on megatron-core 0.19 (a 5 GB venv: run by hand)
     "python train.py --config configs/debug.toml": SHORT_RUN,
     "torchrun --nproc-per-node 8 train.py --config configs/debug_3d.toml": SHORT_RUN,
     "python train.py --config configs/gpt3_175b.toml --print-config": [],
