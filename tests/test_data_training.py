@@ -12,7 +12,7 @@ import pytest
 from dtgpt.config import ConfigError, load_config
 from dtgpt.data.gpt_indices import num_epochs_needed
 from dtgpt.data.indexed import IndexedDataset
-from tests.runs import REPO, TINY, run_train, train_losses
+from tests.runs import REPO, TINY, Command, launch_commands, read_metrics, run_train, selected_cases
 
 # train.py and torchrun runs; the middle-stage check leaves DataLoader workers behind that torch
 # takes ~10 s to shut down (after a worker's error, each join waits out its 5 s timeout)
@@ -39,43 +39,96 @@ def write_corpus(directory, documents: int) -> list[str]:
     return ["--data.data_path=corpus_text_document", "--data.vocab_size=1000", "--data.data_cache_path=cache"]
 
 
-def test_train_on_preprocessed_data_single_and_dp2(tmp_path):
+def command(key: str, directory, args: list[str], nproc: int = 1) -> Command:
+    """A run of BASE + args in directory writing its metrics to KEY.jsonl there."""
+    return Command(key, directory, BASE + args + [f"--logging.metrics_file={directory / f'{key}.jsonl'}"], nproc)
+
+
+def preprocessed_commands(directory) -> list[Command]:
+    data = write_corpus(directory, 400) + ["--eval.eval_iters=1", "--eval.eval_interval=5"]
+    return [command("single", directory, data), command("dp2", directory, data + ["--parallel.data_parallel_shard_size=2"], 2)]
+
+
+def resume_commands(directory) -> list[Command]:
+    """A 12-iteration run, and a 6-iteration run then its resume to 12 (in this order, in one launch)."""
+    data = write_corpus(directory, 40) + ["--data.split=1", "--optimizer.lr_decay_iters=12", "--data.order=stable"]
+    six = data + ["--training.train_iters=6", "--checkpoint.save=ckpt", "--checkpoint.save_interval=6"]
+    return [command("twelve", directory, data + ["--training.train_iters=12"]), command("six", directory, six),
+            command("rest", directory, data + ["--training.train_iters=12", "--checkpoint.load=ckpt"])]  # fmt: skip
+
+
+def hf_data(directory) -> list[str]:
+    """A corpus preprocessed with a HuggingFaceTokenizer written into directory; the args that read it."""
+    from tests.test_data_tokenizer import TEXTS, write_hf_tokenizer
+
+    tokenizer = write_hf_tokenizer(directory / "tok")
+    (directory / "corpus.jsonl").write_text("".join('{"text": "%d %s"}\n' % (i, t) for i, t in enumerate(TEXTS)))
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+    subprocess.run([sys.executable, str(REPO / "scripts/preprocess_data.py"), "--input", "corpus.jsonl",
+                    "--output-prefix", "corpus", *hf, "--append-eod"], cwd=directory, check=True, capture_output=True)  # fmt: skip
+    return ["--data.data_path=corpus_text_document", "--data.split=1", "--data.tokenizer_type=HuggingFaceTokenizer",
+            f"--data.tokenizer_model={tokenizer}", "--training.train_iters=4", "--optimizer.lr_warmup_iters=1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict:
+    """The selected tests' train.py runs, launched together: one launch per rank count
+    (tests/runs.py launch_commands) instead of one each. {key: (Finished, its Command)}."""
+    plans = {
+        test_train_on_preprocessed_data_single_and_dp2: preprocessed_commands,
+        test_raising_train_iters_on_resume_continues_the_same_tokens: resume_commands,
+        test_train_on_hugging_face_tokenized_data: lambda d: [command("hf", d, hf_data(d))],
+    }
+    commands = [c for test, plan in plans.items() if selected_cases(request, test) for c in plan(tmp_path_factory.mktemp(test.__name__))]
+    finished = launch_commands(commands) if commands else {}
+    return {c.key: (finished[c.key], c) for c in commands}
+
+
+def losses_of(runs: dict, key: str) -> list[float]:
+    """A batched run's per-iteration losses; a run that failed fails the test with its log."""
+    finished, command = runs[key]
+    finished.checked()
+    return [r["loss"] for r in read_metrics(command.directory / f"{key}.jsonl")]
+
+
+def args_of(runs: dict, key: str) -> list[str]:
+    """A batched run's train.py arguments less its metrics file (command's last): BASE + its data."""
+    return runs[key][1].argv[:-1]
+
+
+def test_train_on_preprocessed_data_single_and_dp2(runs):
     """A 400-document corpus with the default split, which leaves the test split no documents
     ([400, 400)): one note line, no test evaluation, exit 0, and dp2 trains as one process. A train
     split without documents is one error line naming the split and the document count; a train
     weight of 0 is a config error."""
-    data = write_corpus(tmp_path, 400) + ["--eval.eval_iters=1", "--eval.eval_interval=5"]
-    single = train_losses(tmp_path, data, name="single", base=BASE)
-    dp2 = train_losses(tmp_path, data + ["--parallel.data_parallel_shard_size=2"], nproc=2, name="dp2", base=BASE)
+    single, dp2 = losses_of(runs, "single"), losses_of(runs, "dp2")
+    tmp_path, args = runs["single"][1].directory, args_of(runs, "single")
     assert list((tmp_path / "cache").rglob("*.npy")), "the index cache was not built: the corpus was not read"
     assert single[-1] < single[0]
     assert dp2 == pytest.approx(single, rel=1e-5)
-    log = (tmp_path / "single.log").read_text()
-    split = load_config(None, BASE + data).data.split
+    log = runs["single"][0].output
+    split = load_config(None, args).data.split
     notes = [line for line in log.splitlines() if line.startswith("> note:")]
     assert notes == [f'> note: the test split of data.split="{split}" has no documents of 400: no test evaluation']
     assert "validation loss at iteration 5 |" in log and "on test set" not in log and "Traceback" not in log
 
-    empty_train = run_train(tmp_path, BASE + data + ["--data.split=1,999,0"], name="empty_train", check=False)
+    empty_train = run_train(tmp_path, args + ["--data.split=1,999,0"], name="empty_train", check=False)
     assert empty_train.returncode == 2 and "Traceback" not in empty_train.stderr
     assert empty_train.stderr.strip().splitlines() == [
         'error: the train split of data.split="1,999,0" has no documents of 400: nothing to train on; '
         "use more data or a larger train weight"
     ]
     with pytest.raises(ConfigError, match=r'data.split="0,1,0" gives the train split weight 0: training.train_iters=10 needs'):
-        load_config(None, BASE + data + ["--data.split=0,1,0"])
+        load_config(None, args + ["--data.split=0,1,0"])
 
 
-def test_raising_train_iters_on_resume_continues_the_same_tokens(tmp_path):
+def test_raising_train_iters_on_resume_continues_the_same_tokens(runs):
     """A run stopped at iteration 6 and resumed with train_iters raised from 6 to 12 reads exactly
     the samples of a 12-iteration run under data.order = "stable": the order does not depend on
     how many samples are asked for, although the longer run needs a second epoch of this
     ~40-document corpus."""
-    data = write_corpus(tmp_path, 40) + ["--data.split=1", "--optimizer.lr_decay_iters=12", "--data.order=stable"]
-    twelve = train_losses(tmp_path, data + ["--training.train_iters=12"], name="twelve", base=BASE)
-    six = data + ["--training.train_iters=6", "--checkpoint.save=ckpt", "--checkpoint.save_interval=6"]
-    first = train_losses(tmp_path, six, name="six", base=BASE)
-    rest = train_losses(tmp_path, data + ["--training.train_iters=12", "--checkpoint.load=ckpt"], name="rest", base=BASE)
+    twelve, first, rest = (losses_of(runs, key) for key in ("twelve", "six", "rest"))
+    tmp_path = runs["twelve"][1].directory
     assert len(twelve) == 12 and len(first) == 6 and len(rest) == 6
     assert first + rest == twelve
     tokens = int(IndexedDataset(str(tmp_path / "corpus_text_document")).sequence_lengths.sum())
@@ -120,24 +173,16 @@ def test_middle_pipeline_stages_read_no_batches():
         next(train_iter)
 
 
-def test_train_on_hugging_face_tokenized_data(tmp_path):
+def test_train_on_hugging_face_tokenized_data(runs):
     """A corpus preprocessed with HuggingFaceTokenizer trains with the same tokenizer named in
     [data]: its 321 tokens are the vocabulary (padded to 384), and the ids fit. A missing
     tokenizer directory is one error line at start-up."""
-    from tests.test_data_tokenizer import TEXTS, write_hf_tokenizer
-
-    directory = write_hf_tokenizer(tmp_path / "tok")
-    (tmp_path / "corpus.jsonl").write_text("".join('{"text": "%d %s"}\n' % (i, t) for i, t in enumerate(TEXTS)))
-    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(directory)]
-    subprocess.run([sys.executable, str(REPO / "scripts/preprocess_data.py"), "--input", "corpus.jsonl",
-                    "--output-prefix", "corpus", *hf, "--append-eod"], cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
-    data = ["--data.data_path=corpus_text_document", "--data.split=1", "--data.tokenizer_type=HuggingFaceTokenizer",
-            f"--data.tokenizer_model={directory}", "--training.train_iters=4", "--optimizer.lr_warmup_iters=1"]  # fmt: skip
-    losses = train_losses(tmp_path, data, base=BASE)
+    losses = losses_of(runs, "hf")
+    tmp_path, args = runs["hf"][1].directory, args_of(runs, "hf")
     assert len(losses) == 4 and all(loss == loss for loss in losses) and losses[-1] < losses[0]
-    log = (tmp_path / "run.log").read_text()
+    log = runs["hf"][0].output
     assert "HuggingFaceTokenizer (321 ids)" in log and "Traceback" not in log
-    missing = run_train(tmp_path, BASE + data + ["--data.tokenizer_model=missing"], name="missing", check=False)
+    missing = run_train(tmp_path, args + ["--data.tokenizer_model=missing"], name="missing", check=False)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
         "error: data.tokenizer_model='missing': no such directory (HuggingFaceTokenizer reads the tokenizer.json "
         "and tokenizer_config.json that Hugging Face saves; dtgpt downloads nothing)"

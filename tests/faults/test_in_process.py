@@ -19,7 +19,7 @@ import torch
 
 from dtgpt.faults.last_words import Report
 from dtgpt.faults.recovery import twin_groups, verdict
-from tests.runs import REPO
+from tests.runs import REPO, Command, Finished, launch_commands, selected_cases
 
 TWINS = [[0, 2], [1, 3]]  # HSDP 2 x 2: rank r and r + 2 hold the same shards
 ALIVE = {r: Report(14, False) for r in (0, 1, 2)}
@@ -103,8 +103,7 @@ def launch(where: Path, layout: list[str], extra: list[str]) -> tuple[subprocess
     """`python -m dtgpt.run` on 4 CPU ranks; (its result, the worker PIDs seen per rank)."""
     where.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "dtgpt.run", "--standalone", "--nproc-per-node", "4", "--max-restarts=2",
-           str(REPO / "train.py"), *BASE, *layout, f"--logging.metrics_file={where / 'metrics.jsonl'}",
-           f"--checkpoint.save={where / 'ckpt'}", *extra]  # fmt: skip
+           str(REPO / "train.py"), *train_argv(where, layout), *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids: dict[int, set[int]] = {}
@@ -131,6 +130,26 @@ def launch(where: Path, layout: list[str], extra: list[str]) -> tuple[subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out), pids
 
 
+def train_argv(where: Path, layout: list[str]) -> list[str]:
+    """train.py's arguments for a run of layout writing its metrics and checkpoints into where."""
+    return [*BASE, *layout, f"--logging.metrics_file={where / 'metrics.jsonl'}", f"--checkpoint.save={where / 'ckpt'}"]
+
+
+@pytest.fixture(scope="module")
+def references(request, tmp_path_factory) -> dict[str, tuple[Finished, Path]]:
+    """The selected layouts' uninterrupted runs, launched together: one 4-rank launch
+    (tests/runs.py launch_commands) instead of one each. {layout: (its outcome, its directory)}."""
+    names = selected_cases(request, test_sigkill_of_rank_3_is_recovered_in_process_bitwise)
+    root = tmp_path_factory.mktemp("references")
+    commands = []
+    for name in names:
+        where = root / name
+        where.mkdir()
+        commands.append(Command(name, where, train_argv(where, LAYOUTS[name]), 4, seconds=300))
+    finished = launch_commands(commands) if commands else {}
+    return {name: (finished[name], root / name) for name in names}
+
+
 def records(path: Path) -> list[tuple[int, float]]:
     return [(r["iteration"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
 
@@ -145,10 +164,10 @@ def final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_sigkill_of_rank_3_is_recovered_in_process_bitwise(tmp_path, name):
+def test_sigkill_of_rank_3_is_recovered_in_process_bitwise(tmp_path, name, references):
     layout = LAYOUTS[name]
-    reference, _ = launch(tmp_path / "reference", layout, [])
-    assert reference.returncode == 0, reference.stdout[-4000:]
+    reference, reference_dir = references[name]
+    reference.checked()  # the uninterrupted run exited 0
     killed, pids = launch(tmp_path / "killed", layout, [f"--faults.kill_at_iteration={KILL_AT}", "--faults.kill_rank=3"])
     log = killed.stdout
     assert killed.returncode == 0, log[-6000:]
@@ -158,9 +177,9 @@ def test_sigkill_of_rank_3_is_recovered_in_process_bitwise(tmp_path, name):
     assert "loaded checkpoint" not in log and "last words" not in log
     assert all(len(pids[r]) == 1 for r in (0, 1, 2)), pids  # the survivors kept their processes
     assert len(pids[3]) == 2, pids  # a new rank 3 joined
-    got, want = records(tmp_path / "killed" / "metrics.jsonl"), records(tmp_path / "reference" / "metrics.jsonl")
+    got, want = records(tmp_path / "killed" / "metrics.jsonl"), records(reference_dir / "metrics.jsonl")
     assert [i for i, _ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
     assert got == want  # bitwise: float equality of every loss
-    weights, reference_weights = final_weights(tmp_path / "killed" / "ckpt"), final_weights(tmp_path / "reference" / "ckpt")
+    weights, reference_weights = final_weights(tmp_path / "killed" / "ckpt"), final_weights(reference_dir / "ckpt")
     assert weights.keys() == reference_weights.keys()
     assert all(torch.equal(weights[k], reference_weights[k]) for k in weights)
