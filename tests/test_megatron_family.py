@@ -176,7 +176,8 @@ def test_a_rope_checkpoint_saved_before_rotary_interleaved_keeps_its_convention(
     layout.write_marker(saved.parent, {k: v for k, v in marker.items() if k != "checksums"})  # as that dtgpt wrote it
     assert read_config(layout.iteration_dir(ckpt, 2)).model.rotary_interleaved is True
     # the same run resumed with the new default (load only: a save directory is locked by its Checkpointer)
-    resume = [*RUN, "--model.position_embedding_type=rope", f"--checkpoint.load={ckpt}", "--training.train_iters=3"]
+    resume = [*RUN, "--model.position_embedding_type=rope", f"--checkpoint.load={ckpt}", "--training.train_iters=3",
+              "--optimizer.override_opt_param_scheduler=true"]  # a longer run: its LR decay follows train_iters
     cfg = load_config(None, resume)
     runtime = dtgpt.init_distributed(cfg)
     try:
