@@ -265,7 +265,7 @@ def test_an_exploding_run_prunes_no_good_checkpoint_and_stops_in_one_line(tmp_pa
     assert layout.list_iterations(root) == [2, 4]
     metrics = tmp_path / "bad.jsonl"
     proc = run_train(tmp_path, [*every_2, f"--checkpoint.load={root}", "--optimizer.lr=1e30", "--checkpoint.keep_last=1",
-                                "--training.exit_skipped_iters=5", f"--logging.metrics_file={metrics}"], name="bad", check=False)  # fmt: skip
+                                "--optimizer.override_opt_param_scheduler=true", "--training.exit_skipped_iters=5", f"--logging.metrics_file={metrics}"], name="bad", check=False)  # fmt: skip
     records = read_metrics(metrics)
     assert records[0]["iteration"] == 5 and math.isfinite(records[0]["loss"]) and records[0]["skipped"] == 0
     assert [r["skipped"] for r in records[1:]] == [1, 2, 3, 4, 5]  # 6..10: the loss is no longer finite
@@ -330,7 +330,8 @@ def test_a_kill_while_resaving_the_pointed_iteration_leaves_it_loadable(tmp_path
     before = layout.read_marker(pointed)
     resave = [f"--checkpoint.save={root}", f"--checkpoint.load={root}", "--checkpoint.load_iteration=1",
               "--checkpoint.save_interval=1", "--training.train_iters=2", "--faults.kill_at_iteration=2",
-              "--faults.kill_during_save=true", "--logging.tensorboard_dir="]  # fmt: skip
+              "--faults.kill_during_save=true", "--logging.tensorboard_dir=",
+              "--optimizer.override_opt_param_scheduler=true"]  # fmt: skip
     proc = subprocess.run([sys.executable, TRAIN, *SMALL, *resave], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == -9, proc.stdout[-2000:] + proc.stderr[-2000:]
