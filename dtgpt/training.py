@@ -195,7 +195,8 @@ def train(
     end = train_iterations(cfg.training, cfg.model.seq_length)
     if progress.iteration >= end:
         log0(runtime, f"> nothing to train: the run is at iteration {progress.iteration} and {run_length(cfg, end)}; "
-                      "raise that key to train on")  # fmt: skip
+                      "raise that key to train on (with optimizer.override_opt_param_scheduler=true where the LR "
+                      "schedule follows it)")  # fmt: skip
     state.model.train(True)
     try:
         while progress.iteration < end:
