@@ -166,14 +166,11 @@ def _none(checkpointer, why: str) -> None:
     print(f"last words: none ({why}); the restart resumes from {restart}", flush=True)
 
 
-class LastWords:
-    """Wraps each train step, remembering its start (InFlight), and the stop decision after it
-    (its all-reduce is where survivors of a rank that died in the optimizer step fail); when a
-    collective in either fails, declares the failure (detect.py) and speaks."""
+class IterationWatch:
+    """What wraps each train step: remember its start (`inflight`), and handle a failed
+    collective in `guard` (each subclass its own way)."""
 
-    def __init__(self, state: TrainState, checkpointer, detector: FailureDetector, seconds: float):
-        self.state, self.checkpointer, self.detector, self.seconds = state, checkpointer, detector, seconds
-        self.inflight = InFlight(state)
+    inflight: InFlight
 
     @contextlib.contextmanager
     def iteration(self) -> Iterator[None]:
@@ -181,6 +178,19 @@ class LastWords:
         with self.guard():
             yield
         self.inflight.end()
+
+    def guard(self) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+
+class LastWords(IterationWatch):
+    """Wraps each train step, remembering its start (InFlight), and the stop decision after it
+    (its all-reduce is where survivors of a rank that died in the optimizer step fail); when a
+    collective in either fails, declares the failure (detect.py) and speaks."""
+
+    def __init__(self, state: TrainState, checkpointer, detector: FailureDetector, seconds: float):
+        self.state, self.checkpointer, self.detector, self.seconds = state, checkpointer, detector, seconds
+        self.inflight = InFlight(state)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:

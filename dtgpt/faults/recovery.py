@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtgpt.faults.detect import FailureDetector
-from dtgpt.faults.last_words import InFlight, Report, peer_failure, consistent, roll_call, speak
+from dtgpt.faults.last_words import InFlight, IterationWatch, Report, peer_failure, consistent, roll_call, speak
 from dtgpt.parallel.dims import MESH_DIMS
 from dtgpt.run.keys import LAUNCHER_NAME, no_replacement_key, recovered_key, replacing_key
 from dtgpt.state import TrainState, rng_state
@@ -98,7 +98,7 @@ class Pending:
     dead: list[int]
 
 
-class Recovery:
+class Recovery(IterationWatch):
     """Wraps each train step (as last_words.LastWords does); on a peer's failure: roll call,
     decide, and either mark the step for an in-process recovery (the exception is swallowed;
     `pending` is set) or say why not, let last words speak, and re-raise."""
@@ -119,13 +119,6 @@ class Recovery:
     def _refused(self) -> dict[int, str]:
         keys = {r: no_replacement_key(r) for r in range(self.runtime.world_size)}
         return {r: self.shared.get(key).decode() for r, key in keys.items() if self.shared.check([key])}
-
-    @contextlib.contextmanager
-    def iteration(self) -> Iterator[None]:
-        self.inflight.begin()
-        with self.guard():
-            yield
-        self.inflight.end()
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
