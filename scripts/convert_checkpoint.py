@@ -12,8 +12,9 @@ LlamaForCausalLM for a Llama-style one (RoPE, RMSNorm, SwiGLU); from-hf reads ei
 to-gpt2 and from-gpt2 are their earlier names.
 
 CKPT is a checkpoint root (the pointer is followed) or one iter_XXXXXXX directory, saved on any
-mesh. Start training from a converted checkpoint with
-`--checkpoint.load=NEW_CKPT_DIR --checkpoint.load_optimizer=false` (weights only); a to-torch
+mesh. Each from-* command prints the command that trains on from what it wrote (its stored config,
+`--checkpoint.load=NEW_CKPT_DIR --checkpoint.save=NEW_CKPT_DIR --checkpoint.load_optimizer=false`:
+the weights, and the iteration and consumed samples where the source had them); a to-torch
 file of a whole checkpoint converts back to one that also resumes the optimizer and progress.
 Runs in one process; no process group is needed. The Megatron conversions stream one tensor at
 a time (docs/checkpoints.md); `checkpoint.load` also reads a Megatron directory directly.
@@ -22,12 +23,14 @@ a time (docs/checkpoints.md); `checkpoint.load` also reads a Megatron directory 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dtgpt.checkpoint import CheckpointError, megatron  # noqa: E402
+from dtgpt.checkpoint import CheckpointError, layout, megatron  # noqa: E402
+from dtgpt.checkpoint.saved_config import read_saved_config  # noqa: E402
 from dtgpt.checkpoint.export import (  # noqa: E402
     find_checkpoint,
     from_hf_dir,
@@ -44,6 +47,17 @@ from dtgpt.data.tokenizer import build_tokenizer  # noqa: E402
 ALIASES = {"to-gpt2": "to-hf", "from-gpt2": "from-hf"}
 
 
+def train_hint(root: str, directory: Path) -> str:
+    """The command that trains on from a converted checkpoint, runnable as printed: the model and
+    tokenizer of the config stored with it, its iteration and consumed samples (where the source
+    had them), fresh AdamW state and LR schedule, and its saves beside the converted iteration."""
+    config = Path(directory) / layout.CONFIG
+    placeholder = read_saved_config(config).data.mock_data
+    data = " (it trains on mock data: add --data.data_path=PREFIX for your corpus)" if placeholder else ""
+    return (f"train from it with: python train.py --config {shlex.quote(str(config))} --checkpoint.load={shlex.quote(root)} "
+            f"--checkpoint.save={shlex.quote(root)} --checkpoint.load_optimizer=false{data}")
+
+
 def to_hf(args) -> None:
     directory = find_checkpoint(args.src, args.iteration)
     architecture, written = to_hf_dir(directory, read_config(directory, args.config), args.dst)
@@ -53,8 +67,7 @@ def to_hf(args) -> None:
 def from_hf(args) -> None:
     cfg = load_config(args.config) if args.config else Config()
     directory, summary = from_hf_dir(args.src, args.dst, cfg, args.iteration or 0)
-    print(f"wrote {directory} ({summary}); train from it with "
-          f"--checkpoint.load={args.dst} --checkpoint.load_optimizer=false")  # fmt: skip
+    print(f"wrote {directory} ({summary}); {train_hint(args.dst, directory)}")
 
 
 def to_megatron(args) -> None:
@@ -79,7 +92,7 @@ def from_megatron(args) -> None:
     cfg = load_config(args.config)
     rows = padded_vocabulary(cfg, build_tokenizer(cfg.data).vocab_size)
     written = megatron.from_megatron(args.src, cfg, args.dst, rows)
-    print(f"wrote {written}; train from it with --checkpoint.load={args.dst} --checkpoint.load_optimizer=false")
+    print(f"wrote {written}; {train_hint(args.dst, written)}")
 
 
 def main(argv: list[str]) -> int:
@@ -106,7 +119,7 @@ def main(argv: list[str]) -> int:
             to_hf(args)
         elif args.command == "from-torch":
             directory = from_torch_file(args.src, args.dst, args.config, args.iteration or None)
-            print(f"wrote {directory}")
+            print(f"wrote {directory}; {train_hint(args.dst, directory)}")
         elif args.command == "to-megatron":
             to_megatron(args)
         elif args.command == "from-megatron":

@@ -86,6 +86,9 @@ TRAINING_ARGS=(
 MODEL_PARALLEL_ARGS=(
     --tensor-model-parallel-size 8
     --pipeline-model-parallel-size 16
+    # Not in Megatron's example (configs/gpt3_175b.toml sets it too): sequence parallelism shards
+    # the norm and dropout activations over tp at no extra communication volume.
+    --sequence-parallel
 )
 
 DATA_ARGS=(
@@ -113,6 +116,14 @@ TRAIN_ARGS=(
     "${EVAL_AND_LOGGING_ARGS[@]}"
     "$@"
 )
+
+# The vocabulary: no --make-vocab-size-divisible-by here, so Megatron's default 128 x tp 8 = 1024
+# pads GPT-2's 50,257 tokens to 51,200 rows, as Megatron and configs/gpt3_175b.toml do.
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "error: $PYTHON cannot import torch: activate the project's environment (make setup creates .venv; then PYTHON=.venv/bin/python TORCHRUN=.venv/bin/torchrun)" >&2
+    exit 2
+fi
 
 # Plan before taking 128 GPUs: exit 2 = impossible layout, 1 = a rank does not fit.
 status=0

@@ -260,10 +260,19 @@ def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
         assert torch.equal(stored[key], reread[key]), key
 
 
-def test_reexport_into_the_same_directory_names_the_new_tokenizer(tmp_path, bpe_dir):
+def test_export_into_a_directory_holding_a_model_is_refused(tmp_path, bpe_dir, capfd):
+    """to-hf replaces nothing it did not make: a directory holding another model's files (an
+    earlier export here) is refused in one line and left as it was; a new directory takes it."""
     export(tmp_path / "first", "bpe", bpe_dir)
     make_checkpoint(tmp_path / "byte", "byte", bpe_dir)
     out = tmp_path / "first" / "hf"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capfd.readouterr()
+    assert load_script().main(["to-gpt2", str(tmp_path / "byte"), str(out)]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"error: {out} is not empty (it holds config.json") and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    out = tmp_path / "second"
     assert load_script().main(["to-gpt2", str(tmp_path / "byte"), str(out)]) == 0
     assert not (out / "vocab.json").exists() and not (out / "merges.txt").exists()
     assert load_script().main(["from-gpt2", str(out), str(tmp_path / "back")]) == 0

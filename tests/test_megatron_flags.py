@@ -249,3 +249,61 @@ def test_megatron_175b_script_arrays_shrunk_train_under_torchrun(tmp_path):
     assert f"iteration {10:8d}/{10:8d}" in log, log[-3000:]  # log_format's line
     assert (tmp_path / "ckpt" / "iter_0000010").is_dir()
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+
+
+# -- the vocabulary: Megatron's --make-vocab-size-divisible-by is per tp rank -------------------
+
+
+@pytest.mark.parametrize(
+    "argv, path, multiple",
+    [
+        (["--tensor-model-parallel-size", "8"], None, 1024),  # Megatron's default, 128 x tp
+        (["--tensor-model-parallel-size", "4", "--make-vocab-size-divisible-by", "64"], None, 256),
+        (["--make-vocab-size-divisible-by=64", "--parallel.tensor_model_parallel_size=2"], None, 128),
+        (["--tensor-model-parallel-size", "8", "--model.make_vocab_size_divisible_by=1024"], None, 1024),  # dtgpt's key
+        (["--tensor-model-parallel-size", "8"], "configs/gpt3_175b.toml", 1024),  # the file's multiple, whole
+        (["--tensor-model-parallel-size", "2"], "configs/debug.toml", 128),  # a config file's model stays
+        (["--parallel.tensor_model_parallel_size=8"], None, 128),  # no Megatron flag: dtgpt's default
+    ],
+    ids=["default-x-tp", "flag-x-tp", "flag-with-key-tp", "key-wins", "toml-1024", "file", "no-flags"],
+)
+def test_megatron_vocab_multiple_is_megatrons(argv, path, multiple):
+    cfg = load_config(REPO / path if path else None, ["--data.mock_data=true", *argv], check=False)
+    assert cfg.model.make_vocab_size_divisible_by == multiple
+
+
+def test_launch_script_builds_the_175b_config_model(tmp_path):
+    """The 175B launch script's flags and configs/gpt3_175b.toml give one model: the same padded
+    vocabulary (51,200 rows for GPT-2's 50,257 tokens at tp 8), parameter count and parallel layout."""
+    from dtgpt.config import padded_vocabulary
+    from dtgpt.model_size import num_parameters
+
+    env = {**os.environ, "PYTHON": sys.executable, "DTGPT_DRY_RUN": "1", "TORCHRUN": "torchrun"}
+    script = (REPO / "scripts" / "train_gpt3_175b_distributed.sh").read_text()
+    arrays = script[script.index("GPT_MODEL_ARGS=(") : script.index("TRAIN_ARGS=(")]
+    args = shlex.split(
+        subprocess.run(["bash", "-c", arrays.replace('"${DATA_PATHS[@]}"', "data/x").replace('"$VOCAB_FILE"', "v.json")
+                        .replace('"$MERGE_FILE"', "m.txt").replace('"$CHECKPOINT_PATH"', "ck").replace('"$TENSORBOARD_LOGS_PATH"', "tb")
+                        + '\nprintf "%q " "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" '
+                        '"${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}"'], env=env, capture_output=True, text=True, check=True).stdout
+    )  # fmt: skip
+    from_script = load_config(None, args, check=False)
+    from_toml = load_config(REPO / "configs" / "gpt3_175b.toml", check=False)
+    assert padded_vocabulary(from_script, 50257) == padded_vocabulary(from_toml, 50257) == 51200
+    assert num_parameters(from_script.model, 51200) == num_parameters(from_toml.model, 51200) == 174_615_846_912
+    assert from_script.model == from_toml.model or {
+        k: (getattr(from_script.model, k), getattr(from_toml.model, k))
+        for k in dataclasses.asdict(from_toml.model) if getattr(from_script.model, k) != getattr(from_toml.model, k)
+    } == {}
+    assert from_script.parallel == from_toml.parallel
+
+
+def test_launch_script_outside_the_venv_says_torch_is_missing(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "DTGPT_DRY_RUN": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "train_gpt3_175b_distributed.sh"), "ck", "tb", "v", "m", "d"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"error: {python} cannot import torch") and "planner" not in proc.stderr

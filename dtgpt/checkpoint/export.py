@@ -7,7 +7,9 @@ whatever mesh saved the checkpoint into full tensors here, so nothing needs a pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
 import sys
 import time
 import warnings
@@ -16,13 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dtgpt.checkpoint import gpt2, hf_files, hf_llama, hf_tokenizer, layout
+from dtgpt.checkpoint import gpt2, hf_checks, hf_files, hf_llama, hf_tokenizer, layout
 from dtgpt.checkpoint.hf_files import HFLayout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.safe import SafeReader, load_problem
 from dtgpt.checkpoint.saved_config import as_saved, read_saved_config
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, shape_problem
-from dtgpt.config import Config, ModelConfig, config_from_dict, load_config, to_toml, validate
+from dtgpt.config import Config, DataConfig, ModelConfig, config_from_dict, load_config, to_toml, validate
 from dtgpt.data.tokenizer import build_tokenizer
 
 if sys.version_info >= (3, 11):
@@ -102,11 +104,15 @@ def load_model(directory: Path, cfg: Config) -> GPT:
 
 
 def write_checkpoint(
-    root: str | Path, iteration: int, sections: dict[str, dict], cfg: Config, source: str, mesh: dict | None = None
+    root: str | Path, iteration: int, sections: dict[str, dict], cfg: Config, source: str, mesh: dict | None = None,
+    checked: bool = False,
 ) -> Path:
-    """Write `sections` as a complete DCP checkpoint under root (directory, config, marker, pointer)."""
+    """Write `sections` as a complete DCP checkpoint under root (directory, config, marker, pointer);
+    `checked`: the caller has refused an existing checkpoint there already (and may have put
+    files into the directory since)."""
     directory = layout.iteration_dir(root, iteration)
-    _refuse_existing(directory)
+    if not checked:
+        _refuse_existing(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -129,9 +135,24 @@ def write_checkpoint(
 
 
 def _refuse_existing(directory: Path) -> None:
-    """A conversion never replaces a checkpoint, complete or not."""
+    """A conversion never replaces a checkpoint, complete or not, nor moves the pointer of a run:
+    the root it writes into holds no iteration and no pointer yet."""
     if (directory / layout.DCP_METADATA).exists() or (directory / layout.MARKER).exists():
-        raise CheckpointError(f"{directory} already holds a checkpoint; convert into a new directory or pass another --iteration")
+        raise CheckpointError(f"{directory} already holds a checkpoint; convert into a new directory")
+    refuse_run_root(directory.parent)
+
+
+def refuse_run_root(root: str | Path) -> None:
+    """A conversion writes a new checkpoint root: one holding a run's iterations or pointer is
+    refused (its pointer would move to the conversion, and resuming there would replace the run)."""
+    root = Path(root)
+    found = layout.list_iterations(root)
+    if found or (root / layout.POINTER).exists():
+        held = f"iterations {found[0]}..{found[-1]}" if found else f"a {layout.POINTER}"
+        raise CheckpointError(
+            f"{root} already holds checkpoints ({held}): a conversion writes a new checkpoint directory and never "
+            "moves another run's pointer; convert into a new directory (nothing was written)"
+        )
 
 
 def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) -> None:
@@ -208,6 +229,7 @@ def to_hf_dir(directory: Path, cfg: Config, out: str | Path) -> tuple[str, list[
     generation_config.json and the run's tokenizer. Returns the architecture and the names of
     the files written."""
     out = Path(out)
+    _refuse_model_dir(out)
     hf = hf_layout_for(cfg.model)
     tokenizer = build_tokenizer(cfg.data)
     vocab = model_vocab_size(directory)
@@ -219,6 +241,16 @@ def to_hf_dir(directory: Path, cfg: Config, out: str | Path) -> tuple[str, list[
     return hf.architecture, [hf_files.HF_CONFIG, hf_files.GENERATION_CONFIG, hf_files.SAFETENSORS, *written]
 
 
+def _refuse_model_dir(out: Path) -> None:
+    """to-hf writes a new directory: one that already holds a model's files (another export, a
+    downloaded model) is refused, so nothing the command did not make is replaced."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise CheckpointError(f"{out} is not empty (it holds {shown}): to-hf writes a new directory and replaces nothing; "
+                              "choose another one (nothing was written)")
+
+
 def from_hf_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int = 0) -> tuple[Path, str]:
     """Import a GPT-2 or Llama directory (ours or Hugging Face's) into a DCP checkpoint under root.
 
@@ -227,14 +259,30 @@ def from_hf_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int =
     included, and the tensors are converted to them. Returns the iteration directory and a line
     saying what was read.
     """
-    src = Path(src)
-    tensors, config = hf_files.read_hf_dir(src)
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # fp32 master weights
-    hf = hf_layout_of(config, str(src / hf_files.HF_CONFIG))
-    cfg.model = dataclasses.replace(cfg.model, **hf.overrides(config, tensors, str(src / hf_files.HF_CONFIG)))
-    cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
+    src, source = Path(src), str(Path(src) / hf_files.HF_CONFIG)
     directory = layout.iteration_dir(root, iteration)
     _refuse_existing(directory)
+    tensors, config = hf_files.read_hf_dir(src)
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}  # fp32 master weights
+    hf = hf_layout_of(config, source)
+    try:
+        overrides = hf.overrides(config, tensors, source)
+    except KeyError as e:
+        raise ValueError(f"{source}: no {e.args[0]!r}, which a {hf.architecture} config.json names") from None
+    cfg.model = hf_checks.replace_model(cfg.model, overrides, source)
+    cfg.model.seq_length = min(cfg.model.seq_length, cfg.model.max_positions)
+    # the architecture config.json describes (e.g. a size of 0) is checked before the tokenizer is copied
+    validate(dataclasses.replace(cfg, data=DataConfig(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=config["vocab_size"] + 1)))
+    vocab = padded_vocab_size(config["vocab_size"], cfg.model.make_vocab_size_divisible_by)
+    model = hf_files.stored_from_gamma(hf.from_hf(tensors, cfg.model, vocab), cfg.model)
+    from dtgpt.checkpoint.megatron.keys import full_model_shapes  # here: that package imports this module
+
+    hf_checks.check_tensors(model, full_model_shapes(cfg.model, vocab), str(src))
+    with _removed_on_failure(Path(root), directory):
+        return _write_hf_import(src, root, directory, cfg, iteration, config, hf, vocab, model)
+
+
+def _write_hf_import(src, root, directory, cfg, iteration, config, hf, vocab, model) -> tuple[Path, str]:
     found = hf_tokenizer.recognise(src, keep_in=directory) or {}
     if not (cfg.data.mock_data or cfg.data.data_path or cfg.data.builtin_corpus or cfg.data.train_data_path):
         cfg.data.mock_data = True  # a placeholder so the stored config validates; set real data to train
@@ -243,13 +291,24 @@ def from_hf_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int =
     for key, value in found.items():
         setattr(cfg.data, key, value)
     validate(cfg)
-    vocab = padded_vocab_size(config["vocab_size"], cfg.model.make_vocab_size_divisible_by)
     if found:  # fail here, not at the first use, when the tokenizer does not fit the model
         _check_tokenizer_fits(build_tokenizer(cfg.data).vocab_size, vocab, src)
-    model = hf_files.stored_from_gamma(hf.from_hf(tensors, cfg.model, vocab), cfg.model)
-    write_checkpoint(root, iteration, {"model": model}, cfg, source=str(src))
+    write_checkpoint(root, iteration, {"model": model}, cfg, source=str(src), checked=True)
     kind = cfg.data.tokenizer_type if found else f"none found, kept data.tokenizer_type={cfg.data.tokenizer_type!r}"
     return directory, f"{hf.architecture}, vocabulary {config['vocab_size']} padded to {vocab}; tokenizer: {kind}"
+
+
+@contextlib.contextmanager
+def _removed_on_failure(root: Path, directory: Path):
+    """A failed import leaves nothing: the directories it created (and the files it copied
+    into them) are removed; what existed before is left alone."""
+    made = [p for p in (root, directory) if not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for path in reversed(made):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def _check_tokenizer_fits(tokens: int, rows: int, where: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from dtgpt.checkpoint import hf_checks
 from dtgpt.checkpoint.architecture import FIELDS
 from dtgpt.config import ModelConfig
 from dtgpt.model import OUTPUT_WEIGHT, WORD_EMBEDDING
@@ -147,17 +148,21 @@ def write_hf_dir(directory: str | Path, tensors: Tensors, config: dict, generati
 
 
 def read_hf_dir(directory: str | Path) -> tuple[Tensors, dict]:
-    """The tensors (one file, or the shards an index names) and config.json of a directory."""
-    from safetensors.torch import load_file
-
+    """The tensors (one file, or the shards an index names) and config.json of a directory; a
+    file that cannot be read is a ValueError naming it (hf_checks.py)."""
     directory = Path(directory)
     if not (directory / HF_CONFIG).is_file():
         raise ValueError(f"{directory}: no {HF_CONFIG}; not a Hugging Face model directory")
+    config = hf_checks.read_json_object(directory / HF_CONFIG, "model config")
+    hf_checks.check_config(config, str(directory / HF_CONFIG))
     if (directory / SAFETENSORS).is_file():
         files = [SAFETENSORS]
     elif (directory / SAFETENSORS_INDEX).is_file():
-        files = sorted(set(json.loads((directory / SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        files = hf_checks.index_files(directory / SAFETENSORS_INDEX)
+        absent = [name for name in files if not (directory / name).is_file()]
+        if absent:
+            raise ValueError(f"{directory / SAFETENSORS_INDEX}: names {absent[0]}, which is not in {directory}")
     else:
         raise ValueError(f"{directory}: no {SAFETENSORS} or {SAFETENSORS_INDEX}")
-    tensors = {k: v for name in files for k, v in load_file(str(directory / name)).items()}
-    return tensors, json.loads((directory / HF_CONFIG).read_text())
+    tensors = {k: v for name in files for k, v in hf_checks.load_safetensors(directory / name).items()}
+    return tensors, config

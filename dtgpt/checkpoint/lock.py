@@ -72,6 +72,8 @@ def check_save_dir(directory: str, start: int, cfg: Config, loaded_from_it: bool
     """Before training (rank 0): refuse a save directory whose checkpoints this run did not load
     from (unless checkpoint.overwrite), or whose iter_* directories it would have to replace but
     cannot (read-only: the save would fail only after training up to it). Nothing is written."""
+    if cfg.checkpoint.finetune and loaded_from_it and not cfg.checkpoint.overwrite:
+        refuse_finetune_over_its_source(directory)
     if not (loaded_from_it or cfg.checkpoint.overwrite):
         refuse_foreign_checkpoints(directory)
     c, end = cfg.checkpoint, train_iterations(cfg.training, cfg.model.seq_length)  # the run's last save: at train_iters or where exit_interval stops it
@@ -94,4 +96,16 @@ def refuse_foreign_checkpoints(directory: str) -> None:
             f"checkpoint.save={directory} already holds checkpoints (iterations {found[0]}..{found[-1]}) that this "
             f"run did not load from: resume with checkpoint.load={directory}, choose another directory, or set "
             "checkpoint.overwrite=true to let this run replace them"
+        )
+
+
+def refuse_finetune_over_its_source(directory: str) -> None:
+    """A fine-tune restarts at iteration 0: saving into the directory it loaded its weights from
+    would replace that run's iterations (and its pointer) with the fine-tune's."""
+    found = list_iterations(directory)
+    if found:
+        raise CheckpointError(
+            f"checkpoint.finetune=true loads the weights of checkpoint.load={directory} and restarts at iteration 0: "
+            f"saving into the same directory would replace its checkpoints (iterations {found[0]}..{found[-1]}); "
+            "set checkpoint.save to another directory (nothing was written)"
         )

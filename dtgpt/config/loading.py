@@ -20,6 +20,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 from dtgpt.config.megatron_flags import translate
+from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.validation import validate
@@ -208,6 +209,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (), check: bool 
     cfg = config_from_dict(data, str(path))
     levels = {f"{s}.{k}": FILE for s, table in data.items() for k in table}
     _apply_command_line(cfg, list(overrides), levels)
+    said = translate(list(overrides))
+    apply_megatron_vocab_multiple(cfg, [spelling for _, _, spelling in said.overrides], said.ignored, levels, bool(path))
     resolve_conflicts(cfg, levels)
     if check:
         validate(cfg)

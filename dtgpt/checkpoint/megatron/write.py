@@ -232,6 +232,7 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
     directory = find(src)
     if directory is None:
         raise CheckpointError(f"{src} holds no Megatron checkpoint (no {BACKEND_FILE} or mp_rank_* directories)")
+    export.refuse_run_root(out_root)
     reader = MegatronReader(directory)
     reader.check_architecture(cfg.model)
     full = full_model_shapes(cfg.model, vocab_rows)

@@ -1,0 +1,47 @@
+"""Megatron's meaning of `--make-vocab-size-divisible-by`, kept where the flag is typed.
+
+Megatron pads the vocabulary to a multiple of `--make-vocab-size-divisible-by` (default 128)
+times the tensor-parallel size: its 175B example (tp 8) has 51,200 rows for GPT-2's 50,257
+tokens. dtgpt's `model.make_vocab_size_divisible_by` is the multiple itself, so the model never
+depends on the mesh it runs on. A Megatron command line has to build Megatron's model (a
+checkpoint Megatron writes with the same script must load), so the multiplication by tp happens
+once, here, when the config is read: the key then holds the whole multiple (1024 for the 175B
+example) and the model is fixed from there on, whatever mesh later loads it.
+
+Two cases take Megatron's meaning:
+- `--make-vocab-size-divisible-by N` itself: the key becomes N x tp;
+- a command line of Megatron flags without `--config` (a Megatron launch script, which describes
+  the whole run with Megatron's defaults) that sets the multiple nowhere: Megatron's default
+  128 x tp.
+A config file's or a `--model.make_vocab_size_divisible_by` value is dtgpt's: the whole multiple.
+"""
+
+from __future__ import annotations
+
+from dtgpt.config.sections import Config
+
+FLAG = "--make-vocab-size-divisible-by"
+KEY = "model.make_vocab_size_divisible_by"
+MEGATRON_DEFAULT = 128
+
+
+def _is_megatron_flag(spelling: str) -> bool:
+    """A Megatron flag's spelling (`--num-layers 96`), not a dtgpt override (`--model.x=1`)."""
+    return "." not in spelling.split()[0].split("=")[0]
+
+
+def apply_megatron_vocab_multiple(cfg: Config, spellings: list[str], ignored: list[str], levels: dict, has_file: bool) -> None:
+    """Turn Megatron's per-tp divisor into dtgpt's whole multiple, in place (see the module note).
+    `spellings`: how the user wrote each command-line setting, in order; `ignored`: the Megatron
+    flags accepted without effect; `levels`: where each key was set."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    said = [s for s in spellings if s.split()[0].split("=")[0] == FLAG]
+    if said:
+        last = said[-1]
+        divisor = int(last.split("=", 1)[1] if "=" in last.split()[0] else last.split()[1])
+        if not any(s.startswith(f"--{KEY}") for s in spellings):
+            cfg.model.make_vocab_size_divisible_by = divisor * tp
+        return
+    megatron_launch = not has_file and (ignored or any(_is_megatron_flag(s) for s in spellings))
+    if megatron_launch and KEY not in levels:
+        cfg.model.make_vocab_size_divisible_by = MEGATRON_DEFAULT * tp
