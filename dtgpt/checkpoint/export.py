@@ -41,6 +41,15 @@ def find_checkpoint(path: str | Path, iteration: int = 0) -> Path:
     """An iteration directory: `path` itself when it is one, else the one its pointer names
     (or `iteration`), with the usual fallback to the newest complete one."""
     path = Path(path)
+    from dtgpt.checkpoint.megatron.formats import find as find_megatron  # here: that package imports this module
+
+    megatron_dir = find_megatron(path, iteration)
+    if megatron_dir is not None:
+        raise CheckpointError(
+            f"{path} is a Megatron-LM checkpoint ({megatron_dir.name}), not a dtgpt one: this tool reads dtgpt checkpoints; "
+            f"convert it first (convert_checkpoint.py from-megatron {path} NEW_DIR --config run.toml), or load it in "
+            "train.py with checkpoint.load"
+        )
     if (path / layout.DCP_METADATA).is_file() and iteration == 0:
         why = layout.problem(path)
         if why is not None:
@@ -206,7 +215,8 @@ def hf_layout_for(m: ModelConfig) -> HFLayout:
     """The Hugging Face layout that holds the model: GPT2LMHeadModel (learned positions,
     LayerNorm, GeLU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); ValueError naming the
     settings each would need when neither does."""
-    needs = [(hf, hf.problems(m)) for hf in HF_LAYOUTS]
+    moe = [hf_files.need("num_experts", None, m)] if m.num_experts else []  # neither layout has experts
+    needs = [(hf, moe + hf.problems(m)) for hf in HF_LAYOUTS]
     for hf, problems in needs:
         if not problems:
             return hf

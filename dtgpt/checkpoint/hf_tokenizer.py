@@ -22,6 +22,7 @@ import json
 import shutil
 from pathlib import Path
 
+from dtgpt.checkpoint.hf_checks import read_json_object
 from dtgpt.data.tokenizer import (
     EOD_TEXT,
     SPECIAL_TOKENS_MAP,
@@ -131,7 +132,9 @@ def recognise(directory: Path, keep_in: Path) -> dict | None:
                 "merge_file": str((keep_in / MERGES_TXT).resolve())}  # fmt: skip
     if not (directory / TOKENIZER_JSON).is_file():
         return None
-    model = json.loads((directory / TOKENIZER_JSON).read_text()).get("model", {})
+    model = read_json_object(directory / TOKENIZER_JSON, "tokenizer").get("model", {})
+    if not isinstance(model, dict):
+        raise ValueError(f"{directory / TOKENIZER_JSON}: its 'model' is a JSON {type(model).__name__}, not a tokenizer model object")
     vocab = model.get("vocab") or {}
     if model.get("type") == "BPE" and not model.get("merges") and vocab == _byte_alphabet():
         return {**no_files, "tokenizer_type": "ByteTokenizer"}

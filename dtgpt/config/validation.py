@@ -107,6 +107,13 @@ def _check_model(cfg: Config) -> None:
         f"model.seq_length={m.seq_length} must be <= model.max_position_embeddings={m.max_position_embeddings}",
     )
     _require(m.ffn_hidden_size >= 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 0 (0 = 4*hidden)")
+    _require(  # SwiGLU's default width rounds 8/3 x hidden down to a multiple of 64: 0 below hidden 24
+        m.ffn_size > 0, f"model.ffn_hidden_size=0 with model.swiglu=true and model.hidden_size={m.hidden_size} gives an MLP of "
+        "width 0 (8/3 x hidden, rounded down to a multiple of 64): set model.ffn_hidden_size",
+    )
+    _require(  # inverse frequencies base^(-2i/d): a base of 0 or 1 makes every step's loss non-finite or RoPE a no-op
+        m.position_embedding_type != "rope" or m.rotary_base > 1, f"model.rotary_base={m.rotary_base} must be > 1 (RoPE's base)"
+    )
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")

@@ -1,0 +1,191 @@
+"""Bad input to the conversions and to what a fine-tune saves: each is one `error:` line before
+anything is written, and nothing the command did not make is replaced.
+
+Classes: data loss (an import into a run's root, a fine-tune saving over its source; to-hf into
+a directory holding a model: tests/test_hf_export.py), tracebacks (corrupt or inconsistent
+Hugging Face inputs), silent results (tensors that disagree with config.json, non-finite ones,
+a model size of 0 or a RoPE base that trains nothing) and one-liners that say nothing (a missing
+config.json key, an index without a weight_map, an MoE export, a Megatron directory given to a
+dtgpt-only tool).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtgpt.checkpoint import layout
+from dtgpt.checkpoint.export import write_checkpoint
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.lock import check_save_dir
+from dtgpt.config import ConfigError, load_config, padded_vocab_size
+from dtgpt.data.tokenizer import build_tokenizer
+from dtgpt.model import GPT
+from tests.test_hf_export import load_script
+
+MODEL = ["--model.num_layers=1", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+         "--model.make_vocab_size_divisible_by=64", "--data.mock_data=true", "--data.tokenizer_type=ByteTokenizer"]  # fmt: skip
+
+
+def checkpoint(root: Path, iteration: int = 3, extra: tuple[str, ...] = ()) -> Path:
+    cfg = load_config(None, [*MODEL, *extra])
+    vocab = padded_vocab_size(build_tokenizer(cfg.data).vocab_size, cfg.model.make_vocab_size_divisible_by)
+    g = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in GPT(cfg.model, vocab).state_dict().items()}
+    return write_checkpoint(root, iteration, {"model": state}, cfg, source="test")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("hf")
+    checkpoint(tmp / "ckpt")
+    assert load_script().main(["to-hf", str(tmp / "ckpt"), str(tmp / "hf")]) == 0
+    return tmp / "hf"
+
+
+def one_error(capfd) -> str:
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# -- data loss ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["from-hf", "from-torch"])
+def test_an_import_into_a_run_root_is_refused_and_the_run_kept(tmp_path, hf_dir, capfd, command):
+    run = tmp_path / "run"
+    checkpoint(run, iteration=7)
+    before = snapshot(run)
+    src = hf_dir
+    if command == "from-torch":
+        assert load_script().main(["to-torch", str(run), str(tmp_path / "w.pt")]) == 0
+        src = tmp_path / "w.pt"
+    capfd.readouterr()
+    assert load_script().main([command, str(src), str(run)]) == 2
+    assert "already holds" in one_error(capfd)
+    assert snapshot(run) == before
+
+
+def test_a_finetune_never_saves_over_the_checkpoints_it_loads(tmp_path):
+    run = tmp_path / "run"
+    checkpoint(run, iteration=7)
+    cfg = load_config(None, [*MODEL, f"--checkpoint.load={run}", f"--checkpoint.save={run}", "--checkpoint.finetune=true"])
+    with pytest.raises(CheckpointError, match="checkpoint.finetune=true .* restarts at iteration 0: saving into the same"):
+        check_save_dir(str(run), 0, cfg, loaded_from_it=True)
+    cfg.checkpoint.finetune = False  # a plain resume continues its own run
+    check_save_dir(str(run), 7, cfg, loaded_from_it=True)
+
+
+# -- tracebacks and silent results: Hugging Face inputs ----------------------------------------
+
+
+def _rewrite_header(path: Path, change) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+
+
+def _config(change):
+    def edit(d: Path):
+        config = json.loads((d / "config.json").read_text())
+        change(config)
+        (d / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _tensors(change):
+    def edit(d: Path):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(d / "model.safetensors"))
+        change(tensors)
+        save_file(tensors, str(d / "model.safetensors"))
+
+    return edit
+
+
+def _first(tensors: dict, suffix: str) -> str:
+    return next(k for k in tensors if k.endswith(suffix))
+
+
+BROKEN = {  # name -> (how the directory is damaged, what the one line says)
+    "truncated": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+                  "not a readable safetensors file"),
+    "random-bytes": (lambda d: (d / "model.safetensors").write_bytes(bytes(range(256)) * 40), "not a readable safetensors file"),
+    "absurd-header": (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 60) + b"{}"),
+                      "not a readable safetensors file"),
+    "absurd-shape": (lambda d: _rewrite_header(d / "model.safetensors", lambda h: h[next(k for k in h if k != "__metadata__")]
+                                               .update(shape=[1 << 40, 1 << 40])), "not a readable safetensors file"),
+    "config-not-json": (lambda d: (d / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    "config-a-list": (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list"),
+    "config-wrong-type": (_config(lambda c: c.update(n_embd="32")), "config.json: n_embd='32' must be a whole number"),
+    "config-missing-key": (_config(lambda c: c.pop("n_embd")), "config.json: no 'n_embd'"),
+    "tokenizer-a-list": (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json: holds a JSON list"),
+    "index-without-weight-map": (lambda d: ((d / "model.safetensors").rename(d / "shard.safetensors"),
+                                            (d / "model.safetensors.index.json").write_text('{"metadata": {}}')), "no weight_map"),
+    "other-width": (_config(lambda c: c.update(n_embd=64)), "config.json and the weights disagree"),
+    "int-tensor": (_tensors(lambda t: t.update({(k := _first(t, "ln_f.weight")): t[k].to(torch.int32)})),
+                   "not floating-point weights"),
+    "non-finite": (_tensors(lambda t: t[_first(t, "ln_f.weight")].__setitem__(0, float("nan"))), "non-finite values"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage, message", BROKEN.values(), ids=BROKEN.keys())
+def test_a_bad_hugging_face_directory_is_one_line_and_writes_nothing(tmp_path, hf_dir, capfd, damage, message):
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir, src)
+    damage(src)
+    capfd.readouterr()
+    assert load_script().main(["from-hf", str(src), str(tmp_path / "out")]) == 2
+    assert message in one_error(capfd)
+    assert not (tmp_path / "out").exists()
+
+
+# -- silent results: sizes that train nothing ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--model.swiglu=true", "--model.hidden_size=16"], "gives an MLP of width 0"),
+        (["--model.position_embedding_type=rope", "--model.rotary_base=0"], "model.rotary_base=0 must be > 1"),
+    ],
+    ids=["swiglu-width-0", "rotary-base-0"],
+)
+def test_a_model_that_trains_nothing_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*MODEL, *overrides])
+
+
+# -- one-liners that say what is wrong ----------------------------------------------------------
+
+
+def test_an_moe_export_names_the_experts(tmp_path, capfd):
+    checkpoint(tmp_path / "moe", extra=("--model.num_experts=2", "--model.moe_ffn_hidden_size=32"))
+    assert load_script().main(["to-hf", str(tmp_path / "moe"), str(tmp_path / "hf")]) == 2
+    assert "model.num_experts=None (the config has 2)" in one_error(capfd)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_megatron_directory_given_to_a_dtgpt_tool_is_named_so(tmp_path, capfd):
+    checkpoint(tmp_path / "ckpt")
+    assert load_script().main(["to-megatron", str(tmp_path / "ckpt"), str(tmp_path / "meg")]) == 0
+    capfd.readouterr()
+    for command in ("to-torch", "to-hf"):
+        assert load_script().main([command, str(tmp_path / "meg"), str(tmp_path / "out")]) == 2
+        err = one_error(capfd)
+        assert "is a Megatron-LM checkpoint (iter_0000003), not a dtgpt one" in err and "complete" not in err
