@@ -50,7 +50,7 @@ train: $(STAMP)
 test: $(STAMP)
 	DTGPT_SLOW=1 $(PY) -m pytest -q --durations=15
 
-# The edit-loop subset (about 4 minutes on 2 CPU cores): tests marked slow are skipped, leaving the
+# The edit-loop subset (about 8 minutes wall on a busy 2-core machine): tests marked slow are skipped, leaving the
 # unit tests and one end-to-end test per headline claim (the list: tests/conftest.py).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --durations=15

@@ -6,6 +6,9 @@
         --append-eod --workers 8
 
 writes data/corpus_text_document.bin/.idx; use `data_path = ["data/corpus_text_document"]`.
+Every flag of Megatron's tools/preprocess_data.py is taken: with its meaning, or with one note
+where it changes nothing here, or refused in one line where its meaning is not built
+(dtgpt/data/preprocess_flags.py says which).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dtgpt.cli import os_error_line, print_error
 from dtgpt.config import DataConfig
 from dtgpt.config.validation import TOKENIZER_TYPES
 from dtgpt.data.preprocess import PreprocessError, preprocess
+from dtgpt.data.preprocess_flags import NOTED, REFUSED, preprocess_flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,11 +44,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--append-eod", action="store_true", help="end every document with the eod token")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--strict", action="store_true", help="refuse the file on any bad line (nothing written)")
+    for name in [*NOTED, *REFUSED]:  # Megatron's other flags: noted or refused after parsing
+        flag = preprocess_flags()[name]
+        kind = {"0": {"action": "store_true"}, "*": {"nargs": "+"}}.get(flag.arity, {})
+        p.add_argument(f"--{name}", **kind, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def megatron_only_flags(args: argparse.Namespace) -> list[str]:
+    """The note of each given Megatron flag that changes nothing here; a ValueError naming the
+    first given one whose meaning is not built."""
+    given = [name for name in [*NOTED, *REFUSED] if getattr(args, name.replace("-", "_")) not in (None, False)]
+    for name in given:
+        if name in REFUSED:
+            raise ValueError(f"--{name} {REFUSED[name]}")
+    return [f"note: --{name} changes nothing here: {NOTED[name]}" for name in given]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        notes = megatron_only_flags(args)
+        duplicate = next((key for i, key in enumerate(args.json_keys) if key in args.json_keys[:i]), None)
+        if duplicate is not None:
+            raise ValueError(f"--json-keys names {duplicate!r} twice: each key writes one dataset ({args.json_keys})")
+    except ValueError as e:
+        print_error(str(e))
+        return 2
+    for note in notes:
+        print(note, file=sys.stderr)
     data_cfg = DataConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
                           vocab_size=args.vocab_size, tokenizer_model=args.tokenizer_model,
                           tokenizer_hf_include_special_tokens=args.tokenizer_hf_include_special_tokens)

@@ -1,7 +1,7 @@
 """Test-suite settings.
 
 Two sets. `make test` (what CI runs) sets DTGPT_SLOW=1 and runs every test. `make test-fast` and a
-bare `pytest` skip the tests marked `slow`: what remains is the edit loop, about 4 minutes on 2 CPU
+bare `pytest` skip the tests marked `slow`: what remains is the edit loop, about 8 minutes on a busy 2-CPU
 cores: the unit tests, plus one end-to-end test for each headline claim:
 
 - installs and runs on a CPU: test_readme.py's `make train` (a tiny training run, as written)
@@ -30,10 +30,27 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("DTGPT_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
         return
-    skip = pytest.mark.skip(reason="slow: set DTGPT_SLOW=1 (make test) to run")
+    skip = pytest.mark.skip(reason=SLOW_REASON)
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+SLOW_REASON = "slow: set DTGPT_SLOW=1 (make test) to run"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for the tests skipped as slow, one per other skip (pyproject's addopts asks pytest
+    itself for failures and errors only)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    slow = [r for r in skipped if SLOW_REASON in str(r.longrepr)]
+    for report in skipped:
+        if report not in slow:
+            path, line, reason = report.longrepr if isinstance(report.longrepr, tuple) else (report.nodeid, 0, report.longrepr)
+            where = os.path.relpath(path, terminalreporter.config.rootpath) if os.path.isabs(path) else path
+            terminalreporter.write_line(f"SKIPPED {where}:{line}: {reason.removeprefix('Skipped: ')}")
+    if slow:
+        terminalreporter.write_line(f"{len(slow)} tests marked slow skipped: set DTGPT_SLOW=1 (make test) to run them")
 
 
 @pytest.fixture(autouse=True)
