@@ -85,11 +85,19 @@ def print_start(cfg, path: str | None, architecture_from: str = "") -> None:
     m, world = cfg.model, os.environ.get("WORLD_SIZE", "1")
     print(
         f"> dtgpt: {path or 'the default config'} on {world} rank(s): building a GPT of {m.num_layers} layers, "
-        f"hidden {m.hidden_size}, sequence {m.seq_length}; then the data",
+        f"hidden {m.hidden_size}, sequence {m.seq_length}{experts_text(m)}; then the data",
         flush=True,
     )
     if architecture_from:
         print(f"> {architecture_from}", flush=True)
+
+
+def experts_text(m) -> str:
+    """The mixture of experts of an MoE model, for the start-up lines ("" for a dense one)."""
+    if not m.num_experts:
+        return ""
+    layers = sum(m.is_moe_layer(i) for i in range(m.num_layers))
+    return f", {m.num_experts} experts (top-{m.moe_router_topk}) in {layers} of its layers"
 
 
 def print_next_steps(cfg) -> None:

@@ -50,13 +50,19 @@ def outputs(cfg: Config) -> str:
     return f"{checkpoints}; {tensorboard}; {metrics}"
 
 
+def expert_mesh(cfg: Config, dims: ParallelDims) -> str:
+    """An MoE run's experts over the mesh: ep ranks, each holding num_experts / ep of them."""
+    experts = cfg.model.num_experts
+    return f"; {experts} experts over ep={dims.ep} ({experts // dims.ep} per rank)" if experts else ""
+
+
 def startup_summary(cfg: Config, dims: ParallelDims, n_params: int, vocab_size: int, tokenizer, datasets: Sequence) -> str:
     schedule = f", schedule {cfg.parallel.pipeline_schedule}" if dims.pp > 1 else ""
     return "\n".join([
         f"> data: {data_source(cfg, tokenizer)}",
         f"> samples (seq_length {cfg.model.seq_length}): {split_sizes(datasets)}",
         f"> mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp} "
-        f"({dims.world_size} rank{'s' if dims.world_size > 1 else ''}){schedule}",
+        f"({dims.world_size} rank{'s' if dims.world_size > 1 else ''}){schedule}{expert_mesh(cfg, dims)}",
         f"> model: {n_params:,} parameters on rank 0, padded vocabulary {vocab_size}",
         f"> output: {outputs(cfg)}",
     ])  # fmt: skip

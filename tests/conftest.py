@@ -1,8 +1,8 @@
 """Test-suite settings.
 
 Two sets. `make test` (what CI runs) sets DTGPT_SLOW=1 and runs every test. `make test-fast` and a
-bare `pytest` skip the tests marked `slow`: what remains is the edit loop, about 8 minutes on a busy 2-CPU
-cores: the unit tests, plus one end-to-end test for each headline claim:
+bare `pytest` skip the tests marked `slow`: what remains is the edit loop, about 8 minutes on a busy 2-core
+machine: the unit tests, plus one end-to-end test for each headline claim:
 
 - installs and runs on a CPU: test_readme.py's `make train` (a tiny training run, as written)
 - every parallel layout trains the same model: test_parity.py's configs/debug_3d.toml

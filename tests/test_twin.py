@@ -249,3 +249,17 @@ def test_mixtral_twin_trains_on_4_ranks(twins):
     output = trained_briefly(twins, "mixtral", 4)
     assert "validation loss at iteration 4 |" in output
     assert "> mesh: pp=2 dp_replicate=1 dp_shard=2 cp=1 tp=1 (4 ranks)" in output
+    assert "8 experts (top-2) in 4 of its layers; then the data" in output and "; 8 experts over ep=2 (4 per rank)" in output
+
+
+def test_an_moe_run_says_its_experts_and_ep_at_start_up():
+    from dtgpt.cli import experts_text
+    from dtgpt.parallel.dims import ParallelDims
+    from dtgpt.summary import expert_mesh
+
+    twin = load_config(MIXTRAL_TWIN)
+    dims = ParallelDims.from_config(twin, 4)
+    assert experts_text(twin.model) == ", 8 experts (top-2) in 4 of its layers"
+    assert expert_mesh(twin, dims) == "; 8 experts over ep=2 (4 per rank)"
+    dense = load_config(LLAMA_TWIN)
+    assert experts_text(dense.model) == "" and expert_mesh(dense, ParallelDims.from_config(dense, 2)) == ""

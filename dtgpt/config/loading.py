@@ -21,6 +21,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 from dtgpt.config.megatron_flags import translate
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
+from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.validation import validate
@@ -240,10 +241,17 @@ def _toml_value(value: Any) -> str:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML; unset optional keys appear as comments."""
     lines = []
+    moe = {f.name for f in dataclasses.fields(MoEKeys)}
     for section_field in dataclasses.fields(cfg):
         section = getattr(cfg, section_field.name)
+        if section_field.name == "faults":
+            lines.append("# fault injection, for tests and drills (docs/faults.md): leave it at 0 in a real run")
         lines.append(f"[{section_field.name}]")
-        for f in dataclasses.fields(section):
+        # a [model] reads as the model first; its mixture-of-experts keys (a base class, so
+        # first among the fields) come after the dense ones
+        for f in sorted(dataclasses.fields(section), key=lambda f: f.name in moe):
+            if f.name == "num_experts":
+                lines.append("# mixture of experts (unset num_experts: every block dense)")
             value = getattr(section, f.name)
             if value is None:
                 lines.append(f"# {f.name} = (unset)")
