@@ -28,6 +28,8 @@ from dtgpt.data.tokenizer import build_tokenizer
 from dtgpt.model import GPT
 from tests.test_hf_export import load_script
 
+pytestmark = pytest.mark.slow  # ~20 s of conversions: make test runs them
+
 MODEL = ["--model.num_layers=1", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
          "--model.make_vocab_size_divisible_by=64", "--data.mock_data=true", "--data.tokenizer_type=ByteTokenizer"]  # fmt: skip
 
@@ -131,6 +133,7 @@ BROKEN = {  # name -> (how the directory is damaged, what the one line says)
     "absurd-shape": (lambda d: _rewrite_header(d / "model.safetensors", lambda h: h[next(k for k in h if k != "__metadata__")]
                                                .update(shape=[1 << 40, 1 << 40])), "not a readable safetensors file"),
     "config-not-json": (lambda d: (d / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    "config-not-utf8": (lambda d: (d / "config.json").write_bytes(b"{\"n_embd\": \"\xff\xfe\"}"), "config.json: not UTF-8 text"),
     "config-a-list": (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json: holds a JSON list"),
     "config-wrong-type": (_config(lambda c: c.update(n_embd="32")), "config.json: n_embd='32' must be a whole number"),
     "config-missing-key": (_config(lambda c: c.pop("n_embd")), "config.json: no 'n_embd'"),

@@ -37,6 +37,7 @@ def test_every_megatron_preprocess_flag_has_a_meaning_here():
     assert not set(TAKEN) & set(NOTED) and not set(NOTED) & set(REFUSED)
 
 
+@pytest.mark.slow  # 32 runs of the script (~10 s): make test runs them
 @pytest.mark.parametrize("name", list(preprocess_flags()))
 def test_each_flag_is_taken_noted_or_refused(tmp_path, corpus, capfd, name):
     script = load_script("preprocess_data")

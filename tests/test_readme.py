@@ -33,12 +33,14 @@ TRAIN_ON_IT = (
     "python train.py --config configs/debug.toml --data.data_path=data/corpus_text_document "
     "--checkpoint.save=checkpoints/corpus --checkpoint.load=checkpoints/corpus"
 )
-TO_MEGATRON = "python scripts/convert_checkpoint.py to-megatron checkpoints/debug megatron_ckpt"
-FROM_MEGATRON = "python scripts/convert_checkpoint.py from-megatron megatron_ckpt from_megatron --config configs/debug.toml"
-TO_TORCH = "python scripts/convert_checkpoint.py to-torch checkpoints/debug debug.pt"
-FROM_TORCH = "python scripts/convert_checkpoint.py from-torch debug.pt from_torch"
-TO_HF = "python scripts/convert_checkpoint.py to-hf checkpoints/debug hf_debug"
-FROM_HF = "python scripts/convert_checkpoint.py from-hf hf_debug from_hf"
+TO_MEGATRON = "python scripts/convert_checkpoint.py to-megatron checkpoints/debug checkpoints/megatron_debug"
+FROM_MEGATRON = (
+    "python scripts/convert_checkpoint.py from-megatron checkpoints/megatron_debug checkpoints/from_megatron --config configs/debug.toml"
+)
+TO_TORCH = "python scripts/convert_checkpoint.py to-torch checkpoints/debug checkpoints/debug.pt"
+FROM_TORCH = "python scripts/convert_checkpoint.py from-torch checkpoints/debug.pt checkpoints/from_torch"
+TO_HF = "python scripts/convert_checkpoint.py to-hf checkpoints/debug checkpoints/hf_debug"
+FROM_HF = "python scripts/convert_checkpoint.py from-hf checkpoints/hf_debug checkpoints/from_hf"
 GENERATE = "python scripts/generate.py checkpoints/debug --prompt 'def ' --max-new-tokens 40 --temperature 0.8 --top-k 20"
 MEGATRON_FLAGS = (
     "python train.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
@@ -79,12 +81,12 @@ NEEDS = {TRAIN_ON_IT: [PREPROCESS], FROM_MEGATRON: [TO_MEGATRON], FROM_TORCH: [T
 OUTPUTS = {
     PREPROCESS: ["data/corpus_text_document.bin", "data/corpus_text_document.idx"],
     TRAIN_ON_IT: ["checkpoints/corpus/iter_0000004/complete"],
-    TO_MEGATRON: ["megatron_ckpt/iter_0000004/common.pt", "megatron_ckpt/latest_checkpointed_iteration.txt"],
-    FROM_MEGATRON: ["from_megatron/iter_0000004/complete"],
-    TO_TORCH: ["debug.pt"],
-    FROM_TORCH: ["from_torch/iter_0000004/complete"],
-    TO_HF: ["hf_debug/model.safetensors", "hf_debug/config.json", "hf_debug/tokenizer.json"],
-    FROM_HF: ["from_hf/iter_0000000/complete"],
+    TO_MEGATRON: ["checkpoints/megatron_debug/iter_0000004/common.pt", "checkpoints/megatron_debug/latest_checkpointed_iteration.txt"],
+    FROM_MEGATRON: ["checkpoints/from_megatron/iter_0000004/complete"],
+    TO_TORCH: ["checkpoints/debug.pt"],
+    FROM_TORCH: ["checkpoints/from_torch/iter_0000004/complete"],
+    TO_HF: ["checkpoints/hf_debug/model.safetensors", "checkpoints/hf_debug/config.json", "checkpoints/hf_debug/tokenizer.json"],
+    FROM_HF: ["checkpoints/from_hf/iter_0000000/complete"],
 }
 """What a command must leave behind (besides exiting 0 without a warning)."""
 DEBUG_RUNS = ("make train", "python train.py --config configs/debug.toml")
@@ -211,6 +213,10 @@ def test_readme_command_runs_without_warnings(tmp_path, request, command):
     if command == MEGATRON_FLAGS:  # Megatron's flags set the keys; the internals one gets its note
         assert "> ignoring Megatron-LM flags that choose only Megatron's internals: --use-mcore-models" in proc.stdout
         assert "building a GPT of 2 layers, hidden 64, sequence 64" in proc.stdout
+    if run_key(command) in (FROM_MEGATRON, FROM_TORCH, FROM_HF):
+        run_the_printed_hint(proc.stdout, where, iteration=0 if command == FROM_HF else 4)
+    if run_key(command) == TRAIN_ON_IT:  # its logs follow its checkpoint, not the debug config's run
+        assert (where / "runs/corpus/metrics.jsonl").exists() and not (where / "runs/debug").exists()
     if command == GENERATE:
         assert proc.stdout.startswith("def ") and len(proc.stdout) > len("def "), proc.stdout  # the prompt, then the sample
         assert "> checkpoints/debug/iter_0000004: 40 tokens, temperature 0.8, top-k 20" in proc.stderr
@@ -228,6 +234,16 @@ def test_readme_command_runs_without_warnings(tmp_path, request, command):
         # the start-up summary says what the run reads and where it writes
         assert "> data: built-in corpus 'python-docstrings', ByteTokenizer (257 ids)" in proc.stdout
         assert "> output: checkpoints checkpoints/debug (at the end); TensorBoard runs/debug/tensorboard" in proc.stdout
+
+
+def run_the_printed_hint(stdout: str, where: Path, iteration: int) -> None:
+    """A conversion's last line names the command that trains on from what it wrote: it runs as
+    printed (shortened by two iterations past the converted one), from the converted iteration."""
+    hint = stdout.strip().splitlines()[-1].split("train from it with: ")[1].split(" (it trains on mock data")[0]
+    argv = shlex.split(hint) + [f"--training.train_iters={iteration + 2}", "--eval.eval_iters=0", "--logging.log_interval=1"]
+    proc = subprocess.run(argv, cwd=where, env=activated_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{hint}\n{(proc.stdout + proc.stderr)[-4000:]}"
+    assert f"iteration {iteration}, consumed samples" in proc.stdout and not warnings_in(proc.stdout + proc.stderr), proc.stdout
 
 
 @pytest.mark.slow

@@ -229,7 +229,7 @@ class Checkpointer(Rejoining):
             reader = SafeReader(directory, c.trust_pickles)
             dcp.load(request, checkpoint_id=str(directory), storage_reader=reader, no_dist=not self.distributed)
         self.state.load_state_dict(request)
-        if "train_state" in plan.sections and not has_section(metadata, "train_state") and marker.get("iteration"):
+        if "train_state" in plan.sections and not has_section(metadata, "train_state") and marker.get("converted_from"):
             progress.iteration, progress.consumed_samples = int(marker["iteration"]), int(marker.get("consumed_samples", 0))  # converted: the marker's
         if stateful and (note := resume_schedule(saved, self.run_cfg, self.state)):
             self._log(note)

@@ -22,6 +22,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from dtgpt.config.megatron_flags import translate
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.moe_keys import MoEKeys
+from dtgpt.config.run_outputs import apply_logs_follow_checkpoint
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.validation import validate
@@ -209,7 +210,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (), check: bool 
     data = load_toml(path) if path else {}
     cfg = config_from_dict(data, str(path))
     levels = {f"{s}.{k}": FILE for s, table in data.items() for k in table}
+    file_save = cfg.checkpoint.save
     _apply_command_line(cfg, list(overrides), levels)
+    apply_logs_follow_checkpoint(cfg, file_save, levels, FILE)
     said = translate(list(overrides))
     apply_megatron_vocab_multiple(cfg, [spelling for _, _, spelling in said.overrides], said.ignored, levels, bool(path))
     resolve_conflicts(cfg, levels)
