@@ -107,8 +107,10 @@ def _check_model(cfg: Config) -> None:
         f"model.seq_length={m.seq_length} must be <= model.max_position_embeddings={m.max_position_embeddings}",
     )
     _require(m.ffn_hidden_size >= 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 0 (0 = 4*hidden)")
+    dense = not m.num_experts or m.moe_layer_freq < 1 or any(not m.is_moe_layer(i) for i in range(m.num_layers))  # (freq: moe_rules)
     _require(  # SwiGLU's default width rounds 8/3 x hidden down to a multiple of 64: 0 below hidden 24
-        m.ffn_size > 0, f"model.ffn_hidden_size=0 with model.swiglu=true and model.hidden_size={m.hidden_size} gives an MLP of "
+        (m.ffn_size > 0 or not dense) and (not m.num_experts or m.expert_ffn_size > 0),
+        f"model.ffn_hidden_size=0 with model.swiglu=true and model.hidden_size={m.hidden_size} gives an MLP of "
         "width 0 (8/3 x hidden, rounded down to a multiple of 64): set model.ffn_hidden_size",
     )
     _require(  # inverse frequencies base^(-2i/d): a base of 0 or 1 makes every step's loss non-finite or RoPE a no-op
