@@ -3,7 +3,8 @@
 Each rank writes OUT/rank<r>.json: the largest tensor it created while building the model (by a
 dispatch mode that sees every op's output), the model's largest parameter, the bytes it read
 while saving and while loading a checkpoint (/proc/self/io rchar: files and sockets), and whether
-the loaded weights equal the saved ones; rank 0 also records the weights' checksum.
+the loaded weights equal the saved ones, and which iteration a load took once a byte of rank 3's
+file of the newer checkpoint changed.
 """
 
 from __future__ import annotations
@@ -79,6 +80,18 @@ def main(out: Path) -> None:
     loaded = gathered(fresh.model)
     record["loaded_equal"] = all(torch.equal(saved[n], loaded[n]) for n in saved)
     record["checkpoint_bytes"] = sum(p.stat().st_size for p in (out / "ckpt").rglob("*") if p.is_file())
+    # Iteration 2 with a byte of rank 3's file changed: only rank 3 reads that file here, and
+    # every rank must fall back to iteration 1 together.
+    state.progress.iteration = 2
+    dtgpt.save_checkpoint(out / "ckpt", cfg, runtime, state)
+    if dist.get_rank() == 0:
+        data = out / "ckpt" / "iter_0000002" / "__3_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    again = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, vocab_size=VOCAB))
+    record["after_damage"] = dtgpt.load_checkpoint(out / "ckpt", cfg, runtime, again)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))
     dtgpt.shutdown()
 

@@ -30,6 +30,11 @@ def test_the_checkpoint_round_trips(ranks):
     assert all(rank["loaded_equal"] for rank in ranks)
 
 
+def test_a_byte_changed_in_one_ranks_file_makes_every_rank_fall_back(ranks):
+    """Only rank 3 reads (and checks) that file; the ranks agree, and all load iteration 1."""
+    assert [rank["after_damage"] for rank in ranks] == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("when", ["save_read", "load_read"])
 def test_rank_0_reads_no_more_than_1_5x_any_other_rank(ranks, when):
     """Each rank checksums its own files and verifies the items it loads: rank 0 no longer reads
