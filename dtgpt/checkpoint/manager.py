@@ -1,12 +1,14 @@
 """Checkpointer: when to save, saving (sync or async) with DCP, and loading on construction.
 
 A save writes a staging directory with DCP, then (rank 0, once every rank's data and `.metadata`
-exist) the `complete` marker with each file's checksum, renames it to `iter_N` (swapping in a
+exist) the `complete` marker with each file's checksum (each rank's writer checksummed its own
+files: integrity.py), renames it to `iter_N` (swapping in a
 re-save), moves the pointer and prunes (only after a save that counts: dtgpt.state.RunHealth):
 no `iter_N` is ever partial and an old one is never deleted first. Rank 0 locks the save
 directory for the run (lock.py), and a run writes into another run's directory only when it
 loaded from it or checkpoint.overwrite.
-Loads read data only (safe.py). An async save stages a copy, returns to training and completes
+Loads read data only (safe.py), each rank checking the items it reads against the marker (one
+found changed makes every rank fall back to an older checkpoint). An async save stages a copy, returns to training and completes
 when its future is found done (polled every iteration); at most one is in flight. Directory
 layout: layout.py; what is saved: stored.py and dtgpt/state.py.
 """
