@@ -84,7 +84,7 @@ def init_distributed(cfg: Config) -> Runtime:
         rank = dist.get_rank()
         dims.build_mesh(device.type)
     # Dropout differs between pipeline stages as in Megatron; weights and data order never
-    # depend on this seed (they have their own, see GPT.initial_value and the data order).
+    # depend on this seed (they have their own, see GPT.init_weights and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).
     torch.manual_seed(stage_seed(cfg.training.seed, dims.pp_rank))
     launcher, replacement = os.environ.get(LAUNCHER_ENV, ""), replacement_number()

@@ -10,7 +10,8 @@ norm and head may be None on a pipeline stage. What it concedes to recomputation
 core is a module of its own, and `block_runs` may group blocks (see dtgpt/parallel/recompute.py).
 
 Each module declares the initialisation of its own parameters (`declared_inits`); `init_weights`
-draws every value from a generator seeded by (seed, parameter name) on the full shape.
+draws every value from a generator seeded by (seed, parameter name) on the full shape, each rank
+only its own region of it (dtgpt.inits.fill_normal).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
-from dtgpt.inits import DeclaredInits, Init, linear_inits, named_normal
+from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
 from dtgpt.moe.layer import MoELayer
 from dtgpt.norms import build_norm
 from dtgpt.rope import apply_rotary, rotary_frequencies
@@ -336,43 +337,41 @@ class GPT(nn.Module):
             kinds[name] = declared[id(param)]
         return kinds
 
-    def initial_value(self, name: str, kind: Init, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
-        """The full initial tensor of parameter `name`, a function of (name, kind, shape, seed) only.
-
-        Each parameter draws from its own generator seeded by its name, so the value does not
-        depend on which other parameters a rank holds or in which order they are visited.
-        """
-        if kind is Init.ZEROS:
-            return torch.zeros(shape, device=device)
-        if kind is Init.ONES:
-            return torch.ones(shape, device=device)
+    def initial_std(self, name: str, kind: Init) -> tuple[str, float]:
+        """(the name whose generator draws parameter `name`, the std of its normal init)."""
         std = self.cfg.init_method_std
         if kind is Init.SCALED_NORMAL:
             std = std / math.sqrt(2.0 * self.cfg.num_layers)
         if name == OUTPUT_WEIGHT and self.tied:
             name = WORD_EMBEDDING  # the last pipeline stage's copy of the tied weight starts equal
-        return named_normal(name, shape, std, seed, device)
+        return name, std
 
     @torch.no_grad()
     def init_weights(
         self,
         seed: int,
-        device: torch.device | str = "cpu",
-        assign: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        local: Callable[[torch.Tensor], tuple[torch.Tensor, tuple[int, ...]]] | None = None,
     ) -> None:
         """Give *every* parameter its initial value (call after `to_empty`).
 
-        `assign(param, full_value)` writes a full tensor into a parameter that may be sharded;
-        the default copies it whole.
+        Each parameter's full initial tensor is a function of (name, kind, shape, seed) only: it
+        draws from its own generator seeded by its name, so the value does not depend on which
+        other parameters a rank holds or in which order they are visited. `local(param)` gives
+        the tensor a rank holds of a (maybe sharded) parameter and its offsets in the full one
+        (default: the whole); only that region is drawn (dtgpt.inits.fill_normal), so no rank
+        creates a whole parameter.
         """
-        device = torch.device(device)
         for module in self.modules():
             if hasattr(module, "init_buffers"):  # state that is not a parameter (the router's expert bias)
                 module.init_buffers()
         kinds = self.init_kinds()
         for name, param in self.named_parameters():
-            value = self.initial_value(name, kinds[name], param.shape, seed, device)
-            if assign is None:
-                param.copy_(value)
+            held, offsets = local(param) if local is not None else (param, (0,) * param.dim())
+            kind = kinds[name]
+            if kind is Init.ZEROS:
+                held.zero_()
+            elif kind is Init.ONES:
+                held.fill_(1.0)
             else:
-                assign(param, value)
+                drawn, std = self.initial_std(name, kind)
+                fill_normal(held, drawn, param.shape, offsets, std, seed)

@@ -241,3 +241,11 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_worker(script: str, nproc: int, out: Path, timeout: int = 300) -> None:
+    """Run tests/<script> under torchrun on `nproc` gloo ranks with `out` as its argument (and
+    working directory); fails the test with the output's tail unless it exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(REPO / "tests" / script), str(out)]
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

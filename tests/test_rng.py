@@ -15,9 +15,6 @@ layouts against one process.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
@@ -28,7 +25,7 @@ from dtgpt.config import ModelConfig
 from dtgpt.model import CoreAttention
 from dtgpt.parallel.invariant_dropout import InvariantAttention, InvariantDropout, dropped_attention, keep_mask
 from dtgpt.parallel.rng import ModelParallelRNG, model_parallel_seed, stage_seed
-from tests.runs import REPO
+from tests.runs import run_worker
 
 INDEPENDENT = 0.05
 """|correlation| bound for independent masks: each holds >= 16k Bernoulli(0.5) draws, so the
@@ -43,9 +40,7 @@ def correlation(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def masks(tmp_path_factory):
     out = tmp_path_factory.mktemp("rng")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPO / "tests/rng_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_worker("rng_worker.py", 2, out)
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
 

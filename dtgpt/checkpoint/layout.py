@@ -166,9 +166,9 @@ def write_pointer(root: str | Path, iteration: int) -> None:
     fsync_dir(Path(root))  # the rename itself survives a crash
 
 
-def write_marker(directory: Path, info: dict) -> None:
+def write_marker(directory: Path, info: dict, records: dict | None = None) -> None:
     """Mark `directory` complete, recording the CRC-32 of each of its files (checked on load)."""
-    info = {**info, "checksums": safe.checksums(directory, skip=(MARKER,))}
+    info = {**info, **safe.marker_checksums(directory, (MARKER,), records)}
     write_atomic(directory / MARKER, json.dumps(info, indent=1, sort_keys=True) + "\n")
     fsync_dir(directory)
 
@@ -204,12 +204,13 @@ def read_metadata(directory: str | Path, trust_pickles: bool = False, unread: Ca
     return metadata
 
 
-def problem(directory: Path, deep: bool = True, trust_pickles: bool = False) -> str | None:
+def problem(directory: Path, deep: bool = True, trust_pickles: bool = False, data: bool = True) -> str | None:
     """Why `directory` is not a complete checkpoint, or None when it is one.
 
     `deep` also reads the marker and the DCP index, and checks every file against the checksum
     the marker recorded (or, for a marker without checksums, every data file is as long as the
-    index says). A checkpoint that would run code when read raises CheckpointError instead.
+    index says); not `data`: files whose items it checksums are only measured (integrity.py).
+    A checkpoint that would run code when read raises CheckpointError instead.
     """
     if not directory.is_dir():
         return "no such directory"
@@ -222,7 +223,8 @@ def problem(directory: Path, deep: bool = True, trust_pickles: bool = False) -> 
     try:
         marker = read_marker(directory)
         if "checksums" in marker:
-            return safe.checksum_problem(directory, marker["checksums"]) or _index_problem(directory, trust_pickles, False)
+            sized = () if data else tuple(marker.get("item_checksums") or ())
+            return safe.checksum_problem(directory, marker["checksums"], sized) or _index_problem(directory, trust_pickles, False)
         return _index_problem(directory, trust_pickles, True)
     except OSError as e:
         return f"unreadable: {e}"
@@ -285,19 +287,19 @@ class Resolved:
 
 def resolve(
     root: str, load_iteration: int, fresh_ok: bool, fix: str = "fix the path, or set checkpoint.auto_resume=true to start from scratch",
-    trust_pickles: bool = False,
+    trust_pickles: bool = False, data: bool = True, bad: dict[int, str] | None = None,
 ) -> Resolved:
     """Pick the checkpoint to load from `root`.
 
     load_iteration > 0 names one directory, which must be complete. Otherwise the pointer is
     followed; when it is missing or names a partial directory, the newest complete one is used
-    instead, with a warning. With no checkpoint at all: start fresh when `fresh_ok` (root is
+    instead, with a warning (`data`, `bad`: see problem() and why_not). With no checkpoint at all: start fresh when `fresh_ok` (root is
     also the save directory, or auto_resume), else raise. When a directory that was once
     completed (it has a marker) no longer loads, always raise: starting fresh would let the new
     run's saves replace it. Directories of saves that never finished do not count.
     """
-    def why_not(iteration: int) -> str | None:
-        return problem(iteration_dir(root, iteration), trust_pickles=trust_pickles)
+    def why_not(iteration: int) -> str | None:  # `bad`: found by the ranks' reads (integrity.read_problem)
+        return (bad or {}).get(iteration) or problem(iteration_dir(root, iteration), trust_pickles=trust_pickles, data=data)
 
     warnings: list[str] = []
     if load_iteration > 0:

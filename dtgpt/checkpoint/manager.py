@@ -1,12 +1,14 @@
 """Checkpointer: when to save, saving (sync or async) with DCP, and loading on construction.
 
 A save writes a staging directory with DCP, then (rank 0, once every rank's data and `.metadata`
-exist) the `complete` marker with each file's checksum, renames it to `iter_N` (swapping in a
+exist) the `complete` marker with each file's checksum (each rank's writer checksummed its own
+files: integrity.py), renames it to `iter_N` (swapping in a
 re-save), moves the pointer and prunes (only after a save that counts: dtgpt.state.RunHealth):
 no `iter_N` is ever partial and an old one is never deleted first. Rank 0 locks the save
 directory for the run (lock.py), and a run writes into another run's directory only when it
 loaded from it or checkpoint.overwrite.
-Loads read data only (safe.py). An async save stages a copy, returns to training and completes
+Loads read data only (safe.py), each rank checking the items it reads against the marker (one
+found changed makes every rank fall back to an older checkpoint). An async save stages a copy, returns to training and completes
 when its future is found done (polled every iteration); at most one is in flight. Directory
 layout: layout.py; what is saved: stored.py and dtgpt/state.py.
 """
@@ -28,10 +30,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
+from dtgpt.checkpoint.integrity import ChecksummingWriter, CorruptCheckpoint, read_problem
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.rejoin import Rejoining
+from dtgpt.checkpoint.rank_zero import RankZeroCalls
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
@@ -52,9 +56,11 @@ class PendingSave:
     future: Future
     started: float
     verdict: SaveVerdict
+    writer: object
+    """The DCP writer: a ChecksummingWriter's `records` go into the marker (a fault-injecting one has none)."""
 
 
-class Checkpointer(Rejoining):
+class Checkpointer(Rejoining, RankZeroCalls):
     """Saves `state` every checkpoint.save_interval iterations; loads it on construction (see
     module doc), unless `joining` (rejoin.py). `faults` may make a save fail on purpose (dtgpt.faults.injection)."""
 
@@ -100,32 +106,6 @@ class Checkpointer(Rejoining):
         if self.runtime.is_main:
             print(f"{prefix}{message}", flush=True)
 
-    def _from_rank0(self, fn):
-        """Run fn on rank 0 only and give every rank its result (or its CheckpointError)."""
-        result = None
-        if self.runtime.is_main:
-            try:
-                result = ("ok", fn())
-            except CheckpointError as e:
-                result = ("error", str(e))
-        if self.distributed:
-            box = [result]
-            dist.broadcast_object_list(box, src=0)
-            result = box[0]
-        if result[0] == "error":
-            raise CheckpointError(result[1])
-        return result[1]
-
-    def _agree(self, message: str | None) -> None:
-        """Raise the same CheckpointError on every rank if any rank found a problem."""
-        messages = [message]
-        if self.distributed:
-            messages = [None] * dist.get_world_size()
-            dist.all_gather_object(messages, message)
-        first = next((m for m in messages if m), None)
-        if first:
-            raise CheckpointError(first)
-
     def _take_save_dir(self) -> None:
         self._lock = claim_save_dir(self.cfg.save, self.run_id)
 
@@ -159,14 +139,20 @@ class Checkpointer(Rejoining):
         if note:
             self._log(note)
         fresh_ok = c.auto_resume or layout.same_path(root, c.save)
-        found = self._from_rank0(lambda: layout.resolve(root, iteration, fresh_ok, trust_pickles=c.trust_pickles))
-        for warning in found.warnings:
-            self._log(warning, "WARNING: ")
-        if found.directory is None:
-            self._log(f"{found.note}: starting from scratch")
-            return root
-        start = time.perf_counter()
-        self._load_from(found.directory)
+        bad: dict[int, str] = {}  # checkpoints whose bytes a rank found changed: skipped as partial
+        while True:
+            found = self._from_rank0(lambda: layout.resolve(root, iteration, fresh_ok, trust_pickles=c.trust_pickles, data=False, bad=bad))
+            for warning in found.warnings:
+                self._log(warning, "WARNING: ")
+            if found.directory is None:
+                self._log(f"{found.note}: starting from scratch")
+                return root
+            start = time.perf_counter()
+            try:
+                self._load_from(found.directory)
+                break
+            except CorruptCheckpoint as e:
+                bad[found.iteration] = str(e)
         s = self.state.progress
         self._log(
             f"loaded checkpoint {found.directory} in {time.perf_counter() - start:.2f} s: iteration {s.iteration}, "
@@ -225,6 +211,9 @@ class Checkpointer(Rejoining):
             if same_rng_coordinates(marker.get("mesh"), here) and len(stored) == len(wanted):
                 request["rng"] = stored
 
+        # Each rank checks the items it is about to read (an older marker's files were checked whole).
+        items = marker.get("item_checksums")
+        self._agree(read_problem(directory, request, metadata, items) if isinstance(items, dict) else None, CorruptCheckpoint)
         with layout.single_process():
             reader = SafeReader(directory, c.trust_pickles)
             dcp.load(request, checkpoint_id=str(directory), storage_reader=reader, no_dist=not self.distributed)
@@ -281,7 +270,7 @@ class Checkpointer(Rejoining):
         verdict = self.state.health.verdict(self.state.weights_finite())
         directory = self._from_rank0(lambda: self._prepare(iteration))
         state = self.state.state_dict()
-        writer = self._faults.storage_writer(directory, iteration)  # None: DCP's own file writer
+        writer = self._faults.storage_writer(directory, iteration) or ChecksummingWriter(directory)
         if self.cfg.async_save if background is None else background:
             self._stager = self._stager or self._build_stager()
             # The stager has copied every tensor when async_save returns: training may go on.
@@ -291,7 +280,7 @@ class Checkpointer(Rejoining):
                     async_stager=self._stager, no_dist=not self.distributed,
                 )  # fmt: skip
             future = getattr(future, "upload_completion", future)
-            self._pending = PendingSave(iteration, directory, future, start, verdict)  # saved once complete
+            self._pending = PendingSave(iteration, directory, future, start, verdict, writer)  # saved once complete
             blocked = time.perf_counter() - start
             self.blocked_s.append(blocked)
             self._log(f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} in the background: training blocked {blocked:.3f} s")
@@ -304,7 +293,7 @@ class Checkpointer(Rejoining):
                     f"saving checkpoint {layout.iteration_dir(self.cfg.save, iteration)} failed: {layout.describe(e)}; "
                     f"{layout.POINTER} not moved"
                 ) from None
-            self._complete(iteration, directory, verdict)
+            self._complete(iteration, directory, verdict, getattr(writer, "records", None))
             self._saved.add(iteration)
             self._failures.pop(iteration, None)  # a failed background save of it, retried
             elapsed = time.perf_counter() - start
@@ -320,8 +309,9 @@ class Checkpointer(Rejoining):
         dist.broadcast_object_list(box, group=group, group_src=0)
         state = self.state.state_dict()
         state["rng"] = rng if rng is not None else state["rng"]
-        dcp.save(state, checkpoint_id=str(box[0]), process_group=group)
-        self._complete(iteration, box[0], verdict, leader=leader)
+        writer = ChecksummingWriter(box[0])
+        dcp.save(state, checkpoint_id=str(box[0]), storage_writer=writer, process_group=group)
+        self._complete(iteration, box[0], verdict, writer.records, leader=leader)
         self._saved.add(iteration)
         return layout.iteration_dir(self.cfg.save, iteration)
 
@@ -344,17 +334,17 @@ class Checkpointer(Rejoining):
             raise CheckpointError(f"cannot write checkpoint {staging}: {e}") from None
         return staging
 
-    def _complete(self, iteration: int, directory: Path, verdict: SaveVerdict, leader: bool | None = None) -> None:
-        """Every rank's data and DCP's .metadata exist: mark complete, swap a staging directory
-        in, move the pointer, prune (only when this save counts toward keep_last). Done by
-        `leader` (rank 0 unless given)."""
+    def _complete(self, iteration: int, directory: Path, verdict: SaveVerdict, records: dict | None, leader: bool | None = None) -> None:
+        """Every rank's data and DCP's .metadata exist: mark complete (with the checksums the ranks
+        `records`ed), swap a staging directory in, move the pointer, prune (only when this save
+        counts toward keep_last). Done by `leader` (rank 0 unless given)."""
         if not (self.runtime.is_main if leader is None else leader):
             return
         layout.write_marker(directory, {
             "format": FORMAT, "iteration": iteration, "consumed_samples": self.state.progress.consumed_samples,
             "mesh": mesh_info(self.run_cfg, self.state.model.dims), "tied": self.state.tied, "time": time.time(),
             "run_id": self.run_id, "weights_finite": verdict.weights_finite, "counts_for_keep_last": verdict.counts,
-        })  # fmt: skip
+        }, records)  # fmt: skip
         layout.swap_in(directory, layout.iteration_dir(self.cfg.save, iteration))
         layout.write_pointer(self.cfg.save, iteration)
         layout.remove_stale_staging(self.cfg.save, iteration)
@@ -379,7 +369,7 @@ class Checkpointer(Rejoining):
             self._failures[pending.iteration] = message
             self._log(message + f" ({layout.POINTER} not moved)", "WARNING: ")
             return
-        self._complete(pending.iteration, pending.directory, pending.verdict)
+        self._complete(pending.iteration, pending.directory, pending.verdict, getattr(pending.writer, "records", None))
         self._saved.add(pending.iteration)
         waited = f", training waited {time.perf_counter() - wait_start:.3f} s for it" if wait else ""
         self._log(f"checkpoint {layout.iteration_dir(self.cfg.save, pending.iteration)} complete ({time.perf_counter() - pending.started:.2f} s after it started{waited})")

@@ -8,8 +8,9 @@ downloaded or tampered checkpoint could run code on load. Here:
   memory formats and plain containers. Anything else is refused, naming the file and the class.
 - dtgpt saves no non-tensor item (train-state counters are tensors, dtgpt.state), so a
   checkpoint holding one (a pickled object) is refused before any byte of it is read.
-- the completion marker records a CRC-32 of every file of the directory; a load recomputes them
-  (zlib.crc32 reads ~1-2 GB/s on one core), so overwritten bytes make the checkpoint partial.
+- the completion marker records a CRC-32 of every file of the directory and of each item in a
+  data file (dtgpt/checkpoint/integrity.py: each rank checksums what it writes and verifies what
+  it reads), so overwritten bytes make the checkpoint partial.
 
 `checkpoint.trust_pickles=true` lifts the first two for a checkpoint one trusts (an older
 dtgpt's, or another tool's), with a warning.
@@ -113,8 +114,19 @@ def checksums(directory: Path, skip: tuple[str, ...]) -> dict[str, list[int]]:
     return {p.name: [p.stat().st_size, crc32(p)] for p in sorted(directory.iterdir()) if p.is_file() and p.name not in skip}
 
 
-def checksum_problem(directory: Path, recorded: dict) -> str | None:
-    """Why the files of `directory` are not the ones the marker recorded, or None."""
+def marker_checksums(directory: Path, skip: tuple[str, ...], records: dict | None) -> dict:
+    """The marker's checksum fields: [size, CRC-32] of every file but `skip`, those the ranks
+    `records`ed (dtgpt/checkpoint/integrity.py) taken from them, the rest read here; with
+    records, also each item's (offset, length, CRC-32), by file."""
+    records = records or {}
+    sums = checksums(directory, skip=(*skip, *records)) | {name: r[:2] for name, r in records.items()}
+    items = {"item_checksums": {name: r[2] for name, r in records.items()}} if records else {}
+    return {"checksums": dict(sorted(sums.items())), **items}
+
+
+def checksum_problem(directory: Path, recorded: dict, sized: tuple[str, ...] = ()) -> str | None:
+    """Why the files of `directory` are not the ones the marker recorded, or None; the files
+    `sized` are only measured (their bytes are verified as they are read)."""
     if not isinstance(recorded, dict):
         return "its marker records no checksums"
     for name, entry in sorted(recorded.items()):
@@ -126,7 +138,7 @@ def checksum_problem(directory: Path, recorded: dict) -> str | None:
         size, crc = entry
         if path.stat().st_size != size:
             return f"file {name} is truncated or extended ({path.stat().st_size} bytes, {size} were written)"
-        if crc32(path) != crc:
+        if name not in sized and crc32(path) != crc:
             return f"file {name} does not match the checksum its marker recorded (changed since the save)"
     return None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
 from dtgpt.model import GPT
@@ -30,6 +29,7 @@ from dtgpt.parallel.pipeline import (
     stage_layer_counts,
 )
 from dtgpt.parallel.recompute import apply_recompute
+from dtgpt.parallel.regions import local_part
 from dtgpt.parallel.rng import ModelParallelRNG, apply_rng_streams, model_parallel_seed
 from dtgpt.parallel.tensor import apply_tp
 from dtgpt.parallel.tied import build_tied_group
@@ -100,17 +100,6 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
                 module.set_force_sum_reduction_for_comms(True)
 
 
-@torch.no_grad()
-def assign_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy this rank's slice of the full tensor `value` into a (possibly sharded) parameter."""
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank holds the full value and keeps its own chunk, no comm.
-        local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(value)
-
-
 def build_model_parallel_rng(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelParallelRNG | None:
     """This rank's model-parallel generator (dtgpt.parallel.rng), or None without tp or with
     layout-invariant dropout (which draws from no generator)."""
@@ -146,7 +135,7 @@ def materialize(part: GPT, cfg: Config, device: torch.device) -> None:
     part.to_empty(device=device)
     if part.tied and part.embedding is not None and part.output is not None:
         part.output.weight = part.embedding.word.weight  # to_empty may give each user a copy
-    part.init_weights(cfg.training.seed, device=device, assign=assign_full_value)
+    part.init_weights(cfg.training.seed, local=local_part)
 
 
 def first_rank_stages(cfg: Config) -> list[int]:

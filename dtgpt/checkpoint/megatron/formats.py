@@ -88,9 +88,10 @@ def find(root: str | Path, iteration: int = 0) -> Path | None:
     )
 
 
-def load_pickle(path: Path, span: tuple[int, int] | None = None):
+def load_pickle(path: Path, span: tuple[int, int] | None = None, mmap: bool = False):
     """A Megatron pickle, unpickled with only tensors, containers and argparse.Namespace allowed:
-    the file `path`, or the `span` (offset, length) of its bytes that one DCP item takes."""
+    the file `path`, or the `span` (offset, length) of its bytes that one DCP item takes. `mmap`:
+    the tensors map the file, and only the bytes a caller touches are read."""
     try:
         source = path
         if span is not None:
@@ -98,7 +99,7 @@ def load_pickle(path: Path, span: tuple[int, int] | None = None):
                 f.seek(span[0])
                 source = io.BytesIO(f.read(span[1]))
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(source, map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and span is None)
     except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
         raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {load_problem(path, e)}") from None
 

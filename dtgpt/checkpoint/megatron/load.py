@@ -26,28 +26,19 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtgpt.checkpoint.megatron.formats import progress_of
 from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, is_buffer, megatron_name
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT
+from dtgpt.parallel.regions import local_region
 from dtgpt.state import FLAT_OPTIM, TrainState, tied_source
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MASTER_SLOTS = ("fp32_param", "param")
 """Megatron's names for the master weights: Float16Optimizer and fully_sharded_model_space say
 fp32_param, the distributed optimizer's fully_reshardable says param."""
-
-
-def local_region(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offsets, local sizes) of this rank's part of a parameter or optimizer tensor."""
-    if isinstance(value, DTensor):
-        # DCP's own planner asks DTensor the same (a private helper: no public API gives offsets)
-        sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return tuple(offsets), tuple(sizes)
-    return (0,) * value.dim(), tuple(value.shape)
 
 
 @torch.no_grad()

@@ -60,7 +60,7 @@ class MegatronReader:
         else:
             self._per_rank = PerRankModel(directory)
             self.common = self._per_rank.common
-            self.shapes = self._per_rank.stacked_shapes()
+            self.shapes = self._per_rank.shapes()
             self.dtypes = {}
         self._model_names: frozenset[str] | None = None  # set by check()
 
@@ -161,10 +161,7 @@ class MegatronReader:
             if self.torch_dist:
                 dcp_requests[request] = (key, at, target_at)
             else:
-                stored = self._per_rank.stacked(key)
-                for dim, (start, size) in enumerate(zip(at, target_at.shape)):
-                    stored = stored.narrow(dim, start, size)
-                target_at.copy_(stored)
+                target_at.copy_(self._per_rank.region(key, at, tuple(target_at.shape)))
         if dcp_requests:
             read_regions(self.directory, dcp_requests)
         return out
