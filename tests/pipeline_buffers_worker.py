@@ -1,35 +1,41 @@
 """Pipeline buffers on real ranks, for tests/test_pipeline_buffers.py: torchrun, 2 ranks (pp2).
 
-    torchrun --nproc-per-node 2 tests/pipeline_buffers_worker.py OUT [--torch-stage]
+    torchrun --nproc-per-node 2 tests/pipeline_buffers_worker.py OUT
 
 For each schedule and micro-batch count below, builds the 4-layer model through the library
-API, runs two forward_backward iterations (the first infers the stages' shapes) and an eval,
-and records on each rank:
+API, runs two forward_backward iterations with an SGD step between (the first infers the
+stages' shapes) and an evaluation, and records on each rank:
 - "after": the live tensors of the boundary activation's shape (micro_batch, seq, hidden) that
   are not parameters, after the second iteration (a census of every tensor Python holds);
 - "peak": the most receive buffers the stages' receive infos held at any forward or backward
   of the second iteration (dtgpt.parallel.pipeline_buffers.held_buffers), the planner's
   pipeline-buffer count (dtgpt.plan.memory.pipeline_buffers).
-Rank r writes {"schedule/n": {"after": int, "peak": int, "stages": [...]}} to OUT.r.
---torch-stage builds torch's own PipelineStage instead (what the stages held before).
+- "after_eval": the same census after the evaluation;
+- "numerics": the three losses (repr) and a digest of the rank's parameters.
+The cases in WITH_TORCH_STAGE run again with torch's own PipelineStage, as "schedule/n/torch".
+Rank r writes {"schedule/n": {...}} to OUT.r.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import dtgpt
 from dtgpt.parallel import pipeline as pipeline_module
-from dtgpt.parallel.pipeline_buffers import held_buffers
+from dtgpt.parallel.pipeline_buffers import held_buffers, supported
 
 MICRO, SEQ, HIDDEN = 1, 16, 24  # a shape no parameter has
 CASES = [("1F1B", 1, 4), ("1F1B", 1, 32), ("Interleaved1F1B", 2, 4), ("Interleaved1F1B", 2, 8)]
+# Run again with torch's own PipelineStage: what it kept, and the same numerics bit for bit.
+WITH_TORCH_STAGE = [("1F1B", 1, 32), ("Interleaved1F1B", 2, 4)]
 
 
 def config(schedule: str, stages_per_rank: int, n: int):
@@ -74,26 +80,37 @@ def watch_peak(stages) -> list[int]:
     return peak
 
 
+def run_case(runtime, schedule: str, per_rank: int, n: int, torch_stage: bool) -> dict:
+    pipeline_module.supported = (lambda: False) if torch_stage else supported
+    cfg = config(schedule, per_rank, n)
+    model = dtgpt.build_model(cfg, runtime, vocab_size=64)
+    batches = dtgpt.build_train_iterator(cfg, model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = [dtgpt.forward_backward(model, next(batches), n)]
+    optimizer.step()
+    optimizer.zero_grad()
+    peak = watch_peak(model.schedules.stages)
+    losses.append(dtgpt.forward_backward(model, next(batches), n))
+    params = {id(p) for p in model.parameters()}
+    result = {"after": boundary_tensors(params), "peak": peak[0], "stages": model.stage_ids}
+    losses.append(dtgpt.forward_backward(model, next(batches), n, forward_only=True))
+    result["after_eval"] = boundary_tensors(params)
+    digest = hashlib.sha1()
+    for p in model.parameters():
+        digest.update(p.detach().to_local().numpy().tobytes() if isinstance(p, DTensor) else p.detach().numpy().tobytes())
+    result["numerics"] = [repr(loss) for loss in losses] + [digest.hexdigest()]
+    return result
+
+
 def main() -> None:
     out_path = sys.argv[1]
-    if "--torch-stage" in sys.argv:
-        pipeline_module.supported = lambda: False
     results = {}
     runtime = None
     for schedule, per_rank, n in CASES:
-        cfg = config(schedule, per_rank, n)
-        runtime = runtime or dtgpt.init_distributed(cfg)
-        model = dtgpt.build_model(cfg, runtime, vocab_size=64)
-        batches = dtgpt.build_train_iterator(cfg, model)
-        stages = model.schedules.stages
-        dtgpt.forward_backward(model, next(batches), n)
-        peak = watch_peak(stages)
-        dtgpt.forward_backward(model, next(batches), n)
-        params = {id(p) for p in model.parameters()}
-        results[f"{schedule}/{n}"] = {"after": boundary_tensors(params), "peak": peak[0], "stages": model.stage_ids}
-        dtgpt.forward_backward(model, next(batches), n, forward_only=True)
-        results[f"{schedule}/{n}"]["after_eval"] = boundary_tensors(params)
-        del model, batches, stages
+        runtime = runtime or dtgpt.init_distributed(config(schedule, per_rank, n))
+        results[f"{schedule}/{n}"] = run_case(runtime, schedule, per_rank, n, torch_stage=False)
+        if (schedule, per_rank, n) in WITH_TORCH_STAGE:
+            results[f"{schedule}/{n}/torch"] = run_case(runtime, schedule, per_rank, n, torch_stage=True)
     with open(f"{out_path}.{dist.get_rank()}", "w") as f:
         json.dump(results, f)
     dtgpt.shutdown()
