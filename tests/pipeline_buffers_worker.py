@@ -33,7 +33,7 @@ from dtgpt.parallel import pipeline as pipeline_module
 from dtgpt.parallel.pipeline_buffers import held_buffers, supported
 
 MICRO, SEQ, HIDDEN = 1, 16, 24  # a shape no parameter has
-CASES = [("1F1B", 1, 4), ("1F1B", 1, 32), ("Interleaved1F1B", 2, 4), ("Interleaved1F1B", 2, 8)]
+CASES = [("1F1B", 1, 4), ("1F1B", 1, 32), ("Interleaved1F1B", 2, 4)]
 # Run again with torch's own PipelineStage: what it kept, and the same numerics bit for bit.
 WITH_TORCH_STAGE = [("1F1B", 1, 32), ("Interleaved1F1B", 2, 4)]
 

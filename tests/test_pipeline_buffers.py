@@ -67,7 +67,7 @@ def measured(tmp_path_factory) -> list[dict]:
     return [json.loads(out.with_name(f"{out.name}.{rank}").read_text()) for rank in range(2)]
 
 
-@pytest.mark.slow  # a 2-rank launch, about 30 s
+@pytest.mark.slow  # a 2-rank launch (5 models), 30-100 s with the load
 def test_no_boundary_activation_outlives_the_iteration_at_any_count(measured):
     for rank in measured:
         assert rank["1F1B/4"]["after"] == rank["1F1B/32"]["after"] == 0
