@@ -116,6 +116,18 @@ def test_175b_schedule_and_time(plan_175b):
     assert plan["fits"] and all(r["memory_gib"] < 80 for r in plan["ranks"])
 
 
+def test_175b_stage_memory_counts_the_pipeline_receive_buffers(plan_175b):
+    """Each stage holds one received activation and one received gradient (the first stage only
+    the gradient, the last only the activation) of b·s/tp·h fp16 under SP, whatever the 1,536
+    micro-batches (tests/test_pipeline_buffers.py measures the count on gloo ranks)."""
+    plan, _ = plan_175b
+    boundary = 1 * 2048 // 8 * 12288 * 2  # 6.3 MB
+    for r in plan["ranks"]:
+        buffers = 1 if r["pp_rank"] in (0, 15) else 2
+        assert r["memory"]["pipeline"] == pytest.approx(buffers * boundary / pm.GIB)
+        assert r["memory_gib"] == pytest.approx(sum(v for k, v in r["memory"].items() if k != "total"))
+
+
 def test_175b_warns_about_the_rampup_bubble(plan_175b):
     plan, _ = plan_175b
     assert any("ramp-up" in w and "16 micro-batches" in w and "48%" in w for w in plan["warnings"]), plan["warnings"]

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
 from dtgpt.moe.stats import moe_layers, skip_one_forward
+from dtgpt.parallel.pipeline_buffers import BoundedPipelineStage, supported
 from dtgpt.parallel.schedules import build_schedule
 
 
@@ -58,8 +59,9 @@ def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
 def build_pipeline_stages(
     parts: list[GPT], stage_ids: list[int], num_stages: int, device: torch.device, pp_mesh: DeviceMesh
 ) -> list[PipelineStage]:
+    cls = BoundedPipelineStage if supported() else PipelineStage
     return [
-        PipelineStage(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_mesh.get_group())
+        cls(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_mesh.get_group())
         for part, sid in zip(parts, stage_ids)
     ]
 

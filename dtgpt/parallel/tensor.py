@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from dtgpt.model import GPT
 from dtgpt.moe.layer import MoELayer
+from dtgpt.parallel.vocab_parallel import VocabParallelEmbedding
 
 
 class ReplicateParallel(ParallelStyle):
@@ -136,7 +137,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {}
     if model.embedding is not None:
-        plan["embedding.word"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        plan["embedding.word"] = VocabParallelEmbedding(output_layouts=Replicate())
         if model.embedding.position is not None:
             plan["embedding.position"] = ReplicateParallel()
         if sequence_parallel:

@@ -22,6 +22,7 @@ from dtgpt.config import (
     grads_reduced_in_fp32,
     low_precision,
     num_microbatches,
+    num_pipeline_stages,
     padded_vocabulary,
     validate,
 )
@@ -161,7 +162,9 @@ def plan_layout(
         )  # fmt: skip
         in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
         chunk, working = _activation_bytes(b, shape, m)
-        memory = {**asdict(states), "activations": in_flight * chunk + working}
+        boundary = shape.sbh / shape.sp_divisor * (shape.residual_bytes or shape.compute_bytes)
+        pipeline = pm.pipeline_buffers(b.stage_ids, num_pipeline_stages(cfg)) * boundary
+        memory = {**asdict(states), "activations": in_flight * chunk + working, "pipeline": pipeline}
         memory = {k: val / pm.GIB for k, val in memory.items()}
         memory["total"] = sum(memory.values())
         ranks.append(RankPlan(

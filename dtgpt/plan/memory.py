@@ -35,6 +35,21 @@ def chunks_in_flight(schedule: str, pp: int, pp_rank: int, stages_per_rank: int,
     return min(2 * (pp - pp_rank - 1) + (v - 1) * interleaved_round_size(m, pp) + 1, m * v)
 
 
+def pipeline_buffers(stage_ids: list[int], num_stages: int) -> int:
+    """Receive buffers a pp rank's stages hold at their peak, each one boundary activation
+    (b·s·h, s/tp under SP, s/cp under cp): per held stage one for the activation it receives
+    (all but the first stage) and one for the gradient it receives (all but the last).
+
+    A buffer lives from its receive until the forward or backward that reads it
+    (dtgpt.parallel.pipeline_buffers), whatever the micro-batch count; what a received activation
+    keeps for backward after that is the first block's input, counted with the activations.
+    torch's own stages kept both for every micro-batch: 2·m per stage.
+    """
+    if num_stages == 1:
+        return 0
+    return sum((stage != 0) + (stage != num_stages - 1) for stage in stage_ids)
+
+
 def bubble_fraction(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
     """Idle fraction of an iteration: (p-1)/(m+p-1); interleaved schedules cut the bubble time
     by v, giving (p-1)/(v·m+p-1). Zero-bubble schedules fill part of it: an upper bound there."""

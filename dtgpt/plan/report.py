@@ -213,9 +213,10 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"{plan.est_days:.1f} days for {plan.tokens / 1e9:g}B tokens",
         *_comm_lines(plan),
         "",
-        f"memory per GPU in GiB (limit {plan.gpu_memory_gib:g}); 'acts': activations of N micro-batches in flight",
+        f"memory per GPU in GiB (limit {plan.gpu_memory_gib:g}); 'acts': activations of N micro-batches in flight; "
+        "'pipe': the pipeline's receive buffers",
         f"{'pp':>3} {'dp':>3} {'tp':>5} {'stage':>6} {'layers':>7} {'local params':>15} {'params':>7} {'copies':>7} "
-        f"{'grads':>7} {'adam':>7} {'acts':>7} {'(xN)':>5} {'total':>7}",
+        f"{'grads':>7} {'adam':>7} {'acts':>7} {'(xN)':>5} {'pipe':>6} {'total':>7}",
     ]
     for group, r in _merged(plan.ranks):
         mem = r.memory
@@ -224,7 +225,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
             f"{r.pp_rank:>3} {r.dp_rank:>3} {_span([g.tp_rank for g in group]):>5} "
             f"{','.join(map(str, r.stage_ids)):>6} "
             f"{_layers(r.layer_ids):>7} {r.local_params:>15,} {mem['params']:>7.2f} {mem['copies']:>7.2f} "
-            f"{mem['grads']:>7.2f} {mem['adam']:>7.2f} {mem['activations']:>7.2f} {'x' + str(r.in_flight):>5} "
+            f"{mem['grads']:>7.2f} {mem['adam']:>7.2f} {mem['activations']:>7.2f} {'x' + str(r.in_flight):>5} {mem.get('pipeline', 0.0):>6.2f} "
             f"{r.memory_gib:>7.2f}{flag}"
         )
     lines.append(f"({plan.builds} distinct ranks built on the fake process group; rows equal but for tp are merged)")
