@@ -49,7 +49,7 @@ def megatron_installed() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "cuda" in item.keywords and not CUDA_PRESENT:
+        if item.get_closest_marker("cuda") and not CUDA_PRESENT:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
     if os.environ.get("DTGPT_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
         return
@@ -90,7 +90,7 @@ def pytest_runtest_call(item):
 def cpu_only(request, monkeypatch):
     """Hide CUDA from a test not marked `cuda`: torch.cuda answers "none" in this process, and
     CUDA_VISIBLE_DEVICES="" hides it from the processes the test starts (train.py, torchrun)."""
-    if "cuda" in request.keywords:
+    if request.node.get_closest_marker("cuda"):
         yield
         return
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
