@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
@@ -34,6 +34,7 @@ from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.rejoin import Rejoining
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
+from dtgpt.checkpoint.staging import build_stager
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
@@ -91,10 +92,7 @@ class Checkpointer(Rejoining):
         """Copies the state to CPU memory before async_save returns, so training may then change
         it. Kept for the whole run: its CPU buffers are reused by the next save (only a copy,
         no new allocation), at the cost of holding one CPU copy of this rank's state."""
-        cuda = self.runtime.device.type == "cuda"
-        return DefaultStager(
-            StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
-        )
+        return build_stager(cuda=self.runtime.device.type == "cuda")
 
     def _log(self, message: str, prefix: str = "> ") -> None:
         if self.runtime.is_main:
