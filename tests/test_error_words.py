@@ -64,3 +64,30 @@ def test_one_rank_of_a_launch_says_a_line(monkeypatch):
     assert first_to_say("error two")  # another line is said too
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert first_to_say("error one")  # a restarted group says it again
+
+
+MEGATRON_RUN = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 64 "
+    "--save-interval 4 --eval-interval 100"
+).split()
+
+
+@pytest.mark.slow
+def test_a_longer_megatron_resume_under_torchrun_is_refused_once_in_megatron_flags(tmp_path):
+    """A run launched with Megatron's flags, resumed on 2 ranks with a longer --train-iters: the LR
+    schedule's refusal names --override-opt-param-scheduler, once, with no worker traceback."""
+    run = [*MEGATRON_RUN, "--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"), "--tensorboard-dir", str(tmp_path / "tb")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([sys.executable, "train.py", *run, "--train-iters", "4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py", *run, "--train-iters", "8"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, resumed.stderr[-3000:]
+    assert "set --override-opt-param-scheduler to follow the config" in errors[0]
+    assert "optimizer." not in errors[0]
+    assert "Traceback" not in resumed.stderr.split(errors[0])[0]
+    assert "exitcode  : 2" in resumed.stderr.split("Root Cause")[1]
