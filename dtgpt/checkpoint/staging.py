@@ -1,16 +1,15 @@
 """The stager of async saves, and the one private torch detail it depends on.
 
-dcp.async_save's DefaultStager deep-copies the state into CPU memory with its own copier
-(torch/distributed/checkpoint/_state_dict_stager.py). A DTensor (every FSDP or TP parameter, and
-the state of a fp16/bf16 run of one process) deep-copies through its reduce tuple, which holds
-its class; the copier's dispatch table of torch 2.11 has no entry for classes and raises
-`KeyError: <class 'type'>` on it (2.13's has one: a class is copied as itself, as
-copy.deepcopy does). The state cannot leave the class out, since DCP needs the DTensors to write
-each shard's place, so the stager is given the missing entry where its torch lacks it.
+dcp.async_save's DefaultStager copies the state into CPU memory with a copier whose dispatch
+table says how to copy each kind of object (torch/distributed/checkpoint/_state_dict_stager.py).
+dtgpt keeps one stager for the run so that each save reuses the CPU buffers of the last one. On
+torch 2.11 DefaultStager closes its copier after every copy, and closing empties that table: the
+next save's copy then fails on the first container it meets (a dict's copy goes through its class:
+`KeyError: <class 'type'>`). 2.13 keeps the copier open. So a stager whose table was emptied is
+replaced by a new one before the next save (2.11 gives up the buffers' reuse; 2.13 keeps it).
 
-Checked on torch 2.11 (its stager raises that KeyError on a DTensor state) and 2.13 (the entry is
-present: nothing is changed);
-tests/test_staging.py fails if the copier moves or stops copying dtgpt's state.
+Checked on torch 2.11 (the table is emptied after each copy) and 2.13 (it is not);
+tests/test_staging.py copies dtgpt's own state twice through torch's stager both ways.
 """
 
 from __future__ import annotations
@@ -19,17 +18,19 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 
 def build_stager(cuda: bool) -> DefaultStager:
-    """A DefaultStager that copies the state to CPU memory (pinned from CUDA) before async_save
-    returns, with classes copied as themselves on every torch dtgpt accepts."""
-    stager = DefaultStager(
+    """A DefaultStager that copies the state to CPU memory (pinned from CUDA) before async_save returns."""
+    return DefaultStager(
         StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
     )
-    dispatch = stager._state_dict_stager._deepcopy_dispatch  # torch private: see the module docstring
-    dispatch.setdefault(type, _deepcopy_atomic)
-    return stager
 
 
-def _deepcopy_atomic(x, memo, non_blocking=False):
-    """A class is copied as itself. The copier calls an entry of this name with (x, memo), any
-    other with non_blocking too: both are taken."""
-    return x
+def stager_for_next_save(previous: DefaultStager | None, cuda: bool) -> DefaultStager:
+    """The previous save's stager, whose CPU buffers the next copy reuses, unless its torch closed
+    it after copying (torch 2.11: see the module docstring)."""
+    if previous is not None and _can_copy_again(previous):
+        return previous
+    return build_stager(cuda)
+
+
+def _can_copy_again(stager: DefaultStager) -> bool:
+    return bool(stager._state_dict_stager._deepcopy_dispatch)  # torch private: see the module docstring
