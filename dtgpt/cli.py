@@ -76,7 +76,7 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
             raise
         # Every rank exits 2; one says why (torchrun then adds its report of the failed workers:
         # dtgpt/error_once.py says why no worker can stop it).
-        print_error_once(words.say(one_line(str(e))))
+        print_error_once(words.say(one_line(str(e))), command=" ".join(argv))
         return 2
     return 0
 

@@ -31,15 +31,18 @@ def print_error(message: str) -> None:
     os.write(sys.stderr.fileno(), line)
 
 
-def print_error_once(message: str) -> None:
-    """print_error, by one rank of this launch (every rank when not launched by torchrun)."""
-    if "RANK" not in os.environ or first_to_say(message):
+def print_error_once(message: str, command: str = "") -> None:
+    """print_error, by one rank of this launch (every rank when not launched by torchrun).
+    `command`: what the rank was asked to run (one launch may run several commands in turn)."""
+    if "RANK" not in os.environ or first_to_say(message, command):
         print_error(message)
 
 
-def first_to_say(message: str) -> bool:
-    """True for the first process of this launch (and restart) to claim `message`."""
-    launch = [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")]
+def first_to_say(message: str, command: str = "") -> bool:
+    """True for the first process of this launch (and restart) to claim `message`. A launch is
+    its launcher process (the parent of every local rank) and its rendezvous."""
+    names = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT")
+    launch = [str(os.getppid()), *(os.environ.get(k, "") for k in names), command]
     digest = hashlib.sha256("\0".join([*launch, message]).encode(errors="replace")).hexdigest()[:24]
     marker = os.path.join(tempfile.gettempdir(), f"dtgpt-said-{digest}")
     try:

@@ -62,6 +62,7 @@ def test_one_rank_of_a_launch_says_a_line(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}-{id(monkeypatch)}")
     assert first_to_say("error one") and not first_to_say("error one")
     assert first_to_say("error two")  # another line is said too
+    assert first_to_say("error one", "train.py --config b.toml")  # so is the line of another command
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert first_to_say("error one")  # a restarted group says it again
 
