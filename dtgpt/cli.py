@@ -3,7 +3,9 @@
 Config errors print one line naming the key, the value and the rule, and exit 2 without a
 traceback; nothing has been started by then. Bad data files and unusable checkpoints (a load
 directory without one, another model's, a save that failed) do the same; anything else is a bug
-and keeps its traceback.
+and keeps its traceback. The line names settings as the user gave them (a Megatron flag for a run
+launched with Megatron's flags: dtgpt/config/user_words.py) and is printed once per node however
+many ranks meet it (dtgpt/error_once.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import os
 import shutil
 import sys
 
-from dtgpt.config import ConfigError, load_config, to_toml, validate
+from dtgpt.config import ConfigError, load_config, load_toml, to_toml, validate
 from dtgpt.config.megatron_flags import ignored_note, translate
+from dtgpt.config.user_words import UserWords
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
+from dtgpt.error_once import print_error, print_error_once
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -38,8 +42,11 @@ NO_CONFIG = (
 
 def run_main(argv: list[str], model_provider, datasets_provider) -> int:
     args, overrides = parse_args(argv)
+    words = UserWords([])
     try:
-        ignored = translate(overrides).ignored  # Megatron flags that change nothing here
+        translated = translate(overrides)
+        ignored = translated.ignored  # Megatron flags that change nothing here
+        words = UserWords(translated.overrides, keys_in_file(args.config))
         if args.print_config:
             return print_config(args.config, overrides, ignored)
         if args.config is None and not overrides:
@@ -64,17 +71,19 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
 
         pretrain(cfg, model_provider, datasets_provider)
         print_next_steps(cfg)
-    except ConfigError as e:
-        # Every rank reads the same config and finds the same problem: one of them says it.
-        if os.environ.get("RANK", "0") == "0":
-            print_error(str(e))
-        return 2
     except Exception as e:
         if not is_user_error(e):
             raise
-        print_error(one_line(str(e)))
+        # Every rank exits 2; one says why (torchrun then adds its report of the failed workers:
+        # dtgpt/error_once.py says why no worker can stop it).
+        print_error_once(words.say(one_line(str(e))), command=" ".join(argv))
         return 2
     return 0
+
+
+def keys_in_file(path: str | None) -> set[str]:
+    """The `section.key` names a config file sets: errors name these as keys, not as flags."""
+    return {f"{s}.{k}" for s, table in load_toml(path).items() for k in table} if path else set()
 
 
 def print_start(cfg, path: str | None, architecture_from: str = "") -> None:
@@ -136,15 +145,6 @@ def print_config(path: str | None, overrides: list[str], ignored: list[str] = ()
     return 0
 
 
-def print_error(message: str) -> None:
-    """Print `error: message` to stderr as one write. Every rank of a job shares the same
-    stderr pipe; print() writes the text and the newline separately, so two ranks failing at
-    once could glue their lines together. A single write of at most PIPE_BUF bytes is atomic."""
-    sys.stderr.flush()
-    line = f"error: {message}\n".encode(errors="replace")
-    os.write(sys.stderr.fileno(), line)
-
-
 def os_error_line(error: OSError) -> str:
     """An OSError as one line naming the path: `out.pt: Is a directory`."""
     return f"{error.filename}: {error.strerror}" if error.filename else str(error)
@@ -153,6 +153,8 @@ def os_error_line(error: OSError) -> str:
 def is_user_error(error: BaseException) -> bool:
     """A bad file or checkpoint the user can fix: the error or one it was raised from
     (training re-raises errors naming the rank, phase and iteration)."""
+    if isinstance(error, ConfigError):
+        return True  # found before torch is imported
     from dtgpt.checkpoint.layout import CheckpointError  # torch is imported by now
     from dtgpt.training import SkippedTooOftenError
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dtgpt.faults.attempt_store import attempt_store
 from dtgpt.config import Config, low_precision, validate
+from dtgpt.config.devices import choose_device
 from dtgpt.parallel import last_stage_rank
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
@@ -55,12 +56,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("training.device='cuda' but no CUDA device is available")
+def resolve_device(name: str, local_rank: int, local_ranks: int = 1) -> torch.device:
+    """The device of this rank (dtgpt/config/devices.py: the rule); ConfigError before any
+    process group where the node has fewer GPUs than local ranks."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choose_device(name, local_ranks, gpus) == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -72,7 +72,7 @@ def init_distributed(cfg: Config) -> Runtime:
     validate(cfg, world_size)  # before any process group: a config error costs no rendezvous
     dims = ParallelDims.from_config(cfg, world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg.training.device, local_rank)
+    device = resolve_device(cfg.training.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     rank = 0
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = None

@@ -172,10 +172,12 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_micro
 
 
 def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | None, num_microbatches: int, forward_only: bool) -> torch.Tensor:
-    args = (batch.tokens,) if model.has_first_stage else ()
+    # Contiguous: torch 2.11's stages check each input's strides against a contiguous tensor of its
+    # shape, and tokens are a view of the samples (one token longer).
+    args = (batch.tokens.contiguous(),) if model.has_first_stage else ()
     target = batch.labels if model.has_last_stage else None
     # The schedule splits keyword arguments into micro-batches and hands them to every stage.
-    inputs = batch.model_inputs() if batch is not None else {}
+    inputs = {k: v.contiguous() for k, v in batch.model_inputs().items()} if batch is not None else {}
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     with model.compute_context():
         model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)

@@ -205,6 +205,15 @@ def plain_env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k != OPT_OUT}, **ENV}
 
 
+def torchrun_takes_shutdown_timeout() -> bool:
+    """torchrun's --shutdown-timeout came after torch 2.11 (whose grace period is a fixed 30 s):
+    given only where this torch's torchrun parses it."""
+    from torch.distributed.run import get_args_parser
+
+    _args, unknown = get_args_parser().parse_known_args(["--shutdown-timeout=1", "train.py"])
+    return not unknown
+
+
 class Runner:
     """Runs jobs in `workdir/<scenario>/` on `nproc` ranks; caches the reference run."""
 
@@ -221,7 +230,7 @@ class Runner:
         self._reference: dict[int, float] | None = None
 
     def command(self, restarts: int) -> list[str]:
-        grace = [] if self.grace is None else [f"--shutdown-timeout={self.grace}"]
+        grace = [] if self.grace is None or not torchrun_takes_shutdown_timeout() else [f"--shutdown-timeout={self.grace}"]
         return [sys.executable, "-m", self.launcher, "--standalone", f"--nproc-per-node={self.nproc}",
                 f"--max-restarts={restarts}", *grace, str(REPO / "train.py")]  # fmt: skip
 

@@ -20,14 +20,37 @@ machine: the unit tests, plus one end-to-end test for each headline claim:
 
 Mark a test `slow` (`@pytest.mark.slow`, or `pytestmark` for a whole module) when it launches
 train.py, torchrun or megatron-core for more than a few seconds and is not one of the above.
+
+Where tests run: on CPU, whatever the machine has. The suite's expectations are CPU numerics
+(pinned trajectories, the CPU RNG, bitwise comparisons, gloo ranks), so every test runs with CUDA
+hidden, from itself and from the processes it starts (cpu_only below); a test of CUDA itself is
+marked `cuda` and is skipped where there is none.
+
+megatron-core is the oracle of the `dev` extra: without it, a test module that imports it, or a
+test that does, is skipped with one line naming the install (not a collection error).
 """
 
+import importlib.util
 import os
 
 import pytest
+import torch
+
+CUDA_PRESENT = torch.cuda.is_available()
+MEGATRON_MISSING = 'megatron-core is not installed: pip install -e ".[dev]" (the Megatron oracle tests need it)'
+
+
+def megatron_installed() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:
+        return False
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("cuda") and not CUDA_PRESENT:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
     if os.environ.get("DTGPT_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
         return
     skip = pytest.mark.skip(reason=SLOW_REASON)
@@ -51,6 +74,46 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"SKIPPED {where}:{line}: {reason.removeprefix('Skipped: ')}")
     if slow:
         terminalreporter.write_line(f"{len(slow)} tests marked slow skipped: set DTGPT_SLOW=1 (make test) to run them")
+
+
+def _is_missing_megatron(error: BaseException | None) -> bool:
+    return isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "megatron"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A test module that imports megatron-core (itself or through a tests/ helper) is skipped
+    where it is not installed."""
+    report = yield
+    if report.failed and isinstance(collector, pytest.Module) and not megatron_installed():
+        error = getattr(getattr(report, "longrepr", None), "errorstring", "") or str(report.longrepr)
+        if "No module named 'megatron" in error:
+            report.outcome, report.longrepr = "skipped", (str(collector.path), 0, f"Skipped: {MEGATRON_MISSING}")
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that imports megatron-core inside its body is skipped where it is not installed."""
+    try:
+        return (yield)
+    except ModuleNotFoundError as error:
+        if _is_missing_megatron(error) and not megatron_installed():
+            pytest.skip(MEGATRON_MISSING)
+        raise
+
+
+@pytest.fixture(autouse=True)
+def cpu_only(request, monkeypatch):
+    """Hide CUDA from a test not marked `cuda`: torch.cuda answers "none" in this process, and
+    CUDA_VISIBLE_DEVICES="" hides it from the processes the test starts (train.py, torchrun)."""
+    if request.node.get_closest_marker("cuda"):
+        yield
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -154,7 +154,7 @@ def _cli(capfd, argv: list[str]) -> tuple[int, str, str]:
         (["--fp8-format", "hybrid"], "error: --fp8-format is a Megatron-LM flag dtgpt does not implement"),
         (["--num-layer", "3"], "error: unexpected argument '--num-layer'; did you mean '--num-layers'?"),
         (["--num-layers", "4", "--model.num_layers=5"], "both set model.num_layers, to 4 and 5; keep one"),
-        (["--lr", "1e-3", "--lr", "2e-3"], "error: --lr 1e-3 and --lr 2e-3 both set optimizer.lr"),
+        (["--lr", "1e-3", "--lr", "2e-3"], "error: --lr 1e-3 and --lr 2e-3 both set --lr, to 0.001 and 0.002"),  # in the words typed
         (["--rampup-batch-size", "16", "16"], "error: --rampup-batch-size needs 3 values, got 2"),
         (["--fp16=true"], "--fp16 takes no value"),
         (["--hidden-size"], "error: --hidden-size needs a value"),

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
@@ -38,6 +38,7 @@ from dtgpt.checkpoint.rejoin import Rejoining
 from dtgpt.checkpoint.rank_zero import RankZeroCalls
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
+from dtgpt.checkpoint.staging import stager_for_next_save
 from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
@@ -77,7 +78,9 @@ class Checkpointer(Rejoining, RankZeroCalls):
         self.blocked_s: list[float] = []
         """Seconds each save kept training waiting (for logs and the benchmark)."""
         self._async_group = self._background_group()
-        self._stager: DefaultStager | None = None  # built by the first async save
+        # Copies the state to CPU memory before async_save returns, so training may then change it;
+        # kept from save to save to reuse its CPU buffers (dtgpt/checkpoint/staging.py).
+        self._stager: DefaultStager | None = None
         self._faults = faults
         self.run_id = uuid.uuid4().hex[:12]
         self._lock: SaveDirLock | None = None  # rank 0's, while it runs
@@ -92,15 +95,6 @@ class Checkpointer(Rejoining, RankZeroCalls):
             raise
 
     # -- helpers -----------------------------------------------------------------------------
-
-    def _build_stager(self) -> DefaultStager:
-        """Copies the state to CPU memory before async_save returns, so training may then change
-        it. Kept for the whole run: its CPU buffers are reused by the next save (only a copy,
-        no new allocation), at the cost of holding one CPU copy of this rank's state."""
-        cuda = self.runtime.device.type == "cuda"
-        return DefaultStager(
-            StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
-        )
 
     def _log(self, message: str, prefix: str = "> ") -> None:
         if self.runtime.is_main:
@@ -272,7 +266,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
         state = self.state.state_dict()
         writer = self._faults.storage_writer(directory, iteration) or ChecksummingWriter(directory)
         if self.cfg.async_save if background is None else background:
-            self._stager = self._stager or self._build_stager()
+            self._stager = stager_for_next_save(self._stager, cuda=self.runtime.device.type == "cuda")
             # The stager has copied every tensor when async_save returns: training may go on.
             with layout.single_process():  # (the background thread may still warn once)
                 future = dcp.async_save(
