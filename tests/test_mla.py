@@ -152,3 +152,15 @@ def test_yarn_needs_multi_latent_attention():
     cfg.model.rope_type = "yarn"
     with pytest.raises(ConfigError, match="model.rope_type='yarn' needs model.multi_latent_attention=true"):
         validate(cfg)
+
+
+def test_checkpoint_formats_refuse_mla_in_one_line():
+    """Neither Hugging Face layout nor Megatron's torch_dist map is written for MLA yet: refused by name."""
+    from dtgpt.checkpoint.export import hf_layout_for
+    from dtgpt.checkpoint.megatron.keys import unsupported
+
+    cfg = ModelConfig(multi_latent_attention=True, position_embedding_type="rope")
+    assert "model.multi_latent_attention=true" in unsupported(cfg)
+    with pytest.raises(ValueError, match="model.multi_latent_attention=false") as err:
+        hf_layout_for(cfg)
+    assert "\n" not in str(err.value)
