@@ -147,11 +147,15 @@ def test_bad_mla_config_is_one_line(expected):
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
-def test_yarn_needs_multi_latent_attention():
+@pytest.mark.parametrize("key, value", [("rope_type", "yarn"), ("q_lora_rank", 16), ("rotary_scaling_factor", 40.0),
+                                        ("mscale_all_dim", 1.0), ("kv_lora_rank", 64)])
+def test_latent_keys_need_multi_latent_attention(key, value):
+    """Set without model.multi_latent_attention they would change nothing: refused, not ignored."""
     cfg = Config()
-    cfg.model.rope_type = "yarn"
-    with pytest.raises(ConfigError, match="model.rope_type='yarn' needs model.multi_latent_attention=true"):
+    setattr(cfg.model, key, value)
+    with pytest.raises(ConfigError, match=f"model.{key}=.* needs model.multi_latent_attention=true") as err:
         validate(cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_checkpoint_formats_refuse_mla_in_one_line():

@@ -3,8 +3,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
+
+
+_LATENT_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(MLAKeys) if f.name not in ("multi_latent_attention", "rope_type")
+}
+"""The keys only multi-latent attention reads, at their defaults: set without it, they would change nothing."""
 
 
 def check_mla(cfg: Config) -> None:
@@ -17,6 +26,11 @@ def check_mla(cfg: Config) -> None:
             m.rope_type in (None, "rope"),
             f"model.rope_type={m.rope_type!r} needs model.multi_latent_attention=true (YaRN is implemented for it only)",
         )
+        for key, default in _LATENT_DEFAULTS.items():
+            _require(
+                getattr(m, key) == default,
+                f"model.{key}={getattr(m, key)} needs model.multi_latent_attention=true (only multi-latent attention reads it)",
+            )
         return
     _require(
         not m.group_query_attention,
