@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
+from dtgpt.mla import MLASelfAttention
 from dtgpt.moe.layer import MoELayer
-from dtgpt.norms import build_norm
+from dtgpt.norms import build_norm, norm_inits
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
 WORD_EMBEDDING = "embedding.word.weight"
@@ -39,14 +40,6 @@ RandomStream = Callable[[], ContextManager]
 """A context under which a dropout draws its mask. The default draws from torch's default
 generator; dtgpt.parallel.rng installs its model-parallel stream where a tp rank holds only a
 slice of the activations (local heads, a sequence-parallel chunk)."""
-
-
-def norm_inits(norm: nn.Module) -> DeclaredInits:
-    """A norm starts as the identity: scale one (stored zero if one_plus), shift (LayerNorm only) zero."""
-    inits = [(norm.weight, Init.ZEROS if norm.one_plus else Init.ONES)]
-    if getattr(norm, "bias", None) is not None:
-        inits.append((norm.bias, Init.ZEROS))
-    return inits
 
 
 class Dropout(nn.Module):
@@ -248,7 +241,7 @@ class Block(nn.Module):
         """index: the block's place in the whole model (from 0), which picks MLP or MoE."""
         super().__init__()
         self.input_norm = build_norm(cfg)
-        self.attention = Attention(cfg)
+        self.attention = MLASelfAttention(cfg, CoreAttention(cfg)) if cfg.multi_latent_attention else Attention(cfg)
         self.mlp_norm = build_norm(cfg)
         self.mlp: nn.Module = MLP(cfg)
         if cfg.is_moe_layer(index):

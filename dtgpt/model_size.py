@@ -22,7 +22,22 @@ def _mlp(cfg: ModelConfig, width: int) -> int:
     return (2 if cfg.swiglu else 1) * (h * width + (width if bias else 0)) + width * h + (h if bias else 0)
 
 
+def _latent_attention(cfg: ModelConfig) -> int:
+    """Multi-latent attention (dtgpt/mla.py): down- and up-projections, their norms, output."""
+    h, nh, r = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_pos_emb_head_dim
+    q_width, norms = nh * (cfg.qk_head_dim + r), cfg.qk_layernorm
+    if cfg.q_lora_rank is None:
+        q = h * q_width
+    else:
+        q = cfg.q_lora_rank * (h + q_width) + (_norm(cfg, cfg.q_lora_rank) if norms else 0)
+    kv = h * (cfg.kv_lora_rank + r) + cfg.kv_lora_rank * nh * (cfg.qk_head_dim + cfg.v_head_dim)
+    kv += _norm(cfg, cfg.kv_lora_rank) if norms else 0
+    return q + kv + nh * cfg.v_head_dim * h + (h if cfg.add_bias_linear else 0)
+
+
 def _attention(cfg: ModelConfig) -> int:
+    if cfg.multi_latent_attention:
+        return _latent_attention(cfg)
     h, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.query_groups * hd  # query and key (or value) widths
     qkv = h * (q + 2 * kv) + ((q + 2 * kv) if cfg.qkv_bias else 0)
@@ -80,11 +95,25 @@ def layer_flops_per_token(cfg: ModelConfig, *, moe: bool = False) -> float:
     h, s = cfg.hidden_size, cfg.seq_length
     query_width = cfg.num_attention_heads * cfg.head_dim / h
     attention = (1 + cfg.query_groups / cfg.num_attention_heads + s / h) * query_width
+    if cfg.multi_latent_attention:
+        attention = latent_attention_flops_per_token(cfg) / (12 * h * h)
     gated = 1.5 if cfg.swiglu else 1.0
     if not moe:
         return 12 * h * h * (attention + cfg.ffn_size / h * gated)
     widths = cfg.moe_router_topk * cfg.expert_ffn_size + (cfg.moe_shared_expert_intermediate_size or 0)
     return 12 * h * h * (attention + widths / h * gated)
+
+
+def latent_attention_flops_per_token(cfg: ModelConfig) -> float:
+    """Multi-latent attention's forward + backward FLOPs per token, Megatron-LM's term: 6 x (the
+    projections' multiply-adds, one per norm channel, and the scores and values over s/2 keys:
+    its MLA term discounts the causal half)."""
+    h, nh, s = cfg.hidden_size, cfg.num_attention_heads, cfg.seq_length
+    qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+    q = h * nh * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (h + nh * qk + 1)
+    kv = cfg.kv_lora_rank * (h + nh * (cfg.qk_head_dim + cfg.v_head_dim) + 1) + h * cfg.qk_pos_emb_head_dim
+    core = s * nh * qk / 2 + s * nh * cfg.v_head_dim / 2
+    return 6 * (q + kv + nh * cfg.v_head_dim * h + core)
 
 
 def router_flops_per_token(cfg: ModelConfig) -> float:

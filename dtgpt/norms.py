@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
+from dtgpt.inits import DeclaredInits, Init
 
 
 class LayerNorm(nn.LayerNorm):
@@ -42,3 +43,11 @@ def build_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
     """model.normalization over `size` channels (default: the hidden size)."""
     norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
     return norm(size or cfg.hidden_size, eps=cfg.norm_epsilon, one_plus=cfg.apply_layernorm_1p)
+
+
+def norm_inits(norm: nn.Module) -> DeclaredInits:
+    """A norm starts as the identity: scale one (stored zero if one_plus), shift (LayerNorm only) zero."""
+    inits = [(norm.weight, Init.ZEROS if norm.one_plus else Init.ONES)]
+    if getattr(norm, "bias", None) is not None:
+        inits.append((norm.bias, Init.ZEROS))
+    return inits

@@ -122,6 +122,8 @@ class Run:
     nproc: int = 1
     base: list[str] = field(default_factory=lambda: TINY)
     save_interval: int = 0
+    seconds: float = 0.0
+    """its share of its launch's timeout (0: SECONDS_PER_RUN)"""
 
 
 # A tiny run takes seconds (under 20 s with 4 ranks on 2 loaded cores); a hung one stops at
@@ -160,7 +162,8 @@ def train_runs(runs: list[Run]) -> dict[str, dict | str]:
     """The runs, launched together: one launch per rank count (tests/batch_worker.py), which pays
     the processes' start-up once instead of once per run. Returns read_run's dict by key, or for a
     run that failed or never ran (an earlier one in its launch raised) the text saying so."""
-    commands = [Command(r.key, r.directory, run_args(r.directory, r.args, r.key, r.base, r.save_interval), r.nproc) for r in runs]
+    commands = [Command(r.key, r.directory, run_args(r.directory, r.args, r.key, r.base, r.save_interval), r.nproc,
+                        r.seconds or SECONDS_PER_RUN) for r in runs]  # fmt: skip
     finished = launch_commands(sorted(commands, key=lambda c: c.nproc))
     return {r.key: finished[r.key].failure or read_run(r.directory, r.key) for r in runs}
 

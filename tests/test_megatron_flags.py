@@ -95,7 +95,7 @@ def test_flag_list_is_megatrons():
     assert {name for name in megatron_flags() if name != "step-batch-size-schedule"} <= theirs
 
 
-FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8"}
+FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)"}
 """Keys whose strings have a format that is checked as they are read: a well-formed value."""
 
 

@@ -45,7 +45,7 @@ _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 def llama_problems(m: ModelConfig) -> list[str]:
     wanted = {"normalization": "RMSNorm", "position_embedding_type": "rope", "swiglu": True, "qk_layernorm": False,
-              "rotary_percent": 1.0}  # fmt: skip
+              "rotary_percent": 1.0, "multi_latent_attention": False}  # fmt: skip
     problems = unmet(m, wanted)
     if m.hidden_size % m.num_attention_heads:  # LlamaConfig refuses it, whatever head_dim says
         problems.append(f"model.num_attention_heads dividing model.hidden_size (the config has {m.num_attention_heads} and {m.hidden_size})")

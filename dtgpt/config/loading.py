@@ -52,6 +52,8 @@ def _type_name(tp: Any) -> str:
     inner, optional = _unwrap_optional(tp)
     if typing.get_origin(inner) is list:
         name = f"list of {typing.get_args(inner)[0].__name__}"
+    elif typing.get_origin(inner) is types.UnionType:  # int | str: model.moe_layer_freq
+        name = " or ".join(a.__name__ for a in typing.get_args(inner))
     else:
         name = inner.__name__
     return f"{name} (or unset)" if optional else name
@@ -88,6 +90,8 @@ def _coerce_text(key: str, text: str, tp: Any) -> Any:
         return None
     if inner is str and text.lower() in ("none", "null"):
         return ""  # a string key is unset by being empty
+    if inner == int | str:  # an int where the text is one, else the text (model.moe_layer_freq)
+        return int(text) if text.strip().isdigit() else text
     if typing.get_origin(inner) is list:
         elem = typing.get_args(inner)[0]
         stripped = text.strip()

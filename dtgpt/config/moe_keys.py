@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dtgpt.config.layer_freq import moe_layer_pattern
+
 
 @dataclass
 class MoEKeys:
@@ -18,8 +20,9 @@ class MoEKeys:
     """Each expert's MLP width; unset: the dense width (ffn_hidden_size)."""
     moe_router_topk: int = 2
     """Experts each token is sent to."""
-    moe_layer_freq: int = 1
-    """Block i (from 0) is an MoE layer when i % moe_layer_freq == 0, the others dense."""
+    moe_layer_freq: int | str = 1
+    """Block i (from 0) is an MoE layer when i % moe_layer_freq == 0, the others dense; or
+    Megatron's per-block list of 0/1 as text, e.g. "([0]*3+[1]*58)" (dtgpt/config/layer_freq.py)."""
     moe_router_score_function: str = "softmax"
     """'softmax' or 'sigmoid' over the router's logits."""
     moe_router_pre_softmax: bool = False
@@ -43,6 +46,13 @@ class MoEKeys:
     positions ('position')."""
     moe_pad_expert_input_to_capacity: bool = False
     """With a capacity factor, every expert runs exactly its capacity of tokens."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: the experts in this many equal groups (DeepSeek's devices or nodes)."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: each token picks this many groups, by the sum of its top
+    (moe_router_topk / moe_router_group_topk) scores in each, then its top-k experts within them."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5); unset: 1."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Width of an MLP every token also goes through (the shared expert); unset: none."""
     moe_grouped_gemm: bool = False
@@ -54,4 +64,4 @@ class MoEKeys:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block `index` (0-based, global) holds an MoE layer instead of the dense MLP."""
-        return self.moe_enabled and index % self.moe_layer_freq == 0
+        return self.moe_enabled and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[index]

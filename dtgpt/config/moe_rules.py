@@ -3,7 +3,8 @@ expert_model_parallel_size): check_moe needs no world size, check_expert_mesh ne
 
 from __future__ import annotations
 
-from dtgpt.config.sections import Config
+from dtgpt.config.layer_freq import moe_layer_pattern
+from dtgpt.config.sections import Config, ConfigError
 from dtgpt.config.sections import require as _require
 
 MOE_CHOICES = {
@@ -31,7 +32,11 @@ def check_moe(cfg: Config) -> None:
         "model.moe_router_topk=1 with model.moe_router_score_function='softmax' needs model.moe_router_pre_softmax=true "
         "(a softmax over the one chosen logit is always 1: the router would never learn), as in Megatron",
     )
-    _require(m.moe_layer_freq >= 1, f"model.moe_layer_freq={m.moe_layer_freq} must be >= 1")
+    try:
+        moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_group_routing(m)
     for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(m, key)
         _require(value is None or value > 0, f"model.{key}={value} must be > 0 (or unset)")
@@ -93,3 +98,24 @@ def check_expert_mesh(cfg: Config, dp_shard: int) -> None:
     """With the world size known: expert ranks fold out of the data-parallel shard x cp ranks."""
     if cfg.model.moe_enabled:
         _check_expert_ranks(cfg, dp_shard)
+
+
+def check_group_routing(m) -> None:
+    """Group-limited routing and the routed weights' scaling (Megatron ignores the group count
+    without moe_router_group_topk, and so does dtgpt)."""
+    factor = m.moe_router_topk_scaling_factor
+    _require(factor is None or factor > 0, f"model.moe_router_topk_scaling_factor={factor} must be > 0 (or unset)")
+    group_topk, groups, e, k = m.moe_router_group_topk, m.moe_router_num_groups, m.num_experts, m.moe_router_topk
+    if not group_topk:
+        return
+    _require(groups is not None and groups >= 1, f"model.moe_router_group_topk={group_topk} needs model.moe_router_num_groups")
+    _require(e % groups == 0, f"model.moe_router_num_groups={groups} must divide model.num_experts={e}")
+    _require(
+        1 <= group_topk <= groups,
+        f"model.moe_router_group_topk={group_topk} must be in [1, model.moe_router_num_groups={groups}]",
+    )
+    _require(
+        group_topk <= k <= group_topk * (e // groups),
+        f"model.moe_router_topk={k} must be in [moe_router_group_topk={group_topk}, moe_router_group_topk * experts "
+        f"per group = {group_topk * (e // groups)}] (each chosen group is scored by its top topk/group_topk experts)",
+    )

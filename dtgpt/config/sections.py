@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 
@@ -23,8 +24,8 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
-class ModelConfig(MoEKeys):
-    """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys."""
+class ModelConfig(MLAKeys, MoEKeys):
+    """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys, multi-latent attention's in MLAKeys."""
 
     num_layers: int = 2
     """Transformer blocks."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init
+from dtgpt.moe.group_routing import Select, plain_topk, topk_selector
 
 
 @dataclass
@@ -41,22 +42,24 @@ class Routing:
 
 
 def top_k(
-    logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool, expert_bias: torch.Tensor | None
+    logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool, expert_bias: torch.Tensor | None,
+    select: Select = plain_topk,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs, routing_map), both (N, E): Megatron's top-k routing of the router's logits."""
+    """(probs, routing_map), both (N, E): Megatron's top-k routing of the router's logits;
+    `select` picks the top-k (dtgpt/moe/group_routing.py: group-limited or not)."""
     if score_function == "softmax":
         if pre_softmax:
-            chosen, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits), k, dim=1)
+            chosen, index = select(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits), k)
         else:
-            chosen, index = torch.topk(logits, k, dim=1)
+            chosen, index = select(logits, k)
             chosen = torch.softmax(chosen, dim=-1, dtype=torch.float32).type_as(logits)
     else:  # sigmoid; the expert bias moves the choice, never the weights
         scores = torch.sigmoid(logits.float()).type_as(logits)
         if expert_bias is not None:
-            index = torch.topk(scores + expert_bias, k, dim=1).indices
+            index = select(scores + expert_bias, k)[1]
             chosen = torch.gather(scores, 1, index)
         else:
-            chosen, index = torch.topk(scores, k, dim=1)
+            chosen, index = select(scores, k)
         if k > 1:
             chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     probs = torch.zeros_like(logits).scatter(1, index, chosen)
@@ -140,8 +143,11 @@ class Router(nn.Module):
         cfg = self.cfg
         logits = F.linear(x, self.weight, self.bias)  # (N, E)
         probs, routing_map = top_k(
-            logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias
-        )
+            logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias,
+            topk_selector(cfg),
+        )  # fmt: skip
+        if cfg.moe_router_topk_scaling_factor:
+            probs = probs * cfg.moe_router_topk_scaling_factor
         dropped = torch.zeros((), dtype=torch.long, device=x.device)
         if cfg.moe_expert_capacity_factor is not None:
             chosen = routing_map.sum()

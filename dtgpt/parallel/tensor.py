@@ -4,7 +4,8 @@ Per block: QKV and MLP-in (with SwiGLU its gate too) are column-parallel, attent
 block costs one all-reduce in forward (or, with sequence parallelism, one all-gather before and
 one reduce-scatter after each sub-layer). The word embedding is vocabulary-parallel, the output
 head column-parallel over the vocabulary; with loss parallelism the cross-entropy runs on the
-vocabulary-sharded logits without gathering them.
+vocabulary-sharded logits without gathering them. Multi-latent attention has its own plan
+(dtgpt/parallel/tensor_mla.py).
 
 Every parameter becomes a DTensor on the tp mesh, replicated ones included, so that FSDP and
 the gradient-norm computation see one uniform mesh and never count a replica twice.
@@ -26,9 +27,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from dtgpt.model import GPT
+from dtgpt.mla import MLASelfAttention
+from dtgpt.model import GPT, Attention
 from dtgpt.moe.layer import MoELayer
 from dtgpt.parallel.vocab_parallel import VocabParallelEmbedding
+from dtgpt.parallel.tensor_mla import mla_plan
 
 
 class ReplicateParallel(ParallelStyle):
@@ -132,6 +135,30 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
+def _attention_plan(prefix: str, attention: Attention, tp_mesh: DeviceMesh, seq) -> dict[str, ParallelStyle]:
+    """A dense block's attention: QKV column-parallel (gathered when ranks share a group), the
+    output projection row-parallel."""
+    plan: dict[str, ParallelStyle] = {}
+    groups = attention.cfg.query_groups
+    qkv_style: ParallelStyle = ColwiseParallel()
+    if groups < tp_mesh.size():  # ranks share a group (validation: tp is a multiple of the groups)
+        qkv_style = GatheredColwiseParallel()
+        attention.shared_group = (tp_mesh.size() // groups, tp_mesh.get_local_rank())
+    if attention.q_norm is not None:
+        # Each rank normalises its own heads (B, T, nh/tp, hd): sharded on dim 2, so that the
+        # weights' gradients are summed over tp like a sequence-parallel norm's.
+        for norm in ("q_norm", "k_norm"):
+            plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan.update(
+        {
+            prefix + "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            prefix + "attention.qkv": qkv_style,
+            prefix + "attention.proj": RowwiseParallel(output_layouts=seq),
+        }
+    )
+    return plan
+
+
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
@@ -151,27 +178,14 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
-    groups = model.cfg.query_groups
     for name, block in model.layers.items():
         prefix = f"layers.{name}."
-        qkv_style: ParallelStyle = ColwiseParallel()
-        if groups < tp_mesh.size():  # ranks share a group (validation: tp is a multiple of the groups)
-            qkv_style = GatheredColwiseParallel()
-            block.attention.shared_group = (tp_mesh.size() // groups, tp_mesh.get_local_rank())
-        if block.attention.q_norm is not None:
-            # Each rank normalises its own heads (B, T, nh/tp, hd): sharded on dim 2, so that the
-            # weights' gradients are summed over tp like a sequence-parallel norm's.
-            for norm in ("q_norm", "k_norm"):
-                plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan.update(
-            {
-                prefix + "input_norm": _norm_style(sequence_parallel),
-                prefix + "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                prefix + "attention.qkv": qkv_style,
-                prefix + "attention.proj": RowwiseParallel(output_layouts=seq),
-                prefix + "mlp_norm": _norm_style(sequence_parallel),
-            }
-        )
+        if isinstance(block.attention, MLASelfAttention):
+            plan.update(mla_plan(prefix, block.attention, seq))
+        else:
+            plan.update(_attention_plan(prefix, block.attention, tp_mesh, seq))
+        plan[prefix + "input_norm"] = _norm_style(sequence_parallel)
+        plan[prefix + "mlp_norm"] = _norm_style(sequence_parallel)
         if isinstance(block.mlp, MoELayer):
             plan.update(_moe_plan(prefix, block, tp_mesh))
             continue

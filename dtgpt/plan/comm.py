@@ -115,7 +115,7 @@ class CommLayout:
     experts: int = 0
     """MoE (dtgpt.plan.comm_moe): experts per MoE layer (0: dense), top-k, which blocks, widths."""
     topk: int = 0
-    moe_layer_freq: int = 1
+    moe_layer_freq: int | str = 1
     expert_ffn: int = 0
     shared_ffn: int = 0
     ep: int = 1

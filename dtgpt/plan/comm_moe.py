@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import math
 
+from dtgpt.config.layer_freq import moe_layer_pattern
+
 # `c` below is a dtgpt.plan.comm.CommLayout and `collective` its Collective class, passed in:
 # comm imports this module, and the plan package's imports run one way.
 
 
 def is_moe_block(c, index: int) -> bool:
-    """Block `index` (global, from 0) holds an MoE layer: every moe_layer_freq-th from block 0."""
-    return c.experts > 0 and index % c.moe_layer_freq == 0
+    """Block `index` (global, from 0) holds an MoE layer, as model.moe_layer_freq says."""
+    return c.experts > 0 and moe_layer_pattern(c.moe_layer_freq, c.num_layers)[index]
 
 
 def stage_blocks(c, stage: int) -> list[int]:

@@ -205,6 +205,11 @@ def plan_layout(
     ]
     if vocab_note:
         plan.notes.append(vocab_note)
+    if m.multi_latent_attention:
+        plan.notes.append(
+            "multi-latent attention: parameters, FLOPs and state memory are its own; activations and the tp/cp/FSDP "
+            "traffic are still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
+        )
     expected = num_parameters(m, padded)
     if total != expected:
         plan.warnings.append(f"built model has {total:,} parameters, the closed form {expected:,}: a planner bug")

@@ -124,7 +124,8 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
 def build_ranks(cfg: Config, world_size: int, vocab: int, *, dp_ranks=(0,), all_ranks: bool = False):
     """Build every (pp rank, tp rank) at the given dp ranks; returns [(rank, coords, BuiltRank)], builds.
 
-    pp ranks whose stages hold the same kind of parts (layer counts, embedding, head) are built
+    pp ranks whose stages hold the same kind of parts (layer counts, embedding, head, which blocks
+    are MoE) are built
     once unless all_ranks is set (recomputation counts blocks within a stage, so it is the same).
     """
     if dist.is_initialized():
@@ -142,6 +143,7 @@ def build_ranks(cfg: Config, world_size: int, vocab: int, *, dp_ranks=(0,), all_
         sids = sids if dims.pp_enabled else [0]
         names = _stage_layer_names(counts, sids)
         kind = (tuple(counts[s] for s in sids), 0 in sids, num_stages - 1 in sids)
+        kind += (tuple(cfg.model.is_moe_layer(int(n)) for n in names),)  # dense-first MoE: blocks differ
         if all_ranks:
             kind += (pp_rank,)
         for dp_rank in dp_ranks:

@@ -15,6 +15,7 @@ from dtgpt.config import (
     fsdp_reshards_after_forward,
     interleaved_round_size,
 )
+from dtgpt.model_size import num_moe_layers
 from dtgpt.plan.links import GPUS_PER_NODE
 from dtgpt.plan.results import Plan, RankPlan
 
@@ -185,7 +186,7 @@ def _moe_line(cfg: Config, plan: Plan) -> str:
     ffn = m.expert_ffn_size
     shared = f" + a shared expert of {m.moe_shared_expert_intermediate_size}" if m.moe_shared_expert_intermediate_size else ""
     return (
-        f"experts    {m.num_experts} of width {ffn}{shared} in every {m.moe_layer_freq} block(s), top-{m.moe_router_topk}; "
+        f"experts    {m.num_experts} of width {ffn}{shared} in {num_moe_layers(m)} of {m.num_layers} blocks, top-{m.moe_router_topk}; "
         f"ep {plan.mesh['ep']} (each rank holds {m.num_experts // plan.mesh['ep']} per layer), experts FSDP-sharded "
         f"over the {plan.mesh['efsdp']} data-parallel ranks that remain"
     )

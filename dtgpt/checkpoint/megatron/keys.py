@@ -116,6 +116,8 @@ def half_of(name: str, names) -> int | None:
 
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why Megatron's checkpoint layout of model `cfg` is not one dtgpt reads or writes, or None."""
+    if cfg.multi_latent_attention:
+        return "model.multi_latent_attention=true: dtgpt does not read or write Megatron's multi-latent attention tensors yet"
     if cfg.moe_enabled and cfg.moe_layer_freq != 1:
         # megatron-core then saves every layer under its own keys (non-homogeneous layers)
         return (f"model.moe_layer_freq={cfg.moe_layer_freq}: Megatron stores a model that mixes dense and MoE "
