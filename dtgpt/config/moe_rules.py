@@ -10,6 +10,7 @@ MOE_CHOICES = {
     "model.moe_router_score_function": ("softmax", "sigmoid"),
     "model.moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
     "model.moe_token_drop_policy": ("probs", "position"),
+    "model.moe_router_dtype": (None, "fp32", "fp64"),
 }
 
 

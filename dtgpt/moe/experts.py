@@ -138,14 +138,20 @@ class GroupedExperts(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x_sorted (M, h), rows grouped by expert in order; tokens_per_expert (E_local,) int64 -> (M, h)."""
+    def forward(
+        self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, counts_on_host: list[int] | None = None
+    ) -> torch.Tensor:
+        """x_sorted (M, h), rows grouped by expert in order; tokens_per_expert (E_local,) int64 -> (M, h).
+
+        counts_on_host: tokens_per_expert as the host knows it without a sync (a dispatcher's
+        capacity or its exchanged sizes). The loop needs the counts on the host to slice the rows:
+        without them it copies them there, one host sync per call (the grouped GEMM never does)."""
         w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)
         if self.grouped_gemm:
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             linear = lambda rows, w: grouped_linear(rows, w, offsets)  # noqa: E731
         else:
-            counts = tokens_per_expert.tolist()
+            counts = counts_on_host if counts_on_host is not None else tokens_per_expert.tolist()
             linear = lambda rows, w: looped_linear(rows, w, counts)  # noqa: E731
         h = linear(x_sorted, w1)  # (M, ffn or 2 * ffn)
         if self.fc1_bias is not None:
