@@ -66,9 +66,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return y[:, :n] if pad_n else y
 
 
+@torch.compiler.disable
 def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """grouped_linear as a loop over experts (counts on the host). Every expert is visited, even
-    with no rows, so that each gets a (zero) gradient."""
+    with no rows, so that each gets a (zero) gradient. Run eager under torch.compile: the slice
+    sizes are the routing's, and a graph specialised on them would recompile at every step."""
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight.unbind(0))])
 
 
