@@ -67,10 +67,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 @torch.compiler.disable
-def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """grouped_linear as a loop over experts (counts on the host). Every expert is visited, even
-    with no rows, so that each gets a (zero) gradient. Run eager under torch.compile: the slice
-    sizes are the routing's, and a graph specialised on them would recompile at every step."""
+def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """grouped_linear as a loop over experts (counts on the host; a tensor is copied there). Every
+    expert is visited, even with no rows, so that each gets a (zero) gradient. Run eager under
+    torch.compile: the slice sizes are the routing's, and a graph that saw them would be
+    specialised on them and recompiled at every step."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight.unbind(0))])
 
 
@@ -153,7 +156,9 @@ class GroupedExperts(nn.Module):
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             linear = lambda rows, w: grouped_linear(rows, w, offsets)  # noqa: E731
         else:
-            counts = counts_on_host if counts_on_host is not None else tokens_per_expert.tolist()
+            counts = counts_on_host
+            if counts is None:  # compiled, the counts stay a tensor up to the eager loop
+                counts = tokens_per_expert if torch.compiler.is_compiling() else tokens_per_expert.tolist()
             linear = lambda rows, w: looped_linear(rows, w, counts)  # noqa: E731
         h = linear(x_sorted, w1)  # (M, ffn or 2 * ffn)
         if self.fc1_bias is not None:
