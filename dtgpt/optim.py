@@ -29,7 +29,7 @@ def build_optimizer(
     *,
     fused: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW with two groups: matrices decay, biases and norm weights (ndim < 2) do not.
+    """AdamW with two groups: matrices decay, biases and norm weights do not (`decays`).
 
     Parameters may be DTensors (FSDP2 / TP shards); AdamW's kernels handle them as they are.
     A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
@@ -41,11 +41,11 @@ def build_optimizer(
     seen: set[int] = set()
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    for _name, param in named_params:
+    for name, param in named_params:
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (decay if param.ndim >= 2 else no_decay).append(param)
+        (decay if decays(name, param) else no_decay).append(param)
     if not seen:
         raise ValueError("build_optimizer got no trainable parameters")
     groups = [
@@ -61,6 +61,15 @@ def build_optimizer(
         foreach=not fused,
         fused=fused,
     )
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule: weight decay for every parameter but the biases and the norm weights.
+
+    Decided by role, not by shape alone: a bias is named so (`.bias`, or the stacked experts'
+    `fc1_bias` of shape (E, n), one bias per expert, which a shape rule would decay), a norm
+    weight is the only other 1-D parameter."""
+    return not (name.endswith("bias") or param.ndim < 2)
 
 
 class PartOptimizers:

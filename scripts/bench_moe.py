@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""Time the MoE experts' grouped GEMM against their for-loop path (dtgpt.moe.experts.GroupedExperts).
+"""Time the MoE experts' grouped GEMM against their for-loop path (dtgpt.moe.experts.GroupedExperts),
+alone or inside a whole MoE layer (dtgpt.moe.layer.MoELayer: router, dispatch, experts, combine).
 
-    python scripts/bench_moe.py                                  # CPU: a small Mixtral-like layer
-    python scripts/bench_moe.py --device cuda --dtype bf16       # CUDA: the default GPU shape
+    python scripts/bench_moe.py                                  # CPU: DeepSeek-like experts, scaled down
+    python scripts/bench_moe.py --layer                          # the same shape as a whole MoE layer
+    python scripts/bench_moe.py --device cuda --dtype bf16       # CUDA: DeepSeek-V3's MoE layer shape
+    python scripts/bench_moe.py --experts 8 --topk 2 --hidden 512 --ffn 1408 --tokens 2048   # Mixtral-like
     python scripts/bench_moe.py --tokens 64 --hidden 32 --ffn 48 --iters 2 --json out.json
 
 One forward + backward of the experts per iteration, on tokens already routed (top-k of random
 logits, sorted by expert as a dispatcher hands them over), the same inputs and weights for both
-paths. Before timing, both paths run once on the same input and the largest difference of their
+paths; with --layer, one forward + backward of a whole MoE layer on unrouted tokens (its router
+draws the routing). Before timing, both paths run once on the same input and the largest difference of their
 outputs and gradients is reported (fp32: zero, the loop is the grouped path's oracle). The two are
 timed alternately, round by round in ABBA order, after untimed warm-up iterations. Tokens/s
 counts tokens before the top-k fan-out (a layer's throughput), and the line
@@ -31,11 +35,14 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtgpt.config import ModelConfig
 from dtgpt.moe.experts import GroupedExperts
+from dtgpt.moe.layer import MoELayer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# (tokens, experts, topk, hidden, ffn): a Mixtral-like layer scaled to a CPU, and a GPU-sized one.
-DEFAULTS = {"cpu": (2048, 8, 2, 512, 1408), "cuda": (16384, 8, 2, 4096, 14336)}
+# (tokens, experts, topk, hidden, ffn): DeepSeek-V3's fine-grained experts (256 of width 2048, top-8,
+# hidden 7168) on a GPU; on a CPU 64 of them with hidden and tokens scaled down to run in a minute.
+DEFAULTS = {"cpu": (64, 64, 8, 64, 2048), "cuda": (16384, 256, 8, 7168, 2048)}
 
 
 def build(args, grouped: bool, device: torch.device) -> GroupedExperts:
@@ -43,6 +50,26 @@ def build(args, grouped: bool, device: torch.device) -> GroupedExperts:
                              init_std=0.02, output_init_std=0.02 / (2 * 24) ** 0.5)  # fmt: skip
     experts.init_weights(seed=0, device=device)
     return experts.to(device=device, dtype=DTYPES[args.dtype])
+
+
+def build_layer(args, grouped: bool, device: torch.device) -> MoELayer:
+    """A whole MoE layer (top-k softmax router with the load-balancing loss, SwiGLU experts)."""
+    cfg = ModelConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1, ffn_hidden_size=args.ffn,
+                      swiglu=True, add_bias_linear=False, num_experts=args.experts, moe_router_topk=args.topk,
+                      moe_ffn_hidden_size=args.ffn, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=grouped)  # fmt: skip
+    layer = MoELayer(cfg)
+    layer.experts.init_weights(seed=0, device="cpu")
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(2))
+    return layer.to(device=device, dtype=DTYPES[args.dtype])
+
+
+def layer_step(layer: MoELayer, x: torch.Tensor, _counts, grad: torch.Tensor):
+    x = x.detach().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x)
+    y.backward(grad)
+    return y, x.grad
 
 
 def routed_inputs(args, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +89,9 @@ def step(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, grad: t
     return y, x.grad
 
 
-def compare(grouped: GroupedExperts, loop: GroupedExperts, x, counts, grad) -> float:
+def compare(grouped, loop, x, counts, grad, run=step) -> float:
     """The largest absolute difference of the two paths' output and gradients (x and weights)."""
-    results = [step(m, x, counts, grad) for m in (grouped, loop)]
+    results = [run(m, x, counts, grad) for m in (grouped, loop)]
     diffs = [(a - b).abs().max().item() for a, b in zip(*results)]
     diffs += [(grouped.get_parameter(n).grad - p.grad).abs().max().item() for n, p in loop.named_parameters()]
     return max(diffs)
@@ -75,14 +102,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_iters(experts, x, counts, grad, warmup: int, iters: int, device: torch.device) -> list[float]:
+def time_iters(experts, x, counts, grad, warmup: int, iters: int, device: torch.device, run=step) -> list[float]:
     for _ in range(warmup):
-        step(experts, x, counts, grad)
+        run(experts, x, counts, grad)
     synchronize(device)
     ms = []
     for _ in range(iters):
         start = time.perf_counter()
-        step(experts, x, counts, grad)
+        run(experts, x, counts, grad)
         synchronize(device)
         ms.append(1000 * (time.perf_counter() - start))
     return ms
@@ -94,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
     for name in ("tokens", "experts", "topk", "hidden", "ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"default: {dict(cpu=DEFAULTS['cpu'], cuda=DEFAULTS['cuda'])}")
+    p.add_argument("--layer", action="store_true", help="time a whole MoE layer (router, dispatch, experts, combine)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5, help="timed iterations per round")
     p.add_argument("--rounds", type=int, default=2, help="measurements per path, alternating their order")
@@ -126,18 +154,25 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     shape = {k: getattr(args, k) for k in ("tokens", "experts", "topk", "hidden", "ffn", "dtype")}
-    print(f"dtgpt MoE experts benchmark | {env['date']} | {env['device']} | torch {env['torch']}")
-    print(f"SwiGLU experts, forward + backward: {shape}; {args.warmup} warm-up + {args.iters} timed iterations "
+    what = "MoE layer (router, dispatch, SwiGLU experts, combine)" if args.layer else "SwiGLU experts"
+    print(f"dtgpt MoE {'layer' if args.layer else 'experts'} benchmark | {env['date']} | {env['device']} | torch {env['torch']}")
+    print(f"{what}, forward + backward: {shape}; {args.warmup} warm-up + {args.iters} timed iterations "
           f"x {args.rounds} rounds per path (alternating order)", flush=True)  # fmt: skip
-    paths = {"grouped": build(args, True, device), "loop": build(args, False, device)}
-    x, counts = routed_inputs(args, device)
+    if args.layer:
+        paths = {"grouped": build_layer(args, True, device), "loop": build_layer(args, False, device)}
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(1, args.tokens, args.hidden, generator=gen).to(device=device, dtype=DTYPES[args.dtype])
+        counts, run = torch.zeros(args.experts, dtype=torch.long), layer_step
+    else:
+        paths = {"grouped": build(args, True, device), "loop": build(args, False, device)}
+        (x, counts), run = routed_inputs(args, device), step
     grad = torch.randn_like(x)
-    max_diff = compare(paths["grouped"], paths["loop"], x, counts, grad)
+    max_diff = compare(paths["grouped"], paths["loop"], x, counts, grad, run)
     print(f"largest difference of output and gradients, grouped vs loop: {max_diff:.3g}", flush=True)
     ms: dict[str, list[float]] = {"grouped": [], "loop": []}
     for r in range(args.rounds):
         for name in ("grouped", "loop") if r % 2 == 0 else ("loop", "grouped"):
-            ms[name] += time_iters(paths[name], x, counts, grad, args.warmup, args.iters, device)
+            ms[name] += time_iters(paths[name], x, counts, grad, args.warmup, args.iters, device, run)
     results = {}
     for name, times in ms.items():
         tokens_per_s = args.tokens * len(times) / (sum(times) / 1000)
@@ -146,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = results["grouped"]["tokens_per_s"] / results["loop"]["tokens_per_s"]
     print(f"grouped / loop (tokens/s): {ratio:.3f}", flush=True)
     if args.json:
-        report = {"environment": env, "shape": shape, "max_abs_diff": max_diff, "results": results, "ratio": ratio,
-                  "tokens_per_expert": counts.tolist()}  # fmt: skip
+        report = {"environment": env, "shape": shape, "layer": args.layer, "max_abs_diff": max_diff, "results": results,
+                  "ratio": ratio, "tokens_per_expert": None if args.layer else counts.tolist()}  # fmt: skip
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

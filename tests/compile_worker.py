@@ -33,7 +33,11 @@ LAYOUTS = {
     "dp2_tp2_sp": {"data_parallel_shard_size": 2, **TP2, **SP},
     "dp2_tp2": {"data_parallel_shard_size": 2, **TP2},
     "pp2_dp2": {"pipeline_model_parallel_size": 2, "data_parallel_shard_size": 2},
+    "dp2": {"data_parallel_shard_size": 2},
 }  # fmt: skip
+# A layout name may start with "moe_": every block an MoE layer (4 looped experts, top-2, both router losses).
+MOE = "moe_"
+MOE_MODEL = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, hidden_dropout=0.0,
              attention_dropout=0.0, make_vocab_size_divisible_by=64)  # fmt: skip
 VOCAB = 128
@@ -43,12 +47,13 @@ LR = 1e-2
 
 
 def layout_config(name: str, compile: bool):
+    moe = name.startswith(MOE)
     return dtgpt.make_config(
-        model=MODEL,
+        model={**MODEL, **MOE_MODEL} if moe else MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
         training=dict(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, train_iters=ITERATIONS, compile=compile),
         optimizer=dict(lr=LR, lr_decay_style="constant"),
-        parallel=LAYOUTS[name],
+        parallel=LAYOUTS[name.removeprefix(MOE)],
     )
 
 

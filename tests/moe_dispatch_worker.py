@@ -18,6 +18,7 @@ CASES = [  # (experts, grouped_gemm, swiglu, bias, capacity)
     (4, True, True, False, None),
     (8, False, False, True, None),
     (8, True, True, True, 16),
+    (8, False, False, True, 16),
 ]
 
 
@@ -35,10 +36,10 @@ def rank_data(rank: int, experts: int, hidden: int):
     return x, probs, routing_map, torch.randn(n, hidden, generator=g)
 
 
-def forward_backward(dispatcher, experts, x, probs, routing_map, grad):
+def forward_backward(dispatcher, experts, x, probs, routing_map, grad, capacity=None):
     x, probs = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
-    x_sorted, counts = dispatcher.dispatch(x, probs, routing_map)
-    out = dispatcher.combine(experts(x_sorted, counts))
+    x_sorted, counts = dispatcher.dispatch(x, probs, routing_map, capacity=capacity, topk=None if capacity else 2)
+    out = dispatcher.combine(experts(x_sorted, counts, dispatcher.counts_on_host))
     (out * grad).sum().backward()
     return out.detach(), x.grad, probs.grad
 
@@ -63,7 +64,7 @@ def check(case, rank: int, world: int, group) -> None:
     sharded = GroupedExperts(experts, hidden, 24, swiglu, bias, grouped, init_std=0.3, output_init_std=0.2)
     for name, param in full.named_parameters():
         setattr(sharded, name, nn.Parameter(param.detach()[local].clone()))
-    out, gx, gp = forward_backward(AllToAllDispatcher(experts, group, capacity), sharded, *data[rank])
+    out, gx, gp = forward_backward(AllToAllDispatcher(experts, group), sharded, *data[rank], capacity=capacity)
 
     def close(actual, expected, what):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} rank {rank} {what}: {m}")

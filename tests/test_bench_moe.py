@@ -14,7 +14,7 @@ import torch
 from tests.runs import REPO, load_script
 
 BENCH = REPO / "scripts" / "bench_moe.py"
-TINY = ["--device", "cpu", "--tokens", "24", "--experts", "4", "--hidden", "8", "--ffn", "12", "--warmup", "0", "--iters", "1"]
+TINY = ["--device", "cpu", "--tokens", "24", "--experts", "4", "--topk", "2", "--hidden", "8", "--ffn", "12", "--warmup", "0", "--iters", "1"]
 
 
 @pytest.mark.slow
@@ -54,3 +54,17 @@ def test_bad_arguments_are_one_error_line(capsys):
         bench.parse_args(["--device", "cpu", "--topk", "9", "--experts", "8"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].endswith("error: --topk 9 must be at most --experts 8")
+
+
+def test_the_two_paths_of_a_whole_layer_compute_equal_results():
+    bench = load_script("bench_moe")
+    args = bench.parse_args([*TINY, "--layer"])
+    device = torch.device("cpu")
+    grouped, loop = bench.build_layer(args, True, device), bench.build_layer(args, False, device)
+    assert grouped.experts.grouped_gemm and not loop.experts.grouped_gemm
+    x = torch.randn(1, args.tokens, args.hidden)
+    grad = torch.randn_like(x)
+    assert bench.compare(grouped, loop, x, None, grad, bench.layer_step) < 1e-6
+    with torch.no_grad():
+        loop.router.weight[0, 0] += 1.0
+    assert bench.compare(grouped, loop, x, None, grad, bench.layer_step) > 1e-6

@@ -30,7 +30,7 @@ RTOL = 1e-5
 WORKER = str(REPO / "tests" / "compile_worker.py")
 LAUNCHES = {
     # ranks: layouts compiled in one launch
-    2: ["tp2_sp", "pp2"],
+    2: ["tp2_sp", "pp2", "moe_dp2"],
     4: ["pp2_tp2_sp", "dp2_tp2_sp", "dp2_tp2", "pp2_dp2"],
 }
 
@@ -56,7 +56,7 @@ def cache_dir(tmp_path_factory):
 def results(tmp_path_factory, cache_dir):
     """layout -> {"losses", "grads"}: the eager reference first, then the launches as they run."""
     out = tmp_path_factory.mktemp("compile")
-    run_worker("single", 1, out, cache_dir, "--eager")
+    run_worker("single,moe_single", 1, out, cache_dir, "--eager")
     failures: dict[int, str] = {}  # each launch runs once; its layouts share its outcome
 
     def get(layout: str) -> dict:
@@ -94,9 +94,15 @@ def assert_matches(got: dict, want: dict) -> None:
 
 
 # The 4-rank launch runs first (listed first), so the 2-rank layouts compile with its graphs cached.
-@pytest.mark.parametrize("layout", LAUNCHES[4] + LAUNCHES[2])
+@pytest.mark.parametrize("layout", [name for name in LAUNCHES[4] + LAUNCHES[2] if not name.startswith("moe_")])
 def test_compiled_layout_matches_eager_single_process(results, layout):
     assert_matches(results(layout), results("single"))
+
+
+def test_compiled_moe_blocks_match_eager_single_process(results):
+    """MoE blocks compiled one by one under FSDP (dp2), against the eager one-process run: router,
+    dispatch (sync-free, nonzero_static), looped experts and combine, with the router losses."""
+    assert_matches(results("moe_dp2"), results("moe_single"))
 
 
 class StaleProcessGroup(Exception):

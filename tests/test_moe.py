@@ -23,6 +23,7 @@ CASES = {
     "capacity_probs": dict(**AUX, moe_expert_capacity_factor=1.0),
     "capacity_position": dict(**AUX, moe_expert_capacity_factor=0.5, moe_token_drop_policy="position"),
     "capacity_padded": dict(**AUX, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+    "router_fp64": dict(**AUX, moe_router_dtype="fp64", moe_z_loss_coeff=1e-3),
 }  # fmt: skip
 
 
@@ -63,6 +64,7 @@ def test_router_matches_megatron(megatron, case):
     tokens = x.transpose(0, 1).reshape(-1, HIDDEN)
     ours = router(tokens, BATCH, weighted=True)
     assert torch.equal(ours.routing_map, theirs.routing_map), case
+    assert ours.probs.dtype == theirs.probs.dtype == (torch.float64 if "fp64" in case else torch.float32)
     _same(ours.probs, theirs.probs, "probs")
     assert {k: float(v) for k, v in ours.logged.items()} == pytest.approx(theirs.losses, rel=1e-5), case
     if "capacity" in case:  # the case drops something (or pads), and keeps each expert within capacity
@@ -70,6 +72,21 @@ def test_router_matches_megatron(megatron, case):
         per_expert = ours.routing_map.sum(0)
         assert (per_expert == cap).all() if moe.get("moe_pad_expert_input_to_capacity") else (per_expert <= cap).all()
         assert int(ours.dropped) > 0
+
+
+@pytest.mark.parametrize("router_dtype", [None, "fp32", "fp64"])
+def test_router_dtype_sets_the_logits_dtype_and_gradients_keep_theirs(router_dtype):
+    """Under bf16 the router computes in moe_router_dtype (unset: bf16), its weight's and input's
+    gradients coming back in their own dtypes (Megatron's gating linear)."""
+    router = Router(dtgpt_config(dict(AUX, moe_router_dtype=router_dtype))).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(8, HIDDEN, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    routing = router(x, 2, weighted=True)
+    want = {None: torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[router_dtype]
+    assert routing.probs.dtype == want and router.gating(x).dtype == want
+    (routing.probs.sum() + routing.loss).backward()
+    assert x.grad.dtype == router.weight.grad.dtype == torch.bfloat16
 
 
 def test_switch_loss_is_balanced_at_its_minimum():
@@ -89,7 +106,7 @@ def test_expert_bias_moves_towards_the_mean_load():
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
 
 
-LAYER_CASES = ("softmax", "sigmoid", "seq_aux_loss", "capacity_probs", "capacity_padded")
+LAYER_CASES = ("softmax", "sigmoid", "seq_aux_loss", "capacity_probs", "capacity_padded", "router_fp64")
 
 
 @pytest.mark.parametrize("case", LAYER_CASES)

@@ -47,22 +47,23 @@ def per_token_reference(experts: GroupedExperts, x, probs, routing_map) -> torch
     return torch.stack(out)
 
 
-def moe(dispatcher, experts, x, probs, routing_map):
-    x_sorted, counts = dispatcher.dispatch(x, probs, routing_map)
-    return dispatcher.combine(experts(x_sorted, counts))
+def moe(dispatcher, experts, x, probs, routing_map, **layout):
+    x_sorted, counts = dispatcher.dispatch(x, probs, routing_map, **layout)
+    return dispatcher.combine(experts(x_sorted, counts, dispatcher.counts_on_host))
 
 
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]
 
 
-@pytest.mark.parametrize("capacity", [None, 9])
-def test_local_dispatch_and_combine_equal_a_per_token_moe(capacity):
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("layout", [{}, {"topk": 2}, {"capacity": 9}, {"capacity": 13}], ids=["counted", "dropless", "capacity", "capacity_over_tokens"])
+def test_local_dispatch_and_combine_equal_a_per_token_moe(layout, grouped):
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(0))
     probs, routing_map = routing(12, 4, 2, seed=1, unused=(2,))  # expert 2 gets no token
-    experts = experts_module(True)
+    experts = experts_module(grouped)
     x1, p1 = leaves(x, probs)
-    out = moe(LocalDispatcher(4, capacity=capacity), experts, x1, p1, routing_map)
+    out = moe(LocalDispatcher(4), experts, x1, p1, routing_map, **layout)
     grad = torch.randn(12, 16)
     (out * grad).sum().backward()
     expert_grads = {n: p.grad.clone() for n, p in experts.named_parameters()}
@@ -86,14 +87,26 @@ def test_dispatch_sorts_by_expert_and_pads_to_capacity():
     probs = routing_map.float() * 0.5
     x_sorted, counts = LocalDispatcher(3).dispatch(x, probs, routing_map)
     assert counts.tolist() == [2, 0, 3] and x_sorted[:, 0].tolist() == [0, 2, 0, 1, 3]
-    padded = LocalDispatcher(3, capacity=3)
-    x_padded, counts = padded.dispatch(x, probs, routing_map)
-    assert counts.tolist() == [3, 3, 3] and x_padded.shape == (9, 4)
+    padded = LocalDispatcher(3)
+    x_padded, counts = padded.dispatch(x, probs, routing_map, capacity=3)
+    assert counts.tolist() == [3, 3, 3] and padded.counts_on_host == [3, 3, 3] and x_padded.shape == (9, 4)
     assert x_padded[:, 0].tolist() == [0, 2, 0, 0, 0, 0, 0, 1, 3]
-    # Padded rows are never read: whatever the experts put there, the result is the same.
-    y = x_padded * 2
-    y[[2, 3, 4, 5]] = torch.nan
-    torch.testing.assert_close(padded.combine(y), 2 * x * probs.sum(1, keepdim=True))
+    # Padded rows are never read: whatever the experts put there, the result and the gradients are the same.
+    y = (x_padded * 2).requires_grad_(True)
+    nan = y.detach().clone()
+    nan[[2, 3, 4, 5]] = torch.nan
+    out = padded.combine(y + (nan - y).detach())
+    torch.testing.assert_close(out, 2 * x * probs.sum(1, keepdim=True))
+    out.sum().backward()
+    assert y.grad[[2, 3, 4, 5]].eq(0).all() and y.grad.isfinite().all()
+    # Over capacity (the router never sends it), an expert keeps its first tokens.
+    x_sorted, _ = LocalDispatcher(3).dispatch(x, probs, routing_map, capacity=1)
+    assert x_sorted[:, 0].tolist() == [0, 0, 0]
+    # Dropless: the pairs found without reading the count on the host are the same.
+    two = routing(6, 3, 2, seed=3)
+    dropless, counted = LocalDispatcher(3), LocalDispatcher(3)
+    x6 = torch.randn(6, 4)
+    assert torch.equal(dropless.dispatch(x6, *two, topk=2)[0], counted.dispatch(x6, *two)[0])
 
 
 def test_bad_routing_and_misuse_are_errors():
@@ -103,8 +116,6 @@ def test_bad_routing_and_misuse_are_errors():
         LocalDispatcher(3).dispatch(x, probs, routing_map.float())
     with pytest.raises(ValueError, match="3 experts"):
         LocalDispatcher(3).dispatch(x, probs[:, :2], routing_map[:, :2])
-    with pytest.raises(ValueError, match="over its capacity 1"):
-        LocalDispatcher(3, capacity=1).dispatch(x, probs, routing_map)
     with pytest.raises(RuntimeError, match="without a dispatch"):
         LocalDispatcher(3).combine(torch.zeros(8, 4))
 

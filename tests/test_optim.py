@@ -244,3 +244,28 @@ def test_dcp_round_trip(tmp_path):
     resumed = LRSchedule(cfg)
     dcp.load({"lr_schedule": resumed}, checkpoint_id=str(tmp_path))
     assert resumed.num_samples == 640 and resumed.current_lr == s.current_lr
+
+
+def test_no_bias_and_no_norm_weight_decays_by_megatrons_rule():
+    """Every parameter of a GPT with every kind of weight (biases, qk-norms, MoE with stacked
+    expert biases, a shared expert, the router) against Megatron's rule applied to the tensor it
+    maps to: no decay for a name ending in '.bias' or a 1-D tensor (each expert's own tensors,
+    whose biases are 1-D, where dtgpt stacks them)."""
+    from dtgpt.checkpoint.megatron.keys import megatron_name
+    from dtgpt.config import ModelConfig
+    from dtgpt.model import GPT
+    from dtgpt.optim import decays
+
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, seq_length=8,
+                      add_bias_linear=True, qk_layernorm=True, num_experts=4, moe_layer_freq=2,
+                      moe_shared_expert_intermediate_size=32)  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(cfg, 64)
+    checked = set()
+    for name, param in model.named_parameters():
+        megatron, _ = megatron_name(name)
+        shape = param.shape[1:] if ".mlp.experts." in name else param.shape  # one expert's tensor
+        assert decays(name, param) == (not (megatron.endswith(".bias") or len(shape) == 1)), (name, megatron)
+        checked.add(name.split(".", 2)[-1])
+    assert {"mlp.experts.fc1_bias", "mlp.router.weight", "attention.q_norm.weight", "mlp.fc1.bias"} <= checked
+    assert not decays("layers.0.mlp.experts.fc2_bias", torch.empty(4, 16))  # 2-D, still a bias

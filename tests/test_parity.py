@@ -172,8 +172,9 @@ LAYOUTS = {
     "moe_ep2_cp2": (2, [*MOE_GROUPED, CP2, ep(2)]),
     # a capacity factor: each expert takes at most 1.0 x its share of a micro-batch's tokens,
     # counted per micro-batch, which no dp, ep or pp split changes (tp and cp, which split a
-    # sequence, are refused): the same tokens drop on every layout (dropped_tokens compared)
-    "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
+    # sequence, are refused): the same tokens drop on every layout (dropped_tokens compared). Padded to
+    # capacity (Megatron's static-shape mode): every exchange's sizes are known, nothing syncs.
+    "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
 

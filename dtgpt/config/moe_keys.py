@@ -34,6 +34,9 @@ class MoEKeys:
     """The load-balancing loss's weight (0: none)."""
     moe_z_loss_coeff: Optional[float] = None
     """The router z-loss's weight, mean(logsumexp(logits)^2) (unset: none)."""
+    moe_router_dtype: Optional[str] = None
+    """The router's precision: its logits, scores and routing probabilities, and the combine's
+    weighting, computed in 'fp32' or 'fp64'; unset: the compute dtype."""
     moe_router_enable_expert_bias: bool = False
     """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only,
     moved by moe_router_bias_update_rate towards the mean load after every iteration (sigmoid only)."""

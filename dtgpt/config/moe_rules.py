@@ -11,6 +11,7 @@ MOE_CHOICES = {
     "model.moe_router_score_function": ("softmax", "sigmoid"),
     "model.moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
     "model.moe_token_drop_policy": ("probs", "position"),
+    "model.moe_router_dtype": (None, "fp32", "fp64"),
 }
 
 
@@ -75,9 +76,15 @@ def check_moe(cfg: Config) -> None:
         "depend on how sequences are split",
     )
     _require(
-        not t.compile,
-        f"training.compile=true is not supported with model.num_experts={e}: no parity test covers compiled "
-        "MoE layers; set training.compile=false",
+        not t.compile or not m.moe_grouped_gemm,
+        f"training.compile=true is not supported with model.moe_grouped_gemm=true (model.num_experts={e}): "
+        "torch 2.13's torch._grouped_mm has no fp32 or fp16 meta kernel for the compiler; set training.compile=false "
+        "or model.moe_grouped_gemm=false",
+    )
+    _require(
+        not t.compile or factor is None,
+        f"training.compile=true is not supported with model.moe_expert_capacity_factor={factor}: compiled, the "
+        "router's gradients differ from eager ones (torch 2.13, CPU); set training.compile=false",
     )
     _require(e % ep == 0, f"parallel.expert_model_parallel_size={ep} must divide model.num_experts={e}")
     if p.data_parallel_shard_size > 0:

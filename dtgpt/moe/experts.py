@@ -66,9 +66,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return y[:, :n] if pad_n else y
 
 
-def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """grouped_linear as a loop over experts (counts on the host). Every expert is visited, even
-    with no rows, so that each gets a (zero) gradient."""
+@torch.compiler.disable
+def looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    """grouped_linear as a loop over experts (counts on the host; a tensor is copied there). Every
+    expert is visited, even with no rows, so that each gets a (zero) gradient. Run eager under
+    torch.compile: the slice sizes are the routing's, and a graph that saw them would be
+    specialised on them and recompiled at every step."""
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight.unbind(0))])
 
 
@@ -138,14 +143,22 @@ class GroupedExperts(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x_sorted (M, h), rows grouped by expert in order; tokens_per_expert (E_local,) int64 -> (M, h)."""
+    def forward(
+        self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, counts_on_host: list[int] | None = None
+    ) -> torch.Tensor:
+        """x_sorted (M, h), rows grouped by expert in order; tokens_per_expert (E_local,) int64 -> (M, h).
+
+        counts_on_host: tokens_per_expert as the host knows it without a sync (a dispatcher's
+        capacity or its exchanged sizes). The loop needs the counts on the host to slice the rows:
+        without them it copies them there, one host sync per call (the grouped GEMM never does)."""
         w1, w2 = _local(self.fc1_weight), _local(self.fc2_weight)
         if self.grouped_gemm:
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             linear = lambda rows, w: grouped_linear(rows, w, offsets)  # noqa: E731
         else:
-            counts = tokens_per_expert.tolist()
+            counts = counts_on_host
+            if counts is None:  # compiled, the counts stay a tensor up to the eager loop
+                counts = tokens_per_expert if torch.compiler.is_compiling() else tokens_per_expert.tolist()
             linear = lambda rows, w: looped_linear(rows, w, counts)  # noqa: E731
         h = linear(x_sorted, w1)  # (M, ffn or 2 * ffn)
         if self.fc1_bias is not None:

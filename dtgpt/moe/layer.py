@@ -81,8 +81,11 @@ class MoELayer(nn.Module):
         tokens = x.transpose(0, 1).reshape(T * B, h)  # position-major, as Megatron orders them
         training = self.training and torch.is_grad_enabled()
         routing = self.router(tokens, B, weighted=training)
-        x_sorted, tokens_per_expert = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
-        y = self.dispatcher.combine(self.experts(x_sorted, tokens_per_expert))  # (T * B, h)
+        x_sorted, tokens_per_expert = self.dispatcher.dispatch(
+            tokens, routing.probs, routing.routing_map, capacity=routing.capacity, topk=routing.topk
+        )
+        y = self.experts(x_sorted, tokens_per_expert, self.dispatcher.counts_on_host)
+        y = self.dispatcher.combine(y)  # (T * B, h)
         out = y.view(T, B, h).transpose(0, 1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)

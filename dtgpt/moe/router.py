@@ -24,6 +24,10 @@ from dtgpt.inits import DeclaredInits, Init
 from dtgpt.moe.group_routing import Select, plain_topk, topk_selector
 
 
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+"""model.moe_router_dtype -> the dtype the router computes in."""
+
+
 @dataclass
 class Routing:
     """What the router decides for N tokens over E experts."""
@@ -39,6 +43,10 @@ class Routing:
     """Megatron's logged names -> this rank's share of the loss without its coefficient."""
     dropped: torch.Tensor
     """How many (token, expert) choices the capacity dropped."""
+    capacity: int | None = None
+    """Tokens per expert when every expert is padded to its capacity (static shapes), else None."""
+    topk: int | None = None
+    """Experts per token when every token has exactly that many (dropless), else None."""
 
 
 def top_k(
@@ -141,7 +149,7 @@ class Router(nn.Module):
         """x (N, h), N = positions * batch_size in position-major order; `weighted`: compute the
         losses that train (Megatron: only in training with gradients on)."""
         cfg = self.cfg
-        logits = F.linear(x, self.weight, self.bias)  # (N, E)
+        logits = self.gating(x)
         probs, routing_map = top_k(
             logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias,
             topk_selector(cfg),
@@ -149,7 +157,11 @@ class Router(nn.Module):
         if cfg.moe_router_topk_scaling_factor:
             probs = probs * cfg.moe_router_topk_scaling_factor
         dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        padded_capacity, exact_topk = None, cfg.moe_router_topk
         if cfg.moe_expert_capacity_factor is not None:
+            exact_topk = None
+            if cfg.moe_pad_expert_input_to_capacity:
+                padded_capacity = capacity(x.shape[0], cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
             chosen = routing_map.sum()
             probs, routing_map = drop_over_capacity(
                 probs, routing_map, cfg.moe_router_topk, cfg.moe_expert_capacity_factor,
@@ -158,7 +170,14 @@ class Router(nn.Module):
             dropped = (chosen - (routing_map & (probs > 0)).sum()).clamp(min=0)
         losses, logged = self._losses(logits, batch_size) if weighted else ([], {})
         loss = torch.stack([part.float() for part in losses]).sum() if losses else None
-        return Routing(probs, routing_map, loss, logged, dropped)
+        return Routing(probs, routing_map, loss, logged, dropped, padded_capacity, exact_topk)
+
+    def gating(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, h) -> logits (N, E) in moe_router_dtype (unset: x's dtype), as Megatron's gating:
+        input, weight and bias cast to it, so that the gradients come back in their own dtypes."""
+        dtype = ROUTER_DTYPES.get(self.cfg.moe_router_dtype, x.dtype)
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
 
     def _losses(self, logits: torch.Tensor, batch_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         cfg, losses, logged = self.cfg, [], {}

@@ -41,7 +41,7 @@ def apply_ep(model: GPT, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = N
             # src_data_rank=None: each rank takes its own chunk (the values are drawn later, on the full shape).
             sharded = distribute_tensor(full, expert_mesh, placements, src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatcher = AllToAllDispatcher(experts.num_experts, group, capacity=layer.dispatcher.capacity)
+        layer.dispatcher = AllToAllDispatcher(experts.num_experts, group)
 
 
 def apply_moe_sequence_ranks(model: GPT, sequence_mesh: DeviceMesh) -> None:

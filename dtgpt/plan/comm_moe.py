@@ -4,7 +4,8 @@ parameter shapes as FSDP holds them, and the all-to-all token exchange of expert
 With E experts, top-k routing, ep expert-parallel ranks and N = b·s/tp tokens a rank routes per
 micro-batch (each tp rank routes its own sequence chunk under SP), per MoE layer:
 
-  all-to-all over ep, per micro-batch: 1 exchange of the per-expert counts (E int64) forward,
+  all-to-all over ep, per micro-batch: dropless (or a capacity that only drops), 1 exchange of
+       the per-expert counts (E int64) forward (padded to capacity, none: the sizes are static),
        then the routed rows, R·h·e bytes each (R = N·k dropless, E·capacity when padded to
        capacity, at most N·k when a capacity drops tokens): dispatch and combine forward, the
        same two backward; a recomputed block (full recomputation) runs its forward again, counts
@@ -101,8 +102,9 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
     layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
     rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
     rows = routed_rows(c) * c.hidden * c.compute_bytes
-    return [
-        collective("all_to_all", "ep", "tokens per expert fwd", (layers + rerun) * n_micro, 8 * c.experts),
+    static = c.capacity_factor is not None and c.pad_to_capacity
+    counts = [] if static else [collective("all_to_all", "ep", "tokens per expert fwd", (layers + rerun) * n_micro, 8 * c.experts)]
+    return counts + [
         collective("all_to_all", "ep", "dispatch + combine fwd", 2 * (layers + rerun) * n_micro, rows),
         collective("all_to_all", "ep", "dispatch + combine grads bwd", 2 * layers * n_micro, rows),
     ]
