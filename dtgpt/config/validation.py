@@ -108,7 +108,10 @@ def _check_model(cfg: Config) -> None:
         f"model.seq_length={m.seq_length} must be <= model.max_position_embeddings={m.max_position_embeddings}",
     )
     _require(m.ffn_hidden_size >= 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be >= 0 (0 = 4*hidden)")
-    dense = not m.num_experts or m.moe_layer_freq < 1 or any(not m.is_moe_layer(i) for i in range(m.num_layers))  # (freq: moe_rules)
+    try:
+        dense = not m.num_experts or any(not m.is_moe_layer(i) for i in range(m.num_layers))
+    except ValueError:  # a bad moe_layer_freq, which check_moe names
+        dense = True
     _require(  # SwiGLU's default width rounds 8/3 x hidden down to a multiple of 64: 0 below hidden 24
         (m.ffn_size > 0 or not dense) and (not m.num_experts or m.expert_ffn_size > 0),
         f"model.ffn_hidden_size=0 with model.swiglu=true and model.hidden_size={m.hidden_size} gives an MLP of "
