@@ -6,8 +6,8 @@
     python scripts/bench.py --sizes 1.3b --json results.json
 
 dtgpt runs exactly as the trainer runs it on one device: a Config, `init_distributed` (in bf16
-a process group of one: the model computes in bf16 over fp32 master weights, FSDP's cast,
-Megatron's regime), the library's `build_model` (meta build -> parallelize -> materialise) and
+the model computes in bf16 over fp32 master weights, Megatron's regime: in one process a bf16
+copy of the masters, dtgpt/parallel/compute_copy.py), the library's `build_model` (meta build -> parallelize -> materialise) and
 `build_train_state` (AdamW, LR schedule, loss scaler), then `train_step` once per iteration with
 one micro-batch. The reference is what one would write in a single file: the model of
 scripts/reference_gpt.py (pre-LN GPT, learned positions, fused QKV, tanh-GeLU MLP, biases, final
@@ -98,7 +98,7 @@ def bench_config(size: str, device_type: str, *, bf16: bool = True, compile: boo
 def build_dtgpt(cfg: Config, device: torch.device):
     """The TrainState (model parts, optimizer, LR schedule, scaler) of the trainer's own setup path."""
     torch.manual_seed(cfg.training.seed)
-    runtime = init_distributed(cfg)  # bf16: a process group of one, for FSDP's cast (dtgpt/parallel/fsdp.py)
+    runtime = init_distributed(cfg)
     return build_train_state(cfg, build_model(cfg, runtime, VOCAB_SIZE))
 
 

@@ -32,13 +32,14 @@ def turn_off_autograd_cache() -> None:
     torch._functorch.config.enable_autograd_cache = False
 
 
-def apply_compile(model: GPT, dims: ParallelDims) -> None:
-    """Compile in place (names keep no `_orig_mod` prefix): per block on a mesh, else whole."""
+def apply_compile(model: GPT, dims: ParallelDims, whole: bool = False) -> None:
+    """Compile in place (names keep no `_orig_mod` prefix): per block on a mesh, else (or if
+    `whole`: the compute copy of one process, dtgpt/parallel/compute_copy.py) whole."""
     if dims.tp_enabled:
         turn_off_autograd_cache()
     # Static shapes: an evaluation recompiles the blocks (eval mode), and a recompile may otherwise
     # turn sizes symbolic, which DTensor's sharding rules reject ("unhashable type: non-nested SymInt").
-    if dims.tp_enabled or dims.pp_enabled or dims.fsdp_enabled:
+    if not whole and (dims.tp_enabled or dims.pp_enabled or dims.fsdp_enabled):
         for block in model.layers.values():
             block.compile(dynamic=False)
     else:
