@@ -78,7 +78,7 @@ def state_bytes(
     grad_bytes        what gradients accumulate and reduce in (config.grads_reduced_in_fp32)
 
     The fp32 parameters, gradients and Adam state are the master, dp shards under FSDP (an fp16
-    or bf16 run is FSDP-sharded at every dp, one rank included: dtgpt/parallel/fsdp.py). FSDP
+    or bf16 run is FSDP-sharded at every dp, one rank per stage included: dtgpt/parallel/fsdp.py). FSDP
     gathers the parameters per unit in the compute dtype: about two units at a time (the running
     one and the prefetched one) when units reshard after forward, all of them otherwise. Backward
     gives each unit's gradients in the compute dtype, reduce-scattered from a grad_bytes buffer;
