@@ -1,7 +1,7 @@
 """Distributed start-up and shut-down: the only place that reads torchrun's environment.
 
-`python train.py` runs as one plain process (no process group, except a group of one for fp16/bf16,
-whose compute FSDP casts); `torchrun` sets RANK and WORLD_SIZE, and then a process group is
+`python train.py` runs as one plain process (no process group, except a group of one for an
+fp16/bf16 MoE model, whose compute FSDP casts); `torchrun` sets RANK and WORLD_SIZE, and then a process group is
 created (NCCL on CUDA, gloo on CPU).
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dtgpt.faults.attempt_store import attempt_store
 from dtgpt.config import Config, low_precision, validate
 from dtgpt.config.devices import choose_device
-from dtgpt.parallel import last_stage_rank
+from dtgpt.parallel import last_stage_rank, uses_compute_copy
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
 from dtgpt.run.keys import LAUNCHER_ENV, replacement_number
@@ -78,7 +78,7 @@ def init_distributed(cfg: Config) -> Runtime:
     store = None
     if "RANK" in os.environ and not dist.is_initialized():
         store = init_process_group(cfg, device)
-    elif low_precision(cfg) and not dist.is_initialized():
+    elif low_precision(cfg) and not uses_compute_copy(cfg, dims) and not dist.is_initialized():
         init_one_rank_group(cfg, device)
     if dist.is_initialized():
         rank = dist.get_rank()
@@ -101,8 +101,9 @@ def backend_for(cfg: Config, device: torch.device) -> str:
 
 
 def init_one_rank_group(cfg: Config, device: torch.device) -> None:
-    """A process group of this process alone: fp16/bf16 compute is FSDP's cast at every dp
-    (dtgpt/parallel/fsdp.py), and FSDP needs a mesh, even of one rank (it then moves nothing)."""
+    """A process group of this process alone: an fp16/bf16 MoE model computes through FSDP's cast
+    even at dp = 1 (dtgpt/parallel/fsdp.py; any other model through a compute copy,
+    dtgpt/parallel/compute_copy.py), and FSDP needs a mesh, even of one rank (it then moves nothing)."""
     dist.init_process_group(
         backend=backend_for(cfg, device), store=dist.HashStore(), rank=0, world_size=1,
         device_id=device if device.type == "cuda" else None,

@@ -158,7 +158,7 @@ def forward_backward(model: ModelParts, batch: Batch | torch.Tensor | None, num_
 
 def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_microbatches: int, forward_only: bool) -> torch.Tensor:
     total = torch.zeros((), device=model.device)
-    part = model.parts[0]
+    part = model.forward_module()
     for i, micro in enumerate(batch.chunk(num_microbatches)):
         # The loss-parallel context must cover backward as well as forward.
         with model.compute_context():
@@ -167,6 +167,7 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_micro
                 last = i == num_microbatches - 1
                 set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
                 micro_loss.backward()
+                model.after_backward(first=i == 0, last=last)
         total += _plain(micro_loss)
     return total
 

@@ -6,8 +6,8 @@
     python scripts/bench.py --sizes 1.3b --json results.json
 
 dtgpt runs exactly as the trainer runs it on one device: a Config, `init_distributed` (in bf16
-a process group of one: the model computes in bf16 over fp32 master weights, FSDP's cast,
-Megatron's regime), the library's `build_model` (meta build -> parallelize -> materialise) and
+the model computes in bf16 over fp32 master weights, Megatron's regime: in one process a bf16
+copy of the masters, dtgpt/parallel/compute_copy.py), the library's `build_model` (meta build -> parallelize -> materialise) and
 `build_train_state` (AdamW, LR schedule, loss scaler), then `train_step` once per iteration with
 one micro-batch. The reference is what one would write in a single file: the model of
 scripts/reference_gpt.py (pre-LN GPT, learned positions, fused QKV, tanh-GeLU MLP, biases, final
@@ -50,6 +50,7 @@ from dtgpt.model_size import flops_per_token, num_parameters
 from dtgpt.api import build_model, build_train_state, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when loaded by path
+from bench_profile import print_profiles, profile_steps  # noqa: E402
 from reference_gpt import ReferenceGPT  # noqa: E402
 
 # name: (layers, hidden, heads, seq_length, micro_batch_size)
@@ -98,7 +99,7 @@ def bench_config(size: str, device_type: str, *, bf16: bool = True, compile: boo
 def build_dtgpt(cfg: Config, device: torch.device):
     """The TrainState (model parts, optimizer, LR schedule, scaler) of the trainer's own setup path."""
     torch.manual_seed(cfg.training.seed)
-    runtime = init_distributed(cfg)  # bf16: a process group of one, for FSDP's cast (dtgpt/parallel/fsdp.py)
+    runtime = init_distributed(cfg)
     return build_train_state(cfg, build_model(cfg, runtime, VOCAB_SIZE))
 
 
@@ -195,8 +196,8 @@ def time_steps(step: Step, batches: list[torch.Tensor], warmup: int, iters: int,
     return ms, losses
 
 
-def measure(impl: str, cfg: Config, device: torch.device, batches, warmup: int, iters: int) -> dict:
-    """Build one side, warm it up, time it, free it; errors are recorded, not raised."""
+def measure(impl: str, cfg: Config, device: torch.device, batches, warmup: int, iters: int, profile: bool = False) -> dict:
+    """Build one side, warm it up, time it (and profile it), free it; errors are recorded, not raised."""
     free_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -205,6 +206,8 @@ def measure(impl: str, cfg: Config, device: torch.device, batches, warmup: int, 
         step = build(cfg, device)[0]
         ms, losses = time_steps(step, batches, warmup, iters, device)
         result = {"iter_ms": ms, "losses": losses}
+        if profile:  # after the timed steps, so the profiler costs them nothing
+            result["profile"] = profile_steps(step, batches, device)
     except Exception as e:  # an OOM at one size should not lose the others
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -233,6 +236,7 @@ def summarize(runs: list[dict], tokens_per_iter: int, fpt: float, peak: float | 
         "peak_mem_gib": max(mems) if mems else None,
         "iter_ms": [r["iter_ms"] for r in runs],
         "last_loss": runs[-1]["losses"][-1],
+        "profile": runs[-1].get("profile"),
     }
 
 
@@ -251,7 +255,7 @@ def bench_size(size: str, device: torch.device, args, peak: float | None) -> dic
     for r in range(args.rounds):
         order = ("dtgpt", "reference") if r % 2 == 0 else ("reference", "dtgpt")
         for impl in order:
-            runs[impl].append(measure(impl, cfg, device, batches, args.warmup, args.iters))
+            runs[impl].append(measure(impl, cfg, device, batches, args.warmup, args.iters, args.profile))
             if "error" in runs[impl][-1]:
                 print(f"  {impl} round {r + 1}: {runs[impl][-1]['error']}", flush=True)
     result = {
@@ -290,6 +294,7 @@ def print_size(result: dict) -> None:
         print(f"  {impl:<10} {r['tokens_per_s']:>12,.0f} {r['tflops']:>9.3g} {_mfu(r):>7} "
               f"{r['ms_per_iter']:>9.2f} {_fmt(r['peak_mem_gib'], '9.2f'):>9}")  # fmt: skip
     print(f"  dtgpt / reference (tokens/s): {_fmt(result['ratio'], '.3f')}", flush=True)
+    print_profiles(result)
 
 
 def print_summary(results: dict) -> None:
@@ -326,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-batches", action="store_true",
                    help="keep batches in pinned host memory: each step includes its host-to-device copy")  # fmt: skip
     p.add_argument("--peak-tflops", type=float, default=0.0, help="dense peak per device for MFU (0: dtgpt's table)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile a few steps per side: kernels per step, GPU busy fraction, optimizer time "
+                        "(scripts/bench_profile.py; on a CPU: aten ops and the optimizer's host time)")  # fmt: skip
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown(clean=False)
     print_summary(results)
     if args.json:
-        settings = {k: getattr(args, k) for k in ("device", "compile", "warmup", "iters", "rounds", "host_batches")}
+        settings = {k: getattr(args, k) for k in ("device", "compile", "warmup", "iters", "rounds", "host_batches", "profile")}
         report = {"environment": env, "flop_formula": FLOP_FORMULA, "settings": settings, "results": results}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")

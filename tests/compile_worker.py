@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtgpt
+from dtgpt.parallel.rng import stage_seed
 
 TP2 = {"tensor_model_parallel_size": 2}
 SP = {"sequence_parallel": True}
@@ -34,7 +35,12 @@ LAYOUTS = {
     "dp2_tp2": {"data_parallel_shard_size": 2, **TP2},
     "pp2_dp2": {"pipeline_model_parallel_size": 2, "data_parallel_shard_size": 2},
     "dp2": {"data_parallel_shard_size": 2},
+    # Dropout 0.1 under tp, Megatron's streams: compiled, and its reference, eager on the same mesh
+    # (a name ending in "_eager" runs eager in a compiled launch).
+    "tp2_dropout": TP2,
+    "tp2_dropout_eager": TP2,
 }  # fmt: skip
+DROPOUT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 # A layout name may start with "moe_": every block an MoE layer (4 looped experts, top-2, both router losses).
 MOE = "moe_"
 MOE_MODEL = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
@@ -49,9 +55,10 @@ LR = 1e-2
 def layout_config(name: str, compile: bool):
     moe = name.startswith(MOE)
     return dtgpt.make_config(
-        model={**MODEL, **MOE_MODEL} if moe else MODEL,
+        model={**MODEL, **(MOE_MODEL if moe else {}), **(DROPOUT if "dropout" in name else {})},
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
-        training=dict(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, train_iters=ITERATIONS, compile=compile),
+        training=dict(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, train_iters=ITERATIONS,
+                      compile=compile and not name.endswith("_eager")),
         optimizer=dict(lr=LR, lr_decay_style="constant"),
         parallel=LAYOUTS[name.removeprefix(MOE)],
     )
@@ -88,6 +95,7 @@ def train_layout(name: str, compile: bool, runtime) -> dict:
     cfg = layout_config(name, compile)
     model = dtgpt.build_model(cfg, runtime, vocab_size=VOCAB)
     state = dtgpt.build_train_state(cfg, model)
+    torch.manual_seed(stage_seed(cfg.training.seed, model.dims.pp_rank))  # dropout: every layout from the start's stream
     n_micro = dtgpt.num_microbatches(cfg, model.dims.dp)
     record: dict = {"losses": [], "grad_norms": [], "grads": []}
     for iteration in range(ITERATIONS):

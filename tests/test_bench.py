@@ -27,7 +27,7 @@ def load_bench():
 @pytest.mark.slow
 def test_tiny_cpu_run_writes_json(tmp_path):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(BENCH), "--sizes", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    cmd = [sys.executable, str(BENCH), "--sizes", "tiny", "--device", "cpu", "--iters", "2", "--warmup", "1", "--profile", "--json", str(out)]
     proc = subprocess.run(
         cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900
     )
@@ -42,6 +42,11 @@ def test_tiny_cpu_run_writes_json(tmp_path):
     assert report["environment"]["torch"] == torch.__version__
     assert "flops_per_token" in report["flop_formula"]
     assert "dtgpt / reference (tokens/s)" in proc.stdout and "torch " + torch.__version__ in proc.stdout
+    for side in ("dtgpt", "reference"):  # --profile: on a CPU, aten ops and the optimizer's host time per step
+        profile = tiny[side]["profile"]
+        assert profile["kernel_kind"] == "aten ops (CPU)" and profile["kernels"] > 100 and profile["busy"] is None
+        assert profile["optimizer_ms"] > 0
+    assert "aten ops (CPU)/step" in proc.stdout
 
 
 def test_reference_computes_dtgpt_losses_from_the_same_weights():

@@ -168,17 +168,15 @@ def test_toml_errors(tmp_path):
           "parallel__pipeline_layers_per_stage": [1, 0, 0, 1]}, None, "middle stage 1 would hold nothing"),
         ({"training__compile": True, "parallel__pipeline_model_parallel_size": 2, "parallel__pipeline_schedule": "GPipe"},
          None, "training.compile=true is not supported with parallel.pipeline_schedule='GPipe'"),
-        # Compile: refused where no parity test covers it (recomputation anywhere, dropout under tp).
+        # Compile: refused where no parity test covers it (recomputation anywhere, layout-invariant dropout under tp).
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "training__recompute_granularity": "selective"},
          None, "training.compile=true is not supported with training.recompute_granularity='selective': no parity test"),
         ({"training__compile": True, "parallel__data_parallel_shard_size": 2, "training__recompute_granularity": "full",
           "training__recompute_method": "uniform", "training__recompute_num_layers": 1}, 2,
          "training.compile=true is not supported with training.recompute_granularity='full'"),
-        ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__attention_dropout": 0.0}, None,
-         "training.compile=true is not supported with dropout (model.hidden_dropout=0.1, model.attention_dropout=0.0) "
-         "under parallel.tensor_model_parallel_size=2"),
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__dropout_rng": "layout_invariant"},
-         None, "training.compile=true is not supported with dropout"),
+         None, "training.compile=true is not supported with model.dropout_rng='layout_invariant' under "
+               "parallel.tensor_model_parallel_size=2"),
         ({"training__compile": True, "parallel__tensor_model_parallel_size": 2, "model__position_embedding_type": "rope", **NO_DROPOUT},
          None, "training.compile=true is not supported with model.position_embedding_type='rope' under "
                "parallel.tensor_model_parallel_size=2: torch 2.13's compiled backward"),

@@ -92,7 +92,7 @@ def test_library_checkpoint_resumes_in_train_py_bitwise(tmp_path):
         _resume_library_checkpoint_in_train_py(tmp_path)
     finally:
         torch.set_num_threads(threads)
-        dtgpt.shutdown(clean=False)  # fp16: a process group of one (dtgpt/parallel/fsdp.py)
+        dtgpt.shutdown(clean=False)
 
 
 def _resume_library_checkpoint_in_train_py(tmp_path):

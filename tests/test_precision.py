@@ -1,9 +1,10 @@
-"""Megatron's fp16/bf16 regime in one process (dtgpt/parallel/fsdp.py).
+"""Megatron's fp16/bf16 regime in one process (dtgpt/parallel/compute_copy.py).
 
-The model computes in the low-precision dtype over fp32 master weights: FSDP of one rank casts
-every parameter, so the model dtgpt builds must be exactly the plain model cast to bf16, its
-gradients must land on the fp32 masters, and Megatron's switches (fp32_residual_connection,
-fp16_lm_cross_entropy) must do what they say. Layouts against one process: test_parity_precision.py;
+The model computes in the low-precision dtype over fp32 master weights: in one process a
+compute-dtype copy of the fp32 masters runs (FSDP's cast on several ranks), so the model dtgpt
+runs must be exactly the plain model cast to bf16, its gradients must land on the fp32 masters,
+and Megatron's switches (fp32_residual_connection, fp16_lm_cross_entropy) must do what they say.
+That copy against FSDP's cast at one rank, bit for bit: test_compute_copy.py. Layouts against one process: test_parity_precision.py;
 the dtype of every collective: test_comm_counts.py; megatron-core's Float16Module:
 test_megatron_checkpoint.py.
 """
@@ -22,7 +23,7 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
 
 
 def built(**training):
-    """(cfg, model parts) of the tiny GPT in one process, with a process group of one."""
+    """(cfg, model parts) of the tiny GPT in one process."""
     cfg = dtgpt.make_config(
         model=MODEL,
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
@@ -41,7 +42,7 @@ def test_bf16_model_is_the_plain_model_in_bf16_over_fp32_masters():
         cfg, model = built(bf16=True)
         assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters
         with torch.no_grad():
-            ours = model.parts[0](tokens())
+            ours = model.forward_module()(tokens())
         plain = GPT(cfg.model, padded_vocabulary(cfg, VOCAB))
         plain.init_weights(cfg.training.seed)
         with torch.no_grad():
@@ -59,7 +60,7 @@ def test_bf16_model_is_the_plain_model_in_bf16_over_fp32_masters():
 def test_fp32_residual_connection_keeps_the_stream_in_fp32():
     try:
         _, model = built(bf16=True, fp32_residual_connection=True)
-        part = model.parts[0]
+        part = model.forward_module()
         seen = {}
         part.layers["1"].register_forward_hook(lambda m, args, out: seen.update(block_in=args[0].dtype, block_out=out.dtype))
         with torch.no_grad():

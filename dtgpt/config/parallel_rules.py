@@ -5,7 +5,7 @@ calls check_pipeline_microbatches once it knows the data-parallel size)."""
 from __future__ import annotations
 
 from dtgpt.config.batch_schedule import smallest_batch_size
-from dtgpt.config.derived import num_microbatches, num_pipeline_stages
+from dtgpt.config.derived import layout_invariant_dropout, num_microbatches, num_pipeline_stages
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 
@@ -171,12 +171,10 @@ def _check_compile(cfg: Config) -> None:
 
     On one rank, under FSDP, tp (with or without SP), 1F1B pipelines and each pair of these,
     compiled blocks are checked against one eager process (pp x dp x tp is allowed from its
-    pairs), all without dropout and without recomputation. Refused: other schedules (they split
-    or reorder the backward of each stage); recomputation, which re-enters compiled blocks; and
-    dropout under tp, where compiled blocks draw the replicated regions' masks from inductor's
-    own generator (not eager's: no one-process run draws the same ones) while the tp-region
-    stream's fork breaks the graph, so nothing checks that tp ranks draw Megatron's masks; and RoPE
-    under tp, whose compiled backward torch 2.13 gets wrong (an AttributeError in DTensor's
+    pairs), without recomputation; dropout under tp (with and without SP) draws eager's masks from
+    Megatron's streams (dtgpt/parallel/compile.py), checked against eager tp2. Refused: other
+    schedules (they split or reorder the backward of each stage); recomputation, which re-enters
+    compiled blocks; layout-invariant dropout under tp (no test compiles it); and RoPE under tp, whose compiled backward torch 2.13 gets wrong (an AttributeError in DTensor's
     redistribute backward; with qk_layernorm no error, and gradient norms 25% off).
     """
     t, p, m = cfg.training, cfg.parallel, cfg.model
@@ -189,10 +187,10 @@ def _check_compile(cfg: Config) -> None:
     )
     tp = p.tensor_model_parallel_size
     _require(
-        tp == 1 or (m.hidden_dropout == 0.0 and m.attention_dropout == 0.0),
-        f"training.compile=true is not supported with dropout (model.hidden_dropout={m.hidden_dropout}, "
-        f"model.attention_dropout={m.attention_dropout}) under parallel.tensor_model_parallel_size={tp}: "
-        "no parity test covers compiled dropout under tp; set training.compile=false or both dropouts to 0",
+        tp == 1 or not layout_invariant_dropout(cfg),
+        f"training.compile=true is not supported with model.dropout_rng='layout_invariant' under "
+        f"parallel.tensor_model_parallel_size={tp}: no parity test covers compiled layout-invariant dropout under tp; "
+        "set training.compile=false or model.dropout_rng='megatron'",
     )
     _require(
         p.pipeline_model_parallel_size == 1 or p.pipeline_schedule == "1F1B",

@@ -15,6 +15,7 @@ from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_f
 from dtgpt.model import GPT
 from dtgpt.moe.stats import RoutingStats, moe_layers
 from dtgpt.parallel.compile import apply_compile
+from dtgpt.parallel.compute_copy import ComputeCopy
 from dtgpt.parallel.context import apply_cp
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.expert import apply_ep, apply_moe_sequence_ranks
@@ -55,6 +56,13 @@ def grad_reduce_dtype(cfg: Config) -> torch.dtype:
     return torch.float32 if grads_reduced_in_fp32(cfg) else compute_dtype(cfg)
 
 
+def uses_compute_copy(cfg: Config, dims: ParallelDims) -> bool:
+    """fp16/bf16 in one process: the regime is a compute-dtype copy of the fp32 masters
+    (parallel/compute_copy.py), not FSDP's cast, whose hooks would cost host time for nothing.
+    An MoE model keeps FSDP's (its routing statistics live on the modules the trainer holds)."""
+    return dims.low_precision and dims.world_size == 1 and not cfg.model.moe_enabled
+
+
 def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
     """TP -> CP -> EP -> layout-invariant dropout -> recomputation -> compile -> FSDP, in place, on one model/stage.
 
@@ -80,11 +88,11 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
         apply_invariant_dropout(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
     t = cfg.training
     apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
-    if cfg.training.compile:  # where a parity test covers it (config validation)
-        apply_compile(model, dims)
+    if cfg.training.compile and not uses_compute_copy(cfg, dims):  # where a parity test covers it (config validation)
+        apply_compile(model, dims)  # (a compute copy compiles the copy, in build_model_parts)
     if cfg.training.fp32_residual_connection and model.embedding is not None:
         model.embedding.fp32_residual = True  # the stream is fp32 from the embedding on
-    if dims.fsdp_enabled:
+    if dims.fsdp_enabled and not uses_compute_copy(cfg, dims):
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
@@ -161,6 +169,11 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
     parts, stage_ids, num_stages = build_meta_parts(cfg, dims, model, rng)
     for part in parts:
         materialize(part, cfg, device)
+    compute_copy = None
+    if uses_compute_copy(cfg, dims):
+        compute_copy = ComputeCopy(parts[0], compute_dtype(cfg), grad_reduce_dtype(cfg))
+        if cfg.training.compile:
+            apply_compile(compute_copy.module, dims, whole=True)
     schedules = None
     if dims.pp_enabled:
         stages = build_pipeline_stages(parts, stage_ids, num_stages, device, dims.sub("pp"))
@@ -178,6 +191,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
         cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy),
         rng=rng,
+        compute_copy=compute_copy,
         routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
         token_index=layout_invariant_dropout(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset

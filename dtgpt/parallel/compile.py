@@ -16,15 +16,33 @@ for the process. The FX graph cache stays on: it keys the graph with the collect
 group names in it, so a hit calls this process's own groups. `tests/test_compile.py` keeps a
 minimal reproduction that fails while torch has this defect, and its parity tests share one
 cache between launches on different meshes (they fail without this rule).
+
+Dropout under tp: Megatron's masks come from eager's generators (the default one, identical on
+every tp rank, and each rank's model-parallel stream forked around its own regions,
+dtgpt/parallel/rng.py). Inductor would draw from philox streams of its own, so under tp with
+dropout compiled code draws with eager's random ops instead (inductor's `fallback_random`): the
+same masks as eager, which tests/test_compile.py checks on tp2.
 """
 
 from __future__ import annotations
 
 import torch
 import torch._functorch.config
+import torch._inductor.config
 
 from dtgpt.model import GPT
 from dtgpt.parallel.dims import ParallelDims
+
+
+def draws_dropout(model: GPT) -> bool:
+    """Whether any dropout of the model (hidden, embedding, attention) has a probability above 0."""
+    return any(getattr(m, "p", 0.0) > 0.0 or getattr(m, "attention_dropout", 0.0) > 0.0 for m in model.modules())
+
+
+def use_eager_random() -> None:
+    """Compiled code draws its random numbers with eager's ops from eager's generators, so a
+    compiled dropout draws exactly eager's masks (inductor's own philox streams would not)."""
+    torch._inductor.config.fallback_random = True
 
 
 def turn_off_autograd_cache() -> None:
@@ -32,13 +50,16 @@ def turn_off_autograd_cache() -> None:
     torch._functorch.config.enable_autograd_cache = False
 
 
-def apply_compile(model: GPT, dims: ParallelDims) -> None:
-    """Compile in place (names keep no `_orig_mod` prefix): per block on a mesh, else whole."""
+def apply_compile(model: GPT, dims: ParallelDims, whole: bool = False) -> None:
+    """Compile in place (names keep no `_orig_mod` prefix): per block on a mesh, else (or if
+    `whole`: the compute copy of one process, dtgpt/parallel/compute_copy.py) whole."""
     if dims.tp_enabled:
         turn_off_autograd_cache()
+        if draws_dropout(model):  # Megatron's per-tp-rank streams, as eager draws them (module doc)
+            use_eager_random()
     # Static shapes: an evaluation recompiles the blocks (eval mode), and a recompile may otherwise
     # turn sizes symbolic, which DTensor's sharding rules reject ("unhashable type: non-nested SymInt").
-    if dims.tp_enabled or dims.pp_enabled or dims.fsdp_enabled:
+    if not whole and (dims.tp_enabled or dims.pp_enabled or dims.fsdp_enabled):
         for block in model.layers.values():
             block.compile(dynamic=False)
     else:

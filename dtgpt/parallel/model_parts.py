@@ -9,6 +9,7 @@ build the loss of one global batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.model import GPT
 from dtgpt.moe.stats import RoutingStats
+from dtgpt.parallel.compute_copy import ComputeCopy
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
 from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_tied_grads, tied_pair_on_rank
@@ -86,6 +88,8 @@ class ModelParts:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     rng: ModelParallelRNG | None = None
     """The model-parallel dropout stream (under tp; dtgpt.parallel.rng)."""
+    compute_copy: ComputeCopy | None = None
+    """fp16/bf16 in one process: the compute-dtype copy that runs the one part (parallel/compute_copy.py)."""
     token_index: bool = False
     """The parts take token_index, each token's index in the run (layout-invariant dropout keys
     its masks on it): dtgpt.step builds it for every batch."""
@@ -115,17 +119,34 @@ class ModelParts:
         under Megatron's reset options)."""
         return self.has_first_stage or self.has_last_stage or self.every_stage_reads_batches
 
+    def forward_module(self) -> nn.Module:
+        """What runs a micro-batch without a pipeline: the part, or its compute copy."""
+        return self.compute_copy.forward_module() if self.compute_copy is not None else self.parts[0]
+
+    def after_backward(self, first: bool, last: bool) -> None:
+        """After one micro-batch's backward (without a pipeline): the compute copy's gradients
+        go to the fp32 masters."""
+        if self.compute_copy is not None:
+            self.compute_copy.collect_grads(first, last)
+
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
             part.train(mode)
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        seen = set()
+    @functools.cached_property
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        # Walked once: the step asks several times per iteration, and the parameters are fixed
+        # once the parts are built (parallelisation and the compute copy replace them before).
+        seen, named = set(), []
         for part in self.parts:
             for name, p in part.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield name, p
+                    named.append((name, p))
+        return named
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._named_parameters)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]

@@ -30,7 +30,7 @@ from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.tokenizer import HuggingFaceTokenizer
 from dtgpt.model_size import flops_per_token, num_parameters, router_flops_per_token
 from dtgpt.config.batch_schedule import BatchSizeSchedule
-from dtgpt.parallel import ParallelDims
+from dtgpt.parallel import ParallelDims, uses_compute_copy
 from dtgpt.plan import comm, links
 from dtgpt.plan import memory as pm
 from dtgpt.plan.activations import (
@@ -159,6 +159,7 @@ def plan_layout(
             b.local, b.gathered, b.largest_unit, compute_bytes=compute_bytes,
             grad_bytes=4 if grads_reduced_in_fp32(cfg) else compute_bytes, fsdp=dims.fsdp_enabled,
             pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
+            compute_copy=uses_compute_copy(cfg, dims),
         )  # fmt: skip
         in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
         chunk, working = _activation_bytes(b, shape, m)

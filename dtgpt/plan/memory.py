@@ -82,6 +82,7 @@ def state_bytes(
     pipelined: bool,
     reshard_after_forward: bool,
     accumulates: bool = False,
+    compute_copy: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, compute copies, gradients and Adam m, v on one rank.
 
@@ -92,14 +93,21 @@ def state_bytes(
     grad_bytes        what gradients accumulate and reduce in (config.grads_reduced_in_fp32)
 
     The fp32 parameters, gradients and Adam state are the master, dp shards under FSDP (an fp16
-    or bf16 run is FSDP-sharded at every dp, one rank included: dtgpt/parallel/fsdp.py). FSDP
+    or bf16 run is FSDP-sharded at every dp, one rank per stage included: dtgpt/parallel/fsdp.py). FSDP
     gathers the parameters per unit in the compute dtype: about two units at a time (the running
     one and the prefetched one) when units reshard after forward, all of them otherwise. Backward
     gives each unit's gradients in the compute dtype, reduce-scattered from a grad_bytes buffer;
     with more than one micro-batch per iteration (`accumulates`), and always under pipelining,
     every unit's gradient stays unsharded, accumulated in grad_bytes, until the last micro-batch's
     one reduce-scatter (gradient sync is off before).
+
+    One process in fp16/bf16 (`compute_copy`, dtgpt/parallel/compute_copy.py) holds the fp32
+    masters and their gradients, a compute-dtype copy of every parameter and a compute-dtype
+    buffer its backward fills, all for the whole run.
     """
+    if compute_copy:
+        n = local_params
+        return StateBytes(params=4 * n, copies=compute_bytes * n, grads=(4 + compute_bytes) * n, adam=8 * n)
     if not fsdp:  # fp32 at dp = cp = 1
         return StateBytes(params=4 * local_params, copies=0, grads=4 * local_params, adam=8 * local_params)
     gathered = unsharded_params if pipelined or not reshard_after_forward else 2 * largest_unit

@@ -16,6 +16,7 @@ from dtgpt.config import (
     interleaved_round_size,
 )
 from dtgpt.model_size import num_moe_layers
+from dtgpt.parallel import uses_compute_copy
 from dtgpt.plan.links import GPUS_PER_NODE
 from dtgpt.plan.results import Plan, RankPlan
 
@@ -46,7 +47,7 @@ def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
         knobs.append("more parallel.tensor_model_parallel_size (1F1B's first stage keeps pp micro-batches of "
                      "L/pp layers, so more pp alone does not help it)")  # fmt: skip
         return knobs
-    if term == "copies" and dims.fsdp_enabled and not fsdp_reshards_after_forward(cfg):
+    if term == "copies" and dims.fsdp_enabled and not uses_compute_copy(cfg, dims) and not fsdp_reshards_after_forward(cfg):
         return ["parallel.fsdp_reshard_after_forward='always' (ZeRO-3: parameters re-gathered in every "
                 "micro-batch instead of kept gathered through the iteration)"]  # fmt: skip
     return [
