@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtgpt import shutdown
 from dtgpt.checkpoint.staging import build_stager, stager_for_next_save
@@ -16,11 +18,15 @@ from tests.test_checkpoint_unit import make_trainer, step
 
 @pytest.fixture
 def state():
-    """The exact state an async save of a fp16 run hands the stager (its weights are DTensors)."""
+    """The state an async save hands the stager where the weights are DTensors (every multi-rank
+    run): a fp16 run's state, its model weights made DTensors on a mesh of one."""
     trainer = make_trainer("--training.fp16=true")
     step(trainer)
     state = trainer.state.state_dict()
-    assert any(isinstance(v, DTensor) for v in state["model"].values())
+    if not dist.is_initialized():  # one process: plain fp32 masters, no process group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    state["model"] = {k: DTensor.from_local(v.clone(), mesh, [Replicate()]) for k, v in state["model"].items()}
     yield state
     shutdown()
 
