@@ -14,11 +14,13 @@ Gloo offers nothing else to wake it: `ProcessGroup.abort()`, `shutdown()` or the
    connection of its own (the main thread may be blocked, or using the store itself).
 3. **Leave.** Whoever learns first on a rank, the thread or the failing main thread, makes this
    process leave its collectives, once (`leave_collectives`): NCCL groups are aborted, which wakes
-   a blocked collective by construction; gloo's connections are shut down (`shutdown(2)` on this
-   process's TCP sockets, the store's spared), which is exactly the dead-peer case gloo already
-   handles: every collective of this process fails at once, and so does every peer's collective
-   waiting on this process. The process groups are not used again: last words save over a new
-   group, whose connections are made after this.
+   a blocked collective by construction; gloo's connections are shut down (`shutdown(2)` on the
+   sockets its groups opened, recorded as each group was made: group_sockets.py; any other
+   connection of the process, a training script's own client say, is left alone, and so is the
+   store's), which is exactly the dead-peer case gloo already handles: every collective of this
+   process fails at once, and so does every peer's collective waiting on this process. The
+   process groups are not used again: last words save over a new group, whose connections are
+   made after this.
 
 The bound: a rank learns within `POLL_S` of the notice and leaves at once; a rank blocked on a
 rank that left fails as soon as that one has. The collective timeout stays the fallback for a
@@ -35,6 +37,8 @@ import time
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from dtgpt.faults import group_sockets
 
 NOTICE = "failure/notice"
 POLL_S = 0.5
@@ -65,17 +69,18 @@ def _tcp_table() -> dict[str, tuple[int, int, str]]:
     return table
 
 
-def shut_connections(spare_ports: set[int]) -> int:
-    """shutdown(2) every established TCP connection of this process except those to or from
-    `spare_ports`; returns how many. The file descriptors stay open (their owners close them):
-    closing them under gloo's event loop could hand a reused number to the wrong reader."""
+def shut_connections(spare_ports: set[int], inodes: set[str]) -> int:
+    """shutdown(2) this process's established TCP connections among the socket `inodes`, except
+    those to or from `spare_ports`; returns how many. The file descriptors stay open (their owners
+    close them): closing them under gloo's event loop could hand a reused number to the wrong reader."""
     table, shut = _tcp_table(), 0
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # closed meanwhile
             continue
-        entry = table.get(link[len("socket:[") : -1]) if link.startswith("socket:[") else None
+        inode = link[len("socket:[") : -1] if link.startswith("socket:[") else None
+        entry = table.get(inode) if inode in inodes else None
         if entry is None or entry[2] != ESTABLISHED or spare_ports & {entry[0], entry[1]}:
             continue
         sock = socket.socket(fileno=int(fd))
@@ -94,8 +99,15 @@ def leave_collectives(spare_ports: set[int]) -> None:
     for group in list(c10d._world.pg_map):
         if "nccl" in dist.get_backend(group):
             group.abort()  # wakes a blocked NCCL collective; gloo's abort() would wake nothing
-    if os.path.isdir("/proc/self/fd"):
-        shut_connections(spare_ports)
+    inodes = group_sockets.take()
+    if inodes and os.path.isdir("/proc/self/fd"):
+        shut_connections(spare_ports, inodes)
+
+
+def summary(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    first_line = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__
 
 
 class FailureDetector:
