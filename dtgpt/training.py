@@ -216,14 +216,10 @@ def train(
                 metrics.log(iteration_record(cfg, runtime, state, result, elapsed, flops, peak), timers)
             skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
             check_skipped(skipped_in_a_row, cfg.training.exit_skipped_iters, progress.iteration)
-            while valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
+            if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
                 with phase("evaluate", progress.iteration), timers("evaluate"), last_words.guard("evaluation"):
                     loss = run_validation(cfg, state, valid_iter)
-                if getattr(last_words, "pending", None) is None:
-                    metrics.log_eval(progress.iteration, "validation", loss)
-                    break
-                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer)  # redo it
-                guard = IterationGuard(phase, faults, last_words, state)
+                metrics.log_eval(progress.iteration, "validation", loss)
             with last_words.guard():  # collectives between iterations: a dead peer is recovered from here too
                 if progress.iteration % cfg.logging.log_interval == 0:
                     state.model.check_tied_copies(progress.iteration)

@@ -56,6 +56,11 @@ class FaultsConfig:
     kill_during_step: bool = False
     """Kill inside the optimizer step of kill_at_iteration instead (the first model part's
     parameters updated, the iteration not yet recorded)."""
+    kill_after_step: bool = False
+    """Kill after the train step of kill_at_iteration instead (the iteration complete, not yet
+    recorded): the survivors fail in a collective between iterations (the timers' reduction)."""
+    kill_during_eval: bool = False
+    """Kill in the first evaluation forward after kill_at_iteration instead."""
     kill_again_at_iteration: int = 0
     """SIGKILL rank kill_again_rank in this iteration too (0: never): a second death, after a
     recovery from the first (a replacement runs clean, as a restarted group does)."""

@@ -11,7 +11,10 @@ Gloo offers nothing else to wake it: `ProcessGroup.abort()`, `shutdown()` or the
 1. **Notice.** The first rank whose collective fails in the train step posts a notice (its rank
    and the error) in this attempt's store (attempt_store.py); later ones find it posted.
 2. **Watch.** A thread on every rank checks for the notice every `POLL_S` seconds on a store
-   connection of its own (the main thread may be blocked, or using the store itself).
+   connection of its own (the main thread may be blocked, or using the store itself), and for
+   the launcher's word that a worker died (`python -m dtgpt.run` counts deaths in its store,
+   dtgpt/run/keys.py `DEATHS_KEY`): on NCCL a survivor may sit in a host synchronisation that no
+   failed collective of its own would end, so the launcher's word is what makes it leave.
 3. **Leave.** Whoever learns first on a rank, the thread or the failing main thread, makes this
    process leave its collectives, once (`leave_collectives`): NCCL groups are aborted, which wakes
    a blocked collective by construction; gloo's connections are shut down (`shutdown(2)` on the
@@ -39,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from dtgpt.faults import group_sockets
+from dtgpt.run.keys import DEATHS_KEY
 
 NOTICE = "failure/notice"
 POLL_S = 0.5
@@ -122,6 +126,8 @@ class FailureDetector:
         self._stop = threading.Event()
         # A connection of its own: a check never queues behind the main thread's store calls.
         self._watcher_store = store.clone()
+        self._launcher_store = getattr(self._watcher_store, "underlying_store", None)  # the launcher's keys: no prefix
+        self._deaths = self._launcher_deaths()
         self._thread = threading.Thread(target=self._watch, name="dtgpt-failure-detector", daemon=True)
         self._thread.start()
 
@@ -145,10 +151,19 @@ class FailureDetector:
                 self._leave(self.spare_ports)
                 self.left_at = time.time()
 
+    def _launcher_deaths(self) -> int:
+        """How many worker deaths the launcher has posted (0 without one)."""
+        return self._launcher_store.add(DEATHS_KEY, 0) if self._launcher_store is not None else 0
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 if not self._watcher_store.check([NOTICE]):
+                    if self._launcher_deaths() > self._deaths:
+                        print(f"failure: rank {self.rank} learned from the launcher that a worker died; leaving its "
+                              "collectives", flush=True)  # fmt: skip
+                        self.leave()
+                        return
                     continue
                 notice = json.loads(self._watcher_store.get(NOTICE))
             except (RuntimeError, OSError, ValueError):  # the store went away: the job is ending

@@ -83,6 +83,17 @@ def _killed_in_step(optimizers: list, rank: int, iteration: int) -> Iterator[Non
             handle.remove()
 
 
+def _kill_in_evaluation(modules: list, rank: int, iteration: int) -> None:
+    """SIGKILL at the first forward in eval mode (the evaluation after `iteration`)."""
+
+    def kill(module, _args):
+        if not module.training:
+            _kill(rank, f"in the evaluation after iteration {iteration}")
+
+    for module in modules:
+        module.register_forward_pre_hook(kill)
+
+
 @contextlib.contextmanager
 def _raising(modules: list, iteration: int) -> Iterator[None]:
     """The modules' forward raises a plain RuntimeError (what a bug in the model looks like)."""
@@ -124,11 +135,15 @@ class Faults(FaultHooks):
         raising = model_parts[:1] if c.raise_at_iteration and iteration >= c.raise_at_iteration and self.rank == c.raise_rank else []
         with _non_finite_outputs(poisoned), _killed_in_step(in_step, self.rank, iteration), _raising(raising, iteration):
             yield
+        if self._killed(iteration) and c.kill_after_step:
+            _kill(self.rank, f"after the step of iteration {iteration}")
+        if self._killed(iteration) and c.kill_during_eval:
+            _kill_in_evaluation(model_parts[:1], self.rank, iteration)
 
     def in_iteration(self, iteration: int) -> None:
         """Kill, signal or hang at the start of `iteration`, before its batch is read."""
         c = self.cfg
-        if self._killed(iteration) and not (c.kill_during_save or c.kill_during_step):
+        if self._killed(iteration) and not (c.kill_during_save or c.kill_during_step or c.kill_after_step or c.kill_during_eval):
             _kill(self.rank, f"in iteration {iteration}")
         if self._hits(c.kill_again_at_iteration, c.kill_again_rank, iteration):
             _kill(self.rank, f"in iteration {iteration}")

@@ -63,9 +63,11 @@ from dtgpt.run.keys import (
 from dtgpt.state import TrainState, rng_state
 
 
-REDONE = ("evaluation",)
-"""Phases between iterations that a recovery redoes (they read nothing a failure changed: the
-validation iterator is rebuilt at the consumed count)."""
+REDONE: tuple[str, ...] = ()
+"""Phases between iterations that a recovery would redo in place. None yet: a replacement joins
+at the top of the loop, so the survivors and it would issue different collectives (the
+survivors the phase and the rest of the iteration's tail, the replacement the next iteration);
+a death in the evaluation, the timers' reduction or a save falls back to last words."""
 
 
 def twin_groups(dims) -> list[list[int]]:

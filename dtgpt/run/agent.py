@@ -39,6 +39,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from dtgpt.run.keys import (
+    DEATHS_KEY,
     REPLACEMENT_ENV,
     STOP_KEY,
     no_replacement_key,
@@ -184,6 +185,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
     def _replace(self, group: WorkerGroup, processes: WorkerProcesses, failures: dict[int, ProcessFailure]) -> None:
         """Replace every failed worker, each with its rank; one restart for them all."""
         self._remaining_restarts -= 1
+        self._post_deaths()
         for local_rank, failure in sorted(failures.items()):
             worker = group.workers[local_rank]
             number = self._replacements.get(local_rank, 0) + 1
@@ -207,6 +209,7 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
         else:
             reason = "the job cannot continue with a replacement; restarting all"
         self._log_failures(group, failures, f"no replacement ({reason})")
+        self._post_deaths()
         for local_rank in failures:
             self._set_key(no_replacement_key(group.workers[local_rank].global_rank), reason)
 
@@ -222,6 +225,13 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
             except (RuntimeError, ValueError) as error:
                 log.warning("[%s] cannot reach the workers' store: %s", group.spec.role, error)
         return self._shared_store
+
+    def _post_deaths(self) -> None:
+        """Tell every survivor at once (their failure watch leaves its collectives)."""
+        store = self._workers_store()
+        if store is not None:
+            store.add(DEATHS_KEY, 1)
+            self._keys_set.append(DEATHS_KEY)
 
     def _set_key(self, key: str, value: str) -> None:
         store = self._workers_store()

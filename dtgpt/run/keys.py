@@ -30,6 +30,9 @@ store, `TORCHELASTIC_USE_AGENT_STORE=True`), without any prefix, i.e. what a wor
 - `dtgpt/launcher/started/<rank>` = `1`: set by training when `<rank>` starts its first
   iteration. A worker that fails without it failed at start-up (a config error, missing data):
   a restart or a replacement would fail the same way, so the launcher stops the job instead.
+- `dtgpt/launcher/deaths` = a count (`store.add`): bumped by the agent each time it handles
+  failed workers (replaced or not), at once: every survivor's failure watch (dtgpt/faults/detect.py)
+  leaves its collectives when it grows, whether or not a collective of its own has failed.
 - `dtgpt/launcher/stop` = a one-line reason: set by training when the job must stop and not be
   restarted (a rank raised an error and no rank died: a bug, which a restart would repeat). The
   launcher neither replaces nor restarts, and exits with the failed worker's exit code.
@@ -68,6 +71,7 @@ def started_key(rank: int) -> str:
 
 
 STOP_KEY = f"{KEY_ROOT}/stop"
+DEATHS_KEY = f"{KEY_ROOT}/deaths"
 
 
 def replacement_number() -> int:
