@@ -87,7 +87,10 @@ def shut_connections(spare_ports: set[int], inodes: set[str]) -> int:
         entry = table.get(inode) if inode in inodes else None
         if entry is None or entry[2] != ESTABLISHED or spare_ports & {entry[0], entry[1]}:
             continue
-        sock = socket.socket(fileno=int(fd))
+        try:
+            sock = socket.socket(fileno=int(fd))
+        except OSError:  # closed since it was listed (EBADF): nothing left to shut
+            continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
             shut += 1
