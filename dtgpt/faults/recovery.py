@@ -184,21 +184,23 @@ class Recovery(IterationWatch):
 
     def _decide(self, phase: str) -> bool:
         state, rank, dims, store = self.state, self.runtime.rank, self.state.model.dims, self.detector.store
-        reports, why = None, precondition(self.runtime.launcher == LAUNCHER_NAME, dims.dp_replicate, self.seconds)
+        launched = self.runtime.launcher == LAUNCHER_NAME
+        reports, why = None, precondition(launched, dims.dp_replicate, self.seconds)
         done = state.progress.iteration
         redo = f"the {phase} after iteration {done}" if phase else f"iteration {done + 1}"
-        if why is None:
+        if launched and self.seconds > 0:  # without replicas too: the roll call tells a bug from a death
             report = Report(state.progress.iteration, self.inflight.stepping)
             reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
+        if why is None:
             why = verdict(
                 True, dims.dp_replicate, reports, twin_groups(dims), self._launcher_keys(no_replacement_key),
                 self.seconds, self._replaced(), self.redone, redo,
             )  # fmt: skip
             if why is None and phase and phase not in REDONE:
                 why = f"a rank failed during the {phase}, which is not redone"
-            if reports is not None and len(reports) == dims.world_size:  # nobody died: the first failure was a bug
-                notice = self.detector.notice() or {"rank": rank, "why": "an error"}
-                self._stop(f"rank {notice['rank']} raised {notice['why']}")
+        if reports is not None and len(reports) == dims.world_size:  # nobody died: the first failure was a bug
+            notice = self.detector.notice() or {"rank": rank, "why": "an error"}
+            self._stop(f"rank {notice['rank']} raised {notice['why']}")
         if why is None:
             rng = self.inflight.rng or rng_state(state.model)  # None: the failure came after the iteration
             dead = sorted(set(range(dims.world_size)) - set(reports))
