@@ -54,17 +54,18 @@ IN_PROCESS_HEADER = [
 
 
 def kill_faults(rank: int, iteration: int, during: str, async_save: bool) -> list[str]:
-    evaluation = ["--eval.eval_iters=1", "--eval.eval_interval=1"] if during == "eval" else []
+    phase = {"eval": ["--eval.eval_iters=1", "--eval.eval_interval=1"],
+             "after-step-timed": ["--logging.timers_log_level=1"]}.get(during, [])  # fmt: skip
     return [f"--faults.kill_at_iteration={iteration}", f"--faults.kill_rank={rank}",
             f"--faults.kill_during_save={during == 'save'}", f"--faults.kill_during_step={during == 'step'}",
-            f"--faults.kill_after_step={during == 'after-step'}", f"--faults.kill_during_eval={during == 'eval'}",
-            f"--checkpoint.async_save={async_save}", *evaluation]  # fmt: skip
+            f"--faults.kill_after_step={during.startswith('after-step')}", f"--faults.kill_during_eval={during == 'eval'}",
+            f"--checkpoint.async_save={async_save}", *phase]  # fmt: skip
 
 
 def kill_kind(during: str, async_save: bool) -> str:
     if during == "save":
         return "save-" + ("async" if async_save else "sync")
-    return during  # iteration, step, after-step, eval
+    return during  # iteration, step, after-step (the stop decision's collective), after-step-timed (the timers'), eval
 
 
 def completed_at_kill(iteration: int, during: str) -> int:
@@ -74,7 +75,7 @@ def completed_at_kill(iteration: int, during: str) -> int:
     return iteration - 1 if during == "iteration" else iteration
 
 
-FALLS_BACK = {"after-step": "timers' reduction", "eval": "evaluation", "save": "checkpoint save"}
+FALLS_BACK = {"after-step-timed": "timers' reduction", "eval": "evaluation", "save": "checkpoint save"}
 """Kills outside the step whose phase is not redone: under dtgpt.run the survivors fall back to
 last words (one line says why) and a full restart, which resumes from what they saved."""
 
@@ -347,10 +348,10 @@ def in_process_scenarios(workdir: Path, trials: int, seed: int, device: str = "c
         # The last rank writes the metrics file: it is spared in the step and the save (see last_words_scenarios).
         kills = [(rng.randrange(4), rng.choice(range(2, ITERS)), "iteration", False) for _ in range(trials)]
         kills += [(rng.randrange(3), rng.choice(range(2, ITERS)), "step", False), (rng.randrange(3), 2 * SAVE_INTERVAL, "save", True)]
-        if label == "hsdp":  # outside the step: the evaluation, the timers' reduction and a sync save (last words)
-            kills += [(rng.randrange(3), rng.choice(range(2, ITERS)), "eval", False),
-                      (rng.randrange(3), rng.choice(range(2, ITERS)), "after-step", False),
-                      (rng.randrange(3), 2 * SAVE_INTERVAL, "save", False)]  # fmt: skip
+        if label == "hsdp":  # outside the step: the stop decision (recovered), the evaluation, the timers' reduction and a sync save (last words)
+            outside = random.Random(seed + 1)  # a stream of its own: the other scenarios draw what they drew before
+            kills += [(outside.randrange(3), outside.choice(range(2, ITERS)), during, False) for during in ("after-step", "eval", "after-step-timed")]
+            kills += [(outside.randrange(3), 2 * SAVE_INTERVAL, "save", False)]
         for rank, iteration, during, async_save in kills:
             def both(a=(rank, iteration, during, async_save), x=replacing, y=restarting):
                 return x.replace(*a), y.sigkill(*a)
