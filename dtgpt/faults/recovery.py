@@ -176,7 +176,14 @@ class Recovery(IterationWatch):
         except Exception as e:  # a failed collective or this rank's own error: the roll call tells which
             self.detector.declare(summary(e))
             if not self._decide(phase):
+                if self._stopped_by_another():
+                    raise SystemExit(1) from None  # its error is the origin's, which that rank shows
                 raise
+
+    def _stopped_by_another(self) -> bool:
+        """The job stops for another rank's error (a bug): this rank's own error is only its echo."""
+        notice = self.detector.notice()
+        return self.shared.check([STOP_KEY]) and notice is not None and notice["rank"] != self.runtime.rank
 
     def _stop(self, why: str) -> None:
         """Tell the launcher that this job stops (no replacement, no restart); the first reason stays."""

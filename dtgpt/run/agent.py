@@ -11,7 +11,8 @@ steps are specialised:
   - a failed worker that never started its first iteration (no `started` key), or a job that
     training asked to stop (the `stop` key: a bug, which a restart repeats): no replacement and
     no restart; the launcher stops every worker and exits with the failed worker's exit code
-    (`StoppedOnError`), without torch's failure report (the worker said what failed);
+    (`StoppedOnError`), without torch's failure report (the worker said what failed); the others
+    may run on up to `STOP_GRACE_S` to end by themselves;
   - failed workers while every other local worker runs, a restart is left, no earlier replacement
     on this node is still joining, and the workers share the agent's store: it posts
     `dtgpt/launcher/replacing/<rank>` for each and starts the replacements, with the same
@@ -54,9 +55,10 @@ STORE_TIMEOUT = timedelta(seconds=30)
 SETTLE_S = 1.0
 """How long the agent waits after a failure for others before it acts: ranks that die together
 (a whole replica, one machine's processes) are replaced together, in one recovery."""
-STARTUP_GRACE_S = 30.0
-"""How long the agent lets the other workers run on after one failed at start-up: under load
-they reach the same config error seconds apart, and rank 0 is the one that prints it."""
+STOP_GRACE_S = 30.0
+"""How long the agent lets the other workers run on after one failed at start-up or training
+asked it to stop: under load they reach the same config error seconds apart (rank 0 is the one
+that prints it), and the rank that raised a bug prints its traceback after last words."""
 USAGE_ERROR = 2
 """A worker's exit code after its one-line `error:` (dtgpt/cli.py): nothing to add to it."""
 
@@ -121,12 +123,11 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                 if now - self._settled_from < SETTLE_S and processes.running():
                     return RunResult(state=WorkerState.HEALTHY)  # others may be failing too
                 stop = self._stop_reason(worker_group, failures)
-                if stop is not None and not stop[1] and processes.running():
-                    if now - self._first_failure_at < STARTUP_GRACE_S:
-                        return RunResult(state=WorkerState.HEALTHY)  # the others may be on their way to the same error
+                if stop is not None and processes.running() and now - self._first_failure_at < STOP_GRACE_S:
+                    return RunResult(state=WorkerState.HEALTHY)  # the others are on their way out (or to the same error)
                 self._first_failure_at, self._seen_failures = None, 0
                 if stop is not None:
-                    self._stop(worker_group, failures, stop[0])
+                    self._stop(worker_group, failures, stop)
                 elif self._may_replace(worker_group, processes, failures):
                     self._replace(worker_group, processes, failures)
                     return RunResult(state=WorkerState.HEALTHY)
@@ -134,18 +135,17 @@ class ReplacingAgent(local_elastic_agent.LocalElasticAgent):
                     self._announce_no_replacement(worker_group, failures)
         return super()._monitor_workers(worker_group)
 
-    def _stop_reason(self, group: WorkerGroup, failures: dict[int, ProcessFailure]) -> tuple[str, bool] | None:
-        """(why the job must stop instead of being replaced or restarted, whether training said
-        so), or None."""
+    def _stop_reason(self, group: WorkerGroup, failures: dict[int, ProcessFailure]) -> str | None:
+        """Why the job must stop instead of being replaced or restarted, or None."""
         store = self._workers_store()
         if store is None:
             return None
         if store.check([STOP_KEY]):
-            return store.get(STOP_KEY).decode(), True
+            return store.get(STOP_KEY).decode()
         for local_rank, failure in sorted(failures.items()):
             rank = group.workers[local_rank].global_rank
             if not store.check([started_key(rank)]):
-                return f"rank {rank} failed before its first iteration (exit code {failure.exitcode})", False
+                return f"rank {rank} failed before its first iteration (exit code {failure.exitcode})"
         return None
 
     def _stop(self, group: WorkerGroup, failures: dict[int, ProcessFailure], why: str) -> None:
