@@ -132,3 +132,22 @@ def test_no_notice_no_leaving():
     assert len(left) == 1 and detector.left_at is not None
     detector.leave()
     assert len(left) == 1  # once
+
+
+def test_the_launchers_word_that_a_worker_died_makes_the_watch_leave():
+    """Under dtgpt.run the agent bumps its death count as soon as a worker dies: the watch leaves
+    then, though no collective of this rank has failed (on NCCL a survivor may sit in a host sync)."""
+    from dtgpt.run.keys import DEATHS_KEY
+
+    shared = dist.HashStore()
+    shared.add(DEATHS_KEY, 1)  # an earlier death, already recovered from: not news
+    left = []
+    detector = FailureDetector(dist.PrefixStore("attempt", shared), 0, poll_s=0.05, leave=left.append)
+    time.sleep(0.3)
+    assert not left
+    shared.add(DEATHS_KEY, 1)
+    deadline = time.monotonic() + 30
+    while not left and time.monotonic() < deadline:
+        time.sleep(0.05)
+    detector.close()
+    assert len(left) == 1 and detector.notice() is None  # it left; the notice is the failing rank's to post
