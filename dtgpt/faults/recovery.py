@@ -220,7 +220,7 @@ class Recovery(IterationWatch):
         if speaker and stop is None:
             fallback = "last words follow" if self.last_words else "the restart resumes from the last checkpoint"
             print(f"in-process recovery: none ({why}); {fallback}", flush=True)
-        if self.last_words is not None:
+        if self.last_words is not None and not (stop and dims.dp_replicate < 2):  # (no replicas: no save, no restart to name)
             speak(state, self.checkpointer, store, self.inflight, self.seconds, self._known_dead)
         if speaker and stop is not None:
             print(f"stopping: {stop}; no rank died of it: no recovery, no restart", flush=True)
