@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtgpt.faults import group_sockets
 from dtgpt.faults.attempt_store import attempt_store
 from dtgpt.config import Config, low_precision, validate
 from dtgpt.config.devices import choose_device
@@ -115,6 +116,7 @@ def init_process_group(cfg: Config, device: torch.device, shared: dist.Store | N
     `shared`: the job's store, when rebuilding the group in-process (dtgpt/faults/recovery.py)."""
     backend = backend_for(cfg, device)
     timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+    group_sockets.install()  # what failure detection may shut: the groups' sockets, no other (detect.py)
     if shared is None:
         shared, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     else:

@@ -212,11 +212,12 @@ def train(
                 continue
             elapsed = time.perf_counter() - start
             check_nan(runtime, cfg, result, progress.iteration)
-            metrics.log(iteration_record(cfg, runtime, state, result, elapsed, flops, peak), timers)
+            with last_words.guard("timers' reduction"):  # a collective at each log interval
+                metrics.log(iteration_record(cfg, runtime, state, result, elapsed, flops, peak), timers)
             skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
             check_skipped(skipped_in_a_row, cfg.training.exit_skipped_iters, progress.iteration)
             if valid_iter is not None and cfg.eval.eval_iters and progress.iteration % cfg.eval.eval_interval == 0:
-                with phase("evaluate", progress.iteration), timers("evaluate"):
+                with phase("evaluate", progress.iteration), timers("evaluate"), last_words.guard("evaluation"):
                     loss = run_validation(cfg, state, valid_iter)
                 metrics.log_eval(progress.iteration, "validation", loss)
             with last_words.guard():  # collectives between iterations: a dead peer is recovered from here too
@@ -228,7 +229,7 @@ def train(
                 guard = IterationGuard(phase, faults, last_words, state)
                 continue
             if checkpointer is not None and (stop or checkpointer.due(progress.iteration)):
-                with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
+                with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"), last_words.guard("checkpoint save"):
                     checkpointer.save(progress.iteration)
             if stop:
                 reason = stop
@@ -248,7 +249,7 @@ def _recovered(watch, state: TrainState, builder: Builder, checkpointer) -> tupl
     pending, watch.pending = watch.pending, None
     watch.close()
     train_iter, valid_iter = recover(pending, state, builder, checkpointer)
-    return train_iter, valid_iter, build_failure_watch(builder.cfg, builder.runtime, state, checkpointer)
+    return train_iter, valid_iter, build_failure_watch(builder.cfg, builder.runtime, state, checkpointer, after=watch)
 
 
 def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults: FaultHooks, joining: bool = False):

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # drill_runs, also when loaded by path
+from drill_kills import FALLS_BACK, completed_at_kill, kill_faults, kill_kind  # noqa: E402
 from drill_runs import (  # noqa: E402
     HEADER, ITERS, OPT_OUT, SAVE_INTERVAL, Result, Runner, layout, our_traceback_frames, plain_env, read_losses,
     recovery_seconds,
@@ -51,22 +52,6 @@ IN_PROCESS_HEADER = [
     "recovery s, in-process | recovery s, restart-all + checkpoint (its outcome, iterations recomputed) |",
     "|---|---|---|---|---:|---|---:|---|",
 ]
-
-
-def kill_faults(rank: int, iteration: int, during: str, async_save: bool) -> list[str]:
-    return [f"--faults.kill_at_iteration={iteration}", f"--faults.kill_rank={rank}",
-            f"--faults.kill_during_save={during == 'save'}", f"--faults.kill_during_step={during == 'step'}",
-            f"--checkpoint.async_save={async_save}"]  # fmt: skip
-
-
-def kill_kind(during: str, async_save: bool) -> str:
-    return {"iteration": "iteration", "step": "step", "save": "save-" + ("async" if async_save else "sync")}[during]
-
-
-def completed_at_kill(iteration: int, during: str) -> int:
-    """The iterations complete when the rank dies: a kill in forward/backward comes before its
-    iteration is done; one in the optimizer step or the save after it, once the others finish it."""
-    return iteration - 1 if during == "iteration" else iteration
 
 
 def compared_row(replaced: Result, restarted: Result) -> str:
@@ -123,18 +108,23 @@ class Drill(Runner):
         (in-process recovery), and the interrupted iteration is redone; nothing is trained twice."""
         name, where = self.place(f"{self.label}replace-{kill_kind(during, async_save)}-r{rank}-i{iteration}")
         run = self.launch(where, "run", self.job(where, kill_faults(rank, iteration, during, async_save)), restarts=2)
-        replaced = re.search(r"in-process recovery: rank\(s\) (\[[\d, ]+\]) replaced.*?iteration (\d+) is redone", run.log)
+        replaced = re.search(r"in-process recovery: rank\(s\) (\[[\d, ]+\]) replaced, the others kept their state; (.*?) is redone", run.log)
         # a replaced rank 0 logs its own line instead (the survivors' line is rank 0's)
         joined = re.search(r"in-process recovery: rank (\d+) \(replacement \d+\) took its state from rank (\d+) at iteration (\d+)", run.log)
         refused = re.search(r"in-process recovery: none \((.*?)\);", run.log)
+        spoke = re.search(r"last words: ranks \S.*? saved iteration (\d+)", run.log)
+        resumed = re.search(r"loaded checkpoint \S+ in [\d.]+ s: iteration (\d+)", run.log)
+        fell_back = bool(refused and during in FALLS_BACK and FALLS_BACK[during] in refused[1] and spoke and resumed)
         if "fault: SIGKILL" not in run.log:
             outcome = "FAILED: the fault did not fire"
         elif run.rc != 0:
             outcome = f"FAILED (rc {run.rc})"
         elif replaced:
-            outcome = f"rank(s) {replaced[1]} replaced in-process, iteration {replaced[2]} redone"
+            outcome = f"rank(s) {replaced[1]} replaced in-process, {replaced[2]} redone"
         elif joined:
             outcome = f"rank {joined[1]} replaced in-process, its state from rank {joined[2]} at iteration {joined[3]}"
+        elif fell_back:
+            outcome = f"fell back ({refused[1]}): last words saved {spoke[1]}, restarted, resumed from {resumed[1]}"
         else:
             outcome = f"not in-process ({refused[1] if refused else 'no recovery line'})"
         result = self.finish(Result(name, outcome, runs=[run]), where)
@@ -142,7 +132,10 @@ class Drill(Runner):
         result.pids_kept = sorted(pids) == list(range(self.nproc)) and all(
             len(p) == (2 if r == rank else 1) for r, p in pids.items())  # fmt: skip
         result.recovery = recovery_seconds(run, completed_at_kill(iteration, during))
-        result.ok = result.ok and bool(replaced or joined) and result.pids_kept and result.lost == 0
+        if fell_back:  # the full restart it announced: recovered, nothing recomputed, new processes
+            result.ok = result.ok and result.lost == 0
+        else:
+            result.ok = result.ok and bool(replaced or joined) and result.pids_kept and result.lost == 0
         return result
 
     def stop_signal(self, sig: str = "SIGTERM", whole_group: bool = False, after: int = 4) -> Result:
@@ -313,20 +306,26 @@ def last_words_scenarios(hsdp: Drill, no_replicas: Drill, seed: int) -> list[tup
     ]
 
 
-def in_process_scenarios(workdir: Path, trials: int, seed: int) -> list[tuple[str, object]]:
+def in_process_scenarios(workdir: Path, trials: int, seed: int, device: str = "cpu") -> list[tuple[str, object]]:
     """Per replicated layout: `trials` SIGKILLs of a random rank at a random iteration, one in the
     optimizer step and one in an async save, each run under dtgpt.run (replaced in-process) and,
     for comparison, under a plain torchrun (restart all, resume from last words or a checkpoint).
-    Each scenario returns (in-process result, restart-all result)."""
+    Each scenario returns (in-process result, restart-all result). `device`: cuda runs them on
+    NCCL (4 GPUs), which is what only GPUs can confirm (docs/faults.md)."""
     rng = random.Random(seed)
     todo = []
     for label, mesh in REPLICATED.items():
+        mesh = [*mesh, f"--training.device={device}"]
         replacing = Drill(workdir / label / "replace", 4, layout=mesh, grace=None, label=f"{label}-", launcher="dtgpt.run")
         restarting = Drill(workdir / label / "restart", 4, layout=mesh, grace=None, label=f"{label}-")
         replacing.reference = restarting.reference  # one uninterrupted run per layout
         # The last rank writes the metrics file: it is spared in the step and the save (see last_words_scenarios).
         kills = [(rng.randrange(4), rng.choice(range(2, ITERS)), "iteration", False) for _ in range(trials)]
         kills += [(rng.randrange(3), rng.choice(range(2, ITERS)), "step", False), (rng.randrange(3), 2 * SAVE_INTERVAL, "save", True)]
+        if label == "hsdp":  # outside the step: the stop decision (recovered), the evaluation, the timers' reduction and a sync save (last words)
+            outside = random.Random(seed + 1)  # a stream of its own: the other scenarios draw what they drew before
+            kills += [(outside.randrange(3), outside.choice(range(2, ITERS)), during, False) for during in ("after-step", "eval", "after-step-timed")]
+            kills += [(outside.randrange(3), 2 * SAVE_INTERVAL, "save", False)]
         for rank, iteration, during, async_save in kills:
             def both(a=(rank, iteration, during, async_save), x=replacing, y=restarting):
                 return x.replace(*a), y.sigkill(*a)
@@ -342,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3, help="random SIGKILL trials")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="*", help="run scenarios whose name starts with one of these")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="with --in-process: cuda runs the scenarios on 4 GPUs over NCCL")
     parser.add_argument("--in-process", action="store_true",
                         help="only the in-process scenarios (python -m dtgpt.run), each beside a restart-all run")
     args = parser.parse_args(argv)
@@ -375,7 +376,7 @@ def run_in_process(workdir: Path, args) -> int:
     print(f"fault drill, in-process: 4 ranks, {ITERS} iterations, {args.trials} random kill(s) per layout, work in {workdir}",
           flush=True)  # fmt: skip
     rows, failed = [], []
-    for name, scenario in in_process_scenarios(workdir, args.trials, args.seed):
+    for name, scenario in in_process_scenarios(workdir, args.trials, args.seed, args.device):
         if args.only and not any(name.startswith(p) for p in args.only):
             continue
         replaced, restarted = scenario()

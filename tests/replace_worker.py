@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from dtgpt.run.keys import no_replacement_key, replacement_number, replacing_key
+from dtgpt.run.keys import no_replacement_key, replacement_number, replacing_key, started_key
 
 VICTIM = 3
 WAIT_S = 120
@@ -46,6 +46,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     (out / f"start-{me}.json").write_text(json.dumps({"pid": os.getpid(), "env": dict(os.environ)}))
+    store.set(started_key(rank), "1")  # as training does at its first iteration: a failure now is no start-up error
     if rank == VICTIM and mode != "sleep":
         if mode == "kill-always" or (restart == 0 and replacement == 0):
             os.kill(os.getpid(), signal.SIGKILL)

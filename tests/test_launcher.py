@@ -58,6 +58,9 @@ def test_a_killed_worker_is_replaced_alone_with_its_rank(tmp_path):
     assert second["DTGPT_REPLACEMENT"] == "1" and "DTGPT_REPLACEMENT" not in first
     assert all(s["env"]["DTGPT_LAUNCHER"] == "dtgpt.run" for s in started.values())
     assert "starting replacement 1 with the same rank" in proc.stderr
+    # the agent names the worker once, by its own local rank (no per-process context's "local_rank: 0")
+    assert f"worker 3 (local rank 3, pid {started[(3, 0, 0)]['pid']}) failed" in proc.stderr
+    assert "local_rank:" not in proc.stderr
 
 
 @pytest.mark.slow
@@ -102,6 +105,20 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     assert "SignalException" in err
     assert sorted(p.name for p in tmp_path.glob("sigterm-*.json")) == [f"sigterm-{r}-0-0.json" for r in range(4)]
     assert set(starts(tmp_path)) == {(r, 0, 0) for r in range(4)}  # stopped, not replaced
+
+
+@pytest.mark.slow
+def test_a_config_error_is_one_line_and_neither_restarted_nor_replaced(tmp_path):
+    """Every worker fails before its first iteration: the launcher stops, restarting and
+    replacing nobody, and adds nothing to the worker's `error:` line (exit 2, as train.py's)."""
+    cmd = [sys.executable, "-m", "dtgpt.run", "--standalone", "--nproc-per-node", "2", "--max-restarts=2",
+           str(REPO / "train.py"), "--config", str(REPO / "configs" / "debug.toml"), "--data.mock_data=true",
+           "--training.global_batch_size=7"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2, lines
+    assert lines == ["error: training.micro_batch_size=8 must divide training.global_batch_size=7"], lines
 
 
 @pytest.mark.parametrize(

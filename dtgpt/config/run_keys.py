@@ -49,11 +49,26 @@ class FaultsConfig:
     """SIGKILL rank kill_rank during this iteration (0: never). Like every fault below, only on
     the first attempt: a group restarted by torchrun (TORCHELASTIC_RESTART_COUNT > 0) runs clean."""
     kill_rank: int = 0
+    kill_also_ranks: list[int] = field(default_factory=list)
+    """More ranks SIGKILLed with kill_rank, at the same point (several at once: a whole replica)."""
     kill_during_save: bool = False
     """Kill in the checkpoint save of kill_at_iteration instead, after this rank wrote its data."""
     kill_during_step: bool = False
     """Kill inside the optimizer step of kill_at_iteration instead (the first model part's
     parameters updated, the iteration not yet recorded)."""
+    kill_after_step: bool = False
+    """Kill after the train step of kill_at_iteration instead (the iteration complete, not yet
+    recorded): the survivors fail in a collective between iterations (the timers' reduction)."""
+    kill_during_eval: bool = False
+    """Kill in the first evaluation forward after kill_at_iteration instead."""
+    kill_again_at_iteration: int = 0
+    """SIGKILL rank kill_again_rank in this iteration too (0: never): a second death, after a
+    recovery from the first (a replacement runs clean, as a restarted group does)."""
+    kill_again_rank: int = 0
+    raise_at_iteration: int = 0
+    """Rank raise_rank's model forward raises RuntimeError from this iteration on (0: never): a
+    bug, not a death, which no restart or recovery cures."""
+    raise_rank: int = 0
     hang_at_iteration: int = 0
     """Rank hang_rank sleeps forever in this iteration (0: never): a stuck peer."""
     hang_rank: int = 0

@@ -51,7 +51,10 @@ _CHOICES = {
     **MOE_CHOICES,
 }
 
-FAULT_RANKS = ("faults.kill_rank", "faults.hang_rank", "faults.signal_rank", "faults.disk_full_rank")
+FAULT_RANKS = (
+    "faults.kill_rank", "faults.kill_again_rank", "faults.raise_rank", "faults.hang_rank", "faults.signal_rank",
+    "faults.disk_full_rank",
+)  # fmt: skip
 
 _POSITIVE = (
     "model.num_layers",
@@ -352,6 +355,8 @@ def validate_mesh(cfg: Config, world_size: int) -> None:
     check_expert_mesh(cfg, mesh_shape(cfg, world_size)[2])
     for key in FAULT_RANKS:
         _require(get_key(cfg, key) < world_size, f"{key}={get_key(cfg, key)} must be < the world size {world_size}")
+    also = cfg.faults.kill_also_ranks
+    _require(all(0 <= r < world_size for r in also), f"faults.kill_also_ranks={also}: each must be in [0, {world_size})")
     dp = data_parallel_size(cfg, world_size)
     batch_sizes = {"training.global_batch_size": t.global_batch_size}
     if t.rampup_batch_size:

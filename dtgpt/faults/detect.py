@@ -11,14 +11,19 @@ Gloo offers nothing else to wake it: `ProcessGroup.abort()`, `shutdown()` or the
 1. **Notice.** The first rank whose collective fails in the train step posts a notice (its rank
    and the error) in this attempt's store (attempt_store.py); later ones find it posted.
 2. **Watch.** A thread on every rank checks for the notice every `POLL_S` seconds on a store
-   connection of its own (the main thread may be blocked, or using the store itself).
+   connection of its own (the main thread may be blocked, or using the store itself), and for
+   the launcher's word that a worker died (`python -m dtgpt.run` counts deaths in its store,
+   dtgpt/run/keys.py `DEATHS_KEY`): on NCCL a survivor may sit in a host synchronisation that no
+   failed collective of its own would end, so the launcher's word is what makes it leave.
 3. **Leave.** Whoever learns first on a rank, the thread or the failing main thread, makes this
    process leave its collectives, once (`leave_collectives`): NCCL groups are aborted, which wakes
-   a blocked collective by construction; gloo's connections are shut down (`shutdown(2)` on this
-   process's TCP sockets, the store's spared), which is exactly the dead-peer case gloo already
-   handles: every collective of this process fails at once, and so does every peer's collective
-   waiting on this process. The process groups are not used again: last words save over a new
-   group, whose connections are made after this.
+   a blocked collective by construction; gloo's connections are shut down (`shutdown(2)` on the
+   sockets its groups opened, recorded as each group was made: group_sockets.py; any other
+   connection of the process, a training script's own client say, is left alone, and so is the
+   store's), which is exactly the dead-peer case gloo already handles: every collective of this
+   process fails at once, and so does every peer's collective waiting on this process. The
+   process groups are not used again: last words save over a new group, whose connections are
+   made after this.
 
 The bound: a rank learns within `POLL_S` of the notice and leaves at once; a rank blocked on a
 rank that left fails as soon as that one has. The collective timeout stays the fallback for a
@@ -35,6 +40,9 @@ import time
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from dtgpt.faults import group_sockets
+from dtgpt.run.keys import DEATHS_KEY
 
 NOTICE = "failure/notice"
 POLL_S = 0.5
@@ -65,20 +73,24 @@ def _tcp_table() -> dict[str, tuple[int, int, str]]:
     return table
 
 
-def shut_connections(spare_ports: set[int]) -> int:
-    """shutdown(2) every established TCP connection of this process except those to or from
-    `spare_ports`; returns how many. The file descriptors stay open (their owners close them):
-    closing them under gloo's event loop could hand a reused number to the wrong reader."""
+def shut_connections(spare_ports: set[int], inodes: set[str]) -> int:
+    """shutdown(2) this process's established TCP connections among the socket `inodes`, except
+    those to or from `spare_ports`; returns how many. The file descriptors stay open (their owners
+    close them): closing them under gloo's event loop could hand a reused number to the wrong reader."""
     table, shut = _tcp_table(), 0
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # closed meanwhile
             continue
-        entry = table.get(link[len("socket:[") : -1]) if link.startswith("socket:[") else None
+        inode = link[len("socket:[") : -1] if link.startswith("socket:[") else None
+        entry = table.get(inode) if inode in inodes else None
         if entry is None or entry[2] != ESTABLISHED or spare_ports & {entry[0], entry[1]}:
             continue
-        sock = socket.socket(fileno=int(fd))
+        try:
+            sock = socket.socket(fileno=int(fd))
+        except OSError:  # closed since it was listed (EBADF): nothing left to shut
+            continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
             shut += 1
@@ -94,8 +106,15 @@ def leave_collectives(spare_ports: set[int]) -> None:
     for group in list(c10d._world.pg_map):
         if "nccl" in dist.get_backend(group):
             group.abort()  # wakes a blocked NCCL collective; gloo's abort() would wake nothing
-    if os.path.isdir("/proc/self/fd"):
-        shut_connections(spare_ports)
+    inodes = group_sockets.take()
+    if inodes and os.path.isdir("/proc/self/fd"):
+        shut_connections(spare_ports, inodes)
+
+
+def summary(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    first_line = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__
 
 
 class FailureDetector:
@@ -110,6 +129,8 @@ class FailureDetector:
         self._stop = threading.Event()
         # A connection of its own: a check never queues behind the main thread's store calls.
         self._watcher_store = store.clone()
+        self._launcher_store = getattr(self._watcher_store, "underlying_store", None)  # the launcher's keys: no prefix
+        self._deaths = self._launcher_deaths()
         self._thread = threading.Thread(target=self._watch, name="dtgpt-failure-detector", daemon=True)
         self._thread.start()
 
@@ -133,10 +154,19 @@ class FailureDetector:
                 self._leave(self.spare_ports)
                 self.left_at = time.time()
 
+    def _launcher_deaths(self) -> int:
+        """How many worker deaths the launcher has posted (0 without one)."""
+        return self._launcher_store.add(DEATHS_KEY, 0) if self._launcher_store is not None else 0
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 if not self._watcher_store.check([NOTICE]):
+                    if self._launcher_deaths() > self._deaths:
+                        print(f"failure: rank {self.rank} learned from the launcher that a worker died; leaving its "
+                              "collectives", flush=True)  # fmt: skip
+                        self.leave()
+                        return
                     continue
                 notice = json.loads(self._watcher_store.get(NOTICE))
             except (RuntimeError, OSError, ValueError):  # the store went away: the job is ending

@@ -1,8 +1,9 @@
 """Deliberate faults (`[faults]`) for the fault-tolerance tests and `scripts/fault_drill.py`.
 
 A fault hits one rank at one iteration: SIGKILL (mid-iteration, inside the optimizer step, or
-during a checkpoint save), a hang, a SIGTERM/SIGINT to itself, or a full disk while a checkpoint
-is written. Each fires on the first attempt only: a group that torchrun restarted
+during a checkpoint save; several ranks at once, or a second one later), a hang, a SIGTERM/SIGINT
+to itself, a full disk while a checkpoint is written, or an error raised in the model's forward
+(a bug, from that iteration on). Each fires on the first attempt only: a group that torchrun restarted
 (`Runtime.restart_count > 0`) runs clean, which is what lets a drill check that the restarted
 job recovers. `nan_at_iterations`
 makes the model's outputs non-finite in those iterations (on every attempt).
@@ -82,6 +83,33 @@ def _killed_in_step(optimizers: list, rank: int, iteration: int) -> Iterator[Non
             handle.remove()
 
 
+def _kill_in_evaluation(modules: list, rank: int, iteration: int) -> None:
+    """SIGKILL at the first forward in eval mode (the evaluation after `iteration`)."""
+
+    def kill(module, _args):
+        if not module.training:
+            _kill(rank, f"in the evaluation after iteration {iteration}")
+
+    for module in modules:
+        module.register_forward_pre_hook(kill)
+
+
+@contextlib.contextmanager
+def _raising(modules: list, iteration: int) -> Iterator[None]:
+    """The modules' forward raises a plain RuntimeError (what a bug in the model looks like)."""
+
+    def fail(*_):
+        _announce(f"RuntimeError in the forward of iteration {iteration}")
+        raise RuntimeError(f"injected bug in the model's forward (iteration {iteration})")
+
+    handles = [module.register_forward_pre_hook(fail) for module in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class Faults(FaultHooks):
     """The faults of `cfg` that apply to this rank, on this attempt."""
 
@@ -92,19 +120,32 @@ class Faults(FaultHooks):
     def _hits(self, at_iteration: int, rank: int, iteration: int) -> bool:
         return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
 
+    def _killed(self, iteration: int) -> bool:
+        c = self.cfg
+        return self._hits(c.kill_at_iteration, c.kill_rank, iteration) or (
+            self.rank in c.kill_also_ranks and self._hits(c.kill_at_iteration, self.rank, iteration)
+        )
+
     @contextlib.contextmanager
     def iteration(self, iteration: int, model_parts: list, optimizers: list = ()) -> Iterator[None]:
         self.in_iteration(iteration)
         poisoned = model_parts if iteration in self.cfg.nan_at_iterations else []
         c = self.cfg
-        in_step = optimizers[:1] if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and c.kill_during_step else []
-        with _non_finite_outputs(poisoned), _killed_in_step(in_step, self.rank, iteration):
+        in_step = optimizers[:1] if self._killed(iteration) and c.kill_during_step else []
+        raising = model_parts[:1] if c.raise_at_iteration and iteration >= c.raise_at_iteration and self.rank == c.raise_rank else []
+        with _non_finite_outputs(poisoned), _killed_in_step(in_step, self.rank, iteration), _raising(raising, iteration):
             yield
+        if self._killed(iteration) and c.kill_after_step:
+            _kill(self.rank, f"after the step of iteration {iteration}")
+        if self._killed(iteration) and c.kill_during_eval:
+            _kill_in_evaluation(model_parts[:1], self.rank, iteration)
 
     def in_iteration(self, iteration: int) -> None:
         """Kill, signal or hang at the start of `iteration`, before its batch is read."""
         c = self.cfg
-        if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and not (c.kill_during_save or c.kill_during_step):
+        if self._killed(iteration) and not (c.kill_during_save or c.kill_during_step or c.kill_after_step or c.kill_during_eval):
+            _kill(self.rank, f"in iteration {iteration}")
+        if self._hits(c.kill_again_at_iteration, c.kill_again_rank, iteration):
             _kill(self.rank, f"in iteration {iteration}")
         if self._hits(c.signal_at_iteration, c.signal_rank, iteration):
             _announce(f"{c.signal_name} to rank {self.rank} in iteration {iteration}")
@@ -117,7 +158,7 @@ class Faults(FaultHooks):
     def storage_writer(self, directory: Path, iteration: int) -> FileSystemWriter | None:
         """A DCP writer that fails as configured in the save of `iteration`; None for DCP's own."""
         c = self.cfg
-        if self._hits(c.kill_at_iteration, c.kill_rank, iteration) and c.kill_during_save:
+        if self._killed(iteration) and c.kill_during_save:
             action = "kill"
         elif self._hits(c.disk_full_at_iteration, c.disk_full_rank, iteration):
             action = "disk_full"

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dtgpt.checkpoint import layout
-from dtgpt.faults.detect import FailureDetector
+from dtgpt.faults.detect import FailureDetector, summary
 from dtgpt.parallel.dims import MESH_DIMS
 from dtgpt.state import TrainState, rng_state
 
@@ -132,15 +132,19 @@ def roll_call(
     return {r: Report(**json.loads(store.get(f"{PREFIX}/report/{r}"))) for r in roll}
 
 
-def speak(state: TrainState, checkpointer, store: dist.Store, inflight: InFlight, seconds: float) -> None:
+def speak(
+    state: TrainState, checkpointer, store: dist.Store, inflight: InFlight, seconds: float,
+    known_dead: Callable[[], int] = lambda: 0,
+) -> None:  # fmt: skip
     """After a failed collective in the train step (and detect.py's leave): roll call, decide,
-    save or say why not."""
+    save or say why not. `known_dead`: as roll_call's."""
     dims, rank = state.model.dims, dist.get_rank()
     if dims.dp_replicate < 2:  # no rank's shards exist twice: nothing to wait for
         if store.compare_set(f"{PREFIX}/speaker", "", str(rank)) == str(rank).encode():  # one line, from the first
             _none(checkpointer, "no replicas: parallel.data_parallel_replicate_size=1, so a dead rank's shards are lost")
         return
-    reports = roll_call(store, rank, dims.world_size, Report(state.progress.iteration, inflight.stepping), seconds)
+    report = Report(state.progress.iteration, inflight.stepping)
+    reports = roll_call(store, rank, dims.world_size, report, seconds, known_dead)
     if reports is None:
         print(f"last words: rank {rank} answered the roll call too late; it saves nothing", flush=True)
         return
@@ -179,7 +183,7 @@ class IterationWatch:
             yield
         self.inflight.end()
 
-    def guard(self) -> contextlib.AbstractContextManager:
+    def guard(self, phase: str = "") -> contextlib.AbstractContextManager:
         raise NotImplementedError
 
 
@@ -193,12 +197,13 @@ class LastWords(IterationWatch):
         self.inflight = InFlight(state)
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
+    def guard(self, phase: str = "") -> Iterator[None]:
+        """`phase`: as recovery.Recovery.guard's (last words treat every phase alike)."""
         try:
             yield
         except (RuntimeError, OSError) as e:
             if peer_failure(e):
-                self.detector.declare(str(e))
+                self.detector.declare(summary(e))
                 speak(self.state, self.checkpointer, self.detector.store, self.inflight, self.seconds)
             raise
 
@@ -207,8 +212,10 @@ class LastWords(IterationWatch):
 
 
 def peer_failure(e: BaseException) -> bool:
-    """gloo reports a dead peer and a timeout as a plain RuntimeError; dtgpt's own errors (bad
-    data, a non-finite loss) subclass it and are no hard failure of a peer."""
+    """Whether `e` may be a failed collective: gloo reports a dead peer and a timeout as a plain
+    RuntimeError; dtgpt's own errors (bad data, a non-finite loss) subclass it and are no
+    hard failure of a peer. A bug can raise a plain RuntimeError too: whether a peer died is
+    the launcher's to say (recovery.py), never this function's."""
     return type(e) in (RuntimeError, OSError) or isinstance(e, dist.DistError)
 
 
@@ -223,12 +230,12 @@ class Silent:
         return self.guard()
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
+    def guard(self, phase: str = "") -> Iterator[None]:
         try:
             yield
         except (RuntimeError, OSError) as e:
             if self.detector is not None and peer_failure(e):
-                self.detector.declare(str(e))
+                self.detector.declare(summary(e))
             raise
 
     def close(self) -> None:

@@ -6,10 +6,18 @@ The launcher respawns the dead worker alone, with the same rank and `DTGPT_REPLA
 1. **Detect, roll call** (detect.py, last_words.py): the survivors leave their collectives and
    report their last completed iteration and whether they were inside the optimizer step. The
    roll closes once every rank has answered or is known gone (the launcher's `replacing` keys).
-2. **Decide** (`verdict`, a pure function): recover when launched by dtgpt.run, the consistency
-   rule holds (last_words.consistent), and every dead rank's replica twin (same pp/dp_shard/cp/tp
-   coordinates, another dp_replicate index) survived; otherwise one line says why, and last
+2. **Decide** (`verdict`, a pure function): recover when launched by dtgpt.run, the ranks missing
+   from the roll are exactly those the launcher replaces (a rank is known to be gone, never
+   guessed from a failed collective), the consistency rule holds (last_words.consistent), every
+   dead rank's replica twin (same pp/dp_shard/cp/tp coordinates, another dp_replicate index)
+   survived, and the iteration was not redone already (one recovery per iteration; the
+   launcher's `--max-restarts` bounds them per run); otherwise one line says why, and last
    words (or the last checkpoint) take over as under plain torchrun.
+   **A bug is no death**: whatever a rank raises (a failed collective or an error of its own)
+   goes to the roll call; when every rank answers, nobody died and the first rank to fail raised
+   something of its own (its summary is in the failure notice): the job stops. The `stop` key
+   tells the launcher not to restart, last words speak, and one line gives the error
+   (`stopping: rank 1 raised RuntimeError: ...`).
 3. **Rejoin**: each survivor destroys the old process groups and builds the default group and
    the mesh again (same shape), under a new store prefix (attempt_store.py's handshake, run
    again: the replacement runs it from start-up, as rank 0 or a follower).
@@ -41,11 +49,25 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from dtgpt.faults.detect import FailureDetector
-from dtgpt.faults.last_words import InFlight, IterationWatch, Report, peer_failure, consistent, roll_call, speak
+from dtgpt.faults.detect import FailureDetector, summary
+from dtgpt.faults.last_words import InFlight, IterationWatch, Report, consistent, roll_call, speak
 from dtgpt.parallel.dims import MESH_DIMS
-from dtgpt.run.keys import LAUNCHER_NAME, no_replacement_key, recovered_key, replacing_key
+from dtgpt.run.keys import (
+    LAUNCHER_NAME,
+    STOP_KEY,
+    no_replacement_key,
+    recovered_key,
+    replacing_key,
+    started_key,
+)
 from dtgpt.state import TrainState, rng_state
+
+
+REDONE: tuple[str, ...] = ()
+"""Phases between iterations that a recovery would redo in place. None yet: a replacement joins
+at the top of the loop, so the survivors and it would issue different collectives (the
+survivors the phase and the rest of the iteration's tail, the replacement the next iteration);
+a death in the evaluation, the timers' reduction or a save falls back to last words."""
 
 
 def twin_groups(dims) -> list[list[int]]:
@@ -67,11 +89,14 @@ def precondition(launched: bool, dp_replicate: int, roll_call_seconds: float) ->
 
 def verdict(
     launched: bool, dp_replicate: int, reports: dict[int, Report] | None, twins: list[list[int]],
-    refused: dict[int, str] | None = None, roll_call_seconds: float = 10.0,
+    refused: dict[int, str] | None = None, roll_call_seconds: float = 10.0, replaced: set[int] | None = None,
+    redone: set[str] = frozenset(), redo: str = "",
 ) -> str | None:
     """Why the survivors cannot recover in-process, or None when they can. `reports`: the
     survivors' roll call (None when this rank missed it); `refused`: the launcher's reason per
-    dead rank it will not replace."""
+    dead rank it will not replace; `replaced`: the ranks the launcher says died and replaces
+    (None: every missing rank, for callers that do not ask); `redo`: what would be redone
+    ("iteration 15"), `redone`: what was redone already in this run."""
     why = precondition(launched, dp_replicate, roll_call_seconds)
     if why is not None:
         return why
@@ -80,12 +105,20 @@ def verdict(
     if refused:
         rank = min(refused)
         return f"the launcher will not replace rank {rank} ({refused[rank]})"
+    missing = {rank for group in twins for rank in group} - set(reports)
+    if not missing:
+        return "every rank answered the roll call, so no rank died"
+    unknown = sorted(missing - (missing if replaced is None else replaced))
+    if unknown:
+        return f"rank(s) {unknown} did not answer the roll call, yet the launcher did not say they died (stuck?)"
     iteration, why = consistent(reports)
     if iteration is None:
         return why
     for group in twins:
         if not any(rank in reports for rank in group):
             return f"rank(s) {group} hold the same shards and all died"
+    if redo and redo in redone:
+        return f"{redo} was redone once already"
     return None
 
 
@@ -96,59 +129,101 @@ class Pending:
     rng: dict[str, torch.Tensor]
     """The RNG states at the start of the iteration to redo."""
     dead: list[int]
+    redo: str
+    """What is redone: "iteration 15", "the evaluation after iteration 14"."""
 
 
 class Recovery(IterationWatch):
     """Wraps each train step (as last_words.LastWords does); on a peer's failure: roll call,
     decide, and either mark the step for an in-process recovery (the exception is swallowed;
-    `pending` is set) or say why not, let last words speak, and re-raise."""
+    `pending` is set) or say why not, let last words speak, and re-raise. An error of this
+    rank's own stops the job (the module doc, "a bug is no death")."""
 
-    def __init__(self, state: TrainState, runtime, detector: FailureDetector, seconds: float, checkpointer, last_words):
-        """`last_words`: the fallback's LastWords (it speaks), or None (Silent: nothing to save)."""
+    def __init__(
+        self, state: TrainState, runtime, detector: FailureDetector, seconds: float, checkpointer, last_words,
+        redone: set[str] = frozenset(),
+    ):  # fmt: skip
+        """`last_words`: the fallback's LastWords (it speaks), or None (Silent: nothing to save);
+        `redone`: what this run redid already (one recovery each at most)."""
         self.state, self.runtime, self.detector, self.seconds = state, runtime, detector, seconds
         self.checkpointer, self.last_words = checkpointer, last_words
         self.inflight = last_words.inflight if last_words is not None else InFlight(state)
         self.pending: Pending | None = None
+        self.redone = set(redone)
         self.shared = detector.store.underlying_store
+
+    def _launcher_keys(self, key) -> dict[int, str]:
+        keys = {r: key(r) for r in range(self.runtime.world_size)}
+        return {r: self.shared.get(k).decode() for r, k in keys.items() if self.shared.check([k])}
+
+    def _replaced(self) -> set[int]:
+        """The ranks the launcher is replacing now: a `replacing` number no replacement has yet
+        reported `recovered` (the keys of an earlier recovery stay in the store)."""
+        recovered = self._launcher_keys(recovered_key)
+        return {r for r, n in self._launcher_keys(replacing_key).items() if int(n) > int(recovered.get(r, 0))}
 
     def _known_dead(self) -> int:
         """Ranks the launcher replaces or gave up on: the roll call need not wait for them."""
-        keys = [key(r) for key in (replacing_key, no_replacement_key) for r in range(self.runtime.world_size)]
-        return sum(self.shared.check([key]) for key in keys)
-
-    def _refused(self) -> dict[int, str]:
-        keys = {r: no_replacement_key(r) for r in range(self.runtime.world_size)}
-        return {r: self.shared.get(key).decode() for r, key in keys.items() if self.shared.check([key])}
+        return len(self._replaced() | self._launcher_keys(no_replacement_key).keys())
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
+    def guard(self, phase: str = "") -> Iterator[None]:
+        """`phase`: "" for the train step or the checks between iterations (a recovery redoes the
+        next iteration), `REDONE` phases are redone themselves, any other phase is not (a
+        checkpoint save: a death there is left to last words and a restart)."""
         try:
             yield
-        except (RuntimeError, OSError) as e:
-            if not peer_failure(e):
-                raise
-            self.detector.declare(str(e))
-            if not self._decide():
+        except Exception as e:  # a failed collective or this rank's own error: the roll call tells which
+            self.detector.declare(summary(e))
+            if not self._decide(phase):
+                if self._stopped_by_another():
+                    raise SystemExit(1) from None  # its error is the origin's, which that rank shows
                 raise
 
-    def _decide(self) -> bool:
+    def _stopped_by_another(self) -> bool:
+        """The job stops for another rank's error (a bug): this rank's own error is only its echo."""
+        notice = self.detector.notice()
+        return self.shared.check([STOP_KEY]) and notice is not None and notice["rank"] != self.runtime.rank
+
+    def _stop(self, why: str) -> None:
+        """Tell the launcher that this job stops (no replacement, no restart); the first reason stays."""
+        self.shared.compare_set(STOP_KEY, "", why)
+
+    def _decide(self, phase: str) -> bool:
         state, rank, dims, store = self.state, self.runtime.rank, self.state.model.dims, self.detector.store
-        reports, why = None, precondition(self.runtime.launcher == LAUNCHER_NAME, dims.dp_replicate, self.seconds)
-        if why is None:
+        launched = self.runtime.launcher == LAUNCHER_NAME
+        reports, why = None, precondition(launched, dims.dp_replicate, self.seconds)
+        done = state.progress.iteration
+        redo = f"the {phase} after iteration {done}" if phase else f"iteration {done + 1}"
+        if launched and self.seconds > 0:  # without replicas too: the roll call tells a bug from a death
             report = Report(state.progress.iteration, self.inflight.stepping)
             reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
-            why = verdict(True, dims.dp_replicate, reports, twin_groups(dims), self._refused(), self.seconds)
+        if why is None:
+            why = verdict(
+                True, dims.dp_replicate, reports, twin_groups(dims), self._launcher_keys(no_replacement_key),
+                self.seconds, self._replaced(), self.redone, redo,
+            )  # fmt: skip
+            if why is None and phase and phase not in REDONE:
+                why = f"a rank failed during the {phase}, which is not redone"
+        if reports is not None and len(reports) == dims.world_size:  # nobody died: the first failure was a bug
+            notice = self.detector.notice() or {"rank": rank, "why": "an error"}
+            self._stop(f"rank {notice['rank']} raised {notice['why']}")
         if why is None:
             rng = self.inflight.rng or rng_state(state.model)  # None: the failure came after the iteration
-            self.pending = Pending(rng, sorted(set(range(dims.world_size)) - set(reports)))
+            dead = sorted(set(range(dims.world_size)) - set(reports))
+            self.pending = Pending(rng, dead, redo)
+            self.redone.add(redo)
             return True
+        stop = self.shared.get(STOP_KEY).decode() if self.shared.check([STOP_KEY]) else None
         # One line: the roll's first rank, or without a roll the first to get here.
         speaker = rank == min(reports) if reports else store.compare_set("recovery/speaker", "", str(rank)) == str(rank).encode()
-        if speaker:
+        if speaker and stop is None:
             fallback = "last words follow" if self.last_words else "the restart resumes from the last checkpoint"
             print(f"in-process recovery: none ({why}); {fallback}", flush=True)
-        if self.last_words is not None:
-            speak(state, self.checkpointer, store, self.inflight, self.seconds)
+        if self.last_words is not None and not (stop and dims.dp_replicate < 2):  # (no replicas: no save, no restart to name)
+            speak(state, self.checkpointer, store, self.inflight, self.seconds, self._known_dead)
+        if speaker and stop is not None:
+            print(f"stopping: {stop}; no rank died of it: no recovery, no restart", flush=True)
         return False
 
     def close(self) -> None:
@@ -172,16 +247,26 @@ def rejoin_process_group(cfg, runtime) -> None:
         print(f"in-process recovery: the process group is rebuilt in {time.perf_counter() - start:.2f} s", flush=True)
 
 
-def build_failure_watch(cfg, runtime, state: TrainState, checkpointer):
+def mark_started(runtime) -> None:
+    """Tell `python -m dtgpt.run` that this rank reached its first iteration: a failure before
+    it is a start-up error, which the launcher neither restarts nor replaces (dtgpt/run/keys.py)."""
+    if runtime.launcher == LAUNCHER_NAME and runtime.store is not None:
+        runtime.store.underlying_store.set(started_key(runtime.rank), "1")
+
+
+def build_failure_watch(cfg, runtime, state: TrainState, checkpointer, after=None):
     """What wraps each train step: in-process recovery (with last words as its fallback) when
-    the run may recover so, else last words (or the Silent detector) alone."""
+    the run may recover so, else last words (or the Silent detector) alone. `after`: the watch
+    of a recovery just made (its iterations redone carry over)."""
     from dtgpt.faults.last_words import LastWords, build_last_words
 
+    mark_started(runtime)
     watch = build_last_words(cfg, runtime, state, checkpointer)
     if watch.detector is None:  # one process
         return watch
     last_words = watch if isinstance(watch, LastWords) else None
-    return Recovery(state, runtime, watch.detector, cfg.distributed.roll_call_seconds, checkpointer, last_words)
+    redone = getattr(after, "redone", set())
+    return Recovery(state, runtime, watch.detector, cfg.distributed.roll_call_seconds, checkpointer, last_words, redone)
 
 
 def exchange(state: TrainState, runtime, own: dict | None) -> dict:
@@ -234,6 +319,6 @@ def recover(pending: Pending, state: TrainState, builder, checkpointer) -> tuple
     _datasets, train_iter, valid_iter, _test = builder.data(state)
     set_rng_state(received["rng"], state.model)
     if runtime.rank == min(set(range(runtime.world_size)) - set(pending.dead)):
-        print(f"in-process recovery: rank(s) {pending.dead} replaced, the others kept their state; iteration "
-              f"{state.progress.iteration + 1} is redone ({time.perf_counter() - start:.2f} s)", flush=True)  # fmt: skip
+        print(f"in-process recovery: rank(s) {pending.dead} replaced, the others kept their state; {pending.redo} "
+              f"is redone ({time.perf_counter() - start:.2f} s)", flush=True)  # fmt: skip
     return train_iter, valid_iter

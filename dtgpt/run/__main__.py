@@ -1,4 +1,6 @@
-"""`python -m dtgpt.run` (`dtgpt-run`): torchrun, except that a failed worker is replaced alone.
+"""`python -m dtgpt.run` (`dtgpt-run`): torchrun, except that failed workers are replaced alone
+(several at once when they die together), and a worker that fails at start-up, or a job that
+stops on a bug, is neither restarted nor replaced.
 
 Same flags as torchrun (torch's own parser) and the same launch path (`torch.distributed.run.run`:
 rendezvous, configuration, the failure report); only the agent differs

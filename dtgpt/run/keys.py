@@ -27,6 +27,15 @@ store, `TORCHELASTIC_USE_AGENT_STORE=True`), without any prefix, i.e. what a wor
 - `dtgpt/launcher/recovered/<rank>` = `<n>`: set by training, not the launcher, once the n-th
   replacement of `<rank>` has joined and the job runs again. Until then a further failure on
   that node (survivors that could not recover, or the replacement itself) gets a full restart.
+- `dtgpt/launcher/started/<rank>` = `1`: set by training when `<rank>` starts its first
+  iteration. A worker that fails without it failed at start-up (a config error, missing data):
+  a restart or a replacement would fail the same way, so the launcher stops the job instead.
+- `dtgpt/launcher/deaths` = a count (`store.add`): bumped by the agent each time it handles
+  failed workers (replaced or not), at once: every survivor's failure watch (dtgpt/faults/detect.py)
+  leaves its collectives when it grows, whether or not a collective of its own has failed.
+- `dtgpt/launcher/stop` = a one-line reason: set by training when the job must stop and not be
+  restarted (a rank raised an error and no rank died: a bug, which a restart would repeat). The
+  launcher neither replaces nor restarts, and exits with the failed worker's exit code.
 
 (`dtgpt/<token>/...`, `dtgpt/hello/...` and `dtgpt/reply/...` are attempt_store.py's; a token is
 hex, so the names cannot meet.) The agent deletes the keys of its ranks when it stops its
@@ -55,6 +64,14 @@ def no_replacement_key(rank: int) -> str:
 
 def recovered_key(rank: int) -> str:
     return f"{KEY_ROOT}/recovered/{rank}"
+
+
+def started_key(rank: int) -> str:
+    return f"{KEY_ROOT}/started/{rank}"
+
+
+STOP_KEY = f"{KEY_ROOT}/stop"
+DEATHS_KEY = f"{KEY_ROOT}/deaths"
 
 
 def replacement_number() -> int:

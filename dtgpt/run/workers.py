@@ -4,10 +4,14 @@ torch's `start_processes` makes one `PContext` for all local workers, and that c
 them all as soon as any fails. `WorkerProcesses` makes one context per worker instead (each the
 standard `start_processes` of one process) and offers the agent what it uses of a `PContext`
 (`pids`, `wait`, `close`), plus `failures` and `respawn` for a single worker.
+
+Each context logs its worker's failure as local rank 0 (its only process); that line is dropped
+(`_OwnFailureLines`), and the agent says it with the worker's ranks (dtgpt/run/agent.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -19,6 +23,18 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, P
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from dtgpt.run.keys import LAUNCHER_ENV, LAUNCHER_NAME
+
+TORCH_PROCESS_LOG = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _OwnFailureLines(logging.Filter):
+    """Drops a one-process context's "failed (exitcode: ...) local_rank: 0 (pid: ...)" line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode:")
+
+
+_FAILURE_LINES = _OwnFailureLines()
 
 
 class OneWorkerLogs(LogsSpecs):
@@ -58,6 +74,7 @@ class WorkerProcesses:
         self._node_dest = logs_specs.reify(start_args["envs"])
         self._root_log_dir = logs_specs.root_log_dir
         self._contexts: dict[int, PContext] = {}
+        logging.getLogger(TORCH_PROCESS_LOG).addFilter(_FAILURE_LINES)  # once: filters are a set
         self._ended: dict[int, RunProcsResult] = {}
         for local_rank in sorted(start_args["args"]):
             self._contexts[local_rank] = self._start(local_rank, {})

@@ -1,16 +1,22 @@
 """In-process recovery (dtgpt/faults/recovery.py): the decision, the twin groups, and the done-when
 runs: 4 CPU ranks under `python -m dtgpt.run --max-restarts=2`, rank 3 SIGKILLed at iteration 15
-on HSDP 2 x 2, pp2 x dp_replicate 2 and tp2 x dp_replicate 2. Ranks 0-2 keep their processes, a
-new rank 3 joins, every iteration is recorded once, and losses and final weights equal an
-uninterrupted run's bitwise (dropout on, so the RNG must come back too)."""
+on pp2 x dp_replicate 2 and tp2 x dp_replicate 2; on HSDP 2 x 2 a whole replica (ranks 2 and 3)
+SIGKILLed together at iteration 10, then rank 1 at iteration 15, while the training script
+holds a TCP connection of its own (tests/tcp_train.py). The ranks never killed keep their
+processes, new ones join, every iteration is recorded once, losses and final weights equal an
+uninterrupted run's bitwise (dropout on, so the RNG must come back too), and the script's
+connection still works. A bug (a RuntimeError in one rank's forward) stops the job: nothing
+redone, nothing restarted."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,6 +47,19 @@ def test_recovery_needs_the_launcher_a_replica_a_consistent_roll_and_a_surviving
     assert refused == "the launcher will not replace rank 3 (restarts exhausted)"
 
 
+def test_recovery_needs_a_rank_the_launcher_says_is_gone_and_happens_once_per_iteration():
+    everyone = {**ALIVE, 3: Report(14, False)}
+    assert verdict(True, 2, everyone, TWINS, replaced=set()) == "every rank answered the roll call, so no rank died"
+    assert verdict(True, 2, ALIVE, TWINS, replaced={3}) is None
+    stuck = verdict(True, 2, ALIVE, TWINS, replaced=set())
+    assert stuck == "rank(s) [3] did not answer the roll call, yet the launcher did not say they died (stuck?)"
+    replica = {0: Report(14, False), 1: Report(14, False)}
+    assert verdict(True, 2, replica, TWINS, replaced={2, 3}) is None  # a whole replica lost, both twins alive
+    redone_twice = verdict(True, 2, ALIVE, TWINS, replaced={3}, redone={"iteration 15"}, redo="iteration 15")
+    assert redone_twice == "iteration 15 was redone once already"
+    assert verdict(True, 2, ALIVE, TWINS, replaced={3}, redone={"iteration 15"}, redo="iteration 16") is None
+
+
 def test_twin_groups_pair_the_ranks_that_differ_in_dp_replicate_only():
     def dims(pp, dpr, dps, tp):
         return SimpleNamespace(dp_replicate=dpr, mesh=SimpleNamespace(mesh=torch.arange(pp * dpr * dps * tp).reshape(pp, dpr, dps, 1, tp)))
@@ -53,7 +72,7 @@ def test_twin_groups_pair_the_ranks_that_differ_in_dp_replicate_only():
 
 # -- the done-when runs ------------------------------------------------------------------------
 
-ITERS, KILL_AT = 20, 15
+ITERS, KILL_AT, REPLICA_KILL_AT = 20, 15, 10
 BASE = [
     "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
     "--model.make_vocab_size_divisible_by=64", "--model.hidden_dropout=0.1", "--model.attention_dropout=0.1",
@@ -69,6 +88,14 @@ LAYOUTS = {
     "tp2-dpr2": ["--parallel.tensor_model_parallel_size=2", "--parallel.data_parallel_replicate_size=2",
                  "--parallel.data_parallel_shard_size=1"],  # fmt: skip
 }
+KILLS = {  # layout -> (faults, {the iteration redone: the ranks replaced}); twins are [0, 2], [1, 3] on HSDP 2 x 2
+    "hsdp-2x2": ([f"--faults.kill_at_iteration={REPLICA_KILL_AT}", "--faults.kill_rank=2", "--faults.kill_also_ranks=[3]",
+                  f"--faults.kill_again_at_iteration={KILL_AT}", "--faults.kill_again_rank=1"],
+                 {REPLICA_KILL_AT: [2, 3], KILL_AT: [1]}),  # fmt: skip
+    "pp2-dpr2": ([f"--faults.kill_at_iteration={KILL_AT}", "--faults.kill_rank=3"], {KILL_AT: [3]}),
+    "tp2-dpr2": ([f"--faults.kill_at_iteration={KILL_AT}", "--faults.kill_rank=3"], {KILL_AT: [3]}),
+}
+HOLDS_A_CONNECTION = "hsdp-2x2"
 
 
 def _descendants(root: int) -> list[int]:
@@ -99,12 +126,45 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-def launch(where: Path, layout: list[str], extra: list[str]) -> tuple[subprocess.CompletedProcess, dict[int, set[int]]]:
+class ConnectionServer:
+    """The far end of tests/tcp_train.py's connections: the lines each connection carried."""
+
+    def __init__(self):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self.connections: list[list[str]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            lines: list[str] = []
+            self.connections.append(lines)
+            threading.Thread(target=self._serve, args=(connection, lines), daemon=True).start()
+
+    @staticmethod
+    def _serve(connection: socket.socket, lines: list[str]):
+        with connection, connection.makefile() as reader:
+            for line in reader:
+                lines.append(line.strip())
+                if line.startswith("bye"):
+                    connection.sendall(b"ok\n")
+
+    def close(self):
+        self._listener.close()
+
+
+def launch(
+    where: Path, layout: list[str], extra: list[str], script: str = "train.py", env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, dict[int, set[int]]]:
     """`python -m dtgpt.run` on 4 CPU ranks; (its result, the worker PIDs seen per rank)."""
     where.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "dtgpt.run", "--standalone", "--nproc-per-node", "4", "--max-restarts=2",
-           str(REPO / "train.py"), *train_argv(where, layout), *extra]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           str(REPO / script), *train_argv(where, layout), *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     proc = subprocess.Popen(cmd, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids: dict[int, set[int]] = {}
     done = threading.Event()
@@ -165,21 +225,55 @@ def final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_sigkill_of_rank_3_is_recovered_in_process_bitwise(tmp_path, name, references):
-    layout = LAYOUTS[name]
+    """(Named for the pp2 and tp2 cases; on HSDP: a whole replica, then a second death.)"""
+    layout, (faults, replaced) = LAYOUTS[name], KILLS[name]
     reference, reference_dir = references[name]
     reference.checked()  # the uninterrupted run exited 0
-    killed, pids = launch(tmp_path / "killed", layout, [f"--faults.kill_at_iteration={KILL_AT}", "--faults.kill_rank=3"])
+    server = ConnectionServer() if name == HOLDS_A_CONNECTION else None
+    script, env = ("tests/tcp_train.py", {"DTGPT_TEST_TCP": server.address}) if server else ("train.py", None)
+    try:
+        killed, pids = launch(tmp_path / "killed", layout, faults, script, env)
+    finally:
+        if server is not None:
+            server.close()
     log = killed.stdout
     assert killed.returncode == 0, log[-6000:]
-    assert "fault: SIGKILL to rank 3 in iteration 15" in log
-    assert "in-process recovery: rank(s) [3] replaced, the others kept their state; iteration 15 is redone" in log, log[-6000:]
+    for iteration, ranks in replaced.items():
+        for rank in ranks:
+            assert f"fault: SIGKILL to rank {rank} in iteration {iteration}" in log
+        assert (f"in-process recovery: rank(s) {ranks} replaced, the others kept their state; iteration {iteration} "
+                "is redone") in log, log[-6000:]  # fmt: skip
+    assert log.count("is redone") == len(replaced)
     assert "in-process recovery: rank 3 (replacement 1) took its state from rank" in log
     assert "loaded checkpoint" not in log and "last words" not in log
-    assert all(len(pids[r]) == 1 for r in (0, 1, 2)), pids  # the survivors kept their processes
-    assert len(pids[3]) == 2, pids  # a new rank 3 joined
+    dead = [rank for ranks in replaced.values() for rank in ranks]
+    assert all(len(pids[r]) == 1 + dead.count(r) for r in range(4)), pids  # the others kept their processes
     got, want = records(tmp_path / "killed" / "metrics.jsonl"), records(reference_dir / "metrics.jsonl")
     assert [i for i, _ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
     assert got == want  # bitwise: float equality of every loss
     weights, reference_weights = final_weights(tmp_path / "killed" / "ckpt"), final_weights(reference_dir / "ckpt")
     assert weights.keys() == reference_weights.keys()
     assert all(torch.equal(weights[k], reference_weights[k]) for k in weights)
+    if server is not None:  # every process that lived to the end said bye on the connection it opened first
+        said = {tuple(lines[0].split()[1:]): lines for lines in server.connections if lines}
+        (rank_0,) = pids[0]
+        assert said[("0", str(rank_0))] == [f"hello 0 {rank_0}", f"bye 0 {rank_0}"], server.connections
+        finished = [lines for lines in said.values() if len(lines) == 2]
+        assert len(finished) == 4 and all(b.split()[1:] == h.split()[1:] for h, b in finished), server.connections
+
+
+@pytest.mark.slow
+def test_a_bug_in_one_rank_stops_the_job_without_a_recovery_or_a_restart(tmp_path):
+    """Rank 1's forward raises RuntimeError from iteration 3 on: no rank died, so nothing is
+    redone or restarted; the job stops with the error's line, after last words."""
+    started = time.monotonic()
+    proc, pids = launch(tmp_path, LAYOUTS["hsdp-2x2"], ["--faults.raise_at_iteration=3", "--faults.raise_rank=1"])
+    seconds, log = time.monotonic() - started, proc.stdout
+    assert proc.returncode == 1, log[-6000:]
+    bug = "rank 1 raised RuntimeError: injected bug in the model's forward (iteration 3)"
+    assert f"stopping: {bug}; no rank died of it" in log, log[-6000:]
+    assert f"python -m dtgpt.run: {bug}; the job is stopped, not restarted" in log
+    assert "in-process recovery" not in log and "starting replacement" not in log and "restart worker group" not in log
+    assert "last words: ranks [0, 1, 2, 3] saved iteration 2" in log
+    assert all(len(pids[r]) == 1 for r in range(4)), pids  # nobody restarted or replaced
+    assert seconds < 300
