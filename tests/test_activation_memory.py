@@ -91,7 +91,7 @@ def saved_bytes_per_layer(cfg: Config, tp: int, kernel: SDPBackend) -> float:
         dims.build_mesh("cpu")
         with torch.device("meta"):
             whole = GPT(cfg.model, padded_vocabulary(cfg, VOCAB))
-        model = build_model_parts(cfg, dims, whole, torch.device("cpu")).parts[0]
+        model = build_model_parts(cfg, dims, whole, torch.device("cpu")).forward_module()  # the bf16 copy in one process
         params, seen, inside = set(), {}, [False]
 
         def note_params(module, args):  # FSDP's gathered compute copies are in place by now
