@@ -87,6 +87,8 @@ class BoundedPipelineStage(PipelineStage):
         super().set_local_fwd_input(prev_stage_outputs, mb_index)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        if not self.has_backward or self.is_last:  # torch's stage receives nothing then (1F1B's eval asks)
+            return []
         self.grad_recv_info[bwd_chunk_id] = self._allocate(self.grad_recv_info[bwd_chunk_id])
         return super().get_bwd_recv_ops(bwd_chunk_id)
 
