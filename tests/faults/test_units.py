@@ -20,7 +20,8 @@ from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, check_token_ids
 from dtgpt.data.loader import build_data_loader
 from dtgpt.faults.signals import SignalFlag, signal_handler_enabled
-from dtgpt.faults.injection import NO_FAULTS, Faults, FaultyWriter, build_faults
+from dtgpt.faults.faulty_writer import FaultyWriter
+from dtgpt.faults.injection import NO_FAULTS, Faults, build_faults
 from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 
 
