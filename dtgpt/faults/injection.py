@@ -60,9 +60,8 @@ def build_faults(cfg: FaultsConfig, rank: int, restart_count: int) -> FaultHooks
 
 
 @contextlib.contextmanager
-def _non_finite_outputs(modules: list) -> Iterator[None]:
-    """Every module's output times NaN, as a diverging step gives: loss and gradients non-finite."""
-    handles = [m.register_forward_hook(lambda _m, _args, out: out * float("nan")) for m in modules]
+def _hooks_held(handles: list) -> Iterator[None]:
+    """The hooks behind `handles` stay registered for the block, then are removed."""
     try:
         yield
     finally:
@@ -70,16 +69,15 @@ def _non_finite_outputs(modules: list) -> Iterator[None]:
             handle.remove()
 
 
-@contextlib.contextmanager
-def _killed_in_step(optimizers: list, rank: int, iteration: int) -> Iterator[None]:
+def _non_finite_outputs(modules: list) -> contextlib.AbstractContextManager:
+    """Every module's output times NaN, as a diverging step gives: loss and gradients non-finite."""
+    return _hooks_held([m.register_forward_hook(lambda _m, _args, out: out * float("nan")) for m in modules])
+
+
+def _killed_in_step(optimizers: list, rank: int, iteration: int) -> contextlib.AbstractContextManager:
     """SIGKILL once the first of `optimizers` has stepped: parameters changed, the iteration unrecorded."""
     kill = lambda *_: _kill(rank, f"inside the optimizer step of iteration {iteration}")  # noqa: E731
-    handles = [optimizer.register_step_post_hook(kill) for optimizer in optimizers]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return _hooks_held([optimizer.register_step_post_hook(kill) for optimizer in optimizers])
 
 
 def _kill_in_evaluation(modules: list, rank: int, iteration: int) -> None:
@@ -93,20 +91,14 @@ def _kill_in_evaluation(modules: list, rank: int, iteration: int) -> None:
         module.register_forward_pre_hook(kill)
 
 
-@contextlib.contextmanager
-def _raising(modules: list, iteration: int) -> Iterator[None]:
+def _raising(modules: list, iteration: int) -> contextlib.AbstractContextManager:
     """The modules' forward raises a plain RuntimeError (what a bug in the model looks like)."""
 
     def fail(*_):
         _announce(f"RuntimeError in the forward of iteration {iteration}")
         raise RuntimeError(f"injected bug in the model's forward (iteration {iteration})")
 
-    handles = [module.register_forward_pre_hook(fail) for module in modules]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return _hooks_held([module.register_forward_pre_hook(fail) for module in modules])
 
 
 class Faults(FaultHooks):
