@@ -117,8 +117,9 @@ def dtgpt_step(cfg: Config, device: torch.device) -> tuple[Step, GPT]:
 # The plain reference's training step (its model: scripts/reference_gpt.py)
 
 
-def reference_step(cfg: Config, device: torch.device) -> tuple[Step, ReferenceGPT]:
-    """A plain training iteration of the reference, and the (uncompiled) model it trains."""
+def reference_step(cfg: Config, device: torch.device, wrap: Callable | None = None) -> tuple[Step, ReferenceGPT]:
+    """A plain training iteration of the reference, and the (uncompiled) model it trains;
+    `wrap` (e.g. DistributedDataParallel) wraps the model the step calls."""
     torch.manual_seed(cfg.training.seed)
     m = cfg.model
     vocab = padded_vocab_size(VOCAB_SIZE, m.make_vocab_size_divisible_by)
@@ -132,6 +133,7 @@ def reference_step(cfg: Config, device: torch.device) -> tuple[Step, ReferenceGP
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=fused, foreach=not fused)
     run = torch.compile(model) if cfg.training.compile else model
+    run = wrap(run) if wrap is not None else run
     dtype = torch.bfloat16 if cfg.training.bf16 else None
 
     def step(batch: torch.Tensor) -> float:
