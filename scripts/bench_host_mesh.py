@@ -183,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if layout not in LAYOUTS:
             p.error(f"--layouts={layout!r} must be one of {', '.join(LAYOUTS)}")
     layers = [int(n) for n in args.layers.split(",")]
+    if args.warmup < 0:
+        p.error(f"--warmup={args.warmup} must be 0 or more")
     if len(set(layers)) < 2 or any(n < 2 or n % 2 for n in layers):
         p.error(f"--layers={args.layers!r} needs two or more distinct even counts (pp2 halves them)")
     return args
