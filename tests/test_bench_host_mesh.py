@@ -3,23 +3,14 @@ step against the plain loop, held at what was measured (a count, not a time: no 
 asserted). A change that adds per-layer work under tp fails here. tp2 is the layout whose ops per
 layer exceed the plain loop's most; dp2 and pp2 are left to the script (each ~40 s more here)."""
 
-import importlib.util
-
 import pytest
 
-from tests.runs import REPO
-
-
-def load_bench_host_mesh():
-    spec = importlib.util.spec_from_file_location("dtgpt_bench_host_mesh", REPO / "scripts" / "bench_host_mesh.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.runs import load_script
 
 
 @pytest.mark.slow
 def test_ops_per_layer_on_tp2_stay_where_measured():
-    bench = load_bench_host_mesh()
+    bench = load_script("bench_host_mesh")
     args = bench.parse_args(["--layouts", "tp2", "--layers", "2,4", "--steps", "1", "--rounds", "1", "--warmup", "0", "--timeout", "600"])
     rows = bench.launch(args)
     summary = bench.summarize(rows)

@@ -2,24 +2,15 @@
 the global batch's tokens) dispatches at most one multiply more than the plain loop's mean, forward
 and backward, and gives the same value. Op counts, not times."""
 
-import importlib.util
-
 import pytest
 import torch
 
-from tests.runs import REPO
-
-
-def load_bench_loss_ops():
-    spec = importlib.util.spec_from_file_location("dtgpt_bench_loss_ops", REPO / "scripts" / "bench_loss_ops.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.runs import load_script
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_loss_costs_the_plain_loops_ops_and_one_multiply(dtype):
-    result = load_bench_loss_ops().measure(dtype, tokens=16, vocab=256)
+    result = load_script("bench_loss_ops").measure(dtype, tokens=16, vocab=256)
     # Measured bf16 31 / 29, fp32 24 / 22: the multiply by 1 / the global batch's loss tokens and
     # its backward (the plain mean divides inside nll_loss). Before the factor was built once per
     # global batch: 37 / 29 and 30 / 22.
