@@ -9,7 +9,8 @@ model_parts.py): the logits cast to fp32 (Megatron computes the loss in fp32), t
 losses, times loss scale / the global batch's loss tokens. The plain loop's (scripts/reference_gpt.py)
 is `F.cross_entropy(logits.float(), labels)`, a mean. Each is run eagerly on the same (tokens,
 vocabulary) logits and its aten ops are counted by torch.profiler (nested ones included), forward
-and backward together; a GPU launches a kernel for most of them. The two losses are also checked
+and backward together (the loss of a global batch of one micro-batch: built, then called); a GPU
+launches a kernel for most of them. The two losses are also checked
 equal (dtgpt's with the batch's own token count as denominator). Ratio: dtgpt / plain.
 """
 
@@ -34,10 +35,16 @@ def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def dtgpt_loss(labels: torch.Tensor) -> GlobalBatchLoss:
-    """The trainer's loss of a global batch (training.calculate_per_token_loss, the default),
-    built once per global batch, outside what is counted: one micro-batch's call is counted."""
-    return GlobalBatchLoss(torch.tensor(float(labels.numel())), 1.0, cross_entropy_sum)
+def dtgpt_loss(labels: torch.Tensor):
+    """The trainer's loss of a one-micro-batch global batch (training.calculate_per_token_loss, the
+    default): GlobalBatchLoss built, then called. The loss tokens are counted outside (the plain
+    mean counts them inside nll_loss; dtgpt counts them once per global batch, summed over dp)."""
+    denominator = torch.tensor(float(labels.numel()))
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return GlobalBatchLoss(denominator, 1.0, cross_entropy_sum)(logits, labels)
+
+    return loss
 
 
 def count(loss_fn, logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, float]:
