@@ -96,6 +96,8 @@ class ScheduleCache:
         if not forward_only and moe_layers(parts) and infers_metadata(schedule):
             # The stand-in forward routes no real tokens: the MoE layers must not count it.
             skip_one_forward(parts)
+        if not forward_only and getattr(loss, "mtp", None) is not None and infers_metadata(schedule):
+            loss.mtp.uncounted_calls = 1  # nor the prediction modules' loss on the stand-in outputs
         self._loss = loss
         try:
             (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
