@@ -110,6 +110,6 @@ def apply_rng_streams(model: GPT, rng: ModelParallelRNG, sequence_parallel: bool
         if isinstance(module, CoreAttention):
             module.stream = rng.fork
     if sequence_parallel:
-        for block in model.layers.values():
+        for block in model.numbered_blocks().values():
             block.dropout.stream = block.mlp_dropout.stream = rng.fork
 
