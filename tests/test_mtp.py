@@ -169,3 +169,24 @@ def test_mtp_refuses_context_parallelism_in_one_line():
     with pytest.raises(ConfigError, match="model.mtp_num_layers=1 needs parallel.context_parallel_size=1") as err:
         validate(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_mtp_loss_is_logged_beside_the_lm_loss(tmp_path, capsys):
+    """The metrics file, the console line (after lm loss, the interval's mean) and TensorBoard
+    (Megatron's tag `mtp_1 loss`) carry each depth's loss."""
+    import json
+
+    from dtgpt.config import LoggingConfig
+    from dtgpt.metrics import MetricsLogger
+    from tests.test_metrics import _field, _record
+
+    logger = MetricsLogger(LoggingConfig(log_interval=2, metrics_file=str(tmp_path / "m.jsonl")), 2, is_logging_rank=True)
+    scalars = []
+    logger.writer = type("Writer", (), {"add_scalar": lambda self, *a: scalars.append(a[:2])})()
+    logger.log(_record(1, **{"mtp_1 loss": 3.0, "mtp_2 loss": 4.0}))
+    logger.log(_record(2, **{"mtp_1 loss": 5.0, "mtp_2 loss": 6.0}))
+    out = capsys.readouterr().out
+    assert float(_field(out, "mtp_1 loss")) == 4.0 and float(_field(out, "mtp_2 loss")) == 5.0
+    assert out.index("lm loss") < out.index("mtp_1 loss") < out.index("mtp_2 loss")
+    assert [json.loads(line)["mtp_2 loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [4.0, 6.0]
+    assert ("mtp_1 loss", 5.0) in scalars
