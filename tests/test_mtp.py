@@ -2,8 +2,8 @@
 (local specs), on CPU in the test process (the patches of tests/megatron_moe.py): the same weights
 (every name mapped by Megatron's key map, the MTP's own names equal) and the same tokens, labels
 and loss mask give the same LM loss, the same per-depth MTP loss Megatron's tracker logs, and the
-same gradient of every parameter, the MTP term included (Megatron's default loss: the micro-batch
-mean, MTPLossAutoScaler's scale 1). Two depths, so that the second's doubly shifted labels, mask
+same gradient of every parameter, the MTP term included (Megatron's default loss, the micro-batch
+mean, and calculate_per_token_loss; MTPLossAutoScaler's scale 1). Two depths, so that the second's doubly shifted labels, mask
 and inputs are checked too; a masked label (eod_mask_loss) inside the sequence. Plus the config
 rules, one line each."""
 
@@ -26,7 +26,7 @@ def megatron(monkeypatch):
     yield from megatron_session(monkeypatch)
 
 
-def megatron_gpt():
+def megatron_gpt(per_token: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,6 +37,7 @@ def megatron_gpt():
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         bias_activation_fusion=False, persist_layer_norm=False, mtp_num_layers=DEPTH, mtp_loss_scaling_factor=FACTOR,
+        calculate_per_token_loss=per_token,
     )  # fmt: skip
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     torch.manual_seed(7)
@@ -77,10 +78,13 @@ def megatron_key(name: str) -> tuple[str, slice]:
     return f"{prefix}.{LOCAL_NORM_NAMES.get(key, key)}", rows
 
 
-def test_mtp_matches_megatron(megatron):
+@pytest.mark.parametrize("per_token", [False, True], ids=["micro_batch_mean", "per_token"])
+def test_mtp_matches_megatron(megatron, per_token):
+    """per_token: calculate_per_token_loss, where Megatron sums token losses (the MTP term too)
+    and divides the gradients by the LM loss tokens at the end."""
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
-    theirs, ours = megatron_gpt(), dtgpt_gpt()
+    theirs, ours = megatron_gpt(per_token), dtgpt_gpt()
     params = dict(theirs.named_parameters())
     mapped = {name: megatron_key(name) for name, _ in ours.named_parameters()}
     assert sorted({key for key, _ in mapped.values()}) == sorted(params), "every Megatron tensor mapped once"
@@ -98,9 +102,13 @@ def test_mtp_matches_megatron(megatron):
     MTPLossLoggingHelper.tracker.clear()
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    per_token = theirs(tokens, positions, causal, labels=labels, loss_mask=loss_mask)  # (B, T)
-    lm_theirs = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    losses = theirs(tokens, positions, causal, labels=labels, loss_mask=loss_mask)  # (B, T)
+    lm_theirs = (losses.float() * loss_mask).sum() / (1.0 if per_token else loss_mask.sum())
     lm_theirs.backward()
+    if per_token:  # Megatron's finalize_model_grads: the summed gradients over the loss tokens
+        for p in params.values():
+            p.grad /= loss_mask.sum()
+        lm_theirs = lm_theirs / loss_mask.sum()
     logged_theirs = MTPLossLoggingHelper.tracker["values"].clone()
     MTPLossLoggingHelper.tracker.clear()
 
@@ -108,8 +116,11 @@ def test_mtp_matches_megatron(megatron):
     ignored = labels.masked_fill(loss_mask == 0, IGNORE_INDEX)
     count = torch.full((BATCH, 1), float((ignored != IGNORE_INDEX).sum()))  # the micro-batch's count column
     mtp = MTPLoss(ours.cfg)
-    loss_fn = GlobalBatchLoss(torch.tensor(1.0), 1.0, count_column=True, mtp=mtp)
-    lm_ours = loss_fn(ours(tokens), torch.cat([ignored, count.to(labels.dtype)], dim=1))
+    if per_token:
+        lm_ours = GlobalBatchLoss(count[0, 0], 1.0, mtp=mtp)(ours(tokens), ignored)
+    else:
+        loss_fn = GlobalBatchLoss(torch.tensor(1.0), 1.0, count_column=True, mtp=mtp)
+        lm_ours = loss_fn(ours(tokens), torch.cat([ignored, count.to(labels.dtype)], dim=1))
     lm_ours.backward()
 
     torch.testing.assert_close(lm_ours, lm_theirs.detach(), rtol=1e-5, atol=1e-6)
