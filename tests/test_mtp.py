@@ -201,3 +201,15 @@ def test_mtp_loss_is_logged_beside_the_lm_loss(tmp_path, capsys):
     assert out.index("lm loss") < out.index("mtp_1 loss") < out.index("mtp_2 loss")
     assert [json.loads(line)["mtp_2 loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [4.0, 6.0]
     assert ("mtp_1 loss", 5.0) in scalars
+
+
+def test_checkpoint_formats_refuse_mtp_in_one_line():
+    """Neither Megatron's checkpoint key map nor a Hugging Face layout holds the modules yet: refused by name."""
+    from dtgpt.checkpoint.export import hf_layout_for
+    from dtgpt.checkpoint.megatron.keys import unsupported
+
+    cfg = ModelConfig(mtp_num_layers=1)
+    assert unsupported(cfg).startswith("model.mtp_num_layers=1:")
+    with pytest.raises(ValueError, match="model.mtp_num_layers") as err:
+        hf_layout_for(cfg)
+    assert "\n" not in str(err.value)
