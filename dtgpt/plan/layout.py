@@ -212,6 +212,11 @@ def plan_layout(
             "multi-latent attention: parameters, FLOPs and state memory are its own; activations and the tp/cp/FSDP "
             "traffic are still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
         )
+    if m.mtp_depth:
+        plan.notes.append(
+            "multi-token prediction: its modules' parameters and state memory are counted on the last stage, "
+            "their activations not yet"
+        )
     expected = num_parameters(m, padded)
     if total != expected:
         plan.warnings.append(f"built model has {total:,} parameters, the closed form {expected:,}: a planner bug")
