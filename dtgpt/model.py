@@ -323,14 +323,6 @@ class GPT(nn.Module):
         per_token = dict(position_ids=position_ids, document_ids=document_ids, token_index=token_index)
         return (logits, *self.mtp(h, input_ids, self.embedding, self.output, **per_token))
 
-    def numbered_blocks(self) -> dict[int, Block]:
-        """Every transformer block this part holds, by its global number: the model's 0..L-1, then
-        the prediction modules' L, L+1, ... (as Megatron numbers their routers)."""
-        blocks = {int(name): block for name, block in self.layers.items()}
-        if self.mtp is not None:
-            blocks.update({self.cfg.num_layers + k: layer.transformer_layer for k, layer in enumerate(self.mtp.layers)})
-        return blocks
-
     # -- initialisation ------------------------------------------------------------------------
 
     def declared_inits(self) -> DeclaredInits:

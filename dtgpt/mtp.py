@@ -86,6 +86,24 @@ class MultiTokenPrediction(nn.Module):
         return logits
 
 
+def named_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Every transformer block a GPT (or pipeline stage) holds, by module name: the model's
+    (layers.<i>), then the prediction modules' (mtp.layers.<k>.transformer_layer)."""
+    blocks = {f"layers.{name}": block for name, block in model.layers.items()}
+    if model.mtp is not None:
+        blocks.update({f"mtp.layers.{k}.transformer_layer": layer.transformer_layer for k, layer in enumerate(model.mtp.layers)})
+    return blocks
+
+
+def numbered_blocks(model: nn.Module) -> dict[int, nn.Module]:
+    """named_blocks by global number: the model's 0..L-1, then the prediction modules' L, L+1,
+    ... (as Megatron numbers their routers)."""
+    blocks = {int(name): block for name, block in model.layers.items()}
+    if model.mtp is not None:
+        blocks.update({model.cfg.num_layers + k: layer.transformer_layer for k, layer in enumerate(model.mtp.layers)})
+    return blocks
+
+
 def depth_labels(labels: torch.Tensor, depth: int) -> list[torch.Tensor]:
     """(B, T) labels -> those of depths 1..depth: shifted 1..depth places left, IGNORE_INDEX after."""
     shifted = []

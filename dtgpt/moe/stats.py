@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from dtgpt.config import ModelConfig
 from dtgpt.moe.layer import MoELayer
+from dtgpt.mtp import numbered_blocks
 
 TOKENS_PER_EXPERT, DROPPED_TOKENS = "tokens_per_expert", "dropped_tokens"
 
@@ -32,8 +33,8 @@ def logged_losses(cfg: ModelConfig) -> list[str]:
 
 
 def moe_layers(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:
-    """Global block number -> MoE layer, of the model parts this rank holds (GPT.numbered_blocks)."""
-    return {i: block.mlp for part in parts for i, block in part.numbered_blocks().items() if isinstance(block.mlp, MoELayer)}
+    """Global block number -> MoE layer, of the model parts this rank holds (dtgpt.mtp.numbered_blocks)."""
+    return {i: block.mlp for part in parts for i, block in numbered_blocks(part).items() if isinstance(block.mlp, MoELayer)}
 
 
 def set_aux_loss_scale(parts: Iterable[nn.Module], scale: float) -> None:
