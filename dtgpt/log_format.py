@@ -13,6 +13,16 @@ MEMORY_KEYS: tuple[str, ...] = ("mem_allocated_gib", "mem_reserved_gib", "mem_pe
 # Megatron's names of the MoE router losses it logs (dtgpt/moe/stats.py), then the routing counts.
 MOE_LOSS_KEYS: tuple[str, ...] = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 MOE_KEYS: tuple[str, ...] = MOE_LOSS_KEYS + ("tokens_per_expert", "dropped_tokens")
+
+
+def is_mtp_loss_key(key: str) -> bool:
+    """Whether `key` is a multi-token prediction depth's loss, Megatron's `mtp_<k> loss` (dtgpt/mtp.py)."""
+    return key.startswith("mtp_") and key.endswith(" loss") and key[4:-5].isdigit()
+
+
+def side_loss_keys(record: Mapping[str, Any]) -> list[str]:
+    """The losses a record holds beside the LM loss: the router's, then each prediction depth's."""
+    return [k for k in MOE_LOSS_KEYS if k in record] + sorted((k for k in record if is_mtp_loss_key(k)), key=lambda k: int(k[4:-5]))
 # exp() of a diverged loss overflows; Megatron caps the exponent at 20 for the same reason.
 _MAX_PPL_EXPONENT = 20.0
 
@@ -38,7 +48,7 @@ def format_log_line(
     tokens_per_s: Optional[float] = None,
     mfu: Optional[float] = None,
     memory: Optional[Mapping[str, float]] = None,
-    router_losses: Optional[Mapping[str, float]] = None,
+    side_losses: Optional[Mapping[str, float]] = None,
     now: Optional[datetime] = None,
 ) -> str:
     """One training log line. Megatron's fields keep Megatron's names, widths and order so
@@ -60,7 +70,7 @@ def format_log_line(
     fields.append(f"global batch size: {global_batch_size:5d}")
     if loss is not None:
         fields.append(f"lm loss: {loss:.6E}")
-    for name, value in (router_losses or {}).items():  # after lm loss, as Megatron prints them
+    for name, value in (side_losses or {}).items():  # after lm loss, as Megatron prints them
         fields.append(f"{name}: {value:.6E}")
     if loss_scale is not None:
         fields.append(f"loss scale: {loss_scale:.1f}")
@@ -120,7 +130,8 @@ def summarize_interval(
     Like Megatron: the loss is the mean over iterations that were neither skipped nor
     non-finite, the time per iteration is the mean over all of them, skipped/nan are counts
     within the interval, and lr, batch size, loss scale, grad norm, memory are the latest values;
-    the MoE router losses are means over the interval's iterations, as Megatron prints them.
+    the MoE router losses and the prediction depths' are means over the interval's iterations, as
+    Megatron prints them.
     """
     last = records[-1]
     losses = []
@@ -145,5 +156,5 @@ def summarize_interval(
         "tokens_per_s": _time_weighted(records, "tokens_per_s"),
         "mfu": _time_weighted(records, "mfu"),
         "memory": {k: last[k] for k in MEMORY_KEYS if k in last},
-        "router_losses": {k: v for k in MOE_LOSS_KEYS if (v := _mean(records, k)) is not None},
+        "side_losses": {k: v for k in side_loss_keys(last) if (v := _mean(records, k)) is not None},
     }

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from dtgpt.config import LoggingConfig
-from dtgpt.log_format import MEMORY_KEYS, MOE_KEYS, MOE_LOSS_KEYS, format_eval_block, format_log_line, perplexity, summarize_interval
+from dtgpt.log_format import MEMORY_KEYS, MOE_KEYS, MOE_LOSS_KEYS, is_mtp_loss_key, format_eval_block, format_log_line, perplexity, summarize_interval
 from dtgpt.timers import Timers, format_times
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per device, fp16 for V100/T4 that
@@ -127,6 +127,7 @@ def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tu
     ({phase: [min, max]} per iteration) on the lines that close a log interval with timers on."""
     line = {k: _json_value(record[k]) for k in METRICS_KEYS}
     line.update({k: _json_value(record[k]) for k in MOE_KEYS if k in record})  # MoE runs only
+    line.update({k: _json_value(v) for k, v in record.items() if is_mtp_loss_key(k)})  # multi-token prediction
     if times:
         line["timers_ms"] = {name: [lo, hi] for name, (lo, hi) in times.items()}
     return json.dumps(line, allow_nan=False)
@@ -135,7 +136,9 @@ def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tu
 def check_record(record: Mapping[str, Any]) -> None:
     """Reject a record with a missing or misspelled key now, not as a silently empty chart."""
     missing = [k for k in RECORD_KEYS if k not in record]
-    unknown = [k for k in record if k not in RECORD_KEYS and k not in MEMORY_KEYS and k not in MOE_KEYS]
+    unknown = [
+        k for k in record if k not in RECORD_KEYS and k not in MEMORY_KEYS and k not in MOE_KEYS and not is_mtp_loss_key(k)
+    ]
     if missing or unknown:
         raise ValueError(
             f"metrics record: missing keys {missing}, unknown keys {unknown}; "
@@ -260,6 +263,9 @@ class MetricsLogger:
         for key, tag in _TB_SCALARS:
             if record.get(key) is not None:
                 self.writer.add_scalar(tag, record[key], step)
+        for key in filter(is_mtp_loss_key, record):  # Megatron's tags: `mtp_<k> loss`
+            if record[key] is not None:
+                self.writer.add_scalar(key, record[key], step)
         for key, tag in _TB_VS_SAMPLES:
             if record.get(key) is not None:
                 self.writer.add_scalar(tag, record[key], record["consumed_samples"])

@@ -29,6 +29,7 @@ from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
 from dtgpt.mla import MLASelfAttention
 from dtgpt.moe.layer import MoELayer
+from dtgpt.mtp import MultiTokenPrediction
 from dtgpt.norms import build_norm, norm_inits
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
@@ -272,6 +273,12 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = build_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        # Multi-token prediction (dtgpt/mtp.py): blocks of the last block's kind, as Megatron's.
+        self.mtp: MultiTokenPrediction | None = None
+        if cfg.mtp_depth:
+            self.mtp = MultiTokenPrediction(cfg, [Block(cfg, cfg.num_layers - 1) for _ in range(cfg.mtp_depth)])
+        # False on a later pipeline stage that holds the embedding for multi-token prediction only.
+        self.embeds_input = True
         self.tied = not cfg.untie_embeddings_and_output_weights
         if self.tied:
             self.output.weight = self.embedding.word.weight
@@ -286,23 +293,35 @@ class GPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds.
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds. In
+        training with multi-token prediction, (logits, the logits of each prediction depth).
 
         position_ids (B, T): the positions the position embedding or RoPE use (None: 0..T-1);
         under context parallelism, the global positions of the chunks this rank holds.
         document_ids (B, T): tokens attend only within their document (None: plain causal).
         token_index (B, T): each token's index in the whole run, sample number * seq_length +
         position; only a layout-invariant dropout reads it (dtgpt.parallel.invariant_dropout).
+        input_ids (B, T): the token ids, for multi-token prediction on a stage whose input `x` is
+        the hidden state (a later pipeline stage).
         """
-        h = self.embedding(x, position_ids, token_index) if self.embedding is not None else x
+        if self.embeds_input:
+            input_ids = x
+            if self.embedding is not None:
+                x = self.embedding(x, position_ids, token_index)
+        h = x
         for run in self.block_runs if self.block_runs is not None else self.layers.values():
             h = run(h, position_ids=position_ids, document_ids=document_ids, token_index=token_index)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        if self.mtp is None or not self.training:  # evaluation reports the LM loss alone, as Megatron's
+            return logits
+        per_token = dict(position_ids=position_ids, document_ids=document_ids, token_index=token_index)
+        return (logits, *self.mtp(h, input_ids, self.embedding, self.output, **per_token))
 
     # -- initialisation ------------------------------------------------------------------------
 

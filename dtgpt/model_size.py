@@ -60,8 +60,9 @@ def moe_parameters(cfg: ModelConfig, experts: int | None = None) -> int:
 
 
 def num_parameters(cfg: ModelConfig, vocab_size: int, *, active: bool = False) -> int:
-    """Closed-form parameter count of the full model (tied head counted once); `active`: the
-    parameters one token uses (k of each MoE layer's experts), Mixtral's "12.9B of 46.7B"."""
+    """Closed-form parameter count of the full model (tied head counted once; multi-token
+    prediction apart: mtp_parameters); `active`: the parameters one token uses (k of each MoE
+    layer's experts), Mixtral's "12.9B of 46.7B"."""
     h, L = cfg.hidden_size, cfg.num_layers
     moe = num_moe_layers(cfg)
     block = 2 * _norm(cfg, h) + _attention(cfg)
@@ -70,6 +71,16 @@ def num_parameters(cfg: ModelConfig, vocab_size: int, *, active: bool = False) -
     embed = vocab_size * h + (cfg.max_positions * h if cfg.position_embedding_type == "learned_absolute" else 0)
     head = 0 if not cfg.untie_embeddings_and_output_weights else vocab_size * h
     return L * block + mlps + embed + _norm(cfg, h) + head
+
+
+def mtp_parameters(cfg: ModelConfig, *, active: bool = False) -> int:
+    """The multi-token prediction modules' own parameters (dtgpt/mtp.py), counted apart from the
+    model's as DeepSeek counts them: per module its three norms, eh_proj (2h x h) and a block of
+    the last block's kind; the embedding and the head are the model's."""
+    h = cfg.hidden_size
+    last_moe = cfg.is_moe_layer(cfg.num_layers - 1)
+    mlp = moe_parameters(cfg, cfg.moe_router_topk if active else None) if last_moe else _mlp(cfg, cfg.ffn_size)
+    return cfg.mtp_depth * (3 * _norm(cfg, h) + 2 * h * h + 2 * _norm(cfg, h) + _attention(cfg) + mlp)
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
@@ -81,12 +92,22 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
     causal discount), and the logit layer. Recomputation is not counted (it is extra work, not
     useful FLOPs). An MoE layer counts its top-k experts and the shared expert, as Megatron's
     formula does; the router's small matmul is left out there too (router_flops_per_token: under
-    0.1% of Mixtral's), so that logged TFLOP/s compare with Megatron's.
+    0.1% of Mixtral's), so that logged TFLOP/s compare with Megatron's. Multi-token prediction adds
+    mtp_flops_per_token.
     """
     moe = num_moe_layers(cfg)
     dense = cfg.num_layers - moe
     total = dense * layer_flops_per_token(cfg) + moe * (layer_flops_per_token(cfg, moe=True) if moe else 0)
-    return total + 6 * cfg.hidden_size * vocab_size
+    return total + mtp_flops_per_token(cfg, vocab_size) + 6 * cfg.hidden_size * vocab_size
+
+
+def mtp_flops_per_token(cfg: ModelConfig, vocab_size: int) -> float:
+    """Multi-token prediction's forward + backward FLOPs per token, Megatron-LM's terms: per module
+    a block of the last block's kind, its norms (3h, as Megatron counts them) and eh_proj (2h x h),
+    and one more pass through the output head."""
+    h, depth = cfg.hidden_size, cfg.mtp_depth
+    block = layer_flops_per_token(cfg, moe=cfg.is_moe_layer(cfg.num_layers - 1))
+    return depth * (block + 6 * (3 * h + 2 * h * h) + 6 * h * vocab_size)
 
 
 def layer_flops_per_token(cfg: ModelConfig, *, moe: bool = False) -> float:

@@ -20,6 +20,7 @@ from dtgpt.config import Config, num_microbatches
 from dtgpt.config.batch_schedule import BatchSizeSchedule
 from dtgpt.data.batch import IGNORE_INDEX, Batch, build_batch
 from dtgpt.moe.stats import set_aux_loss_scale
+from dtgpt.mtp import mtp_summary, with_mtp_shares
 from dtgpt.parallel.context import split_sequence
 from dtgpt.parallel.fsdp import set_micro_batch_sync
 from dtgpt.parallel.model_parts import GlobalBatchLoss, ModelParts
@@ -75,7 +76,7 @@ def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float
     holds a share of the samples, each cp rank a share of their tokens)."""
     denominator = loss_tokens(labels)
     model.dims.all_reduce(denominator, ("dp_cp",))
-    return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy)
+    return GlobalBatchLoss(denominator, loss_scale, model.cross_entropy, mtp=model.mtp_loss)
 
 
 def micro_batch_means(model: ModelParts, batch: Batch, loss_scale: float, num_microbatches: int) -> tuple[Batch, GlobalBatchLoss]:
@@ -88,7 +89,7 @@ def micro_batch_means(model: ModelParts, batch: Batch, loss_scale: float, num_mi
     rows = batch.labels.shape[0] // num_microbatches
     column = counts.to(batch.labels.dtype).repeat_interleave(rows)[:, None]
     loss = GlobalBatchLoss(torch.tensor(float(num_microbatches * model.dims.dp), device=model.device), loss_scale,
-                           model.cross_entropy, count_column=True)  # fmt: skip
+                           model.cross_entropy, count_column=True, mtp=model.mtp_loss)  # fmt: skip
     return replace(batch, labels=torch.cat([batch.labels, column], dim=1)), loss
 
 
@@ -179,6 +180,8 @@ def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | N
     target = batch.labels if model.has_last_stage else None
     # The schedule splits keyword arguments into micro-batches and hands them to every stage.
     inputs = {k: v.contiguous() for k, v in batch.model_inputs().items()} if batch is not None else {}
+    if model.mtp_loss is not None and model.has_last_stage:
+        inputs["input_ids"] = batch.tokens.contiguous()  # the last stage's prediction modules embed them
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     with model.compute_context():
         model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
@@ -259,6 +262,8 @@ class StepResult:
     lr: float = 0.0
     moe: dict | None = None
     """The MoE routing entries of the metrics record (dtgpt/moe/stats.py); None: a dense model."""
+    mtp: dict | None = None
+    """Each prediction depth's loss (`mtp_<k> loss`); None: no multi-token prediction."""
 
 
 def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | None) -> StepResult:
@@ -287,11 +292,14 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
             scaler.unscale_and_check_([p.grad for p in model.parameters() if p.grad is not None])
         stats = model.routing_stats
         routing = stats.local(model.parts, model.device) if stats is not None else None
+        routing = with_mtp_shares(model, routing)
         loss, grad_norm, routing = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model), routing)
         clip_gradients(model, cfg.optimizer.clip_grad, grad_norm)
         numbers = torch.stack([loss, grad_norm])
         loss_value, norm_value, *routing_values = (numbers if routing is None else torch.cat([numbers, routing])).tolist()
     result = classify(loss_value, norm_value, overflow=scaler.enabled and not math.isfinite(norm_value))
+    if model.mtp_loss is not None:
+        routing_values, result.mtp = mtp_summary(model, routing_values, microbatches)
     if stats is not None:  # Megatron moves the expert biases whether or not the step is taken
         stats.update_expert_biases(model.parts, routing)
         result.moe = stats.summary(routing_values, global_batch_size // cfg.training.micro_batch_size)

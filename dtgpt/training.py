@@ -171,6 +171,7 @@ def iteration_record(
         "lr": result.lr, "grad_norm": result.grad_norm, "loss_scale": state.scaler.scale,
         "global_batch_size": result.global_batch_size, "skipped": progress.skipped_iters, "nan": progress.nan_iters,
         "elapsed_ms": 1000 * elapsed, **rates, **memory_stats(runtime.device), **(result.moe or {}),
+        **(result.mtp or {}),
     }  # fmt: skip
 
 

@@ -58,6 +58,7 @@ def assert_same_training(got: dict, want: dict, iterations: int, rtol: float = R
     assert len(got["loss"]) == iterations <= len(want["loss"])
     # An MoE run's router losses and routing counts are global figures too (dtgpt/moe/stats.py).
     losses = [k for k in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss") if k in want]
+    losses += [k for k in want if k.startswith("mtp_")]  # multi-token prediction's per-depth losses
     for key in ("loss", "grad_norm", *losses):
         for it, (g, w) in enumerate(zip(got[key], want[key][:iterations]), start=1):
             assert g == pytest.approx(w, rel=rtol), f"iteration {it}: {key} {g} vs one-process {w}"

@@ -1,9 +1,10 @@
 """DESIGN invariant 1 for a tiny DeepSeek-style GPT given as Megatron-LM flags (DEEPSEEK):
 multi-latent attention (compressed query, norms, YaRN), one dense block then three MoE blocks of
 8 fine-grained experts and a shared one, sigmoid routing with the expert bias, group-limited to
-2 of 4 groups, the weights scaled by 2.5. It trains as on one process on tp2 + SP x ep2
+2 of 4 groups, the weights scaled by 2.5, and one multi-token prediction module (logged as
+`mtp_1 loss`, compared too). It trains as on one process on tp2 + SP x ep2
 (configs/deepseek_v3_twin.toml itself, whose model is this one), on pp2 with full recomputation,
-and on cp2 (FSDP over the cp ranks) with selective recomputation; and the attention alone with its
+and on cp2 (FSDP over the cp ranks, without the prediction module) with selective recomputation; and the attention alone with its
 query projected in one, on tp2 without sequence parallelism: the loss, the gradient norm
 and the router's loss of every iteration, the tokens per expert, and every parameter after the
 last (tests/parity_oracle.py, relative 1e-5). One launch per rank count (tests/runs.py)."""
@@ -29,24 +30,28 @@ DEEPSEEK = [
     "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
     "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
 ]  # fmt: skip
+# with one multi-token prediction module (an MoE block, the last block's kind), on the last stage
+DEEPSEEK_MTP = DEEPSEEK + ["--mtp-num-layers", "1"]
 # the attention alone, its query projected in one (no q_lora_rank), on tp 2 without SP (MoE needs SP)
 DENSE_MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
              "--v-head-dim", "12", "--position-embedding-type", "rope", "--rotary-scaling-factor", "40",
              "--mscale-all-dim", "1.0"]  # fmt: skip
 LAYOUTS = {
     "twin_tp2_sp_ep2": (4, ["--config", TWIN], []),
-    "pp2_full_recompute": (2, DEEPSEEK + ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B",
+    "pp2_full_recompute": (2, DEEPSEEK_MTP + ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B",
                                           "--training.recompute_granularity=full", "--training.recompute_method=uniform",
                                           "--training.recompute_num_layers=1"], TINY),
     "cp2_selective": (2, DEEPSEEK + ["--parallel.context_parallel_size=2", "--training.recompute_granularity=selective"], TINY),
     "dense_mla_tp2": (2, DENSE_MLA + ["--parallel.tensor_model_parallel_size=2"], TINY),
 }  # fmt: skip
-REFERENCE = {name: DENSE_MLA if name.startswith("dense") else DEEPSEEK for name in LAYOUTS}
+# context parallelism runs without the prediction module (shifting tokens across cp chunks is not built)
+REFERENCE = {name: DENSE_MLA if name.startswith("dense") else DEEPSEEK if name.startswith("cp") else DEEPSEEK_MTP for name in LAYOUTS}
+SINGLE = {"single": DEEPSEEK_MTP, "single_no_mtp": DEEPSEEK, "single_dense": DENSE_MLA}
 
 
 def test_twin_is_the_flags_model():
     """configs/deepseek_v3_twin.toml trains the model the flags describe, on the same data and schedule."""
-    twin, flags = load_config(TWIN), load_config(None, TINY + DEEPSEEK)
+    twin, flags = load_config(TWIN), load_config(None, TINY + DEEPSEEK_MTP)
     for section in ("model", "data", "optimizer"):
         assert getattr(twin, section) == getattr(flags, section), section
     assert (twin.training.micro_batch_size, twin.training.global_batch_size) == (1, 8)
@@ -54,7 +59,7 @@ def test_twin_is_the_flags_model():
     same = ("multi_latent_attention", "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
             "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights",
             "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-            "moe_router_load_balancing_type", "moe_grouped_gemm")  # fmt: skip
+            "moe_router_load_balancing_type", "moe_grouped_gemm", "mtp_num_layers", "mtp_loss_scaling_factor")  # fmt: skip
     assert {k: getattr(twin.model, k) for k in same} == {k: getattr(big, k) for k in same}
 
 
@@ -65,7 +70,7 @@ def runs(request, tmp_path_factory) -> dict:
     # 3 x the default bound per run (a hung run stops at the collective timeout anyway).
     batch = [Run(n, tmp_path_factory.mktemp(n), LAYOUTS[n][1] + RUN, LAYOUTS[n][0], base=LAYOUTS[n][2],
                  seconds=3 * SECONDS_PER_RUN if LAYOUTS[n][0] > 2 else 0.0) for n in names]  # fmt: skip
-    for key, model in (("single", DEEPSEEK), ("single_dense", DENSE_MLA)):
+    for key, model in SINGLE.items():
         if any(REFERENCE[n] is model for n in names):
             batch.append(Run(key, tmp_path_factory.mktemp(key), model + RUN))
     return train_runs(batch)
@@ -74,8 +79,11 @@ def runs(request, tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_deepseek_layout_matches_single_process(runs, name):
-    expected = result_of(runs, "single" if REFERENCE[name] is DEEPSEEK else "single_dense")
+    expected = result_of(runs, next(key for key, model in SINGLE.items() if model is REFERENCE[name]))
     assert expected["loss"][-1] < expected["loss"][0]
-    if REFERENCE[name] is DEEPSEEK:
-        assert "seq_load_balancing_loss" in expected and len(expected["tokens_per_expert"][0]) == 3  # three MoE blocks
+    if REFERENCE[name] is not DENSE_MLA:
+        moe_blocks = 4 if REFERENCE[name] is DEEPSEEK_MTP else 3  # the prediction module's block routes too
+        assert "seq_load_balancing_loss" in expected and len(expected["tokens_per_expert"][0]) == moe_blocks
+    if REFERENCE[name] is DEEPSEEK_MTP:  # logged beside the LM loss, and learning
+        assert "mtp_1 loss" in expected and expected["mtp_1 loss"][-1] < expected["mtp_1 loss"][0]
     assert_same_training(result_of(runs, name), expected, STEPS)

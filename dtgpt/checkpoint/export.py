@@ -216,6 +216,7 @@ def hf_layout_for(m: ModelConfig) -> HFLayout:
     LayerNorm, GeLU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); ValueError naming the
     settings each would need when neither does."""
     moe = [hf_files.need("num_experts", None, m)] if m.num_experts else []  # neither layout has experts
+    moe += [hf_files.need("mtp_num_layers", None, m)] if m.mtp_num_layers else []  # nor prediction modules
     needs = [(hf, moe + hf.problems(m)) for hf in HF_LAYOUTS]
     for hf, problems in needs:
         if not problems:

@@ -10,6 +10,7 @@ from typing import Optional
 
 from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
+from dtgpt.config.mtp_keys import MTPKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 
 
@@ -24,8 +25,9 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
-class ModelConfig(MLAKeys, MoEKeys):
-    """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys, multi-latent attention's in MLAKeys."""
+class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
+    """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys, multi-latent attention's in MLAKeys,
+    multi-token prediction's in MTPKeys."""
 
     num_layers: int = 2
     """Transformer blocks."""

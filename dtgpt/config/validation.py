@@ -21,6 +21,7 @@ from dtgpt.config.derived import (
 from dtgpt.config.batch_schedule import STEP_KEY, step_schedule, train_iterations
 from dtgpt.config.blend import parse_blend
 from dtgpt.config.mla_rules import check_mla
+from dtgpt.config.mtp_rules import check_mtp
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
@@ -319,6 +320,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_parallelism(cfg)
     check_moe(cfg)
     check_mla(cfg)
+    check_mtp(cfg)
     _check_batch_sizes(cfg)
     _check_precision(cfg)
     _check_learning_rate(cfg)

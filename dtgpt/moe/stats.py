@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from dtgpt.config import ModelConfig
 from dtgpt.moe.layer import MoELayer
+from dtgpt.mtp import numbered_blocks
 
 TOKENS_PER_EXPERT, DROPPED_TOKENS = "tokens_per_expert", "dropped_tokens"
 
@@ -32,8 +33,8 @@ def logged_losses(cfg: ModelConfig) -> list[str]:
 
 
 def moe_layers(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:
-    """Global block index -> MoE layer, of the model parts this rank holds."""
-    return {int(name): block.mlp for part in parts for name, block in part.layers.items() if isinstance(block.mlp, MoELayer)}
+    """Global block number -> MoE layer, of the model parts this rank holds (dtgpt.mtp.numbered_blocks)."""
+    return {i: block.mlp for part in parts for i, block in numbered_blocks(part).items() if isinstance(block.mlp, MoELayer)}
 
 
 def set_aux_loss_scale(parts: Iterable[nn.Module], scale: float) -> None:
@@ -55,6 +56,8 @@ class RoutingStats:
     def __init__(self, cfg: ModelConfig):
         self.names = logged_losses(cfg)
         self.layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        if cfg.is_moe_layer(cfg.num_layers - 1):  # the prediction modules' blocks are of the last block's kind
+            self.layers += [cfg.num_layers + k for k in range(cfg.mtp_depth)]
         self.experts = cfg.num_experts
 
     @property

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
 from dtgpt.model import GPT
 from dtgpt.moe.stats import RoutingStats, moe_layers
+from dtgpt.mtp import MTPLoss
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.compute_copy import ComputeCopy
 from dtgpt.parallel.context import apply_cp
@@ -193,6 +194,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         rng=rng,
         compute_copy=compute_copy,
         routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
+        mtp_loss=MTPLoss(cfg.model) if cfg.model.mtp_depth else None,
         token_index=layout_invariant_dropout(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset
         # options, the token indices that layout-invariant dropout keys on.

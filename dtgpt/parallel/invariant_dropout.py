@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from dtgpt.model import GPT, CoreAttention, allowed_keys
+from dtgpt.mtp import named_blocks
 from dtgpt.parallel.context import ContextParallelAttention
 
 _LOW32 = 0xFFFFFFFF
@@ -147,15 +148,15 @@ def apply_invariant_dropout(
     """Swap every dropout and attention core of `model` (a whole GPT or a stage; after TP and CP,
     before recomputation wraps the cores) for the layout-invariant ones, in place."""
     chunk, chunks = (tp_rank, tp) if sequence_parallel else (0, 1)
-    for name, block in model.layers.items():
+    for name, block in named_blocks(model).items():  # the prediction modules' blocks too
         for attr in ("dropout", "mlp_dropout"):
-            site = f"layers.{name}.{attr}"
+            site = f"{name}.{attr}"
             setattr(block, attr, InvariantDropout(getattr(block, attr).p, seed, site, chunk, chunks))
         core = block.attention.core
         if not isinstance(core, (CoreAttention, ContextParallelAttention)):
             raise TypeError("apply_invariant_dropout must run before recomputation wraps the attention core")
         if model.cfg.attention_dropout > 0.0:
-            site, head_offset = f"layers.{name}.attention.core", tp_rank * (model.cfg.num_attention_heads // tp)
+            site, head_offset = f"{name}.attention.core", tp_rank * (model.cfg.num_attention_heads // tp)
             block.attention.core = InvariantAttention(model.cfg.attention_dropout, seed, site, head_offset, core)
     if model.embedding is not None:
         # The embedding's dropout runs on the full sequence, before a sequence-parallel split.

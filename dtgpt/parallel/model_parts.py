@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.model import GPT
 from dtgpt.moe.stats import RoutingStats
+from dtgpt.mtp import MTPLoss, with_added_gradient
 from dtgpt.parallel.compute_copy import ComputeCopy
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import ModelParallelRNG
@@ -66,6 +67,9 @@ class GlobalBatchLoss:
     scale: float
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     count_column: bool = False
+    mtp: MTPLoss | None = None
+    """With multi-token prediction, the model's output is (logits, each depth's logits): their
+    term joins the gradient, not the value (dtgpt/mtp.py)."""
 
     def __post_init__(self) -> None:
         # Once per global batch, not per micro-batch (the same value: six ops fewer per loss).
@@ -77,11 +81,20 @@ class GlobalBatchLoss:
         # the scale at 1 (no fp16 loss scaling) one op instead of six (the float's conversion).
         return denominator.reciprocal() if self.scale == 1.0 else self.scale / denominator
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if not self.count_column:
-            return self.cross_entropy(logits, labels) * self._factor
-        denominator = self.denominator * labels[0, -1].clamp(min=1)  # at least 1, as Megatron
-        return self.cross_entropy(logits, labels[:, :-1]) * self._scaled_inverse(denominator)
+    def __call__(self, logits: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        depth_logits = []
+        if isinstance(logits, (tuple, list)):
+            logits, *depth_logits = logits
+        if self.count_column:
+            factor = self._scaled_inverse(self.denominator * labels[0, -1].clamp(min=1))  # >= 1, as Megatron
+            labels = labels[:, :-1]
+        else:
+            factor = self._factor
+        loss = self.cross_entropy(logits, labels) * factor
+        if depth_logits and self.mtp is not None:
+            extra = self.mtp.term(depth_logits, labels, self.cross_entropy, self.denominator, self.count_column)
+            loss = with_added_gradient(loss, extra * self.scale)
+        return loss
 
 
 @dataclass
@@ -109,6 +122,8 @@ class ModelParts:
     micro-batch's backward too; otherwise they stay gathered until the last one."""
     routing_stats: RoutingStats | None = None
     """The layout of the iteration's MoE routing statistics (None: a dense model)."""
+    mtp_loss: MTPLoss | None = None
+    """Multi-token prediction's loss terms and logged sums (None: the model has none)."""
     every_stage_reads_batches: bool = False
     """Every stage takes per-token inputs (reset position ids: RoPE in every block; document
     masking: every attention), so middle pipeline stages read the batches too."""

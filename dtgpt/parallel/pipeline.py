@@ -2,7 +2,8 @@
 
 The model is built once, whole, on the meta device; each stage is a deep copy with the blocks
 of other stages deleted (ModuleDict keys keep their global names, so checkpoints are
-stage-free). The first stage keeps the embedding, the last the final norm and the head.
+stage-free). The first stage keeps the embedding, the last the final norm and the head (with
+multi-token prediction also the prediction modules and a copy of the word embedding, as Megatron's).
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
     for name in list(model.layers):
         if name not in keep:
             del model.layers[name]
-    if stage != 0:
+    last = stage == len(counts) - 1
+    if stage != 0 and last and model.mtp is not None:
+        # Multi-token prediction embeds tokens on the last stage: its own copy of the word
+        # embedding, kept equal to the first stage's as a tied head is (dtgpt.parallel.tied).
+        model.embeds_input = False
+    elif stage != 0:
         model.embedding = None
-    if stage != len(counts) - 1:
+    if not last:
         model.norm = None
         model.output = None
+        model.mtp = None
     elif model.tied and model.embedding is None:
         # The last stage holds its own copy of the tied weight; gradients are summed with the
         # first stage's every step (see dtgpt.parallel.tied), so the two stay equal.
@@ -96,6 +103,8 @@ class ScheduleCache:
         if not forward_only and moe_layers(parts) and infers_metadata(schedule):
             # The stand-in forward routes no real tokens: the MoE layers must not count it.
             skip_one_forward(parts)
+        if not forward_only and getattr(loss, "mtp", None) is not None and infers_metadata(schedule):
+            loss.mtp.uncounted_calls = 1  # nor the prediction modules' loss on the stand-in outputs
         self._loss = loss
         try:
             (schedule.eval if forward_only else schedule.step)(*args, **kwargs)

@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from dtgpt.model import GPT
+from dtgpt.mtp import named_blocks
 from dtgpt.parallel.rng import ModelParallelRNG
 
 
@@ -64,7 +65,7 @@ def apply_recompute(
 ) -> None:
     """Set up recomputation on one model or pipeline stage in place (granularity None: none)."""
     if granularity == "selective":
-        for block in model.layers.values():
+        for block in named_blocks(model).values():  # the prediction modules' blocks too, as Megatron's
             block.attention.core = checkpoint_wrapper(block.attention.core, **_rng_replay(rng))
     elif granularity == "full":
         names = list(model.layers)

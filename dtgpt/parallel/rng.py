@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from dtgpt.model import GPT, CoreAttention
+from dtgpt.mtp import numbered_blocks
 from dtgpt.parallel.dims import ParallelDims
 
 MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed
@@ -110,6 +111,6 @@ def apply_rng_streams(model: GPT, rng: ModelParallelRNG, sequence_parallel: bool
         if isinstance(module, CoreAttention):
             module.stream = rng.fork
     if sequence_parallel:
-        for block in model.layers.values():
+        for block in numbered_blocks(model).values():
             block.dropout.stream = block.mlp_dropout.stream = rng.fork
 

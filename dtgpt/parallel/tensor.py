@@ -159,6 +159,30 @@ def _attention_plan(prefix: str, attention: Attention, tp_mesh: DeviceMesh, seq)
     return plan
 
 
+def _block_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """One transformer block's plan: its attention's, its norms', its MLP's or MoE layer's."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if isinstance(block.attention, MLASelfAttention):
+        plan.update(mla_plan(prefix, block.attention, seq))
+    else:
+        plan.update(_attention_plan(prefix, block.attention, tp_mesh, seq))
+    plan[prefix + "input_norm"] = _norm_style(sequence_parallel)
+    plan[prefix + "mlp_norm"] = _norm_style(sequence_parallel)
+    if isinstance(block.mlp, MoELayer):
+        return plan | _moe_plan(prefix, block, tp_mesh)
+    if block.mlp.gate is not None:
+        plan[prefix + "mlp.gate"] = ColwiseParallel()
+    plan.update(
+        {
+            prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            prefix + "mlp.fc1": ColwiseParallel(),
+            prefix + "mlp.fc2": RowwiseParallel(output_layouts=seq),
+        }
+    )
+    return plan
+
+
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
@@ -179,25 +203,15 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             use_local_output=not loss_parallel,
         )
     for name, block in model.layers.items():
-        prefix = f"layers.{name}."
-        if isinstance(block.attention, MLASelfAttention):
-            plan.update(mla_plan(prefix, block.attention, seq))
-        else:
-            plan.update(_attention_plan(prefix, block.attention, tp_mesh, seq))
-        plan[prefix + "input_norm"] = _norm_style(sequence_parallel)
-        plan[prefix + "mlp_norm"] = _norm_style(sequence_parallel)
-        if isinstance(block.mlp, MoELayer):
-            plan.update(_moe_plan(prefix, block, tp_mesh))
-            continue
-        if block.mlp.gate is not None:
-            plan[prefix + "mlp.gate"] = ColwiseParallel()
-        plan.update(
-            {
-                prefix + "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                prefix + "mlp.fc1": ColwiseParallel(),
-                prefix + "mlp.fc2": RowwiseParallel(output_layouts=seq),
-            }
-        )
+        plan.update(_block_plan(f"layers.{name}.", block, tp_mesh, sequence_parallel))
+    if model.mtp is not None:
+        for k, layer in enumerate(model.mtp.layers):
+            prefix = f"mtp.layers.{k}."
+            for norm in ("enorm", "hnorm", "final_layernorm"):
+                plan[prefix + norm] = _norm_style(sequence_parallel)
+            # Megatron's column-parallel eh_proj, its output gathered whole (then this rank's chunk under SP)
+            plan[prefix + "eh_proj"] = ColwiseParallel(input_layouts=seq, output_layouts=seq)
+            plan.update(_block_plan(prefix + "transformer_layer.", layer.transformer_layer, tp_mesh, sequence_parallel))
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel and model.embedding is not None:
         # The sequence chunk is a view of the full embedding output. FSDP2 hooks its backward

@@ -1,4 +1,5 @@
-"""Tied word embedding and output head across pipeline stages.
+"""Tied word embedding and output head across pipeline stages (and the word embedding that
+multi-token prediction uses on the last stage, which Megatron ties to the first stage's the same way).
 
 With pp > 1 the first stage holds the embedding and the last the head, each as its own
 parameter. Both start equal (same init), and their gradients are summed every step, so the
@@ -24,13 +25,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def shares_embedding(part: GPT) -> bool:
+    """Whether the last stage uses the word embedding too: a tied head, or multi-token prediction
+    (which embeds tokens there, Megatron's shared embedding)."""
+    return part.tied or part.cfg.mtp_depth > 0
+
+
+def _last_stage_copy(part: GPT) -> torch.Tensor | None:
+    if part.embedding is not None and not part.embeds_input:  # multi-token prediction's copy (maybe the head too)
+        return part.embedding.word.weight
+    if part.tied and part.output is not None and part.embedding is None:
+        return part.output.weight
+    return None
+
+
 def tied_pair_on_rank(parts: list[GPT]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(first-stage embedding weight, last-stage head weight) held by this rank, when the model
-    ties them and pipelining split them; (None, None) for an untied model."""
-    if not parts[0].tied:
+    """(first-stage embedding weight, last stage's copy of it) held by this rank, when the last
+    stage uses the embedding and pipelining split them; (None, None) otherwise."""
+    if not shares_embedding(parts[0]):
         return None, None
-    first = next((p.embedding.word.weight for p in parts if p.embedding is not None), None)
-    last = next((p.output.weight for p in parts if p.output is not None and p.embedding is None), None)
+    first = next((p.embedding.word.weight for p in parts if p.embedding is not None and p.embeds_input), None)
+    last = next((w for p in parts if (w := _last_stage_copy(p)) is not None), None)
     return first, last
 
 
@@ -40,7 +55,7 @@ def build_tied_group(dims: ParallelDims, parts: list[GPT], ends_on_one_rank: boo
 
     Every rank must call this (new_group is collective), even ranks that hold neither end.
     """
-    if not dims.pp_enabled or not parts[0].tied or dims.mesh is None or ends_on_one_rank:
+    if not dims.pp_enabled or not shares_embedding(parts[0]) or dims.mesh is None or ends_on_one_rank:
         return None
     ranks = dims.mesh.mesh  # (pp, dp_replicate, dp_shard, cp, tp)
     first, last = ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()
@@ -71,7 +86,7 @@ def sync_tied_grads(parts: list[GPT], group: dist.ProcessGroup | None, reduce_dt
     """Sum the gradients of the split tied weight so both copies take the same step; across
     ranks in reduce_dtype (the dtype gradients are reduced in: fp16 for an fp16 run without
     accumulate_allreduce_grads_in_fp32, as Megatron's embedding-gradient all-reduce)."""
-    if not parts[0].tied:
+    if not shares_embedding(parts[0]):
         return
     first, last = tied_pair_on_rank(parts)
     for param in (first, last):

@@ -28,7 +28,7 @@ from dtgpt.config import (
 )
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.data.tokenizer import HuggingFaceTokenizer
-from dtgpt.model_size import flops_per_token, num_parameters, router_flops_per_token
+from dtgpt.model_size import flops_per_token, mtp_flops_per_token, mtp_parameters, num_parameters, router_flops_per_token
 from dtgpt.config.batch_schedule import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims, uses_compute_copy
 from dtgpt.plan import comm, links
@@ -175,12 +175,13 @@ def plan_layout(
 
     # Whole job: one row per pp rank (tp 0, dp 0) covers every stage once.
     heads = [r for r in ranks if r.tp_rank == 0 and r.dp_rank == dp_ranks[0]]
-    tied_copy = padded * m.hidden_size if (dims.pp_enabled and not m.untie_embeddings_and_output_weights) else 0
-    total = sum(r.stage_params for r in heads) - tied_copy
+    # the last stage's copy of the word embedding (a tied head's, multi-token prediction's)
+    tied_copy = padded * m.hidden_size if (dims.pp_enabled and (not m.untie_embeddings_and_output_weights or m.mtp_depth)) else 0
+    total = sum(r.stage_params for r in heads) - tied_copy - mtp_parameters(m)
     recomputed = sum(r.recomputed_layers for r in heads)
     model_fpt = flops_per_token(m, padded)
     # A recomputed block costs one more forward of itself; MoE and dense blocks differ, so the mean.
-    layer_fpt = (model_fpt - 6 * m.hidden_size * padded) / m.num_layers
+    layer_fpt = (model_fpt - mtp_flops_per_token(m, padded) - 6 * m.hidden_size * padded) / m.num_layers
     hw_fpt = pm.hardware_flops_per_token(model_fpt, recomputed, layer_fpt) + router_flops_per_token(m)
     tokens_per_iter = batches.final * m.seq_length
     plan = Plan(
@@ -188,7 +189,7 @@ def plan_layout(
         mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp, "vpp": v,
               "ep": dims.ep, "efsdp": dims.dp_shard * dims.cp // dims.ep},
         vocab_size=vocab, padded_vocab_size=padded, total_params=total,
-        active_params=num_parameters(m, padded, active=True),
+        active_params=num_parameters(m, padded, active=True), mtp_params=mtp_parameters(m),
         microbatches=micro, microbatches_initial=micro0, microbatch_counts=counts,
         bubble_fraction=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro),
         bubble_fraction_initial=pm.bubble_fraction(p.pipeline_schedule, dims.pp, v, micro0),
@@ -210,6 +211,11 @@ def plan_layout(
         plan.notes.append(
             "multi-latent attention: parameters, FLOPs and state memory are its own; activations and the tp/cp/FSDP "
             "traffic are still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
+        )
+    if m.mtp_depth:
+        plan.notes.append(
+            "multi-token prediction: its modules' parameters and state memory are counted on the last stage, "
+            "their activations not yet"
         )
     expected = num_parameters(m, padded)
     if total != expected:

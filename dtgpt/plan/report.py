@@ -200,7 +200,8 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     lines = [
         f"model      {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
         f"vocab {plan.vocab_size} -> {plan.padded_vocab_size} padded: {plan.total_params:,} parameters"
-        + (f" ({plan.active_params:,} active per token)" if m.moe_enabled else ""),
+        + (f" ({plan.active_params:,} active per token)" if m.moe_enabled else "")
+        + (f", and {plan.mtp_params:,} of multi-token prediction apart" if plan.mtp_params else ""),
         *([_moe_line(cfg, plan)] if m.moe_enabled else []),
         f"layout     {plan.world_size} GPUs = pp {mesh['pp']} x dp_replicate {mesh['dp_replicate']} x dp_shard "
         f"{mesh['dp_shard']} x cp {mesh['cp']} x tp {mesh['tp']}"

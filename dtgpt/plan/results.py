@@ -72,6 +72,8 @@ class Plan:
     builds: int
     active_params: int = 0
     """The parameters one token uses: all of them, but k of each MoE layer's experts."""
+    mtp_params: int = 0
+    """The multi-token prediction modules' own parameters, apart from total_params (as DeepSeek counts)."""
     all_to_all_bytes: list = field(default_factory=list)
     """Per pp rank: the message bytes a rank's expert-parallel all-to-alls send per iteration."""
     comm: list = field(default_factory=list)

@@ -122,6 +122,8 @@ def unsupported(cfg: ModelConfig) -> str | None:
         # megatron-core then saves every layer under its own keys (non-homogeneous layers)
         return (f"model.moe_layer_freq={cfg.moe_layer_freq}: Megatron stores a model that mixes dense and MoE "
                 "layers per layer, which dtgpt does not read or write yet (moe_layer_freq=1 it does)")
+    if cfg.mtp_num_layers:
+        return f"model.mtp_num_layers={cfg.mtp_num_layers}: dtgpt does not read or write Megatron's multi-token prediction tensors yet"
     return None
 
 
