@@ -208,8 +208,8 @@ def plan_layout(
         plan.notes.append(vocab_note)
     if m.multi_latent_attention:
         plan.notes.append(
-            "multi-latent attention: parameters, FLOPs and state memory are its own; activations and the tp/cp/FSDP "
-            "traffic are still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
+            "multi-latent attention: parameters, FLOPs, state memory and activations are its own; the tp/cp/FSDP "
+            "traffic is still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
         )
     expected = num_parameters(m, padded)
     if total != expected:
