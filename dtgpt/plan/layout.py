@@ -206,11 +206,6 @@ def plan_layout(
     ]
     if vocab_note:
         plan.notes.append(vocab_note)
-    if m.multi_latent_attention:
-        plan.notes.append(
-            "multi-latent attention: parameters, FLOPs, state memory and activations are its own; the tp/cp/FSDP "
-            "traffic is still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
-        )
     expected = num_parameters(m, padded)
     if total != expected:
         plan.warnings.append(f"built model has {total:,} parameters, the closed form {expected:,}: a planner bug")
