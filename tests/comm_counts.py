@@ -84,8 +84,16 @@ MOE_MODEL = {**LLAMA_MODEL, "qk_layernorm": False, "num_experts": 4, "moe_router
              "moe_grouped_gemm": True}  # fmt: skip
 
 
+# A layout name may start with "mla_": DeepSeek-V3's attention in miniature (multi-latent attention with a
+# compressed query and norms on the compressed vectors), whose narrow compressed vectors tp gathers.
+MLA = "mla_"
+MLA_MODEL = {**LLAMA_MODEL, "group_query_attention": False, "num_query_groups": 1, "multi_latent_attention": True,
+             "q_lora_rank": 8, "kv_lora_rank": 8, "qk_head_dim": 4, "qk_pos_emb_head_dim": 2, "v_head_dim": 6,
+             "rope_type": "rope"}  # fmt: skip
+
+
 def _model(name: str, precision: str | None) -> dict:
-    for prefix, model in ((LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL)):
+    for prefix, model in ((LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL), (MLA, MLA_MODEL)):
         if name.startswith(prefix):
             return model
     return MODEL if precision is None else LOW_PRECISION_MODEL
@@ -94,7 +102,7 @@ def _model(name: str, precision: str | None) -> dict:
 def split_name(name: str) -> tuple[str, str | None]:
     """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
     without the "llama_", "mqa_" or "moe_" model prefix)."""
-    bare = name.removeprefix(LLAMA).removeprefix(MQA).removeprefix(MOE)
+    bare = name.removeprefix(LLAMA).removeprefix(MQA).removeprefix(MOE).removeprefix(MLA)
     base, _, suffix = bare.rpartition("_")
     return (base, suffix) if suffix in PRECISIONS else (bare, None)
 

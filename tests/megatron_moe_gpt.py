@@ -61,16 +61,22 @@ def build(ep: int, seed: int):
     torch.manual_seed(seed)
     model = GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=padded_vocab(1),
                      max_sequence_length=SEQ, share_embeddings_and_output_weights=False, position_embedding_type="rope")  # fmt: skip
-    with torch.no_grad():  # every rank the same draws: a wide spread of logits, biases far from zero
-        draw = torch.Generator().manual_seed(seed)
-        for layer in model.decoder.layers:
-            router = layer.mlp.router
-            router.weight.copy_(torch.randn(router.weight.shape, generator=draw))
-            router.expert_bias.copy_(torch.randn(router.expert_bias.shape, generator=draw))
-        for name, p in model.named_parameters():
-            if "layernorm" in name:
-                p.uniform_(0.5, 1.5, generator=draw)
+    draw_wide(model, seed)
     return model
+
+
+@torch.no_grad()
+def draw_wide(model, seed: int) -> None:
+    """Every rank the same draws: router weights and expert biases from a unit normal (a wide
+    spread of logits, biases far from zero), norms in [0.5, 1.5] (a mix-up of any would show)."""
+    draw = torch.Generator().manual_seed(seed)
+    for layer in model.decoder.layers:
+        router = layer.mlp.router
+        router.weight.copy_(torch.randn(router.weight.shape, generator=draw))
+        router.expert_bias.copy_(torch.randn(router.expert_bias.shape, generator=draw))
+    for name, p in model.named_parameters():
+        if "layernorm" in name:
+            p.uniform_(0.5, 1.5, generator=draw)
 
 
 @torch.no_grad()

@@ -47,6 +47,11 @@ MODEL = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, seq_leng
 FAMILY = dict(swiglu=True, add_bias_linear=False, group_query_attention=True, num_query_groups=2, qk_layernorm=True,
               position_embedding_type="rope")  # fmt: skip
 MOE = dict(FAMILY, qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_grouped_gemm=True)
+# DeepSeek-V3's attention: a compressed query, norms on the compressed vectors, q/k wider than v
+# (so no CPU flash kernel: the math kernel, in fp32 as the scores case); a narrow MLP, so that
+# the attention's terms decide the sum (modelled as grouped-query attention it is 40-65 % off)
+MLA = dict(FAMILY, group_query_attention=False, num_query_groups=1, multi_latent_attention=True, q_lora_rank=192,
+           kv_lora_rank=128, qk_head_dim=96, qk_pos_emb_head_dim=32, v_head_dim=64, rope_type="rope", ffn_hidden_size=64)
 RECOMPUTE = {
     "none": {},
     "selective": dict(recompute_granularity="selective"),
@@ -62,6 +67,8 @@ CASES = {
     "bf16 GQA+SwiGLU, tp2+SP": (["none", "selective"], 2, "bf16", FAMILY, False),
     # Mixtral's MoE block: 4 SwiGLU experts, top-2, the load-balancing loss, in every block
     "bf16 MoE top-2, flash": (["none", "full, groups of 1"], 1, "bf16", MOE, False),
+    "fp32 MLA, math kernel": (["none", "selective"], 1, "fp32", MLA, True),
+    "fp32 MLA, tp2+SP, math": (["none", "selective"], 2, "fp32", MLA, True),
 }
 TOLERANCE = 0.05
 

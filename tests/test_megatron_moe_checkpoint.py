@@ -49,21 +49,28 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return ((ours - theirs).norm() / theirs.norm()).item()
 
 
-def save_dtgpt(root: Path) -> Path:
-    """A dtgpt checkpoint of the MoE model at its seeded init, with router weights, expert biases
-    and norms drawn wide (routing then depends on them; a mix-up of any would show)."""
-    cfg = dtgpt.make_config(model=MODEL, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+def save_dtgpt(root: Path, model: dict = MODEL) -> Path:
+    """A dtgpt checkpoint of the MoE model (`model`: [model]) at its seeded init, with router
+    weights, expert biases and norms drawn wide (routing then depends on them; a mix-up of any would show)."""
+    cfg = dtgpt.make_config(model=model, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
                             training=dict(micro_batch_size=2, global_batch_size=2))  # fmt: skip
     runtime = dtgpt.init_distributed(cfg)
-    model = dtgpt.build_model(cfg, runtime, VOCAB)
+    built = dtgpt.build_model(cfg, runtime, VOCAB)
     draw = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for name, value in model.parts[0].state_dict(keep_vars=True).items():
+        for name, value in built.parts[0].state_dict(keep_vars=True).items():
             if "router" in name:
                 value.copy_(torch.randn(value.shape, generator=draw))
             elif "norm" in name:
                 value.uniform_(0.5, 1.5, generator=draw)
-    return dtgpt.save_checkpoint(root, cfg, runtime, model, iteration=3)
+    return dtgpt.save_checkpoint(root, cfg, runtime, built, iteration=3)
+
+
+def launch(script: Path, root: Path) -> None:
+    """megatron-core's script on 2 gloo ranks, asserting it ran through."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(root)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +82,7 @@ def moe_root(tmp_path_factory) -> Path:
     assert convert.main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
     per_rank = ["--format", "per-rank", "--ep", "2"]
     assert convert.main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT), str(root)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    launch(SCRIPT, root)
     return root
 
 
@@ -113,12 +118,17 @@ def test_dtgpt_moe_checkpoint_to_megatron_loads_in_megatron_core_at_ep2_with_equ
     with torch.no_grad():
         ours = model(tokens())
     assert relative_error(ours, torch.load(moe_root / "loaded_logits.pt", weights_only=True)) < 1e-5
-    # and back: from-megatron gives every tensor again, the expert bias included
-    config = saved / "config.toml"
-    assert load_script().main(["from-megatron", str(moe_root / "from_dtgpt"), str(tmp_path / "back"), "--config", str(config)]) == 0
-    back = load_model(layout.iteration_dir(tmp_path / "back", 3), read_config(saved))
-    for (name, p), q in zip(model.state_dict().items(), back.state_dict().values()):
-        assert torch.equal(p, q), name
+    assert_converts_back(moe_root / "from_dtgpt", saved, tmp_path / "back")  # the expert bias included
+
+
+def assert_converts_back(megatron: Path, saved: Path, out: Path) -> None:
+    """from-megatron of `megatron` (to-megatron's output of dtgpt iteration `saved`) gives every tensor again."""
+    assert load_script().main(["from-megatron", str(megatron), str(out), "--config", str(saved / "config.toml")]) == 0
+    ours = load_model(saved, read_config(saved)).state_dict()
+    back = load_model(layout.iteration_dir(out, 3), read_config(saved)).state_dict()
+    assert ours.keys() == back.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, back[name]), name
 
 
 @pytest.mark.slow

@@ -159,12 +159,14 @@ def test_latent_keys_need_multi_latent_attention(key, value):
 
 
 def test_checkpoint_formats_refuse_mla_in_one_line():
-    """Neither Hugging Face layout nor Megatron's torch_dist map is written for MLA yet: refused by name."""
+    """Megatron's per-rank files and the Hugging Face layouts are not written for MLA: refused by
+    name (torch_dist is: tests/test_megatron_mla_checkpoint.py)."""
     from dtgpt.checkpoint.export import hf_layout_for
     from dtgpt.checkpoint.megatron.keys import unsupported
 
     cfg = ModelConfig(multi_latent_attention=True, position_embedding_type="rope")
-    assert "model.multi_latent_attention=true" in unsupported(cfg)
+    assert unsupported(cfg) is None
+    assert "model.multi_latent_attention=true" in unsupported(cfg, per_rank=True)
     with pytest.raises(ValueError, match="model.multi_latent_attention=false") as err:
         hf_layout_for(cfg)
     assert "\n" not in str(err.value)

@@ -20,6 +20,7 @@ from dtgpt.config import Config, ModelConfig
 MOE_FIELDS = (
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
 )  # fmt: skip
 """The mixture-of-experts keys that change the model's tensors or what it computes from them
 (the losses' coefficients, capacity and the bias's update rate are training settings)."""
@@ -28,12 +29,17 @@ OPTIONAL_SIZES = ("moe_shared_expert_intermediate_size",)
 """MoE keys whose None is a setting (no shared expert), compared as such; other None values
 are keys the args lack, not compared."""
 
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+              "rotary_scaling_factor", "mscale", "mscale_all_dim")  # fmt: skip
+"""Multi-latent attention's keys that Megatron-LM keeps in its args, compared where both sides
+have it (rope_type as its effective value: unset is YaRN there)."""
+
 FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
     "ffn_hidden_size", "swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
     "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "untie_embeddings_and_output_weights", *MOE_FIELDS,
+    "untie_embeddings_and_output_weights", *MOE_FIELDS, "multi_latent_attention", *MLA_FIELDS,
 )  # fmt: skip
 """The [model] fields that make the architecture (use_checkpoint_args takes these)."""
 
@@ -50,7 +56,10 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         "normalization": m.normalization, "apply_layernorm_1p": m.apply_layernorm_1p, "qk_layernorm": m.qk_layernorm,
         "norm_epsilon": m.norm_epsilon, "position_embedding_type": m.position_embedding_type,
         "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
+        "multi_latent_attention": m.multi_latent_attention,
     }  # fmt: skip
+    if m.multi_latent_attention:
+        arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
     if not m.swiglu:
         arch["gelu"] = m.gelu_approximation
     if m.position_embedding_type == "rope":
@@ -79,8 +88,11 @@ def megatron_architecture(args) -> dict[str, object]:
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "swiglu", "add_bias_linear",
              "normalization", "apply_layernorm_1p", "qk_layernorm", "position_embedding_type",
-             "untie_embeddings_and_output_weights")  # fmt: skip
+             "untie_embeddings_and_output_weights", "multi_latent_attention")  # fmt: skip
     arch = {key: get(key) for key in names}
+    latent = {}
+    if arch["multi_latent_attention"]:  # q_lora_rank unset is a setting (the query projected in one): kept
+        latent = {key: get(key) for key in MLA_FIELDS if hasattr(args, key)} | {"rope_type": get("rope_type") or "yarn"}
     arch["norm_epsilon"] = get("norm_epsilon", get("layernorm_epsilon"))
     heads, hidden = arch["num_attention_heads"], arch["hidden_size"]
     if heads:
@@ -93,7 +105,7 @@ def megatron_architecture(args) -> dict[str, object]:
             arch["gelu"] = "tanh" if get("openai_gelu", False) or (get("bias_gelu_fusion", True) and bias) else "none"
     if arch["position_embedding_type"] == "rope":
         arch |= {key: get(key) for key in ROPE_KEYS}
-    return {key: value for key, value in arch.items() if value is not None} | _megatron_moe(args)
+    return {key: value for key, value in arch.items() if value is not None} | latent | _megatron_moe(args)
 
 
 SETTINGS = {

@@ -59,6 +59,9 @@ class ActivationShape:
     """SwiGLU keeps the gate's output, its SiLU and fc1's output besides fc2's input (GeLU: one f-wide tensor before fc2's)."""
     qk_norm_width: float = 0.0
     """qk-layernorm's inputs over h: (heads + groups)·head_dim / h (0 without)."""
+    latent: "LatentWidths | None" = None
+    """Multi-latent attention's compressed widths (None: (grouped-query) attention); q, k, v's and
+    the projection input's widths are then qkv_width and query_width as for_config sets them."""
     experts: int = 0
     """MoE layers (layer_activation_terms(moe=True)): E experts, each token sent to topk of them,
     expert_ffn wide; routed_rows_per_token: the rows each local token becomes (topk dropless,
@@ -76,13 +79,16 @@ class ActivationShape:
         e = 2 if low_precision(cfg) else 4
         # A rank that shares a key/value group with others keeps that one group: as if tp groups.
         heads, groups = m.num_attention_heads * m.head_dim / m.hidden_size, max(m.query_groups, tp) * m.head_dim / m.hidden_size
+        attention = dict(qkv_width=heads + 2 * groups, query_width=heads, qk_norm_width=heads + groups if m.qk_layernorm else 0.0)
+        if m.multi_latent_attention:  # qk_layernorm: the compressed vectors' norms, in LatentWidths
+            latent = LatentWidths.for_model(m)
+            attention = dict(qkv_width=latent.qkv_width, query_width=latent.query_width, qk_norm_width=0.0, latent=latent)
         return cls(
             m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, padded_vocab, tp,
             cfg.parallel.sequence_parallel, ffn_size=m.ffn_size, compute_bytes=e,
             residual_bytes=4 if t.fp32_residual_connection else None, hidden_dropout=m.hidden_dropout > 0,
             attention_dropout=m.attention_dropout > 0, scores_kept=scores_kept, megatron_sp=False, cp=cp,
-            qkv_width=heads + 2 * groups, query_width=heads, swiglu=m.swiglu,
-            qk_norm_width=heads + groups if m.qk_layernorm else 0.0, **_moe_fields(cfg),
+            swiglu=m.swiglu, **attention, **_moe_fields(cfg),
         )  # fmt: skip
 
     @property
@@ -112,6 +118,71 @@ class ActivationShape:
     def gathered_divisor(self) -> int:
         """What divides a column-parallel layer's input: t under Megatron's SP only."""
         return self.sp_divisor if self.megatron_sp else 1
+
+
+@dataclass(frozen=True)
+class LatentWidths:
+    """Multi-latent attention's widths over h (dtgpt/mla.py): the compressed query (0: projected
+    in one), the compressed key/value, the shared RoPE key, the heads' q/k and v channels, and
+    whether the compressed vectors are normed (model.qk_layernorm)."""
+
+    q_lora: float
+    kv_lora: float
+    pos: float
+    heads_qk: float
+    """heads·(qk_head_dim + qk_pos_emb_head_dim) / h: a query's (and a key's) channels."""
+    heads_v: float
+    """heads·v_head_dim / h."""
+    heads_kv: float
+    """heads·(qk_head_dim + v_head_dim) / h: linear_kv_up_proj's output, of which v is a view."""
+    norms: bool
+
+    @classmethod
+    def for_model(cls, m) -> "LatentWidths":
+        h, nh = m.hidden_size, m.num_attention_heads
+        return cls(q_lora=(m.q_lora_rank or 0) / h, kv_lora=m.kv_lora_rank / h, pos=m.qk_pos_emb_head_dim / h,
+                   heads_qk=nh * (m.qk_head_dim + m.qk_pos_emb_head_dim) / h, heads_v=nh * m.v_head_dim / h,
+                   heads_kv=nh * (m.qk_head_dim + m.v_head_dim) / h, norms=m.qk_layernorm)  # fmt: skip
+
+    @property
+    def qkv_width(self) -> float:
+        return 2 * self.heads_qk + self.heads_v
+
+    @property
+    def query_width(self) -> float:
+        return self.heads_v
+
+
+def latent_attention_terms(shape: ActivationShape, recompute: str) -> dict[str, float]:
+    """What multi-latent attention keeps in place of the qkv input and q, k, v, per micro-batch on
+    one rank (Korthikanti's method applied to dtgpt/mla.py; widths over h as LatentWidths):
+
+    term (kept by)                                 bytes            under tp t (dtgpt's plan)
+    down-projections' input (both read it)         e·s·b·h          /t with SP (own tokens: replicated linears)
+    compressed query: its norm's input, the        e·s·b·q_lora     /t with SP
+      up-projection's input                        e·s·b·q_lora     gathered (/t with Megatron's SP)
+    compressed key/value: its norm's input (a view e·s·b·(kv + pos) /t with SP
+      of the down-projection's whole output), the
+      up-projection's input                        e·s·b·kv         gathered (as the query's)
+    q and k (RoPE'd, concatenated)                 2·e·s·b·heads_qk /t
+    v                                              e·s·b·heads_v    /t; heads_kv when the core keeps
+                                                                    linear_kv_up_proj's output (v a view of
+                                                                    it: a fused kernel, or the recomputed core)
+
+    Without norms the up-projections read the down-projections' outputs directly (one term each);
+    without a compressed query linear_q_proj reads the down-projections' input. The shared RoPE
+    key's gather keeps nothing (its rotation keeps cos and sin, a few bytes per position).
+    """
+    lat, e, t, sbh = shape.latent, shape.compute_bytes, shape.tp, shape.sbh
+    own, gathered = shape.sp_divisor, shape.gathered_divisor
+    v_view = not shape.scores_kept or recompute == "selective"
+    terms = {"down-projections' input": e * sbh / own}
+    if lat.q_lora:
+        terms["compressed query"] = e * sbh * lat.q_lora * (1 / own * lat.norms + 1 / gathered)
+    kv_up_input = lat.kv_lora if lat.norms or shape.sp else lat.kv_lora + lat.pos  # a view of the whole output
+    terms["compressed key/value"] = e * sbh * ((lat.kv_lora + lat.pos) / own * lat.norms + kv_up_input / gathered)
+    terms["q, k, v"] = e * sbh * (2 * lat.heads_qk + (lat.heads_kv if v_view else lat.heads_v)) / t
+    return terms
 
 
 def _moe_fields(cfg: Config) -> dict:
@@ -211,6 +282,9 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none", *, m
         ("gate, silu, fc1 outputs" if shape.swiglu else "gelu input"): (3 if shape.swiglu else 1) * e * sbf / t,
         "fc2 input": e * sbf / t,
     }
+    if shape.latent is not None:
+        del terms["qkv input"], terms["q, k, v"]
+        terms.update(latent_attention_terms(shape, recompute))
     if moe:
         for dense in ("fc1 input", "gate, silu, fc1 outputs", "gelu input", "fc2 input"):
             terms.pop(dense, None)
@@ -224,8 +298,9 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none", *, m
         terms["softmax output"] = e * scores
         if shape.attention_dropout:
             terms["attention dropout mask, output"] = (1 + e) * scores
-    if recompute == "none" and shape.cp > 1:
-        terms["cp keys and values"] = 2 * e * sbh * (shape.cp - 1) / t
+    if recompute == "none" and shape.cp > 1:  # every head's keys and values (MLA: its q/k and v widths)
+        kv_width = 2 if shape.latent is None else shape.latent.heads_qk + shape.latent.heads_v
+        terms["cp keys and values"] = kv_width * e * sbh * (shape.cp - 1) / t
     return terms
 
 

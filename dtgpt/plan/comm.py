@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import recompute_groups
-from dtgpt.plan import comm_moe
+from dtgpt.plan import comm_mla, comm_moe
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
@@ -124,6 +124,8 @@ class CommLayout:
     load_balancing: str = "none"
     aux_loss_coeff: float = 0.0
     z_loss: bool = False
+    latent: "comm_mla.Latent | None" = None
+    """Multi-latent attention's widths (dtgpt.plan.comm_mla), None for (grouped-query) attention."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -148,7 +150,7 @@ class CommLayout:
             expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
             ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor,
             pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
-            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None,
+            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None, latent=comm_mla.Latent.of(m),
         )  # fmt: skip
 
     @property
@@ -191,6 +193,8 @@ def block_shapes(c: CommLayout, moe: bool = False) -> list[tuple[int, ...]]:
     qkv = (c.heads + 2 * c.groups) * hd // tp
     attention = [(qkv, h)] + [(qkv,)] * c.qkv_bias + [(h, c.heads * hd // tp)] + [(h,)] * c.bias
     qk_norms = [(hd,)] * (2 * c.norm_params) * c.qk_norm
+    if c.latent is not None:  # its norms are among its own shapes
+        attention, qk_norms = comm_mla.attention_shapes(c), []
     mlp = comm_moe.moe_block_shapes(c) if moe else comm_moe.mlp_shapes(c, c.ffn)
     return norm + attention + qk_norms + norm + mlp
 
@@ -265,12 +269,13 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     last = c.num_stages - 1 in stages
     moe = sum(1 for s in stages for i in comm_moe.stage_blocks(c, s) if comm_moe.is_moe_block(c, i))
     sublayers = (2 * blocks - moe) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
+    inputs = sublayers - (blocks * n_micro if c.latent is not None else 0)  # MLA reads the rank's own tokens
     out = []
     if c.sequence_parallel:
-        out += [Collective("all_gather", "tp", "sp norm outputs fwd", sublayers, residual),
+        out += [Collective("all_gather", "tp", "sp norm outputs fwd", inputs, residual),
                 Collective("all_gather", "tp", "sp output grads bwd", sublayers, act),
                 Collective("reduce_scatter", "tp", "sp block outputs fwd", sublayers, act),
-                Collective("reduce_scatter", "tp", "sp norm output grads bwd", sublayers, residual)]  # fmt: skip
+                Collective("reduce_scatter", "tp", "sp norm output grads bwd", inputs, residual)]  # fmt: skip
         norms = (2 * blocks + (1 if last else 0)) * c.norm_params
         # FSDP sums tp's partial gradients of a replicated weight in the gradient's dtype: the
         # compute dtype, or the reduce dtype it accumulates several micro-batches in.
@@ -278,12 +283,14 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
         out.append(Collective("all_reduce", "tp", "sp norm weight grads", norms, c.hidden * grad))
     else:
         out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
-                Collective("all_reduce", "tp", "norm output grads bwd", sublayers, residual)]  # fmt: skip
+                Collective("all_reduce", "tp", "norm output grads bwd", inputs, residual)]  # fmt: skip
+    if c.latent is not None:
+        out += comm_mla.latent_tp_collectives(c, Collective, blocks, n_micro, c.grad_bytes if n_micro > 1 else c.compute_bytes)
     if c.groups < c.tp:  # ranks share key/value groups: the QKV output is gathered whole (as Megatron does)
         qkv = c.micro_batch * c.tokens * (c.heads + 2 * c.groups) * c.head_dim * c.compute_bytes
         out += [Collective("all_gather", "tp", "qkv output fwd", blocks * n_micro, qkv),
                 Collective("reduce_scatter", "tp", "qkv output grads bwd", blocks * n_micro, qkv)]  # fmt: skip
-    if c.qk_norm:  # each rank normalises its own heads: the weights' gradients summed as SP norms'
+    if c.qk_norm and c.latent is None:  # each rank normalises its own heads: the weights' gradients summed as SP norms'
         grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
         out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * grad))
     if first:
@@ -333,6 +340,8 @@ def cp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     gathered = c.micro_batch * c.seq * c.groups * c.head_dim // c.tp * c.compute_bytes  # this rank's key/value groups
     blocks = sum(c.layer_counts[s] for s in stages)
     rerun = sum(recomputed_cores(c, s) for s in stages)
+    if c.latent is not None:
+        return comm_mla.latent_cp_collectives(c, Collective, (blocks + rerun) * n_micro, blocks * n_micro)
     return [
         Collective("all_gather", "cp", "keys and values fwd", 2 * (blocks + rerun) * n_micro, gathered),
         Collective("reduce_scatter", "cp", "key and value grads bwd", 2 * blocks * n_micro, gathered),

@@ -207,11 +207,6 @@ def plan_layout(
     ]
     if vocab_note:
         plan.notes.append(vocab_note)
-    if m.multi_latent_attention:
-        plan.notes.append(
-            "multi-latent attention: parameters, FLOPs and state memory are its own; activations and the tp/cp/FSDP "
-            "traffic are still modelled as grouped-query attention of the same heads (not yet its compressed projections)"
-        )
     if m.mtp_depth:
         plan.notes.append(
             "multi-token prediction: its modules' parameters and state memory are counted on the last stage, "

@@ -67,6 +67,46 @@ LAYER_KEYS = {
 }
 """dtgpt block-relative name -> Megatron's (torch_dist stacks it under `decoder.layers.`)."""
 
+MLA_LAYER_KEYS = {
+    "input_norm.weight": "input_layernorm.weight",
+    "input_norm.bias": "input_layernorm.bias",
+    "mlp_norm.weight": "pre_mlp_layernorm.weight",
+    "mlp_norm.bias": "pre_mlp_layernorm.bias",
+    "attention.linear_q_proj.weight": "self_attention.linear_q_proj.weight",
+    "attention.linear_q_down_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "attention.q_layernorm.bias": "self_attention.linear_q_up_proj.layer_norm_bias",
+    "attention.linear_q_up_proj.weight": "self_attention.linear_q_up_proj.weight",
+    "attention.linear_kv_down_proj.weight": "self_attention.linear_kv_down_proj.weight",
+    "attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
+    "attention.linear_kv_up_proj.weight": "self_attention.linear_kv_up_proj.weight",
+    "attention.linear_proj.weight": "self_attention.linear_proj.weight",
+    "attention.linear_proj.bias": "self_attention.linear_proj.bias",
+}
+"""A multi-latent-attention block's names where they differ from LAYER_KEYS. megatron-core's MLA
+layer specs keep the pre-attention norm as its own module (input_layernorm), and so the MoE
+layer's pre-MLP norm (pre_mlp_layernorm); the norms of the compressed query and key/value are
+fused into the up-projections by the Transformer Engine spec (what Megatron-LM runs by default,
+so what is written), separate modules in the local spec (STORED_ALIASES: either is read). The
+up-projections' rows are the heads in turn, [q_nope | q_pe] and [k_nope | v] per head, as
+dtgpt's; the down-projection's rows are [compressed | k_pe]: no reordering either way."""
+
+STORED_ALIASES = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+"""Megatron name (after `decoder.layers.`) -> the other name the same tensor has under another
+layer spec: the local spec's separate MLA norms; the pre-MLP norm, fused into linear_fc1 or a
+module of its own depending on the spec and whether the layer is MoE. The reader takes
+whichever the checkpoint holds."""
+
 BUFFERS = ("mlp.router.expert_bias",)
 """Block-relative dtgpt names that are buffers, not parameters: saved with the model, with no
 optimizer state (Megatron's expert bias is a buffer too, moved outside the optimizer)."""
@@ -95,12 +135,26 @@ LOCAL_NORM_NAMES = {
 VOCAB_KEYS = ("embedding.word.weight", "output.weight")
 
 
-def megatron_name(name: str) -> tuple[str, int | None]:
-    """dtgpt FQN -> (Megatron torch_dist key, layer index or None)."""
+def megatron_name(name: str, mla: bool = False) -> tuple[str, int | None]:
+    """dtgpt FQN -> (Megatron torch_dist key, layer index or None); `mla`: the model's blocks
+    have multi-latent attention (its norms are named otherwise)."""
     if name in GLOBAL_KEYS:
         return GLOBAL_KEYS[name], None
     _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
-    return "decoder.layers." + LAYER_KEYS[rest], int(layer)
+    key = MLA_LAYER_KEYS.get(rest) if mla or rest not in LAYER_KEYS else None  # the norms differ by attention
+    return "decoder.layers." + (key or LAYER_KEYS[rest]), int(layer)
+
+
+def is_mla(names) -> bool:
+    """Whether the model of dtgpt FQNs `names` has multi-latent attention."""
+    return any(name.endswith("attention.linear_kv_down_proj.weight") for name in names)
+
+
+def stored_alias(key: str) -> str | None:
+    """The other name of Megatron key `key` under another layer spec (STORED_ALIASES), or None."""
+    prefix = "decoder.layers."
+    alias = STORED_ALIASES.get(key.removeprefix(prefix)) if key.startswith(prefix) else None
+    return prefix + alias if alias else None
 
 
 def half_of(name: str, names) -> int | None:
@@ -114,10 +168,12 @@ def half_of(name: str, names) -> int | None:
     return SWIGLU_HALVES[parts[-2]]
 
 
-def unsupported(cfg: ModelConfig) -> str | None:
-    """Why Megatron's checkpoint layout of model `cfg` is not one dtgpt reads or writes, or None."""
-    if cfg.multi_latent_attention:
-        return "model.multi_latent_attention=true: dtgpt does not read or write Megatron's multi-latent attention tensors yet"
+def unsupported(cfg: ModelConfig, per_rank: bool = False) -> str | None:
+    """Why Megatron's checkpoint layout of model `cfg` (torch_dist, or with `per_rank` the
+    per-rank files) is not one dtgpt reads or writes, or None."""
+    if cfg.multi_latent_attention and per_rank:
+        return ("model.multi_latent_attention=true: dtgpt reads and writes Megatron's multi-latent attention in the "
+                "torch_dist format only, not the per-rank files")  # fmt: skip
     if cfg.moe_enabled and cfg.moe_layer_freq != 1:
         # megatron-core then saves every layer under its own keys (non-homogeneous layers)
         return (f"model.moe_layer_freq={cfg.moe_layer_freq}: Megatron stores a model that mixes dense and MoE "

@@ -17,7 +17,7 @@ from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, megatron_name, unsupported
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias, unsupported
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel
 from dtgpt.checkpoint.megatron.regions import read_regions
 from dtgpt.config import ModelConfig
@@ -63,10 +63,16 @@ class MegatronReader:
             self.shapes = self._per_rank.shapes()
             self.dtypes = {}
         self._model_names: frozenset[str] | None = None  # set by check()
+        self._mla = False  # set by check(): the model's blocks have multi-latent attention
+
+    @property
+    def layers_key(self) -> str:
+        """The stacked tensor whose leading dimension tells the layer count."""
+        return f"decoder.layers.self_attention.{'linear_kv_down_proj' if self._mla else 'linear_qkv'}.weight"
 
     @property
     def num_layers(self) -> int:
-        return self.shapes.get("decoder.layers.self_attention.linear_qkv.weight", (0,))[0]
+        return self.shapes.get(self.layers_key, (0,))[0]
 
     def check_architecture(self, cfg: ModelConfig) -> None:
         """One clear error for the first architecture key on which common.pt's args and `cfg` differ."""
@@ -76,7 +82,7 @@ class MegatronReader:
         self.check_supported(cfg)
 
     def check_supported(self, cfg: ModelConfig) -> None:
-        problem = unsupported(cfg)
+        problem = unsupported(cfg, per_rank=not self.torch_dist)
         if problem:
             raise CheckpointError(f"Megatron checkpoint {self.directory}: {problem}")
 
@@ -85,16 +91,17 @@ class MegatronReader:
         rows included (see vocab_problem). `wanted` may be one stage's share of the model whose
         names are `model_names`. Must run before regions()."""
         self._model_names = frozenset(model_names)
-        num_layers = sum(1 for n in model_names if n.endswith("attention.qkv.weight"))
+        self._mla = is_mla(model_names)
+        num_layers = sum(1 for n in model_names if n.endswith(("attention.proj.weight", "attention.linear_proj.weight")))
         if self.num_layers != num_layers:
-            key = "decoder.layers.self_attention.linear_qkv.weight"
+            key = self.layers_key
             raise CheckpointError(
                 f"Megatron checkpoint {self.directory} does not fit this model: {key} stacks {self.num_layers} layers "
                 f"{self.shapes.get(key, '(none stored)')} but model.num_layers={num_layers}"
             )
-        used = {megatron_name(n)[0] for n in model_names}
+        used = {self.stored_key(n) for n in model_names}
         for name, shape in wanted.items():
-            key, layer = megatron_name(name)
+            key, layer = self.stored_key(name), megatron_name(name)[1]
             if key not in self.shapes:
                 hint = " (the model's head is untied; is the checkpoint's tied?)" if name == "output.weight" else ""
                 raise CheckpointError(
@@ -137,7 +144,10 @@ class MegatronReader:
 
     def stored_key(self, name: str, slot: str | None = None) -> str:
         """The Megatron key of dtgpt tensor `name`, or of its optimizer state `slot` (exp_avg, ...)."""
-        key = megatron_name(name)[0]
+        key = megatron_name(name, self._mla)[0]
+        alias = stored_alias(key)
+        if key not in self.shapes and alias in self.shapes:  # another layer spec's name for it
+            key = alias
         return key if slot is None else f"{OPTIMIZER_PREFIX}{slot}.{key}"
 
     def regions(self, wanted: dict[str, tuple[str, str | None, tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:

@@ -32,6 +32,9 @@ from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
+MLA_LINEARS = ("self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj", "self_attention.linear_proj")
+QUERY_LINEARS = {False: ("self_attention.linear_q_proj",), True: ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj")}
+"""Multi-latent attention's query linears, without and with a compressed query (q_lora_rank)."""
 MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
 SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
@@ -42,6 +45,8 @@ def extra_state_keys(cfg: ModelConfig) -> list[str]:
     per linear layer and layer, and per routed expert too (its shard named `<layer>.<expert>`)."""
     L = cfg.num_layers
     per_layer = ATTENTION_LINEARS
+    if cfg.multi_latent_attention:
+        per_layer = QUERY_LINEARS[cfg.q_lora_rank is not None] + MLA_LINEARS
     if cfg.moe_enabled:
         per_layer += SHARED_EXPERT_LINEARS if cfg.moe_shared_expert_intermediate_size else ()
     else:
@@ -132,7 +137,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     model_key: dict[str, str] = {}  # Megatron key -> the model tensor it is shaped as
     names = dtgpt_names(cfg.model)
     for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
-        mkey, layer = megatron_name(name)
+        mkey, layer = megatron_name(name, cfg.model.multi_latent_attention)
         slots = {mkey: f"model.{name}"}
         if adam and not is_buffer(name):  # the fp32 master weights are dtgpt's parameters
             slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in _adam_sources(name).items()}

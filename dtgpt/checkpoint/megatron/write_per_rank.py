@@ -75,7 +75,7 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     """Write dtgpt checkpoint `src` as Megatron-LM's per-rank iteration at tensor parallel size
     `tp` and expert parallel size `ep` (pp 1), its vocabulary padded as Megatron pads at `tp`.
     Returns the iteration directory."""
-    problem = unsupported(cfg.model)
+    problem = unsupported(cfg.model, per_rank=True)
     if problem:
         raise CheckpointError(f"cannot write {src} as Megatron's per-rank format: {problem}")
     experts = cfg.model.num_experts or 0

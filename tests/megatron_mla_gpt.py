@@ -1,0 +1,149 @@
+"""megatron-core's own DeepSeek-style GPTModel on CPU: the oracle for Megatron checkpoints of a
+multi-latent attention + MoE model, in and out.
+
+Run under torchrun with one gloo rank per tensor-parallel rank (pp 1, ep 1):
+
+    python tests/megatron_mla_gpt.py ROOT
+
+builds a 2-layer model with multi-latent attention (a compressed query, norms on the compressed
+query and key/value, YaRN) and MoE layers (8 routed SequentialMLP experts, top-4 of sigmoid
+scores with the expert bias, limited to 2 of 4 groups, the weights scaled by 2.5, a shared
+expert), its router weights, expert biases and norms drawn wide, then in one launch:
+- saves Megatron-LM's torch_dist iteration under ROOT/megatron, the norms of the compressed
+  vectors under the local layer spec's names (self_attention.q_layernorm, kv_layernorm), and
+  under ROOT/megatron_te with the names Megatron's Transformer Engine spec gives them (fused into
+  the up-projections: self_attention.linear_q_up_proj.layer_norm_weight, ...), which the local
+  model writes through its layers' sharded_state_dict_keys_map; writes ROOT/logits.pt and its own
+  loss on tests/megatron_gpt.py's labels, ROOT/loss.pt;
+- if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
+  another seed (with the Transformer Engine names), loads it with dist_checkpointing and writes
+  ROOT/loaded_logits.pt and ROOT/loaded_loss.pt.
+
+megatron-core runs with tests/megatron_moe_gpt.py's CPU patches and the two of tests/test_mla.py
+(its local core attention without the k_channels/v_channels keywords, HAVE_TE False in its MLA module).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.megatron_gpt, run as a script
+
+from tests.megatron_gpt import ITERATION, SEQ, logits, loss, padded_vocab, patch_megatron, trainer_state  # noqa: E402
+from tests.megatron_moe_gpt import draw_wide  # noqa: E402
+
+LAYERS, HIDDEN, HEADS = 2, 64, 4
+EXPERTS, TOPK, EXPERT_FFN, SHARED_FFN, GROUPS, GROUP_TOPK, SCALING = 8, 4, 32, 48, 4, 2, 2.5
+LATENT = dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10, rope_type="yarn",
+              rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=1.0)  # fmt: skip
+"""The latent attention's shape and YaRN, by the names MLATransformerConfig and Megatron-LM's args share."""
+MOE = dict(moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_router_score_function="sigmoid",
+           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN,
+           moe_router_num_groups=GROUPS, moe_router_group_topk=GROUP_TOPK, moe_router_topk_scaling_factor=SCALING)  # fmt: skip
+DENSE = dict(ffn_hidden_size=128, normalization="RMSNorm", add_bias_linear=False, qk_layernorm=True)
+TE_NORM_NAMES = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                 "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}  # fmt: skip
+"""The local spec's norm modules -> the names Transformer Engine's fused norm+linear gives them."""
+
+
+def args_update(tp: int) -> dict:
+    """Megatron-LM's args for this model beyond tests/megatron_gpt.py's Llama ones."""
+    return dict(**DENSE, **LATENT, **MOE, multi_latent_attention=True, group_query_attention=False,
+                num_query_groups=HEADS, kv_channels=HIDDEN // HEADS, num_experts=EXPERTS, moe_layer_freq=1,
+                moe_router_pre_softmax=False, swiglu=True, pipeline_model_parallel_size=1,
+                tensor_model_parallel_size=tp, padded_vocab_size=padded_vocab(tp))  # fmt: skip
+
+
+def _core_without_channels():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CoreWithoutChannels(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return CoreWithoutChannels
+
+
+def build(tp: int, seed: int, te_names: bool):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, 1)
+    config = MLATransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, kv_channels=LATENT["v_head_dim"], num_moe_experts=EXPERTS,
+        moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, original_max_position_embeddings=4096,
+        **DENSE, **LATENT, **MOE,
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _core_without_channels()
+    if te_names:
+        spec.submodules.sharded_state_dict_keys_map = dict(TE_NORM_NAMES)
+    torch.manual_seed(seed)
+    model = GPTModel(config, spec, vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")  # fmt: skip
+    draw_wide(model, seed)
+    return model
+
+
+def save(model, directory: Path, state: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict(), **state}, str(directory))
+    if dist.get_rank() == 0:
+        (directory.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def main(root: Path) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    patch_megatron()
+    moe_utils.te_general_gemm = None
+    multi_latent_attention.HAVE_TE = False  # its adapter imports without Transformer Engine (TELinear None)
+    dist.init_process_group("gloo")
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    state = trainer_state(tp, LAYERS, arch="llama", untied=True)
+    vars(state["args"]).update(args_update(tp))
+    model = build(tp, 1234, te_names=False)
+    save(model, root / "megatron" / f"iter_{ITERATION:07d}", state)
+    for layer in model.decoder.layers:
+        layer.submodules_config.sharded_state_dict_keys_map = dict(TE_NORM_NAMES)
+    save(model, root / "megatron_te" / f"iter_{ITERATION:07d}", state)
+    out, own = logits(model), loss(model)
+    if rank == 0:
+        torch.save(out, root / "logits.pt")
+        torch.save(own, root / "loss.pt")
+    dtgpt_out = root / "from_dtgpt"
+    if dtgpt_out.is_dir():
+        other = build(tp, 99, te_names=True)
+        iteration = int((dtgpt_out / "latest_checkpointed_iteration.txt").read_text())
+        loaded = dist_checkpointing.load(other.sharded_state_dict(), str(dtgpt_out / f"iter_{iteration:07d}"))
+        other.load_state_dict(loaded, strict=False)
+        out, own = logits(other), loss(other)
+        if rank == 0:
+            torch.save(out, root / "loaded_logits.pt")
+            torch.save(own, root / "loaded_loss.pt")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    main(Path(sys.argv[1]))

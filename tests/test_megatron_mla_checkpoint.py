@@ -1,0 +1,129 @@
+"""Megatron checkpoints of a multi-latent attention + MoE model in and out, with megatron-core's
+own GPTModel as the oracle.
+
+One megatron-core launch on 2 gloo ranks at tp 2 (tests/megatron_mla_gpt.py): a 2-layer
+DeepSeek-style model (MLA with a compressed query, its norms and YaRN; sigmoid-routed experts with
+the expert bias, group-limited, scaled, and a shared expert) saves torch_dist twice, the norms of
+the compressed vectors under the local layer spec's names and under Transformer Engine's, and
+records its logits and loss; in the same launch it loads the checkpoint dtgpt wrote before it
+(to-megatron) into a model from another seed and records those. dtgpt must give the same logits
+and loss both ways.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtgpt.checkpoint import CheckpointError, layout
+from dtgpt.checkpoint.export import load_model, read_config
+from dtgpt.checkpoint.megatron import find, load_megatron_model
+from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.config import ModelConfig
+from tests.megatron_gpt import VOCAB, labels, tokens
+from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE
+from tests.test_checkpoint_convert import load_script
+from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
+
+ROWS = 128  # 100 padded to a multiple of 16 x tp 2, Megatron's
+SCRIPT = Path(__file__).with_name("megatron_mla_gpt.py")
+MODEL = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=32, hidden_dropout=0.0,
+             attention_dropout=0.0, make_vocab_size_divisible_by=32, position_embedding_type="rope", swiglu=True,
+             untie_embeddings_and_output_weights=True, multi_latent_attention=True, num_experts=EXPERTS,
+             **DENSE, **LATENT, **MOE)  # fmt: skip
+
+
+def model_cfg(**overrides) -> ModelConfig:
+    return ModelConfig(**{**MODEL, **overrides})
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    ours, theirs = ours[..., :VOCAB], theirs[..., :VOCAB]
+    return ((ours - theirs).norm() / theirs.norm()).item()
+
+
+def loss_of(logits: torch.Tensor) -> torch.Tensor:
+    """megatron-core's loss as tests/megatron_gpt.py takes it: the token mean over every padded row."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels().flatten())
+
+
+@pytest.fixture(scope="module")
+def mla_root(tmp_path_factory) -> Path:
+    """dtgpt's checkpoint and its to-megatron conversion, then megatron-core's launch at tp 2."""
+    root = tmp_path_factory.mktemp("megatron_mla")
+    save_dtgpt(root / "dtgpt", MODEL)
+    assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
+    launch(SCRIPT, root)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved", ["megatron", "megatron_te"])
+def test_megatron_mla_moe_torch_dist_gives_megatrons_logits_and_loss(mla_root, saved):
+    """Either layer spec's names of the compressed vectors' norms; saved at tp 2, read whole."""
+    directory = find(mla_root / saved)
+    shapes = MegatronReader(directory).shapes
+    norm = "linear_q_up_proj.layer_norm_weight" if saved == "megatron_te" else "q_layernorm.weight"
+    assert shapes[f"decoder.layers.self_attention.{norm}"] == (LAYERS, LATENT["q_lora_rank"])
+    # [compressed | k_pe] rows, whichever spec's linear (column-parallel or duplicated) saved them
+    assert shapes["decoder.layers.self_attention.linear_kv_down_proj.weight"] == (LAYERS, 16 + 8, HIDDEN)
+    model = load_megatron_model(directory, model_cfg(), ROWS).eval()
+    assert model.layers["0"].mlp.router.expert_bias.abs().min() > 0  # Megatron's drawn bias, not the zero init
+    with torch.no_grad():
+        ours = model(tokens())
+    assert relative_error(ours, torch.load(mla_root / "logits.pt", weights_only=True)) < 1e-5
+    torch.testing.assert_close(loss_of(ours), torch.load(mla_root / "loss.pt", weights_only=True), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_dtgpt_mla_moe_checkpoint_to_megatron_loads_in_megatron_core_with_equal_logits_and_loss(mla_root, tmp_path):
+    saved = layout.iteration_dir(mla_root / "dtgpt", 3)
+    model = load_model(saved, read_config(saved)).eval()
+    with torch.no_grad():
+        ours = model(tokens())
+    assert relative_error(ours, torch.load(mla_root / "loaded_logits.pt", weights_only=True)) < 1e-5
+    torch.testing.assert_close(loss_of(ours), torch.load(mla_root / "loaded_loss.pt", weights_only=True), rtol=1e-5, atol=0)
+    # written with Transformer Engine's names (Megatron-LM's default layer spec)
+    shapes = MegatronReader(find(mla_root / "from_dtgpt")).shapes
+    assert "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight" in shapes
+    assert_converts_back(mla_root / "from_dtgpt", saved, tmp_path / "back")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, key", [
+    (dict(multi_latent_attention=False, q_lora_rank=None, rope_type=None, rotary_scaling_factor=1.0, mscale=1.0,
+          mscale_all_dim=0.0, kv_lora_rank=32, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128),
+     "model.multi_latent_attention: the checkpoint has true but the config has false"),
+    (dict(q_lora_rank=None), "model.q_lora_rank: the checkpoint has 24 but the config has unset"),
+    (dict(kv_lora_rank=32), "model.kv_lora_rank: the checkpoint has 16 but the config has 32"),
+    (dict(rope_type="rope"), "model.rope_type: the checkpoint has 'yarn' but the config has 'rope'"),
+    (dict(moe_router_group_topk=1), "model.moe_router_group_topk: the checkpoint has 2 but the config has 1"),
+])  # fmt: skip
+def test_an_mla_architecture_other_than_megatrons_args_is_one_error(mla_root, overrides, key):
+    with pytest.raises(CheckpointError, match=key) as err:
+        load_megatron_model(find(mla_root / "megatron"), model_cfg(**overrides), ROWS)
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def dtgpt_mla(tmp_path_factory) -> Path:
+    """dtgpt's MLA checkpoint alone (no megatron-core launch)."""
+    root = tmp_path_factory.mktemp("dtgpt_mla")
+    save_dtgpt(root, MODEL)
+    return root
+
+
+def test_mla_per_rank_files_are_refused_in_one_line(dtgpt_mla, tmp_path, capfd):
+    """The per-rank format would need MLA's own tp split per layer spec: refused by name."""
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "out"), "--format", "per-rank"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
+    assert "model.multi_latent_attention=true: dtgpt reads and writes Megatron's multi-latent attention in the torch_dist format only" in err[0]
+
+
+def test_mla_torch_dist_round_trip_without_megatron(dtgpt_mla, tmp_path):
+    """to-megatron then from-megatron gives every tensor back (the key map both ways, stacked layers)."""
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m")]) == 0
+    assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
