@@ -103,16 +103,20 @@ def _replicated_parameters(module: nn.Module, _inputs, _output) -> None:
     module._replicas = []
 
 
-def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> dict[str, ParallelStyle]:
     """An MoE block's plan under sequence parallelism (config: MoE with tp needs it): the router
     and experts route this rank's chunk of tokens with replicated weights; the shared expert is
-    a tensor-parallel MLP like the dense one."""
+    a tensor-parallel MLP like the dense one.
+
+    folded: FSDP shards the router and experts over dp x tp (ParallelDims.tp_folds_into_moe), so
+    they stay plain parameters here, whole on every tp rank until FSDP takes them.
+    """
     # The router's loads over the whole sequences: dtgpt.parallel.expert.apply_moe_sequence_ranks (tp x cp).
-    plan = {
+    plan: dict[str, ParallelStyle] = {
         prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
-        prefix + "mlp.router": LocalReplicaParallel(),
-        prefix + "mlp.experts": LocalReplicaParallel(),
     }
+    if not folded:
+        plan.update({prefix + "mlp.router": LocalReplicaParallel(), prefix + "mlp.experts": LocalReplicaParallel()})
     shared = block.mlp.shared_expert
     if shared is not None:
         plan.update(
@@ -159,8 +163,10 @@ def _attention_plan(prefix: str, attention: Attention, tp_mesh: DeviceMesh, seq)
     return plan
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place."""
+def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, moe_folded: bool = False) -> None:
+    """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place.
+
+    moe_folded: leave the MoE routers and experts to FSDP over dp x tp (see _moe_plan)."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {}
     if model.embedding is not None:
@@ -187,7 +193,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
         plan[prefix + "input_norm"] = _norm_style(sequence_parallel)
         plan[prefix + "mlp_norm"] = _norm_style(sequence_parallel)
         if isinstance(block.mlp, MoELayer):
-            plan.update(_moe_plan(prefix, block, tp_mesh))
+            plan.update(_moe_plan(prefix, block, tp_mesh, moe_folded))
             continue
         if block.mlp.gate is not None:
             plan[prefix + "mlp.gate"] = ColwiseParallel()
