@@ -98,7 +98,7 @@ def test_tp_sums_router_and_expert_grads_in_one_bucket(counted):
             rs = layers + 1 + layers * (2 if name == "moe_ep2_tp2_sp" else 1)  # blocks, root, MoE units (ep: experts' too)
             # + SP's 2 per attention (an MoE layer has none around it) and the head's, over tp
             assert measured["reduce_scatter"][0] == rs + 2 * layers + 1
-            grads_over_tp = [c for c in rank_collectives(_layout(name, 4), 0, 1) if c.dim == "tp" and "grads" in c.what]
+            grads_over_tp = [c for c in rank_collectives(_layout(name, 4), 0, 1) if c.dim == "tp" and c.kind == "all_reduce" and "grads" in c.what]
             assert [c.what for c in grads_over_tp] == ["sp norm weight grads"], grads_over_tp
     else:
         layout = _layout("moe_tp2_sp", 2)
