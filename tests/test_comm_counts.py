@@ -30,7 +30,7 @@ LAUNCHES = {
         "dp2_bf16", "tp2_sp_bf16", "pp2_1f1b_bf16", "cp2_bf16", "dp2_fp16", "tp2_sp_fp32", "pp2_1f1b_fp32", "llama_tp2",
         "mqa_tp2", "moe_ep2", "moe_ep2_full", "moe_tp2_sp", "mla_tp2_sp", "mla_cp2"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
-        "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp"],
+        "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp", "moe_dp2_tp2_sp"],
 }  # fmt: skip
 # Megatron's regime (issue: half the bytes on every link): in these, every collective of at least
 # LARGE elements moves the compute dtype, except FSDP's gradient reductions (fp32 by design).
@@ -81,6 +81,36 @@ def test_experts_exchange_tokens_and_shard_over_the_remaining_ranks(counted):
     if world == 2:  # full recomputation dispatches again: 1 count and 2 token exchanges more per layer
         rerun = ranks[0]["counts"]["moe_ep2_full"]["1"]["all_to_all"]
         assert rerun[0] == a2a[0] + 3 * MODEL["num_layers"]
+
+
+def test_tp_sums_router_and_expert_grads_in_one_bucket(counted):
+    """MoE under tp: the router's and experts' gradients (each tp rank's a partial sum) are summed
+    over tp in one collective per MoE layer, not one per parameter. dp2 x tp2 + SP: each MoE layer
+    is one FSDP unit over all 4 ranks (tp folded in, as Megatron's expert-data-parallel group):
+    one reduce-scatter more per layer than the blocks' and the root's, and the all-reduces over
+    tp are the norms', the loss's and the router's counts only (the formula names each). tp2
+    alone (no FSDP): every pending tp sum of the iteration, norms' included, in one all-reduce."""
+    world, ranks = counted
+    layers = MODEL["num_layers"]
+    if world == 4:
+        for name in ("moe_dp2_tp2_sp", "moe_ep2_tp2_sp"):
+            measured = ranks[0]["counts"][name]["1"]
+            rs = layers + 1 + layers * (2 if name == "moe_ep2_tp2_sp" else 1)  # blocks, root, MoE units (ep: experts' too)
+            # + SP's 2 per attention (an MoE layer has none around it) and the head's, over tp
+            assert measured["reduce_scatter"][0] == rs + 2 * layers + 1
+            grads_over_tp = [c for c in rank_collectives(_layout(name, 4), 0, 1) if c.dim == "tp" and c.kind == "all_reduce" and "grads" in c.what]
+            assert [c.what for c in grads_over_tp] == ["sp norm weight grads"], grads_over_tp
+    else:
+        layout = _layout("moe_tp2_sp", 2)
+        bucket = [c for c in rank_collectives(layout, 0, 1) if c.dim == "tp" and "grad" in c.what and c.kind == "all_reduce"]
+        assert [(c.what, c.count) for c in bucket] == [("pending tp grad sums, one bucket", 1)]
+        measured, want = ranks[0]["counts"]["moe_tp2_sp"]["1"], totals(rank_collectives(layout, 0, 1))
+        assert measured["all_reduce"] == want["all_reduce"]
+
+
+def _layout(name: str, world: int) -> CommLayout:
+    cfg = layout_config(name, world, 1)
+    return CommLayout.from_config(cfg, world, padded_vocabulary(cfg, 100))
 
 
 def test_fsdp_gradients_and_gathers_once_per_iteration(counted):

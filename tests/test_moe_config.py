@@ -64,7 +64,10 @@ def test_keys_round_trip_through_toml_and_the_command_line(tmp_path):
         ({"model__moe_layer_freq": 0}, None, "model.moe_layer_freq=0 must be >= 1"),
         ({"model__moe_router_dtype": "bf16"}, None, "model.moe_router_dtype='bf16' is not one of: None, 'fp32', 'fp64'"),
         ({"training__compile": True, "model__moe_grouped_gemm": True}, None, "training.compile=true is not supported with model.moe_grouped_gemm=true"),
-        ({"training__compile": True, "model__moe_expert_capacity_factor": 1.0}, None, "training.compile=true is not supported with model.moe_expert_capacity_factor=1.0"),
+        (
+            {"training__compile": True, "parallel__tensor_model_parallel_size": 2, "parallel__sequence_parallel": True},
+            2, "no parity test covers compiled MoE blocks under tp",
+        ),  # fmt: skip
         (
             {"model__moe_expert_capacity_factor": 1.0, "parallel__tensor_model_parallel_size": 2,
              "parallel__sequence_parallel": True},

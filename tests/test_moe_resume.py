@@ -2,8 +2,10 @@
 layouts train the one-process model (invariant 1) in tests/test_parity.py (moe_ep*).
 
 The tiny fp32 GPT of tests/runs.py with every block's MLP an MoE layer: dropless top-2 over 4
-experts (grouped GEMM, the load-balancing loss on). A run saved at ep2 resumes at ep1 and one
-saved at ep1 resumes at ep2, each equal to the uninterrupted run to fp32 rounding.
+experts (grouped GEMM, the load-balancing loss on). A run saved at ep2 x tp2 + SP (4 ranks: the
+experts split over ep, FSDP-sharded over the ranks left times tp, the routers over all 4, tp
+folded in) resumes at ep1 on one process, and one saved at ep1 resumes at ep2, each equal to the
+uninterrupted run to fp32 rounding.
 """
 
 import pytest
@@ -30,16 +32,21 @@ def losses_of(tmp_path, name: str, args: list[str], nproc: int) -> dict[int, flo
     return {r["iteration"]: r["loss"] for r in read_metrics(metrics)}
 
 
-@pytest.mark.parametrize("saved_at,resumed_at", [(2, 1), (1, 2)], ids=["ep2_to_ep1", "ep1_to_ep2"])
-def test_a_checkpoint_resumes_at_another_ep(tmp_path, saved_at, resumed_at):
-    def layout(size: int) -> tuple[list[str], int]:
-        return (["--parallel.data_parallel_shard_size=2", ep(2)], 2) if size == 2 else ([], 1)
+LAYOUT_EP2 = ["--parallel.data_parallel_shard_size=2", ep(2)]
+LAYOUTS = {
+    "ep1": ([], 1),
+    "ep2": (LAYOUT_EP2, 2),
+    "ep2_tp2_sp": ([*LAYOUT_EP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], 4),
+}
 
+
+@pytest.mark.parametrize("saved_at,resumed_at", [("ep2_tp2_sp", "ep1"), ("ep1", "ep2")], ids=["ep2_tp2_sp_to_ep1", "ep1_to_ep2"])
+def test_a_checkpoint_resumes_at_another_ep(tmp_path, saved_at, resumed_at):
     root = tmp_path / "ckpt"
-    args, ranks = layout(saved_at)
+    args, ranks = LAYOUTS[saved_at]
     whole = losses_of(tmp_path, "whole", args + [f"--checkpoint.save={root}", "--checkpoint.save_interval=3"], ranks)
     assert sorted(whole) == list(range(1, 7))
-    args, ranks = layout(resumed_at)
+    args, ranks = LAYOUTS[resumed_at]
     resumed = losses_of(tmp_path, "resumed", args + [f"--checkpoint.load={root}", "--checkpoint.load_iteration=3"], ranks)
     assert sorted(resumed) == [4, 5, 6]
     for iteration, loss in resumed.items():

@@ -151,6 +151,12 @@ LAYOUTS = {
         2,
         [*MOE, "--model.moe_shared_expert_intermediate_size=64", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
     ),
+    # dp x tp: the router and experts FSDP-sharded over all 4 ranks (tp folded in, as Megatron's
+    # expert-data-parallel group), their gradients summed in one reduce-scatter per MoE layer
+    "moe_dp_shard2_tp2_sp_shared_expert": (
+        4,
+        [*MOE, "--model.moe_shared_expert_intermediate_size=64", DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+    ),
     "moe_pp2_expert_bias_full_block_ac": (
         2,
         [*MOE, *EXPERT_BIAS, "--model.moe_layer_freq=2", PP2, "--parallel.pipeline_schedule=1F1B",

@@ -89,7 +89,10 @@ def _permute(
         layout = _Layout(token=token, filled=None, probs=probs[token, expert], num_tokens=x.shape[0])
         return x.index_select(0, token), routing_map.sum(0), layout
     expert, token, filled = _slots(routing_map, capacity)
-    pair_probs = torch.where(filled, probs[token, expert], 0)
+    # A flat gather, not probs[token, expert]: compiled by inductor (torch 2.13, CPU), the 2-D
+    # index's backward (padding slots repeat (0, e)) lost the router's gradient through the
+    # probabilities (aot_eager was right); the gather's scatter-add backward is right in both.
+    pair_probs = torch.where(filled, probs.reshape(-1).gather(0, token * num_experts + expert), 0)
     layout = _Layout(token, filled, pair_probs, x.shape[0], counts_on_host=[capacity] * num_experts)
     buffer = torch.where(filled.unsqueeze(-1), x.index_select(0, token), 0)  # padding rows are zeros
     counts = torch.full((num_experts,), capacity, dtype=torch.long, device=x.device)

@@ -76,6 +76,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             dims.sub("tp"),
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
+            moe_folded=dims.tp_folds_into_moe,
         )
         if rng is not None:
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
@@ -100,6 +101,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             mixed_precision_policy(compute_dtype(cfg), grad_reduce_dtype(cfg)),
             reshard_after_forward=fsdp_reshards_after_forward(cfg),
             expert_mesh=dims.expert_fsdp_mesh() if dims.ep_enabled else None,
+            moe_mesh=dims.moe_fsdp_mesh(),
         )
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -9,6 +9,11 @@ sequence, so what sums over tokens (the loss, its token count, gradients) runs o
 Expert parallelism adds no dimension of its own: its ep ranks are folded out of dp_shard x cp
 (cp innermost, so ep = dp_shard / efsdp x cp), "ep" over neighbouring ranks, and the experts'
 FSDP shards over the "efsdp" ranks that remain (dtgpt/parallel/expert.py).
+
+tp folds into the MoE layers' FSDP as Megatron folds it into its expert-data-parallel group
+(expert tp = 1): the router and the experts are whole on every tp rank, each rank computing on
+its own sequence chunk, so their gradients are sums over dp_shard x cp x tp, which one
+reduce-scatter per FSDP unit does over the flattened view ("moe_fsdp", and under ep "efsdp_tp").
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class ParallelDims:
     """Expert-parallel ranks, folded out of dp_shard x cp (not a factor of world_size)."""
     low_precision: bool = False
     """fp16/bf16: FSDP casts the parameters even at dp = cp = 1 (dtgpt/parallel/fsdp.py)."""
+    moe: bool = False
+    """The model has MoE layers: under tp with FSDP their FSDP units span tp too (tp_folds_into_moe)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     """Flattened views ('dp', 'dp_cp', 'dp_shard_cp', and HSDP's 'hsdp_cp'); kept here because
@@ -47,7 +54,8 @@ class ParallelDims:
         validate_mesh(cfg, world_size)
         pp, dpr, dps, cp, tp = mesh_shape(cfg, world_size)
         ep = cfg.parallel.expert_model_parallel_size
-        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size, ep=ep, low_precision=low_precision(cfg))
+        return cls(pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, world_size=world_size, ep=ep,
+                   low_precision=low_precision(cfg), moe=cfg.model.moe_enabled)  # fmt: skip
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -80,6 +88,14 @@ class ParallelDims:
         # tp slice an fp32 run needs no FSDP; fp16/bf16 runs need its cast of the parameters.
         return self.dp * self.cp > 1 or self.low_precision
 
+    @property
+    def tp_folds_into_moe(self) -> bool:
+        """The MoE layers' router and experts are FSDP-sharded over dp_shard x cp x tp, their
+        gradients reduced in one reduce-scatter per unit. Without FSDP they stay replicated over
+        tp, their partial gradients summed in one bucket (ModelParts.reduce_pending_grads); under
+        HSDP too (FSDP's per-parameter sum over tp: a 2-D folded mesh is not built)."""
+        return self.moe and self.tp_enabled and self.fsdp_enabled and self.dp_replicate == 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Create the named 5-D mesh and its flattened views; None in a one-process run."""
         if not dist.is_initialized():
@@ -98,7 +114,9 @@ class ParallelDims:
         # A parameter sharded over FSDP's shard dimension and tp has a partial norm on both: with
         # this flattened view DTensor reduces it in one all-reduce, in one order on every rank,
         # instead of two in sequence (DTensor finds a flattened view by the ranks it spans).
-        self.mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
+        shard_tp = self.mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
+        if self.tp_folds_into_moe:
+            self.flat["moe_fsdp"] = shard_tp
         if self.cp_enabled and self.tp_enabled:  # see sequence_mesh
             self.flat["cp_tp"] = self.mesh["cp", "tp"]._flatten("cp_tp")
         if self.ep_enabled:
@@ -113,7 +131,11 @@ class ParallelDims:
         self.flat["ep"], self.flat["efsdp"] = expert["ep"], expert["efsdp"]
         if self.dp_replicate > 1:
             self.flat["hsdp_efsdp"] = expert["dp_replicate", "efsdp"]
-        if self.tp_enabled:
+        if self.tp_folds_into_moe:  # the experts' FSDP spans efsdp x tp; each tp rank keeps the same ep groups
+            names = ("dp_replicate", "dp_shard", "cp", "tp")
+            with_tp = self.mesh[names]._flatten("dp_cp_tp")._unflatten(0, (1, efsdp, self.ep, self.tp), ("dp_replicate", "efsdp", "ep", "tp"))
+            self.flat["efsdp_tp"] = with_tp["efsdp", "tp"]._flatten("efsdp_tp")
+        elif self.tp_enabled:
             self.flat["ep_tp"] = DeviceMesh._concatenate([expert["ep"], self.mesh["tp"]])
 
     def sub(self, name: str) -> DeviceMesh | None:
@@ -129,12 +151,21 @@ class ParallelDims:
         return self.flat["hsdp_cp"] if self.cp_enabled else self.mesh["dp_replicate", "dp_shard"]
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
-        """The experts' FSDP mesh: the dp ranks that remain once ep is folded out (HSDP: 2-D)."""
+        """The experts' FSDP mesh: the dp ranks that remain once ep is folded out (HSDP: 2-D),
+        with tp where it folds in."""
+        if self.tp_folds_into_moe:
+            return self.flat["efsdp_tp"]
         return self.flat["hsdp_efsdp"] if self.dp_replicate > 1 else self.flat["efsdp"]
 
     def expert_mesh(self) -> DeviceMesh:
-        """Where an expert parameter lives: sharded over ep, replicated over tp."""
-        return self.flat["ep_tp"] if self.tp_enabled else self.flat["ep"]
+        """Where an expert parameter lives: sharded over ep, and replicated over tp unless tp
+        folds into its FSDP shards."""
+        return self.flat["ep_tp"] if "ep_tp" in self.flat else self.flat["ep"]
+
+    def moe_fsdp_mesh(self) -> DeviceMesh | None:
+        """The FSDP mesh of each MoE layer's router (and, without ep, its experts): dp_shard x cp
+        x tp, where tp folds in; else None."""
+        return self.flat.get("moe_fsdp")
 
     def sequence_mesh(self) -> DeviceMesh:
         """The ranks that hold chunks of the same sequences: cp x tp (tp under sequence parallelism)."""

@@ -29,7 +29,8 @@ def apply_ep(model: GPT, ep_mesh: DeviceMesh, expert_mesh: DeviceMesh | None = N
     """Shard every MoE layer's experts over `ep_mesh` (expert e on ep rank e // (E / ep)) and
     route its tokens there and back.
 
-    expert_mesh: the mesh the expert parameters live on, ep alone or (ep, tp); None: ep_mesh.
+    expert_mesh: the mesh the expert parameters live on, ep alone or (ep, tp) (unless tp folds
+    into their FSDP shards, ParallelDims.expert_mesh); None: ep_mesh.
     """
     expert_mesh = expert_mesh or ep_mesh
     placements = [Shard(0)] + [Replicate()] * (expert_mesh.ndim - 1)

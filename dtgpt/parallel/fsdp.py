@@ -19,6 +19,13 @@ parallelism each MoE layer's experts are a unit of their own inside their block'
 the dp ranks that remain once ep is folded out (`expert_mesh`, dtgpt/parallel/expert.py), on
 their second axis: the first is already split over ep, and two splits of one axis would make
 FSDP's strided placements (_StridedShard) out of plain shards.
+
+Under tp with FSDP the MoE layers fold tp into their FSDP mesh (`moe_mesh`, ParallelDims.
+tp_folds_into_moe), as Megatron folds it into its expert-data-parallel group: each MoE layer is
+a unit of its own over dp_shard x cp x tp holding its router (and, without ep, its experts), so
+the gradients every tp rank holds a partial sum of are summed over dp and tp in that unit's one
+reduce-scatter, not all-reduced over tp one parameter at a time. Its shared expert, sharded over
+tp as a dense MLP, is a unit of its own over the dp ranks.
 """
 
 from __future__ import annotations
@@ -45,16 +52,23 @@ def apply_fsdp(
     *,
     reshard_after_forward: bool,
     expert_mesh: DeviceMesh | None = None,
+    moe_mesh: DeviceMesh | None = None,
 ) -> None:
-    """expert_mesh: under expert parallelism, the mesh that shards the (ep-sharded) experts."""
+    """expert_mesh: under expert parallelism, the mesh that shards the (ep-sharded) experts;
+    moe_mesh: where tp folds in, the mesh of each MoE layer's unit (module docstring)."""
 
-    def shard(module):
-        fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    def shard(module, mesh=dp_mesh):
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
     if expert_mesh is not None:
         for layer in moe_layers([model]).values():
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=lambda _param: Shard(1))  # fmt: skip
+    if moe_mesh is not None:
+        for layer in moe_layers([model]).values():
+            if layer.shared_expert is not None:
+                shard(layer.shared_expert)
+            shard(layer, moe_mesh)
     for block in model.layers.values():
         shard(block)
     tied_here = model.tied and model.embedding is not None and model.output is not None

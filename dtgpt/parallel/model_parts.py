@@ -25,6 +25,7 @@ from dtgpt.moe.stats import RoutingStats
 from dtgpt.mtp import MTPLoss, with_added_gradient
 from dtgpt.parallel.compute_copy import ComputeCopy
 from dtgpt.parallel.dims import ParallelDims
+from dtgpt.parallel.grad_bucket import reduce_pending_grads_bucketed
 from dtgpt.parallel.rng import ModelParallelRNG
 from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_tied_grads, tied_pair_on_rank
 
@@ -190,12 +191,14 @@ class ModelParts:
 
     @torch.no_grad()
     def reduce_pending_grads(self) -> None:
-        """All-reduce, once, the gradients DTensor left as pending sums (Partial over tp).
+        """All-reduce, once, the gradients DTensor left as pending sums (Partial over tp), in one
+        bucket (dtgpt/parallel/grad_bucket.py).
 
         Under sequence parallelism the replicated norm weights see a different sequence chunk
         on each tp rank; left Partial, every optimizer op that reads such a gradient (norm,
         clip, each Adam update) would all-reduce it again.
         """
+        reduce_pending_grads_bucketed(self.parameters())
         for param in self.parameters():
             if param.grad is not None:
                 align_grad_placement(param)

@@ -103,16 +103,20 @@ def _replicated_parameters(module: nn.Module, _inputs, _output) -> None:
     module._replicas = []
 
 
-def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> dict[str, ParallelStyle]:
     """An MoE block's plan under sequence parallelism (config: MoE with tp needs it): the router
     and experts route this rank's chunk of tokens with replicated weights; the shared expert is
-    a tensor-parallel MLP like the dense one."""
+    a tensor-parallel MLP like the dense one.
+
+    folded: FSDP shards the router and experts over dp x tp (ParallelDims.tp_folds_into_moe), so
+    they stay plain parameters here, whole on every tp rank until FSDP takes them.
+    """
     # The router's loads over the whole sequences: dtgpt.parallel.expert.apply_moe_sequence_ranks (tp x cp).
-    plan = {
+    plan: dict[str, ParallelStyle] = {
         prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
-        prefix + "mlp.router": LocalReplicaParallel(),
-        prefix + "mlp.experts": LocalReplicaParallel(),
     }
+    if not folded:
+        plan.update({prefix + "mlp.router": LocalReplicaParallel(), prefix + "mlp.experts": LocalReplicaParallel()})
     shared = block.mlp.shared_expert
     if shared is not None:
         plan.update(
@@ -159,7 +163,9 @@ def _attention_plan(prefix: str, attention: Attention, tp_mesh: DeviceMesh, seq)
     return plan
 
 
-def _block_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _block_plan(
+    prefix: str, block: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, moe_folded: bool
+) -> dict[str, ParallelStyle]:
     """One transformer block's plan: its attention's, its norms', its MLP's or MoE layer's."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
@@ -170,7 +176,7 @@ def _block_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, sequence_par
     plan[prefix + "input_norm"] = _norm_style(sequence_parallel)
     plan[prefix + "mlp_norm"] = _norm_style(sequence_parallel)
     if isinstance(block.mlp, MoELayer):
-        return plan | _moe_plan(prefix, block, tp_mesh)
+        return plan | _moe_plan(prefix, block, tp_mesh, moe_folded)
     if block.mlp.gate is not None:
         plan[prefix + "mlp.gate"] = ColwiseParallel()
     plan.update(
@@ -183,8 +189,10 @@ def _block_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, sequence_par
     return plan
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place."""
+def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, moe_folded: bool = False) -> None:
+    """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place.
+
+    moe_folded: leave the MoE routers and experts to FSDP over dp x tp (see _moe_plan)."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {}
     if model.embedding is not None:
@@ -203,7 +211,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             use_local_output=not loss_parallel,
         )
     for name, block in model.layers.items():
-        plan.update(_block_plan(f"layers.{name}.", block, tp_mesh, sequence_parallel))
+        plan.update(_block_plan(f"layers.{name}.", block, tp_mesh, sequence_parallel, moe_folded))
     if model.mtp is not None:
         for k, layer in enumerate(model.mtp.layers):
             prefix = f"mtp.layers.{k}."
@@ -211,7 +219,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
                 plan[prefix + norm] = _norm_style(sequence_parallel)
             # Megatron's column-parallel eh_proj, its output gathered whole (then this rank's chunk under SP)
             plan[prefix + "eh_proj"] = ColwiseParallel(input_layouts=seq, output_layouts=seq)
-            plan.update(_block_plan(prefix + "transformer_layer.", layer.transformer_layer, tp_mesh, sequence_parallel))
+            plan.update(_block_plan(prefix + "transformer_layer.", layer.transformer_layer, tp_mesh, sequence_parallel, moe_folded))
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel and model.embedding is not None:
         # The sequence chunk is a view of the full embedding output. FSDP2 hooks its backward

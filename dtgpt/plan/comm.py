@@ -30,10 +30,13 @@ below counts the rank's s/cp tokens):
                  all-reduce backward (SP: an all-gather forward, a reduce-scatter backward),
                  the vocabulary-parallel loss 3 all-reduces of b·s fp32 (max, sum of exp, the
                  target logit). With SP each replicated norm weight's gradient: 1 all-reduce of
-                 h elements per iteration (g bytes each, e with a single micro-batch).
+                 h elements per iteration (g bytes each, e with a single micro-batch) under FSDP;
+                 without it, all such pending sums (and the MoE router's and experts') in 1
+                 all-reduce per iteration.
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
-  MoE            the experts' all-to-all over ep and their FSDP units over efsdp:
+  MoE            the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
+                 units that fold tp in:
                  dtgpt.plan.comm_moe.
   per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the
                  first and last stage; the loss's token count over dp x cp (last stage); the
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import recompute_groups
-from dtgpt.plan import comm_mla, comm_moe
+from dtgpt.plan import comm_mla, comm_moe, comm_tp_grads
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
@@ -59,7 +62,7 @@ FP32 = 4
 class Collective:
     kind: str
     dim: str
-    """the mesh dimension it runs over: tp, cp, pp, dp, dp_cp, dp_shard(_cp), dp_replicate, ep, efsdp, tied, world"""
+    """the mesh dimension it runs over: tp, cp, pp, dp, dp_cp, dp_shard(_cp), dp_replicate, ep, efsdp(_tp), moe_fsdp, tied, world"""
     what: str
     count: int
     message_bytes: int
@@ -172,6 +175,12 @@ class CommLayout:
         return self.dp * self.cp > 1
 
     @property
+    def fsdp_applied(self) -> bool:
+        """FSDP wraps the model (ParallelDims.fsdp_enabled): over dp x cp, or for its cast of the
+        parameters under fp16/bf16, where its one-rank units communicate nothing."""
+        return self.fsdp or self.compute_bytes < FP32
+
+    @property
     def tokens(self) -> int:
         """Tokens of a sequence one rank holds."""
         return self.seq // self.cp
@@ -240,9 +249,11 @@ def rank_stages(c: CommLayout, pp_rank: int) -> list[int]:
 
 
 def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
-    if not c.fsdp:
+    if not c.fsdp_applied:
         return []
     out = []
+    if not c.fsdp:  # one-rank units (fp16/bf16 at dp = cp = 1): only tp-folded MoE units communicate
+        return comm_moe.moe_unit_collectives(c, stages, n_micro, Collective)
     dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
     for stage in stages:
         for name, shapes, root in fsdp_units(c, stage):
@@ -255,7 +266,7 @@ def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Col
             if c.dp_replicate > 1:
                 shard = numel // c.shard * c.grad_bytes
                 out.append(Collective("all_reduce", "dp_replicate", f"hsdp {name} grads", 1, shard))
-    return out + comm_moe.expert_fsdp_collectives(c, stages, Collective)
+    return out + comm_moe.expert_fsdp_collectives(c, stages, Collective) + comm_moe.moe_unit_collectives(c, stages, n_micro, Collective)
 
 
 def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
@@ -276,23 +287,16 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
                 Collective("all_gather", "tp", "sp output grads bwd", sublayers, act),
                 Collective("reduce_scatter", "tp", "sp block outputs fwd", sublayers, act),
                 Collective("reduce_scatter", "tp", "sp norm output grads bwd", inputs, residual)]  # fmt: skip
-        norms = (2 * blocks + (1 if last else 0)) * c.norm_params
-        # FSDP sums tp's partial gradients of a replicated weight in the gradient's dtype: the
-        # compute dtype, or the reduce dtype it accumulates several micro-batches in.
-        grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
-        out.append(Collective("all_reduce", "tp", "sp norm weight grads", norms, c.hidden * grad))
     else:
         out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
                 Collective("all_reduce", "tp", "norm output grads bwd", inputs, residual)]  # fmt: skip
     if c.latent is not None:
-        out += comm_mla.latent_tp_collectives(c, Collective, blocks, n_micro, c.grad_bytes if n_micro > 1 else c.compute_bytes)
+        out += comm_mla.latent_tp_collectives(c, Collective, blocks, n_micro)
     if c.groups < c.tp:  # ranks share key/value groups: the QKV output is gathered whole (as Megatron does)
         qkv = c.micro_batch * c.tokens * (c.heads + 2 * c.groups) * c.head_dim * c.compute_bytes
         out += [Collective("all_gather", "tp", "qkv output fwd", blocks * n_micro, qkv),
                 Collective("reduce_scatter", "tp", "qkv output grads bwd", blocks * n_micro, qkv)]  # fmt: skip
-    if c.qk_norm and c.latent is None:  # each rank normalises its own heads: the weights' gradients summed as SP norms'
-        grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
-        out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * grad))
+    out += comm_tp_grads.replicated_grad_collectives(c, stages, n_micro, Collective)
     if first:
         out.append(Collective("all_reduce", "tp", "vocab-parallel embedding fwd", n_micro, residual))
         if c.sequence_parallel:

@@ -63,9 +63,9 @@ def replicated_grad_elements(c) -> list[int]:
     return shapes + [(lat.kv_lora + lat.pos) * h] + [lat.kv_lora] * (c.norm_params * lat.norms)
 
 
-def latent_tp_collectives(c, collective, blocks: int, n_micro: int, grad: int) -> list:
+def latent_tp_collectives(c, collective, blocks: int, n_micro: int) -> list:
     """The attention's tp collectives (`collective`: plan/comm.py's Collective, passed in) for
-    `blocks` blocks and `n_micro` micro-batches; `grad`: a summed gradient's bytes."""
+    `blocks` blocks and `n_micro` micro-batches."""
     lat = c.latent
     token_bytes = c.micro_batch * c.tokens * c.compute_bytes
     query = lat.q_lora or c.hidden
@@ -79,8 +79,7 @@ def latent_tp_collectives(c, collective, blocks: int, n_micro: int, grad: int) -
         out = [collective("all_reduce", "tp", "mla compressed query grads bwd", n, query * token_bytes),
                collective("all_reduce", "tp", "mla compressed key/value and rope key grads bwd", n,
                           (lat.kv_lora + lat.pos) * token_bytes)]  # fmt: skip
-    out += [collective("all_reduce", "tp", "mla replicated weight grads", blocks, size * grad) for size in replicated_grad_elements(c)]
-    return out
+    return out  # the replicated weights' gradient sums: dtgpt.plan.comm_tp_grads
 
 
 def latent_cp_collectives(c, collective, n_gather: int, n_scatter: int) -> list:

@@ -14,10 +14,17 @@ micro-batch (each tp rank routes its own sequence chunk under SP), per MoE layer
   under tp (+ SP) and cp: the router and the experts run on the rank's own tokens, so an MoE
        block has no SP gather/scatter around its MLP (only the attention's); the router's
        per-expert load counts (E int64, B·E for seq_aux_loss) are summed over the ranks holding
-       chunks of the same sequences (cp x tp) per micro-batch, again in a recomputed forward; the
-       router's and experts' gradients, partial over tp, are all-reduced once per iteration
-       (in the compute dtype with one micro-batch, else in the reduce dtype, as SP's norms).
-  FSDP over efsdp = dp_shard·cp/ep (the ranks left once ep is folded out): each MoE layer's
+       chunks of the same sequences (cp x tp) per micro-batch, again in a recomputed forward. The
+       router's and experts' gradients, partial over tp, are summed over tp once per iteration:
+       under FSDP (HSDP excepted) tp folds into their units, as Megatron folds it into its
+       expert-data-parallel group: each MoE layer is a unit over dp_shard·cp·tp holding its
+       router (and, without ep, its experts; with ep, the experts' unit spans efsdp·tp), one
+       all-gather and one reduce-scatter per iteration, and its shared expert a unit over
+       dp_shard·cp; without FSDP they join the one all-reduce of every pending tp sum
+       (dtgpt.plan.comm); under HSDP FSDP all-reduces each over tp (in the compute dtype with
+       one micro-batch, else in the reduce dtype, as SP's norms).
+  FSDP over efsdp = dp_shard·cp/ep (the ranks left once ep is folded out, times tp where tp
+       folds in): each MoE layer's
        experts are a unit of their own, E/ep experts sharded on their second axis; one
        all-gather and one reduce-scatter per iteration as any unit, none at efsdp = 1; HSDP adds
        the all-reduce of the shard over dp_replicate. The router (E x h) and the shared expert
@@ -52,11 +59,57 @@ def mlp_shapes(c, width: int) -> list[tuple[int, ...]]:
     return mlp_in * (2 if c.swiglu else 1) + [(c.hidden, width // tp)] + [(c.hidden,)] * c.bias
 
 
+def tp_folds_in(c) -> bool:
+    """ParallelDims.tp_folds_into_moe: the MoE layers' FSDP units span tp."""
+    return c.experts > 0 and c.tp > 1 and c.fsdp_applied and c.dp_replicate == 1
+
+
+def router_shapes(c) -> list[tuple[int, ...]]:
+    return [(c.experts, c.hidden)] + [(c.experts,)] * c.bias
+
+
 def moe_block_shapes(c) -> list[tuple[int, ...]]:
     """What an MoE layer leaves in its block's FSDP unit: the router (replicated over tp) and the
-    shared expert (tensor-parallel as a dense MLP)."""
-    router = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias
-    return router + (mlp_shapes(c, c.shared_ffn) if c.shared_ffn else [])
+    shared expert (tensor-parallel as a dense MLP), without ep the experts; nothing where tp folds in (units of their own)."""
+    if tp_folds_in(c):
+        return []
+    experts = expert_shapes(c) if c.ep == 1 else []  # under ep, a unit of their own
+    return router_shapes(c) + experts + (mlp_shapes(c, c.shared_ffn) if c.shared_ffn else [])
+
+
+def moe_layers_held(c, stages: list[int]) -> int:
+    return sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+
+
+def padded_numel(shapes: list[tuple[int, ...]], shards: int, dim: int = 0) -> int:
+    """Elements FSDP gathers: each tensor's dimension `dim` padded up to a multiple of `shards`."""
+    return sum(math.prod((*s[:dim], -(-s[dim] // shards) * shards, *s[dim + 1 :])) for s in shapes)
+
+
+def moe_unit_collectives(c, stages: list[int], n_micro: int, collective) -> list:
+    """Where tp folds in (module docstring): each MoE layer's unit over dp_shard·cp·tp, one
+    all-gather (again per micro-batch where FSDP reshards after forward) and one reduce-scatter
+    of all its gradients; its shared expert's unit over dp_shard·cp."""
+    if not tp_folds_in(c):
+        return []
+    layers = moe_layers_held(c, stages)
+    gathers = 2 * n_micro if c.reshard_every_micro_batch and c.pp == 1 else 1
+    numel = padded_numel(router_shapes(c) + (expert_shapes(c) if c.ep == 1 else []), c.shard * c.tp)
+    out = [collective("all_gather", "moe_fsdp", "fsdp moe layer params", layers * gathers, numel * c.compute_bytes),
+           collective("reduce_scatter", "moe_fsdp", "fsdp moe layer grads", layers, numel * c.grad_bytes)]  # fmt: skip
+    if c.shared_ffn and c.shard > 1:
+        numel = padded_numel(mlp_shapes(c, c.shared_ffn), c.shard)
+        out += [collective("all_gather", "dp_shard_cp", "fsdp shared expert params", layers * gathers, numel * c.compute_bytes),
+                collective("reduce_scatter", "dp_shard_cp", "fsdp shared expert grads", layers, numel * c.grad_bytes)]  # fmt: skip
+    return out
+
+
+def replicated_numel(c, stages: list[int]) -> int:
+    """Elements of the router and expert gradients a rank holds as partial sums over tp (none
+    where tp folds into their FSDP units)."""
+    if c.experts == 0 or c.tp == 1 or tp_folds_in(c):
+        return 0
+    return moe_layers_held(c, stages) * sum(math.prod(s) for s in router_shapes(c) + expert_shapes(c))
 
 
 def expert_shapes(c) -> list[tuple[int, ...]]:
@@ -66,9 +119,14 @@ def expert_shapes(c) -> list[tuple[int, ...]]:
     return [(local, fc1, h), (local, h, f)] + ([(local, fc1), (local, h)] if c.bias else [])
 
 
+def expert_shards(c) -> int:
+    """The ranks of the experts' FSDP unit under ep: efsdp, times tp where tp folds in."""
+    return c.efsdp * (c.tp if tp_folds_in(c) else 1)
+
+
 def expert_gathered_numel(c) -> int:
-    """Elements FSDP gathers for one expert unit: dim 1 padded up to a multiple of efsdp."""
-    return sum(math.prod((s[0], -(-s[1] // c.efsdp) * c.efsdp, *s[2:])) for s in expert_shapes(c))
+    """Elements FSDP gathers for one expert unit: dim 1 padded up to a multiple of its shards."""
+    return padded_numel(expert_shapes(c), expert_shards(c), dim=1)
 
 
 def routed_rows(c) -> int:
@@ -81,16 +139,18 @@ def routed_rows(c) -> int:
 
 def expert_fsdp_collectives(c, stages: list[int], collective) -> list:
     """The experts' FSDP units: one gather and one reduce-scatter per MoE layer and iteration."""
-    if c.efsdp * c.dp_replicate == 1 or c.experts == 0:
+    if c.ep == 1 or expert_shards(c) * c.dp_replicate == 1 or c.experts == 0:
         return []
-    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    layers = moe_layers_held(c, stages)
     numel = expert_gathered_numel(c)
+    shards = expert_shards(c)
+    dim = "efsdp_tp" if tp_folds_in(c) else "efsdp"
     out = []
-    if c.efsdp > 1:
-        out += [collective("all_gather", "efsdp", "fsdp experts params", layers, numel * c.compute_bytes),
-                collective("reduce_scatter", "efsdp", "fsdp experts grads", layers, numel * c.grad_bytes)]  # fmt: skip
+    if shards > 1:
+        out += [collective("all_gather", dim, "fsdp experts params", layers, numel * c.compute_bytes),
+                collective("reduce_scatter", dim, "fsdp experts grads", layers, numel * c.grad_bytes)]  # fmt: skip
     if c.dp_replicate > 1:
-        out.append(collective("all_reduce", "dp_replicate", "hsdp experts grads", layers, numel // c.efsdp * c.grad_bytes))
+        out.append(collective("all_reduce", "dp_replicate", "hsdp experts grads", layers, numel // shards * c.grad_bytes))
     return out
 
 
@@ -134,7 +194,7 @@ def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, colle
         dim = "cp_tp" if c.cp > 1 and tp > 1 else "cp" if c.cp > 1 else "tp"
         counts = 8 * c.experts * (c.micro_batch if c.load_balancing == "seq_aux_loss" else 1)
         out.append(collective("all_reduce", dim, "router load counts", (layers + rerun) * n_micro, counts))
-    if c.tp > 1:
+    if c.tp > 1 and c.fsdp_applied and not tp_folds_in(c):  # HSDP: FSDP sums each over tp
         grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
         replicated = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + expert_shapes(c)
         out += [collective("all_reduce", "tp", "router and expert grads", layers, math.prod(s) * grad) for s in replicated]

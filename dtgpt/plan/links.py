@@ -12,7 +12,7 @@ from dtgpt.plan.comm import Collective, CommLayout, rank_collectives
 def group_size(c: CommLayout, dim: str) -> int:
     sizes = {"tp": c.tp, "cp": c.cp, "pp": c.pp, "dp": c.dp, "dp_cp": c.dp * c.cp, "dp_shard": c.dp_shard,
              "dp_shard_cp": c.shard, "dp_replicate": c.dp_replicate, "dp_shard_tp": c.shard * c.tp, "tied": 2,
-             "ep": c.ep, "efsdp": c.efsdp, "cp_tp": c.cp * c.tp,
+             "ep": c.ep, "efsdp": c.efsdp, "cp_tp": c.cp * c.tp, "moe_fsdp": c.shard * c.tp, "efsdp_tp": c.efsdp * c.tp,
              "world": c.pp * c.dp * c.cp * c.tp}  # fmt: skip
     return sizes[dim]
 
