@@ -16,10 +16,10 @@ below counts the rank's s/cp tokens):
 
   FSDP (dp x cp > 1)  FSDP shards over dp_shard x cp; per unit: 1 all-gather of its gathered
                  parameters (e bytes each: cast before the gather) and 1 reduce-scatter of its
-                 gradients (g bytes), HSDP adds 1 all-reduce of the g-byte
-                 shard over dp_replicate. Once per iteration: gradient sync is off and the
-                 parameters stay gathered until the last micro-batch ('always' resharding:
-                 2 all-gathers per unit per micro-batch, the root unit's 1).
+                 gradients (g bytes), HSDP adds 1 all-reduce of the g-byte shard over
+                 dp_replicate. Once per iteration: gradient sync is off and the parameters stay
+                 gathered until the last micro-batch ('always' resharding: 2 all-gathers per
+                 unit per micro-batch, the root unit's 1).
   CP  per block per micro-batch: 2 all-gathers (keys and values) of b·s·g·d/tp·e (g key/value
                  groups of d channels; g·d = h without grouped-query attention) forward, again
                  where backward recomputes the attention core, and 2 reduce-scatters of their
@@ -36,8 +36,7 @@ below counts the rank's s/cp tokens):
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
   MoE            the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
-                 units that fold tp in:
-                 dtgpt.plan.comm_moe.
+                 units that fold tp in: dtgpt.plan.comm_moe.
   per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the
                  first and last stage; the loss's token count over dp x cp (last stage); the
                  loss with the squared gradient norm: 1 all-reduce of 2 fp32 over the world (a
@@ -276,8 +275,6 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
         return []
     act = residual = c.micro_batch * c.tokens * c.hidden * c.compute_bytes
     blocks = sum(c.layer_counts[s] for s in stages)
-    first = 0 in stages
-    last = c.num_stages - 1 in stages
     moe = sum(1 for s in stages for i in comm_moe.stage_blocks(c, s) if comm_moe.is_moe_block(c, i))
     sublayers = (2 * blocks - moe) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
     inputs = sublayers - (blocks * n_micro if c.latent is not None else 0)  # MLA reads the rank's own tokens
@@ -290,18 +287,17 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     else:
         out += [Collective("all_reduce", "tp", "block outputs fwd", sublayers, act),
                 Collective("all_reduce", "tp", "norm output grads bwd", inputs, residual)]  # fmt: skip
-    if c.latent is not None:
-        out += comm_mla.latent_tp_collectives(c, Collective, blocks, n_micro)
+    out += comm_mla.latent_tp_collectives(c, Collective, blocks, n_micro)
     if c.groups < c.tp:  # ranks share key/value groups: the QKV output is gathered whole (as Megatron does)
         qkv = c.micro_batch * c.tokens * (c.heads + 2 * c.groups) * c.head_dim * c.compute_bytes
         out += [Collective("all_gather", "tp", "qkv output fwd", blocks * n_micro, qkv),
                 Collective("reduce_scatter", "tp", "qkv output grads bwd", blocks * n_micro, qkv)]  # fmt: skip
     out += comm_tp_grads.replicated_grad_collectives(c, stages, n_micro, Collective)
-    if first:
+    if 0 in stages:
         out.append(Collective("all_reduce", "tp", "vocab-parallel embedding fwd", n_micro, residual))
         if c.sequence_parallel:
             out.append(Collective("all_gather", "tp", "embedding grad bwd", n_micro, residual))
-    if last:
+    if c.num_stages - 1 in stages:
         if c.sequence_parallel:
             out += [Collective("all_gather", "tp", "head input fwd", n_micro, residual),
                     Collective("reduce_scatter", "tp", "head input grad bwd", n_micro, residual)]  # fmt: skip

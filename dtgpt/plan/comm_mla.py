@@ -65,8 +65,10 @@ def replicated_grad_elements(c) -> list[int]:
 
 def latent_tp_collectives(c, collective, blocks: int, n_micro: int) -> list:
     """The attention's tp collectives (`collective`: plan/comm.py's Collective, passed in) for
-    `blocks` blocks and `n_micro` micro-batches."""
+    `blocks` blocks and `n_micro` micro-batches; none without multi-latent attention."""
     lat = c.latent
+    if lat is None:
+        return []
     token_bytes = c.micro_batch * c.tokens * c.compute_bytes
     query = lat.q_lora or c.hidden
     n = blocks * n_micro
