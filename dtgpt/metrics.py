@@ -242,21 +242,34 @@ class MetricsLogger:
         the timers over ranks."""
         self._interval_iters += 1
         closes = record["iteration"] % self.cfg.log_interval == 0
-        times = timers.min_max(self._interval_iters) if closes and timers is not None else {}
+        try:
+            times = timers.min_max(self._interval_iters) if closes and timers is not None else {}
+        except Exception:
+            # A peer died in the reduction after this iteration completed: last words save it and a
+            # restart resumes after it, so its record is written here (without the times) or never.
+            self._write_record(record, {})
+            raise
         if closes:
             self._interval_iters = 0
-        if not self.active:
+        record = self._write_record(record, times)
+        if record is None:
             return
-        check_record(record)
-        record = {k: _json_value(v) for k, v in record.items()}
-        if self._file is not None:
-            self._file.write(metrics_json_line(record, times) + "\n")
-            self._file.flush()
         if self.writer is not None:
             self._write_scalars(record, times)
         self._interval.append(record)
         if closes:
             self._print_interval(record["iteration"], times)
+
+    def _write_record(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]]) -> dict | None:
+        """The record checked and written to the metrics file (None off the logging rank)."""
+        if not self.active:
+            return None
+        check_record(record)
+        record = {k: _json_value(v) for k, v in record.items()}
+        if self._file is not None:
+            self._file.write(metrics_json_line(record, times) + "\n")
+            self._file.flush()
+        return record
 
     def _write_scalars(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]]) -> None:
         step = record["iteration"]

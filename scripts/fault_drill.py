@@ -54,7 +54,7 @@ IN_PROCESS_HEADER = [
 ]
 
 
-def compared_row(replaced: Result, restarted: Result) -> str:
+def compared_row(replaced: Result, restarted: Result | None) -> str:
     def cell(v):
         return "n/a" if v is None else ("yes" if v is True else "NO" if v is False else str(v))
 
@@ -63,6 +63,7 @@ def compared_row(replaced: Result, restarted: Result) -> str:
 
     cells = [replaced.scenario, replaced.outcome, cell(replaced.ok), cell(replaced.pids_kept), cell(replaced.lost),
              cell(replaced.equal), secs(replaced.recovery),
+             "n/a (no restart-all run)" if restarted is None else
              f"{secs(restarted.recovery)} ({restarted.outcome}; {cell(restarted.lost)} recomputed"
              f"{'' if restarted.ok else '; NOT recovered'})"]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
@@ -102,12 +103,18 @@ class Drill(Runner):
         result.recovery = recovery_seconds(run, completed_at_kill(iteration, during))
         return result
 
-    def replace(self, rank: int, iteration: int, during: str = "iteration", async_save: bool = False) -> Result:
+    def replace(
+        self, rank: int, iteration: int, during: str = "iteration", async_save: bool = False, also: tuple[int, ...] = ()
+    ) -> Result:
         """The same kill under `python -m dtgpt.run --max-restarts=2` (a Drill with launcher="dtgpt.run"):
         only the dead rank is started again, the survivors keep their processes and their state
-        (in-process recovery), and the interrupted iteration is redone; nothing is trained twice."""
-        name, where = self.place(f"{self.label}replace-{kill_kind(during, async_save)}-r{rank}-i{iteration}")
-        run = self.launch(where, "run", self.job(where, kill_faults(rank, iteration, during, async_save)), restarts=2)
+        (in-process recovery), and the interrupted iteration is redone; nothing is trained twice.
+        `also`: ranks killed with `rank`, at the same point (a whole replica), replaced together."""
+        dead = {rank, *also}
+        ranks = "".join(f"-r{r}" for r in sorted(dead))
+        name, where = self.place(f"{self.label}replace-{kill_kind(during, async_save)}{ranks}-i{iteration}")
+        faults = kill_faults(rank, iteration, during, async_save) + ([f"--faults.kill_also_ranks={list(also)}"] if also else [])
+        run = self.launch(where, "run", self.job(where, faults), restarts=2)
         replaced = re.search(r"in-process recovery: rank\(s\) (\[[\d, ]+\]) replaced, the others kept their state; (.*?) is redone", run.log)
         # a replaced rank 0 logs its own line instead (the survivors' line is rank 0's)
         joined = re.search(r"in-process recovery: rank (\d+) \(replacement \d+\) took its state from rank (\d+) at iteration (\d+)", run.log)
@@ -130,13 +137,31 @@ class Drill(Runner):
         result = self.finish(Result(name, outcome, runs=[run]), where)
         pids = run.worker_pids
         result.pids_kept = sorted(pids) == list(range(self.nproc)) and all(
-            len(p) == (2 if r == rank else 1) for r, p in pids.items())  # fmt: skip
+            len(p) == (2 if r in dead else 1) for r, p in pids.items())  # fmt: skip
         result.recovery = recovery_seconds(run, completed_at_kill(iteration, during))
         if fell_back:  # the full restart it announced: recovered, nothing recomputed, new processes
             result.ok = result.ok and result.lost == 0
         else:
             result.ok = result.ok and bool(replaced or joined) and result.pids_kept and result.lost == 0
         return result
+
+    def bug(self, rank: int, iteration: int) -> Result:
+        """Under dtgpt.run, `rank`'s forward raises RuntimeError from `iteration` on: a bug, not a
+        death. The job stops with the error's line after last words (exit 1); nothing is redone,
+        restarted or replaced."""
+        name, where = self.place(f"{self.label}bug-r{rank}-i{iteration}")
+        faults = [f"--faults.raise_at_iteration={iteration}", f"--faults.raise_rank={rank}"]
+        run = self.launch(where, "run", self.job(where, faults), restarts=2)
+        stopped = re.search(r"stopping: (rank \d+ raised \w+)", run.log)
+        spoke = re.search(r"last words: ranks \S.*? saved iteration (\d+)", run.log)
+        quiet = not any(s in run.log for s in ("is redone", "starting replacement", "restart worker group"))
+        pids = run.worker_pids
+        kept = sorted(pids) == list(range(self.nproc)) and all(len(p) == 1 for p in pids.values())
+        ok = run.rc == 1 and bool(stopped) and quiet and kept
+        outcome = (f"stopped: {stopped[1]}, last words saved {spoke[1] if spoke else 'nothing'}, nothing redone or restarted"
+                   if ok else f"FAILED (rc {run.rc}, {'a stop line' if stopped else 'no stop line'}, "
+                              f"{'quiet' if quiet else 'redone or restarted'})")  # fmt: skip
+        return Result(name, outcome, lost=0, ok=ok, seconds=run.seconds, runs=[run], pids_kept=kept)
 
     def stop_signal(self, sig: str = "SIGTERM", whole_group: bool = False, after: int = 4) -> Result:
         """A signal to torchrun (Slurm preemption), or to its whole process group (Ctrl-C), after
@@ -331,6 +356,9 @@ def in_process_scenarios(workdir: Path, trials: int, seed: int, device: str = "c
                 return x.replace(*a), y.sigkill(*a)
 
             todo.append((f"in-process-{label}-{kill_kind(during, async_save)}", both))
+        if label == "hsdp":  # in-process only: a bug (nothing to compare) and a whole replica (ranks 2 and 3) lost
+            todo.append((f"in-process-{label}-bug", lambda x=replacing: (x.bug(1, 5), None)))
+            todo.append((f"in-process-{label}-lost-replica", lambda x=replacing: (x.replace(2, 6, also=(3,)), None)))
     return todo
 
 

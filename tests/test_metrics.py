@@ -307,3 +307,20 @@ def test_a_fresh_run_sets_an_earlier_runs_metrics_aside(tmp_path, capsys):
     lines = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
     assert [(r["iteration"], r["loss"]) for r in lines(tmp_path / "metrics.jsonl.1")] == [(1, 1.0), (2, 1.0)]
     assert [(r["iteration"], r["loss"]) for r in lines(path)] == [(1, 2.0), (2, 2.0), (3, 2.0)]
+
+
+def test_a_failed_timers_reduction_still_records_the_iteration(tmp_path):
+    """A peer dies in the reduction after the iteration completed: last words save it and the
+    restart resumes after it, so its record must be written now, without the times."""
+
+    class DeadPeer:
+        def min_max(self, iterations):
+            raise RuntimeError("Connection reset by peer")
+
+    cfg = LoggingConfig(log_interval=1, metrics_file=str(tmp_path / "m.jsonl"))
+    logger = MetricsLogger(cfg, total_iters=8, is_logging_rank=True)
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        logger.log(_record(4), DeadPeer())
+    logger.close()
+    (line,) = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert line["iteration"] == 4 and "timers_ms" not in line
