@@ -1,20 +1,22 @@
 """megatron-core's own DeepSeek-style GPTModel on CPU: the oracle for Megatron checkpoints of a
-multi-latent attention + MoE model, in and out.
+multi-latent attention + MoE + multi-token prediction model, in and out.
 
 Run under torchrun with one gloo rank per tensor-parallel rank (pp 1, ep 1):
 
     python tests/megatron_mla_gpt.py ROOT
 
-builds a 2-layer model with multi-latent attention (a compressed query, norms on the compressed
-query and key/value, YaRN) and MoE layers (8 routed SequentialMLP experts, top-4 of sigmoid
-scores with the expert bias, limited to 2 of 4 groups, the weights scaled by 2.5, a shared
-expert), its router weights, expert biases and norms drawn wide, then in one launch:
+builds a 3-layer model with multi-latent attention (a compressed query, norms on the compressed
+query and key/value, YaRN), one dense layer then two MoE layers (moe_layer_freq [0, 1, 1]: 8
+routed SequentialMLP experts, top-4 of sigmoid scores with the expert bias, limited to 2 of 4
+groups, the weights scaled by 2.5, a shared expert) and one multi-token prediction layer (an MoE
+block, as the last layer), its router weights, expert biases and norms drawn wide, then in one launch:
 - saves Megatron-LM's torch_dist iteration under ROOT/megatron, the norms of the compressed
   vectors under the local layer spec's names (self_attention.q_layernorm, kv_layernorm), and
   under ROOT/megatron_te with the names Megatron's Transformer Engine spec gives them (fused into
-  the up-projections: self_attention.linear_q_up_proj.layer_norm_weight, ...), which the local
-  model writes through its layers' sharded_state_dict_keys_map; writes ROOT/logits.pt and its own
-  loss on tests/megatron_gpt.py's labels, ROOT/loss.pt;
+  the up-projections: self_attention.linear_q_up_proj.layer_norm_weight, ...; the dense layer's
+  pre-MLP norm into mlp.linear_fc1), which the local model writes through its layers'
+  sharded_state_dict_keys_map; writes ROOT/logits.pt (the head's logits of the main model, then of
+  the MTP depth) and its own LM loss on tests/megatron_gpt.py's labels, ROOT/loss.pt;
 - if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
   another seed (with the Transformer Engine names), loads it with dist_checkpointing and writes
   ROOT/loaded_logits.pt and ROOT/loaded_loss.pt.
@@ -34,10 +36,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.megatron_gpt, run as a script
 
-from tests.megatron_gpt import ITERATION, SEQ, logits, loss, padded_vocab, patch_megatron, trainer_state  # noqa: E402
+from tests.megatron_gpt import ITERATION, SEQ, inputs, labels, loss, padded_vocab, patch_megatron, trainer_state  # noqa: E402
 from tests.megatron_moe_gpt import draw_wide  # noqa: E402
 
-LAYERS, HIDDEN, HEADS = 2, 64, 4
+LAYERS, HIDDEN, HEADS = 3, 64, 4
+MOE_LAYERS = [0, 1, 1]
+"""DeepSeek-V3's dense-first layers (its moe_layer_freq list): megatron-core then stores every layer apart."""
+MTP = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
 EXPERTS, TOPK, EXPERT_FFN, SHARED_FFN, GROUPS, GROUP_TOPK, SCALING = 8, 4, 32, 48, 4, 2, 2.5
 LATENT = dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10, rope_type="yarn",
               rotary_scaling_factor=40.0, mscale=0.707, mscale_all_dim=1.0)  # fmt: skip
@@ -49,12 +54,18 @@ DENSE = dict(ffn_hidden_size=128, normalization="RMSNorm", add_bias_linear=False
 TE_NORM_NAMES = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
                  "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}  # fmt: skip
 """The local spec's norm modules -> the names Transformer Engine's fused norm+linear gives them."""
+DENSE_TE_NORM_NAMES = {**TE_NORM_NAMES, "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""A dense layer's too: its pre-MLP norm is fused into linear_fc1 (an MoE layer's stays a module)."""
+
+
+def te_norm_names(moe: bool) -> dict[str, str]:
+    return dict(TE_NORM_NAMES if moe else DENSE_TE_NORM_NAMES)
 
 
 def args_update(tp: int) -> dict:
     """Megatron-LM's args for this model beyond tests/megatron_gpt.py's Llama ones."""
     return dict(**DENSE, **LATENT, **MOE, multi_latent_attention=True, group_query_attention=False,
-                num_query_groups=HEADS, kv_channels=HIDDEN // HEADS, num_experts=EXPERTS, moe_layer_freq=1,
+                num_query_groups=HEADS, kv_channels=HIDDEN // HEADS, num_experts=EXPERTS, moe_layer_freq=MOE_LAYERS, **MTP,
                 moe_router_pre_softmax=False, swiglu=True, pipeline_model_parallel_size=1,
                 tensor_model_parallel_size=tp, padded_vocab_size=padded_vocab(tp))  # fmt: skip
 
@@ -69,10 +80,21 @@ def _core_without_channels():
     return CoreWithoutChannels
 
 
+def _layer_spec(num_experts: int | None, te_names: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _core_without_channels()
+    if te_names:
+        spec.submodules.sharded_state_dict_keys_map = te_norm_names(num_experts is not None)
+    return spec
+
+
 def build(tp: int, seed: int, te_names: bool):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
@@ -84,17 +106,39 @@ def build(tp: int, seed: int, te_names: bool):
         persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, kv_channels=LATENT["v_head_dim"], num_moe_experts=EXPERTS,
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, original_max_position_embeddings=4096,
-        **DENSE, **LATENT, **MOE,
+        moe_layer_freq=MOE_LAYERS, **MTP, **DENSE, **LATENT, **MOE,
     )  # fmt: skip
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = _core_without_channels()
-    if te_names:
-        spec.submodules.sharded_state_dict_keys_map = dict(TE_NORM_NAMES)
+    specs = [_layer_spec(EXPERTS if moe else None, te_names) for moe in MOE_LAYERS]
+    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=specs[0].submodules.input_layernorm)  # the final norm
     torch.manual_seed(seed)
-    model = GPTModel(config, spec, vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")  # fmt: skip
+    model = GPTModel(config, block, vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(config, block, use_transformer_engine=False))  # fmt: skip
     draw_wide(model, seed)
     return model
+
+
+@torch.no_grad()
+def head_outputs(model) -> torch.Tensor:
+    """(1 + MTP depths, B, T, padded vocabulary): the output layer's logits of tokens(), the main
+    model's first, then each MTP depth's, gathered over TP. With an MTP block megatron-core's
+    forward needs labels and returns losses, so the logits are taken from the head as it runs
+    (it reads the MTP depths' before the main model's)."""
+    from megatron.core import parallel_state
+
+    model.eval()
+    seen = []
+    # a copy: megatron-core's cross-entropy turns the logits into probabilities in place
+    hook = model.output_layer.register_forward_hook(lambda _module, _args, out: seen.append(out[0].clone()))
+    model(*inputs(), labels=labels())
+    hook.remove()
+    group = parallel_state.get_tensor_model_parallel_group()
+    full = []
+    for local in (seen[-1], *seen[:-1]):
+        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        full.append(torch.cat(shards, dim=-1).transpose(0, 1))  # (B, T, V) from Megatron's (T, B, V)
+    return torch.stack(full)
 
 
 def save(model, directory: Path, state: dict) -> None:
@@ -122,10 +166,10 @@ def main(root: Path) -> None:
     vars(state["args"]).update(args_update(tp))
     model = build(tp, 1234, te_names=False)
     save(model, root / "megatron" / f"iter_{ITERATION:07d}", state)
-    for layer in model.decoder.layers:
-        layer.submodules_config.sharded_state_dict_keys_map = dict(TE_NORM_NAMES)
+    for layer, moe in [*zip(model.decoder.layers, MOE_LAYERS), *((mtp.transformer_layer, MOE_LAYERS[-1]) for mtp in model.mtp.layers)]:
+        layer.submodules_config.sharded_state_dict_keys_map = te_norm_names(moe)
     save(model, root / "megatron_te" / f"iter_{ITERATION:07d}", state)
-    out, own = logits(model), loss(model)
+    out, own = head_outputs(model), loss(model)
     if rank == 0:
         torch.save(out, root / "logits.pt")
         torch.save(own, root / "loss.pt")
@@ -135,7 +179,7 @@ def main(root: Path) -> None:
         iteration = int((dtgpt_out / "latest_checkpointed_iteration.txt").read_text())
         loaded = dist_checkpointing.load(other.sharded_state_dict(), str(dtgpt_out / f"iter_{iteration:07d}"))
         other.load_state_dict(loaded, strict=False)
-        out, own = logits(other), loss(other)
+        out, own = head_outputs(other), loss(other)
         if rank == 0:
             torch.save(out, root / "loaded_logits.pt")
             torch.save(own, root / "loaded_loss.pt")

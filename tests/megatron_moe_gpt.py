@@ -70,12 +70,12 @@ def draw_wide(model, seed: int) -> None:
     """Every rank the same draws: router weights and expert biases from a unit normal (a wide
     spread of logits, biases far from zero), norms in [0.5, 1.5] (a mix-up of any would show)."""
     draw = torch.Generator().manual_seed(seed)
-    for layer in model.decoder.layers:
-        router = layer.mlp.router
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]  # MTP's too
+    for router in routers:
         router.weight.copy_(torch.randn(router.weight.shape, generator=draw))
         router.expert_bias.copy_(torch.randn(router.expert_bias.shape, generator=draw))
     for name, p in model.named_parameters():
-        if "layernorm" in name:
+        if "layernorm" in name or name.endswith(("enorm.weight", "hnorm.weight")):
             p.uniform_(0.5, 1.5, generator=draw)
 
 

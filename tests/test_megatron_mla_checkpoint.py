@@ -1,13 +1,14 @@
-"""Megatron checkpoints of a multi-latent attention + MoE model in and out, with megatron-core's
-own GPTModel as the oracle.
+"""Megatron checkpoints of a multi-latent attention + MoE + multi-token prediction model in and
+out, with megatron-core's own GPTModel as the oracle.
 
-One megatron-core launch on 2 gloo ranks at tp 2 (tests/megatron_mla_gpt.py): a 2-layer
-DeepSeek-style model (MLA with a compressed query, its norms and YaRN; sigmoid-routed experts with
-the expert bias, group-limited, scaled, and a shared expert) saves torch_dist twice, the norms of
-the compressed vectors under the local layer spec's names and under Transformer Engine's, and
-records its logits and loss; in the same launch it loads the checkpoint dtgpt wrote before it
-(to-megatron) into a model from another seed and records those. dtgpt must give the same logits
-and loss both ways.
+One megatron-core launch on 2 gloo ranks at tp 2 (tests/megatron_mla_gpt.py): a 3-layer
+DeepSeek-style model (MLA with a compressed query, its norms and YaRN; a dense layer, then two of
+sigmoid-routed experts with the expert bias, group-limited, scaled, and a shared expert, which
+megatron-core stores layer by layer; one MTP layer) saves torch_dist twice, the norms of the
+compressed vectors under the local layer spec's names and under Transformer Engine's, and records
+its logits (the main model's and the MTP depth's) and loss; in the same launch it loads the
+checkpoint dtgpt wrote before it (to-megatron) into a model from another seed and records those.
+dtgpt must give the same logits and loss both ways.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from tests.megatron_gpt import VOCAB, labels, tokens
-from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE
+from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE, MOE_LAYERS, MTP
 from tests.test_checkpoint_convert import load_script
 from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
 
@@ -32,7 +33,7 @@ SCRIPT = Path(__file__).with_name("megatron_mla_gpt.py")
 MODEL = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=32, hidden_dropout=0.0,
              attention_dropout=0.0, make_vocab_size_divisible_by=32, position_embedding_type="rope", swiglu=True,
              untie_embeddings_and_output_weights=True, multi_latent_attention=True, num_experts=EXPERTS,
-             **DENSE, **LATENT, **MOE)  # fmt: skip
+             moe_layer_freq=str(MOE_LAYERS), **MTP, **DENSE, **LATENT, **MOE)  # fmt: skip
 
 
 def model_cfg(**overrides) -> ModelConfig:
@@ -42,6 +43,24 @@ def model_cfg(**overrides) -> ModelConfig:
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     ours, theirs = ours[..., :VOCAB], theirs[..., :VOCAB]
     return ((ours - theirs).norm() / theirs.norm()).item()
+
+
+@torch.no_grad()
+def head_outputs(model) -> torch.Tensor:
+    """(1 + MTP depths, B, T, vocabulary rows): dtgpt's logits of tokens(), the main model's then
+    each depth's (a model in training mode gives the depths' too; dropout is 0)."""
+    model.train()
+    out = torch.stack(model(tokens()))
+    model.eval()
+    return out
+
+
+def assert_same_outputs(ours: torch.Tensor, root: Path, prefix: str = "") -> None:
+    theirs = torch.load(root / f"{prefix}logits.pt", weights_only=True)
+    assert ours.shape == theirs.shape  # the main model's logits and the MTP depth's
+    for depth in range(len(ours)):
+        assert relative_error(ours[depth], theirs[depth]) < 1e-5, depth
+    torch.testing.assert_close(loss_of(ours[0]), torch.load(root / f"{prefix}loss.pt", weights_only=True), rtol=1e-5, atol=0)
 
 
 def loss_of(logits: torch.Tensor) -> torch.Tensor:
@@ -66,28 +85,28 @@ def test_megatron_mla_moe_torch_dist_gives_megatrons_logits_and_loss(mla_root, s
     directory = find(mla_root / saved)
     shapes = MegatronReader(directory).shapes
     norm = "linear_q_up_proj.layer_norm_weight" if saved == "megatron_te" else "q_layernorm.weight"
-    assert shapes[f"decoder.layers.self_attention.{norm}"] == (LAYERS, LATENT["q_lora_rank"])
+    assert shapes[f"decoder.layers.1.self_attention.{norm}"] == (LATENT["q_lora_rank"],)
     # [compressed | k_pe] rows, whichever spec's linear (column-parallel or duplicated) saved them
-    assert shapes["decoder.layers.self_attention.linear_kv_down_proj.weight"] == (LAYERS, 16 + 8, HIDDEN)
-    model = load_megatron_model(directory, model_cfg(), ROWS).eval()
-    assert model.layers["0"].mlp.router.expert_bias.abs().min() > 0  # Megatron's drawn bias, not the zero init
-    with torch.no_grad():
-        ours = model(tokens())
-    assert relative_error(ours, torch.load(mla_root / "logits.pt", weights_only=True)) < 1e-5
-    torch.testing.assert_close(loss_of(ours), torch.load(mla_root / "loss.pt", weights_only=True), rtol=1e-5, atol=0)
+    assert shapes["decoder.layers.2.self_attention.linear_kv_down_proj.weight"] == (16 + 8, HIDDEN)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * DENSE["ffn_hidden_size"], HIDDEN)  # layer by layer
+    assert shapes["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == (EXPERTS, 2 * MOE["moe_ffn_hidden_size"], HIDDEN)
+    assert shapes["mtp.layers.0.eh_proj.weight"] == (HIDDEN, 2 * HIDDEN)
+    model = load_megatron_model(directory, model_cfg(), ROWS)
+    assert model.layers["1"].mlp.router.expert_bias.abs().min() > 0  # Megatron's drawn bias, not the zero init
+    assert model.mtp.layers[0].transformer_layer.mlp.router.expert_bias.abs().min() > 0
+    assert_same_outputs(head_outputs(model), mla_root)
 
 
 @pytest.mark.slow
 def test_dtgpt_mla_moe_checkpoint_to_megatron_loads_in_megatron_core_with_equal_logits_and_loss(mla_root, tmp_path):
     saved = layout.iteration_dir(mla_root / "dtgpt", 3)
-    model = load_model(saved, read_config(saved)).eval()
-    with torch.no_grad():
-        ours = model(tokens())
-    assert relative_error(ours, torch.load(mla_root / "loaded_logits.pt", weights_only=True)) < 1e-5
-    torch.testing.assert_close(loss_of(ours), torch.load(mla_root / "loaded_loss.pt", weights_only=True), rtol=1e-5, atol=0)
-    # written with Transformer Engine's names (Megatron-LM's default layer spec)
+    assert_same_outputs(head_outputs(load_model(saved, read_config(saved))), mla_root, "loaded_")
+    # written with Transformer Engine's names (Megatron-LM's default layer spec), layer by layer
     shapes = MegatronReader(find(mla_root / "from_dtgpt")).shapes
-    assert "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight" in shapes
+    assert "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight" in shapes
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in shapes  # a dense layer's pre-MLP norm, fused
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in shapes  # an MoE layer's, a module of its own
+    assert "mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight" in shapes
     assert_converts_back(mla_root / "from_dtgpt", saved, tmp_path / "back")
 
 
@@ -100,6 +119,8 @@ def test_dtgpt_mla_moe_checkpoint_to_megatron_loads_in_megatron_core_with_equal_
     (dict(kv_lora_rank=32), "model.kv_lora_rank: the checkpoint has 16 but the config has 32"),
     (dict(rope_type="rope"), "model.rope_type: the checkpoint has 'yarn' but the config has 'rope'"),
     (dict(moe_router_group_topk=1), "model.moe_router_group_topk: the checkpoint has 2 but the config has 1"),
+    (dict(moe_layer_freq=1), r"model.moe_layer_freq: the checkpoint has \[0, 1, 1\] but the config has 1"),
+    (dict(mtp_num_layers=None, mtp_loss_scaling_factor=0.1), "model.mtp_num_layers: the checkpoint has 1 but the config has unset"),
 ])  # fmt: skip
 def test_an_mla_architecture_other_than_megatrons_args_is_one_error(mla_root, overrides, key):
     with pytest.raises(CheckpointError, match=key) as err:

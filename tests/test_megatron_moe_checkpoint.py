@@ -216,13 +216,14 @@ def test_to_megatron_refuses_an_expert_split_in_one_line(dtgpt_moe, tmp_path, ca
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
-def test_a_model_mixing_dense_and_moe_layers_is_one_error(dtgpt_moe, tmp_path, capfd):
-    """megatron-core saves such a model per layer (non-homogeneous layers), which dtgpt does not map."""
+def test_per_rank_files_of_a_model_mixing_dense_and_moe_layers_are_one_error(dtgpt_moe, tmp_path, capfd):
+    """torch_dist maps such a model (tests/test_megatron_mla_checkpoint.py); the per-rank files do not."""
     config = tmp_path / "mixed.toml"
     config.write_text((layout.iteration_dir(dtgpt_moe, 3) / "config.toml").read_text().replace("moe_layer_freq = 1", "moe_layer_freq = 2"))
-    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "out"), "--config", str(config)]) == 2
+    out = str(tmp_path / "out")
+    assert load_script().main(["to-megatron", str(dtgpt_moe), out, "--config", str(config), "--format", "per-rank"]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model.moe_layer_freq=2: Megatron stores a model that mixes dense and MoE layers" in err[0]
+    assert len(err) == 1 and "model.moe_layer_freq=2: dtgpt reads and writes a model that mixes dense and MoE layers" in err[0]
 
 
 def test_moe_architecture_keys_are_compared_with_megatrons_args():

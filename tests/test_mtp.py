@@ -203,13 +203,15 @@ def test_mtp_loss_is_logged_beside_the_lm_loss(tmp_path, capsys):
     assert ("mtp_1 loss", 5.0) in scalars
 
 
-def test_checkpoint_formats_refuse_mtp_in_one_line():
-    """Neither Megatron's checkpoint key map nor a Hugging Face layout holds the modules yet: refused by name."""
+def test_checkpoint_formats_without_mtp_refuse_it_in_one_line():
+    """Megatron's per-rank files and a Hugging Face layout do not hold the modules (Megatron's
+    torch_dist does: tests/test_megatron_mla_checkpoint.py): refused by name."""
     from dtgpt.checkpoint.export import hf_layout_for
     from dtgpt.checkpoint.megatron.keys import unsupported
 
     cfg = ModelConfig(mtp_num_layers=1)
-    assert unsupported(cfg).startswith("model.mtp_num_layers=1:")
+    assert unsupported(cfg) is None
+    assert unsupported(cfg, per_rank=True).startswith("model.mtp_num_layers=1:")
     with pytest.raises(ValueError, match="model.mtp_num_layers") as err:
         hf_layout_for(cfg)
     assert "\n" not in str(err.value)

@@ -16,6 +16,7 @@ import dataclasses
 
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import Config, ModelConfig
+from dtgpt.config.layer_freq import moe_layer_pattern
 
 MOE_FIELDS = (
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
@@ -39,7 +40,7 @@ FIELDS = (
     "ffn_hidden_size", "swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
     "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "untie_embeddings_and_output_weights", *MOE_FIELDS, "multi_latent_attention", *MLA_FIELDS,
+    "untie_embeddings_and_output_weights", *MOE_FIELDS, "multi_latent_attention", *MLA_FIELDS, "mtp_num_layers",
 )  # fmt: skip
 """The [model] fields that make the architecture (use_checkpoint_args takes these)."""
 
@@ -56,7 +57,7 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         "normalization": m.normalization, "apply_layernorm_1p": m.apply_layernorm_1p, "qk_layernorm": m.qk_layernorm,
         "norm_epsilon": m.norm_epsilon, "position_embedding_type": m.position_embedding_type,
         "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
-        "multi_latent_attention": m.multi_latent_attention,
+        "multi_latent_attention": m.multi_latent_attention, "mtp_num_layers": m.mtp_num_layers,
     }  # fmt: skip
     if m.multi_latent_attention:
         arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
@@ -65,9 +66,17 @@ def architecture(m: ModelConfig) -> dict[str, object]:
     if m.position_embedding_type == "rope":
         arch |= {key: getattr(m, key) for key in ROPE_KEYS}
     if m.moe_enabled:
-        moe = {key: getattr(m, key) for key in MOE_FIELDS} | {"moe_ffn_hidden_size": m.expert_ffn_size}
+        moe = {key: getattr(m, key) for key in MOE_FIELDS} | {"moe_ffn_hidden_size": m.expert_ffn_size,
+                                                              "moe_layer_freq": _layer_freq(m)}  # fmt: skip
         arch |= {key: value for key, value in moe.items() if value is not None or key in OPTIONAL_SIZES}
     return arch
+
+
+def _layer_freq(m: ModelConfig) -> int | list[int]:
+    """moe_layer_freq as Megatron-LM's args hold it: an int, or its list expression evaluated."""
+    if isinstance(m.moe_layer_freq, int) or m.moe_layer_freq.strip().isdigit():
+        return int(m.moe_layer_freq)
+    return [int(moe) for moe in moe_layer_pattern(m.moe_layer_freq, m.num_layers)]
 
 
 def _megatron_moe(args) -> dict[str, object]:
@@ -88,7 +97,7 @@ def megatron_architecture(args) -> dict[str, object]:
     get = lambda key, default=None: getattr(args, key, default)  # noqa: E731
     names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "swiglu", "add_bias_linear",
              "normalization", "apply_layernorm_1p", "qk_layernorm", "position_embedding_type",
-             "untie_embeddings_and_output_weights", "multi_latent_attention")  # fmt: skip
+             "untie_embeddings_and_output_weights", "multi_latent_attention", "mtp_num_layers")  # fmt: skip
     arch = {key: get(key) for key in names}
     latent = {}
     if arch["multi_latent_attention"]:  # q_lora_rank unset is a setting (the query projected in one): kept
@@ -147,6 +156,8 @@ def with_megatron_architecture(args, m: ModelConfig) -> ModelConfig:
     """`m` with the architecture Megatron-LM's args describe (checkpoint.use_checkpoint_args)."""
     stored = megatron_architecture(args)
     changes = {key: stored[key] for key in FIELDS if key in stored and key not in ("num_query_groups", "kv_channels", "add_qkv_bias")}
+    if isinstance(changes.get("moe_layer_freq"), list):
+        changes["moe_layer_freq"] = str(changes["moe_layer_freq"])  # [model]'s list expression
     if "num_layers" in stored and "num_experts" not in stored:
         changes["num_experts"] = None  # a dense checkpoint
     if "num_query_groups" in stored:
@@ -178,6 +189,7 @@ def megatron_args(m: ModelConfig) -> dict[str, object]:
         "add_qkv_bias": m.qkv_bias, "bias_gelu_fusion": m.bias_gelu_fusion and m.add_bias_linear,
         "max_position_embeddings": m.max_positions, "seq_length": m.seq_length,
         "moe_ffn_hidden_size": m.expert_ffn_size if m.moe_enabled else None,  # filled in, as Megatron's validate_args does
+        "moe_layer_freq": _layer_freq(m),
     }  # fmt: skip
     return args
 

@@ -12,6 +12,8 @@ Writing pads (resize_vocab) to the rows Megatron expects at its tp.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dtgpt.config import ModelConfig
@@ -135,14 +137,49 @@ LOCAL_NORM_NAMES = {
 VOCAB_KEYS = ("embedding.word.weight", "output.weight")
 
 
-def megatron_name(name: str, mla: bool = False) -> tuple[str, int | None]:
+MTP_PREFIX = "mtp.layers."
+"""dtgpt's and Megatron's prefix of the multi-token prediction modules alike: `mtp.layers.<k>.`
+holds enorm, hnorm, eh_proj and final_layernorm under their own names, and a block of the
+model's kind under `transformer_layer.`, named as a decoder layer is. Megatron's torch_dist keeps
+each of those tensors whole, by depth, with no layer axis."""
+
+
+def _layer_key(rest: str, mla: bool) -> str:
+    """A block-relative dtgpt name -> Megatron's, after the layer prefix."""
+    key = MLA_LAYER_KEYS.get(rest) if mla or rest not in LAYER_KEYS else None  # the norms differ by attention
+    return key or LAYER_KEYS[rest]
+
+
+def megatron_name(name: str, mla: bool = False, per_layer: bool = False) -> tuple[str, int | None]:
     """dtgpt FQN -> (Megatron torch_dist key, layer index or None); `mla`: the model's blocks
-    have multi-latent attention (its norms are named otherwise)."""
+    have multi-latent attention (its norms are named otherwise); `per_layer`: the checkpoint keeps
+    each decoder layer under its own keys (`decoder.layers.<i>.`, see stores_per_layer) instead
+    of stacking the layers on a leading axis."""
     if name in GLOBAL_KEYS:
         return GLOBAL_KEYS[name], None
+    if name.startswith(MTP_PREFIX):
+        depth, rest = name.removeprefix(MTP_PREFIX).split(".", 1)
+        block = rest.removeprefix("transformer_layer.")
+        if block != rest:
+            rest = "transformer_layer." + _layer_key(block, mla)
+        return f"{MTP_PREFIX}{depth}.{rest}", None
     _, layer, rest = name.split(".", 2)  # layers.<i>.<rest>
-    key = MLA_LAYER_KEYS.get(rest) if mla or rest not in LAYER_KEYS else None  # the norms differ by attention
-    return "decoder.layers." + (key or LAYER_KEYS[rest]), int(layer)
+    if per_layer:
+        return f"decoder.layers.{layer}.{_layer_key(rest, mla)}", None
+    return "decoder.layers." + _layer_key(rest, mla), int(layer)
+
+
+def stores_per_layer(cfg: ModelConfig) -> bool:
+    """Whether megatron-core's torch_dist keeps model `cfg`'s decoder layers apart, as it does
+    for any layer pattern other than moe_layer_freq=1 (dense and MoE layers differ in tensors)."""
+    return str(cfg.moe_layer_freq).strip() != "1"
+
+
+def block_of(name: str, num_layers: int) -> int | None:
+    """The decoder block whose kind dtgpt tensor `name` has (an MTP block: the last one's), or None."""
+    if name.startswith("layers."):
+        return int(name.split(".", 2)[1])
+    return num_layers - 1 if name.startswith(MTP_PREFIX) and ".transformer_layer." in name else None
 
 
 def is_mla(names) -> bool:
@@ -151,17 +188,20 @@ def is_mla(names) -> bool:
 
 
 def stored_alias(key: str) -> str | None:
-    """The other name of Megatron key `key` under another layer spec (STORED_ALIASES), or None."""
-    prefix = "decoder.layers."
-    alias = STORED_ALIASES.get(key.removeprefix(prefix)) if key.startswith(prefix) else None
-    return prefix + alias if alias else None
+    """The other name of Megatron key `key` under another layer spec (STORED_ALIASES), or None;
+    a decoder layer's, stacked or not, or an MTP block's."""
+    for rest, alias in STORED_ALIASES.items():
+        prefix = key.removesuffix(rest)
+        if prefix != key and re.fullmatch(r"decoder\.layers\.(\d+\.)?|mtp\.layers\.\d+\.transformer_layer\.", prefix):
+            return prefix + alias
+    return None
 
 
 def half_of(name: str, names) -> int | None:
     """Which half of Megatron's linear_fc1 rows `name` is, given every name of the model
     (`names`): fc1 is the second half when its block has a gate, else the whole tensor."""
     parts = name.split(".")
-    if not name.startswith("layers.") or len(parts) < 4 or parts[-2] not in SWIGLU_HALVES or ".mlp." not in name:
+    if not name.startswith(("layers.", MTP_PREFIX)) or len(parts) < 4 or parts[-2] not in SWIGLU_HALVES or ".mlp." not in name:
         return None
     if ".".join([*parts[:-2], "gate", parts[-1]]) not in names:
         return None
@@ -174,12 +214,12 @@ def unsupported(cfg: ModelConfig, per_rank: bool = False) -> str | None:
     if cfg.multi_latent_attention and per_rank:
         return ("model.multi_latent_attention=true: dtgpt reads and writes Megatron's multi-latent attention in the "
                 "torch_dist format only, not the per-rank files")  # fmt: skip
-    if cfg.moe_enabled and cfg.moe_layer_freq != 1:
-        # megatron-core then saves every layer under its own keys (non-homogeneous layers)
-        return (f"model.moe_layer_freq={cfg.moe_layer_freq}: Megatron stores a model that mixes dense and MoE "
-                "layers per layer, which dtgpt does not read or write yet (moe_layer_freq=1 it does)")
-    if cfg.mtp_num_layers:
-        return f"model.mtp_num_layers={cfg.mtp_num_layers}: dtgpt does not read or write Megatron's multi-token prediction tensors yet"
+    if per_rank and cfg.moe_enabled and stores_per_layer(cfg):
+        return (f"model.moe_layer_freq={cfg.moe_layer_freq}: dtgpt reads and writes a model that mixes dense and MoE "
+                "layers in Megatron's torch_dist format only, not the per-rank files")
+    if per_rank and cfg.mtp_num_layers:
+        return (f"model.mtp_num_layers={cfg.mtp_num_layers}: dtgpt reads and writes Megatron's multi-token prediction "
+                "tensors in the torch_dist format only, not the per-rank files")
     return None
 
 

@@ -8,6 +8,7 @@ described in formats.py, the key map in keys.py.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,9 @@ from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel
 from dtgpt.checkpoint.megatron.regions import read_regions
 from dtgpt.config import ModelConfig
+
+PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
 
 def _mismatch(directory: Path, key: str, stored, wanted, name: str) -> CheckpointError:
     return CheckpointError(
@@ -64,6 +68,8 @@ class MegatronReader:
             self.dtypes = {}
         self._model_names: frozenset[str] | None = None  # set by check()
         self._mla = False  # set by check(): the model's blocks have multi-latent attention
+        # megatron-core keeps the decoder layers apart (decoder.layers.<i>.) when they are not all alike
+        self._per_layer = any(PER_LAYER.match(key) for key in self.shapes)
 
     @property
     def layers_key(self) -> str:
@@ -72,7 +78,13 @@ class MegatronReader:
 
     @property
     def num_layers(self) -> int:
+        if self._per_layer:
+            return len({match.group(1) for match in map(PER_LAYER.match, self.shapes) if match})
         return self.shapes.get(self.layers_key, (0,))[0]
+
+    def _name(self, name: str) -> tuple[str, int | None]:
+        """dtgpt FQN -> (the Megatron key under this checkpoint's layer spec and layout, layer or None)."""
+        return megatron_name(name, self._mla, self._per_layer)
 
     def check_architecture(self, cfg: ModelConfig) -> None:
         """One clear error for the first architecture key on which common.pt's args and `cfg` differ."""
@@ -92,16 +104,17 @@ class MegatronReader:
         names are `model_names`. Must run before regions()."""
         self._model_names = frozenset(model_names)
         self._mla = is_mla(model_names)
-        num_layers = sum(1 for n in model_names if n.endswith(("attention.proj.weight", "attention.linear_proj.weight")))
+        num_layers = sum(1 for n in model_names if n.startswith("layers.") and n.endswith(("attention.proj.weight", "attention.linear_proj.weight")))
         if self.num_layers != num_layers:
             key = self.layers_key
+            stored = (f"keeps {self.num_layers} layers apart (decoder.layers.<i>.)" if self._per_layer else
+                      f"{key} stacks {self.num_layers} layers {self.shapes.get(key, '(none stored)')}")  # fmt: skip
             raise CheckpointError(
-                f"Megatron checkpoint {self.directory} does not fit this model: {key} stacks {self.num_layers} layers "
-                f"{self.shapes.get(key, '(none stored)')} but model.num_layers={num_layers}"
+                f"Megatron checkpoint {self.directory} does not fit this model: {stored} but model.num_layers={num_layers}"
             )
         used = {self.stored_key(n) for n in model_names}
         for name, shape in wanted.items():
-            key, layer = self.stored_key(name), megatron_name(name)[1]
+            key, layer = self.stored_key(name), self._name(name)[1]
             if key not in self.shapes:
                 hint = " (the model's head is untied; is the checkpoint's tied?)" if name == "output.weight" else ""
                 raise CheckpointError(
@@ -140,11 +153,11 @@ class MegatronReader:
 
     @staticmethod
     def _is_model_key(key: str) -> bool:
-        return key.startswith(("embedding.", "decoder.", "output_layer."))
+        return key.startswith(("embedding.", "decoder.", "output_layer.", "mtp."))
 
     def stored_key(self, name: str, slot: str | None = None) -> str:
         """The Megatron key of dtgpt tensor `name`, or of its optimizer state `slot` (exp_avg, ...)."""
-        key = megatron_name(name, self._mla)[0]
+        key = self._name(name)[0]
         alias = stored_alias(key)
         if key not in self.shapes and alias in self.shapes:  # another layer spec's name for it
             key = alias
@@ -159,7 +172,7 @@ class MegatronReader:
         if self._model_names is None:
             raise RuntimeError("MegatronReader.check must run before regions")
         for request, (name, slot, offsets, sizes) in wanted.items():
-            layer = megatron_name(name)[1]
+            layer = self._name(name)[1]
             key = self.stored_key(name, slot)
             half = half_of(name, self._model_names)
             if half:  # the second half of linear_fc1's rows

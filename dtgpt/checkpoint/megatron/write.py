@@ -25,7 +25,8 @@ from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_args
 from dtgpt.checkpoint.megatron.formats import BACKEND_FILE, COMMON_FILE, find, progress_of
 from dtgpt.checkpoint.megatron.keys import (
-    OPTIMIZER_PREFIX, VOCAB_KEYS, dtgpt_names, full_model_shapes, half_of, is_buffer, megatron_name, resize_vocab, unsupported,
+    MTP_PREFIX, OPTIMIZER_PREFIX, VOCAB_KEYS, block_of, dtgpt_names, full_model_shapes, half_of, is_buffer, megatron_name,
+    resize_vocab, stored_alias, stores_per_layer, unsupported,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
@@ -40,22 +41,38 @@ SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.li
 EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
+def _block_linears(cfg: ModelConfig, moe: bool) -> tuple[str, ...]:
+    """A block's linear layers but the routed experts', as megatron-core names them."""
+    linears = ATTENTION_LINEARS
+    if cfg.multi_latent_attention:
+        linears = QUERY_LINEARS[cfg.q_lora_rank is not None] + MLA_LINEARS
+    if moe:
+        return linears + (SHARED_EXPERT_LINEARS if cfg.moe_shared_expert_intermediate_size else ())
+    return linears + MLP_LINEARS
+
+
 def extra_state_keys(cfg: ModelConfig) -> list[str]:
     """The `_extra_state` objects megatron-core's loader asks for (None for the local spec): one
-    per linear layer and layer, and per routed expert too (its shard named `<layer>.<expert>`)."""
-    L = cfg.num_layers
-    per_layer = ATTENTION_LINEARS
-    if cfg.multi_latent_attention:
-        per_layer = QUERY_LINEARS[cfg.q_lora_rank is not None] + MLA_LINEARS
-    if cfg.moe_enabled:
-        per_layer += SHARED_EXPERT_LINEARS if cfg.moe_shared_expert_intermediate_size else ()
-    else:
-        per_layer += MLP_LINEARS
-    keys = [f"decoder.layers.{module}._extra_state/shard_{i}_{L}" for module in per_layer for i in range(L)]
-    if cfg.moe_enabled:
-        E = cfg.num_experts
-        keys += [f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{L}.{E}"
-                 for module in EXPERT_LINEARS for i in range(L) for e in range(E)]  # fmt: skip
+    per linear layer and layer, and per routed expert too. Stacked layers name each shard by its
+    layer (`<layer>.<expert>` for an expert); a layer kept apart (and an MTP block) by its expert
+    alone, else 0 of 1."""
+    L, E = cfg.num_layers, cfg.num_experts
+
+    def block(prefix: str, moe: bool, layer: int | None = None) -> list[str]:
+        whole = "0_1" if layer is None else f"{layer}_{L}"
+        keys = [f"{prefix}{module}._extra_state/shard_{whole}" for module in _block_linears(cfg, moe)]
+        if moe:
+            expert = (lambda e: f"{e}_{E}") if layer is None else (lambda e: f"{layer}.{e}_{L}.{E}")
+            keys += [f"{prefix}{module}._extra_state/shard_{expert(e)}" for module in EXPERT_LINEARS for e in range(E)]
+        return keys
+
+    if stores_per_layer(cfg):
+        keys = [key for i in range(L) for key in block(f"decoder.layers.{i}.", cfg.is_moe_layer(i))]
+    else:  # every layer alike, stacked
+        keys = [key for i in range(L) for key in block("decoder.layers.", cfg.moe_enabled, i)]
+    for depth in range(cfg.mtp_depth):
+        prefix = f"{MTP_PREFIX}{depth}."
+        keys += [f"{prefix}eh_proj._extra_state/shard_0_1", *block(prefix + "transformer_layer.", cfg.is_moe_layer(L - 1))]
     return keys
 
 
@@ -137,7 +154,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     model_key: dict[str, str] = {}  # Megatron key -> the model tensor it is shaped as
     names = dtgpt_names(cfg.model)
     for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
-        mkey, layer = megatron_name(name, cfg.model.multi_latent_attention)
+        mkey, layer = written_name(name, cfg.model)
         slots = {mkey: f"model.{name}"}
         if adam and not is_buffer(name):  # the fp32 master weights are dtgpt's parameters
             slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in _adam_sources(name).items()}
@@ -151,7 +168,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
         parts = next(iter(layers.values()))
         entry = metadata.state_dict_metadata[parts[0]]
         shape = (len(parts) * entry.size[0], *entry.size[1:])
-        if model_key[key].startswith("decoder.layers."):
+        if None not in layers:  # stacked decoder layers
             shape = (len(layers), *shape)
         elif model_key[key] in MEGATRON_VOCAB_KEYS:
             shape = (rows, *shape[1:])
@@ -166,7 +183,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
         return resize_vocab(value, rows) if model_key[key] in MEGATRON_VOCAB_KEYS else value
 
     directory = layout.iteration_dir(out_root, iteration)
-    stacked = frozenset(key for key in sources if model_key[key].startswith("decoder.layers."))
+    stacked = frozenset(key for key, layers in sources.items() if None not in layers)
     _save_streaming(state, directory, produce, stacked)
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if _has(metadata, "train_state") else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
@@ -179,6 +196,18 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
 
 
 MEGATRON_VOCAB_KEYS = {megatron_name(name)[0] for name in VOCAB_KEYS}
+
+
+def written_name(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
+    """dtgpt FQN -> (the Megatron key to_megatron writes, layer or None), as Megatron-LM's default
+    (Transformer Engine) layer spec names it: with multi-latent attention a dense block's pre-MLP
+    norm is fused into linear_fc1 (`mlp.linear_fc1.layer_norm_weight`), an MoE block's a module of
+    its own (`pre_mlp_layernorm.weight`)."""
+    key, layer = megatron_name(name, cfg.multi_latent_attention, stores_per_layer(cfg))
+    block = block_of(name, cfg.num_layers)
+    if cfg.multi_latent_attention and ".pre_mlp_layernorm." in key and not cfg.is_moe_layer(block):
+        key = stored_alias(key)
+    return key, layer
 
 
 def _adam_sources(name: str) -> dict[str, str]:
