@@ -16,10 +16,11 @@ block, as the last layer), its router weights, expert biases and norms drawn wid
   the up-projections: self_attention.linear_q_up_proj.layer_norm_weight, ...; the dense layer's
   pre-MLP norm into mlp.linear_fc1), which the local model writes through its layers'
   sharded_state_dict_keys_map; writes ROOT/logits.pt (the head's logits of the main model, then of
-  the MTP depth) and its own LM loss on tests/megatron_gpt.py's labels, ROOT/loss.pt;
+  the MTP depth), its own LM loss on tests/megatron_gpt.py's labels, ROOT/loss.pt, and the MTP
+  depth's loss as its forward tracks it in training mode, ROOT/mtp_loss.pt;
 - if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
   another seed (with the Transformer Engine names), loads it with dist_checkpointing and writes
-  ROOT/loaded_logits.pt and ROOT/loaded_loss.pt.
+  ROOT/loaded_logits.pt, ROOT/loaded_loss.pt and ROOT/loaded_mtp_loss.pt.
 
 megatron-core runs with tests/megatron_moe_gpt.py's CPU patches and the two of tests/test_mla.py
 (its local core attention without the k_channels/v_channels keywords, HAVE_TE False in its MLA module).
@@ -141,6 +142,26 @@ def head_outputs(model) -> torch.Tensor:
     return torch.stack(full)
 
 
+@torch.no_grad()
+def mtp_losses(model) -> torch.Tensor:
+    """megatron-core's own MTP loss of each depth on tokens() -> labels() (what it logs as
+    `mtp_<k> loss`), tracked by its forward in training mode."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    tracker.clear()
+    tracker["values"] = torch.zeros(MTP["mtp_num_layers"])  # on CPU (it would make it on the current CUDA device)
+    # GPTModel tracks the MTP loss only when it is training; its MoE layers refuse to train at tp 2
+    # without sequence parallelism, so only the top module is put in training mode (dropout is 0)
+    model.eval()
+    model.training = True
+    model(*inputs(), labels=labels())
+    model.training = False
+    values = tracker["values"].clone()
+    tracker.clear()
+    return values
+
+
 def save(model, directory: Path, state: dict) -> None:
     from megatron.core import dist_checkpointing
 
@@ -169,20 +190,22 @@ def main(root: Path) -> None:
     for layer, moe in [*zip(model.decoder.layers, MOE_LAYERS), *((mtp.transformer_layer, MOE_LAYERS[-1]) for mtp in model.mtp.layers)]:
         layer.submodules_config.sharded_state_dict_keys_map = te_norm_names(moe)
     save(model, root / "megatron_te" / f"iter_{ITERATION:07d}", state)
-    out, own = head_outputs(model), loss(model)
+    out, own, mtp = head_outputs(model), loss(model), mtp_losses(model)
     if rank == 0:
         torch.save(out, root / "logits.pt")
         torch.save(own, root / "loss.pt")
+        torch.save(mtp, root / "mtp_loss.pt")
     dtgpt_out = root / "from_dtgpt"
     if dtgpt_out.is_dir():
         other = build(tp, 99, te_names=True)
         iteration = int((dtgpt_out / "latest_checkpointed_iteration.txt").read_text())
         loaded = dist_checkpointing.load(other.sharded_state_dict(), str(dtgpt_out / f"iter_{iteration:07d}"))
         other.load_state_dict(loaded, strict=False)
-        out, own = head_outputs(other), loss(other)
+        out, own, mtp = head_outputs(other), loss(other), mtp_losses(other)
         if rank == 0:
             torch.save(out, root / "loaded_logits.pt")
             torch.save(own, root / "loaded_loss.pt")
+            torch.save(mtp, root / "loaded_mtp_loss.pt")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -6,9 +6,9 @@ DeepSeek-style model (MLA with a compressed query, its norms and YaRN; a dense l
 sigmoid-routed experts with the expert bias, group-limited, scaled, and a shared expert, which
 megatron-core stores layer by layer; one MTP layer) saves torch_dist twice, the norms of the
 compressed vectors under the local layer spec's names and under Transformer Engine's, and records
-its logits (the main model's and the MTP depth's) and loss; in the same launch it loads the
+its logits (the main model's and the MTP depth's), LM loss and MTP loss; in the same launch it loads the
 checkpoint dtgpt wrote before it (to-megatron) into a model from another seed and records those.
-dtgpt must give the same logits and loss both ways.
+dtgpt must give the same logits and losses both ways.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
+from dtgpt.data.batch import IGNORE_INDEX
+from dtgpt.mtp import depth_labels
 from tests.megatron_gpt import VOCAB, labels, tokens
 from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE, MOE_LAYERS, MTP
 from tests.test_checkpoint_convert import load_script
@@ -61,6 +63,10 @@ def assert_same_outputs(ours: torch.Tensor, root: Path, prefix: str = "") -> Non
     for depth in range(len(ours)):
         assert relative_error(ours[depth], theirs[depth]) < 1e-5, depth
     torch.testing.assert_close(loss_of(ours[0]), torch.load(root / f"{prefix}loss.pt", weights_only=True), rtol=1e-5, atol=0)
+    # each depth's loss on its shifted labels (the last positions ignored), as Megatron tracks it
+    mtp = torch.stack([torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX)
+                       for logits, shifted in zip(ours[1:], depth_labels(labels(), len(ours) - 1))])  # fmt: skip
+    torch.testing.assert_close(mtp, torch.load(root / f"{prefix}mtp_loss.pt", weights_only=True), rtol=1e-5, atol=0)
 
 
 def loss_of(logits: torch.Tensor) -> torch.Tensor:
