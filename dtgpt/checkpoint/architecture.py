@@ -57,8 +57,10 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         "normalization": m.normalization, "apply_layernorm_1p": m.apply_layernorm_1p, "qk_layernorm": m.qk_layernorm,
         "norm_epsilon": m.norm_epsilon, "position_embedding_type": m.position_embedding_type,
         "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
-        "multi_latent_attention": m.multi_latent_attention, "mtp_num_layers": m.mtp_num_layers,
+        "multi_latent_attention": m.multi_latent_attention,
     }  # fmt: skip
+    if m.mtp_num_layers:
+        arch["mtp_num_layers"] = m.mtp_num_layers
     if m.multi_latent_attention:
         arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
     if not m.swiglu:
@@ -99,6 +101,7 @@ def megatron_architecture(args) -> dict[str, object]:
              "normalization", "apply_layernorm_1p", "qk_layernorm", "position_embedding_type",
              "untie_embeddings_and_output_weights", "multi_latent_attention", "mtp_num_layers")  # fmt: skip
     arch = {key: get(key) for key in names}
+    arch["multi_latent_attention"] = bool(get("multi_latent_attention", False))  # args from before the flag: none
     latent = {}
     if arch["multi_latent_attention"]:  # q_lora_rank unset is a setting (the query projected in one): kept
         latent = {key: get(key) for key in MLA_FIELDS if hasattr(args, key)} | {"rope_type": get("rope_type") or "yarn"}
@@ -132,7 +135,7 @@ def difference(stored: dict[str, object], m: ModelConfig) -> str | None:
     if "num_layers" in stored and "num_experts" in ours and "num_experts" not in stored:
         stored = {**stored, "num_experts": None}  # a dense model's architecture names no MoE key
     for key, value in stored.items():
-        if key == "num_experts" and key not in ours:
+        if key in ("num_experts", "mtp_num_layers") and key not in ours:  # unset in the config
             ours = {**ours, key: None}
         if key in ours and not _equal(ours[key], value):
             setting = SETTINGS.get(key, "model.{key}={value}").format(key=key, value=_toml(value), fused=_toml(value == "tanh"))
