@@ -22,6 +22,9 @@ from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import FaultHooks, build_faults
 from dtgpt.state import TrainState
 
+# One process and no process group: DCP notes that it saves as a single process.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 VOCAB = 128
 SMALL = [
     "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
