@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from dtgpt.config import ModelConfig
-from dtgpt.data.batch import IGNORE_INDEX
+from dtgpt.data.batch import IGNORE_INDEX, loss_tokens
 from dtgpt.inits import DeclaredInits, Init, linear_inits
 from dtgpt.norms import build_norm, norm_inits
 
@@ -157,7 +157,7 @@ class MTPLoss:
         term, means = None, []
         for depth_logits, target in zip(logits, depth_labels(labels, self.depth)):
             loss_sum = cross_entropy(depth_logits, target)
-            count = (target != IGNORE_INDEX).sum().clamp(min=1).to(loss_sum.dtype)
+            count = loss_tokens(target).clamp(min=1)
             means.append((loss_sum / count).detach())
             part = loss_sum / (denominator * count if per_micro_batch else denominator)
             term = part if term is None else term + part

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from dtgpt.config import Config, num_microbatches
 from dtgpt.config.batch_schedule import BatchSizeSchedule
-from dtgpt.data.batch import IGNORE_INDEX, Batch, build_batch
+from dtgpt.data.batch import Batch, build_batch, loss_tokens
 from dtgpt.moe.stats import set_aux_loss_scale
 from dtgpt.mtp import mtp_summary, with_mtp_shares
 from dtgpt.parallel.context import split_sequence
@@ -64,11 +64,6 @@ def rank_batch(model: ModelParts, batch: Batch | torch.Tensor, first_sample: int
     if batch.position_ids is None:
         batch = replace(batch, position_ids=torch.arange(batch.tokens.shape[1], device=model.device).expand_as(batch.tokens))
     return batch.map(lambda t: split_sequence(t, dims.cp_rank, dims.cp))
-
-
-def loss_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """How many tokens of `labels` count toward the loss (eod_mask_loss leaves some out)."""
-    return (labels != IGNORE_INDEX).sum().to(torch.float32)
 
 
 def global_batch_loss(model: ModelParts, labels: torch.Tensor, loss_scale: float) -> GlobalBatchLoss:

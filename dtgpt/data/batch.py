@@ -25,6 +25,11 @@ IGNORE_INDEX = -100
 """The label of a token that carries no loss (cross-entropy's ignore_index)."""
 
 
+def loss_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens of `labels` count toward the loss (eod_mask_loss leaves some out)."""
+    return (labels != IGNORE_INDEX).sum().to(torch.float32)
+
+
 @dataclass(frozen=True)
 class TokenOptions:
     """Megatron's three per-token switches (`[data]`) and the eod id they look for."""
