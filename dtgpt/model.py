@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dtgpt import varlen_kernel
+from dtgpt.attention_varlen import Documents, documents_attention
 from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
 from dtgpt.mla import MLASelfAttention
@@ -143,9 +145,16 @@ class CoreAttention(nn.Module):
         document_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,  # unused: as Dropout
     ) -> torch.Tensor:
-        """q (B, nh, T, hd); k, v (B, ng, T, hd) with ng dividing nh (see attend)."""
+        """q (B, nh, T, hd); k, v (B, ng, T, hd) with ng dividing nh (see attend); document_ids
+        (B, T), or Documents where the batch counted their bounds (dtgpt/attention_varlen.py)."""
         dropout = self.attention_dropout if self.training else 0.0
-        # Documents: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
+        if isinstance(document_ids, Documents):
+            # On CUDA, flash attention's varlen kernel without a mask (it has no dropout).
+            kernel = varlen_kernel.kernel_for(q) if not dropout else None
+            if kernel is not None:
+                return documents_attention(kernel, q, k, v, document_ids.bounds)  # (B, nh, T, hd)
+            document_ids = document_ids.ids
+        # Documents elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
         mask = None
         if document_ids is not None:
             idx = torch.arange(q.shape[2], device=q.device)

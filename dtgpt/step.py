@@ -173,8 +173,9 @@ def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | N
     # shape, and tokens are a view of the samples (one token longer).
     args = (batch.tokens.contiguous(),) if model.has_first_stage else ()
     target = batch.labels if model.has_last_stage else None
-    # The schedule splits keyword arguments into micro-batches and hands them to every stage.
-    inputs = {k: v.contiguous() for k, v in batch.model_inputs().items()} if batch is not None else {}
+    # The schedule splits keyword arguments into micro-batches and hands them to every stage: the
+    # document bounds (whole-batch host numbers) stay behind, and attention takes the masked path.
+    inputs = {k: v.contiguous() for k, v in replace(batch, document_bounds=None).model_inputs().items()} if batch is not None else {}
     if model.mtp_loss is not None and model.has_last_stage:
         inputs["input_ids"] = batch.tokens.contiguous()  # the last stage's prediction modules embed them
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None

@@ -32,6 +32,7 @@ class GatheredByHand(ContextParallelAttention):
     def __init__(self, cp_rank: int, cp_size: int, gathered: list[torch.Tensor]):
         torch.nn.Module.__init__(self)
         self.cp_rank, self.cp_size, self.gathered = cp_rank, cp_size, list(gathered)
+        self.whole_row_bounds = {}
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return self.gathered.pop(0)

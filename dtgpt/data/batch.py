@@ -11,7 +11,10 @@ ranks, so every option composes with it):
 - `reset_position_ids`: positions restart at 0 on the token after each eod.
 - `reset_attention_mask`: a token attends only to earlier tokens of its own document. The eod
   ends its document: it belongs to the document before it. `document_ids` numbers the
-  documents of a sample 0, 1, ...; the model turns them into its attention mask.
+  documents of a sample 0, 1, ...; the model turns them into its attention mask. Where each
+  document starts is counted here too, on the host (`document_bounds`): on CUDA the model runs
+  flash attention's varlen kernel over the documents with them, no mask and no host sync
+  (dtgpt/attention_varlen.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import torch
+
+from dtgpt.attention_varlen import DocumentBounds, Documents
 
 IGNORE_INDEX = -100
 """The label of a token that carries no loss (cross-entropy's ignore_index)."""
@@ -48,17 +53,23 @@ class TokenOptions:
 class Batch:
     """Inputs (B, T) and labels (B, T); position_ids and document_ids (B, T) where an option asks
     for them (None: positions 0..T-1, plain causal attention); token_index (B, T) where the model
-    keys dropout on it (dtgpt.step adds it: each token's index in the run)."""
+    keys dropout on it (dtgpt.step adds it: each token's index in the run); document_bounds
+    beside document_ids, where the documents start in the whole sequences (it moves to the
+    tokens' device and is never cut along the sequence: under cp it still describes whole rows)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     position_ids: Optional[torch.Tensor] = None
     document_ids: Optional[torch.Tensor] = None
     token_index: Optional[torch.Tensor] = None
+    document_bounds: Optional[DocumentBounds] = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
         """The same batch with `fn` applied to every tensor it holds (to a device, a cp chunk, ...)."""
-        return replace(self, **{f.name: fn(t) for f in fields(self) if (t := getattr(self, f.name)) is not None})
+        mapped = replace(self, **{f.name: fn(t) for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)})
+        if self.document_bounds is None:
+            return mapped
+        return replace(mapped, document_bounds=self.document_bounds.to(mapped.tokens.device))
 
     def chunk(self, n: int) -> list["Batch"]:
         """n micro-batches along the batch dimension."""
@@ -68,7 +79,10 @@ class Batch:
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments every model part takes besides its activations."""
-        return {k: t for k in ("position_ids", "document_ids", "token_index") if (t := getattr(self, k)) is not None}
+        inputs = {k: t for k in ("position_ids", "document_ids", "token_index") if (t := getattr(self, k)) is not None}
+        if self.document_bounds is not None:
+            inputs["document_ids"] = Documents(self.document_ids, self.document_bounds)
+        return inputs
 
     def pin_memory(self) -> "Batch":
         return self.map(torch.Tensor.pin_memory)
@@ -100,4 +114,5 @@ def build_batch(samples: torch.Tensor, options: Optional[TokenOptions] = None) -
         labels = labels.masked_fill(tokens == options.eod, IGNORE_INDEX)
     positions = reset_position_ids(tokens, options.eod) if options.reset_position_ids else None
     documents = document_ids(tokens, options.eod) if options.reset_attention_mask else None
-    return Batch(tokens, labels, positions, documents)
+    bounds = DocumentBounds.of(documents) if documents is not None else None
+    return Batch(tokens, labels, positions, documents, document_bounds=bounds)

@@ -27,6 +27,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtgpt import varlen_kernel
+from dtgpt.attention_varlen import DocumentBounds, Documents, context_parallel_documents_attention, document_tensor
 from dtgpt.model import GPT, CoreAttention, allowed_keys, attend
 
 
@@ -56,6 +58,14 @@ class ContextParallelAttention(nn.Module):
         self.cp_mesh = cp_mesh
         self.cp_rank = cp_mesh.get_local_rank()
         self.cp_size = cp_mesh.size()
+        self.whole_row_bounds: dict[tuple, DocumentBounds] = {}
+
+    def whole_rows(self, rows: int, seq_length: int, device: torch.device) -> DocumentBounds:
+        """Plain causal attention as one document per row, for the varlen kernel (kept per shape)."""
+        key = (rows, seq_length, device)
+        if key not in self.whole_row_bounds:
+            self.whole_row_bounds[key] = DocumentBounds.whole_rows(rows, seq_length).to(device)
+        return self.whole_row_bounds[key]
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' x concatenated along dim, in cp-rank order (backward: reduce-scatter)."""
@@ -70,12 +80,17 @@ class ContextParallelAttention(nn.Module):
         q_idx = global_indices(local_length, self.cp_rank, self.cp_size, device)
         k_idx = self.key_indices(local_length, device)
         # Document ids are gathered in the order of the keys (no gradient flows through them).
+        document_ids = document_tensor(document_ids)
         k_docs = self.gather(document_ids, dim=1) if document_ids is not None else None
         return allowed_keys(q_idx, k_idx, document_ids, k_docs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None) -> torch.Tensor:
         """As CoreAttention.forward (no dropout: token_index is unused)."""
         k_all, v_all = self.gather(k, dim=2), self.gather(v, dim=2)  # (B, nh, T, hd)
+        kernel = varlen_kernel.kernel_for(q)
+        if kernel is not None and (document_ids is None or isinstance(document_ids, Documents)):
+            bounds = document_ids.bounds if document_ids is not None else self.whole_rows(q.shape[0], k_all.shape[2], q.device)
+            return context_parallel_documents_attention(kernel, q, k_all, v_all, bounds, self.cp_rank, self.cp_size)
         mask = self.allowed(q.shape[2], document_ids, q.device)
         # Every query sees at least its own key, so no row of the mask is empty.
         return attend(q, k_all, v_all, mask=mask)  # (B, nh, T_local, hd)

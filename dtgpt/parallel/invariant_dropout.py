@@ -29,6 +29,7 @@ import zlib
 import torch
 import torch.nn as nn
 
+from dtgpt.attention_varlen import document_tensor
 from dtgpt.model import GPT, CoreAttention, allowed_keys
 from dtgpt.mtp import named_blocks
 from dtgpt.parallel.context import ContextParallelAttention
@@ -135,7 +136,8 @@ class InvariantAttention(nn.Module):
             allowed = self.inner.allowed(q.shape[2], document_ids, q.device)
         else:
             key_positions = torch.arange(k.shape[2], device=q.device)
-            allowed = allowed_keys(key_positions, key_positions, document_ids, document_ids)
+            documents = document_tensor(document_ids)
+            allowed = allowed_keys(key_positions, key_positions, documents, documents)
         heads = torch.arange(self.head_offset, self.head_offset + q.shape[1], device=q.device)
         tokens = _require_token_index(token_index)[:, None, :, None]  # (B, 1, Tq, 1)
         keep = keep_mask(self.p, self.seed, self.site, tokens, heads[:, None, None], key_positions)  # (B, nh, Tq, Tk)

@@ -1,0 +1,82 @@
+"""The one door to torch's variable-length attention kernel, `torch.nn.attention.varlen.varlen_attn`.
+
+Flash attention over packed sequences: queries (Nq, heads, d) and keys/values (Nk, groups, d),
+sequence i being queries cu_q[i]:cu_q[i+1] against keys cu_k[i]:cu_k[i+1]; causal masking is
+aligned bottom-right (the last query sees the last key), so a query segment that ends where its
+keys end attends exactly to the keys at or before its own position. No dropout, CUDA only (on
+CPU torch raises NotImplementedError for `_flash_attention_forward`), fp16/bf16 only.
+
+The API is new and has moved: torch 2.10 took `is_causal`; the torch versions read for this
+(2.11 from its source, 2.13 installed) take `window_size=(-1, 0)` for causal, and 2.13 adds
+`enable_gqa` (without it the flash kernel takes fewer key/value heads than query heads as they
+come). The keywords are read from the signature
+(CHECKED_TORCH lists the versions read); tests/test_attention_varlen.py fails when torch moves
+outside them. Flash wants one head dim, a multiple of 8, for q, k and v: `causal_varlen` pads
+(MLA's value head dim differs from its query's) and passes the softmax scale of the unpadded dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+CHECKED_TORCH = ("2.11", "2.12", "2.13")
+
+Kernel = Callable[..., torch.Tensor]
+"""kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=) -> (Nq, heads, d): causal, bottom-right."""
+
+
+@functools.cache
+def _torch_kernel() -> Kernel | None:
+    """torch's varlen_attn as a causal Kernel, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    if "scale" not in params:
+        return None
+    gqa = "enable_gqa" in params
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        extra = {"enable_gqa": k.shape[1] != q.shape[1]} if gqa else {}
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal, **extra)
+
+    return kernel
+
+
+def kernel_for(q: torch.Tensor) -> Kernel | None:
+    """The kernel that runs attention on q's device and dtype, or None: the caller keeps its
+    masked SDPA (CPU, fp32, a GPU without flash attention, a torch without varlen_attn).
+    Callers look it up through this module, so a test can stand a CPU reference in for it."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    # Flash attention needs Ampere or later; from Blackwell (10.x) some torch versions route
+    # varlen_attn to cuDNN, whose causal alignment was not checked here: the masked path there.
+    if torch.cuda.get_device_capability(q.device)[0] not in (8, 9):
+        return None
+    return _torch_kernel()
+
+
+def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
+
+
+def causal_varlen(
+    kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int
+) -> torch.Tensor:
+    """Packed q (Nq, nh, d), k (Nk, ng, d), v (Nk, ng, dv) -> (Nq, nh, dv), scaled by d ** -0.5 as SDPA."""
+    d, dv = q.shape[-1], v.shape[-1]
+    padded = -(-max(d, dv) // 8) * 8
+    out = kernel(_pad_to(q, padded), _pad_to(k, padded), _pad_to(v, padded), cu_q, cu_k, max_q, max_k, scale=d**-0.5)
+    return out[..., :dv]

@@ -1,0 +1,181 @@
+"""Document masking through flash attention's varlen kernel (dtgpt/attention_varlen.py).
+
+The kernel is CUDA only, so on CPU these test its plumbing: the bounds the loader counts, and the
+attention built on them with a CPU reference standing in for the kernel (per packed segment, SDPA
+with causal masking aligned bottom-right, as flash aligns it), against the masked path: output
+and gradients, plain, grouped-query, MLA's value head dim and the context-parallel chunks. The
+last test runs the real kernel where CUDA is (scripts/gpu_check.sh runs it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtgpt import varlen_kernel
+from dtgpt.attention_varlen import DocumentBounds, Documents
+from dtgpt.config import load_config
+from dtgpt.data.batch import TokenOptions, build_batch, document_ids
+from dtgpt.model import CoreAttention
+from dtgpt.parallel.context import split_sequence
+from tests.test_context import GatheredByHand
+
+EOD = 0
+
+
+def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """What the varlen kernel computes, segment by segment (checks the host integers too)."""
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    assert cu_q[0] == cu_k[0] == 0 and cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
+    assert max_q == max(np.diff(cu_q)) and max_k == max(np.diff(cu_k))
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0  # what flash takes
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x, (a, b) in ((q, cu_q[i : i + 2]), (k, cu_k[i : i + 2]), (v, cu_k[i : i + 2])))
+        nq, nk = qs.shape[1], ks.shape[1]
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)  # bottom-right
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(varlen_kernel, "kernel_for", lambda q: reference_kernel)
+
+
+def packed_samples(B: int = 3, T: int = 24, seed: int = 0) -> torch.Tensor:
+    """(B, T + 1) token ids with eods at random places; row 0 has none (one document that came
+    from the previous sample and crosses into the next), the last row ends with an eod."""
+    g = torch.Generator().manual_seed(seed)
+    samples = torch.randint(1, 50, (B, T + 1), generator=g)
+    for row in range(1, B):
+        samples[row, torch.randint(0, T, (3,), generator=g)] = EOD
+    samples[-1, T - 1] = EOD
+    return samples
+
+
+def expected_cu(documents: torch.Tensor) -> list[int]:
+    """Flat document bounds from the ids, the slow way: a new sequence wherever the id changes
+    or a row starts."""
+    cu, T = [], documents.shape[1]
+    for row, ids in enumerate(documents.tolist()):
+        cu += [row * T + t for t in range(T) if t == 0 or ids[t] != ids[t - 1]]
+    return cu + [documents.numel()]
+
+
+def test_the_loader_counts_each_rows_documents_and_each_micro_batchs():
+    batch = build_batch(packed_samples(B=4), TokenOptions(EOD, reset_attention_mask=True))
+    bounds, documents = batch.document_bounds, batch.document_ids
+    assert documents[0].tolist() == [0] * 24  # no eod: one document across the whole row
+    cu, longest = bounds.packed()
+    assert cu.dtype == torch.int32 and cu.tolist() == expected_cu(documents)
+    assert longest == max(np.diff(expected_cu(documents))) == 24
+    for n in (2, 4):
+        for micro, ids in zip(batch.chunk(n), documents.chunk(n)):
+            cu, longest = micro.document_bounds.packed()
+            assert cu.tolist() == expected_cu(ids) and longest == max(np.diff(expected_cu(ids)))
+            assert micro.model_inputs()["document_ids"].ids is micro.document_ids
+    # The bounds follow the tokens' device and are never cut along the sequence (cp chunks).
+    cut = batch.map(lambda t: split_sequence(t, 1, 2))
+    assert cut.document_bounds is bounds and cut.document_ids.shape == (4, 12)
+    plain = build_batch(packed_samples(), TokenOptions(EOD, reset_position_ids=True))
+    assert plain.document_bounds is None and "document_ids" not in plain.model_inputs()
+
+
+def test_document_ids_follow_an_eod_into_the_next_document():
+    ids = document_ids(torch.tensor([[5, EOD, 6, 7, EOD, EOD, 8]]), EOD)
+    assert DocumentBounds.of(ids).packed()[0].tolist() == [0, 2, 5, 6, 7]
+
+
+def qkv(B=3, nh=4, ng=4, T=24, d=8, dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((B, T, nh, d), (B, T, ng, d), (B, T, ng, dv or d))
+    # Head-major views of token-major tensors, as attention hands them to its core.
+    return [torch.randn(*s, generator=g).transpose(1, 2).requires_grad_() for s in shapes]
+
+
+def core():
+    return CoreAttention(load_config(None, ["--data.mock_data=true"]).model).eval()  # no attention dropout
+
+
+def masked_and_varlen(run, inputs, documents):
+    """(output, gradients) of `run(q, k, v, document_ids)` with the plain ids and with Documents."""
+    results = []
+    for document_ids in (documents.ids, documents):
+        leaves = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in inputs]
+        out = run(*leaves, document_ids)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), [x.grad for x in leaves]))
+    return results
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(nh=4, ng=2), dict(d=12, dv=8)], ids=["plain", "gqa", "mla"])
+def test_varlen_attention_equals_the_masked_path(stand_in, shape):
+    batch = build_batch(packed_samples(), TokenOptions(EOD, reset_attention_mask=True))
+    documents = batch.model_inputs()["document_ids"]
+    (masked, masked_grads), (varlen, varlen_grads) = masked_and_varlen(core(), qkv(**shape), documents)
+    torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
+    for a, b in zip(varlen_grads, masked_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("with_documents", [True, False])
+def test_context_parallel_chunks_through_varlen_equal_the_masked_path(stand_in, cp, with_documents):
+    """Each cp rank's chunks (per-document segments against their keys up to the chunk's end)
+    give the masked path's output and gradients; without documents, plain causal."""
+    T = 32
+    samples = packed_samples(B=2, T=T, seed=1)
+    samples[1, 2 * T // 4 - 1] = EOD  # a document that starts exactly at a chunk boundary
+    batch = build_batch(samples, TokenOptions(EOD, reset_attention_mask=True))
+    bounds = batch.document_bounds if with_documents else DocumentBounds.whole_rows(2, T)
+    ids = batch.document_ids if with_documents else torch.zeros(2, T, dtype=torch.long)
+    inputs = qkv(B=2, nh=4, ng=2, T=T, d=12, dv=8)
+
+    def all_ranks(t, dim):  # what the all-gather returns
+        return torch.cat([split_sequence(t, r, cp, dim) for r in range(cp)], dim)
+
+    for r in range(cp):
+        def run(q, k, v, document_ids, r=r):
+            local = [split_sequence(x, r, cp, dim=2) for x in (q, k, v)]
+            docs = Documents(split_sequence(ids, r, cp), bounds) if isinstance(document_ids, Documents) else split_sequence(ids, r, cp)
+            gathered = [all_ranks(k, 2), all_ranks(v, 2), all_ranks(ids, 1)]
+            if not with_documents and isinstance(document_ids, Documents):
+                docs = None  # the cp core's own whole-row bounds
+            return GatheredByHand(r, cp, gathered)(*local, document_ids=docs)
+
+        (masked, masked_grads), (varlen, varlen_grads) = masked_and_varlen(run, inputs, Documents(ids, bounds))
+        torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
+        for a, b in zip(varlen_grads, masked_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_on_cpu_the_default_path_is_the_masked_one():
+    """No kernel for CPU tensors (nor fp32 ones): Documents run exactly today's masked SDPA."""
+    q, k, v = qkv()
+    assert varlen_kernel.kernel_for(q) is None and varlen_kernel.kernel_for(q.bfloat16()) is None
+    batch = build_batch(packed_samples(), TokenOptions(EOD, reset_attention_mask=True))
+    attention = core()
+    assert torch.equal(attention(q, k, v, batch.model_inputs()["document_ids"]), attention(q, k, v, batch.document_ids))
+
+
+def test_this_torch_has_the_varlen_signature_the_adapter_reads():
+    """Fails when torch changes varlen_attn: then dtgpt/varlen_kernel.py needs a look (and
+    CHECKED_TORCH a new entry)."""
+    assert torch.__version__.startswith(varlen_kernel.CHECKED_TORCH), torch.__version__
+    assert varlen_kernel._torch_kernel() is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [dict(), dict(nh=4, ng=2), dict(d=12, dv=8)], ids=["plain", "gqa", "mla"])
+def test_the_cuda_kernel_matches_the_masked_path_in_bf16(shape):
+    batch = build_batch(packed_samples(B=2, T=256), TokenOptions(EOD, reset_attention_mask=True))
+    documents = batch.map(lambda t: t.cuda()).model_inputs()["document_ids"]
+    inputs = [x.detach().cuda().bfloat16() for x in qkv(B=2, T=256, **shape)]
+    assert varlen_kernel.kernel_for(inputs[0]) is not None, "flash attention's varlen kernel should run here"
+    (masked, masked_grads), (varlen, varlen_grads) = masked_and_varlen(core().cuda(), inputs, documents)
+    torch.testing.assert_close(varlen.float(), masked.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(varlen_grads, masked_grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=5e-2)
