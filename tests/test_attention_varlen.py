@@ -9,6 +9,8 @@ last test runs the real kernel where CUDA is (scripts/gpu_check.sh runs it).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -41,8 +43,16 @@ def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    monkeypatch.setattr(varlen_kernel, "kernel_for", lambda q: reference_kernel)
+def stand_in(monkeypatch) -> list[int]:
+    """The reference stands in for the kernel on every device; yields the query rows of each call."""
+    calls = []
+
+    def kernel(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return reference_kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_kernel, "kernel_for", lambda q: kernel)
+    return calls
 
 
 def packed_samples(B: int = 3, T: int = 24, seed: int = 0) -> torch.Tensor:
@@ -179,3 +189,40 @@ def test_the_cuda_kernel_matches_the_masked_path_in_bf16(shape):
     torch.testing.assert_close(varlen.float(), masked.float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(varlen_grads, masked_grads):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=5e-2)
+
+
+MODELS = {
+    "gqa": dict(num_query_groups=2, position_embedding_type="rope"),
+    "mla_mtp": dict(multi_latent_attention=True, position_embedding_type="rope", kv_lora_rank=12, qk_head_dim=10,
+                    qk_pos_emb_head_dim=8, v_head_dim=6, mtp_num_layers=1),
+}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_a_training_step_through_varlen_equals_the_masked_one(stand_in, family):
+    """The bounds reach every attention core through the step's micro-batches, full
+    recomputation and the prediction modules: the same loss and gradients as the masked path."""
+    from dtgpt.config import Config, ModelConfig
+    from dtgpt.model import GPT
+    from dtgpt.parallel import ParallelDims, build_model_parts
+    from dtgpt.step import local_forward_backward
+
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, hidden_dropout=0.0,
+                            attention_dropout=0.0, **MODELS[family])  # fmt: skip
+    cfg.training.recompute_granularity, cfg.training.recompute_method, cfg.training.recompute_num_layers = "full", "uniform", 1
+    options = TokenOptions(EOD, eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    batch = build_batch(packed_samples(B=4), options)
+    results = []
+    for bounds in (None, batch.document_bounds):
+        with torch.device("meta"):
+            whole = GPT(cfg.model, 64)
+        model = build_model_parts(cfg, ParallelDims.from_config(cfg, 1), whole, torch.device("cpu"))
+        loss = local_forward_backward(model, replace(batch, document_bounds=bounds), 2)
+        # Per micro-batch: each block's core in forward and again in its recomputation, the prediction module's once.
+        assert len(stand_in) == (0 if bounds is None else 2 * (2 * 2 + (cfg.model.mtp_num_layers or 0)))
+        results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (masked, masked_grads), (varlen, varlen_grads) = results
+    torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
+    for name in masked_grads:
+        torch.testing.assert_close(varlen_grads[name], masked_grads[name], rtol=1e-4, atol=1e-6, msg=name)

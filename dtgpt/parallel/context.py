@@ -9,7 +9,8 @@ full sequence and then cut by `split_sequence`, so the model sees global positio
 counts global tokens. Everything outside attention works token by token and needs nothing
 more. Attention (`ContextParallelAttention`) all-gathers keys and values over the cp group and
 masks with the *global* token indices: a query at global index i sees the keys j <= i (of its
-own document, when document ids are given).
+own document, when document ids are given). On CUDA the same masking runs through flash
+attention's varlen kernel instead, with no mask (dtgpt/attention_varlen.py).
 
 Why an all-gather and not torch's `context_parallel`: the stock API shards buffers in place
 under a context manager and needs a sharding strategy for the SDPA kernel in use, which the CPU
