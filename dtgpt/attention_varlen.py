@@ -29,6 +29,24 @@ import torch
 from dtgpt import varlen_kernel
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued without waiting: a copy to CUDA from pageable
+    memory may wait for the stream, from pinned memory it does not (torch's pinned-memory cache
+    keeps the buffer until the copy has run)."""
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class Derived:
+    """What a DocumentBounds derives once per micro-batch, for all its layers. Not a dict: FSDP's
+    input cast rebuilds dicts and dataclasses (torch.distributed.utils._apply_to_tensors) but
+    passes other objects through, so every block of a micro-batch shares one."""
+
+    def __init__(self):
+        self.entries: dict = {}
+
+
 @dataclass
 class DocumentBounds:
     """Where the documents of some rows of seq_length tokens start, counted on the host.
@@ -45,7 +63,7 @@ class DocumentBounds:
     host: np.ndarray
     row_first: tuple[int, ...]
     seq_length: int
-    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    derived: "Derived" = field(default_factory=lambda: Derived(), repr=False, compare=False)
 
     @classmethod
     def of(cls, document_ids: torch.Tensor) -> "DocumentBounds":
@@ -73,7 +91,7 @@ class DocumentBounds:
     def to(self, device: torch.device) -> "DocumentBounds":
         if self.bounds.device == device:
             return self
-        return replace(self, bounds=self.bounds.to(device, non_blocking=True), cache={})
+        return replace(self, bounds=to_device(self.bounds, device), derived=Derived())
 
     def chunk(self, n: int) -> list["DocumentBounds"]:
         """The bounds of n micro-batches of rows, cut as torch.chunk cuts the batch's tensors."""
@@ -93,20 +111,21 @@ class DocumentBounds:
     def packed(self) -> tuple[torch.Tensor, int]:
         """(cumulative sequence bounds of the rows' documents, the longest document): the kernel's
         view of the rows flattened, (rows * seq_length, ...). Made once per micro-batch."""
-        if "packed" not in self.cache:
+        cache = self.derived.entries
+        if "packed" not in cache:
             base = int(self.host[0])
             cu = self.bounds - base if base else self.bounds  # on the device: no host sync
-            self.cache["packed"] = (cu, int(np.diff(self.host).max()))
-        return self.cache["packed"]
+            cache["packed"] = (cu, int(np.diff(self.host).max()))
+        return cache["packed"]
 
     def context_parallel(self, cp_rank: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """(cu_q, cu_k, key index, longest query segment, longest key segment) of cp rank cp_rank's
         chunks (see the module doc): the key index picks, out of the gathered keys flattened
         (rows * seq_length, in cp-rank order), each segment's keys in global order."""
-        key = ("cp", cp_rank, cp_size)
-        if key not in self.cache:
-            self.cache[key] = self._context_parallel(cp_rank, cp_size)
-        return self.cache[key]
+        key, cache = ("cp", cp_rank, cp_size), self.derived.entries
+        if key not in cache:
+            cache[key] = self._context_parallel(cp_rank, cp_size)
+        return cache[key]
 
     def _context_parallel(self, cp_rank: int, cp_size: int):
         T = self.seq_length
@@ -129,9 +148,9 @@ class DocumentBounds:
         device = self.bounds.device
 
         def cumulative(lengths: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32)).to(device, non_blocking=True)
+            return to_device(torch.from_numpy(np.append(0, np.cumsum(lengths)).astype(np.int32)), device)
 
-        index_t = torch.from_numpy(np.concatenate(index)).to(device, non_blocking=True)
+        index_t = to_device(torch.from_numpy(np.concatenate(index)), device)
         return cumulative(q_lens), cumulative(k_lens), index_t, int(q_lens.max()), int(k_lens.max())
 
 

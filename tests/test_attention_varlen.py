@@ -94,6 +94,18 @@ def test_the_loader_counts_each_rows_documents_and_each_micro_batchs():
     assert plain.document_bounds is None and "document_ids" not in plain.model_inputs()
 
 
+def test_every_block_of_a_micro_batch_shares_what_the_bounds_derive():
+    """FSDP casts each unit's inputs by rebuilding dataclasses and dicts; the derived bounds (a
+    device op, or the host's cp index and copies) must still be made once per micro-batch."""
+    from torch.distributed.utils import _apply_to_tensors  # what fully_shard's input cast calls
+
+    batch = build_batch(packed_samples(B=4), TokenOptions(EOD, reset_attention_mask=True))
+    micro = batch.chunk(2)[1].model_inputs()["document_ids"]
+    cast = _apply_to_tensors(lambda t: t.bfloat16() if t.is_floating_point() else t, micro)
+    assert cast.bounds.packed() is micro.bounds.packed()
+    assert cast.bounds.context_parallel(0, 2) is micro.bounds.context_parallel(0, 2)
+
+
 def test_document_ids_follow_an_eod_into_the_next_document():
     ids = document_ids(torch.tensor([[5, EOD, 6, 7, EOD, EOD, 8]]), EOD)
     assert DocumentBounds.of(ids).packed()[0].tolist() == [0, 2, 5, 6, 7]
@@ -160,6 +172,23 @@ def test_context_parallel_chunks_through_varlen_equal_the_masked_path(stand_in, 
         torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
         for a, b in zip(varlen_grads, masked_grads):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_varlen_path_reads_nothing_back_from_the_device(monkeypatch):
+    """No host sync (tests/sync_probe.py) in the attention itself, nor in its cp chunks: every
+    integer the kernel takes was counted on the host when the batch was built."""
+    from tests.sync_probe import SyncProbe
+
+    monkeypatch.setattr(varlen_kernel, "kernel_for", lambda q: lambda q, k, v, *args, scale: q * scale)
+    batch = build_batch(packed_samples(B=2, T=32), TokenOptions(EOD, reset_attention_mask=True))
+    micro = batch.chunk(2)[1]
+    q, k, v = qkv(B=1, T=32)
+    with SyncProbe() as probe:
+        core()(q, k, v, document_ids=micro.model_inputs()["document_ids"]).sum().backward()
+        local = [split_sequence(x.detach(), 1, 2, dim=2) for x in (q, k, v)]
+        documents = Documents(split_sequence(micro.document_ids, 1, 2), micro.document_bounds)
+        GatheredByHand(1, 2, [k, v])(*local, document_ids=documents)
+    assert probe.count == 0, probe.calls
 
 
 def test_on_cpu_the_default_path_is_the_masked_one():
