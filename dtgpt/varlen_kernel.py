@@ -6,12 +6,14 @@ aligned bottom-right (the last query sees the last key), so a query segment that
 keys end attends exactly to the keys at or before its own position. No dropout, CUDA only (on
 CPU torch raises NotImplementedError for `_flash_attention_forward`), fp16/bf16 only.
 
-The API is new and has moved: torch 2.10 took `is_causal`; the torch versions read for this
-(2.11 from its source, 2.13 installed) take `window_size=(-1, 0)` for causal, and 2.13 adds
-`enable_gqa` (without it the flash kernel takes fewer key/value heads than query heads as they
-come). The keywords are read from the signature
-(CHECKED_TORCH lists the versions read); tests/test_attention_varlen.py fails when torch moves
-outside them. Flash wants one head dim, a multiple of 8, for q, k and v: `causal_varlen` pads
+The API is new and has moved: it took `is_causal` (torch 2.10), then `window_size=(-1, 0)` for
+causal (torch 2.13, installed here, and the main-branch source read for this); 2.13 has
+`enable_gqa` (a version without it takes fewer key/value heads than query heads as they come:
+flash does) and `scale` (without it q is scaled instead). torch 2.11, which the GPU machines run,
+was not installed here: the keywords are read from the signature, so each of these forms works
+(tests/test_attention_varlen.py checks the three on stand-ins), and the `cuda` test there is what
+shows the real kernel right. CHECKED_TORCH lists the versions seen; the test that reads it fails
+when torch moves outside them. Flash wants one head dim, a multiple of 8, for q, k and v: `causal_varlen` pads
 (MLA's value head dim differs from its query's) and passes the softmax scale of the unpadded dim.
 """
 
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 CHECKED_TORCH = ("2.11", "2.12", "2.13")
+"""Where the signature forms above were seen or are expected (2.11, 2.12: by the gpu check)."""
 
 Kernel = Callable[..., torch.Tensor]
 """kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=) -> (Nq, heads, d): causal, bottom-right."""
@@ -44,13 +47,15 @@ def _torch_kernel() -> Kernel | None:
         causal = {"is_causal": True}
     else:
         return None
-    if "scale" not in params:
-        return None
-    gqa = "enable_gqa" in params
+    gqa, scaled = "enable_gqa" in params, "scale" in params
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         extra = {"enable_gqa": k.shape[1] != q.shape[1]} if gqa else {}
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **causal, **extra)
+        if scaled:
+            extra["scale"] = scale
+        else:  # the kernel divides by sqrt(d): scaling q instead gives the same scores
+            q = q * (scale * q.shape[-1] ** 0.5)
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **causal, **extra)
 
     return kernel
 
@@ -63,9 +68,14 @@ def kernel_for(q: torch.Tensor) -> Kernel | None:
         return None
     # Flash attention needs Ampere or later; from Blackwell (10.x) some torch versions route
     # varlen_attn to cuDNN, whose causal alignment was not checked here: the masked path there.
-    if torch.cuda.get_device_capability(q.device)[0] not in (8, 9):
+    if _major_capability(q.device.index) not in (8, 9):
         return None
     return _torch_kernel()
+
+
+@functools.cache
+def _major_capability(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:

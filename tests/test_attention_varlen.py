@@ -207,6 +207,36 @@ def test_this_torch_has_the_varlen_signature_the_adapter_reads():
     assert varlen_kernel._torch_kernel() is not None
 
 
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False):
+    return reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None) if is_causal else None
+
+
+def _varlen_main(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+    return reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale) if window_size == (-1, 0) else None
+
+
+def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    assert enable_gqa == (key.shape[1] != query.shape[1])
+    return _varlen_main(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
+
+
+@pytest.mark.parametrize("varlen", [_varlen_2_10, _varlen_main, _varlen_2_13], ids=["is_causal", "window_size", "enable_gqa"])
+def test_the_adapter_speaks_each_form_of_varlen_attn(monkeypatch, varlen):
+    """Causal, the softmax scale and grouped-query heads reach each signature torch has had."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen)
+    varlen_kernel._torch_kernel.cache_clear()
+    try:
+        kernel = varlen_kernel._torch_kernel()
+        monkeypatch.setattr(varlen_kernel, "kernel_for", lambda q: kernel)
+        batch = build_batch(packed_samples(), TokenOptions(EOD, reset_attention_mask=True))
+        (masked, _), (through, _) = masked_and_varlen(core(), qkv(nh=4, ng=2, d=12, dv=8), batch.model_inputs()["document_ids"])
+        torch.testing.assert_close(through, masked, rtol=1e-5, atol=1e-6)
+    finally:
+        varlen_kernel._torch_kernel.cache_clear()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", [dict(), dict(nh=4, ng=2), dict(d=12, dv=8)], ids=["plain", "gqa", "mla"])
 def test_the_cuda_kernel_matches_the_masked_path_in_bf16(shape):
