@@ -63,7 +63,7 @@ class DocumentBounds:
     host: np.ndarray
     row_first: tuple[int, ...]
     seq_length: int
-    derived: "Derived" = field(default_factory=lambda: Derived(), repr=False, compare=False)
+    derived: Derived = field(default_factory=Derived, repr=False, compare=False)
 
     @classmethod
     def of(cls, document_ids: torch.Tensor) -> "DocumentBounds":
