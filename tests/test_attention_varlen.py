@@ -143,7 +143,7 @@ def test_varlen_attention_equals_the_masked_path(stand_in, shape):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("with_documents", [True, False])
 def test_context_parallel_chunks_through_varlen_equal_the_masked_path(stand_in, cp, with_documents):
     """Each cp rank's chunks (per-document segments against their keys up to the chunk's end)
@@ -220,6 +220,7 @@ def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=N
     return _varlen_main(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("varlen", [_varlen_2_10, _varlen_main, _varlen_2_13], ids=["is_causal", "window_size", "enable_gqa"])
 def test_the_adapter_speaks_each_form_of_varlen_attn(monkeypatch, varlen):
     """Causal, the softmax scale and grouped-query heads reach each signature torch has had."""
@@ -244,6 +245,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(MODELS))
 def test_a_training_step_through_varlen_equals_the_masked_one(stand_in, family):
     """The bounds reach every attention core through the step's micro-batches, full
