@@ -25,3 +25,5 @@ def test_tiny_cpu_run_prints_the_ratio(tmp_path):
     assert report["ratio"] == pytest.approx(per_s["documents"] / per_s["causal"], rel=1e-12)
     assert report["documents_per_sample"] > 2  # the documents side really has documents to mask
     assert "documents / causal (tokens/s)" in proc.stdout
+    assert report["varlen_over_masked"] == pytest.approx(per_s["documents"] / per_s["documents_masked"], rel=1e-12)
+    assert "documents / documents_masked (tokens/s)" in proc.stdout
