@@ -70,9 +70,12 @@ def config_value(config: dict, key: str, source: str, default=None, required: bo
 
 
 INTEGER_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "hidden_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
-NUMBER_KEYS = ("layer_norm_epsilon", "rms_norm_eps", "rope_theta")
-"""config.json keys of sizes (whole numbers) and of other numbers, in GPT-2's and Llama's files."""
+                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
+                "num_experts_per_tok", "num_nextn_predict_layers")  # fmt: skip
+NUMBER_KEYS = ("layer_norm_epsilon", "rms_norm_eps", "rope_theta", "routed_scaling_factor")
+"""config.json keys of sizes (whole numbers) and of other numbers, in GPT-2's, Llama's and DeepSeek-V3's files."""
 
 
 def check_config(config: dict, source: str) -> None:

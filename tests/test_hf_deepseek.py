@@ -1,0 +1,204 @@
+"""`to-hf` / `from-hf` with a DeepSeek-V3-style model, checked with transformers' DeepseekV3ForCausalLM.
+
+The model of tests/test_parity_deepseek.py's flags (multi-latent attention with a compressed
+query, its norms and YaRN; one dense block, then MoE blocks of 8 experts and a shared one;
+sigmoid routing with a non-zero expert bias, group-limited to 2 of 4 groups, weights scaled by
+2.5; one prediction module), every tensor random, must export as a DeepseekV3ForCausalLM with
+dtgpt's logits (fp32), the prediction module stored as DeepSeek publishes it, and import back
+to the same tensors bitwise; a directory transformers saved itself imports with its logits
+and trains on; what the class cannot hold is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from dtgpt.checkpoint import layout
+from dtgpt.checkpoint.architecture import FIELDS, architecture
+from dtgpt.checkpoint.export import load_model, read_config, read_sections
+from dtgpt.checkpoint.hf_deepseek_config import YARN_KEYS
+from dtgpt.config import ModelConfig
+from dtgpt.mtp import shift_left
+from tests.test_checkpoint_convert import load_script
+from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.test_hf_export import make_checkpoint
+from tests.test_hf_llama import NO_FILES, ids, logits_of, refused_line
+from tests.test_parity_deepseek import DEEPSEEK_MTP
+
+# DeepSeek-V3's own eps: transformers' q_a_layernorm and kv_a_layernorm have no other
+DEEPSEEK = (*DEEPSEEK_MTP, "--model.num_layers=4", "--model.hidden_size=64", "--norm-epsilon", "1e-6",
+            "--model.max_position_embeddings=256")  # fmt: skip
+
+
+def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int) -> transformers.PreTrainedModel:
+    """transformers' model, whose only complaint is the prediction module's tensors (layer
+    `layers`), which its model leaves out (it silences them for DeepSeek-V3's layer 61 only)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    finally:
+        logger.removeHandler(handler)
+    text = "\n".join(r.getMessage() for r in records)
+    others = [line for line in text.splitlines() if "model.layers." in line and f"model.layers.{layers}." not in line]
+    assert not others, text
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, Path]:
+    """(the DeepSeek-style checkpoint's iteration directory, its to-hf directory)."""
+    tmp = tmp_path_factory.mktemp("deepseek")
+    directory = make_checkpoint(tmp / "ckpt", "null", NO_FILES, False, DEEPSEEK)
+    assert load_script().main(["to-hf", str(tmp / "ckpt"), str(tmp / "hf")]) == 0
+    return directory, tmp / "hf"
+
+
+def test_deepseek_export_gives_dtgpt_logits_and_imports_back_bitwise(tmp_path, exported):
+    directory, out = exported
+    config = json.loads((out / "config.json").read_text())
+    assert (config["first_k_dense_replace"], config["n_group"], config["topk_group"], config["num_nextn_predict_layers"]) == (1, 4, 2, 1)
+    assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_interleave"] is True
+    hf_model = loaded_quietly_but_for_the_prediction_module(out, 4)
+    assert type(hf_model) is transformers.DeepseekV3ForCausalLM
+    cfg = read_config(directory)
+    stored = read_sections(directory, ("model",))["model"]
+    assert stored["layers.1.mlp.router.expert_bias"].abs().min() > 0  # the bias moves the choice
+    ours = load_model(directory, cfg).eval()
+    torch.testing.assert_close(logits_of(hf_model, ids(128)), logits_of(ours, ids(128)), rtol=1e-5, atol=1e-5)
+
+    base = tmp_path / "run.toml"
+    base.write_text((directory / layout.CONFIG).read_text())
+    assert load_script().main(["from-hf", str(out), str(tmp_path / "back"), "--config", str(base)]) == 0
+    back = layout.iteration_dir(tmp_path / "back", 0)
+    imported = read_config(back)
+    assert architecture(imported.model) == architecture(cfg.model)
+    reread = read_sections(back, ("model",))["model"]
+    assert stored.keys() == reread.keys() and any(k.startswith("mtp.") for k in stored)
+    for key in stored:
+        assert torch.equal(reread[key], stored[key]), key
+
+
+def test_the_prediction_module_is_stored_as_transformers_runs_it(exported):
+    """transformers' own prediction layer (MtpLayer: enorm, hnorm, eh_proj over [embedding,
+    hidden], a decoder layer, post_norm), given layer 4's tensors, gives the logits of dtgpt's
+    module for the same hidden state, shifted tokens and positions."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    directory, out = exported
+    hf_model = loaded_quietly_but_for_the_prediction_module(out, 4)
+    layer = MtpLayer(hf_model.config, deepseek.DeepseekV3DecoderLayer, deepseek.DeepseekV3RMSNorm, 4).eval()  # 4: an MoE block
+    tensors = {k.removeprefix("model.layers.4."): v for k, v in load_file(out / "model.safetensors").items() if k.startswith("model.layers.4.")}
+    experts = [f"mlp.experts.{e}." for e in range(8)]
+    fused = {"mlp.experts.gate_up_proj": torch.stack([torch.cat([tensors[e + "gate_proj.weight"], tensors[e + "up_proj.weight"]]) for e in experts]),
+             "mlp.experts.down_proj": torch.stack([tensors[e + "down_proj.weight"] for e in experts])}  # fmt: skip
+    own = {"enorm.weight", "hnorm.weight", "eh_proj.weight"}
+    state = {k if k in own else f"mtp_block.{k}": v for k, v in {**tensors, **fused}.items() if ".experts." not in k or k in fused}
+    state["post_norm.weight"] = state.pop("mtp_block.shared_head.norm.weight")
+    for copy in ("mtp_block.embed_tokens.weight", "mtp_block.shared_head.head.weight"):
+        state.pop(copy)
+    layer.load_state_dict(state, strict=True)
+
+    ours = load_model(directory, read_config(directory)).eval()
+    tokens = ids(128)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        hidden = ours.embedding(tokens)
+        for block in ours.layers.values():
+            hidden = block(hidden)
+        hidden = ours.norm(hidden)
+        (expected,) = ours.mtp(hidden, tokens, ours.embedding, ours.output)
+        shifted = shift_left(tokens, 0)
+        theirs = layer(hf_model.model.embed_tokens(shifted), hidden, hf_model.model.rotary_emb(hidden, positions),
+                       attention_mask=None, position_ids=positions, past_key_values=None)  # fmt: skip
+        torch.testing.assert_close(hf_model.lm_head(theirs), expected, rtol=1e-5, atol=1e-5)
+
+
+def save_like_hugging_face(out: Path) -> transformers.DeepseekV3ForCausalLM:
+    """A DeepSeek-V3 directory written by transformers itself: its own init, every tensor then
+    moved (norms and the expert bias are constants at init), YaRN as DeepSeek-V3 sets it."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=4,
+        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1},
+    )  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.state_dict().values():  # the saved tensors (the rotary buffers are not)
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    return model
+
+
+def architecture_overrides(m: ModelConfig) -> list[str]:
+    """The imported architecture as overrides (YaRN's keys too), for a trainer of another base."""
+    keys = (*FIELDS, *YARN_KEYS)
+    return [f"--model.{key}={str(getattr(m, key)).lower() if isinstance(getattr(m, key), bool) else getattr(m, key)}"
+            for key in keys if getattr(m, key) is not None]  # fmt: skip
+
+
+def test_hugging_face_deepseek_directory_imports_and_trains(tmp_path):
+    hf_model = save_like_hugging_face(tmp_path / "ds")
+    assert load_script().main(["from-hf", str(tmp_path / "ds"), str(tmp_path / "ckpt")]) == 0
+    directory = layout.iteration_dir(tmp_path / "ckpt", 0)
+    cfg = read_config(directory)
+    m = cfg.model
+    assert (m.moe_layer_freq, m.moe_router_group_topk, m.moe_shared_expert_intermediate_size, m.mtp_num_layers) == ("([0]*1+[1]*2)", 2, 32, None)
+    ours = load_model(directory, cfg).eval()
+    torch.testing.assert_close(logits_of(ours, ids(100, 2))[..., :100], logits_of(hf_model, ids(100, 2)), rtol=1e-5, atol=1e-5)
+
+    t = make_trainer(*architecture_overrides(m), f"--checkpoint.load={tmp_path / 'ckpt'}", "--checkpoint.load_optimizer=false")
+    checkpointer(t)
+    imported = read_sections(directory, ("model",))["model"]
+    for name, p in t.state.model.parts[0].named_parameters():
+        assert torch.equal(p, imported[name]), name
+    step(t, 1)
+    assert any(not torch.equal(p, imported[name]) for name, p in t.state.model.parts[0].named_parameters())
+
+
+def changed(flags: tuple[str, ...], **values: str | None) -> tuple[str, ...]:
+    """DEEPSEEK with Megatron flags given other values (None: the flag left out)."""
+    out, args = [], list(flags)
+    while args:
+        arg = args.pop(0)
+        name = arg[2:].replace("-", "_")
+        takes_value = bool(args) and not args[0].startswith("--")
+        value = args.pop(0) if takes_value else None
+        if name not in values:
+            out += [arg] + ([value] if takes_value else [])
+        elif values[name] is not None:
+            out += [arg] + ([values[name]] if takes_value else [])
+    return tuple(out)
+
+
+REFUSED = {
+    "softmax routing": (dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=None, moe_router_bias_update_rate=None),
+                        "DeepseekV3ForCausalLM needs model.moe_router_score_function='sigmoid' (the config has 'softmax')"),
+    "MoE first": (dict(moe_layer_freq="([1]*1+[0]*1+[1]*2)"), "model.moe_layer_freq='dense blocks first, then MoE blocks"),
+    "group score": (dict(moe_router_topk="2"), "needs model.moe_router_topk=4 (the config has 2) with model.moe_router_group_topk=2"),
+    "norm eps": (dict(norm_epsilon="1e-5"), "model.norm_epsilon=1e-06 (the config has 1e-05)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_deepseek_model_the_class_cannot_hold_is_one_line(tmp_path, capfd, case):
+    values, expected = REFUSED[case]
+    make_checkpoint(tmp_path / "ckpt", "null", NO_FILES, False, changed(DEEPSEEK, **values))
+    err = refused_line(capfd, ["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
+    assert expected in err, err
+    assert not (tmp_path / "hf").exists()
