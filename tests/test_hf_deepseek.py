@@ -34,7 +34,7 @@ from tests.test_parity_deepseek import DEEPSEEK_MTP
 
 # DeepSeek-V3's own eps: transformers' q_a_layernorm and kv_a_layernorm have no other
 DEEPSEEK = (*DEEPSEEK_MTP, "--model.num_layers=4", "--model.hidden_size=64", "--norm-epsilon", "1e-6",
-            "--model.max_position_embeddings=256")  # fmt: skip
+            "--model.max_position_embeddings=163840")  # YaRN's 40 x 4096 (transformers warns at another)  # fmt: skip
 
 
 def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int) -> transformers.PreTrainedModel:
@@ -49,9 +49,11 @@ def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int) -> tran
         model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     finally:
         logger.removeHandler(handler)
-    text = "\n".join(r.getMessage() for r in records)
-    others = [line for line in text.splitlines() if "model.layers." in line and f"model.layers.{layers}." not in line]
-    assert not others, text
+    messages = [r.getMessage() for r in records]
+    assert len(messages) == 1 and "LOAD REPORT" in messages[0], messages
+    keys = [line.split("|")[0].strip() for line in messages[0].splitlines() if "| UNEXPECTED" in line]
+    assert keys and all(key.startswith(f"model.layers.{layers}.") for key in keys), messages[0]
+    assert "MISSING" not in messages[0] and "MISMATCH" not in messages[0], messages[0]
     return model
 
 
