@@ -37,7 +37,7 @@ DEEPSEEK = (*DEEPSEEK_MTP, "--model.num_layers=4", "--model.hidden_size=64", "--
             "--model.max_position_embeddings=163840")  # YaRN's 40 x 4096 (transformers warns at another)  # fmt: skip
 
 
-def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int) -> transformers.PreTrainedModel:
+def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int | None) -> transformers.PreTrainedModel:
     """transformers' model, whose only complaint is the prediction module's tensors (layer
     `layers`), which its model leaves out (it silences them for DeepSeek-V3's layer 61 only)."""
     records: list[logging.LogRecord] = []
@@ -50,6 +50,9 @@ def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int) -> tran
     finally:
         logger.removeHandler(handler)
     messages = [r.getMessage() for r in records]
+    if layers is None:  # no prediction module: not a word
+        assert messages == [], messages
+        return model
     assert len(messages) == 1 and "LOAD REPORT" in messages[0], messages
     keys = [line.split("|")[0].strip() for line in messages[0].splitlines() if "| UNEXPECTED" in line]
     assert keys and all(key.startswith(f"model.layers.{layers}.") for key in keys), messages[0]
@@ -66,29 +69,59 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
     return directory, tmp / "hf"
 
 
+def assert_same_logits_and_bitwise_back(directory: Path, out: Path, tmp_path: Path, prediction_layer: int | None) -> None:
+    """transformers' model from `out` gives the checkpoint's logits (fp32), and from-hf (with the
+    run's config) gives back its architecture and every tensor bitwise."""
+    hf_model = loaded_quietly_but_for_the_prediction_module(out, prediction_layer)
+    assert type(hf_model) is transformers.DeepseekV3ForCausalLM
+    cfg = read_config(directory)
+    stored = read_sections(directory, ("model",))["model"]
+    ours = load_model(directory, cfg).eval()
+    torch.testing.assert_close(logits_of(hf_model, ids(128)), logits_of(ours, ids(128)), rtol=1e-5, atol=1e-5)
+    base = tmp_path / "run.toml"
+    base.write_text((directory / layout.CONFIG).read_text())
+    assert load_script().main(["from-hf", str(out), str(tmp_path / "back"), "--config", str(base)]) == 0
+    back = layout.iteration_dir(tmp_path / "back", 0)
+    assert architecture(read_config(back).model) == architecture(cfg.model)
+    reread = read_sections(back, ("model",))["model"]
+    assert stored.keys() == reread.keys()
+    for key in stored:
+        assert torch.equal(reread[key], stored[key]), key
+
+
 def test_deepseek_export_gives_dtgpt_logits_and_imports_back_bitwise(tmp_path, exported):
     directory, out = exported
     config = json.loads((out / "config.json").read_text())
     assert (config["first_k_dense_replace"], config["n_group"], config["topk_group"], config["num_nextn_predict_layers"]) == (1, 4, 2, 1)
     assert config["rope_scaling"]["rope_type"] == "yarn" and config["rope_interleave"] is True
-    hf_model = loaded_quietly_but_for_the_prediction_module(out, 4)
-    assert type(hf_model) is transformers.DeepseekV3ForCausalLM
-    cfg = read_config(directory)
     stored = read_sections(directory, ("model",))["model"]
     assert stored["layers.1.mlp.router.expert_bias"].abs().min() > 0  # the bias moves the choice
-    ours = load_model(directory, cfg).eval()
-    torch.testing.assert_close(logits_of(hf_model, ids(128)), logits_of(ours, ids(128)), rtol=1e-5, atol=1e-5)
+    assert "mtp.layers.0.eh_proj.weight" in stored
+    assert_same_logits_and_bitwise_back(directory, out, tmp_path, 4)
 
-    base = tmp_path / "run.toml"
-    base.write_text((directory / layout.CONFIG).read_text())
-    assert load_script().main(["from-hf", str(out), str(tmp_path / "back"), "--config", str(base)]) == 0
-    back = layout.iteration_dir(tmp_path / "back", 0)
-    imported = read_config(back)
-    assert architecture(imported.model) == architecture(cfg.model)
-    reread = read_sections(back, ("model",))["model"]
-    assert stored.keys() == reread.keys() and any(k.startswith("mtp.") for k in stored)
-    for key in stored:
-        assert torch.equal(reread[key], stored[key]), key
+
+VARIANTS = {
+    # the query projected in one, a tied head, top-1 without groups (no norm_topk_prob), no
+    # prediction module, YaRN's cos/sin factor not what transformers infers (attention_factor)
+    "q_proj_tied_top1": (dict(q_lora_rank=None, untie_embeddings_and_output_weights=None, moe_router_topk="1",
+                              moe_router_num_groups=None, moe_router_group_topk=None, mtp_num_layers=None, mscale="0.5",
+                              mscale_all_dim="0"), "attention_factor"),
+    "plain_rope": (dict(rope_type="rope", rotary_scaling_factor="1", mscale_all_dim="0", mtp_num_layers=None), None),
+}  # fmt: skip
+
+
+@pytest.mark.slow  # ~10 s; the fast set has the full model above
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_deepseek_variants_give_dtgpt_logits_and_import_back_bitwise(tmp_path, variant):
+    values, scaling_key = VARIANTS[variant]
+    tied = "untie_embeddings_and_output_weights" in values
+    directory = make_checkpoint(tmp_path / "ckpt", "null", NO_FILES, tied, changed(DEEPSEEK, **values))
+    assert load_script().main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied and ("rope_scaling" in config) is (variant != "plain_rope")
+    if scaling_key:
+        assert scaling_key in config["rope_scaling"]
+    assert_same_logits_and_bitwise_back(directory, tmp_path / "hf", tmp_path, None)
 
 
 def test_the_prediction_module_is_stored_as_transformers_runs_it(exported):
