@@ -231,6 +231,10 @@ DEEPSEEK_REFUSED = {  # name -> (how the directory differs, what the one line sa
     "yarn-attention-factor": (_rope_scaling(attention_factor=2.0), "rope_scaling gives YaRN's cos/sin the factor 2.0"),
     "missing-expert": (_tensors(lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
                        "the DeepseekV3 weights have no tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"),
+    "scoring-func": (_config(lambda c: c.update(scoring_func="softmax")), "scoring_func='softmax' is not 'sigmoid'"),
+    "topk-method": (_config(lambda c: c.update(topk_method="group_limited_greedy")), "topk_method='group_limited_greedy' is not"),
+    "fp8": (_config(lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})),
+            "quantization_config names quant_method='fp8': dtgpt reads unquantized weights"),
     "mtp-own-embedding": (_tensors(lambda t: t["model.layers.4.embed_tokens.weight"].mul_(2)),
                           "model.layers.4.embed_tokens.weight differs from the model's own"),
 }  # fmt: skip

@@ -89,6 +89,10 @@ def check_config(config: dict, source: str) -> None:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{source}: {key}={value!r} must be a number")
+    if config.get("quantization_config"):  # e.g. DeepSeek-V3's published fp8 weights with their scales
+        method = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
+        raise ValueError(f"{source}: quantization_config names quant_method={method!r}: dtgpt reads unquantized weights "
+                         "(bf16, fp16 or fp32); dequantize the checkpoint first")  # fmt: skip
     if "vocab_size" not in config:
         raise ValueError(f"{source}: no 'vocab_size' (config.json names the model's vocabulary)")
 

@@ -126,6 +126,12 @@ def deepseek_overrides(config: dict, tensors: dict, source: str) -> dict:
 
     if value("hidden_act", "silu") != "silu":
         refuse("hidden_act", "is not 'silu' (dtgpt's SwiGLU)")
+    # keys of DeepSeek's own config.json that transformers' class does not read, but fixes
+    for key, wanted, rule in (("scoring_func", "sigmoid", "the router's score function"),
+                              ("topk_method", "noaux_tc", "the top-k on the biased scores, groups scored by their top 2"),
+                              ("moe_layer_freq", 1, "every block after the dense ones MoE")):  # fmt: skip
+        if config.get(key, wanted) != wanted:
+            refuse(key, f"is not {wanted!r} ({rule}, what DeepseekV3ForCausalLM and dtgpt compute)")
     if value("attention_bias", False) is not False:
         refuse("attention_bias", "is not false: dtgpt's multi-latent attention has no bias on its projections")
     if value("rope_interleave", True) is not True:
