@@ -149,6 +149,11 @@ BROKEN = {  # name -> (how the directory is damaged, what the one line says)
 
 @pytest.mark.parametrize("damage, message", BROKEN.values(), ids=BROKEN.keys())
 def test_a_bad_hugging_face_directory_is_one_line_and_writes_nothing(tmp_path, hf_dir, capfd, damage, message):
+    assert_import_refused(tmp_path, hf_dir, capfd, damage, message)
+
+
+def assert_import_refused(tmp_path: Path, hf_dir: Path, capfd, damage, message: str) -> None:
+    """from-hf of a copy of hf_dir that `damage` changed: one line holding `message`, nothing written."""
     src = tmp_path / "hf"
     shutil.copytree(hf_dir, src)
     damage(src)
@@ -242,10 +247,4 @@ DEEPSEEK_REFUSED = {  # name -> (how the directory differs, what the one line sa
 
 @pytest.mark.parametrize("change, message", DEEPSEEK_REFUSED.values(), ids=DEEPSEEK_REFUSED.keys())
 def test_a_deepseek_directory_dtgpt_cannot_hold_is_one_line_and_writes_nothing(tmp_path, deepseek_dir, capfd, change, message):
-    src = tmp_path / "hf"
-    shutil.copytree(deepseek_dir, src)
-    change(src)
-    capfd.readouterr()
-    assert load_script().main(["from-hf", str(src), str(tmp_path / "out")]) == 2
-    assert message in one_error(capfd)
-    assert not (tmp_path / "out").exists()
+    assert_import_refused(tmp_path, deepseek_dir, capfd, change, message)
