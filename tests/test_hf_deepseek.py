@@ -22,13 +22,13 @@ from safetensors.torch import load_file
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.architecture import FIELDS, architecture
-from dtgpt.checkpoint.export import load_model, read_config, read_sections
+from dtgpt.checkpoint.export import hf_layout_for, load_model, read_config, read_sections
 from dtgpt.checkpoint.hf_deepseek_config import YARN_KEYS
-from dtgpt.config import ModelConfig
+from dtgpt.config import ModelConfig, load_config
 from dtgpt.mtp import shift_left
 from tests.test_checkpoint_convert import load_script
 from tests.test_checkpoint_unit import checkpointer, make_trainer, step
-from tests.test_hf_export import make_checkpoint
+from tests.test_hf_export import MODEL, make_checkpoint
 from tests.test_hf_llama import NO_FILES, ids, logits_of, refused_line
 from tests.test_parity_deepseek import DEEPSEEK_MTP
 
@@ -227,13 +227,24 @@ REFUSED = {
     "MoE first": (dict(moe_layer_freq="([1]*1+[0]*1+[1]*2)"), "model.moe_layer_freq='dense blocks first, then MoE blocks"),
     "group score": (dict(moe_router_topk="2"), "needs model.moe_router_topk=4 (the config has 2) with model.moe_router_group_topk=2"),
     "norm eps": (dict(norm_epsilon="1e-5"), "model.norm_epsilon=1e-06 (the config has 1e-05)"),
+    "no latent norms": (dict(qk_layernorm=None), "DeepseekV3ForCausalLM needs model.qk_layernorm=true (the config has false)"),
+    "shared width": (dict(moe_shared_expert_intermediate_size="48"),
+                     "model.moe_shared_expert_intermediate_size='a multiple of the expert width 32' (the config has 48)"),
+    "softmax scale without YaRN": (dict(rope_type="rope"), "model.mscale_all_dim=0.0 (the config has 1.0) without YaRN"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_deepseek_model_the_class_cannot_hold_is_one_line(tmp_path, capfd, case):
+def test_a_deepseek_model_the_class_cannot_hold_is_refused_by_name(case):
     values, expected = REFUSED[case]
-    make_checkpoint(tmp_path / "ckpt", "null", NO_FILES, False, changed(DEEPSEEK, **values))
+    cfg = load_config(None, [*MODEL, *changed(DEEPSEEK, **values), "--data.mock_data=true", "--model.untie_embeddings_and_output_weights=true"])
+    with pytest.raises(ValueError) as err:
+        hf_layout_for(cfg.model)
+    assert expected in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_to_hf_of_such_a_model_is_one_line_and_writes_nothing(tmp_path, capfd):
+    make_checkpoint(tmp_path / "ckpt", "null", NO_FILES, False, changed(DEEPSEEK, **REFUSED["softmax routing"][0]))
     err = refused_line(capfd, ["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
-    assert expected in err, err
+    assert REFUSED["softmax routing"][1] in err, err
     assert not (tmp_path / "hf").exists()
