@@ -150,7 +150,7 @@ def deepseek_overrides(config: dict, tensors: dict, source: str) -> dict:
         refuse("norm_topk_prob", f"with num_experts_per_tok={k}: dtgpt's sigmoid router normalises the weights exactly when top-k > 1")
     shared = value("n_shared_experts", 1)
     if shared < 1:
-        refuse("n_shared_experts", "is not >= 1 (dtgpt's MoE blocks without a shared expert have no zero-width one)")
+        refuse("n_shared_experts", "is not >= 1: dtgpt reads DeepSeek-V3 MoE blocks with shared experts only")
     groups, group_topk = value("n_group", 1), value("topk_group", 1)
     if group_topk < groups and k != GROUP_SCORE_EXPERTS * group_topk:
         refuse("num_experts_per_tok", f"is not {GROUP_SCORE_EXPERTS} x topk_group={group_topk}: transformers scores a group by its "
