@@ -32,9 +32,10 @@ from tests.test_hf_export import MODEL, make_checkpoint
 from tests.test_hf_llama import NO_FILES, ids, logits_of, refused_line
 from tests.test_parity_deepseek import DEEPSEEK_MTP
 
-# DeepSeek-V3's own eps: transformers' q_a_layernorm and kv_a_layernorm have no other
+# DeepSeek-V3's own eps (transformers' q_a_layernorm and kv_a_layernorm have no other) and
+# context, YaRN's 40 x 4096 (transformers warns at another)
 DEEPSEEK = (*DEEPSEEK_MTP, "--model.num_layers=4", "--model.hidden_size=64", "--norm-epsilon", "1e-6",
-            "--model.max_position_embeddings=163840")  # YaRN's 40 x 4096 (transformers warns at another)  # fmt: skip
+            "--model.max_position_embeddings=163840")  # fmt: skip
 
 
 def loaded_quietly_but_for_the_prediction_module(out: Path, layers: int | None) -> transformers.PreTrainedModel:
