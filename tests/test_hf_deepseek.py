@@ -23,10 +23,12 @@ from safetensors.torch import load_file
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.architecture import FIELDS, architecture
 from dtgpt.checkpoint.export import hf_layout_for, load_model, read_config, read_sections
-from dtgpt.checkpoint.hf_deepseek_config import YARN_KEYS
+from dtgpt.checkpoint.hf_checks import replace_model
+from dtgpt.checkpoint.hf_deepseek_config import YARN_KEYS, deepseek_config, deepseek_overrides
 from dtgpt.config import ModelConfig, load_config
 from dtgpt.mtp import shift_left
 from tests.test_checkpoint_convert import load_script
+from tests.runs import REPO
 from tests.test_checkpoint_unit import checkpointer, make_trainer, step
 from tests.test_hf_export import MODEL, make_checkpoint
 from tests.test_hf_llama import NO_FILES, ids, logits_of, refused_line
@@ -159,6 +161,34 @@ def test_the_prediction_module_is_stored_as_transformers_runs_it(exported):
         theirs = layer(hf_model.model.embed_tokens(shifted), hidden, hf_model.model.rotary_emb(hidden, positions),
                        attention_mask=None, position_ids=positions, past_key_values=None)  # fmt: skip
         torch.testing.assert_close(hf_model.lm_head(theirs), expected, rtol=1e-5, atol=1e-5)
+
+
+PUBLISHED = {  # DeepSeek-V3's config.json as deepseek-ai publishes it, but its fp8 quantization_config
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+    "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+    "rope_theta": 10000, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}  # fmt: skip
+
+
+def test_deepseek_v3s_published_config_is_configs_deepseek_v3():
+    """DeepSeek-V3's published config.json (its prediction module's weights present) reads as
+    configs/deepseek_v3.toml's architecture, and that config writes DeepSeek's config.json but
+    for the init std (the Megatron recipe's) and how it spells the same YaRN."""
+    recipe = load_config(str(REPO / "configs" / "deepseek_v3.toml")).model
+    read = deepseek_overrides(PUBLISHED, {"model.layers.61.eh_proj.weight": torch.zeros(1)}, "config.json")
+    assert architecture(replace_model(ModelConfig(), read, "config.json")) == architecture(recipe)
+    written = deepseek_config(recipe, PUBLISHED["vocab_size"], 1)
+    differ = {key for key, value in PUBLISHED.items() if written.get(key) != value}
+    assert differ == {"ep_size", "initializer_range", "rope_scaling"}, differ
+    published = PUBLISHED["rope_scaling"]
+    assert written["rope_scaling"] == {**{k: v for k, v in published.items() if k != "type"}, "rope_type": published["type"]}
 
 
 def save_like_hugging_face(out: Path) -> transformers.DeepseekV3ForCausalLM:

@@ -22,6 +22,8 @@ What the class computes and so what it needs of a dtgpt model:
   (no groups: n_group = topk_group = 1).
 - `num_nextn_predict_layers` prediction modules, stored as DeepSeek publishes them (layers
   num_hidden_layers + k; transformers' model ignores them).
+DeepSeek's own config.json also names `scoring_func`, `topk_method` and `moe_layer_freq`, which
+transformers' class fixes: they are written as it computes, and read only where they agree.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ def deepseek_config(m: ModelConfig, vocab_size: int, eod: int) -> dict:
         "rope_interleave": True, "attention_bias": False, "attention_dropout": m.attention_dropout,
         "num_nextn_predict_layers": m.mtp_depth, "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
         "torch_dtype": "float32", "bos_token_id": eod, "eos_token_id": eod,
+        # DeepSeek's own keys, which transformers' class fixes but other readers of its checkpoints
+        # take from config.json (their defaults are DeepSeek-V2's softmax routing)
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
     }  # fmt: skip
     if m.yarn:
         scaling = {"rope_type": "yarn", "factor": m.rotary_scaling_factor, "mscale": m.mscale, "mscale_all_dim": m.mscale_all_dim,
