@@ -7,8 +7,9 @@
     python scripts/convert_checkpoint.py to-megatron   CKPT MEGATRON_DIR [--tp N]   (Megatron-LM torch_dist)
     python scripts/convert_checkpoint.py from-megatron MEGATRON_DIR NEW_CKPT_DIR --config run.toml
 
-to-hf writes GPT2LMHeadModel for a GPT-3-style model (learned positions, LayerNorm, GeLU) and
-LlamaForCausalLM for a Llama-style one (RoPE, RMSNorm, SwiGLU); from-hf reads either.
+to-hf writes GPT2LMHeadModel for a GPT-3-style model (learned positions, LayerNorm, GeLU),
+LlamaForCausalLM for a Llama-style one (RoPE, RMSNorm, SwiGLU) and DeepseekV3ForCausalLM for a
+DeepSeek-V3-style one (multi-latent attention, MoE, prediction modules); from-hf reads each.
 to-gpt2 and from-gpt2 are their earlier names.
 
 CKPT is a checkpoint root (the pointer is followed) or one iter_XXXXXXX directory, saved on any

@@ -149,6 +149,11 @@ BROKEN = {  # name -> (how the directory is damaged, what the one line says)
 
 @pytest.mark.parametrize("damage, message", BROKEN.values(), ids=BROKEN.keys())
 def test_a_bad_hugging_face_directory_is_one_line_and_writes_nothing(tmp_path, hf_dir, capfd, damage, message):
+    assert_import_refused(tmp_path, hf_dir, capfd, damage, message)
+
+
+def assert_import_refused(tmp_path: Path, hf_dir: Path, capfd, damage, message: str) -> None:
+    """from-hf of a copy of hf_dir that `damage` changed: one line holding `message`, nothing written."""
     src = tmp_path / "hf"
     shutil.copytree(hf_dir, src)
     damage(src)
@@ -192,3 +197,54 @@ def test_a_megatron_directory_given_to_a_dtgpt_tool_is_named_so(tmp_path, capfd)
         assert load_script().main([command, str(tmp_path / "meg"), str(tmp_path / "out")]) == 2
         err = one_error(capfd)
         assert "is a Megatron-LM checkpoint (iter_0000003), not a dtgpt one" in err and "complete" not in err
+
+
+# -- DeepSeek-V3 directories that dtgpt's model cannot hold -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> Path:
+    """A DeepSeek-V3 directory with a prediction module (the to-hf export of
+    tests/test_hf_deepseek.py's model)."""
+    from tests.test_hf_deepseek import DEEPSEEK
+    from tests.test_hf_export import make_checkpoint
+    from tests.test_hf_llama import NO_FILES
+
+    tmp = tmp_path_factory.mktemp("deepseek")
+    make_checkpoint(tmp / "ckpt", "null", NO_FILES, False, DEEPSEEK)
+    assert load_script().main(["to-hf", str(tmp / "ckpt"), str(tmp / "hf")]) == 0
+    return tmp / "hf"
+
+
+def _rope_scaling(**change):
+    return _config(lambda c: c["rope_scaling"].update(change))
+
+
+DEEPSEEK_REFUSED = {  # name -> (how the directory differs, what the one line says)
+    "rope-not-interleaved": (_config(lambda c: c.update(rope_interleave=False)), "rope_interleave=False is not true"),
+    "group-score": (_config(lambda c: c.update(num_experts_per_tok=2)),
+                    "num_experts_per_tok=2 is not 2 x topk_group=2: transformers scores a group by its top 2 experts"),
+    "unnormalised-topk": (_config(lambda c: c.update(norm_topk_prob=False)),
+                          "norm_topk_prob=False with num_experts_per_tok=4: dtgpt's sigmoid router normalises"),
+    "rms-eps": (_config(lambda c: c.update(rms_norm_eps=1e-5)), "rms_norm_eps=1e-05 is not 1e-06"),
+    "attention-bias": (_config(lambda c: c.update(attention_bias=True)), "attention_bias=True is not false"),
+    "kv-heads": (_config(lambda c: c.update(num_key_value_heads=2)), "num_key_value_heads=2 is not num_attention_heads=4"),
+    "all-dense": (_config(lambda c: c.update(first_k_dense_replace=4)), "first_k_dense_replace=4 leaves no MoE block"),
+    "no-shared-expert": (_config(lambda c: c.update(n_shared_experts=0)), "n_shared_experts=0 is not >= 1"),
+    "rope-type": (_rope_scaling(rope_type="linear"), "rope_type='linear' is not one dtgpt's multi-latent attention has"),
+    "yarn-untruncated": (_rope_scaling(truncate=False), "rope_scaling truncate=False is not True"),
+    "yarn-attention-factor": (_rope_scaling(attention_factor=2.0), "rope_scaling gives YaRN's cos/sin the factor 2.0"),
+    "missing-expert": (_tensors(lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
+                       "the DeepseekV3 weights have no tensor 'model.layers.1.mlp.experts.3.up_proj.weight'"),
+    "scoring-func": (_config(lambda c: c.update(scoring_func="softmax")), "scoring_func='softmax' is not 'sigmoid'"),
+    "topk-method": (_config(lambda c: c.update(topk_method="group_limited_greedy")), "topk_method='group_limited_greedy' is not"),
+    "fp8": (_config(lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})),
+            "quantization_config names quant_method='fp8': dtgpt reads unquantized weights"),
+    "mtp-own-embedding": (_tensors(lambda t: t["model.layers.4.embed_tokens.weight"].mul_(2)),
+                          "model.layers.4.embed_tokens.weight differs from the model's own"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change, message", DEEPSEEK_REFUSED.values(), ids=DEEPSEEK_REFUSED.keys())
+def test_a_deepseek_directory_dtgpt_cannot_hold_is_one_line_and_writes_nothing(tmp_path, deepseek_dir, capfd, change, message):
+    assert_import_refused(tmp_path, deepseek_dir, capfd, change, message)

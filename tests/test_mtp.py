@@ -204,8 +204,9 @@ def test_mtp_loss_is_logged_beside_the_lm_loss(tmp_path, capsys):
 
 
 def test_checkpoint_formats_without_mtp_refuse_it_in_one_line():
-    """Megatron's per-rank files and a Hugging Face layout do not hold the modules (Megatron's
-    torch_dist does: tests/test_megatron_mla_checkpoint.py): refused by name."""
+    """Megatron's per-rank files and the Hugging Face layouts of a GPT do not hold the modules
+    (Megatron's torch_dist and DeepseekV3ForCausalLM do: tests/test_megatron_mla_checkpoint.py,
+    tests/test_hf_deepseek.py): refused by name."""
     from dtgpt.checkpoint.export import hf_layout_for
     from dtgpt.checkpoint.megatron.keys import unsupported
 

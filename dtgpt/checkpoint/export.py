@@ -1,5 +1,6 @@
 """Whole checkpoints in one process: read any checkpoint as full tensors, write one from tensors,
-and convert to and from a Hugging Face directory (GPT-2 or Llama: gpt2.py, hf_llama.py).
+and convert to and from a Hugging Face directory (GPT-2, Llama or DeepSeek-V3: gpt2.py,
+hf_llama.py, hf_deepseek.py).
 
 Used by scripts/convert_checkpoint.py and scripts/generate.py. DCP reassembles the shards of
 whatever mesh saved the checkpoint into full tensors here, so nothing needs a process group.
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dtgpt.checkpoint import gpt2, hf_checks, hf_files, hf_llama, hf_tokenizer, layout
+from dtgpt.checkpoint import gpt2, hf_checks, hf_deepseek, hf_files, hf_llama, hf_tokenizer, layout
 from dtgpt.checkpoint.hf_files import HFLayout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.safe import SafeReader, load_problem
@@ -208,16 +209,17 @@ def _config_from_text(text: str) -> Config:
     return cfg
 
 
-HF_LAYOUTS = (gpt2.LAYOUT, hf_llama.LAYOUT)
+HF_LAYOUTS = (gpt2.LAYOUT, hf_llama.LAYOUT, hf_deepseek.LAYOUT)
 
 
 def hf_layout_for(m: ModelConfig) -> HFLayout:
     """The Hugging Face layout that holds the model: GPT2LMHeadModel (learned positions,
-    LayerNorm, GeLU) or LlamaForCausalLM (RoPE, RMSNorm, SwiGLU); ValueError naming the
-    settings each would need when neither does."""
-    moe = [hf_files.need("num_experts", None, m)] if m.num_experts else []  # neither layout has experts
-    moe += [hf_files.need("mtp_num_layers", None, m)] if m.mtp_num_layers else []  # nor prediction modules
-    needs = [(hf, moe + hf.problems(m)) for hf in HF_LAYOUTS]
+    LayerNorm, GeLU), LlamaForCausalLM (RoPE, RMSNorm, SwiGLU) or DeepseekV3ForCausalLM
+    (multi-latent attention, MoE, prediction modules); ValueError naming the settings each
+    would need when none does."""
+    moe = [hf_files.need("num_experts", None, m)] if m.num_experts else []
+    moe += [hf_files.need("mtp_num_layers", None, m)] if m.mtp_num_layers else []
+    needs = [(hf, ([] if hf.holds_experts else moe) + hf.problems(m)) for hf in HF_LAYOUTS]
     for hf, problems in needs:
         if not problems:
             return hf
@@ -263,7 +265,7 @@ def _refuse_model_dir(out: Path) -> None:
 
 
 def from_hf_dir(src: str | Path, root: str | Path, cfg: Config, iteration: int = 0) -> tuple[Path, str]:
-    """Import a GPT-2 or Llama directory (ours or Hugging Face's) into a DCP checkpoint under root.
+    """Import a GPT-2, Llama or DeepSeek-V3 directory (ours or Hugging Face's) into a DCP checkpoint under root.
 
     The model's architecture comes from config.json and the tokenizer keys from the tokenizer
     files found; the rest of `cfg` is kept, the storage conventions (hf_files.CONVENTIONS)

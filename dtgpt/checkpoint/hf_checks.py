@@ -70,9 +70,12 @@ def config_value(config: dict, key: str, source: str, default=None, required: bo
 
 
 INTEGER_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "hidden_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
-NUMBER_KEYS = ("layer_norm_epsilon", "rms_norm_eps", "rope_theta")
-"""config.json keys of sizes (whole numbers) and of other numbers, in GPT-2's and Llama's files."""
+                "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace", "n_group", "topk_group",
+                "num_experts_per_tok", "num_nextn_predict_layers")  # fmt: skip
+NUMBER_KEYS = ("layer_norm_epsilon", "rms_norm_eps", "rope_theta", "routed_scaling_factor")
+"""config.json keys of sizes (whole numbers) and of other numbers, in GPT-2's, Llama's and DeepSeek-V3's files."""
 
 
 def check_config(config: dict, source: str) -> None:
@@ -86,6 +89,10 @@ def check_config(config: dict, source: str) -> None:
         value = config.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{source}: {key}={value!r} must be a number")
+    if config.get("quantization_config"):  # e.g. DeepSeek-V3's published fp8 weights with their scales
+        method = config["quantization_config"].get("quant_method") if isinstance(config["quantization_config"], dict) else None
+        raise ValueError(f"{source}: quantization_config names quant_method={method!r}: dtgpt reads unquantized weights "
+                         "(bf16, fp16 or fp32); dequantize the checkpoint first")  # fmt: skip
     if "vocab_size" not in config:
         raise ValueError(f"{source}: no 'vocab_size' (config.json names the model's vocabulary)")
 

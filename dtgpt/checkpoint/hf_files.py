@@ -1,5 +1,5 @@
 """A Hugging Face model directory (model.safetensors, config.json, generation_config.json) and
-what its two layouts, GPT-2 (gpt2.py) and Llama (hf_llama.py), share. The tokenizer files
+what its layouts, GPT-2 (gpt2.py), Llama (hf_llama.py) and DeepSeek-V3 (hf_deepseek.py), share. The tokenizer files
 beside them: hf_tokenizer.py.
 
 A layout is an `HFLayout`: the architecture it writes, the [model] settings it cannot express,
@@ -46,6 +46,8 @@ class HFLayout:
     """config.json of a model (cfg, padded vocabulary, eod)."""
     overrides: Callable[[dict, Tensors, str], dict]
     """The [model] architecture a config.json (and its tensors) describe; errors name `source`."""
+    holds_experts: bool = False
+    """Whether it holds mixture-of-experts blocks and multi-token prediction modules."""
 
 
 def need(key: str, wanted, m: ModelConfig) -> str:
@@ -71,6 +73,17 @@ def plain_architecture() -> dict[str, object]:
     """Every [model] architecture key at its default, but the CONVENTIONS."""
     defaults = ModelConfig()
     return {key: getattr(defaults, key) for key in FIELDS if key not in CONVENTIONS}
+
+
+def rope_keys(config: dict, source: str) -> tuple[dict, dict, int]:
+    """config.json's RoPE keys, legacy or transformers 5's: (rope_parameters, the scaling, the
+    base as the integer model.rotary_base is)."""
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or parameters
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise ValueError(f"{source}: rope_theta={theta} is not a whole number (dtgpt's model.rotary_base is an integer)")
+    return parameters, scaling, int(theta)
 
 
 def _is_norm(name: str) -> bool:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from dtgpt.checkpoint.hf_files import HFLayout, Named, Tensors, bias_or_zeros, plain_architecture, top_from_hf, top_to_hf, unmet
+from dtgpt.checkpoint.hf_files import (
+    HFLayout, Named, Tensors, bias_or_zeros, plain_architecture, rope_keys, top_from_hf, top_to_hf, unmet,
+)  # fmt: skip
 from dtgpt.config import ModelConfig
 from dtgpt.model import WORD_EMBEDDING
 
@@ -166,11 +168,7 @@ def llama_overrides(config: dict, tensors: Tensors, source: str) -> dict:
 
 def _rope(config: dict, source: str) -> dict:
     """rotary_base and the scaling of config.json's rope keys (legacy or transformers 5's)."""
-    parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or parameters
-    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-    if float(theta) != int(theta):
-        raise ValueError(f"{source}: rope_theta={theta} is not a whole number (dtgpt's model.rotary_base is an integer)")
+    parameters, scaling, theta = rope_keys(config, source)
     partial = config.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"{source}: partial_rotary_factor={partial}: LlamaForCausalLM rotates whole heads")
