@@ -53,6 +53,9 @@ def _rank(rank: int, port: int, echo_port: int, declarer: int, watch: bool, out:
     while attempt.add("waited", 0) < 3:  # rank 1 stays alive until rank 0 has left
         time.sleep(0.05)
     # What the survivors' save does next: a new group over the old ones, and a collective on it.
+    # First each leaves on its own thread, as a survivor's declare() does: a watch still leaving
+    # (slow under load) would shut the new group's sockets with the old ones'.
+    detector.leave()
     group = dist.new_group([0, 1, 2], backend="gloo")
     total = torch.tensor([float(rank)])
     dist.all_reduce(total, group=group)
