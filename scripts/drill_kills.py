@@ -1,4 +1,4 @@
-"""The SIGKILL scenarios of scripts/fault_drill.py: the `[faults]` flags of each kind of kill, its
+"""The SIGKILL scenarios of scripts/drill_scenarios.py: the `[faults]` flags of each kind of kill, its
 name, what it leaves complete, and which kinds fall back to last words under dtgpt.run."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The fault drill's plumbing: launch train.py under torchrun, read back what a scenario left.
 
-`scripts/fault_drill.py` holds the scenarios and the table; this module holds the run itself
-(one torchrun job, killed if it outlives its timeout), the reference run, and the measures of a
-scenario: losses (the last record of each iteration), iterations trained twice, checkpoints
-complete or lost.
+`scripts/drill_scenarios.py` holds the scenarios, `scripts/fault_drill.py` runs them and prints
+the table; this module holds the run itself (one torchrun job, killed if it outlives its
+timeout), the reference run, and the measures of a scenario: losses (the last record of each
+iteration), iterations trained twice, checkpoints complete or lost, tracebacks printed.
 """
 
 
@@ -60,6 +60,17 @@ def our_traceback_frames(log: str) -> list[str]:
             if any(path == root or root in path.parents for root in OUR_CODE):
                 frames.append(line)
     return frames
+
+
+def traceback_ranks(log: str) -> list[int]:
+    """The ranks that printed a traceback: torch prefixes a rank's uncaught error with `[rankN]:`
+    (-1: a traceback without it). A survivor leaving after a fault prints none (docs/faults.md)."""
+    ranks = set()
+    for line in log.splitlines():
+        if "Traceback (most recent call last)" in line:
+            prefix = re.match(r"\[rank(\d+)\]:", line)
+            ranks.add(int(prefix[1]) if prefix else -1)
+    return sorted(ranks)
 
 
 @dataclass

@@ -117,6 +117,17 @@ def summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line}" if first_line else type(e).__name__
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo says when a collective fails because a peer's connection is gone."""
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed because a peer's process went away (it died, or
+    left its collectives after failing first). Only for what a survivor prints as it exits (one
+    line instead of a traceback); never for a recovery: the launcher says who died (recovery.py)."""
+    return isinstance(e, (RuntimeError, OSError)) and any(words in str(e) for words in PEER_GONE)
+
+
 class FailureDetector:
     """Posts and watches the failure notice of this attempt; leaves the collectives once."""
 

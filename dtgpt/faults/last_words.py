@@ -135,19 +135,20 @@ def roll_call(
 def speak(
     state: TrainState, checkpointer, store: dist.Store, inflight: InFlight, seconds: float,
     known_dead: Callable[[], int] = lambda: 0,
-) -> None:  # fmt: skip
+) -> dict[int, Report] | None:  # fmt: skip
     """After a failed collective in the train step (and detect.py's leave): roll call, decide,
-    save or say why not. `known_dead`: as roll_call's."""
+    save or say why not. `known_dead`: as roll_call's. Returns the roll (None: no roll call, or
+    this rank missed it), which tells whether a rank died."""
     dims, rank = state.model.dims, dist.get_rank()
     if dims.dp_replicate < 2:  # no rank's shards exist twice: nothing to wait for
         if store.compare_set(f"{PREFIX}/speaker", "", str(rank)) == str(rank).encode():  # one line, from the first
             _none(checkpointer, "no replicas: parallel.data_parallel_replicate_size=1, so a dead rank's shards are lost")
-        return
+        return None
     report = Report(state.progress.iteration, inflight.stepping)
     reports = roll_call(store, rank, dims.world_size, report, seconds, known_dead)
     if reports is None:
         print(f"last words: rank {rank} answered the roll call too late; it saves nothing", flush=True)
-        return
+        return None
     speaker = rank == min(reports)
     checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
     iteration, why = decide(reports, replicas(dims))
@@ -162,6 +163,7 @@ def speak(
                   f"{time.perf_counter() - start:.2f} s after a hard failure", flush=True)  # fmt: skip
     elif speaker:
         _none(checkpointer, why or f"iteration {iteration} is saved already")
+    return reports
 
 
 def _none(checkpointer, why: str) -> None:

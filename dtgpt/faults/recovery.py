@@ -49,8 +49,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from dtgpt.faults.detect import FailureDetector, summary
-from dtgpt.faults.last_words import InFlight, IterationWatch, Report, consistent, roll_call, speak
+from dtgpt.faults.detect import FailureDetector, peer_gone, summary
+from dtgpt.faults.last_words import InFlight, IterationWatch, Report, consistent, peer_failure, roll_call, speak
 from dtgpt.parallel.dims import MESH_DIMS
 from dtgpt.run.keys import (
     LAUNCHER_NAME,
@@ -122,6 +122,12 @@ def verdict(
     return None
 
 
+class Echo(SystemExit):
+    """A rank leaves after a failure that it did not cause and that is said already in one line
+    (`Recovery._an_echo`): exit 1, so the launcher restarts the job (or stops it, after a bug),
+    without a traceback of the failed collective."""
+
+
 @dataclass
 class Pending:
     """A recovery decided in the train step, carried out by the loop (`recover`)."""
@@ -136,8 +142,9 @@ class Pending:
 class Recovery(IterationWatch):
     """Wraps each train step (as last_words.LastWords does); on a peer's failure: roll call,
     decide, and either mark the step for an in-process recovery (the exception is swallowed;
-    `pending` is set) or say why not, let last words speak, and re-raise. An error of this
-    rank's own stops the job (the module doc, "a bug is no death")."""
+    `pending` is set) or say why not, let last words speak, and leave: with the error when it
+    is this rank's own (a bug perhaps: its traceback), else with exit 1 and no traceback (`Echo`).
+    An error of this rank's own stops the job (the module doc, "a bug is no death")."""
 
     def __init__(
         self, state: TrainState, runtime, detector: FailureDetector, seconds: float, checkpointer, last_words,
@@ -151,6 +158,8 @@ class Recovery(IterationWatch):
         self.pending: Pending | None = None
         self.redone = set(redone)
         self.shared = detector.store.underlying_store
+        self.died = False
+        """A roll call of this watch missed a rank: it died (or is stuck)."""
 
     def _launcher_keys(self, key) -> dict[int, str]:
         keys = {r: key(r) for r in range(self.runtime.world_size)}
@@ -176,14 +185,25 @@ class Recovery(IterationWatch):
         except Exception as e:  # a failed collective or this rank's own error: the roll call tells which
             self.detector.declare(summary(e))
             if not self._decide(phase):
-                if self._stopped_by_another():
-                    raise SystemExit(1) from None  # its error is the origin's, which that rank shows
-                raise
+                if not peer_failure(e):  # an error of dtgpt's own (bad input, say): its one line, or its traceback
+                    raise
+                if self._an_echo():
+                    raise Echo(1) from None
+                if peer_gone(e):  # the first to fail, on a dead peer nobody has named yet: one line
+                    print(f"failure: rank {self.runtime.rank} lost a peer ({summary(e)}); it exits for a restart", flush=True)
+                    raise Echo(1) from None
+                raise  # this rank's own error, a bug perhaps, or a timeout: its traceback says where
 
-    def _stopped_by_another(self) -> bool:
-        """The job stops for another rank's error (a bug): this rank's own error is only its echo."""
+    def _an_echo(self) -> bool:
+        """Whether this rank's error only echoes a failure that is said already: a rank died (the
+        roll call or the launcher says so; the fallback's line and last words tell the rest), or
+        another rank failed first (its error is the one that counts, shown by that rank). The rank
+        whose own error came first, a bug perhaps, keeps its traceback."""
         notice = self.detector.notice()
-        return self.shared.check([STOP_KEY]) and notice is not None and notice["rank"] != self.runtime.rank
+        another = notice is not None and notice["rank"] != self.runtime.rank
+        if self.shared.check([STOP_KEY]):  # a bug, and nobody died: only the rank that raised it shows it
+            return another
+        return another or self.died or bool(self._replaced() or self._launcher_keys(no_replacement_key))
 
     def _stop(self, why: str) -> None:
         """Tell the launcher that this job stops (no replacement, no restart); the first reason stays."""
@@ -198,6 +218,7 @@ class Recovery(IterationWatch):
         if launched and self.seconds > 0:  # without replicas too: the roll call tells a bug from a death
             report = Report(state.progress.iteration, self.inflight.stepping)
             reports = roll_call(store, rank, dims.world_size, report, self.seconds, self._known_dead)
+            self.died = reports is not None and len(reports) < dims.world_size
         if why is None:
             why = verdict(
                 True, dims.dp_replicate, reports, twin_groups(dims), self._launcher_keys(no_replacement_key),
@@ -221,7 +242,8 @@ class Recovery(IterationWatch):
             fallback = "last words follow" if self.last_words else "the restart resumes from the last checkpoint"
             print(f"in-process recovery: none ({why}); {fallback}", flush=True)
         if self.last_words is not None and not (stop and dims.dp_replicate < 2):  # (no replicas: no save, no restart to name)
-            speak(state, self.checkpointer, store, self.inflight, self.seconds, self._known_dead)
+            spoken = speak(state, self.checkpointer, store, self.inflight, self.seconds, self._known_dead)
+            self.died = self.died or (spoken is not None and len(spoken) < dims.world_size)
         if speaker and stop is not None:
             print(f"stopping: {stop}; no rank died of it: no recovery, no restart", flush=True)
         return False

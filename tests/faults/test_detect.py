@@ -53,6 +53,9 @@ def _rank(rank: int, port: int, echo_port: int, declarer: int, watch: bool, out:
     while attempt.add("waited", 0) < 3:  # rank 1 stays alive until rank 0 has left
         time.sleep(0.05)
     # What the survivors' save does next: a new group over the old ones, and a collective on it.
+    # First each leaves on its own thread, as a survivor's declare() does: a watch still leaving
+    # (slow under load) would shut the new group's sockets with the old ones'.
+    detector.leave()
     group = dist.new_group([0, 1, 2], backend="gloo")
     total = torch.tensor([float(rank)])
     dist.all_reduce(total, group=group)
@@ -151,3 +154,16 @@ def test_the_launchers_word_that_a_worker_died_makes_the_watch_leave():
         time.sleep(0.05)
     detector.close()
     assert len(left) == 1 and detector.notice() is None  # it left; the notice is the failing rank's to post
+
+
+def test_a_peer_gone_is_a_closed_connection_not_any_error():
+    """How the first survivor to fail, with no roll call to say a rank died, tells a dead peer
+    (it exits on one line) from its own error (a bug, or a timeout: it keeps its traceback)."""
+    from dtgpt.faults.detect import peer_gone
+
+    closed = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:933."
+    reset = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:47493: Connection reset by peer."
+    assert peer_gone(RuntimeError(closed)) and peer_gone(RuntimeError(reset)) and peer_gone(OSError("[Errno 32] Broken pipe"))
+    assert not peer_gone(RuntimeError("injected bug in the model's forward (iteration 3)"))
+    assert not peer_gone(RuntimeError("[pair.cc:446] Timed out waiting 6000ms for recv operation to complete"))
+    assert not peer_gone(ValueError(closed))  # not a collective's error

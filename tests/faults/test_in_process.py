@@ -276,4 +276,6 @@ def test_a_bug_in_one_rank_stops_the_job_without_a_recovery_or_a_restart(tmp_pat
     assert "in-process recovery" not in log and "starting replacement" not in log and "restart worker group" not in log
     assert "last words: ranks [0, 1, 2, 3] saved iteration 2" in log
     assert all(len(pids[r]) == 1 for r in range(4)), pids  # nobody restarted or replaced
+    tracebacks = [line for line in log.splitlines() if "Traceback" in line]
+    assert tracebacks and all(line.startswith("[rank1]:") for line in tracebacks), log[-6000:]  # the bug's own, no echo
     assert seconds < 300

@@ -2,10 +2,10 @@
 2, dropout on, every default timeout): in the checks between iterations (the stop decision) and
 from an async save's thread it is recovered in-process (the survivor keeps its process); in the
 evaluation, the timers' reduction and a synchronous checkpoint save, one line says that phase is
-not redone, last words save the completed iteration and the launcher restarts both ranks, which
-resume from it. Either way every iteration is recorded once and every loss equals an
-uninterrupted run's bitwise. The five killed jobs and the uninterrupted one run at once: one wait
-instead of six (docs/faults.md, "Outside the step")."""
+not redone, last words save the completed iteration, the survivor exits without a traceback and
+the launcher restarts both ranks, which resume from it. Either way every iteration is recorded
+once and every loss equals an uninterrupted run's bitwise. The five killed jobs and the
+uninterrupted one run at once: one wait instead of six (docs/faults.md, "Outside the step")."""
 
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, n
     assert "fault: SIGKILL to rank 0" in log, log[-6000:]
     assert len(re.findall(line, log)) == 1, log[-6000:]
     assert log.count("in-process recovery: none") + log.count("is redone") == 1, log[-6000:]
+    assert "Traceback" not in log, log[-6000:]  # the survivor leaves on the one line (and last words)
     if in_process:
         assert "last words" not in log and "loaded checkpoint" not in log, log[-6000:]
         assert len(pids[1]) == 1 and len(pids[0]) == 2, pids  # the survivor kept its process
