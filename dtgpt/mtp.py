@@ -37,6 +37,19 @@ def shift_left(t: torch.Tensor, fill: int) -> torch.Tensor:
     return rolled
 
 
+class SequenceShift:
+    """How the prediction modules shift a per-token tensor one place left and count tokens, on a
+    sequence this process holds whole. Under context parallelism each rank holds two chunks of
+    it and dtgpt.parallel.context_shift's subclass takes over (the same values, exchanged)."""
+
+    def __call__(self, t: torch.Tensor, fill: int) -> torch.Tensor:
+        return shift_left(t, fill)
+
+    def total(self, counts: torch.Tensor) -> torch.Tensor:
+        """Token counts of this process's part of the sequences -> those of the whole sequences."""
+        return counts
+
+
 class MTPLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, transformer_layer: nn.Module):
         """transformer_layer: a block of the model's kind (built by dtgpt.model)."""
@@ -61,6 +74,7 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, cfg: ModelConfig, transformer_layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(MTPLayer(cfg, block) for block in transformer_layers)
+        self.shift = SequenceShift()
 
     def forward(
         self,
@@ -79,7 +93,7 @@ class MultiTokenPrediction(nn.Module):
         positions = position_ids if position_ids is not None else torch.arange(T, device=input_ids.device).expand(B, T)
         logits = []
         for layer in self.layers:
-            input_ids, positions = shift_left(input_ids, 0), shift_left(positions, 0)
+            input_ids, positions = self.shift(input_ids, 0), self.shift(positions, 0)
             embedded = embedding(input_ids, positions, token_index)
             hidden = layer(hidden, embedded, position_ids=position_ids, document_ids=document_ids, token_index=token_index)
             logits.append(head(hidden))
@@ -104,11 +118,11 @@ def numbered_blocks(model: nn.Module) -> dict[int, nn.Module]:
     return blocks
 
 
-def depth_labels(labels: torch.Tensor, depth: int) -> list[torch.Tensor]:
+def depth_labels(labels: torch.Tensor, depth: int, shift: SequenceShift = SequenceShift()) -> list[torch.Tensor]:
     """(B, T) labels -> those of depths 1..depth: shifted 1..depth places left, IGNORE_INDEX after."""
     shifted = []
     for _ in range(depth):
-        labels = shift_left(labels, IGNORE_INDEX)
+        labels = shift(labels, IGNORE_INDEX)
         shifted.append(labels)
     return shifted
 
@@ -137,8 +151,9 @@ class MTPLoss:
     `uncounted_calls`: loss calls still to come on stand-in outputs (a pipeline schedule's
     metadata inference) that must not be counted."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shift: SequenceShift | None = None):
         self.depth = cfg.mtp_depth
+        self.shift = shift or SequenceShift()
         self.weight = cfg.mtp_loss_scaling_factor / self.depth
         self.totals: torch.Tensor | None = None
         self.uncounted_calls = 0
@@ -155,9 +170,11 @@ class MTPLoss:
         of (sum of token losses / denominator), where a per-micro-batch denominator (Megatron's
         default loss) is multiplied by the depth's own loss-token count."""
         term, means = None, []
-        for depth_logits, target in zip(logits, depth_labels(labels, self.depth)):
+        targets = depth_labels(labels, self.depth, self.shift)
+        # Each depth's loss tokens in the whole sequences (under cp each rank holds a part of them).
+        counts = self.shift.total(torch.stack([loss_tokens(target) for target in targets])).clamp(min=1)
+        for depth_logits, target, count in zip(logits, targets, counts):
             loss_sum = cross_entropy(depth_logits, target)
-            count = loss_tokens(target).clamp(min=1)
             means.append((loss_sum / count).detach())
             part = loss_sum / (denominator * count if per_micro_batch else denominator)
             term = part if term is None else term + part

@@ -52,17 +52,18 @@ def assert_params_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert whole <= rtol, f"the final parameters as one vector are off by {whole:.3g} (relative) from one process"
 
 
-def assert_same_training(got: dict, want: dict, iterations: int, rtol: float = RTOL) -> None:
+def assert_same_training(got: dict, want: dict, iterations: int, rtol: float = RTOL, resumed_at: int = 0) -> None:
     """got and want as tests/runs.py train_run returns them; compares the first `iterations`
-    iterations and the parameters after iteration `iterations` (both runs saved it)."""
-    assert len(got["loss"]) == iterations <= len(want["loss"])
+    iterations and the parameters after iteration `iterations` (both runs saved it). A run
+    resumed from iteration `resumed_at`'s checkpoint logged only the iterations after it."""
+    assert len(got["loss"]) == iterations - resumed_at and iterations <= len(want["loss"])
     # An MoE run's router losses and routing counts are global figures too (dtgpt/moe/stats.py).
     losses = [k for k in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss") if k in want]
     losses += [k for k in want if k.startswith("mtp_")]  # multi-token prediction's per-depth losses
     for key in ("loss", "grad_norm", *losses):
-        for it, (g, w) in enumerate(zip(got[key], want[key][:iterations]), start=1):
+        for it, (g, w) in enumerate(zip(got[key], want[key][resumed_at:iterations]), start=resumed_at + 1):
             assert g == pytest.approx(w, rel=rtol), f"iteration {it}: {key} {g} vs one-process {w}"
     for key in ("tokens_per_expert", "dropped_tokens"):
         if key in want:
-            assert got[key] == want[key][:iterations], f"{key} differs from one process"
+            assert got[key] == want[key][resumed_at:iterations], f"{key} differs from one process"
     assert_params_match(got["params"][iterations], want["params"][iterations], want["heads"], rtol)

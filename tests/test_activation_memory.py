@@ -37,6 +37,7 @@ from dtgpt.config import Config, padded_vocabulary
 from dtgpt.model import GPT
 from dtgpt.parallel import ParallelDims, build_model_parts
 from dtgpt.plan.activations import ActivationShape, layer_activation_bytes
+from dtgpt.plan.activations_mtp import mtp_activation_bytes, mtp_activation_terms
 
 VOCAB = 32
 LAYERS = 2
@@ -88,8 +89,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def saved_bytes_per_layer(cfg: Config, tp: int, kernel: SDPBackend) -> float:
-    """Bytes the blocks of tp rank 0 save for backward in one training forward with `kernel`, per block."""
+def saved_bytes_by_part(cfg: Config, tp: int, kernel: SDPBackend) -> dict[str, float]:
+    """Bytes tp rank 0 saves for backward in one training forward with `kernel`, by the part
+    that saved each storage first: "blocks" (from the embedding's output to the final norm),
+    "head", "mtp" (the prediction modules: what the head already keeps is not theirs)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
@@ -99,29 +102,39 @@ def saved_bytes_per_layer(cfg: Config, tp: int, kernel: SDPBackend) -> float:
         with torch.device("meta"):
             whole = GPT(cfg.model, padded_vocabulary(cfg, VOCAB))
         model = build_model_parts(cfg, dims, whole, torch.device("cpu")).forward_module()  # the bf16 copy in one process
-        params, seen, inside = set(), {}, [False]
+        params, seen, part = set(), {}, ["embedding"]
 
         def note_params(module, args):  # FSDP's gathered compute copies are in place by now
             params.update(_local(p).untyped_storage().data_ptr() for p in module.parameters(recurse=False))
 
+        def enter(name: str, after: str | None = None):
+            return lambda *_: part.__setitem__(0, name) if after is None or part[0] == after else None
+
         for module in model.modules():
             module.register_forward_pre_hook(note_params)
-        model.embedding.register_forward_hook(lambda *_: inside.__setitem__(0, True))
-        model.norm.register_forward_pre_hook(lambda *_: inside.__setitem__(0, False))
+        model.embedding.register_forward_hook(enter("blocks", after="embedding"))  # the prediction modules embed too
+        model.norm.register_forward_pre_hook(enter("head"))
+        if model.mtp is not None:
+            model.mtp.register_forward_pre_hook(enter("mtp"))
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = _local(t).untyped_storage()
-            if inside[0] and storage.data_ptr() not in params:
-                seen.setdefault(storage.data_ptr(), storage.nbytes())
+            if storage.data_ptr() not in params:
+                seen.setdefault(storage.data_ptr(), (part[0], storage.nbytes()))
             return t
 
         tokens = torch.randint(0, VOCAB, (cfg.training.micro_batch_size, cfg.model.seq_length))
         model.train()
         with sdpa_kernel(kernel), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(tokens)
-        return sum(seen.values()) / cfg.model.num_layers
+        return {name: sum(n for where, n in seen.values() if where == name) for name in ("blocks", "head", "mtp")}
     finally:
         dist.destroy_process_group()
+
+
+def saved_bytes_per_layer(cfg: Config, tp: int, kernel: SDPBackend) -> float:
+    """Bytes the blocks of tp rank 0 save for backward in one training forward with `kernel`, per block."""
+    return saved_bytes_by_part(cfg, tp, kernel)["blocks"] / cfg.model.num_layers
 
 
 def formula(cfg: Config, tp: int, scores_kept: bool, *, megatron_sp: bool = False) -> ActivationShape:
@@ -150,6 +163,50 @@ def _measure(case: str, recompute: str) -> tuple[float, float, float, Config]:
 def test_saved_activations_match_the_formula(case, recompute):
     measured, expected, _, _ = _measure(case, recompute)
     assert measured == pytest.approx(expected, rel=TOLERANCE), (case, recompute)
+
+
+# Two prediction modules (the second reads the first's output) after the model of a case
+MTP_CASES = {
+    # name: (case, recompute)
+    "bf16, flash": ("bf16, flash", "none"),
+    "bf16, flash, selective": ("bf16, flash", "selective"),
+    "bf16, tp2 + SP, flash": ("bf16, tp2 + SP, flash", "none"),
+    "bf16 MoE top-2, flash": ("bf16 MoE top-2, flash", "none"),
+    "fp32 MLA, math kernel": ("fp32 MLA, math kernel", "none"),
+}
+MTP_DEPTH = 2
+
+
+@pytest.mark.parametrize("name", list(MTP_CASES))
+def test_prediction_modules_keep_what_the_formula_counts(name):
+    """The saved tensors of the prediction modules' forward: each depth's mtp_activation_terms
+    but the logits, which the loss keeps (head_activation_terms' share for the main head too)."""
+    case, recompute = MTP_CASES[name]
+    _, tp, precision, model, scores_kept = CASES[case]
+    cfg = _config(recompute, tp, precision, {**model, "mtp_num_layers": MTP_DEPTH})
+    measured = saved_bytes_by_part(cfg, tp, SDPBackend.MATH if scores_kept else SDPBackend.FLASH_ATTENTION)["mtp"]
+    terms = mtp_activation_terms(formula(cfg, tp, scores_kept), recompute, moe=cfg.model.moe_enabled)
+    assert measured == pytest.approx(MTP_DEPTH * (sum(terms.values()) - terms["logits"]), rel=TOLERANCE), name
+
+
+def test_the_plan_counts_the_prediction_modules_on_the_last_stage():
+    """pp 2: the last stage's activations grow by its micro-batches in flight times the modules'
+    bytes, logits included; the first stage's do not change."""
+    from dtgpt.plan import plan_layout
+    from dtgpt.plan import memory as pm
+
+    def plan(mtp: int | None):
+        cfg = _config("none", 1, "bf16", dict(num_layers=4, position_embedding_type="rope", mtp_num_layers=mtp))
+        cfg.parallel.pipeline_model_parallel_size = 2
+        cfg.training.global_batch_size = 8
+        return cfg, {r.pp_rank: r for r in plan_layout(cfg, 2).ranks}
+
+    cfg, with_mtp = plan(MTP_DEPTH)
+    _, without = plan(None)
+    shape = ActivationShape.for_config(cfg, padded_vocabulary(cfg, VOCAB), 1)
+    grown = (with_mtp[1].memory["activations"] - without[1].memory["activations"]) * pm.GIB
+    assert grown == pytest.approx(with_mtp[1].in_flight * mtp_activation_bytes(shape, MTP_DEPTH), rel=1e-9)
+    assert with_mtp[0].memory["activations"] == without[0].memory["activations"]
 
 
 def main() -> None:

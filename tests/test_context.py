@@ -12,7 +12,9 @@ import torch
 from dtgpt.config import load_config
 from dtgpt.model import GPT, CoreAttention
 from dtgpt.rope import apply_rotary, rotary_frequencies
+from dtgpt.mtp import shift_left
 from dtgpt.parallel.context import ContextParallelAttention, global_indices, split_sequence
+from dtgpt.parallel.context_shift import ContextParallelShift, next_chunk_holder
 
 
 def test_split_sequence_keeps_chunks_r_and_its_mirror():
@@ -80,3 +82,26 @@ def test_positions_reach_rope_and_the_learned_table():
     tokens = torch.randint(0, 64, (2, 8))
     embedded = model.embedding(tokens)
     assert torch.equal(model.embedding(split_sequence(tokens, 1, 2), cut), split_sequence(embedded, 1, 2))
+
+
+class HeadsByHand(ContextParallelShift):
+    """The cp shift of rank `cp_rank` whose all-gather returns every rank's chunk heads of `full`."""
+
+    def __init__(self, cp_rank: int, cp_size: int, full: torch.Tensor):
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.heads = [split_sequence(full, r, cp_size, dim=-1).chunk(2, dim=-1) for r in range(cp_size)]
+
+    def gather(self, heads: torch.Tensor) -> torch.Tensor:
+        return torch.stack([chunk[..., 0] for parts in self.heads for chunk in parts])
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_cp_shift_is_the_full_sequence_shift_cut(cp):
+    """Multi-token prediction's shift on each rank's chunks is its chunks of the one-process shift."""
+    full = torch.randint(0, 1000, (2, 2 * cp * 3))
+    expected = shift_left(full, -100)
+    for r in range(cp):
+        local = split_sequence(full, r, cp, dim=-1)
+        shifted = HeadsByHand(r, cp, full)(local, -100)
+        assert torch.equal(shifted, split_sequence(expected, r, cp, dim=-1)), r
+    assert next_chunk_holder(2 * cp - 1, cp) is None and next_chunk_holder(cp - 1, cp) == (cp - 1, 1)

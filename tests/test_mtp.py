@@ -172,16 +172,6 @@ def test_bad_mtp_config_is_one_line(expected):
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
-def test_mtp_refuses_context_parallelism_in_one_line():
-    cfg = Config()
-    cfg.model.mtp_num_layers = 1
-    cfg.parallel.context_parallel_size = 2
-    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
-    with pytest.raises(ConfigError, match="model.mtp_num_layers=1 needs parallel.context_parallel_size=1") as err:
-        validate(cfg)
-    assert "\n" not in str(err.value)
-
-
 def test_mtp_loss_is_logged_beside_the_lm_loss(tmp_path, capsys):
     """The metrics file, the console line (after lm loss, the interval's mean) and TensorBoard
     (Megatron's tag `mtp_1 loss`) carry each depth's loss."""

@@ -4,10 +4,12 @@ multi-latent attention (compressed query, norms, YaRN), one dense block then thr
 2 of 4 groups, the weights scaled by 2.5, and one multi-token prediction module (logged as
 `mtp_1 loss`, compared too). It trains as on one process on tp2 + SP x ep2
 (configs/deepseek_v3_twin.toml itself, whose model is this one), on pp2 with full recomputation,
-and on cp2 (FSDP over the cp ranks, without the prediction module) with selective recomputation; and the attention alone with its
-query projected in one, on tp2 without sequence parallelism: the loss, the gradient norm
+and on cp2 (FSDP over the cp ranks; the prediction module's shifted tokens and labels cross the
+cp chunks) with selective recomputation; and the attention alone with its query projected in one, on tp2 without sequence parallelism: the loss, the gradient norm
 and the router's loss of every iteration, the tokens per expert, and every parameter after the
-last (tests/parity_oracle.py, relative 1e-5). One launch per rank count (tests/runs.py)."""
+last (tests/parity_oracle.py, relative 1e-5). Its checkpoints are mesh-free: the pp2 run's of
+iteration 3 continues on tp2 + SP x ep2 as the one-process run does. One launch per rank count
+(tests/runs.py)."""
 
 import pytest
 
@@ -41,12 +43,16 @@ LAYOUTS = {
     "pp2_full_recompute": (2, DEEPSEEK_MTP + ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B",
                                           "--training.recompute_granularity=full", "--training.recompute_method=uniform",
                                           "--training.recompute_num_layers=1"], TINY),
-    "cp2_selective": (2, DEEPSEEK + ["--parallel.context_parallel_size=2", "--training.recompute_granularity=selective"], TINY),
+    "cp2_selective": (2, DEEPSEEK_MTP + ["--parallel.context_parallel_size=2", "--training.recompute_granularity=selective"], TINY),
     "dense_mla_tp2": (2, DENSE_MLA + ["--parallel.tensor_model_parallel_size=2"], TINY),
+    # the pp2 run's checkpoint of iteration 3 (two stages, the prediction module on the last with
+    # its copy of the embedding) loaded on tp2 + SP x ep2, which trains iterations 4 and 5
+    "twin_from_pp2_at_3": (4, ["--config", TWIN], []),
 }  # fmt: skip
-# context parallelism runs without the prediction module (shifting tokens across cp chunks is not built)
-REFERENCE = {name: DENSE_MLA if name.startswith("dense") else DEEPSEEK if name.startswith("cp") else DEEPSEEK_MTP for name in LAYOUTS}
-SINGLE = {"single": DEEPSEEK_MTP, "single_no_mtp": DEEPSEEK, "single_dense": DENSE_MLA}
+# a layout that starts from another's checkpoint: (the run that saved it, its iteration)
+RESUMES = {"twin_from_pp2_at_3": ("pp2_full_recompute", 3)}
+REFERENCE = {name: DENSE_MLA if name.startswith("dense") else DEEPSEEK_MTP for name in LAYOUTS}
+SINGLE = {"single": DEEPSEEK_MTP, "single_dense": DENSE_MLA}
 
 
 def test_twin_is_the_flags_model():
@@ -65,11 +71,20 @@ def test_twin_is_the_flags_model():
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict:
-    names = selected_cases(request, test_deepseek_layout_matches_single_process)
-    # A 4-rank MoE + MLA run on 2 heavily loaded cores has taken over 2 minutes (start-up included):
-    # 3 x the default bound per run (a hung run stops at the collective timeout anyway).
-    batch = [Run(n, tmp_path_factory.mktemp(n), LAYOUTS[n][1] + RUN, LAYOUTS[n][0], base=LAYOUTS[n][2],
-                 seconds=3 * SECONDS_PER_RUN if LAYOUTS[n][0] > 2 else 0.0) for n in names]  # fmt: skip
+    selected = selected_cases(request, test_deepseek_layout_matches_single_process)
+    names = list(dict.fromkeys([RESUMES[n][0] for n in selected if n in RESUMES] + selected))  # savers first
+    saves = {source: iteration for name, (source, iteration) in RESUMES.items() if name in names}
+    directories = {n: tmp_path_factory.mktemp(n) for n in names}
+    batch = []
+    for n in names:
+        nproc, args, base = LAYOUTS[n]
+        if n in RESUMES:
+            source, iteration = RESUMES[n]
+            args = args + [f"--checkpoint.load={directories[source] / f'{source}_ckpt'}", f"--checkpoint.load_iteration={iteration}"]
+        # A 4-rank MoE + MLA run on 2 heavily loaded cores has taken over 2 minutes (start-up included):
+        # 3 x the default bound per run (a hung run stops at the collective timeout anyway).
+        batch.append(Run(n, directories[n], args + RUN, nproc, base=base, save_interval=saves.get(n, 0),
+                         seconds=3 * SECONDS_PER_RUN if nproc > 2 else 0.0))  # fmt: skip
     for key, model in SINGLE.items():
         if any(REFERENCE[n] is model for n in names):
             batch.append(Run(key, tmp_path_factory.mktemp(key), model + RUN))
@@ -81,9 +96,8 @@ def runs(request, tmp_path_factory) -> dict:
 def test_deepseek_layout_matches_single_process(runs, name):
     expected = result_of(runs, next(key for key, model in SINGLE.items() if model is REFERENCE[name]))
     assert expected["loss"][-1] < expected["loss"][0]
-    if REFERENCE[name] is not DENSE_MLA:
-        moe_blocks = 4 if REFERENCE[name] is DEEPSEEK_MTP else 3  # the prediction module's block routes too
-        assert "seq_load_balancing_loss" in expected and len(expected["tokens_per_expert"][0]) == moe_blocks
-    if REFERENCE[name] is DEEPSEEK_MTP:  # logged beside the LM loss, and learning
+    if REFERENCE[name] is DEEPSEEK_MTP:  # the prediction module's block routes too
+        assert "seq_load_balancing_loss" in expected and len(expected["tokens_per_expert"][0]) == 4
+        # logged beside the LM loss, and learning
         assert "mtp_1 loss" in expected and expected["mtp_1 loss"][-1] < expected["mtp_1 loss"][0]
-    assert_same_training(result_of(runs, name), expected, STEPS)
+    assert_same_training(result_of(runs, name), expected, STEPS, resumed_at=RESUMES.get(name, ("", 0))[1])

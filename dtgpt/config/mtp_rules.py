@@ -24,11 +24,6 @@ def check_mtp(cfg: Config) -> None:
         f"model.mtp_loss_scaling_factor={m.mtp_loss_scaling_factor} must be a finite number >= 0",
     )
     _require(
-        p.context_parallel_size == 1,
-        f"model.mtp_num_layers={m.mtp_num_layers} needs parallel.context_parallel_size=1 (got {p.context_parallel_size}): "
-        "shifting the tokens across context-parallel chunks is not built",
-    )
-    _require(
         p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
         f"model.mtp_num_layers={m.mtp_num_layers} with parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} "
         "needs model.position_embedding_type 'rope' or 'none' (the last stage shares the word embedding only)",

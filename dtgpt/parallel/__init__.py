@@ -18,6 +18,7 @@ from dtgpt.mtp import MTPLoss
 from dtgpt.parallel.compile import apply_compile
 from dtgpt.parallel.compute_copy import ComputeCopy
 from dtgpt.parallel.context import apply_cp
+from dtgpt.parallel.context_shift import ContextParallelShift
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.expert import apply_ep, apply_moe_sequence_ranks
 from dtgpt.parallel.fsdp import apply_fsdp, mixed_precision_policy
@@ -196,7 +197,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         rng=rng,
         compute_copy=compute_copy,
         routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
-        mtp_loss=MTPLoss(cfg.model) if cfg.model.mtp_depth else None,
+        mtp_loss=MTPLoss(cfg.model, ContextParallelShift(dims.sub("cp")) if dims.cp_enabled else None) if cfg.model.mtp_depth else None,
         token_index=layout_invariant_dropout(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset
         # options, the token indices that layout-invariant dropout keys on.

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtgpt import varlen_kernel
 from dtgpt.attention_varlen import DocumentBounds, Documents, context_parallel_documents_attention, document_tensor
 from dtgpt.model import GPT, CoreAttention, allowed_keys, attend
+from dtgpt.mtp import named_blocks
+from dtgpt.parallel.context_shift import ContextParallelShift
 
 
 def split_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
@@ -98,10 +100,13 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:
-    """Swap every block's attention core for the context-parallel one, in place (no parameters
-    change). It has no attention dropout: config validation allows attention dropout with cp only
-    with model.dropout_rng='layout_invariant', whose core then wraps this one."""
-    for block in model.layers.values():
+    """Swap every block's attention core (the prediction modules' too) for the context-parallel
+    one, and their token shift for the one across cp chunks, in place (no parameters change).
+    It has no attention dropout: config validation allows attention dropout with cp only with
+    model.dropout_rng='layout_invariant', whose core then wraps this one."""
+    if model.mtp is not None:
+        model.mtp.shift = ContextParallelShift(cp_mesh)
+    for block in named_blocks(model).values():
         if not isinstance(block.attention.core, CoreAttention):
             raise TypeError("apply_cp must run before recomputation wraps the attention core")
         block.attention.core = ContextParallelAttention(cp_mesh)

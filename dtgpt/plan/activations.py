@@ -317,12 +317,18 @@ def embedding_activation_bytes(shape: ActivationShape) -> float:
     return shape.sbh / shape.gathered_divisor
 
 
-def head_activation_bytes(shape: ActivationShape) -> float:
+def head_activation_terms(shape: ActivationShape) -> dict[str, float]:
     """Last stage: final-norm input (r·s·b·h, /t under SP), the head input (e·s·b·h, as a
     column-parallel input) and the vocabulary-sharded logits: compute dtype + an fp32 copy for
     the loss + its gradient."""
     e, s, b, v, t = shape.compute_bytes, shape.local_tokens, shape.micro_batch_size, shape.padded_vocab, shape.tp
-    norm_in = (shape.residual_bytes or e) * shape.sbh / shape.sp_divisor
-    head_in = e * shape.sbh / shape.gathered_divisor
-    logits = (e + 4 + 4) * s * b * v / t
-    return norm_in + head_in + logits
+    return {
+        "final norm input": (shape.residual_bytes or e) * shape.sbh / shape.sp_divisor,
+        "head input": e * shape.sbh / shape.gathered_divisor,
+        "logits": (e + 4 + 4) * s * b * v / t,
+    }
+
+
+def head_activation_bytes(shape: ActivationShape) -> float:
+    """The sum of head_activation_terms."""
+    return sum(head_activation_terms(shape).values())

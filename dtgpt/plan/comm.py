@@ -35,12 +35,11 @@ below counts the rank's s/cp tokens):
                  all-reduce per iteration.
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
-  MoE            the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
-                 units that fold tp in: dtgpt.plan.comm_moe.
-  per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the
-                 first and last stage; the loss's token count over dp x cp (last stage); the
-                 loss with the squared gradient norm: 1 all-reduce of 2 fp32 over the world (a
-                 non-finite norm is the fp16 overflow: no flag of its own).
+  MoE, MTP       the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
+                 units that fold tp in: dtgpt.plan.comm_moe; multi-token prediction: comm_mtp.
+  per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the first
+                 and last stage; the loss's token count over dp x cp (last stage); the loss with the
+                 squared gradient norm: 1 all-reduce of 2 fp32 over the world (a non-finite norm: fp16's overflow).
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ from dataclasses import dataclass
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import recompute_groups
-from dtgpt.plan import comm_mla, comm_moe, comm_tp_grads
+from dtgpt.plan import comm_mla, comm_moe, comm_mtp, comm_tp_grads
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
@@ -128,6 +127,7 @@ class CommLayout:
     z_loss: bool = False
     latent: "comm_mla.Latent | None" = None
     """Multi-latent attention's widths (dtgpt.plan.comm_mla), None for (grouped-query) attention."""
+    mtp: int = 0  # multi-token prediction modules on the last stage (dtgpt.plan.comm_mtp)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -152,7 +152,7 @@ class CommLayout:
             expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
             ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor,
             pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
-            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None, latent=comm_mla.Latent.of(m),
+            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None, latent=comm_mla.Latent.of(m), mtp=m.mtp_depth,
         )  # fmt: skip
 
     @property
@@ -232,12 +232,12 @@ def fsdp_units(c: CommLayout, stage: int) -> list[tuple[str, list[tuple[int, ...
     first, last = stage == 0, stage == c.num_stages - 1
     units = [("block", block_shapes(c, comm_moe.is_moe_block(c, i)), False) for i in comm_moe.stage_blocks(c, stage)]
     if c.tied and first and last:  # the root keeps the shared weight, and with it the rest
-        return units + [("root", embedding_shapes(c) + head_shapes(c, with_output=False), True)]
+        return comm_mtp.mtp_units(c, stage, units + [("root", embedding_shapes(c) + head_shapes(c, with_output=False), True)], block_shapes)
     if first:
         units.append(("embedding", embedding_shapes(c), False))
     if last:
         units.append(("head", head_shapes(c, with_output=True), False))
-    return units  # the root unit holds no parameters of its own: no collective
+    return comm_mtp.mtp_units(c, stage, units, block_shapes)  # a root without the modules holds no parameters: no collective
 
 
 # -- the collectives ---------------------------------------------------------------------------
@@ -366,13 +366,13 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
     """Once per iteration: tied gradients, gradient norm, loss and overflow agreements."""
     first, last = 0 in stages, c.num_stages - 1 in stages
     out = []
-    if c.pp > 1 and c.tied and first != last:
+    if c.pp > 1 and (c.tied or c.mtp) and first != last:
         rows = -(-(c.vocab // c.tp) // c.shard) if c.fsdp else c.vocab // c.tp
         out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * c.grad_bytes))
     if last and c.dp * c.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", "loss tokens", 1, FP32))
     if c.pp * c.dp * c.cp * c.tp > 1:  # each rank's loss part and sum of squares (and MoE routing statistics)
-        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, (2 + comm_moe.routing_stats_numel(c)) * FP32))
+        out.append(Collective("all_reduce", "world", "loss and grad norm", 1, (2 + comm_moe.routing_stats_numel(c) + c.mtp) * FP32))
     return out
 
 
@@ -382,7 +382,7 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
     return (
         fsdp_collectives(c, stages, n_micro)
         + tp_collectives(c, stages, n_micro)
-        + cp_collectives(c, stages, n_micro)
+        + cp_collectives(c, stages, n_micro) + comm_mtp.mtp_cp_collectives(c, stages, n_micro, Collective)
         + pp_collectives(c, stages, n_micro)
         + comm_moe.all_to_all_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
         + comm_moe.sequence_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)

@@ -39,6 +39,7 @@ from dtgpt.plan.activations import (
     head_activation_bytes,
     layer_activation_bytes,
 )
+from dtgpt.plan.activations_mtp import mtp_activation_bytes
 from dtgpt.plan.ranks import BuiltRank, build_ranks
 from dtgpt.plan.report import layout_warnings
 from dtgpt.plan.results import LayoutError, Plan, RankPlan
@@ -110,6 +111,9 @@ def _activation_bytes(built: BuiltRank, shape: ActivationShape, model: ModelConf
         total += embedding_activation_bytes(shape)
     if built.last:
         total += head_activation_bytes(shape)
+    if built.last and model.mtp_depth:  # selective recomputation reaches the modules' blocks, full does not
+        recompute = "selective" if "selective" in built.recompute else "none"
+        total += mtp_activation_bytes(shape, model.mtp_depth, recompute, moe=model.is_moe_layer(model.num_layers - 1))
     moe = any(model.is_moe_layer(i) for i in built.layer_ids)  # a recomputed group's largest block
     working = built.recompute_group * layer_activation_bytes(shape, recompute="none", moe=moe)
     return total / max(len(built.stage_ids), 1), working
@@ -209,8 +213,8 @@ def plan_layout(
         plan.notes.append(vocab_note)
     if m.mtp_depth:
         plan.notes.append(
-            "multi-token prediction: its modules' parameters and state memory are counted on the last stage, "
-            "their activations not yet"
+            "multi-token prediction: its modules' parameters, state memory, activations and collectives are counted on the "
+            "last stage, except their tensor-parallel collectives and an MoE block's experts' (dtgpt/plan/comm_mtp.py)"
         )
     expected = num_parameters(m, padded)
     if total != expected:
