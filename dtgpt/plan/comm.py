@@ -175,9 +175,9 @@ class CommLayout:
 
     @property
     def fsdp_applied(self) -> bool:
-        """FSDP wraps the model (ParallelDims.fsdp_enabled): over dp x cp, or for its cast of the
-        parameters under fp16/bf16, where its one-rank units communicate nothing."""
-        return self.fsdp or self.compute_bytes < FP32
+        """FSDP wraps the model: over dp x cp, or at dp x cp = 1 for its cast of an MoE model in
+        fp16/bf16 (others: a compute copy, dtgpt.parallel.uses_compute_copy), moving nothing."""
+        return self.fsdp or (self.compute_bytes < FP32 and self.experts > 0)
 
     @property
     def tokens(self) -> int:
