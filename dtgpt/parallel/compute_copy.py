@@ -11,9 +11,10 @@ with main parameters):
 - each model part keeps its fp32 parameters (plain, or DTensors over tp): they are the masters,
   and everything that names a weight sees them (AdamW, the gradient norm and clip, the tied
   copies' sum, checkpoints, which stay mesh-free);
-- a twin of the part (`module`, the same part built and parallelised a second time) holds the
-  weights in the compute dtype and runs forward and backward. Its weights are cast from the
-  masters with one copy before each run (after the optimizer step, a checkpoint load);
+- a twin of the part (`module`, the same part built and parallelised a second time, the
+  modules tp replicates left plain) holds the weights in the compute dtype and runs forward and
+  backward. Its weights are cast from the masters with one copy before each run (after the
+  optimizer step, a checkpoint load);
 - its gradients land in one compute-dtype buffer and are moved to the masters' fp32 gradients
   (one buffer, viewed by each master's `.grad`) after every micro-batch's backward: added in fp32
   when gradients accumulate in fp32, as FSDP accumulates them, or once after the last one in the
@@ -21,8 +22,10 @@ with main parameters):
   DTensor leaves as a pending sum over tp (Partial) stays one in the masters' gradient, and is
   summed once per iteration with the others (ModelParts.reduce_pending_grads).
 
-The values are FSDP's at one rank, bit for bit: the same cast of the same masters, the same
-backward, the same fp32 sums.
+In one process the values are FSDP's at one rank, bit for bit: the same cast of the same
+masters, the same backward, the same fp32 sums. Under tp the pending sums are summed in the
+dtype gradients are reduced in (fp32 under bf16, as Megatron sums them in its main gradients),
+where FSDP summed each alone in the compute dtype after one micro-batch.
 """
 
 from __future__ import annotations
