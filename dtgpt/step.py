@@ -179,6 +179,7 @@ def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | N
     if model.mtp_loss is not None and model.has_last_stage:
         inputs["input_ids"] = batch.tokens.contiguous()  # the last stage's prediction modules embed them
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
+    model.refresh_compute_copies()
     with model.compute_context():
         model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
     if not losses:

@@ -3,6 +3,7 @@
 
     python scripts/bench_loss_ops.py                 # bf16 logits, as Megatron's regime hands them over
     python scripts/bench_loss_ops.py --dtype fp32 --tokens 64 --vocab 512
+    python scripts/bench_loss_ops.py --tp 2          # loss parallelism on 2 gloo ranks
 
 dtgpt's loss of a micro-batch is `GlobalBatchLoss` over `cross_entropy_sum` (dtgpt/parallel/
 model_parts.py): the logits cast to fp32 (Megatron computes the loss in fp32), the sum of token
@@ -12,11 +13,21 @@ vocabulary) logits and its aten ops are counted by torch.profiler (nested ones i
 and backward together (the loss of a global batch of one micro-batch: built, then called); a GPU
 launches a kernel for most of them. The two losses are also checked
 equal (dtgpt's with the batch's own token count as denominator). Ratio: dtgpt / plain.
+
+With --tp 2 the script launches itself on 2 gloo ranks and dtgpt's side is the loss as tensor
+parallelism runs it (parallel.loss_parallel, the default): the logits a DTensor sharded over the
+vocabulary, as the column-parallel head leaves them, and the same loss inside torch's
+`loss_parallel()` (a vocabulary-parallel cross-entropy: each rank its share of the vocabulary,
+the maxima and sums all-reduced). The plain loop's is the one-process loss on the whole logits.
+Counted on rank 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,24 +58,63 @@ def dtgpt_loss(labels: torch.Tensor):
     return loss
 
 
-def count(loss_fn, logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, float]:
+def count(loss_fn, logits: torch.Tensor, labels: torch.Tensor, context=contextlib.nullcontext) -> tuple[int, float]:
     """(aten ops of forward and backward, the loss)."""
     x = logits.detach().requires_grad_()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, context():
         loss = loss_fn(x, labels)
         loss.backward()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::")), loss.item()
+    value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")), value.item()
 
 
-def measure(dtype: torch.dtype, tokens: int, vocab: int) -> dict:
+def measure(dtype: torch.dtype, tokens: int, vocab: int, mesh=None) -> dict:
+    """`mesh`: a tp mesh, on which dtgpt's side is the loss-parallel one (module doc)."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, tokens, vocab, generator=g).to(dtype)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
-    ours = dtgpt_loss(labels)
-    for fn in (plain_loss, ours):  # warm-up: first calls dispatch extra ops
-        count(fn, logits, labels)
-    (plain_ops, plain_value), (ours_ops, ours_value) = count(plain_loss, logits, labels), count(ours, logits, labels)
+    ours, ours_logits, context = dtgpt_loss(labels), logits, contextlib.nullcontext
+    if mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        ours_logits, context = distribute_tensor(logits, mesh, [Shard(-1)]), loss_parallel
+    for _ in range(2):  # warm-up: first calls dispatch extra ops
+        count(plain_loss, logits, labels), count(ours, ours_logits, labels, context)
+    (plain_ops, plain_value), (ours_ops, ours_value) = count(plain_loss, logits, labels), count(ours, ours_logits, labels, context)
     return {"plain": plain_ops, "dtgpt": ours_ops, "ratio": ours_ops / plain_ops, "difference": abs(ours_value - plain_value)}
+
+
+RESULT = "bench_loss_ops result: "
+
+
+def tp_worker(args) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    try:
+        r = measure(DTYPES[args.dtype], args.tokens, args.vocab, init_device_mesh("cpu", (args.tp,)))
+        if dist.get_rank() == 0:
+            print(RESULT + " ".join(f"{k}={v!r}" for k, v in r.items()), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_tp(dtype: str, tokens: int, vocab: int, tp: int = 2, timeout: int = 600) -> dict:
+    """measure() with loss parallelism, on `tp` gloo ranks launched by torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
+           "--worker", "--tp", str(tp), "--dtype", dtype, "--tokens", str(tokens), "--vocab", str(vocab)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return {k: float(v) for k, v in (item.split("=") for item in line[len(RESULT):].split())}
+    sys.stderr.write(proc.stdout)
+    raise SystemExit(f"error: the {tp}-rank measurement exited with {proc.returncode} and printed no result")
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the logits' dtype")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--tp", type=int, default=1, help="tp ranks: above 1, dtgpt's loss is the loss-parallel one")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    r = measure(dtype, args.tokens, args.vocab)
-    print(f"loss over {args.tokens} tokens x {args.vocab} vocabulary, {args.dtype} logits, forward + backward")
-    print(f"aten ops: dtgpt {r['dtgpt']}, plain {r['plain']}, ratio {r['ratio']:.2f}; |loss difference| {r['difference']:.1e}")
+    if args.tp < 1 or args.vocab % args.tp:
+        p.error(f"--tp={args.tp} must be 1 or more and divide --vocab={args.vocab}")
+    if args.worker:
+        tp_worker(args)
+        return 0
+    r = measure(DTYPES[args.dtype], args.tokens, args.vocab) if args.tp == 1 else measure_tp(args.dtype, args.tokens, args.vocab, args.tp)
+    parallel = f", loss parallel over {args.tp} ranks" if args.tp > 1 else ""
+    print(f"loss over {args.tokens} tokens x {args.vocab} vocabulary, {args.dtype} logits{parallel}, forward + backward")
+    print(f"aten ops: dtgpt {r['dtgpt']:.0f}, plain {r['plain']:.0f}, ratio {r['ratio']:.2f}; |loss difference| {r['difference']:.1e}")
     return 0
 
 

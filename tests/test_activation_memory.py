@@ -101,10 +101,10 @@ def saved_bytes_by_part(cfg: Config, tp: int, kernel: SDPBackend) -> dict[str, f
         dims.build_mesh("cpu")
         with torch.device("meta"):
             whole = GPT(cfg.model, padded_vocabulary(cfg, VOCAB))
-        model = build_model_parts(cfg, dims, whole, torch.device("cpu")).forward_module()  # the bf16 copy in one process
+        model = build_model_parts(cfg, dims, whole, torch.device("cpu")).forward_module()  # the bf16 compute copy (dp x cp = 1)
         params, seen, part = set(), {}, ["embedding"]
 
-        def note_params(module, args):  # FSDP's gathered compute copies are in place by now
+        def note_params(module, args):  # the compute copy's (or FSDP's gathered) parameters are in place by now
             params.update(_local(p).untyped_storage().data_ptr() for p in module.parameters(recurse=False))
 
         def enter(name: str, after: str | None = None):

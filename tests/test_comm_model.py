@@ -32,8 +32,9 @@ def test_175b_middle_rank_by_hand():
     # 6 blocks, 2 sub-layers: fwd all-gathers of norm outputs, bwd ones of matmul-output grads
     assert got["all_gather"] == [4 * 6 * n, 4 * 6 * n * act]
     assert got["reduce_scatter"] == got["all_gather"]
-    # 24 norm tensors' gradients (h fp16 each); the loss and the squared gradient norm
-    assert got["all_reduce"] == [24 + 1, 24 * 12288 * 2 + 2 * 4]
+    # 24 norm tensors' gradients (h fp16 each) in one bucket (dp 1: a compute copy, no FSDP to
+    # sum each alone); the loss and the squared gradient norm
+    assert got["all_reduce"] == [1 + 1, 24 * 12288 * 2 + 2 * 4]
     sp_act = 2048 // 8 * 12288 * 2  # the sequence shard of the residual stream (fp16) crosses stages
     assert got["send"] == got["recv"] == [2 * n, 2 * n * sp_act]
     traffic = rank_traffic(c, 8, n, nvlink_gbps=300, ib_gbps=25)

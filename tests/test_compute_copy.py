@@ -51,7 +51,7 @@ def fsdp_model(cfg, reference: ModelParts) -> ModelParts:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     materialize(model, cfg, torch.device("cpu"))
-    return dataclasses.replace(reference, parts=[model], compute_copy=None, grad_reduce_dtype=reduce)
+    return dataclasses.replace(reference, parts=[model], compute_copies=(), grad_reduce_dtype=reduce)
 
 
 def weights(state) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ and every parameter after the last step (read back from the final checkpoint, so
 rank that stepped where the others skipped would show there).
 
 The tolerances come from the arithmetic. Mixed precision is Megatron's regime at every dp (the
-model computes in bf16/fp16 over fp32 master weights, FSDP's cast even on one rank; gradients
+model computes in bf16/fp16 over fp32 master weights, FSDP's cast or, at dp x cp = 1, a compute copy; gradients
 accumulated and reduced in fp32), so layouts differ only in the order in which they sum the
 same numbers: tp sums a row-parallel matmul's partial products across ranks, dp and
 micro-batching split the tokens a weight gradient's matmul sums before rounding it, pp moves
@@ -76,6 +76,8 @@ LAYOUTS = {
     # name: (ranks, overrides)
     "dp2": (2, DP2),
     "tp2_sp": (2, TP2_SP),
+    # without sequence parallelism the compute copy's replicated norms run plain (apply_tp's local_replicas)
+    "tp2": (2, ["--parallel.tensor_model_parallel_size=2"]),
     "pp2_1f1b": (2, PP2),
     "dp2_tp2": (4, DP2 + TP2_SP),
     "pp2_tp2": (4, PP2 + TP2_SP),

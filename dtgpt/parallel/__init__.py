@@ -8,6 +8,8 @@ weights (`materialize()`) so that every layout starts from bitwise-identical ful
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -59,17 +61,26 @@ def grad_reduce_dtype(cfg: Config) -> torch.dtype:
 
 
 def uses_compute_copy(cfg: Config, dims: ParallelDims) -> bool:
-    """fp16/bf16 in one process: the regime is a compute-dtype copy of the fp32 masters
-    (parallel/compute_copy.py), not FSDP's cast, whose hooks would cost host time for nothing.
-    An MoE model keeps FSDP's (its routing statistics live on the modules the trainer holds)."""
-    return dims.low_precision and dims.world_size == 1 and not cfg.model.moe_enabled
+    """fp16/bf16 where no rank shares a weight (dp x cp = 1: one process, tp, pp): the regime is
+    a compute-dtype copy of the fp32 masters (parallel/compute_copy.py), not FSDP's cast, whose
+    hooks would cost host time for nothing. An MoE model keeps FSDP's (its routing statistics
+    live on the modules the trainer holds), and so does a compiled run under tp: there inductor
+    failed to compile the loss-parallel cross-entropy of the copy's logits ("device_mesh.
+    _get_submesh is not an OpOverload", torch 2.13), while FSDP's cast compiles."""
+    if dims.tp_enabled and cfg.training.compile:
+        return False
+    return dims.low_precision and dims.dp * dims.cp == 1 and not cfg.model.moe_enabled
 
 
-def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None) -> None:
+def parallelize(
+    model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelRNG | None = None, *, compute_twin: bool = False
+) -> None:
     """TP -> CP -> EP -> layout-invariant dropout -> recomputation -> compile -> FSDP, in place, on one model/stage.
 
     `rng` (under tp, with Megatron's RNG) is the model-parallel stream that tensor-parallel
     dropout draws from; with model.dropout_rng='layout_invariant' there is none.
+    `compute_twin`: the model is a compute copy's twin (parallel/compute_copy.py): its
+    replicated modules stay plain (apply_tp's local_replicas).
     """
     if dims.tp_enabled:
         apply_tp(
@@ -78,6 +89,7 @@ def parallelize(model: GPT, dims: ParallelDims, cfg: Config, rng: ModelParallelR
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss_parallel=cfg.parallel.loss_parallel,
             moe_folded=dims.tp_folds_into_moe,
+            local_replicas=compute_twin,
         )
         if rng is not None:
             apply_rng_streams(model, rng, sequence_parallel=cfg.parallel.sequence_parallel)
@@ -121,7 +133,7 @@ def build_model_parallel_rng(cfg: Config, dims: ParallelDims, device: torch.devi
 
 
 def build_meta_parts(
-    cfg: Config, dims: ParallelDims, model: GPT, rng: ModelParallelRNG | None = None
+    cfg: Config, dims: ParallelDims, model: GPT, rng: ModelParallelRNG | None = None, *, compute_twin: bool = False
 ) -> tuple[list[GPT], list[int], int]:
     """Cut `model` (on meta) into this rank's stages and parallelise each; nothing is allocated.
 
@@ -138,7 +150,7 @@ def build_meta_parts(
     else:
         parts, stage_ids, num_stages = [model], [0], 1
     for part in parts:
-        parallelize(part, dims, cfg, rng)
+        parallelize(part, dims, cfg, rng, compute_twin=compute_twin)
     return parts, stage_ids, num_stages
 
 
@@ -170,17 +182,24 @@ def last_stage_rank(cfg: Config, world_size: int) -> int:
 def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch.device) -> ModelParts:
     """Cut `model` (built on meta) into this rank's stages, parallelise, materialise, init."""
     rng = build_model_parallel_rng(cfg, dims, device)
+    # A compute copy's twins are the same parts built again (on meta: their weights will be views
+    # of the copy's buffer), so they carry the same plan, hooks and dropout streams.
+    twin_model = copy.deepcopy(model) if uses_compute_copy(cfg, dims) else None
     parts, stage_ids, num_stages = build_meta_parts(cfg, dims, model, rng)
     for part in parts:
         materialize(part, cfg, device)
-    compute_copy = None
-    if uses_compute_copy(cfg, dims):
-        compute_copy = ComputeCopy(parts[0], compute_dtype(cfg), grad_reduce_dtype(cfg))
+    compute_copies = ()
+    if twin_model is not None:
+        twins, _, _ = build_meta_parts(cfg, dims, twin_model, rng, compute_twin=True)
+        compute_copies = tuple(ComputeCopy(p, t, compute_dtype(cfg), grad_reduce_dtype(cfg)) for p, t in zip(parts, twins))
         if cfg.training.compile:
-            apply_compile(compute_copy.module, dims, whole=True)
+            for c in compute_copies:
+                apply_compile(c.module, dims, whole=dims.world_size == 1)
     schedules = None
     if dims.pp_enabled:
-        stages = build_pipeline_stages(parts, stage_ids, num_stages, device, dims.sub("pp"))
+        run = [c.module for c in compute_copies] or parts
+        stages = build_pipeline_stages(run, stage_ids, num_stages, device, dims.sub("pp"),
+                                       after_backward=[c.after_stage_backward for c in compute_copies] or None)  # fmt: skip
         schedules = ScheduleCache(stages, cfg.parallel.pipeline_schedule)
     return ModelParts(
         parts=parts,
@@ -195,7 +214,7 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
         cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy),
         rng=rng,
-        compute_copy=compute_copy,
+        compute_copies=compute_copies,
         routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
         mtp_loss=MTPLoss(cfg.model, ContextParallelShift(dims.sub("cp")) if dims.cp_enabled else None) if cfg.model.mtp_depth else None,
         token_index=layout_invariant_dropout(cfg),

@@ -85,7 +85,8 @@ class ParallelDims:
     @property
     def fsdp_enabled(self) -> bool:
         # cp ranks share every weight, so they shard it like dp ranks. With one rank per stage and
-        # tp slice an fp32 run needs no FSDP; fp16/bf16 runs need its cast of the parameters.
+        # tp slice an fp32 run needs no FSDP; fp16/bf16 runs need a cast of the parameters: FSDP's
+        # for an MoE model, a compute copy otherwise (dtgpt.parallel.uses_compute_copy).
         return self.dp * self.cp > 1 or self.low_precision
 
     @property

@@ -6,9 +6,10 @@ context-parallel collective and every pipeline send move two bytes per element),
 master weights that the optimizer steps; gradients come out of backward in the compute dtype and
 are accumulated and reduced in fp32 (`training.accumulate_allreduce_grads_in_fp32`, always on
 under bf16). FSDP's MixedPrecisionPolicy is exactly that, so a low-precision run is FSDP-sharded
-at every dp and under tp or pp; one process alone runs the same regime through a compute copy of
-the masters instead (dtgpt/parallel/compute_copy.py: FSDP's numbers, without its per-unit
-hooks), an MoE model excepted: the regime never depends on dp. Norms compute their statistics in fp32 inside the op (dtgpt.norms.LayerNorm and
+wherever ranks share weights (dp x cp > 1); where none does (one process, tp or pp at dp x cp =
+1) the same regime runs through a compute copy of the masters instead
+(dtgpt/parallel/compute_copy.py: FSDP's numbers, without its per-unit hooks), an MoE model
+excepted: the regime never depends on dp. Norms compute their statistics in fp32 inside the op (dtgpt.norms.LayerNorm and
 RMSNorm return the compute dtype even from an fp32 residual stream), softmax
 in fp32 inside attention, the loss in fp32 (dtgpt.parallel.model_parts).
 

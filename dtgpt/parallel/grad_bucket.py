@@ -23,9 +23,13 @@ def _pending(grad: torch.Tensor | None) -> bool:
 
 
 @torch.no_grad()
-def reduce_pending_grads_bucketed(params: list[torch.nn.Parameter]) -> int:
+def reduce_pending_grads_bucketed(params: list[torch.nn.Parameter], reduce_dtype: torch.dtype | None = None) -> int:
     """Sum every Partial gradient of `params` in one all-reduce per (mesh, placements, dtype)
-    and partial dimension, leaving each as Replicate there. Returns the number of buckets."""
+    and partial dimension, leaving each as Replicate there. Returns the number of buckets.
+
+    reduce_dtype: what the sum crosses ranks in where it differs from the gradients' (a compute
+    copy's fp32 masters under fp16 without accumulate_allreduce_grads_in_fp32 sum in fp16, as
+    FSDP and Megatron do there)."""
     buckets: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
     for param in params:
         grad = param.grad
@@ -34,11 +38,14 @@ def reduce_pending_grads_bucketed(params: list[torch.nn.Parameter]) -> int:
     for (mesh, placements, _dtype), members in buckets.items():
         locals_ = [p.grad._local_tensor for p in members]
         flat = torch.cat([t.reshape(-1) for t in locals_])
+        message = flat if reduce_dtype in (None, flat.dtype) else flat.to(reduce_dtype)
         for dim, placement in enumerate(placements):
             if placement.is_partial():
                 if placement.reduce_op != "sum":
                     raise RuntimeError(f"a pending gradient reduces by {placement.reduce_op!r}: only sums are bucketed")
-                dist.all_reduce(flat, group=mesh.get_group(dim))
+                dist.all_reduce(message, group=mesh.get_group(dim))
+        if message is not flat:
+            flat.copy_(message)
         summed = tuple(Replicate() if p.is_partial() else p for p in placements)
         offset = 0
         for param, local in zip(members, locals_):

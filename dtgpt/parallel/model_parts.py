@@ -111,8 +111,8 @@ class ModelParts:
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     rng: ModelParallelRNG | None = None
     """The model-parallel dropout stream (under tp; dtgpt.parallel.rng)."""
-    compute_copy: ComputeCopy | None = None
-    """fp16/bf16 in one process: the compute-dtype copy that runs the one part (parallel/compute_copy.py)."""
+    compute_copies: tuple[ComputeCopy, ...] = ()
+    """fp16/bf16 where dp x cp = 1: per part, the compute-dtype copy that runs it (parallel/compute_copy.py)."""
     token_index: bool = False
     """The parts take token_index, each token's index in the run (layout-invariant dropout keys
     its masks on it): dtgpt.step builds it for every batch."""
@@ -144,15 +144,26 @@ class ModelParts:
         under Megatron's reset options)."""
         return self.has_first_stage or self.has_last_stage or self.every_stage_reads_batches
 
+    @property
+    def compute_copy(self) -> ComputeCopy | None:
+        """The first part's compute copy (the only one without a pipeline), or None."""
+        return self.compute_copies[0] if self.compute_copies else None
+
     def forward_module(self) -> nn.Module:
         """What runs a micro-batch without a pipeline: the part, or its compute copy."""
-        return self.compute_copy.forward_module() if self.compute_copy is not None else self.parts[0]
+        return self.compute_copies[0].refresh() if self.compute_copies else self.parts[0]
+
+    def refresh_compute_copies(self) -> None:
+        """Before a pipeline schedule runs: each stage's compute copy current with its masters
+        (its stages run the copies; their gradients reach the masters from the stage's backward)."""
+        for compute_copy in self.compute_copies:
+            compute_copy.refresh()
 
     def after_backward(self, first: bool, last: bool) -> None:
         """After one micro-batch's backward (without a pipeline): the compute copy's gradients
         go to the fp32 masters."""
-        if self.compute_copy is not None:
-            self.compute_copy.collect_grads(first, last)
+        if self.compute_copies:
+            self.compute_copies[0].collect_grads(first, last)
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
@@ -198,7 +209,7 @@ class ModelParts:
         on each tp rank; left Partial, every optimizer op that reads such a gradient (norm,
         clip, each Adam update) would all-reduce it again.
         """
-        reduce_pending_grads_bucketed(self.parameters())
+        reduce_pending_grads_bucketed(self.parameters(), self.grad_reduce_dtype)
         for param in self.parameters():
             if param.grad is not None:
                 align_grad_placement(param)

@@ -63,14 +63,50 @@ def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
     return model
 
 
+class _AfterBackward:
+    """A stage whose module is a compute copy (dtgpt/parallel/compute_copy.py): after each of its
+    backwards that gives parameter gradients (a full one, or a zero-bubble schedule's weight
+    half), `after_backward(last)` moves them to the fp32 masters, as FSDP's post-backward would.
+    torch's schedules pass `last_backward` to the stage's backward_maybe_with_nosync (checked on
+    torch 2.13; the pipeline parity tests in bf16 fail if it stops being called)."""
+
+    after_backward: Callable[[bool], None] | None = None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if backward_type != "input" and self.after_backward is not None:
+            self.after_backward(last_backward)
+        return result
+
+
+class _CollectingBoundedStage(_AfterBackward, BoundedPipelineStage):
+    pass
+
+
+class _CollectingStage(_AfterBackward, PipelineStage):
+    pass
+
+
 def build_pipeline_stages(
-    parts: list[GPT], stage_ids: list[int], num_stages: int, device: torch.device, pp_mesh: DeviceMesh
+    parts: list[GPT],
+    stage_ids: list[int],
+    num_stages: int,
+    device: torch.device,
+    pp_mesh: DeviceMesh,
+    after_backward: list[Callable[[bool], None]] | None = None,
 ) -> list[PipelineStage]:
-    cls = BoundedPipelineStage if supported() else PipelineStage
-    return [
+    """after_backward: per part, what moves a compute copy's gradients after each backward."""
+    if after_backward is None:
+        cls = BoundedPipelineStage if supported() else PipelineStage
+    else:
+        cls = _CollectingBoundedStage if supported() else _CollectingStage
+    stages = [
         cls(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_mesh.get_group())
         for part, sid in zip(parts, stage_ids)
     ]
+    for stage, hook in zip(stages, after_backward or ()):
+        stage.after_backward = hook
+    return stages
 
 
 def infers_metadata(schedule) -> bool:

@@ -189,10 +189,17 @@ def _block_plan(
     return plan
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, moe_folded: bool = False) -> None:
+def apply_tp(
+    model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool, moe_folded: bool = False,
+    local_replicas: bool = False,
+) -> None:
     """Shard `model` (a whole GPT or one pipeline stage of it) over `tp_mesh` in place.
 
-    moe_folded: leave the MoE routers and experts to FSDP over dp x tp (see _moe_plan)."""
+    moe_folded: leave the MoE routers and experts to FSDP over dp x tp (see _moe_plan).
+    local_replicas: leave the modules ReplicateParallel would wrap plain (their parameters
+    plain tensors): for a compute copy (dtgpt/parallel/compute_copy.py), whose fp32 masters are
+    the DTensors that the optimizer, the norm and checkpoints see. Such a module takes and
+    returns plain replicated tensors either way; plain, it runs without DTensor's dispatch."""
     seq = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
     plan: dict[str, ParallelStyle] = {}
     if model.embedding is not None:
@@ -220,6 +227,8 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_p
             # Megatron's column-parallel eh_proj, its output gathered whole (then this rank's chunk under SP)
             plan[prefix + "eh_proj"] = ColwiseParallel(input_layouts=seq, output_layouts=seq)
             plan.update(_block_plan(prefix + "transformer_layer.", layer.transformer_layer, tp_mesh, sequence_parallel, moe_folded))
+    if local_replicas:
+        plan = {name: style for name, style in plan.items() if not isinstance(style, ReplicateParallel)}
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel and model.embedding is not None:
         # The sequence chunk is a view of the full embedding output. FSDP2 hooks its backward

@@ -125,6 +125,7 @@ class CommLayout:
     load_balancing: str = "none"
     aux_loss_coeff: float = 0.0
     z_loss: bool = False
+    compiled_tp: bool = False
     latent: "comm_mla.Latent | None" = None
     """Multi-latent attention's widths (dtgpt.plan.comm_mla), None for (grouped-query) attention."""
     mtp: int = 0  # multi-token prediction modules on the last stage (dtgpt.plan.comm_mtp)
@@ -142,7 +143,7 @@ class CommLayout:
             pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, sequence_parallel=p.sequence_parallel and tp > 1,
             loss_parallel=p.loss_parallel, stages_per_rank=p.virtual_pipeline_stages_per_rank,
             schedule=p.pipeline_schedule, compute_bytes=e, grad_bytes=FP32 if grads_reduced_in_fp32(cfg) else e,
-            residual_bytes=FP32 if t.fp32_residual_connection else e, fp16=t.fp16,
+            residual_bytes=FP32 if t.fp32_residual_connection else e, fp16=t.fp16, compiled_tp=t.compile and tp > 1,
             reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
@@ -175,9 +176,8 @@ class CommLayout:
 
     @property
     def fsdp_applied(self) -> bool:
-        """FSDP wraps the model (ParallelDims.fsdp_enabled): over dp x cp, or for its cast of the
-        parameters under fp16/bf16, where its one-rank units communicate nothing."""
-        return self.fsdp or self.compute_bytes < FP32
+        """FSDP wraps the model: dp x cp > 1, or its cast at dp x cp = 1 (dtgpt.parallel.uses_compute_copy)."""
+        return self.fsdp or (self.compute_bytes < FP32 and (self.experts > 0 or self.compiled_tp))
 
     @property
     def tokens(self) -> int:

@@ -5,8 +5,9 @@ Each rank's gradient is a partial sum over tp.
 
 Under FSDP its post-backward all-reduces each over tp, once per iteration, in the gradient's
 dtype (the compute dtype with one micro-batch, else the reduce dtype it accumulates in), except
-the MoE layers', whose units fold tp in (dtgpt.plan.comm_moe). Without FSDP (fp32, dp = cp = 1)
-all of them are summed in one all-reduce per iteration (dtgpt/parallel/grad_bucket.py).
+the MoE layers', whose units fold tp in (dtgpt.plan.comm_moe). Without FSDP (dp = cp = 1: fp32,
+or a compute copy's fp32 masters under fp16/bf16) all of them are summed in one all-reduce per
+iteration, in the dtype gradients are reduced in (dtgpt/parallel/grad_bucket.py).
 """
 
 from __future__ import annotations

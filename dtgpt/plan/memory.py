@@ -93,7 +93,7 @@ def state_bytes(
     grad_bytes        what gradients accumulate and reduce in (config.grads_reduced_in_fp32)
 
     The fp32 parameters, gradients and Adam state are the master, dp shards under FSDP (an fp16
-    or bf16 run is FSDP-sharded at every dp, one rank per stage included: dtgpt/parallel/fsdp.py). FSDP
+    or bf16 run is FSDP-sharded wherever dp x cp > 1: dtgpt/parallel/fsdp.py). FSDP
     gathers the parameters per unit in the compute dtype: about two units at a time (the running
     one and the prefetched one) when units reshard after forward, all of them otherwise. Backward
     gives each unit's gradients in the compute dtype, reduce-scattered from a grad_bytes buffer;
@@ -101,7 +101,7 @@ def state_bytes(
     every unit's gradient stays unsharded, accumulated in grad_bytes, until the last micro-batch's
     one reduce-scatter (gradient sync is off before).
 
-    One process in fp16/bf16 (`compute_copy`, dtgpt/parallel/compute_copy.py) holds the fp32
+    fp16/bf16 at dp x cp = 1 (`compute_copy`, dtgpt/parallel/compute_copy.py) holds the fp32
     masters and their gradients, a compute-dtype copy of every parameter and a compute-dtype
     buffer its backward fills, all for the whole run.
     """
