@@ -178,8 +178,10 @@ def iteration_record(
 def train(
     cfg: Config, runtime: Runtime, state: TrainState, train_iter: Iterator, valid_iter: Iterator | None,
     metrics: MetricsLogger, checkpointer, exits: ExitConditions, faults: FaultHooks, builder: Builder | None = None,
+    test_iter: Iterator | None = None,
 ) -> str:
-    """The loop, then the final save; returns why it stopped."""
+    """The loop, then the final save and the final evaluation (under the same watch: a dead peer
+    there is said in one line, with last words); returns why it stopped."""
     progress, timers = state.progress, state.timers
     prof = cfg.profiling
     profiler = Profiler(
@@ -236,8 +238,11 @@ def train(
                 reason = stop
                 break
         if checkpointer is not None:
-            with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"):
+            with phase("save-checkpoint", progress.iteration), timers("save-checkpoint"), last_words.guard("final checkpoint save"):
                 checkpointer.save_final(progress.iteration)
+        log0(runtime, f"> training stopped: {reason}")
+        with phase("evaluate", progress.iteration), last_words.guard("final evaluation"):
+            final_evaluation(cfg, state, metrics, valid_iter, test_iter, reason)
     finally:
         profiler.close()
         watchdog.close()
@@ -295,9 +300,7 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
         exits = ExitConditions(cfg.checkpoint, runtime.device, announce=runtime.is_main)
         try:
-            reason = train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults, builder)
-            log0(runtime, f"> training stopped: {reason}")
-            final_evaluation(cfg, state, metrics, valid_iter, test_iter, reason)
+            train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults, builder, test_iter)
         finally:
             metrics.close()
             try:

@@ -1,11 +1,13 @@
 """A rank killed outside the train step, under `python -m dtgpt.run` on 2 CPU ranks (dp_replicate
 2, dropout on, every default timeout): in the checks between iterations (the stop decision) and
 from an async save's thread it is recovered in-process (the survivor keeps its process); in the
-evaluation, the timers' reduction and a synchronous checkpoint save, one line says that phase is
-not redone, last words save the completed iteration, the survivor exits without a traceback and
-the launcher restarts both ranks, which resume from it. Either way every iteration is recorded
-once and every loss equals an uninterrupted run's bitwise. The five killed jobs and the
-uninterrupted one run at once: one wait instead of six (docs/faults.md, "Outside the step")."""
+evaluation, the timers' reduction, a synchronous checkpoint save, the final save and the final
+evaluation, one line says that phase is not redone, last words save the completed iteration
+(unless saved already), the survivor exits without a traceback and the launcher restarts both
+ranks, which resume from it (after the last iteration: to do the final save or evaluation).
+Either way every iteration is recorded once and every loss equals an uninterrupted run's
+bitwise. The seven killed jobs and the uninterrupted one run at once: one wait instead of eight
+(docs/faults.md, "Outside the step")."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import pytest
 from tests.faults.test_in_process import BASE, _descendants, _rank_of, records
 from tests.runs import REPO, selected_cases
 
-pytestmark = pytest.mark.slow  # six 2-rank jobs under dtgpt.run
+pytestmark = pytest.mark.slow  # eight 2-rank jobs under dtgpt.run
 
 ITERS, AT, KILLED = 8, 4, 0  # rank 1, the logging rank, survives to record the iteration of the kill
 SAVE_INTERVAL = AT  # the async save of AT has the iterations up to the next save to die in
@@ -29,6 +31,7 @@ REPLICAS = ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parall
 KILL = [f"--faults.kill_at_iteration={AT}", f"--faults.kill_rank={KILLED}"]
 FALLBACK = "in-process recovery: none (a rank failed during the {}, which is not redone); last words follow"
 RECOVERED = "in-process recovery: rank(s) [0] replaced, the others kept their state; iteration {} is redone"
+LAST = [f"--faults.kill_at_iteration={ITERS}"]  # (a later setting overrides KILL's)
 ANY = r"\d+"  # a save's background thread dies while the main thread trains on, at an iteration load decides
 PHASES = {  # name -> (its faults and settings, the line it prints (a regular expression), recovered in-process)
     "stop-decision": (["--faults.kill_after_step=true"], re.escape(RECOVERED.format(AT + 1)), True),
@@ -39,7 +42,14 @@ PHASES = {  # name -> (its faults and settings, the line it prints (a regular ex
     "sync-save": (["--faults.kill_during_save=true"], re.escape(FALLBACK.format("checkpoint save")), False),
     "async-save": (["--faults.kill_during_save=true", "--checkpoint.async_save=true"],
                    re.escape(RECOVERED.format("@")).replace("@", ANY), True),  # fmt: skip
+    # after the last iteration: the final save (no regular save falls on ITERS) and the final
+    # validation (no regular evaluation falls on ITERS); the restart has nothing to train and does them
+    "final-save": ([*LAST, "--faults.kill_during_save=true", f"--checkpoint.save_interval={ITERS - 1}"],
+                   re.escape(FALLBACK.format("final checkpoint save")), False),  # fmt: skip
+    "final-evaluation": ([*LAST, "--faults.kill_during_eval=true", "--eval.eval_iters=1", f"--eval.eval_interval={ITERS - 1}"],
+                         re.escape(FALLBACK.format("final evaluation")), False),  # fmt: skip
 }
+FINAL_VALIDATION = f" validation loss at iteration {ITERS} | "
 
 
 def argv(where: Path, extra: list[str]) -> list[str]:
@@ -93,7 +103,8 @@ def jobs(request, tmp_path_factory) -> dict[str, tuple[int, str, dict[int, set[i
 
 @pytest.mark.parametrize("name", list(PHASES))
 def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, name):
-    _, line, in_process = PHASES[name]
+    settings, line, in_process = PHASES[name]
+    at = ITERS if LAST[0] in settings else AT
     rc, log, pids, where = jobs[name]
     assert rc == 0, log[-6000:]
     assert "fault: SIGKILL to rank 0" in log, log[-6000:]
@@ -104,7 +115,9 @@ def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, n
         assert "last words" not in log and "loaded checkpoint" not in log, log[-6000:]
         assert len(pids[1]) == 1 and len(pids[0]) == 2, pids  # the survivor kept its process
     else:
-        assert f"saved iteration {AT} to" in log and f": iteration {AT}," in log, log[-6000:]  # last words, then resumed from them
+        # last words save the completed iteration, but not twice: the final save had it already
+        said = f"iteration {at} is saved already" if name == "final-evaluation" else f"saved iteration {at} to"
+        assert said in log and f": iteration {at}," in log, log[-6000:]  # then the restart resumed from it
         # the launcher restarted both (rank 0 may have had a replacement in between)
         assert len(pids[1]) == 2 and len(pids[0]) >= 2, pids
     reference_rc, reference_log, _, reference_dir = jobs["reference"]
@@ -112,3 +125,6 @@ def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, n
     got, want = records(where / "metrics.jsonl"), records(reference_dir / "metrics.jsonl")
     assert [i for i, _ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
     assert got == want  # bitwise
+    if at == ITERS:  # the restart did what was interrupted: the final save is whole, the final validation logged once
+        assert (where / "ckpt" / f"iter_{ITERS:07d}").is_dir() and "nothing to train" in log, log[-6000:]
+        assert log.count(FINAL_VALIDATION) == ("--eval.eval_iters=1" in settings), log[-6000:]
