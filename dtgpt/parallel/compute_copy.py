@@ -65,11 +65,6 @@ def _replace_params(module: nn.Module, new: dict[int, nn.Parameter]) -> None:
             setattr(sub, name, new[id(p)])
 
 
-def _unique_params(module: nn.Module) -> dict[str, nn.Parameter]:
-    """Each parameter once (a tied weight under its first name), in the module's order."""
-    return {name: p for name, p in module.named_parameters()}
-
-
 class ComputeCopy:
     """The compute-dtype twin of one model part whose parameters are fp32 masters.
 
@@ -78,9 +73,9 @@ class ComputeCopy:
     """
 
     def __init__(self, master: nn.Module, twin: nn.Module, dtype: torch.dtype, accumulate_dtype: torch.dtype):
-        named = _unique_params(master)
+        named = dict(master.named_parameters())  # each parameter once: a tied weight under its first name
         originals = list(named.values())
-        twin_named = _unique_params(twin)
+        twin_named = dict(twin.named_parameters())
         if list(twin_named) != list(named):
             raise RuntimeError(f"the compute copy's parameters {list(twin_named)} differ from the part's {list(named)}")
         device = _local(originals[0]).device
@@ -122,8 +117,6 @@ class ComputeCopy:
         if self.module.training != self.master.training:
             self.module.train(self.master.training)
         return self.module
-
-    forward_module = refresh
 
     @torch.no_grad()
     def _adopt_grads(self) -> None:
