@@ -47,6 +47,9 @@ class ParallelDims:
     flat: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     """Flattened views ('dp', 'dp_cp', 'dp_shard_cp', and HSDP's 'hsdp_cp'); kept here because
     torch no longer slices them from the root."""
+    slices: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    """The root's one-dimension slices ('tp', 'pp', ...), each made once: slicing builds a new
+    DeviceMesh (~26 aten ops on its rank tensor), and a step asks for some every iteration."""
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ParallelDims":
@@ -102,6 +105,7 @@ class ParallelDims:
         if not dist.is_initialized():
             return None
         self.mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        self.slices.clear()
         self.flat["dp"] = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         shard = ("dp_shard", "cp") if self.cp_enabled else ("dp_shard",)
         if self.cp_enabled:
@@ -143,7 +147,11 @@ class ParallelDims:
         """mesh['tp'], mesh['pp'], mesh['dp'], mesh['dp_cp'] ...; None when there is no mesh."""
         if self.mesh is None:
             return None
-        return self.flat[name] if name in self.flat else self.mesh[name]
+        if name in self.flat:
+            return self.flat[name]
+        if name not in self.slices:
+            self.slices[name] = self.mesh[name]
+        return self.slices[name]
 
     def fsdp_mesh(self) -> DeviceMesh:
         """2-D (replicate, shard) for HSDP, else the shard dimension alone; cp shards like dp_shard."""
