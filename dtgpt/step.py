@@ -120,7 +120,7 @@ def local_forward_backward(
     grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
     with grad_mode:
         total = _run(model, loss, batch, num_microbatches, forward_only)
-    return total / loss_scale
+    return total / loss_scale if loss_scale != 1.0 else total  # bf16 and fp32 have no loss scale
 
 
 def _run(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | None, num_microbatches: int, forward_only: bool) -> torch.Tensor:
@@ -153,7 +153,7 @@ def forward_backward(model: ModelParts, batch: Batch | torch.Tensor | None, num_
 
 
 def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_microbatches: int, forward_only: bool) -> torch.Tensor:
-    total = torch.zeros((), device=model.device)
+    total = None  # the first loss itself, not 0 + it: the same value, three ops fewer
     part = model.forward_module()
     for i, micro in enumerate(batch.chunk(num_microbatches)):
         # The loss-parallel context must cover backward as well as forward.
@@ -164,7 +164,7 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_micro
                 set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
                 micro_loss.backward()
                 model.after_backward(first=i == 0, last=last)
-        total += _plain(micro_loss)
+        total = _plain(micro_loss) if total is None else total + _plain(micro_loss)
     return total
 
 

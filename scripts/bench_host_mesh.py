@@ -3,6 +3,7 @@
 
     python scripts/bench_host_mesh.py                          # bf16, dp2,tp2,pp2, 2 and 6 layers
     python scripts/bench_host_mesh.py --layouts tp2 --layers 2,4,8 --precision fp32
+    python scripts/bench_host_mesh.py --layouts dp2 --layers 2,4 --by-name 40   # which ops differ
 
 The one-process measurement (scripts/bench_host.py) at nil width, on a mesh: the script launches
 itself under torchrun on 2 gloo ranks, and each rank builds dtgpt's step (`train_step`, as the
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -107,12 +109,22 @@ def worker(args) -> None:
                     times[name].append(1000 * (time.perf_counter() - start) / args.steps)
             row = {"layout": layout, "layers": layers}
             for name, step in sides.items():
-                row[name] = {"ms": statistics.median(times[name]), "ops": bench_host.aten_ops(step, batches[0])}
+                names = aten_op_names(step, batches[0])
+                row[name] = {"ms": statistics.median(times[name]), "ops": sum(names.values())}
+                if args.by_name:
+                    row[name]["names"] = dict(names)
             results.append(row)
             del state, sides
     if runtime.rank == 0:
         print(RESULT + json.dumps(results), flush=True)
     shutdown(clean=True)
+
+
+def aten_op_names(step, batch: torch.Tensor) -> Counter:
+    """The aten ops of one step by name (bench_host.aten_ops counts the same events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(batch)
+    return Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 
 
 def slope(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -140,10 +152,32 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def by_name(rows: list[dict], layout: str) -> list[tuple[str, float, float, float, float]]:
+    """Per aten op of `layout`: (name, dtgpt per layer, plain per layer, dtgpt fixed, plain fixed),
+    the ops where the two sides differ most first (rows measured with --by-name)."""
+    mine = [r for r in rows if r["layout"] == layout]
+    names = sorted({n for r in mine for side in ("dtgpt", "plain") for n in r[side]["names"]})
+    out = []
+    for n in names:
+        fits = [slope([(r["layers"], r[side]["names"].get(n, 0)) for r in mine]) for side in ("dtgpt", "plain")]
+        out.append((n, fits[0][0], fits[1][0], fits[0][1], fits[1][1]))
+    return sorted(out, key=lambda t: -(abs(t[1] - t[2]) * 8 + abs(t[3] - t[4])))
+
+
+def print_by_name(rows: list[dict], top: int) -> None:
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        print(f"\n{layout} by aten op (dtgpt / plain), the largest differences first:")
+        print(f"{'op':<40} {'per layer':>15} {'fixed':>15}")
+        for n, dl, pl, df, pf in by_name(rows, layout)[:top]:
+            if round(dl - pl, 1) or round(df - pf, 1):
+                print(f"{n:<40} {dl:>7.1f}/{pl:<7.1f} {df:>7.1f}/{pf:<7.1f}")
+
+
 def launch(args) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__, "--worker"]
     for key in ("layouts", "layers", "precision", "steps", "rounds", "warmup", "vocab"):
         cmd += [f"--{key}", str(getattr(args, key))]
+    cmd += ["--by-name", str(args.by_name)] if args.by_name else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
@@ -177,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (small: the math stays nil)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds for the whole launch")
+    p.add_argument("--by-name", type=int, default=0, metavar="N",
+                   help="also print the N aten ops whose counts differ most between the sides, per layer and fixed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for layout in args.layouts.split(","):
@@ -199,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
           f"micro-batch 1 per rank, vocab {args.vocab}, {args.precision}; torch {torch.__version__}, 1 thread per rank")  # fmt: skip
     rows = launch(args)
     print_table(rows, summarize(rows))
+    if args.by_name:
+        print_by_name(rows, args.by_name)
     return 0
 
 

@@ -73,6 +73,8 @@ class Batch:
 
     def chunk(self, n: int) -> list["Batch"]:
         """n micro-batches along the batch dimension."""
+        if n == 1:  # the batch itself: chunking each tensor once would cost five view ops apiece
+            return [self]
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
         split = {k: (t.chunk(n) if t is not None else [None] * n) for k, t in parts.items()}
         return [Batch(**{k: split[k][i] for k in parts}) for i in range(n)]
