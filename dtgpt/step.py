@@ -220,11 +220,12 @@ def local_squared_grad_norm(model: ModelParts) -> torch.Tensor:
 
 def reduce_loss_and_norm(
     model: ModelParts, local_loss: torch.Tensor, squared_norm: torch.Tensor, routing: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(global loss, global gradient norm, summed MoE routing statistics) from one fp32 all-reduce
-    over every rank: the scalars Megatron moves per iteration too (its norm and its overflow flag:
-    here a non-finite norm is the overflow), and the routing statistics' vector (dtgpt/moe/stats.py)
-    when there is one. tp ranks hold the same loss: only tp rank 0 contributes it."""
+) -> torch.Tensor:
+    """[global loss, global gradient norm, *summed MoE routing statistics] in one fp32 tensor,
+    from one all-reduce over every rank: the scalars Megatron moves per iteration too (its norm
+    and its overflow flag: here a non-finite norm is the overflow), and the routing statistics'
+    vector (dtgpt/moe/stats.py) when there is one. tp ranks hold the same loss: only tp rank 0
+    contributes it. One tensor, so that the host reads it in one go, with no stack to build."""
     dims = model.dims
     loss = local_loss.float() if dims.tp_rank == 0 else torch.zeros_like(local_loss, dtype=torch.float32)
     both = torch.stack([loss, squared_norm.to(loss.device)])
@@ -232,7 +233,8 @@ def reduce_loss_and_norm(
         both = torch.cat([both, routing.to(both)])
     if dims.mesh is not None and dims.world_size > 1:
         dist.all_reduce(both)
-    return both[0], both[1].sqrt(), (both[2:] if routing is not None else None)
+    both[1:2].sqrt_()
+    return both
 
 
 @torch.no_grad()
@@ -290,10 +292,10 @@ def train_step(cfg: Config, state: TrainState, batch: Batch | torch.Tensor | Non
         stats = model.routing_stats
         routing = stats.local(model.parts, model.device) if stats is not None else None
         routing = with_mtp_shares(model, routing)
-        loss, grad_norm, routing = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model), routing)
-        clip_gradients(model, cfg.optimizer.clip_grad, grad_norm)
-        numbers = torch.stack([loss, grad_norm])
-        loss_value, norm_value, *routing_values = (numbers if routing is None else torch.cat([numbers, routing])).tolist()
+        summed = reduce_loss_and_norm(model, local_loss, local_squared_grad_norm(model), routing)
+        clip_gradients(model, cfg.optimizer.clip_grad, summed[1])
+        loss_value, norm_value, *routing_values = summed.tolist()
+        routing = summed[2:] if routing is not None else None
     result = classify(loss_value, norm_value, overflow=scaler.enabled and not math.isfinite(norm_value))
     if model.mtp_loss is not None:
         routing_values, result.mtp = mtp_summary(model, routing_values, microbatches)
