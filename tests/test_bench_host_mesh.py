@@ -13,7 +13,7 @@ from tests.runs import load_script
 @pytest.mark.slow
 def test_ops_per_layer_on_dp2_tp2_and_pp2_stay_where_measured():
     bench = load_script("bench_host_mesh")
-    args = bench.parse_args(["--layouts", "dp2,tp2,pp2", "--layers", "2,4", "--steps", "1", "--rounds", "1", "--warmup", "1", "--timeout", "600"])
+    args = bench.parse_args(["--layouts", "dp2,tp2,pp2", "--layers", "2,4", "--steps", "1", "--rounds", "1", "--warmup", "1", "--timeout", "600", "--by-name", "1"])
     rows = bench.launch(args)  # warm-up 1: the first model of the process counts one-time work in its second step
     summary = bench.summarize(rows)
     # Measured (torch 2.13, bf16), per layer and fixed, dtgpt / plain: dp2 934 / 868 (1.08) and
@@ -30,3 +30,6 @@ def test_ops_per_layer_on_dp2_tp2_and_pp2_stay_where_measured():
     assert 2 * pp2["ops_per_layer_ratio"] <= 0.92, pp2  # per layer a rank holds
     assert pp2["ops_fixed_ratio"] <= 0.66, pp2
     assert all(r["dtgpt"]["ms"] > 0 and r["plain"]["ms"] > 0 for r in rows)
+    # By name (--by-name): FSDP's one reduce-scatter copy-in per unit, one per layer and the root's.
+    chunk_cat = {n: (per, fixed) for n, per, _, fixed, _ in bench.by_name(rows, "dp2")}["aten::_chunk_cat"]
+    assert chunk_cat == pytest.approx((1.0, 1.0)), chunk_cat

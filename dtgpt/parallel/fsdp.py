@@ -83,6 +83,9 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
 
 
+_SYNC_SET = "_micro_batch_sync"  # on the root: the (last, reshard) state set_micro_batch_sync left its units in
+
+
 def set_micro_batch_sync(model: torch.nn.Module, *, last: bool, reshard_every_micro_batch: bool) -> None:
     """Before one micro-batch's backward: reduce-scatter gradients only after the last one.
 
@@ -90,9 +93,20 @@ def set_micro_batch_sync(model: torch.nn.Module, *, last: bool, reshard_every_mi
     unit's gradients cross the network once per iteration (as Megatron's distributed optimizer
     reduces them), and its gathered parameters stay for the next micro-batch unless memory asks
     for resharding. torch.distributed.pipelining's stage does the same for FSDP stages itself.
+
+    Only a change is set: each setter walks every module of the part (about 0.5 to 3 ms a call
+    at 12 layers on a loaded CPU), and the state changes twice per iteration at most (before
+    the first of several micro-batches and before the last), never with one micro-batch. The
+    state left is recorded on the module itself, so a rebuilt model starts from FSDP's default
+    (the last micro-batch's: every setter True).
     """
     if not isinstance(model, FSDPModule):
         return
+    wanted = (last, last or reshard_every_micro_batch)
+    if getattr(model, _SYNC_SET, (True, True)) == wanted:
+        return
+    setattr(model, _SYNC_SET, None)  # unknown until every setter has run
     model.set_is_last_backward(last)
     model.set_requires_gradient_sync(last)
-    model.set_reshard_after_backward(last or reshard_every_micro_batch)
+    model.set_reshard_after_backward(wanted[1])
+    setattr(model, _SYNC_SET, wanted)
