@@ -20,7 +20,7 @@ backward, takes its gradient back as Shard(-1)):
               no collective.
 
 Computed in fp32 (Megatron upcasts inside its vocabulary-parallel loss whatever the logits'
-dtype); with training.fp16_lm_cross_entropy the token losses are rounded to the logits' dtype,
+dtype; here the subtraction of m promotes, so no fp32 copy of the logits is made first); with training.fp16_lm_cross_entropy the token losses are rounded to the logits' dtype,
 as the one-process low-precision loss returns them. Labels equal to IGNORE_INDEX count 0 and
 get no gradient, as `cross_entropy_sum` skips them.
 """
@@ -40,20 +40,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, first: int, group: dist.ProcessGroup) -> torch.Tensor:
         # logits (N, V/tp) this rank's block, whose first vocabulary id is `first`; labels (N,)
-        shifted = logits.float()
-        top = shifted.amax(dim=-1)
+        top = logits.amax(dim=-1).float()  # a maximum is exact in any dtype
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        shifted = shifted - top.unsqueeze(-1)
+        shifted = logits - top.unsqueeze(-1)  # (N, V/tp) fp32 by type promotion: no cast copy of the logits
         local = labels - first
         inside = (local >= 0) & (local < shifted.shape[-1])  # IGNORE_INDEX (< 0) is inside no block
         index = local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)
         target = shifted.gather(-1, index).squeeze(-1) * inside
-        exps = shifted.exp_()  # (N, V/tp): becomes the softmax, saved for backward
-        sums = torch.stack((exps.sum(dim=-1), target))
+        sums = torch.stack((shifted.exp().sum(dim=-1), target))
         dist.all_reduce(sums, group=group)
+        log_sum = sums[0].log()
         kept = labels != IGNORE_INDEX
-        losses = (sums[0].log() - sums[1]) * kept
-        softmax = exps.div_(sums[0].unsqueeze(-1))
+        losses = (log_sum - sums[1]) * kept
+        # exp(logit - m - log s), as one process's log-softmax has it (bitwise equal to its
+        # gradient for most elements; Megatron's exp(logit - m) / s for few): saved for backward.
+        softmax = shifted.sub_(log_sum.unsqueeze(-1)).exp_()
         ctx.save_for_backward(softmax, index, inside, kept)
         ctx.dtype = logits.dtype
         return losses
