@@ -178,7 +178,7 @@ class MTPLoss:
             means.append((loss_sum / count).detach())
             part = loss_sum / (denominator * count if per_micro_batch else denominator)
             term = part if term is None else term + part
-        self._count(torch.stack([m.full_tensor() if hasattr(m, "full_tensor") else m for m in means]).float())
+        self._count(torch.stack(means).float())
         return term * self.weight
 
     def _count(self, means: torch.Tensor) -> None:

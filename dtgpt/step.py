@@ -27,12 +27,6 @@ from dtgpt.parallel.model_parts import GlobalBatchLoss, ModelParts
 from dtgpt.state import TrainState
 
 
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """A detached plain tensor (under loss parallelism the loss is a replicated DTensor)."""
-    loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-
 def as_batch(batch: Batch | torch.Tensor) -> Batch:
     """A Batch as the loader builds it; (B, T+1) sample tokens as one with every option off."""
     return batch if isinstance(batch, Batch) else build_batch(batch)
@@ -156,15 +150,13 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_micro
     total = None  # the first loss itself, not 0 + it: the same value, three ops fewer
     part = model.forward_module()
     for i, micro in enumerate(batch.chunk(num_microbatches)):
-        # The loss-parallel context must cover backward as well as forward.
-        with model.compute_context():
-            micro_loss = loss(part(micro.tokens, **micro.model_inputs()), micro.labels)
-            if not forward_only:
-                last = i == num_microbatches - 1
-                set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
-                micro_loss.backward()
-                model.after_backward(first=i == 0, last=last)
-        total = _plain(micro_loss) if total is None else total + _plain(micro_loss)
+        micro_loss = loss(part(micro.tokens, **micro.model_inputs()), micro.labels)
+        if not forward_only:
+            last = i == num_microbatches - 1
+            set_micro_batch_sync(part, last=last, reshard_every_micro_batch=model.fsdp_reshard_every_micro_batch)
+            micro_loss.backward()
+            model.after_backward(first=i == 0, last=last)
+        total = micro_loss.detach() if total is None else total + micro_loss.detach()
     return total
 
 
@@ -180,11 +172,10 @@ def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | N
         inputs["input_ids"] = batch.tokens.contiguous()  # the last stage's prediction modules embed them
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     model.refresh_compute_copies()
-    with model.compute_context():
-        model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
+    model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
     if not losses:
         return torch.zeros((), device=model.device)
-    return torch.stack([_plain(micro_loss).float() for micro_loss in losses]).sum()
+    return torch.stack([micro_loss.detach().float() for micro_loss in losses]).sum()
 
 
 def reduce_loss(model: ModelParts, local_loss: torch.Tensor) -> torch.Tensor:

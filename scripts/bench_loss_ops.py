@@ -4,6 +4,7 @@
     python scripts/bench_loss_ops.py                 # bf16 logits, as Megatron's regime hands them over
     python scripts/bench_loss_ops.py --dtype fp32 --tokens 64 --vocab 512
     python scripts/bench_loss_ops.py --tp 2          # loss parallelism on 2 gloo ranks
+    python scripts/bench_loss_ops.py --tp 2 --torch-loss-parallel   # torch's loss_parallel() instead
 
 dtgpt's loss of a micro-batch is `GlobalBatchLoss` over `cross_entropy_sum` (dtgpt/parallel/
 model_parts.py): the logits cast to fp32 (Megatron computes the loss in fp32), the sum of token
@@ -16,10 +17,12 @@ equal (dtgpt's with the batch's own token count as denominator). Ratio: dtgpt / 
 
 With --tp 2 the script launches itself on 2 gloo ranks and dtgpt's side is the loss as tensor
 parallelism runs it (parallel.loss_parallel, the default): the logits a DTensor sharded over the
-vocabulary, as the column-parallel head leaves them, and the same loss inside torch's
-`loss_parallel()` (a vocabulary-parallel cross-entropy: each rank its share of the vocabulary,
-the maxima and sums all-reduced). The plain loop's is the one-process loss on the whole logits.
-Counted on rank 0.
+vocabulary, as the column-parallel head leaves them, and GlobalBatchLoss over dtgpt's
+vocabulary-parallel cross-entropy (dtgpt/parallel/vocab_parallel_loss.py: Megatron's algorithm on
+each rank's block, the maxima and sums all-reduced). `--torch-loss-parallel` counts torch's
+`loss_parallel()` on the same logits instead (what dtgpt ran before). The plain loop's is the
+one-process loss on the whole logits. Counted on rank 0, with the host syncs (`aten::item`,
+`aten::_local_scalar_dense`) among dtgpt's ops.
 """
 
 from __future__ import annotations
@@ -40,36 +43,42 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtgpt.parallel.model_parts import GlobalBatchLoss, cross_entropy_sum  # noqa: E402
+from dtgpt.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy_sum  # noqa: E402
 
 
 def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def dtgpt_loss(labels: torch.Tensor):
+def dtgpt_loss(labels: torch.Tensor, cross_entropy=cross_entropy_sum):
     """The trainer's loss of a one-micro-batch global batch (training.calculate_per_token_loss, the
     default): GlobalBatchLoss built, then called. The loss tokens are counted outside (the plain
     mean counts them inside nll_loss; dtgpt counts them once per global batch, summed over dp)."""
     denominator = torch.tensor(float(labels.numel()))
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return GlobalBatchLoss(denominator, 1.0, cross_entropy_sum)(logits, labels)
+        return GlobalBatchLoss(denominator, 1.0, cross_entropy)(logits, labels)
 
     return loss
 
 
-def count(loss_fn, logits: torch.Tensor, labels: torch.Tensor, context=contextlib.nullcontext) -> tuple[int, float]:
-    """(aten ops of forward and backward, the loss)."""
+HOST_SYNCS = ("aten::item", "aten::_local_scalar_dense")
+
+
+def count(loss_fn, logits: torch.Tensor, labels: torch.Tensor, context=contextlib.nullcontext) -> tuple[int, int, float]:
+    """(aten ops of forward and backward, host syncs among them, the loss)."""
     x = logits.detach().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, context():
         loss = loss_fn(x, labels)
         loss.backward()
     value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    return sum(1 for e in prof.events() if e.name.startswith("aten::")), value.item()
+    names = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    return len(names), sum(1 for n in names if n in HOST_SYNCS), value.item()
 
 
-def measure(dtype: torch.dtype, tokens: int, vocab: int, mesh=None) -> dict:
-    """`mesh`: a tp mesh, on which dtgpt's side is the loss-parallel one (module doc)."""
+def measure(dtype: torch.dtype, tokens: int, vocab: int, mesh=None, torch_loss_parallel: bool = False) -> dict:
+    """`mesh`: a tp mesh, on which dtgpt's side is the vocabulary-parallel loss, or with
+    `torch_loss_parallel` torch's loss_parallel() (module doc)."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, tokens, vocab, generator=g).to(dtype)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
@@ -78,11 +87,16 @@ def measure(dtype: torch.dtype, tokens: int, vocab: int, mesh=None) -> dict:
         from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.tensor.parallel import loss_parallel
 
-        ours_logits, context = distribute_tensor(logits, mesh, [Shard(-1)]), loss_parallel
+        ours_logits = distribute_tensor(logits, mesh, [Shard(-1)])
+        if torch_loss_parallel:
+            context = loss_parallel
+        else:
+            ours = dtgpt_loss(labels, vocab_parallel_cross_entropy_sum)
     for _ in range(2):  # warm-up: first calls dispatch extra ops
         count(plain_loss, logits, labels), count(ours, ours_logits, labels, context)
-    (plain_ops, plain_value), (ours_ops, ours_value) = count(plain_loss, logits, labels), count(ours, ours_logits, labels, context)
-    return {"plain": plain_ops, "dtgpt": ours_ops, "ratio": ours_ops / plain_ops, "difference": abs(ours_value - plain_value)}
+    (plain_ops, _, plain_value), (ours_ops, syncs, ours_value) = count(plain_loss, logits, labels), count(ours, ours_logits, labels, context)
+    return {"plain": plain_ops, "dtgpt": ours_ops, "ratio": ours_ops / plain_ops, "difference": abs(ours_value - plain_value),
+            "host_syncs": syncs}  # fmt: skip
 
 
 RESULT = "bench_loss_ops result: "
@@ -94,17 +108,18 @@ def tp_worker(args) -> None:
 
     dist.init_process_group("gloo")
     try:
-        r = measure(DTYPES[args.dtype], args.tokens, args.vocab, init_device_mesh("cpu", (args.tp,)))
+        r = measure(DTYPES[args.dtype], args.tokens, args.vocab, init_device_mesh("cpu", (args.tp,)), args.torch_loss_parallel)
         if dist.get_rank() == 0:
             print(RESULT + " ".join(f"{k}={v!r}" for k, v in r.items()), flush=True)
     finally:
         dist.destroy_process_group()
 
 
-def measure_tp(dtype: str, tokens: int, vocab: int, tp: int = 2, timeout: int = 600) -> dict:
+def measure_tp(dtype: str, tokens: int, vocab: int, tp: int = 2, timeout: int = 600, torch_loss_parallel: bool = False) -> dict:
     """measure() with loss parallelism, on `tp` gloo ranks launched by torchrun."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
            "--worker", "--tp", str(tp), "--dtype", dtype, "--tokens", str(tokens), "--vocab", str(vocab)]  # fmt: skip
+    cmd += ["--torch-loss-parallel"] if torch_loss_parallel else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
@@ -123,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--tp", type=int, default=1, help="tp ranks: above 1, dtgpt's loss is the loss-parallel one")
+    p.add_argument("--torch-loss-parallel", action="store_true", help="with --tp: count torch's loss_parallel() as dtgpt's side")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tp < 1 or args.vocab % args.tp:
@@ -130,10 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         tp_worker(args)
         return 0
-    r = measure(DTYPES[args.dtype], args.tokens, args.vocab) if args.tp == 1 else measure_tp(args.dtype, args.tokens, args.vocab, args.tp)
+    if args.tp == 1:
+        r = measure(DTYPES[args.dtype], args.tokens, args.vocab)
+    else:
+        r = measure_tp(args.dtype, args.tokens, args.vocab, args.tp, torch_loss_parallel=args.torch_loss_parallel)
     parallel = f", loss parallel over {args.tp} ranks" if args.tp > 1 else ""
+    parallel += " (torch's loss_parallel)" if args.torch_loss_parallel else ""
     print(f"loss over {args.tokens} tokens x {args.vocab} vocabulary, {args.dtype} logits{parallel}, forward + backward")
-    print(f"aten ops: dtgpt {r['dtgpt']:.0f}, plain {r['plain']:.0f}, ratio {r['ratio']:.2f}; |loss difference| {r['difference']:.1e}")
+    print(f"aten ops: dtgpt {r['dtgpt']:.0f} (host syncs {r['host_syncs']:.0f}), plain {r['plain']:.0f}, ratio {r['ratio']:.2f}; "
+          f"|loss difference| {r['difference']:.1e}")
     return 0
 
 

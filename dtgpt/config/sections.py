@@ -220,7 +220,9 @@ class ParallelConfig:
     pipeline_layers_per_stage: list[int] = field(default_factory=list)
     """Explicit layer count per stage (pp * virtual entries); empty means an even split."""
     loss_parallel: bool = True
-    """Under tp, cross-entropy on vocabulary-sharded logits (no full-logit gather)."""
+    """Under tp, cross-entropy on vocabulary-sharded logits (no full-logit gather): Megatron's
+    vocabulary-parallel loss (dtgpt/parallel/vocab_parallel_loss.py). False: the logits are
+    gathered whole and the one-process loss runs on them."""
     expert_model_parallel_size: int = 1
     """Ranks that split each MoE layer's experts, folded out of data_parallel_shard_size *
     context_parallel_size (Megatron's; expert tensor parallelism is 1)."""

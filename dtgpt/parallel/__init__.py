@@ -64,11 +64,9 @@ def uses_compute_copy(cfg: Config, dims: ParallelDims) -> bool:
     """fp16/bf16 where no rank shares a weight (dp x cp = 1: one process, tp, pp): the regime is
     a compute-dtype copy of the fp32 masters (parallel/compute_copy.py), not FSDP's cast, whose
     hooks would cost host time for nothing. An MoE model keeps FSDP's (its routing statistics
-    live on the modules the trainer holds), and so does a compiled run under tp: there inductor
-    failed to compile the loss-parallel cross-entropy of the copy's logits ("device_mesh.
-    _get_submesh is not an OpOverload", torch 2.13), while FSDP's cast compiles."""
-    if dims.tp_enabled and cfg.training.compile:
-        return False
+    live on the modules the trainer holds). A compiled run under tp runs the copy too: its loss
+    is dtgpt's vocabulary-parallel one on local tensors (parallel/vocab_parallel_loss.py), which
+    inductor compiles where it failed on torch's loss_parallel() of the copy's logits."""
     return dims.low_precision and dims.dp * dims.cp == 1 and not cfg.model.moe_enabled
 
 
@@ -210,9 +208,9 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         schedules=schedules,
         grad_reduce_dtype=grad_reduce_dtype(cfg),
         fsdp_reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
-        loss_parallel=dims.tp_enabled and cfg.parallel.loss_parallel,
         tied_group=build_tied_group(dims, parts, ends_on_one_rank=num_stages - 1 in first_rank_stages(cfg)),
-        cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy),
+        cross_entropy=build_cross_entropy(cfg.training.compile, in_fp32=not cfg.training.fp16_lm_cross_entropy,
+                                          vocab_parallel=dims.tp_enabled and cfg.parallel.loss_parallel),
         rng=rng,
         compute_copies=compute_copies,
         routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,

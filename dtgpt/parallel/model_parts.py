@@ -1,14 +1,13 @@
 """ModelParts: what one rank holds of the parallel model, and how to run it.
 
 One part without pipelining, one or more pipeline stages with it. The object hides that
-difference from the trainer: it knows the compute context (loss parallel), which
+difference from the trainer: it knows the loss (vocabulary-parallel under tp), which
 parameters count toward the gradient norm, the per-micro-batch-count schedules, and how to
 build the loss of one global batch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -17,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import loss_parallel
 
 from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.model import GPT
@@ -28,6 +26,7 @@ from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.grad_bucket import reduce_pending_grads_bucketed
 from dtgpt.parallel.rng import ModelParallelRNG
 from dtgpt.parallel.tied import align_grad_placement, check_tied_copies, sync_tied_grads, tied_pair_on_rank
+from dtgpt.parallel.vocab_parallel_loss import vocab_parallel_loss
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -43,8 +42,15 @@ def low_precision_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) 
     return losses.float().sum()
 
 
-def build_cross_entropy(compiled: bool, in_fp32: bool = True) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    loss = cross_entropy_sum if in_fp32 else low_precision_cross_entropy_sum
+def build_cross_entropy(
+    compiled: bool, in_fp32: bool = True, vocab_parallel: bool = False
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`vocab_parallel`: the logits come sharded over the vocabulary (loss parallelism under tp):
+    Megatron's vocabulary-parallel loss (dtgpt/parallel/vocab_parallel_loss.py)."""
+    if vocab_parallel:
+        loss = vocab_parallel_loss(in_fp32)
+    else:
+        loss = cross_entropy_sum if in_fp32 else low_precision_cross_entropy_sum
     # Compiled, the fp32 upcast and log-softmax of the (tokens x vocabulary) logits fuse
     # instead of materialising an fp32 copy of them.
     return torch.compile(loss) if compiled else loss
@@ -106,7 +112,6 @@ class ModelParts:
     dims: ParallelDims
     device: torch.device
     schedules: object | None  # ScheduleCache under pipeline parallelism
-    loss_parallel: bool
     tied_group: dist.ProcessGroup | None
     cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     rng: ModelParallelRNG | None = None
@@ -192,13 +197,6 @@ class ModelParts:
         split tied weight is left out, so the shared weight counts once, as in one process."""
         _, tied_copy = tied_pair_on_rank(self.parts)
         return [p for p in self.parameters() if p is not tied_copy]
-
-    def compute_context(self) -> contextlib.ExitStack:
-        """Loss parallelism (under tp); fp16/bf16 is in the parameters themselves (parallel/fsdp.py)."""
-        stack = contextlib.ExitStack()
-        if self.loss_parallel:
-            stack.enter_context(loss_parallel())
-        return stack
 
     @torch.no_grad()
     def reduce_pending_grads(self) -> None:

@@ -28,8 +28,8 @@ below counts the rank's s/cp tokens):
                  all-gathers and 2 reduce-scatters each way; all of b·s·h·e. The embedding adds
                  an all-reduce forward (and with SP an all-gather backward), the head an
                  all-reduce backward (SP: an all-gather forward, a reduce-scatter backward),
-                 the vocabulary-parallel loss 3 all-reduces of b·s fp32 (max, sum of exp, the
-                 target logit). With SP each replicated norm weight's gradient: 1 all-reduce of
+                 the vocabulary-parallel loss 2 all-reduces: the max (b·s fp32), the sum of exp
+                 with the target logit (2·b·s fp32; Megatron's 3 of b·s). With SP each replicated norm weight's gradient: 1 all-reduce of
                  h elements per iteration (g bytes each, e with a single micro-batch) under FSDP;
                  without it, all such pending sums (and the MoE router's and experts') in 1
                  all-reduce per iteration.
@@ -304,8 +304,8 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
         else:
             out.append(Collective("all_reduce", "tp", "head input grad bwd", n_micro, residual))
         if c.loss_parallel:
-            tokens = c.micro_batch * c.tokens * FP32
-            out.append(Collective("all_reduce", "tp", "vocab-parallel loss", 3 * n_micro, tokens))
+            row = c.micro_batch * c.tokens * FP32  # one fp32 per token
+            out += [Collective("all_reduce", "tp", f"vocab-parallel loss {what}", n_micro, k * row) for what, k in (("max", 1), ("sums", 2))]
         else:
             logits = c.micro_batch * c.tokens * c.vocab * c.compute_bytes
             out.append(Collective("all_gather", "tp", "logits fwd", n_micro, logits))
