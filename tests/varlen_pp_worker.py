@@ -1,10 +1,10 @@
 """Document attention through the varlen kernel on pipeline stages, for
-tests/test_attention_varlen.py: torchrun, 2 ranks (pp2).
+tests/test_attention_varlen.py: torchrun, 2 ranks (pp2) or 4 (pp2 x cp2).
 
-    torchrun --nproc-per-node 2 tests/varlen_pp_worker.py OUT
+    torchrun --nproc-per-node 2 tests/varlen_pp_worker.py OUT    (and 4: pp2 x cp2)
 
 With a CPU reference standing in for the kernel (tests/test_attention_varlen.py's, counting its
-calls), trains each pp2 layout of LAYOUTS for ITERATIONS iterations on mock data with Megatron's
+calls), trains each layout of LAYOUTS[world size] for ITERATIONS iterations on mock data with Megatron's
 reset options, and rank r writes OUT/rank<r>.pt: per layout the losses, the gradient norms, the
 kernel's calls on this rank and this rank's parameters by name. `train` is what one process runs
 too (the test, on the same data).
@@ -12,6 +12,7 @@ too (the test, on the same data).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,10 +26,15 @@ import dtgpt  # noqa: E402
 from dtgpt import varlen_kernel  # noqa: E402
 
 ITERATIONS, MICRO_BATCHES, LAYERS = 2, 4, 4
-LAYOUTS = {
-    "pp2_1f1b": dict(pipeline_model_parallel_size=2, pipeline_schedule="1F1B"),
-    "pp2_interleaved": dict(pipeline_model_parallel_size=2, pipeline_schedule="Interleaved1F1B", virtual_pipeline_stages_per_rank=2),
-}
+LAYOUTS = {  # by world size
+    2: {
+        "pp2_1f1b": dict(pipeline_model_parallel_size=2, pipeline_schedule="1F1B"),
+        "pp2_interleaved": dict(pipeline_model_parallel_size=2, pipeline_schedule="Interleaved1F1B",
+                                virtual_pipeline_stages_per_rank=2),
+    },
+    # each cp rank's chunks through the kernel against the whole sequences' bounds
+    4: {"pp2_cp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2, pipeline_schedule="1F1B")},
+}  # fmt: skip
 
 
 def config(parallel: dict | None = None):
@@ -63,9 +69,10 @@ def main(out: Path) -> None:
         return reference_kernel(q, *args, **kwargs)
 
     varlen_kernel.kernel_for = lambda q: counting
-    runtime = dtgpt.init_distributed(config(LAYOUTS["pp2_1f1b"]))
+    layouts = LAYOUTS[int(os.environ["WORLD_SIZE"])]
+    runtime = dtgpt.init_distributed(config(next(iter(layouts.values()))))
     results = {}
-    for name, parallel in LAYOUTS.items():
+    for name, parallel in layouts.items():
         calls.clear()
         results[name] = {**train(config(parallel), runtime), "calls": len(calls)}
     torch.save(results, out / f"rank{dist.get_rank()}.pt")
