@@ -165,14 +165,16 @@ def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | N
     # shape, and tokens are a view of the samples (one token longer).
     args = (batch.tokens.contiguous(),) if model.has_first_stage else ()
     target = batch.labels if model.has_last_stage else None
-    # The schedule splits keyword arguments into micro-batches and hands them to every stage: the
-    # document bounds (whole-batch host numbers) stay behind, and attention takes the masked path.
+    # The schedule cuts tensor keywords into micro-batches itself but would hand the document
+    # bounds (host numbers, ragged per micro-batch) whole to each: they go to the stages cut here.
     inputs = {k: v.contiguous() for k, v in replace(batch, document_bounds=None).model_inputs().items()} if batch is not None else {}
+    bounds = batch.document_bounds.chunk(num_microbatches) if batch is not None and batch.document_bounds is not None else None
     if model.mtp_loss is not None and model.has_last_stage:
         inputs["input_ids"] = batch.tokens.contiguous()  # the last stage's prediction modules embed them
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     model.refresh_compute_copies()
-    model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False, **inputs)
+    model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False,
+                        document_bounds=bounds, **inputs)  # fmt: skip
     if not losses:
         return torch.zeros((), device=model.device)
     return torch.stack([micro_loss.detach().float() for micro_loss in losses]).sum()

@@ -96,10 +96,14 @@ MLA_MODEL = {**LLAMA_MODEL, "group_query_attention": False, "num_query_groups": 
 # unit's share, its cp collectives: the block's and the shift's across chunks, the pipeline's embedding copy).
 MTP = "mtp_"
 MTP_MODEL = {**MODEL, "mtp_num_layers": 1, "position_embedding_type": "rope"}  # rope: pipelines need it
+# "mtp_moe_": the MoE model with one prediction module, whose block is an MoE one (the last block's kind).
+MTP_MOE = "mtp_moe_"
+MTP_MOE_MODEL = {**MOE_MODEL, "mtp_num_layers": 1}
 
 
 def _model(name: str, precision: str | None) -> dict:
-    for prefix, model in ((LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL), (MLA, MLA_MODEL), (MTP, MTP_MODEL)):
+    for prefix, model in ((LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL), (MLA, MLA_MODEL), (MTP_MOE, MTP_MOE_MODEL),
+                          (MTP, MTP_MODEL)):  # fmt: skip
         if name.startswith(prefix):
             return model
     return MODEL if precision is None else LOW_PRECISION_MODEL
@@ -108,7 +112,7 @@ def _model(name: str, precision: str | None) -> dict:
 def split_name(name: str) -> tuple[str, str | None]:
     """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
     without the "llama_", "mqa_" or "moe_" model prefix)."""
-    bare = name.removeprefix(LLAMA).removeprefix(MQA).removeprefix(MOE).removeprefix(MLA).removeprefix(MTP)
+    bare = name.removeprefix(LLAMA).removeprefix(MQA).removeprefix(MOE).removeprefix(MLA).removeprefix(MTP_MOE).removeprefix(MTP)
     base, _, suffix = bare.rpartition("_")
     return (base, suffix) if suffix in PRECISIONS else (bare, None)
 

@@ -174,6 +174,41 @@ def test_context_parallel_chunks_through_varlen_equal_the_masked_path(stand_in, 
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _StubMesh:
+    def get_local_rank(self):
+        return 1
+
+    def size(self):
+        return 2
+
+
+def test_without_documents_every_cp_layer_shares_one_whole_row_index(stand_in, monkeypatch):
+    """Plain causal attention under cp runs the varlen kernel on one-document-per-row bounds:
+    apply_cp gives every core of a part (the prediction module's too) one WholeRows, so the
+    host index of this rank's chunks is built once per micro-batch shape, not once per layer."""
+    from dtgpt.model import GPT
+    from dtgpt.mtp import named_blocks
+    from dtgpt.parallel.context import ContextParallelAttention, WholeRows, apply_cp
+
+    cfg = load_config(None, ["--data.mock_data=true", "--model.num_layers=3", "--model.mtp_num_layers=1"]).model
+    model = GPT(cfg, 64)
+    apply_cp(model, _StubMesh())
+    cores = [block.attention.core for block in named_blocks(model).values()]
+    assert len(cores) == 4 and all(isinstance(c, ContextParallelAttention) for c in cores)
+    assert len({id(c.whole_rows) for c in cores}) == 1
+    built = []
+    derive = DocumentBounds._context_parallel
+    monkeypatch.setattr(DocumentBounds, "_context_parallel", lambda self, *a: built.append(a) or derive(self, *a))
+    whole_rows, T = WholeRows(), 32
+    q, k, v = qkv(B=2, T=T)
+    for micro_batch in range(2):
+        for layer in range(3):
+            core = GatheredByHand(1, 2, [k, v])
+            core.whole_rows = whole_rows
+            core(*(split_sequence(x.detach(), 1, 2, dim=2) for x in (q, k, v)), document_ids=None)
+    assert built == [(1, 2)] and len(stand_in) == 6
+
+
 def test_the_varlen_path_reads_nothing_back_from_the_device(monkeypatch):
     """No host sync (tests/sync_probe.py) in the attention itself, nor in its cp chunks: every
     integer the kernel takes was counted on the host when the batch was built."""
@@ -274,6 +309,39 @@ def test_a_training_step_through_varlen_equals_the_masked_one(stand_in, family):
     torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
     for name in masked_grads:
         torch.testing.assert_close(varlen_grads[name], masked_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp2_cp2"])
+def test_pipeline_stages_take_the_varlen_path_and_train_as_one_process(stand_in, tmp_path, world):
+    """The bounds reach every stage for each micro-batch (the schedule cuts only tensors):
+    pp2 (1F1B, interleaved) on 2 gloo ranks, and pp2 x cp2 on 4, train as one process does,
+    loss, gradient norm and parameters, and every stage ran each of its micro-batches' attention
+    through the kernel (its count would be short if a stage fell back to the mask)."""
+    import dtgpt
+    from tests import varlen_pp_worker as worker
+    from tests.parity_oracle import assert_params_match
+    from tests.runs import run_worker
+
+    run_worker("varlen_pp_worker.py", world, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    one = worker.train(worker.config(), dtgpt.init_distributed(worker.config()))
+    assert len(stand_in) == worker.ITERATIONS * worker.MICRO_BATCHES * worker.LAYERS
+    for layout in worker.LAYOUTS[world]:
+        runs = [rank[layout] for rank in ranks]
+        for run in runs:  # the loss and norm are the same on every rank
+            torch.testing.assert_close(run["losses"], one["losses"], rtol=1e-5, atol=0, msg=layout)
+            torch.testing.assert_close(run["grad_norms"], one["grad_norms"], rtol=1e-5, atol=0, msg=layout)
+            # Each micro-batch through each of the rank's blocks, and once more at the first step:
+            # the schedule's stand-in forward that infers the stages' shapes (micro-batch 0's inputs).
+            assert run["calls"] == (worker.ITERATIONS * worker.MICRO_BATCHES + 1) * run["layers_here"], layout
+        params = {}
+        for run in runs:  # pp ranks hold different blocks; cp ranks the same parameters
+            for name, value in run["params"].items():
+                assert name not in params or torch.equal(params[name], value), name
+                params[name] = value
+        # The parity oracle's comparison (the key bias, whose gradient is rounding noise, only within the whole).
+        assert_params_match(params, one["params"], heads=4)
 
 
 def close_to_fp32(bf16: torch.Tensor, reference_bf16: torch.Tensor, fp32: torch.Tensor, name: str) -> None:

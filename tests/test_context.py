@@ -13,7 +13,7 @@ from dtgpt.config import load_config
 from dtgpt.model import GPT, CoreAttention
 from dtgpt.rope import apply_rotary, rotary_frequencies
 from dtgpt.mtp import shift_left
-from dtgpt.parallel.context import ContextParallelAttention, global_indices, split_sequence
+from dtgpt.parallel.context import ContextParallelAttention, WholeRows, global_indices, split_sequence
 from dtgpt.parallel.context_shift import ContextParallelShift, next_chunk_holder
 
 
@@ -34,7 +34,7 @@ class GatheredByHand(ContextParallelAttention):
     def __init__(self, cp_rank: int, cp_size: int, gathered: list[torch.Tensor]):
         torch.nn.Module.__init__(self)
         self.cp_rank, self.cp_size, self.gathered = cp_rank, cp_size, list(gathered)
-        self.whole_row_bounds = {}
+        self.whole_rows = WholeRows()
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return self.gathered.pop(0)

@@ -49,26 +49,39 @@ def global_indices(local_length: int, cp_rank: int, cp_size: int, device: torch.
     return split_sequence(torch.arange(local_length * cp_size, device=device), cp_rank, cp_size, dim=0)
 
 
+class WholeRows:
+    """Plain causal attention as one document per row, for the varlen kernel: the bounds of a
+    micro-batch shape, made on first use and kept. One is shared by every cp core of a model part
+    (apply_cp hands each the same), so what the bounds derive for this rank's chunks (the key
+    index and sequence bounds, built on the host and copied to the device:
+    DocumentBounds.context_parallel) is made once per shape, not once per layer, and held once.
+    The bounds depend on the shape alone, the same for every layer and micro-batch."""
+
+    def __init__(self):
+        self.by_shape: dict[tuple, DocumentBounds] = {}
+
+    def __call__(self, rows: int, seq_length: int, device: torch.device) -> DocumentBounds:
+        key = (rows, seq_length, device)
+        if key not in self.by_shape:
+            self.by_shape[key] = DocumentBounds.whole_rows(rows, seq_length).to(device)
+        return self.by_shape[key]
+
+
 class ContextParallelAttention(nn.Module):
     """CoreAttention over a sequence split across the cp group: gathered keys, global causal mask.
 
     Takes and returns what CoreAttention does, (B, nh, T_local, hd); the keys it gathers are in
     cp-rank order (each rank's two chunks in turn), and the mask follows their global indices.
+    whole_rows: the bounds it runs the varlen kernel on without documents, shared by the cores of
+    a model part (a core of its own where None).
     """
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, cp_mesh: DeviceMesh, whole_rows: WholeRows | None = None):
         super().__init__()
         self.cp_mesh = cp_mesh
         self.cp_rank = cp_mesh.get_local_rank()
         self.cp_size = cp_mesh.size()
-        self.whole_row_bounds: dict[tuple, DocumentBounds] = {}
-
-    def whole_rows(self, rows: int, seq_length: int, device: torch.device) -> DocumentBounds:
-        """Plain causal attention as one document per row, for the varlen kernel (kept per shape)."""
-        key = (rows, seq_length, device)
-        if key not in self.whole_row_bounds:
-            self.whole_row_bounds[key] = DocumentBounds.whole_rows(rows, seq_length).to(device)
-        return self.whole_row_bounds[key]
+        self.whole_rows = whole_rows if whole_rows is not None else WholeRows()
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' x concatenated along dim, in cp-rank order (backward: reduce-scatter)."""
@@ -106,7 +119,8 @@ def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:
     model.dropout_rng='layout_invariant', whose core then wraps this one."""
     if model.mtp is not None:
         model.mtp.shift = ContextParallelShift(cp_mesh)
+    whole_rows = WholeRows()
     for block in named_blocks(model).values():
         if not isinstance(block.attention.core, CoreAttention):
             raise TypeError("apply_cp must run before recomputation wraps the attention core")
-        block.attention.core = ContextParallelAttention(cp_mesh)
+        block.attention.core = ContextParallelAttention(cp_mesh, whole_rows)

@@ -116,7 +116,8 @@ class InvariantAttention(nn.Module):
     """The attention core with attention dropout keyed on (seed, site, query token, global head,
     key position), wrapping the core it replaces (`inner`: CoreAttention, or under context
     parallelism ContextParallelAttention, whose gathered keys it attends over). Without dropout
-    (evaluation) the inner core runs as it is.
+    (evaluation) the inner core runs as it is, on CUDA through the varlen kernel where documents
+    or cp take it; in training always the masked path here (the kernel has no dropout).
 
     head_offset: the global index of this rank's first head (tp rank * local heads).
     """

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+from dtgpt.attention_varlen import DocumentBounds, Documents
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
 from dtgpt.moe.stats import moe_layers, skip_one_forward
@@ -63,14 +64,27 @@ def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
     return model
 
 
-class _AfterBackward:
-    """A stage whose module is a compute copy (dtgpt/parallel/compute_copy.py): after each of its
-    backwards that gives parameter gradients (a full one, or a zero-bubble schedule's weight
-    half), `after_backward(last)` moves them to the fp32 masters, as FSDP's post-backward would.
-    torch's schedules pass `last_backward` to the stage's backward_maybe_with_nosync (checked on
-    torch 2.13; the pipeline parity tests in bf16 fail if it stops being called)."""
+class _StageHooks:
+    """What dtgpt adds to torch's stage (the bounded one or its own), two things:
+
+    - after_backward: where the stage's module is a compute copy (dtgpt/parallel/compute_copy.py),
+      after each of its backwards that gives parameter gradients (a full one, or a zero-bubble
+      schedule's weight half), `after_backward(last)` moves them to the fp32 masters, as FSDP's
+      post-backward would. torch's schedules pass `last_backward` to the stage's
+      backward_maybe_with_nosync (checked on torch 2.13; the pipeline parity tests in bf16 fail
+      if it stops being called).
+    - micro_batch_documents: per micro-batch, where its documents start (DocumentBounds), set by
+      ScheduleCache.run for one run. The schedule cuts tensor keywords along the batch itself,
+      but would hand a non-tensor (the bounds are host numbers, ragged) whole to every micro-batch;
+      so each forward pairs the document ids torch cut for micro-batch i with bounds i (the
+      attention's varlen path, dtgpt/attention_varlen.py), and so does the schedule's stand-in
+      forward that infers the stages' shapes (micro-batch 0's inputs; torch's private
+      `_prepare_forward_infra`, torch 2.13). tests/test_attention_varlen.py's pp runs count the
+      kernel's calls on every stage.
+    """
 
     after_backward: Callable[[bool], None] | None = None
+    micro_batch_documents: list[DocumentBounds] | None = None
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
@@ -78,12 +92,23 @@ class _AfterBackward:
             self.after_backward(last_backward)
         return result
 
+    def _with_documents(self, micro_batch: int, kwargs: dict | None) -> dict | None:
+        if self.micro_batch_documents is None or not kwargs or "document_ids" not in kwargs:
+            return kwargs
+        return {**kwargs, "document_ids": Documents(kwargs["document_ids"], self.micro_batch_documents[micro_batch])}
 
-class _CollectingBoundedStage(_AfterBackward, BoundedPipelineStage):
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
+        return super().forward_one_chunk(fwd_chunk_id, args, self._with_documents(fwd_chunk_id, kwargs), save_forward_output)
+
+    def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, has_backward: bool = False):
+        return super()._prepare_forward_infra(num_microbatches, args, self._with_documents(0, kwargs), has_backward=has_backward)
+
+
+class _BoundedStage(_StageHooks, BoundedPipelineStage):
     pass
 
 
-class _CollectingStage(_AfterBackward, PipelineStage):
+class _Stage(_StageHooks, PipelineStage):
     pass
 
 
@@ -96,10 +121,7 @@ def build_pipeline_stages(
     after_backward: list[Callable[[bool], None]] | None = None,
 ) -> list[PipelineStage]:
     """after_backward: per part, what moves a compute copy's gradients after each backward."""
-    if after_backward is None:
-        cls = BoundedPipelineStage if supported() else PipelineStage
-    else:
-        cls = _CollectingBoundedStage if supported() else _CollectingStage
+    cls = _BoundedStage if supported() else _Stage
     stages = [
         cls(part, stage_index=sid, num_stages=num_stages, device=device, group=pp_mesh.get_group())
         for part, sid in zip(parts, stage_ids)
@@ -132,8 +154,10 @@ class ScheduleCache:
         self._cache: dict[int, object] = {}
         self._loss: Callable | None = None
 
-    def run(self, n_microbatches: int, loss: Callable, forward_only: bool, *args, **kwargs) -> None:
-        """One schedule step (or eval) over n_microbatches with `loss` as the loss function."""
+    def run(self, n_microbatches: int, loss: Callable, forward_only: bool, *args,
+            document_bounds: list[DocumentBounds] | None = None, **kwargs) -> None:  # fmt: skip
+        """One schedule step (or eval) over n_microbatches with `loss` as the loss function;
+        document_bounds: per micro-batch, where the documents of its `document_ids` start."""
         schedule = self._get(n_microbatches)
         parts = [stage.submod for stage in self.stages]
         if not forward_only and moe_layers(parts) and infers_metadata(schedule):
@@ -142,10 +166,14 @@ class ScheduleCache:
         if not forward_only and getattr(loss, "mtp", None) is not None and infers_metadata(schedule):
             loss.mtp.uncounted_calls = 1  # nor the prediction modules' loss on the stand-in outputs
         self._loss = loss
+        for stage in self.stages:
+            stage.micro_batch_documents = document_bounds
         try:
             (schedule.eval if forward_only else schedule.step)(*args, **kwargs)
         finally:
             self._loss = None
+            for stage in self.stages:
+                stage.micro_batch_documents = None
 
     def _loss_of_this_run(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss(output, target)

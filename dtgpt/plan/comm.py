@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import recompute_groups
-from dtgpt.plan import comm_mla, comm_moe, comm_mtp, comm_tp_grads
+from dtgpt.plan import comm_embedding, comm_mla, comm_moe, comm_mtp, comm_tp_grads
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
@@ -274,8 +274,8 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     if c.tp == 1:
         return []
     act = residual = c.micro_batch * c.tokens * c.hidden * c.compute_bytes
-    blocks = sum(c.layer_counts[s] for s in stages)
-    moe = sum(1 for s in stages for i in comm_moe.stage_blocks(c, s) if comm_moe.is_moe_block(c, i))
+    blocks = sum(c.layer_counts[s] for s in stages) + comm_mtp.mtp_blocks(c, stages)
+    moe = comm_moe.moe_layers_held(c, stages)
     sublayers = (2 * blocks - moe) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
     inputs = sublayers - (blocks * n_micro if c.latent is not None else 0)  # MLA reads the rank's own tokens
     out = []
@@ -294,10 +294,10 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
                 Collective("reduce_scatter", "tp", "qkv output grads bwd", blocks * n_micro, qkv)]  # fmt: skip
     out += comm_tp_grads.replicated_grad_collectives(c, stages, n_micro, Collective)
     if 0 in stages:
-        out.append(Collective("all_reduce", "tp", "vocab-parallel embedding fwd", n_micro, residual))
-        if c.sequence_parallel:
-            out.append(Collective("all_gather", "tp", "embedding grad bwd", n_micro, residual))
+        out += comm_embedding.embedding_tp_collectives(c, n_micro, Collective)
+    out += comm_mtp.mtp_tp_collectives(c, stages, n_micro, Collective)
     if c.num_stages - 1 in stages:
+        n_micro = comm_mtp.head_calls(c, n_micro)  # the prediction modules run the head and its loss again
         if c.sequence_parallel:
             out += [Collective("all_gather", "tp", "head input fwd", n_micro, residual),
                     Collective("reduce_scatter", "tp", "head input grad bwd", n_micro, residual)]  # fmt: skip

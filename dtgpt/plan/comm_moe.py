@@ -78,7 +78,13 @@ def moe_block_shapes(c) -> list[tuple[int, ...]]:
 
 
 def moe_layers_held(c, stages: list[int]) -> int:
-    return sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    """The MoE layers of a rank's stages: their blocks', and on the last stage the multi-token
+    prediction modules' (each module's block is of the last block's kind; dtgpt.plan.comm_mtp)."""
+    return sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i)) + mtp_moe_layers(c, stages)
+
+
+def mtp_moe_layers(c, stages: list[int]) -> int:
+    return c.mtp if c.num_stages - 1 in stages and is_moe_block(c, c.num_layers - 1) else 0
 
 
 def padded_numel(shapes: list[tuple[int, ...]], shards: int, dim: int = 0) -> int:
@@ -159,7 +165,7 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
     indices of the stage's blocks whose forward backward runs again."""
     if c.ep == 1 or c.experts == 0:
         return []
-    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    layers = moe_layers_held(c, stages)  # a module's block is never recomputed
     rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
     rows = routed_rows(c) * c.hidden * c.compute_bytes
     static = c.capacity_factor is not None and c.pad_to_capacity
@@ -173,11 +179,11 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
 def routing_stats_numel(c) -> int:
     """fp32 numbers an MoE model adds to the iteration's loss-and-norm all-reduce over the world
     (dtgpt/moe/stats.py): each logged router loss, then per MoE layer of the whole model its
-    tokens per expert and its dropped tokens."""
+    tokens per expert and its dropped tokens (the prediction modules' MoE layers too)."""
     if c.experts == 0:
         return 0
     losses = int(c.load_balancing != "none" and c.aux_loss_coeff > 0) + int(c.z_loss)
-    layers = sum(1 for i in range(c.num_layers) if is_moe_block(c, i))
+    layers = sum(1 for i in range(c.num_layers) if is_moe_block(c, i)) + mtp_moe_layers(c, [c.num_stages - 1])
     return losses + layers * (c.experts + 1)
 
 
@@ -186,7 +192,7 @@ def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, colle
     parameters tp replicates (router, experts)."""
     if c.experts == 0:
         return []
-    layers = sum(1 for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i))
+    layers = moe_layers_held(c, stages)  # a module's block is never recomputed
     rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
     out = []
     tp = c.tp if c.sequence_parallel else 1

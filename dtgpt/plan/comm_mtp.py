@@ -11,15 +11,24 @@ per rank and iteration with D prediction modules (the terms dtgpt.plan.comm adds
         chunk heads of the token ids, positions and labels) that shift them across the cp chunks
         (dtgpt/parallel/context_shift.py); per micro-batch 1 all-reduce of the D depths' loss-token
         counts (fp32).
+  TP    per module and micro-batch, with a = b·s·h·e as in dtgpt.plan.comm: its block's
+        collectives as every block's (counted among the blocks there, their norms' and qk-norms'
+        gradient sums too, with the module's three norms under SP); the embedding's and the
+        head's with its loss, which it runs again (the same formulas, run D·n times more);
+        eh_proj, column-parallel with its output gathered whole: without SP 1 all-gather of a
+        forward and 1 all-reduce of its 2a input gradient backward; with SP 1 all-gather of its
+        2a input forward and 1 of its output (a, then this rank's chunk), 1 all-gather of the
+        output gradient (a) and 1 reduce-scatter of the 2a input gradient backward.
   per iteration  the loss statistics all-reduce carries D more fp32 (each depth's loss).
 
-Not modelled yet: the modules' tp collectives (their block's, eh_proj's, the embedding's and the
-head's that they run again) and an MoE block's experts (their FSDP unit and all-to-all).
+  MoE   a module's block of the MoE kind is one more MoE layer of the last stage (dtgpt.plan.
+        comm_moe.moe_layers_held): its all-to-all over ep, its router's load counts, its experts'
+        FSDP unit (or its unit with tp folded in) and tp sums, its routing statistics.
 """
 
 from __future__ import annotations
 
-from dtgpt.plan import comm_mla, comm_moe
+from dtgpt.plan import comm_embedding, comm_mla, comm_moe
 
 INT64 = 8
 
@@ -59,3 +68,30 @@ def mtp_cp_collectives(c, stages: list[int], n_micro: int, collective) -> list:
         collective("all_gather", "cp", "mtp shifted tokens, positions, labels", 3 * blocks, 2 * c.cp * c.micro_batch * INT64),
         collective("all_reduce", "cp", "mtp loss tokens", n_micro, c.mtp * 4),
     ]
+
+
+def mtp_blocks(c, stages: list[int]) -> int:
+    """The prediction modules' blocks a rank's stages hold (all on the last stage)."""
+    return c.mtp if c.num_stages - 1 in stages else 0
+
+
+def head_calls(c, n_micro: int) -> int:
+    """How often the last stage runs the head and its loss: once per micro-batch and once more per module."""
+    return n_micro * (1 + c.mtp)
+
+
+def mtp_tp_collectives(c, stages: list[int], n_micro: int, collective) -> list:
+    """The modules' tp collectives outside their blocks and the head: the embedding's (the main
+    model's formula, run D·n times) and eh_proj's."""
+    calls = mtp_blocks(c, stages) * n_micro
+    if c.tp == 1 or not calls:
+        return []
+    act = c.micro_batch * c.tokens * c.hidden * c.compute_bytes
+    if c.sequence_parallel:
+        eh_proj = [collective("all_gather", "tp", "mtp eh_proj output fwd, its grad bwd", 2 * calls, act),
+                   collective("all_gather", "tp", "mtp eh_proj input fwd", calls, 2 * act),
+                   collective("reduce_scatter", "tp", "mtp eh_proj input grad bwd", calls, 2 * act)]  # fmt: skip
+    else:
+        eh_proj = [collective("all_gather", "tp", "mtp eh_proj output fwd", calls, act),
+                   collective("all_reduce", "tp", "mtp eh_proj input grad bwd", calls, 2 * act)]  # fmt: skip
+    return comm_embedding.embedding_tp_collectives(c, calls, collective) + eh_proj

@@ -213,8 +213,8 @@ def plan_layout(
         plan.notes.append(vocab_note)
     if m.mtp_depth:
         plan.notes.append(
-            "multi-token prediction: its modules' parameters, state memory, activations and collectives are counted on the "
-            "last stage, except their tensor-parallel collectives and an MoE block's experts' (dtgpt/plan/comm_mtp.py)"
+            "multi-token prediction: its modules' parameters, state memory, activations and collectives (an MoE block's "
+            "experts' too) are counted on the last stage (dtgpt/plan/comm_mtp.py)"
         )
     expected = num_parameters(m, padded)
     if total != expected:
