@@ -5,10 +5,11 @@ One megatron-core launch on 2 gloo ranks at tp 2 (tests/megatron_mla_gpt.py): a 
 DeepSeek-style model (MLA with a compressed query, its norms and YaRN; a dense layer, then two of
 sigmoid-routed experts with the expert bias, group-limited, scaled, and a shared expert, which
 megatron-core stores layer by layer; one MTP layer) saves torch_dist twice, the norms of the
-compressed vectors under the local layer spec's names and under Transformer Engine's, and records
-its logits (the main model's and the MTP depth's), LM loss and MTP loss; in the same launch it loads the
-checkpoint dtgpt wrote before it (to-megatron) into a model from another seed and records those.
-dtgpt must give the same logits and losses both ways.
+compressed vectors under the local layer spec's names and under Transformer Engine's, and
+Megatron-LM's per-rank files (mp_rank_00, mp_rank_01), and records its logits (the main model's
+and the MTP depth's), LM loss and MTP loss; in the same launch it loads the checkpoints dtgpt
+wrote before it (to-megatron, torch_dist and per-rank at tp 2) into a model from another seed and
+records those. dtgpt must give the same logits and losses both ways.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def mla_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron_mla")
     save_dtgpt(root / "dtgpt", MODEL)
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
+    per_rank = ["--format", "per-rank", "--tp", "2"]
+    assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
     launch(SCRIPT, root)
     return root
 
@@ -142,15 +145,58 @@ def dtgpt_mla(tmp_path_factory) -> Path:
     return root
 
 
-def test_mla_per_rank_files_are_refused_in_one_line(dtgpt_mla, tmp_path, capfd):
-    """The per-rank format would need MLA's own tp split per layer spec: refused by name."""
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "out"), "--format", "per-rank"]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:")
-    assert "model.multi_latent_attention=true: dtgpt reads and writes Megatron's multi-latent attention in the torch_dist format only" in err[0]
+def per_rank_file(root: Path, tp: int) -> dict:
+    return torch.load(find(root) / f"mp_rank_{tp:02d}" / "model_optim_rng.pt", weights_only=False)["model"]
 
 
-def test_mla_torch_dist_round_trip_without_megatron(dtgpt_mla, tmp_path):
-    """to-megatron then from-megatron gives every tensor back (the key map both ways, stacked layers)."""
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m")]) == 0
+@pytest.mark.slow
+def test_megatron_mla_moe_per_rank_files_at_tp2_give_megatrons_logits_and_loss(mla_root):
+    """megatron-core's own per-rank files: each tp rank's split, as measured here, and dtgpt
+    glues them back into megatron-core's model."""
+    first, second = per_rank_file(mla_root / "megatron_per_rank", 0), per_rank_file(mla_root / "megatron_per_rank", 1)
+    attention = "decoder.layers.1.self_attention."
+    # column parallel (rows split by tp): the up-projections (by head), and under the local spec the down-projections
+    assert first[attention + "linear_q_up_proj.weight"].shape == (HEADS // 2 * (12 + 8), LATENT["q_lora_rank"])
+    assert first[attention + "linear_kv_up_proj.weight"].shape == (HEADS // 2 * (12 + 10), LATENT["kv_lora_rank"])
+    assert first[attention + "linear_q_down_proj.weight"].shape == (LATENT["q_lora_rank"] // 2, HIDDEN)
+    assert first[attention + "linear_kv_down_proj.weight"].shape == ((16 + 8) // 2, HIDDEN)
+    assert first["mtp.layers.0.eh_proj.weight"].shape == (HIDDEN // 2, 2 * HIDDEN)
+    assert first[attention + "linear_proj.weight"].shape == (HIDDEN, HEADS // 2 * 10)  # row parallel
+    for norm in (attention + "q_layernorm.weight", attention + "kv_layernorm.weight", "mtp.layers.0.enorm.weight",
+                 "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight"):  # fmt: skip
+        assert torch.equal(first[norm], second[norm]), norm  # replicated
+    model = load_megatron_model(find(mla_root / "megatron_per_rank"), model_cfg(), ROWS)
+    assert_same_outputs(head_outputs(model), mla_root)
+
+
+@pytest.mark.slow
+def test_dtgpt_mla_moe_per_rank_files_load_in_megatron_core_at_tp2_with_equal_logits_and_loss(mla_root, tmp_path):
+    """to-megatron --format per-rank --tp 2: megatron-core's ranks each load their own file
+    strictly (every key, _extra_state included) and give dtgpt's logits and losses."""
+    saved = layout.iteration_dir(mla_root / "dtgpt", 3)
+    assert_same_outputs(head_outputs(load_model(saved, read_config(saved))), mla_root, "loaded_per_rank_")
+    assert_converts_back(mla_root / "from_dtgpt_per_rank", saved, tmp_path / "back")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda model: model.pop("decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
+     "mp_rank_01/model_optim_rng.pt has no decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
+    (lambda model: model.update({"mtp.layers.0.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}),
+     r"mp_rank_01/model_optim_rng.pt holds mtp.layers.0.eh_proj.weight of shape \(64, 128\) but tp rank 0's file \(32, 128\)"),
+])  # fmt: skip
+def test_a_damaged_mla_per_rank_file_is_one_error_naming_the_file_and_key(dtgpt_mla, tmp_path, damage, message):
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
+    path = find(tmp_path / "m") / "mp_rank_01" / "model_optim_rng.pt"
+    saved = torch.load(path, weights_only=False)
+    damage(saved["model"])
+    torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=message) as err:
+        load_megatron_model(find(tmp_path / "m"), model_cfg(make_vocab_size_divisible_by=16), ROWS)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"]], ids=["torch_dist", "per_rank"])
+def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
+    """to-megatron then from-megatron gives every tensor back (the key map both ways, layers apart)."""
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *fmt]) == 0
     assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
