@@ -22,6 +22,7 @@ import torch
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX
@@ -29,6 +30,7 @@ from dtgpt.mtp import depth_labels
 from tests.megatron_gpt import VOCAB, labels, tokens
 from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE, MOE_LAYERS, MTP
 from tests.test_checkpoint_convert import load_script
+from tests.test_megatron_checkpoint import write_stages
 from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
 
 ROWS = 128  # 100 padded to a multiple of 16 x tp 2, Megatron's
@@ -170,6 +172,19 @@ def test_megatron_mla_moe_per_rank_files_at_tp2_give_megatrons_logits_and_loss(m
 
 
 @pytest.mark.slow
+def test_megatron_mla_moe_per_rank_files_cut_into_pp2_give_megatrons_logits_and_loss(mla_root, tmp_path):
+    """The same files as Megatron-LM saves them at pp 2 with the first stage's one layer (the
+    dense one; its args say decoder_first_pipeline_num_layers=1): the MTP block on the last stage."""
+    directory = find(mla_root / "megatron_per_rank")
+    for tp in range(2):
+        saved = load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
+        vars(saved["args"]).update(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)
+        write_stages(saved, tmp_path, tp, 2, ["model"], LAYERS, counts=[1, LAYERS - 1])
+    assert "mtp.layers.0.eh_proj.weight" in load_pickle(tmp_path / "mp_rank_00_001" / PER_RANK_FILE)["model"]
+    assert_same_outputs(head_outputs(load_megatron_model(tmp_path, model_cfg(), ROWS)), mla_root)
+
+
+@pytest.mark.slow
 def test_dtgpt_mla_moe_per_rank_files_load_in_megatron_core_at_tp2_with_equal_logits_and_loss(mla_root, tmp_path):
     """to-megatron --format per-rank --tp 2: megatron-core's ranks each load their own file
     strictly (every key, _extra_state included) and give dtgpt's logits and losses."""
@@ -193,6 +208,26 @@ def test_a_damaged_mla_per_rank_file_is_one_error_naming_the_file_and_key(dtgpt_
     with pytest.raises(CheckpointError, match=message) as err:
         load_megatron_model(find(tmp_path / "m"), model_cfg(make_vocab_size_divisible_by=16), ROWS)
     assert "\n" not in str(err.value)
+
+
+def test_mla_per_rank_files_of_transformer_engines_spec_read_back_whole(dtgpt_mla, tmp_path):
+    """Megatron-LM's default (Transformer Engine) spec builds MLA's down-projections as TELinear
+    with parallel_mode='duplicated' (megatron-core's multi_latent_attention.py) and fuses the
+    compressed vectors' norms into the up-projections (layer_norm_weight): its files, made here
+    from dtgpt's local-spec ones (Transformer Engine does not run on CPU), read back the same."""
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
+    directory = find(tmp_path / "m")
+    files = [load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE) for tp in range(2)]
+    whole = {k: torch.cat([files[0]["model"][k], files[1]["model"][k]]) for k in files[0]["model"] if k.endswith("_down_proj.weight")}
+    for saved in files:
+        saved["model"].update(whole)  # the down-projections whole on every tp rank
+        for key in [k for k in saved["model"] if k.endswith(("q_layernorm.weight", "kv_layernorm.weight"))]:
+            prefix, norm, _ = key.rsplit(".", 2)
+            saved["model"][f"{prefix}.linear_{norm.removesuffix('_layernorm')}_up_proj.layer_norm_weight"] = saved["model"].pop(key)
+    for tp, saved in enumerate(files):
+        torch.save(saved, directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
+    assert MegatronReader(directory).shapes["decoder.layers.1.self_attention.linear_kv_down_proj.weight"] == (16 + 8, HIDDEN)
+    assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
 
 
 @pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"]], ids=["torch_dist", "per_rank"])
