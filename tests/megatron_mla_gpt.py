@@ -18,9 +18,13 @@ block, as the last layer), its router weights, expert biases and norms drawn wid
   sharded_state_dict_keys_map; writes ROOT/logits.pt (the head's logits of the main model, then of
   the MTP depth), its own LM loss on tests/megatron_gpt.py's labels, ROOT/loss.pt, and the MTP
   depth's loss as its forward tracks it in training mode, ROOT/mtp_loss.pt;
+- saves Megatron-LM's legacy per-rank format under ROOT/megatron_per_rank (mp_rank_TT/model_optim_rng.pt:
+  each tp rank's own state dict, the local spec's names);
 - if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
   another seed (with the Transformer Engine names), loads it with dist_checkpointing and writes
-  ROOT/loaded_logits.pt, ROOT/loaded_loss.pt and ROOT/loaded_mtp_loss.pt.
+  ROOT/loaded_logits.pt, ROOT/loaded_loss.pt and ROOT/loaded_mtp_loss.pt;
+- if ROOT/from_dtgpt_per_rank holds per-rank files (to-megatron --format per-rank --tp 2), each
+  rank loads its own with a strict load_state_dict and writes ROOT/loaded_per_rank_*.pt likewise.
 
 megatron-core runs with tests/megatron_moe_gpt.py's CPU patches and the two of tests/test_mla.py
 (its local core attention without the k_channels/v_channels keywords, HAVE_TE False in its MLA module).
@@ -173,6 +177,15 @@ def save(model, directory: Path, state: dict) -> None:
         (directory.parent / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
+def record(model, root: Path, prefix: str) -> None:
+    """The model's logits, LM loss and MTP losses under ROOT/<prefix>logits.pt, ... (rank 0)."""
+    out, own, mtp = head_outputs(model), loss(model), mtp_losses(model)
+    if dist.get_rank() == 0:
+        torch.save(out, root / f"{prefix}logits.pt")
+        torch.save(own, root / f"{prefix}loss.pt")
+        torch.save(mtp, root / f"{prefix}mtp_loss.pt")
+
+
 def main(root: Path) -> None:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.transformer import multi_latent_attention
@@ -187,25 +200,30 @@ def main(root: Path) -> None:
     vars(state["args"]).update(args_update(tp))
     model = build(tp, 1234, te_names=False)
     save(model, root / "megatron" / f"iter_{ITERATION:07d}", state)
+    # Megatron-LM's legacy save: one file per tp rank, its own split of every tensor
+    rank_dir = root / "megatron_per_rank" / f"iter_{ITERATION:07d}" / f"mp_rank_{rank:02d}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict_for_save_checkpoint(), **state}, rank_dir / "model_optim_rng.pt")
+    if rank == 0:
+        (root / "megatron_per_rank" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     for layer, moe in [*zip(model.decoder.layers, MOE_LAYERS), *((mtp.transformer_layer, MOE_LAYERS[-1]) for mtp in model.mtp.layers)]:
         layer.submodules_config.sharded_state_dict_keys_map = te_norm_names(moe)
     save(model, root / "megatron_te" / f"iter_{ITERATION:07d}", state)
-    out, own, mtp = head_outputs(model), loss(model), mtp_losses(model)
-    if rank == 0:
-        torch.save(out, root / "logits.pt")
-        torch.save(own, root / "loss.pt")
-        torch.save(mtp, root / "mtp_loss.pt")
+    record(model, root, "")
     dtgpt_out = root / "from_dtgpt"
     if dtgpt_out.is_dir():
         other = build(tp, 99, te_names=True)
         iteration = int((dtgpt_out / "latest_checkpointed_iteration.txt").read_text())
         loaded = dist_checkpointing.load(other.sharded_state_dict(), str(dtgpt_out / f"iter_{iteration:07d}"))
         other.load_state_dict(loaded, strict=False)
-        out, own, mtp = head_outputs(other), loss(other), mtp_losses(other)
-        if rank == 0:
-            torch.save(out, root / "loaded_logits.pt")
-            torch.save(own, root / "loaded_loss.pt")
-            torch.save(mtp, root / "loaded_mtp_loss.pt")
+        record(other, root, "loaded_")
+    per_rank = root / "from_dtgpt_per_rank"
+    if per_rank.is_dir():  # Megatron-LM's legacy load: each rank its own file, strictly
+        other = build(tp, 99, te_names=False)
+        iteration = int((per_rank / "latest_checkpointed_iteration.txt").read_text())
+        own = per_rank / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        other.load_state_dict(torch.load(own, weights_only=False)["model"], strict=True)
+        record(other, root, "loaded_per_rank_")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

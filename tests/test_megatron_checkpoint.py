@@ -255,20 +255,23 @@ def test_an_untied_checkpoint_into_a_tied_model_is_refused(tp2_untied):
         load_megatron_model(find(tp2_untied), model_cfg(), ROWS_TP2)
 
 
-def write_stages(saved: dict, out, tp: int, pp: int, chunks: list[str], layers: int) -> None:
+def write_stages(saved: dict, out, tp: int, pp: int, chunks: list[str], layers: int, counts: list[int] | None = None) -> None:
     """One tp rank's whole per-rank model (`saved`, layers numbered 0..layers-1) as Megatron-LM
     saves it cut into pp ranks, each holding `chunks` (["model"], or with virtual pipelining
     ["model0", "model1", ...]; chunk v of pp rank r is stage v * pp + r), layers numbered within
-    their chunk, the embedding on the first stage, the final norm and head on the last."""
+    their chunk (`counts` per stage, else even), the embedding on the first stage, the final norm,
+    head and multi-token prediction modules on the last."""
     stages = pp * len(chunks)
+    counts = counts or [layers // stages] * stages
+    first = [sum(counts[:stage]) for stage in range(stages)]
     files = [{**{k: v for k, v in saved.items() if k != "model"}, **{c: {} for c in chunks}} for _ in range(pp)]
     for key, value in saved["model"].items():
         if key.startswith("decoder.layers."):
             layer, rest = key[len("decoder.layers."):].split(".", 1)
-            stage, local = divmod(int(layer), layers // stages)
-            key = f"decoder.layers.{local}.{rest}"
+            stage = max(s for s in range(stages) if first[s] <= int(layer))
+            key = f"decoder.layers.{int(layer) - first[stage]}.{rest}"
         else:
-            stage = stages - 1 if key.startswith(("decoder.final", "output_layer")) else 0
+            stage = stages - 1 if key.startswith(("decoder.final", "output_layer", "mtp.")) else 0
         files[stage % pp][chunks[stage // pp]][key] = value
     for r, content in enumerate(files):
         (out / f"mp_rank_{tp:02d}_{r:03d}").mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,11 @@ One megatron-core launch on 2 gloo ranks at tp 2 (tests/megatron_mla_gpt.py): a 
 DeepSeek-style model (MLA with a compressed query, its norms and YaRN; a dense layer, then two of
 sigmoid-routed experts with the expert bias, group-limited, scaled, and a shared expert, which
 megatron-core stores layer by layer; one MTP layer) saves torch_dist twice, the norms of the
-compressed vectors under the local layer spec's names and under Transformer Engine's, and records
-its logits (the main model's and the MTP depth's), LM loss and MTP loss; in the same launch it loads the
-checkpoint dtgpt wrote before it (to-megatron) into a model from another seed and records those.
-dtgpt must give the same logits and losses both ways.
+compressed vectors under the local layer spec's names and under Transformer Engine's, and
+Megatron-LM's per-rank files (mp_rank_00, mp_rank_01), and records its logits (the main model's
+and the MTP depth's), LM loss and MTP loss; in the same launch it loads the checkpoints dtgpt
+wrote before it (to-megatron, torch_dist and per-rank at tp 2) into a model from another seed and
+records those. dtgpt must give the same logits and losses both ways.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX
@@ -28,6 +30,7 @@ from dtgpt.mtp import depth_labels
 from tests.megatron_gpt import VOCAB, labels, tokens
 from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE, MOE_LAYERS, MTP
 from tests.test_checkpoint_convert import load_script
+from tests.test_megatron_checkpoint import write_stages
 from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
 
 ROWS = 128  # 100 padded to a multiple of 16 x tp 2, Megatron's
@@ -80,6 +83,8 @@ def mla_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron_mla")
     save_dtgpt(root / "dtgpt", MODEL)
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
+    per_rank = ["--format", "per-rank", "--tp", "2"]
+    assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
     launch(SCRIPT, root)
     return root
 
@@ -142,15 +147,91 @@ def dtgpt_mla(tmp_path_factory) -> Path:
     return root
 
 
-def test_mla_per_rank_files_are_refused_in_one_line(dtgpt_mla, tmp_path, capfd):
-    """The per-rank format would need MLA's own tp split per layer spec: refused by name."""
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "out"), "--format", "per-rank"]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:")
-    assert "model.multi_latent_attention=true: dtgpt reads and writes Megatron's multi-latent attention in the torch_dist format only" in err[0]
+def per_rank_file(root: Path, tp: int) -> dict:
+    return torch.load(find(root) / f"mp_rank_{tp:02d}" / "model_optim_rng.pt", weights_only=False)["model"]
 
 
-def test_mla_torch_dist_round_trip_without_megatron(dtgpt_mla, tmp_path):
-    """to-megatron then from-megatron gives every tensor back (the key map both ways, stacked layers)."""
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m")]) == 0
+@pytest.mark.slow
+def test_megatron_mla_moe_per_rank_files_at_tp2_give_megatrons_logits_and_loss(mla_root):
+    """megatron-core's own per-rank files: each tp rank's split, as measured here, and dtgpt
+    glues them back into megatron-core's model."""
+    first, second = per_rank_file(mla_root / "megatron_per_rank", 0), per_rank_file(mla_root / "megatron_per_rank", 1)
+    attention = "decoder.layers.1.self_attention."
+    # column parallel (rows split by tp): the up-projections (by head), and under the local spec the down-projections
+    assert first[attention + "linear_q_up_proj.weight"].shape == (HEADS // 2 * (12 + 8), LATENT["q_lora_rank"])
+    assert first[attention + "linear_kv_up_proj.weight"].shape == (HEADS // 2 * (12 + 10), LATENT["kv_lora_rank"])
+    assert first[attention + "linear_q_down_proj.weight"].shape == (LATENT["q_lora_rank"] // 2, HIDDEN)
+    assert first[attention + "linear_kv_down_proj.weight"].shape == ((16 + 8) // 2, HIDDEN)
+    assert first["mtp.layers.0.eh_proj.weight"].shape == (HIDDEN // 2, 2 * HIDDEN)
+    assert first[attention + "linear_proj.weight"].shape == (HIDDEN, HEADS // 2 * 10)  # row parallel
+    for norm in (attention + "q_layernorm.weight", attention + "kv_layernorm.weight", "mtp.layers.0.enorm.weight",
+                 "mtp.layers.0.hnorm.weight", "mtp.layers.0.final_layernorm.weight"):  # fmt: skip
+        assert torch.equal(first[norm], second[norm]), norm  # replicated
+    model = load_megatron_model(find(mla_root / "megatron_per_rank"), model_cfg(), ROWS)
+    assert_same_outputs(head_outputs(model), mla_root)
+
+
+@pytest.mark.slow
+def test_megatron_mla_moe_per_rank_files_cut_into_pp2_give_megatrons_logits_and_loss(mla_root, tmp_path):
+    """The same files as Megatron-LM saves them at pp 2 with the first stage's one layer (the
+    dense one; its args say decoder_first_pipeline_num_layers=1): the MTP block on the last stage."""
+    directory = find(mla_root / "megatron_per_rank")
+    for tp in range(2):
+        saved = load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
+        vars(saved["args"]).update(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)
+        write_stages(saved, tmp_path, tp, 2, ["model"], LAYERS, counts=[1, LAYERS - 1])
+    assert "mtp.layers.0.eh_proj.weight" in load_pickle(tmp_path / "mp_rank_00_001" / PER_RANK_FILE)["model"]
+    assert_same_outputs(head_outputs(load_megatron_model(tmp_path, model_cfg(), ROWS)), mla_root)
+
+
+@pytest.mark.slow
+def test_dtgpt_mla_moe_per_rank_files_load_in_megatron_core_at_tp2_with_equal_logits_and_loss(mla_root, tmp_path):
+    """to-megatron --format per-rank --tp 2: megatron-core's ranks each load their own file
+    strictly (every key, _extra_state included) and give dtgpt's logits and losses."""
+    saved = layout.iteration_dir(mla_root / "dtgpt", 3)
+    assert_same_outputs(head_outputs(load_model(saved, read_config(saved))), mla_root, "loaded_per_rank_")
+    assert_converts_back(mla_root / "from_dtgpt_per_rank", saved, tmp_path / "back")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda model: model.pop("decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
+     "mp_rank_01/model_optim_rng.pt has no decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
+    (lambda model: model.update({"mtp.layers.0.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}),
+     r"mp_rank_01/model_optim_rng.pt holds mtp.layers.0.eh_proj.weight of shape \(64, 128\) but tp rank 0's file \(32, 128\)"),
+])  # fmt: skip
+def test_a_damaged_mla_per_rank_file_is_one_error_naming_the_file_and_key(dtgpt_mla, tmp_path, damage, message):
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
+    path = find(tmp_path / "m") / "mp_rank_01" / "model_optim_rng.pt"
+    saved = torch.load(path, weights_only=False)
+    damage(saved["model"])
+    torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=message) as err:
+        load_megatron_model(find(tmp_path / "m"), model_cfg(make_vocab_size_divisible_by=16), ROWS)
+    assert "\n" not in str(err.value)
+
+
+def test_mla_per_rank_files_of_transformer_engines_spec_read_back_whole(dtgpt_mla, tmp_path):
+    """Megatron-LM's default (Transformer Engine) spec builds MLA's down-projections as TELinear
+    with parallel_mode='duplicated' (megatron-core's multi_latent_attention.py) and fuses the
+    compressed vectors' norms into the up-projections (layer_norm_weight): its files, made here
+    from dtgpt's local-spec ones (Transformer Engine does not run on CPU), read back the same."""
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
+    directory = find(tmp_path / "m")
+    files = [load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE) for tp in range(2)]
+    whole = {k: torch.cat([files[0]["model"][k], files[1]["model"][k]]) for k in files[0]["model"] if k.endswith("_down_proj.weight")}
+    for saved in files:
+        saved["model"].update(whole)  # the down-projections whole on every tp rank
+        for key in [k for k in saved["model"] if k.endswith(("q_layernorm.weight", "kv_layernorm.weight"))]:
+            prefix, norm, _ = key.rsplit(".", 2)
+            saved["model"][f"{prefix}.linear_{norm.removesuffix('_layernorm')}_up_proj.layer_norm_weight"] = saved["model"].pop(key)
+    for tp, saved in enumerate(files):
+        torch.save(saved, directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
+    assert MegatronReader(directory).shapes["decoder.layers.1.self_attention.linear_kv_down_proj.weight"] == (16 + 8, HIDDEN)
+    assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
+
+
+@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"]], ids=["torch_dist", "per_rank"])
+def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
+    """to-megatron then from-megatron gives every tensor back (the key map both ways, layers apart)."""
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *fmt]) == 0
     assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")

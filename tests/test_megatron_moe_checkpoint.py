@@ -216,14 +216,18 @@ def test_to_megatron_refuses_an_expert_split_in_one_line(dtgpt_moe, tmp_path, ca
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
 
 
-def test_per_rank_files_of_a_model_mixing_dense_and_moe_layers_are_one_error(dtgpt_moe, tmp_path, capfd):
-    """torch_dist maps such a model (tests/test_megatron_mla_checkpoint.py); the per-rank files do not."""
-    config = tmp_path / "mixed.toml"
-    config.write_text((layout.iteration_dir(dtgpt_moe, 3) / "config.toml").read_text().replace("moe_layer_freq = 1", "moe_layer_freq = 2"))
-    out = str(tmp_path / "out")
-    assert load_script().main(["to-megatron", str(dtgpt_moe), out, "--config", str(config), "--format", "per-rank"]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "model.moe_layer_freq=2: dtgpt reads and writes a model that mixes dense and MoE layers" in err[0]
+def test_per_rank_files_of_a_model_mixing_dense_and_moe_layers_read_back_whole(tmp_path):
+    """moe_layer_freq=2 (layer 0 MoE, layer 1 dense): each file keeps its layers' own tensors, and
+    dtgpt reads the layers apart (as torch_dist keeps them; megatron-core's own files of such a
+    model: tests/test_megatron_mla_checkpoint.py)."""
+    saved = save_dtgpt(tmp_path / "dtgpt", {**MODEL, "moe_layer_freq": 2, "make_vocab_size_divisible_by": 32})  # tp 2 pads to 128 rows too
+    flags = ["--format", "per-rank", "--tp", "2", "--ep", "2"]
+    assert load_script().main(["to-megatron", str(tmp_path / "dtgpt"), str(tmp_path / "m"), *flags]) == 0
+    model = torch.load(find(tmp_path / "m") / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight" in model
+    assert model["decoder.layers.1.mlp.linear_fc1.weight"].shape == (2 * 128 // 2, 64)  # [gate; fc1], tp rank 1's rows
+    assert MegatronReader(find(tmp_path / "m")).shapes["decoder.layers.1.mlp.linear_fc1.weight"] == (256, 64)
+    assert_converts_back(tmp_path / "m", saved, tmp_path / "back")
 
 
 def test_moe_architecture_keys_are_compared_with_megatrons_args():

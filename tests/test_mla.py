@@ -159,15 +159,12 @@ def test_latent_keys_need_multi_latent_attention(key, value):
 
 
 def test_checkpoint_formats_refuse_mla_in_one_line():
-    """Megatron's per-rank files are not written for MLA, nor a Hugging Face layout for a dense MLA
-    model (DeepseekV3ForCausalLM needs MoE blocks): refused by name (torch_dist is:
+    """No Hugging Face layout is written for a dense MLA model (DeepseekV3ForCausalLM needs MoE
+    blocks): refused by name (Megatron's torch_dist and per-rank files are written:
     tests/test_megatron_mla_checkpoint.py; DeepSeek-V3 with experts: tests/test_hf_deepseek.py)."""
     from dtgpt.checkpoint.export import hf_layout_for
-    from dtgpt.checkpoint.megatron.keys import unsupported
 
     cfg = ModelConfig(multi_latent_attention=True, position_embedding_type="rope")
-    assert unsupported(cfg) is None
-    assert "model.multi_latent_attention=true" in unsupported(cfg, per_rank=True)
     with pytest.raises(ValueError, match="model.multi_latent_attention=false.*DeepseekV3ForCausalLM needs .*model.num_experts") as err:
         hf_layout_for(cfg)
     assert "\n" not in str(err.value)

@@ -194,15 +194,12 @@ def test_mtp_loss_is_logged_beside_the_lm_loss(tmp_path, capsys):
 
 
 def test_checkpoint_formats_without_mtp_refuse_it_in_one_line():
-    """Megatron's per-rank files and the Hugging Face layouts of a GPT do not hold the modules
-    (Megatron's torch_dist and DeepseekV3ForCausalLM do: tests/test_megatron_mla_checkpoint.py,
+    """The Hugging Face layouts of a GPT do not hold the modules (Megatron's torch_dist and
+    per-rank files and DeepseekV3ForCausalLM do: tests/test_megatron_mla_checkpoint.py,
     tests/test_hf_deepseek.py): refused by name."""
     from dtgpt.checkpoint.export import hf_layout_for
-    from dtgpt.checkpoint.megatron.keys import unsupported
 
     cfg = ModelConfig(mtp_num_layers=1)
-    assert unsupported(cfg) is None
-    assert unsupported(cfg, per_rank=True).startswith("model.mtp_num_layers=1:")
     with pytest.raises(ValueError, match="model.mtp_num_layers") as err:
         hf_layout_for(cfg)
     assert "\n" not in str(err.value)

@@ -90,24 +90,39 @@ MLA_LAYER_KEYS = {
 layer specs keep the pre-attention norm as its own module (input_layernorm), and so the MoE
 layer's pre-MLP norm (pre_mlp_layernorm); the norms of the compressed query and key/value are
 fused into the up-projections by the Transformer Engine spec (what Megatron-LM runs by default,
-so what is written), separate modules in the local spec (STORED_ALIASES: either is read). The
+so what torch_dist is written with), separate modules in the local spec (MLA_LOCAL_NORM_NAMES:
+either is read; the per-rank files are written with the local spec's). The
 up-projections' rows are the heads in turn, [q_nope | q_pe] and [k_nope | v] per head, as
 dtgpt's; the down-projection's rows are [compressed | k_pe]: no reordering either way."""
 
-STORED_ALIASES = {
+MLA_LOCAL_NORM_NAMES = {
     "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
     "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
     "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+"""The norms of MLA's compressed query and key/value: Transformer Engine's fused name -> the
+local layer spec's module (megatron-core's state_dict, so the per-rank files, keep the latter)."""
+
+LOCAL_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    **MLA_LOCAL_NORM_NAMES,
+}
+"""A block's norms, fused name -> the local layer spec's per-layer name (the per-rank format keeps
+the latter: megatron-core's sharded_state_dict_keys_map renames them for torch_dist alone)."""
+
+STORED_ALIASES = {
+    **LOCAL_NORM_NAMES,
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
 """Megatron name (after `decoder.layers.`) -> the other name the same tensor has under another
-layer spec: the local spec's separate MLA norms; the pre-MLP norm, fused into linear_fc1 or a
-module of its own depending on the spec and whether the layer is MoE. The reader takes
-whichever the checkpoint holds."""
+layer spec: the local spec's separate norms (the MLA ones in torch_dist too, every one in the
+per-rank files); the pre-MLP norm, fused into linear_fc1 or a module of its own depending on
+the spec and whether the layer is MoE. The reader takes whichever the checkpoint holds."""
 
 BUFFERS = ("mlp.router.expert_bias",)
 """Block-relative dtgpt names that are buffers, not parameters: saved with the model, with no
@@ -125,14 +140,6 @@ each expert whole under `mlp.experts.local_experts.<K>.` in its expert-parallel 
 SWIGLU_HALVES = {"gate": 0, "fc1": 1}
 """With swiglu, which half of linear_fc1's rows each dtgpt projection is (the gate, activated, first);
 the dense MLP's and the shared expert's alike (the routed experts keep [gate; fc1] as one tensor)."""
-
-LOCAL_NORM_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-"""The same norms under the local layer spec's per-layer names (the per-rank format keeps them)."""
 
 VOCAB_KEYS = ("embedding.word.weight", "output.weight")
 
@@ -206,21 +213,6 @@ def half_of(name: str, names) -> int | None:
     if ".".join([*parts[:-2], "gate", parts[-1]]) not in names:
         return None
     return SWIGLU_HALVES[parts[-2]]
-
-
-def unsupported(cfg: ModelConfig, per_rank: bool = False) -> str | None:
-    """Why Megatron's checkpoint layout of model `cfg` (torch_dist, or with `per_rank` the
-    per-rank files) is not one dtgpt reads or writes, or None."""
-    if cfg.multi_latent_attention and per_rank:
-        return ("model.multi_latent_attention=true: dtgpt reads and writes Megatron's multi-latent attention in the "
-                "torch_dist format only, not the per-rank files")  # fmt: skip
-    if per_rank and cfg.moe_enabled and stores_per_layer(cfg):
-        return (f"model.moe_layer_freq={cfg.moe_layer_freq}: dtgpt reads and writes a model that mixes dense and MoE "
-                "layers in Megatron's torch_dist format only, not the per-rank files")
-    if per_rank and cfg.mtp_num_layers:
-        return (f"model.mtp_num_layers={cfg.mtp_num_layers}: dtgpt reads and writes Megatron's multi-token prediction "
-                "tensors in the torch_dist format only, not the per-rank files")
-    return None
 
 
 def dtgpt_names(cfg: ModelConfig) -> list[str]:

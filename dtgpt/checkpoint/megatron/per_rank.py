@@ -10,18 +10,40 @@ Everything outside the routed experts is the same in every ep rank's file (ep ra
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import torch
 
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle, per_rank_dirs
-from dtgpt.checkpoint.megatron.keys import EXPERT_KEY, GLOBAL_KEYS, LAYER_KEYS, LOCAL_NORM_NAMES
+from dtgpt.checkpoint.megatron.keys import EXPERT_KEY
 
 TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
-           "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1}  # fmt: skip
+          "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1,
+          "linear_q_proj.weight": 0, "linear_q_up_proj.weight": 0, "linear_kv_up_proj.weight": 0, "eh_proj.weight": 0,
+          "linear_q_down_proj.weight": 0, "linear_kv_down_proj.weight": 0}  # fmt: skip
 """How the per-rank format splits a tensor over TP ranks (column parallel: rows; row parallel:
-columns); anything not named is replicated."""
+columns); anything not named is replicated (norms, routers). Multi-latent attention's
+up-projections are column parallel (their rows are the heads in turn), and under the local layer
+spec, which megatron-core builds on CPU and dtgpt writes, so are its down-projections
+(ColumnParallelLinear, their output gathered in the forward); Transformer Engine's spec keeps
+those duplicated on every rank (DUPLICATED), as its fused norm names tell. The multi-token
+prediction module's eh_proj is column parallel."""
+
+DUPLICATED = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
+TE_MLA_NORM = ".self_attention.linear_kv_up_proj.layer_norm_weight"
+"""A name only Transformer Engine's MLA layer spec gives: its down-projections are whole on every tp rank."""
+BLOCK = re.compile(r"decoder\.layers\.(\d+)\.|mtp\.layers\.\d+\.transformer_layer\.")
+"""The per-rank prefix of a block's tensors: a decoder layer's (numbered within its stage) or an MTP block's."""
+
+
+def tp_dim(key: str, duplicated: bool = False) -> int | None:
+    """The dim of per-rank key `key` split over tp (TP_DIM), or None; `duplicated`: the
+    down-projections are whole (Transformer Engine's MLA spec)."""
+    if duplicated and key.endswith(DUPLICATED):
+        return None
+    return next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
 
 LOCAL_EXPERTS = "mlp.experts.local_experts."
 UNEVEN_SPLIT_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
@@ -66,6 +88,10 @@ class PerRankModel:
         self.swiglu = bool(getattr(self.common.get("args"), "swiglu", False))
         # (pp rank, chunk key) of each pipeline stage, in the model's order
         self.stages = [(stage % self.pp, self.chunks[stage // self.pp]) for stage in range(self.pp * len(self.chunks))]
+        # whether MLA's down-projections are whole in every tp rank's file (Transformer Engine's spec)
+        self.duplicated = any(key.endswith(TE_MLA_NORM) for key in self._model(0, 0))
+        self._where: dict[str, tuple[int | None, str | None, str]] = {}  # set by shapes(): see region()
+        self._experts: dict[tuple[int, str], list[int]] = {}
 
     def _load(self, tp: int, pp: int, ep: int = 0) -> dict:
         """A rank's file, memory-mapped: its tensors' bytes are read only where a region uses them
@@ -82,10 +108,21 @@ class PerRankModel:
             raise CheckpointError(f"Megatron checkpoint {self.directory}: {where} has no '{chunk}' (rank 0's file has {self.chunks})")
         return saved[chunk]
 
+    def _part(self, tp: int, stage: int, name: str, ep: int = 0) -> torch.Tensor:
+        """Tensor `name` of a rank's file, shaped as tp rank 0's (whose shapes check() compared
+        with the model), or one line naming the file and key."""
+        part, first = self._model(tp, stage, ep).get(name), self._model(0, stage, ep).get(name)
+        where = f"Megatron checkpoint {self.directory}: {self.files[(tp, self.stages[stage][0], ep)] / PER_RANK_FILE}"
+        if part is None:
+            raise CheckpointError(f"{where} has no {name}, which tp rank 0's file has")
+        if first is not None and part.shape != first.shape:
+            raise CheckpointError(f"{where} holds {name} of shape {tuple(part.shape)} but tp rank 0's file {tuple(first.shape)}")
+        return part
+
     def _layer_count(self, stage: int) -> int:
         """The layers of `stage`, counted in the file of the tp rank 0 (of its stage)."""
         if stage not in self._counts:
-            suffix = ".self_attention.linear_qkv.weight"
+            suffix = ".self_attention.linear_proj.weight"
             self._counts[stage] = sum(1 for k in self._model(0, stage) if k.startswith("decoder.layers.") and k.endswith(suffix))
         return self._counts[stage]
 
@@ -118,10 +155,6 @@ class PerRankModel:
             layer -= self._layer_count(stage)
         raise KeyError(layer)
 
-    def _stored_name(self, model: dict, layer: int, rest: str) -> str:
-        name = f"decoder.layers.{layer}.{rest}"
-        return name if name in model or rest not in LOCAL_NORM_NAMES else f"decoder.layers.{layer}.{LOCAL_NORM_NAMES[rest]}"
-
     def _tp_pieces(self, key: str, full: int) -> list[list[tuple[int, int, int]]]:
         """Per tp rank, the (start in the full tensor, start in its part, length) of its rows
         along the split dim, whose full size is `full`: one block, or SwiGLU's linear_fc1 as
@@ -136,7 +169,7 @@ class PerRankModel:
         """The region (at, shape) of the tensor joined over tp ranks (full_shape), each rank's
         part from part_of(tp) (a file of `stage` and `ep`); only the ranks whose rows the region
         overlaps are read, and a replicated tensor from a file already open where one is."""
-        dim = next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
+        dim = tp_dim(key, self.duplicated)
 
         def narrowed(part: torch.Tensor, skip: int | None) -> torch.Tensor:
             for d, (start, size) in enumerate(zip(at, shape)):
@@ -157,66 +190,100 @@ class PerRankModel:
                     out.narrow(dim, a - lo, b - a).copy_(narrowed(part, dim).narrow(dim, local_start + a - full_start, b - a))
         return out
 
+    def _offset(self, stage: int) -> int:
+        """The global index of `stage`'s first decoder layer."""
+        return sum(self._layer_count(s) for s in range(stage))
+
+    def _block_names(self, stage: int, prefix: str) -> tuple[str, ...]:
+        model = self._model(0, stage)
+        return tuple(k[len(prefix):] for k in model if k.startswith(prefix))
+
+    def per_layer(self) -> bool:
+        """Whether the decoder layers differ in tensors (dense and MoE layers mixed): then they
+        are read apart (`decoder.layers.<i>.`), as megatron-core's torch_dist keeps them."""
+        first = self._block_names(0, "decoder.layers.0.")
+        return any(self._block_names(stage, f"decoder.layers.{i}.") != first
+                   for stage in range(len(self.stages)) for i in range(self._layer_count(stage)))  # fmt: skip
+
     def region(self, key: str, at: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The region (at, shape) of torch_dist's stacked tensor `key`, read from the files that hold it."""
+        """The region (at, shape) of torch_dist's tensor `key` (stacked on a layer axis, or not:
+        see shapes), read from the files that hold it."""
         full = self.shapes()[key]
-        if not key.startswith("decoder.layers."):
-            stage = len(self.stages) - 1 if key.startswith(("decoder.final", "output_layer")) else 0
-            return self._joined_region(key, lambda tp: self._model(tp, stage)[key], full, at, shape, stage)
-        rest = key[len("decoder.layers."):]
+        stage, prefix, rest = self._where[key]
+        if prefix is None:  # outside the blocks
+            return self._joined_region(key, lambda tp: self._part(tp, stage, key), full, at, shape, stage)
+        if stage is not None:  # one block: a layer kept apart, or an MTP block
+            return self._block_region(stage, prefix, rest, full, at, shape)
         layers = []
         for layer in range(at[0], at[0] + shape[0]):
             stage, i = self._layer_at(layer)
-            if rest.startswith(EXPERT_KEY):
-                layers.append(self._expert_region(key, stage, i, rest, full[1:], at[1:], shape[1:]))
-            else:
-                name = lambda tp: self._stored_name(self._model(tp, stage), i, rest)  # noqa: E731
-                part_of = lambda tp: self._model(tp, stage)[name(tp)]  # noqa: E731
-                layers.append(self._joined_region(key, part_of, full[1:], at[1:], shape[1:], stage))
+            layers.append(self._block_region(stage, f"decoder.layers.{i}.", rest, full[1:], at[1:], shape[1:]))
         return torch.stack(layers)
 
-    def _local_experts(self, stage: int, layer: int, ep: int = 0) -> list[int]:
-        prefix = f"decoder.layers.{layer}.{LOCAL_EXPERTS}"
-        return sorted({int(k[len(prefix):].split(".")[0]) for k in self._model(0, stage, ep) if k.startswith(prefix)})
+    def _block_region(self, stage: int, prefix: str, rest: str, full, at, shape) -> torch.Tensor:
+        """The region of one block's tensor `rest`, stored under `prefix` in `stage`'s files."""
+        if rest.startswith(EXPERT_KEY):
+            return self._expert_region(stage, prefix, rest, full, at, shape)
+        name = prefix + rest
+        return self._joined_region(name, lambda tp: self._part(tp, stage, name), full, at, shape, stage)
 
-    def _expert_region(self, key: str, stage: int, layer: int, rest: str, full, at, shape) -> torch.Tensor:
-        """Experts at[0] .. of one layer (E, ...) in global order: ep rank r holds r * E_local + k."""
-        per_rank = len(self._local_experts(stage, layer))
-        prefix, suffix = f"decoder.layers.{layer}.{LOCAL_EXPERTS}", rest[len(EXPERT_KEY):]
+    def _local_experts(self, stage: int, prefix: str) -> list[int]:
+        """The local expert numbers of the block under `prefix` in `stage`'s files."""
+        if (stage, prefix) not in self._experts:
+            local = prefix + LOCAL_EXPERTS
+            found = {int(k[len(local):].split(".")[0]) for k in self._model(0, stage) if k.startswith(local)}
+            self._experts[(stage, prefix)] = sorted(found)
+        return self._experts[(stage, prefix)]
+
+    def _expert_region(self, stage: int, prefix: str, rest: str, full, at, shape) -> torch.Tensor:
+        """Experts at[0] .. of one block (E, ...) in global order: ep rank r holds r * E_local + k."""
+        per_rank = len(self._local_experts(stage, prefix))
+        suffix = rest[len(EXPERT_KEY):]
         experts = []
         for expert in range(at[0], at[0] + shape[0]):
             ep, k = divmod(expert, per_rank)
-            name = f"{prefix}{k}.{suffix}"
-            part_of = lambda tp: self._model(tp, stage, ep)[name]  # noqa: E731
-            experts.append(self._joined_region(key, part_of, full[1:], at[1:], shape[1:], stage, ep))
+            name = f"{prefix}{LOCAL_EXPERTS}{k}.{suffix}"
+            part_of = lambda tp: self._part(tp, stage, name, ep)  # noqa: E731
+            experts.append(self._joined_region(name, part_of, full[1:], at[1:], shape[1:], stage, ep))
         return torch.stack(experts)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """torch_dist's stacked shape of each tensor the checkpoint holds, from the shapes of the
-        first (and last) stage's tensors in tp rank 0's file: no tensor is read or built."""
+        """torch_dist's shape of each tensor the checkpoint holds, by the files' own names (the
+        local spec's norms: keys.STORED_ALIASES), from the shapes in tp rank 0's files: no
+        tensor is read or built. The decoder layers are stacked on a leading axis as torch_dist
+        stacks them, or, where they differ (per_layer), kept apart under `decoder.layers.<i>.`;
+        the routed experts on a global expert axis."""
         if self._shapes is not None:
             return self._shapes
-        keys = set(GLOBAL_KEYS.values()) | {"decoder.layers." + k for k in LAYER_KEYS.values()}
-        shapes = {}
-        for key in keys:
-            dim = next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
-            if not key.startswith("decoder.layers."):
-                stage = len(self.stages) - 1 if key.startswith(("decoder.final", "output_layer")) else 0
-                part, lead = self._model(0, stage).get(key), ()
-            else:
-                rest = key[len("decoder.layers."):]
-                model, lead = self._model(0, 0), (self.num_layers(),)
-                if rest.startswith(EXPERT_KEY):
-                    local = self._local_experts(0, 0)
-                    part = model.get(f"decoder.layers.0.{LOCAL_EXPERTS}{local[0]}.{rest[len(EXPERT_KEY):]}") if local else None
-                    lead = (*lead, len(local) * self.ep)
-                else:
-                    part = model.get(self._stored_name(model, 0, rest))
-            if part is None:
-                continue  # not in this checkpoint (tied head, no learned positions, no bias)
-            size = list(part.shape)
-            if dim is not None:
-                size[dim] *= self.tp
-            shapes[key] = (*lead, *size)
-        self._shapes = shapes
-        return shapes
+        last, apart = len(self.stages) - 1, self.per_layer()
+        self._shapes, self._where = {}, {}
+        for stage in range(len(self.stages)) if apart else sorted({0, last}):
+            offset = self._offset(stage)
+            for name, part in self._model(0, stage).items():
+                if not isinstance(part, torch.Tensor):
+                    continue  # _extra_state
+                match, lead, key, where = BLOCK.match(name), (), name, (stage, None, name)
+                if not match and key in self._shapes:
+                    continue  # outside the blocks: the first stage's that holds it (stage 0's embedding)
+                if match:
+                    prefix, rest = match.group(0), name[match.end():]
+                    if rest.startswith(LOCAL_EXPERTS):
+                        expert, suffix = rest[len(LOCAL_EXPERTS):].split(".", 1)
+                        if int(expert) != self._local_experts(stage, prefix)[0]:
+                            continue
+                        rest, lead = EXPERT_KEY + suffix, (len(self._local_experts(stage, prefix)) * self.ep,)
+                    if match.group(1) is None:  # an MTP block
+                        key, where = prefix + rest, (stage, prefix, rest)
+                    elif apart:
+                        key = f"decoder.layers.{offset + int(match.group(1))}.{rest}"
+                        where = (stage, prefix, rest)
+                    elif stage == 0 and match.group(1) == "0":
+                        key, where, lead = "decoder.layers." + rest, (None, "decoder.layers.", rest), (self.num_layers(), *lead)
+                    else:
+                        continue
+                size = list(part.shape)
+                dim = tp_dim(name, self.duplicated)
+                if dim is not None:
+                    size[dim] *= self.tp
+                self._shapes[key], self._where[key] = (*lead, *size), where
+        return self._shapes

@@ -18,7 +18,7 @@ from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias, unsupported
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel
 from dtgpt.checkpoint.megatron.regions import read_regions
 from dtgpt.config import ModelConfig
@@ -91,12 +91,6 @@ class MegatronReader:
         args = self.common.get("args")
         if args is not None:
             require_same(megatron_architecture(args), cfg, f"Megatron checkpoint {self.directory}")
-        self.check_supported(cfg)
-
-    def check_supported(self, cfg: ModelConfig) -> None:
-        problem = unsupported(cfg, per_rank=not self.torch_dist)
-        if problem:
-            raise CheckpointError(f"Megatron checkpoint {self.directory}: {problem}")
 
     def check(self, wanted: dict[str, tuple[int, ...]], model_names: list[str]) -> None:
         """One clear error for the first tensor whose shape (or presence) differs, the vocabulary

@@ -26,7 +26,7 @@ from dtgpt.checkpoint.architecture import megatron_args
 from dtgpt.checkpoint.megatron.formats import BACKEND_FILE, COMMON_FILE, find, progress_of
 from dtgpt.checkpoint.megatron.keys import (
     MTP_PREFIX, OPTIMIZER_PREFIX, VOCAB_KEYS, block_of, dtgpt_names, full_model_shapes, half_of, is_buffer, megatron_name,
-    resize_vocab, stored_alias, stores_per_layer, unsupported,
+    resize_vocab, stored_alias, stores_per_layer,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
@@ -140,9 +140,6 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     """Write dtgpt checkpoint `src` as Megatron-LM's torch_dist iteration under out_root, its
     vocabulary padded as Megatron pads for tensor parallel size `tp`, with its Adam state (when
     it has one) as megatron-core's distributed optimizer stores it in model space. Returns the directory."""
-    problem = unsupported(cfg.model)
-    if problem:
-        raise CheckpointError(f"cannot write {src} as Megatron's torch_dist: {problem}")
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))

@@ -1,8 +1,9 @@
 """A dtgpt checkpoint as Megatron-LM's per-rank format: mp_rank_TT[_EEE]/model_optim_rng.pt.
 
 What Megatron-LM's legacy save writes at tp x ep (pp 1): each file holds the whole model's layers
-under the local spec's names, its TP split of each tensor (column-parallel rows, row-parallel
-columns; SwiGLU's linear_fc1 as [its gate rows; its fc1 rows]), and of each MoE layer's routed
+(and multi-token prediction blocks, `mtp.layers.<k>.`) under the local spec's names, its TP split
+of each tensor (column-parallel rows, row-parallel columns; SwiGLU's linear_fc1 as [its gate rows;
+its fc1 rows]; per_rank.TP_DIM), and of each MoE block's routed
 experts only its ep rank's, numbered from 0 as `mlp.experts.local_experts.<K>.` (ep rank r holds
 global experts r * E / ep ...). Every linear layer has its `_extra_state` (None for the local
 spec), which megatron-core's strict load_state_dict asks for. The weights only: Megatron keeps
@@ -20,26 +21,31 @@ import torch
 from dtgpt.checkpoint import export, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE
-from dtgpt.checkpoint.megatron.keys import EXPERT_KEY, LOCAL_NORM_NAMES, VOCAB_KEYS, half_of, megatron_name, resize_vocab, unsupported
-from dtgpt.checkpoint.megatron.per_rank import TP_DIM, LOCAL_EXPERTS
+from dtgpt.checkpoint.megatron.keys import (
+    EXPERT_KEY, LOCAL_NORM_NAMES, VOCAB_KEYS, half_of, megatron_name, resize_vocab, stores_per_layer,
+)  # fmt: skip
+from dtgpt.checkpoint.megatron.per_rank import BLOCK, LOCAL_EXPERTS, tp_dim
 from dtgpt.checkpoint.megatron.write import trainer_common
 from dtgpt.config import Config, padded_vocab_size
 
 
 def _full_megatron_tensors(src: Path, cfg: Config, rows: int) -> dict[tuple[str, int | None], torch.Tensor]:
-    """(torch_dist key, layer or None) -> the full tensor of that layer, in Megatron's layout."""
+    """(torch_dist key, layer or None) -> the full tensor of that layer, in Megatron's layout
+    (the decoder layers apart where torch_dist keeps them apart, see keys.stores_per_layer)."""
     state = export.load_model(src, cfg).state_dict()
     names = [n for n in state if not (n == "output.weight" and not cfg.model.untie_embeddings_and_output_weights)]
+    mla, apart = cfg.model.multi_latent_attention, stores_per_layer(cfg.model)
     out: dict[tuple[str, int | None], list[torch.Tensor]] = {}
     for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
         value = resize_vocab(state[name], rows) if name in VOCAB_KEYS else state[name]
-        out.setdefault(megatron_name(name), []).append(value)
+        out.setdefault(megatron_name(name, mla, apart), []).append(value)
     return {key: torch.cat(parts) if len(parts) > 1 else parts[0] for key, parts in out.items()}
 
 
 def _tp_part(key: str, value: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
-    """Rank `rank`'s part of a full tensor under Megatron's TP split (per_rank.TP_DIM)."""
-    dim = next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
+    """Rank `rank`'s part of a full tensor under Megatron's TP split (per_rank.TP_DIM: the
+    local layer spec's, which megatron-core's strict load of these files checks)."""
+    dim = tp_dim(key)
     if dim is None or tp == 1:
         return value.clone()
     if swiglu and ".linear_fc1." in key:  # [gate; fc1]: each rank holds [its gate rows; its fc1 rows]
@@ -52,11 +58,13 @@ def _rank_model(full: dict, cfg: Config, tp: int, tp_rank: int, ep: int, ep_rank
     swiglu = cfg.model.swiglu
     model: dict[str, object] = {}
     for (key, layer), value in full.items():
-        if layer is None:
+        if layer is not None:  # one layer of a stacked key
+            key = f"decoder.layers.{layer}.{key.removeprefix('decoder.layers.')}"
+        match = BLOCK.match(key)
+        if match is None:  # outside the blocks
             model[key] = _tp_part(key, value, tp, tp_rank, swiglu)
             continue
-        rest = key.removeprefix("decoder.layers.")
-        prefix = f"decoder.layers.{layer}."
+        prefix, rest = match.group(0), key[match.end():]
         if rest.startswith(EXPERT_KEY):  # (E, ...): this ep rank's experts, numbered locally
             local = value.shape[0] // ep
             suffix = rest[len(EXPERT_KEY):]
@@ -66,7 +74,7 @@ def _rank_model(full: dict, cfg: Config, tp: int, tp_rank: int, ep: int, ep_rank
         else:
             name = prefix + LOCAL_NORM_NAMES.get(rest, rest)
             model[name] = _tp_part(name, value, tp, tp_rank, swiglu)
-    for name in [n for n in model if n.endswith(".weight") and ".linear_" in n]:
+    for name in [n for n in model if n.endswith(".weight") and (".linear_" in n or n.endswith(".eh_proj.weight"))]:
         model[name.removesuffix(".weight") + "._extra_state"] = None
     return model
 
@@ -75,9 +83,6 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     """Write dtgpt checkpoint `src` as Megatron-LM's per-rank iteration at tensor parallel size
     `tp` and expert parallel size `ep` (pp 1), its vocabulary padded as Megatron pads at `tp`.
     Returns the iteration directory."""
-    problem = unsupported(cfg.model, per_rank=True)
-    if problem:
-        raise CheckpointError(f"cannot write {src} as Megatron's per-rank format: {problem}")
     experts = cfg.model.num_experts or 0
     if ep < 1 or (ep > 1 and experts % ep):
         what = f"model.num_experts={experts}" if experts else "a model without experts (model.num_experts unset)"
