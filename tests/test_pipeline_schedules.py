@@ -113,3 +113,34 @@ def test_dual_pipe_v_needs_a_micro_batch_per_stage(fake_pp_group):
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         build("DualPipeV", fake_pp_group, 2, stages - 1)
     build("DualPipeV", fake_pp_group, 2, stages)
+
+
+class _Torch211Stage:
+    """The stand-in forward's set-up as torch 2.11 declares it (2.13 adds has_backward)."""
+
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None):
+        self.seen = (num_microbatches, args, kwargs)
+        return ()
+
+
+class _Torch213Stage:
+    def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
+        self.seen = (num_microbatches, args, kwargs, has_backward)
+        return ()
+
+
+@pytest.mark.parametrize("base", [_Torch211Stage, _Torch213Stage], ids=["torch-2.11", "torch-2.13"])
+def test_stage_hooks_pass_torchs_own_arguments_through(base):
+    """dtgpt's stage hands micro-batch 0's documents to the shape-inferring forward and passes
+    everything else as torch gave it: naming 2.13's has_backward broke every pipelined run on 2.11."""
+    from dtgpt.attention_varlen import Documents
+    from dtgpt.parallel.pipeline import _StageHooks
+
+    stage = type("Stage", (_StageHooks, base), {})()
+    stage.micro_batch_documents = ["bounds of micro-batch 0", "bounds of micro-batch 1"]
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    extra = {"has_backward": True} if base is _Torch213Stage else {}
+    stage._prepare_forward_infra(2, (ids,), {"document_ids": ids}, **extra)
+    kwargs = stage.seen[2]
+    assert isinstance(kwargs["document_ids"], Documents) and kwargs["document_ids"].bounds == "bounds of micro-batch 0"
+    assert stage.seen[3:] == ((True,) if extra else ())

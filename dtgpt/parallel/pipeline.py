@@ -79,7 +79,7 @@ class _StageHooks:
       so each forward pairs the document ids torch cut for micro-batch i with bounds i (the
       attention's varlen path, dtgpt/attention_varlen.py), and so does the schedule's stand-in
       forward that infers the stages' shapes (micro-batch 0's inputs; torch's private
-      `_prepare_forward_infra`, torch 2.13). tests/test_attention_varlen.py's pp runs count the
+      `_prepare_forward_infra`, checked on torch 2.11 and 2.13). tests/test_attention_varlen.py's pp runs count the
       kernel's calls on every stage.
     """
 
@@ -100,8 +100,9 @@ class _StageHooks:
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
         return super().forward_one_chunk(fwd_chunk_id, args, self._with_documents(fwd_chunk_id, kwargs), save_forward_output)
 
-    def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, has_backward: bool = False):
-        return super()._prepare_forward_infra(num_microbatches, args, self._with_documents(0, kwargs), has_backward=has_backward)
+    def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, *more, **options):
+        # The rest passes through as given: torch 2.13 adds has_backward, which 2.11 does not take.
+        return super()._prepare_forward_infra(num_microbatches, args, self._with_documents(0, kwargs), *more, **options)
 
 
 class _BoundedStage(_StageHooks, BoundedPipelineStage):
