@@ -49,6 +49,11 @@ def global_indices(local_length: int, cp_rank: int, cp_size: int, device: torch.
     return split_sequence(torch.arange(local_length * cp_size, device=device), cp_rank, cp_size, dim=0)
 
 
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+"""An all-gather whose backward reduce-scatters: torch 2.13 names it all_gather_single_autograd
+(and deprecates the other name, with a warning), torch 2.11 has only all_gather_tensor_autograd."""
+
+
 class WholeRows:
     """Plain causal attention as one document per row, for the varlen kernel: the bounds of a
     micro-batch shape, made on first use and kept. One is shared by every cp core of a model part
@@ -85,7 +90,7 @@ class ContextParallelAttention(nn.Module):
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' x concatenated along dim, in cp-rank order (backward: reduce-scatter)."""
-        return funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=self.cp_mesh)
+        return _all_gather_autograd(x.contiguous(), gather_dim=dim, group=self.cp_mesh)
 
     def key_indices(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global token indices of the gathered keys, in gathered order."""
