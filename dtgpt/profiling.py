@@ -16,6 +16,23 @@ from typing import Optional
 import torch
 
 
+def quiet_kineto() -> None:
+    """torch.profiler's tracer (kineto) prints a `USDT:... profiler_start` / `profiler_stop` line
+    at each start and stop on torch 2.13 at every KINETO_LOG_LEVEL below 6 (USDT is its top level,
+    6 turns its log off), and torch 2.11's CUDA build an `ERROR: gpuGetDeviceCount` line on a host
+    without a GPU. kineto reads the variable once, at the first profiler of the process, so this
+    is called before it; a user who wants kineto's lines sets KINETO_LOG_LEVEL and keeps them."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def count_ops_profile() -> torch.profiler.profile:
+    """A CPU profiler for counting the aten ops of a region, printing nothing of its own (the bench
+    scripts). One cycle: `acc_events` only stops torch 2.11's warning that a new cycle clears the
+    events of the last."""
+    quiet_kineto()
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True)
+
+
 def _snapshot_path(path: str, rank: int) -> str:
     """Per-rank file name: '{rank}' in the path is filled in, else '_rank{N}' goes before the
     extension, so ranks sharing a file system never overwrite each other."""

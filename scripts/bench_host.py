@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (scripts/bench.py: both sides' steps)
 
 from dtgpt.distributed import shutdown  # noqa: E402
+from dtgpt.profiling import count_ops_profile  # noqa: E402
 
 NIL = (12, 16, 2, 16, 1)  # layers, hidden, heads, seq, micro-batch: 124m's depth, no math
 
@@ -44,7 +45,7 @@ def nil_config(precision: str, vocab: int):
 
 
 def aten_ops(step, batch: torch.Tensor) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with count_ops_profile() as prof:
         step(batch)
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 

@@ -47,6 +47,7 @@ import bench_host  # noqa: E402
 from dtgpt.api import build_model, build_train_state, train_step  # noqa: E402
 from dtgpt.config import validate  # noqa: E402
 from dtgpt.distributed import init_distributed, shutdown  # noqa: E402
+from dtgpt.profiling import count_ops_profile  # noqa: E402
 
 WORLD = 2
 LAYOUTS = {  # name: (tensor, pipeline, data-parallel shard) sizes
@@ -122,7 +123,7 @@ def worker(args) -> None:
 
 def aten_op_names(step, batch: torch.Tensor) -> Counter:
     """The aten ops of one step by name (bench_host.aten_ops counts the same events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with count_ops_profile() as prof:
         step(batch)
     return Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 

@@ -44,6 +44,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from dtgpt.parallel.model_parts import GlobalBatchLoss, cross_entropy_sum  # noqa: E402
 from dtgpt.parallel.vocab_parallel_loss import vocab_parallel_cross_entropy_sum  # noqa: E402
+from dtgpt.profiling import count_ops_profile  # noqa: E402
 
 
 def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ HOST_SYNCS = ("aten::item", "aten::_local_scalar_dense")
 def count(loss_fn, logits: torch.Tensor, labels: torch.Tensor, context=contextlib.nullcontext) -> tuple[int, int, float]:
     """(aten ops of forward and backward, host syncs among them, the loss)."""
     x = logits.detach().requires_grad_()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, context():
+    with count_ops_profile() as prof, context():
         loss = loss_fn(x, labels)
         loss.backward()
     value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss

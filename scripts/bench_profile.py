@@ -18,6 +18,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from dtgpt.profiling import quiet_kineto
+
 PROFILED_STEPS = 3
 
 
@@ -37,7 +39,8 @@ def profile_steps(step: Callable[[torch.Tensor], float], batches: list[torch.Ten
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
+    quiet_kineto()
+    with profile(activities=activities, acc_events=True) as prof:  # one cycle: acc_events only stops 2.11's warning
         start = time.perf_counter()
         for i in range(PROFILED_STEPS):
             step(batches[i % len(batches)])
