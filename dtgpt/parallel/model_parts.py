@@ -52,8 +52,12 @@ def build_cross_entropy(
     else:
         loss = cross_entropy_sum if in_fp32 else low_precision_cross_entropy_sum
     # Compiled, the fp32 upcast and log-softmax of the (tokens x vocabulary) logits fuse
-    # instead of materialising an fp32 copy of them.
-    return torch.compile(loss) if compiled else loss
+    # instead of materialising an fp32 copy of them. The low-precision loss stays eager: inductor
+    # keeps fp32 between ops, so compiled it skipped the rounding of each token's loss to the
+    # logits' dtype (16 bf16 tokens: 159.766 against eager's 159.844), and its
+    # emulate_precision_casts did not restore it (torch 2.11: no rounding; 2.13: another ulp).
+    # Eager makes no fp32 copy there either: the log-softmax is in the logits' dtype.
+    return torch.compile(loss) if compiled and in_fp32 else loss
 
 
 @dataclass(frozen=True)
