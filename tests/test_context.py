@@ -105,3 +105,22 @@ def test_cp_shift_is_the_full_sequence_shift_cut(cp):
         shifted = HeadsByHand(r, cp, full)(local, -100)
         assert torch.equal(shifted, split_sequence(expected, r, cp, dim=-1)), r
     assert next_chunk_holder(2 * cp - 1, cp) is None and next_chunk_holder(cp - 1, cp) == (cp - 1, 1)
+
+
+def test_cp_shift_gathers_without_a_deprecation_warning():
+    """The heads' all-gather is torch's current one (torch 2.13 warns on all_gather_tensor every
+    micro-batch of a multi-token prediction run under cp); one rank's group suffices to call it."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        shift = ContextParallelShift(init_device_mesh("cpu", (1,)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            heads = torch.arange(6).view(2, 3)
+            assert torch.equal(shift.gather(heads), heads)
+    finally:
+        dist.destroy_process_group()

@@ -22,6 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtgpt.mtp import SequenceShift
 
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+"""torch 2.13's name (its all_gather_tensor warns that it is deprecated); torch 2.11 has only
+all_gather_tensor. dtgpt.parallel.context picks its autograd all-gather the same way."""
+
 
 def next_chunk_holder(chunk: int, cp_size: int) -> tuple[int, int] | None:
     """(cp rank, slot 0 or 1 on that rank) holding the chunk after global chunk `chunk` of
@@ -53,7 +57,7 @@ class ContextParallelShift(SequenceShift):
 
     def gather(self, heads: torch.Tensor) -> torch.Tensor:
         """(2, ...) -> (2 * cp, ...): rank q's heads at 2q (its first chunk) and 2q + 1 (its second)."""
-        return funcol.all_gather_tensor(heads.contiguous(), gather_dim=0, group=self.cp_mesh)
+        return _all_gather(heads.contiguous(), gather_dim=0, group=self.cp_mesh)
 
     def total(self, counts: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(counts, "sum", group=self.cp_mesh)
