@@ -99,3 +99,67 @@ def test_a_pointer_that_names_no_number_is_named_as_such_when_nothing_loads(tmp_
         f"checkpoint.load={tmp_path} holds no complete checkpoint (latest_checkpointed_iteration.txt holds 'latest', "
         "not an iteration number; no completed iter_* directory)"
     )
+
+
+@pytest.fixture
+def per_rank_tp2(converted, tmp_path):
+    """(Megatron per-rank files at tp 2 of the converted model, the dtgpt config it came from)."""
+    megatron, config = converted
+    dtgpt_root = config.parent.parent
+    assert load_script().main(["to-megatron", str(dtgpt_root), str(tmp_path / "per_rank"), "--format", "per-rank", "--tp", "2"]) == 0
+    padded = tmp_path / "padded.toml"  # Megatron pads 128 rows to a multiple of 128 x tp
+    padded.write_text(config.read_text().replace("make_vocab_size_divisible_by = 128", "make_vocab_size_divisible_by = 256"))
+    return layout.iteration_dir(tmp_path / "per_rank", 2), padded
+
+
+def rank_file(directory, tp: int):
+    return directory / f"mp_rank_{tp:02d}" / "model_optim_rng.pt"
+
+
+def shorter_tensor(path) -> None:
+    saved = torch.load(path, weights_only=False)
+    key = next(k for k in saved["model"] if k.endswith("linear_qkv.weight"))
+    saved["model"][key] = saved["model"][key][:-1]
+    torch.save(saved, path)
+
+
+def nan_in_layer_1(path) -> None:
+    saved = torch.load(path, weights_only=False)
+    saved["model"]["decoder.layers.1.mlp.linear_fc2.weight"][0, 0] = float("nan")
+    torch.save(saved, path)
+
+
+DAMAGE = {
+    # rank 1's file is read while the tensors are written (DCP wraps what fails there)
+    "truncated_rank_1": (lambda d: cut_in_half(rank_file(d, 1)), "mp_rank_01/model_optim_rng.pt: cannot be read as a Megatron "
+                         "checkpoint file: it is truncated or corrupt ("),
+    "a_shorter_tensor_in_rank_1": (lambda d: shorter_tensor(rank_file(d, 1)), "mp_rank_01/model_optim_rng.pt holds "
+                                   "decoder.layers.0.self_attention.linear_qkv.weight of shape (47, 32) but tp rank 0's file (48, 32)"),
+    "empty_rank_0": (lambda d: os.truncate(rank_file(d, 0), 0), "mp_rank_00/model_optim_rng.pt: cannot be read as a Megatron "
+                     "checkpoint file: it is empty (0 bytes): the copy is incomplete"),
+    "nan_in_rank_1": (lambda d: nan_in_layer_1(rank_file(d, 1)), "decoder.layers.mlp.linear_fc2.weight (layer 1) holds "
+                      "non-finite values (NaN or inf): a damaged file?"),  # a load refuses it too (not written silently)
+    "missing_rank_1": (lambda d: [p.unlink() for p in rank_file(d, 1).parent.iterdir()], "its args say tensor_model_parallel_size=2, "
+                       "but its mp_rank_* directories hold 1 tp rank: a rank's directory is missing, or another checkpoint's was added"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_per_rank_file_is_one_line_and_leaves_no_partial_checkpoint(per_rank_tp2, tmp_path, capfd, damage):
+    """Where each tp rank's file is read (rank 0's up front, rank 1's while DCP writes), the line
+    names the file and what is wrong, and the new directory keeps no half-written iteration."""
+    directory, config = per_rank_tp2
+    do, says = DAMAGE[damage]
+    do(directory)
+    capfd.readouterr()
+    assert load_script().main(["from-megatron", str(directory), str(tmp_path / "out"), "--config", str(config)]) == 2
+    assert says in one_error(capfd)
+    assert layout.list_iterations(tmp_path / "out") == []
+
+
+def test_per_rank_files_in_torchs_legacy_format_are_read(per_rank_tp2, tmp_path):
+    """Files torch.save wrote before its zip format cannot be memory-mapped: they are read whole."""
+    directory, config = per_rank_tp2
+    for tp in (0, 1):
+        torch.save(torch.load(rank_file(directory, tp), weights_only=False), rank_file(directory, tp), _use_new_zipfile_serialization=False)
+    assert load_script().main(["from-megatron", str(directory), str(tmp_path / "out"), "--config", str(config)]) == 0

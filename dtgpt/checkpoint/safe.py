@@ -177,10 +177,13 @@ def archive_damage(path: Path) -> str | None:
     when the file is no zip archive at all (random bytes, a bare pickle: another problem)."""
     try:
         with open(path, "rb") as f:
-            if f.read(4) != b"PK\x03\x04":
-                return None
+            head = f.read(4)
         size = path.stat().st_size
     except OSError:  # unreadable: torch's error says it
+        return None
+    if size == 0:
+        return "it is empty (0 bytes): the copy is incomplete"
+    if head != b"PK\x03\x04":
         return None
     try:
         with zipfile.ZipFile(path) as archive:

@@ -88,6 +88,11 @@ def find(root: str | Path, iteration: int = 0) -> Path | None:
     )
 
 
+def is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def load_pickle(path: Path, span: tuple[int, int] | None = None, mmap: bool = False):
     """A Megatron pickle, unpickled with only tensors, containers and argparse.Namespace allowed:
     the file `path`, or the `span` (offset, length) of its bytes that one DCP item takes. `mmap`:
@@ -99,7 +104,8 @@ def load_pickle(path: Path, span: tuple[int, int] | None = None, mmap: bool = Fa
                 f.seek(span[0])
                 source = io.BytesIO(f.read(span[1]))
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and span is None)
+            # torch maps only its zip archives: a legacy (pre-zip) torch.save file is read whole
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and span is None and is_zip(path))
     except Exception as e:  # noqa: BLE001 - any unpickling failure reads the same to the user
         raise CheckpointError(f"{path}: cannot be read as a Megatron checkpoint file: {load_problem(path, e)}") from None
 

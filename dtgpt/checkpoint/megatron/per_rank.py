@@ -57,6 +57,19 @@ def _expert_parallel(saved: dict) -> bool:
     return getattr(args, "expert_model_parallel_size", 1) > 1 and getattr(args, "pipeline_model_parallel_size", 1) <= 1
 
 
+def _check_rank_counts(directory: Path, args: dict, tp: int, pp: int) -> None:
+    """As many tp ranks as rank 0's args name (a missing last rank's directory would otherwise
+    read as a smaller tp, another checkpoint's copied in as a larger one), and no fewer pp ranks
+    (more: files cut into stages after the save keep the args they had)."""
+    tp_said, pp_said = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
+    for key, said, found, dim in (("tensor_model_parallel_size", tp_said, tp, "tp"), ("pipeline_model_parallel_size", pp_said, pp, "pp")):
+        if isinstance(said, int) and (said > found or (dim == "tp" and said != found)):
+            raise CheckpointError(
+                f"Megatron checkpoint {directory}: its args say {key}={said}, but its mp_rank_* directories hold {found} "
+                f"{dim} rank{'s' if found > 1 else ''}: a rank's directory is missing, or another checkpoint's was added"
+            )
+
+
 class PerRankModel:
     """Megatron-LM's per-rank format, glued back into torch_dist's stacked, full tensors.
 
@@ -70,6 +83,7 @@ class PerRankModel:
         first = load_pickle(first_dir / PER_RANK_FILE, mmap=True)
         self.files = per_rank_dirs(directory, _expert_parallel(first))
         self.tp, self.pp, self.ep = (1 + max(rank[i] for rank in self.files) for i in range(3))
+        _check_rank_counts(directory, getattr(first.get("args"), "__dict__", {}), self.tp, self.pp)
         missing = [rank for rank in itertools.product(range(self.tp), range(self.pp), range(self.ep)) if rank not in self.files]
         if missing:
             tp, pp, ep = missing[0]

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
@@ -118,8 +120,21 @@ def _save_streaming(state: dict, directory: Path, produce: Callable[[str, int | 
     complete, so one file per rank would hold the whole model."""
     directory.mkdir(parents=True, exist_ok=True)
     writer = FileSystemWriter(str(directory), single_file_per_rank=False, thread_count=1)
-    with layout.single_process():
-        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
+    try:
+        with layout.single_process():
+            dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
+    except CheckpointException as e:  # a BaseException, wrapping what a tensor's producer raised
+        raise _said_error(e, directory) from None
+
+
+def _said_error(error: CheckpointException, directory: Path) -> CheckpointError:
+    """The producer's own CheckpointError (a damaged or mismatched Megatron file, read only when
+    its tensors are written), else DCP's failure in one line."""
+    for failure in error.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, CheckpointError):
+            return cause
+    return CheckpointError(f"writing {directory} failed: {layout.describe(error)}")
 
 
 def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:
@@ -273,7 +288,20 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
     found = progress_of(reader.common)
     iteration = found.get("iteration", 0)
     out = layout.iteration_dir(out_root, iteration)
-    _save_streaming(state, out, lambda key, _: reader.tensor(key.removeprefix("model."), full[key.removeprefix("model.")]))
+    def produce(key: str, _) -> torch.Tensor:
+        name = key.removeprefix("model.")
+        tensor = reader.tensor(name, full[name])
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # as a load refuses it (manager.py)
+            key, layer = written_name(name, cfg.model)
+            where = key if layer is None else f"{key} (layer {layer})"
+            raise CheckpointError(f"Megatron checkpoint {directory}: {where} holds non-finite values (NaN or inf): a damaged file?")
+        return tensor
+
+    try:
+        _save_streaming(state, out, produce)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # ours (refuse_run_root found no iter_* there): a rerun starts clean
+        raise
     tied = not cfg.model.untie_embeddings_and_output_weights
     layout.write_atomic(out / layout.CONFIG, to_toml(cfg))
     layout.write_marker(out, {
