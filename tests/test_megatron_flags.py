@@ -158,14 +158,33 @@ def _cli(capfd, argv: list[str]) -> tuple[int, str, str]:
         (["--rampup-batch-size", "16", "16"], "error: --rampup-batch-size needs 3 values, got 2"),
         (["--fp16=true"], "--fp16 takes no value"),
         (["--hidden-size"], "error: --hidden-size needs a value"),
+        (["--mtp-num-layers", "two"], "error: --mtp-num-layers two must be an int (or unset)"),
     ],
-    ids=["unimplemented", "closest", "flag-and-key", "flag-twice", "nargs", "no-value", "missing-value"],
+    ids=["unimplemented", "closest", "flag-and-key", "flag-twice", "nargs", "no-value", "missing-value", "mtp-type"],
 )
 def test_bad_megatron_flags_are_one_error_line(capfd, argv, message):
     for mode in (["--print-config"], []):  # before any process group in either path
         code, out, err = _cli(capfd, [*mode, "--mock-data", *argv])
         assert code == 2 and err.count("\n") == 1 and message in err, err
         assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--position-embedding-type", "none"],  # Megatron's 'none' (no position embedding), read as the key unset
+         "error: --position-embedding-type is unset (none, null or empty); it must be one of: 'learned_absolute', 'rope'"),
+        (["--mtp-loss-scaling-factor", "0.5"], "error: --mtp-loss-scaling-factor 0.5 needs --mtp-num-layers"),
+        (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+         "needs --position-embedding-type rope (the last stage shares the word embedding only, not the position embedding)"),
+    ],
+    ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned"],
+)
+def test_megatron_flags_that_break_a_rule_are_one_error_line(capfd, argv, message):
+    """Flags that parse but break a config rule: the line names the flags as typed (--print-config
+    prints the config first, by design)."""
+    code, out, err = _cli(capfd, ["--mock-data", *argv])
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
 
 
 def test_megatron_flags_mix_with_config_and_overrides(capfd, tmp_path):

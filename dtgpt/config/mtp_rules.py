@@ -26,5 +26,5 @@ def check_mtp(cfg: Config) -> None:
     _require(
         p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
         f"model.mtp_num_layers={m.mtp_num_layers} with parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} "
-        "needs model.position_embedding_type 'rope' or 'none' (the last stage shares the word embedding only)",
+        "needs model.position_embedding_type='rope' (the last stage shares the word embedding only, not the position embedding)",
     )

@@ -311,7 +311,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_ranges(cfg)  # first: the rules below compare numbers, which must be finite and bounded
     for key, choices in _CHOICES.items():
         value = get_key(cfg, key)
-        _require(value in choices, f"{key}={value!r} is not one of: {', '.join(map(repr, choices))}")
+        said = f"{key} is unset (none, null or empty); it must be" if value == "" else f"{key}={value!r} is not"  # none unsets a string key
+        _require(value in choices, f"{said} one of: {', '.join(map(repr, choices))}")
     for key in _POSITIVE:
         value = get_key(cfg, key)
         _require(value > 0, f"{key}={value} must be > 0")
