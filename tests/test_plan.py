@@ -469,3 +469,22 @@ def test_plan_package_imports_run_one_way():
         return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges[start])
 
     assert not [m for m in modules if reaches(m, m)]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--tflops", "0"], "argument --tflops: 0 must be a finite number > 0"),  # divided the time by zero
+        (["--ib-gbps", "0"], "argument --ib-gbps: 0 must be a finite number > 0"),
+        (["--tflops", "nan"], "argument --tflops: nan must be a finite number > 0"),  # printed nan days
+        (["--gpu-memory-gib", "-1"], "argument --gpu-memory-gib: -1 must be a finite number > 0"),
+        (["--world-size", "0"], "argument --world-size: 0 must be a finite number > 0"),  # planned the default world
+        (["--world-size", "2.5"], "argument --world-size: '2.5' is not an int"),
+    ],
+)
+def test_plan_options_out_of_range_are_one_error_line(capsys, argv, says):
+    from dtgpt.plan import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["--mock-data", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"plan.py: error: {says}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from typing import Callable
 
 from dtgpt.config import Config, ConfigError, load_config
 from dtgpt.plan.layout import plan_layout
@@ -27,19 +29,35 @@ def main(cfg: Config, world_size: int | None = None, **options) -> int:
     return 0 if plan.fits else 1
 
 
+def positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 (a rate or size of 0 divided the time by zero, a
+    negative or NaN one printed a plan of negative or NaN days)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an int' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+        return value
+
+    return parse
+
+
 def cli(argv: list[str]) -> int:
     """scripts/plan.py: [--config F] [--section.key=value ... | Megatron flags] [--json] [--check] ..."""
     parser = argparse.ArgumentParser(
         prog="plan.py", description="Plan a layout without GPUs: per-rank parameters and memory, bubble, training time."
     )
     parser.add_argument("--config", help="TOML config file (default: the built-in defaults, set by the overrides and Megatron flags)")
-    parser.add_argument("--world-size", type=int, help="GPUs (default pp*dp_replicate*dp_shard*cp*tp, dp_shard -1 as 1, or as the fewest ranks ep folds out of)")
+    parser.add_argument("--world-size", type=positive(int), help="GPUs (default pp*dp_replicate*dp_shard*cp*tp, dp_shard -1 as 1, or as the fewest ranks ep folds out of)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--tflops", type=float, default=140.0, help="achieved TFLOP/s per GPU (default 140)")
-    parser.add_argument("--nvlink-gbps", type=float, default=300.0, help="GB/s a GPU sends within a node, for tp (default 300)")
-    parser.add_argument("--ib-gbps", type=float, default=25.0, help="GB/s a GPU sends across nodes, for pp and dp (default 25)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)")
-    parser.add_argument("--tokens", type=float, default=300e9, help="tokens to train, for the time (default 300e9)")
+    parser.add_argument("--tflops", type=positive(float), default=140.0, help="achieved TFLOP/s per GPU (default 140)")
+    parser.add_argument("--nvlink-gbps", type=positive(float), default=300.0, help="GB/s a GPU sends within a node, for tp (default 300)")
+    parser.add_argument("--ib-gbps", type=positive(float), default=25.0, help="GB/s a GPU sends across nodes, for pp and dp (default 25)")
+    parser.add_argument("--gpu-memory-gib", type=positive(float), default=80.0, help="memory per GPU (default 80)")
+    parser.add_argument("--tokens", type=positive(float), default=300e9, help="tokens to train, for the time (default 300e9)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a rank does not fit in --gpu-memory-gib")
     parser.add_argument("--all-ranks", action="store_true", help="build every pp rank, not one per kind of stage")
     parser.add_argument("--fused-attention", action="store_true",
