@@ -72,6 +72,14 @@ def measure(precision: str, steps: int, rounds: int, warmup: int, vocab: int) ->
     return result
 
 
+def check_counts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--steps, --rounds and --vocab of 1 or more, --warmup of 0 or more (no steps divided by
+    zero, no rounds took the median of nothing)."""
+    for name, least in (("steps", 1), ("rounds", 1), ("vocab", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            p.error(f"--{name}={getattr(args, name)} must be {least} or more")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--precision", default="bf16,fp32", help="comma-separated of bf16, fp32")
@@ -80,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (small: the math stays nil)")
     args = p.parse_args(argv)
+    check_counts(p, args)
+    for precision in args.precision.split(","):
+        if precision.strip() not in ("bf16", "fp32"):
+            p.error(f"--precision={args.precision!r}: {precision.strip()!r} is not bf16 or fp32")  # fp32 ran under its name
     torch.set_num_threads(1)
     layers, hidden, heads, seq, micro = NIL
     print(f"nil width: {layers} layers, hidden {hidden}, {heads} heads, seq {seq}, micro-batch {micro}, "

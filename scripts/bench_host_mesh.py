@@ -219,9 +219,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for layout in args.layouts.split(","):
         if layout not in LAYOUTS:
             p.error(f"--layouts={layout!r} must be one of {', '.join(LAYOUTS)}")
-    layers = [int(n) for n in args.layers.split(",")]
-    if args.warmup < 0:
-        p.error(f"--warmup={args.warmup} must be 0 or more")
+    bench_host.check_counts(p, args)
+    if args.timeout < 1:
+        p.error(f"--timeout={args.timeout} must be 1 or more")
+    try:
+        layers = [int(n) for n in args.layers.split(",")]
+    except ValueError:
+        layers = []
     if len(set(layers)) < 2 or any(n < 2 or n % 2 for n in layers):
         p.error(f"--layers={args.layers!r} needs two or more distinct even counts (pp2 halves them)")
     return args

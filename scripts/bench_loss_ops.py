@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-loss-parallel", action="store_true", help="with --tp: count torch's loss_parallel() as dtgpt's side")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for name in ("tokens", "vocab"):  # 0 tokens gave a NaN difference, negative ones a traceback
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be 1 or more")
     if args.tp < 1 or args.vocab % args.tp:
         p.error(f"--tp={args.tp} must be 1 or more and divide --vocab={args.vocab}")
     if args.worker:
