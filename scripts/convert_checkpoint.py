@@ -72,6 +72,8 @@ def from_hf(args) -> None:
 
 
 def to_megatron(args) -> None:
+    if args.tp < 1:  # a ZeroDivisionError at 0, a vocabulary "padded for tp -2" below
+        raise ValueError(f"--tp {args.tp} must be 1 or more")
     directory = find_checkpoint(args.src, args.iteration)
     cfg = read_config(directory, args.config)
     if args.format == "per-rank":

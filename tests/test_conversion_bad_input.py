@@ -248,3 +248,22 @@ DEEPSEEK_REFUSED = {  # name -> (how the directory differs, what the one line sa
 @pytest.mark.parametrize("change, message", DEEPSEEK_REFUSED.values(), ids=DEEPSEEK_REFUSED.keys())
 def test_a_deepseek_directory_dtgpt_cannot_hold_is_one_line_and_writes_nothing(tmp_path, deepseek_dir, capfd, change, message):
     assert_import_refused(tmp_path, deepseek_dir, capfd, change, message)
+
+
+@pytest.mark.parametrize(
+    "extra, argv, message",
+    [
+        ((), ["--format", "per-rank", "--tp", "3"],  # wrote uneven files Megatron cannot load
+         "error: --tp 3 must divide model.num_attention_heads=4: Megatron's tp ranks hold whole heads and key/value groups"),
+        ((), ["--format", "per-rank", "--tp", "0"], "error: --tp 0 must be 1 or more"),  # a ZeroDivisionError
+        ((), ["--tp", "-2"], "error: --tp -2 must be 1 or more"),  # "padded for tp -2"
+        (("--model.ffn_hidden_size=102",), ["--format", "per-rank", "--tp", "4"],
+         "error: --tp 4 does not split decoder.layers.0.mlp.linear_fc1.weight (102 along dim 0) evenly"),
+    ],
+    ids=["heads", "zero", "negative", "uneven-tensor"],
+)
+def test_a_megatron_export_at_a_tp_that_cannot_split_the_model_is_one_line_and_writes_nothing(tmp_path, capfd, extra, argv, message):
+    checkpoint(tmp_path / "ckpt", extra=extra)
+    assert load_script().main(["to-megatron", str(tmp_path / "ckpt"), str(tmp_path / "megatron"), *argv]) == 2
+    assert message in one_error(capfd)
+    assert not (tmp_path / "megatron").exists()

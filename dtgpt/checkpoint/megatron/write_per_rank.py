@@ -48,6 +48,8 @@ def _tp_part(key: str, value: torch.Tensor, tp: int, rank: int, swiglu: bool) ->
     dim = tp_dim(key)
     if dim is None or tp == 1:
         return value.clone()
+    if value.shape[dim] % (2 * tp if swiglu and ".linear_fc1." in key else tp):
+        raise CheckpointError(f"--tp {tp} does not split {key} ({value.shape[dim]} along dim {dim}) evenly: Megatron's tp ranks hold equal parts")
     if swiglu and ".linear_fc1." in key:  # [gate; fc1]: each rank holds [its gate rows; its fc1 rows]
         gate, fc1 = value.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[rank], fc1.chunk(tp, dim=0)[rank]]).clone()
@@ -83,6 +85,9 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     """Write dtgpt checkpoint `src` as Megatron-LM's per-rank iteration at tensor parallel size
     `tp` and expert parallel size `ep` (pp 1), its vocabulary padded as Megatron pads at `tp`.
     Returns the iteration directory."""
+    for key, count in (("model.num_attention_heads", cfg.model.num_attention_heads), ("model.num_query_groups", cfg.model.query_groups)):
+        if count % tp:  # an even split of the rows could still cut a head in two
+            raise CheckpointError(f"--tp {tp} must divide {key}={count}: Megatron's tp ranks hold whole heads and key/value groups")
     experts = cfg.model.num_experts or 0
     if ep < 1 or (ep > 1 and experts % ep):
         what = f"model.num_experts={experts}" if experts else "a model without experts (model.num_experts unset)"
@@ -96,10 +101,12 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     common = trainer_common(iteration, progress, cfg, tp, rows)
     vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=1)
     directory = layout.iteration_dir(out_root, iteration)
+    first = _rank_model(full, cfg, tp, 0, ep, 0)  # every rank's split has its shapes: an uneven one fails before a file is written
     for tp_rank in range(tp):
         for ep_rank in range(ep):
             rank_dir = directory / (f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else ""))
             rank_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": _rank_model(full, cfg, tp, tp_rank, ep, ep_rank), **common}, rank_dir / PER_RANK_FILE)
+            model = first if tp_rank == ep_rank == 0 else _rank_model(full, cfg, tp, tp_rank, ep, ep_rank)
+            torch.save({"model": model, **common}, rank_dir / PER_RANK_FILE)
     layout.write_pointer(out_root, iteration)
     return directory
