@@ -30,6 +30,7 @@ def test_vocab_parallel_loss_ops_and_no_host_read():
     assert result["difference"] == 0.0, result
 
 
+@pytest.mark.slow  # a torch start in a subprocess
 def test_the_script_prints_its_result_and_nothing_of_the_profilers():
     """kineto's `USDT:... profiler_start` lines (torch 2.13) and torch 2.11's profiler warning stay
     off the terminal (dtgpt/profiling.py: count_ops_profile)."""

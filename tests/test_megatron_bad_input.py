@@ -6,6 +6,7 @@ dtgpt's own conversion (tests/test_megatron_checkpoint.py checks it against mega
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -101,15 +102,26 @@ def test_a_pointer_that_names_no_number_is_named_as_such_when_nothing_loads(tmp_
     )
 
 
-@pytest.fixture
-def per_rank_tp2(converted, tmp_path):
-    """(Megatron per-rank files at tp 2 of the converted model, the dtgpt config it came from)."""
-    megatron, config = converted
-    dtgpt_root = config.parent.parent
-    assert load_script().main(["to-megatron", str(dtgpt_root), str(tmp_path / "per_rank"), "--format", "per-rank", "--tp", "2"]) == 0
-    padded = tmp_path / "padded.toml"  # Megatron pads 128 rows to a multiple of 128 x tp
+@pytest.fixture(scope="module")
+def per_rank_source(tmp_path_factory):
+    """(Megatron per-rank files at tp 2 of a trained model, a config of that model whose
+    vocabulary padding is Megatron's at tp 2), made once: each test damages a copy."""
+    tmp = tmp_path_factory.mktemp("per_rank")
+    t = make_trainer(f"--checkpoint.save={tmp / 'ckpt'}")
+    step(t, 2)
+    checkpointer(t).save(2)
+    assert load_script().main(["to-megatron", str(tmp / "ckpt"), str(tmp / "per_rank"), "--format", "per-rank", "--tp", "2"]) == 0
+    config = layout.iteration_dir(tmp / "ckpt", 2) / layout.CONFIG
+    padded = tmp / "padded.toml"  # Megatron pads 128 rows to a multiple of 128 x tp
     padded.write_text(config.read_text().replace("make_vocab_size_divisible_by = 128", "make_vocab_size_divisible_by = 256"))
-    return layout.iteration_dir(tmp_path / "per_rank", 2), padded
+    return layout.iteration_dir(tmp / "per_rank", 2), padded
+
+
+@pytest.fixture
+def per_rank_tp2(per_rank_source, tmp_path):
+    directory, config = per_rank_source
+    shutil.copytree(directory, tmp_path / "per_rank" / directory.name)
+    return tmp_path / "per_rank" / directory.name, config
 
 
 def rank_file(directory, tp: int):
