@@ -220,8 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if layout not in LAYOUTS:
             p.error(f"--layouts={layout!r} must be one of {', '.join(LAYOUTS)}")
     bench_host.check_counts(p, args)
-    if args.timeout < 1:
-        p.error(f"--timeout={args.timeout} must be 1 or more")
+    if args.timeout < 1 or args.by_name < 0:
+        p.error(f"--timeout={args.timeout} must be 1 or more and --by-name={args.by_name} 0 or more")
     try:
         layers = [int(n) for n in args.layers.split(",")]
     except ValueError:

@@ -37,6 +37,7 @@ def test_bf16_step_dispatches_no_more_ops_than_the_plain_loop():
         ("bench_host", ["--vocab", "0"], "--vocab=0 must be 1 or more"),  # a config traceback
         ("bench_host_mesh", ["--layers", "two,six"], "--layers='two,six' needs two or more distinct even counts"),
         ("bench_host_mesh", ["--rounds", "0"], "--rounds=0 must be 1 or more"),
+        ("bench_host_mesh", ["--by-name", "-1"], "--by-name=-1 0 or more"),  # printed all but the last name
         ("bench_loss_ops", ["--tokens", "0"], "--tokens=0 must be 1 or more"),  # a NaN difference
         ("bench_loss_ops", ["--vocab", "0"], "--vocab=0 must be 1 or more"),
     ],
