@@ -84,7 +84,7 @@ test-no-megatron: $(STAMP)
 test-torch-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
 
-# The first thing to run on a GPU (about 8 minutes on one H100; scripts/gpu_check.sh --help).
+# The first thing to run on a GPU (one command of at most 9 minutes; scripts/gpu_check.sh --help).
 # MEGATRON_WHEEL=path/to/megatron_core-*.whl installs the oracle first.
 gpu-check: $(STAMP)
 	PYTHON=$(PY) bash scripts/gpu_check.sh $(if $(MEGATRON_WHEEL),--megatron-core $(MEGATRON_WHEEL))
