@@ -142,7 +142,7 @@ def run(cmd: list[str], limit_s: float, log: Path, env: dict | None = None) -> t
             code = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             code = None
-            for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 30)):  # the group's stragglers too
+            for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):  # the group's stragglers too
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
@@ -187,6 +187,8 @@ def run_tasks(tasks: list[Task], budget_s: float, out: Path, header: str, clock=
             log = out / f"{task.step.name}.log"
             code, seconds = run(task.cmd, limit, log, task.env)
             results.append(result_of(task, code, seconds, log, limit))
+        r = results[-1]  # also on stdout, which comes back even where the files do not
+        print(f"{r.name}: {r.status} in {r.seconds:.0f} s (limit {max(limit, 0):.0f} s) {'; '.join(x for x in (r.detail, r.figures) if x)}", flush=True)
         pending = [Result(t.step.name, "pending") for t in tasks[i + 1 :]]
         (out / "summary.md").write_text(summary_table(header, results + pending, out, budget_s, shares))
     return results
