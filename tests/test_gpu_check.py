@@ -129,3 +129,22 @@ def test_the_figures_and_the_table_from_a_partial_benchmark(tmp_path):
                                     tmp_path, 540, [260])  # fmt: skip
     assert "| bench-compiled | cut | 260 | cut at its 260 s; 124m: ratio 1.031, MFU 41.2%; 350m: not reached" in table
     assert table.endswith("|---|---|---:|---:|---:|---|---|---|---|\n" + figures.bench_table(bench, "compiled")[0] + "\n")
+
+
+def test_main_runs_the_chosen_steps_in_the_budget_and_prints_the_table(tmp_path, monkeypatch, capsys):
+    """main() end to end on a CPU: CUDA and the steps stood in for, the rest as on a GPU."""
+    monkeypatch.setattr(gpu_check, "cuda_problem", lambda: None)
+    monkeypatch.setattr(gpu_check, "environment", lambda: gpu_check.Environment("today", "Stand-in GPU", "2.x"))
+    chosen = []
+
+    def stand_ins(names, out, work):
+        chosen.append((names, work))
+        return [_task(n, f"open({str(work / n)!r}, 'w').write('x')", share=s.share_s) for n, s in zip(names, gpu_check.STEPS)]
+
+    monkeypatch.setattr(gpu_check, "build_tasks", stand_ins)
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert gpu_check.main(["--out", str(out), "--work", str(work), "--budget-s", "60", "--only", "suite,train"]) == 0
+    assert chosen == [(["suite", "train"], work)] and sorted(p.name for p in work.iterdir()) == ["suite", "train"]
+    printed = capsys.readouterr().out
+    assert printed.startswith("GPU check, today: Stand-in GPU, torch 2.x, megatron-core not installed\n")
+    assert "suite: passed in " in printed and "2 of 2 steps passed" in printed and (out / "summary.md").read_text() in printed
