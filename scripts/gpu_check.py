@@ -111,7 +111,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--megatron-core", metavar="WHEEL", help="install this megatron-core wheel first (the oracle tests need it)")
     args = p.parse_args(argv)
     args.only = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = [n for n in args.only if n not in names]
+    unknown = [n for n in args.only if n not in names] or ([] if args.only else [""])
     if unknown:
         p.error(f"--only: unknown step {unknown[0]!r}; the steps are {', '.join(names)}")
     if "resume" in args.only and "train" not in args.only:

@@ -41,7 +41,7 @@ def test_without_cuda_it_stops_at_once_with_one_line(capsys, tmp_path):
 
 @pytest.mark.parametrize(
     "argv, says",
-    [(["--only", "suite,benchmark"], "unknown step 'benchmark'"), (["--only", "resume"], "name train too"),
+    [(["--only", "suite,benchmark"], "unknown step 'benchmark'"), (["--only", ","], "unknown step ''"), (["--only", "resume"], "name train too"),
      (["--budget-s", "5"], "--budget-s: 5 is under 10"), (["--megatron-core", "nowhere.whl"], "nowhere.whl: no such file")],
 )  # fmt: skip
 def test_bad_arguments_are_one_line(capsys, argv, says):
