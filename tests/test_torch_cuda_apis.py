@@ -59,6 +59,26 @@ def test_the_varlen_kernel_recognises_this_torchs_signature():
     assert varlen_kernel._torch_kernel() is not None
 
 
+def test_the_varlen_kernel_reaches_torchs_op_causal_with_its_scale(monkeypatch):
+    """What dtgpt's kernel hands torch's varlen op on this torch, with GQA heads: causal (2.11 and
+    2.13 read it off window_size == (-1, 0), a tuple; a list would silently mean full attention)
+    and the softmax scale; the op itself is flash's, CUDA only, so a spy stands in for it."""
+    varlen_kernel._torch_kernel.cache_clear()
+    kernel = varlen_kernel._torch_kernel()
+    calls = []
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window_size, *rest):
+        calls.append((is_causal, scale, list(window_size), k.shape[1]))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0]), torch.zeros(2)
+
+    getattr(torch.ops.torch_attn, "_varlen_attn")  # resolved once, so there is an attribute to replace
+    monkeypatch.setattr(torch.ops.torch_attn, "_varlen_attn", spy)
+    q, kv = torch.randn(6, 4, 8), torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    out = kernel(q, kv, kv, cu, cu, 4, 4, scale=0.125)
+    assert out.shape == q.shape and calls == [(True, 0.125, [-1, 0], 2)]
+
+
 def test_fused_adamw_over_dtensor_parameters_equals_the_foreach_kernel():
     """build_optimizer(fused=True) is what a CUDA run builds; DTensor's rule for the fused kernel
     and the kernel itself run on the CPU too, so a torch without them fails here."""
