@@ -32,7 +32,8 @@ FLOOR_VENV := .venv-torch$(basename $(FLOOR_TORCH))
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS := tests/test_config.py tests/test_model.py tests/test_library.py tests/test_checkpoint_unit.py \
 	tests/test_staging.py tests/test_devices.py tests/test_optim.py tests/test_precision.py \
-	tests/test_pipeline_schedules.py tests/test_train.py tests/test_trajectory.py tests/test_rng.py tests/test_parity.py
+	tests/test_pipeline_schedules.py tests/test_train.py tests/test_trajectory.py tests/test_rng.py tests/test_parity.py \
+	tests/test_torch_cuda_apis.py tests/test_gpu_check.py
 
 .PHONY: train test test-fast test-oracle test-no-megatron test-torch-floor gpu-check setup clean
 
@@ -84,7 +85,7 @@ test-no-megatron: $(STAMP)
 test-torch-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
 
-# The first thing to run on a GPU (about 8 minutes on one H100; scripts/gpu_check.sh --help).
+# The first thing to run on a GPU (one command of at most 9 minutes; scripts/gpu_check.sh --help).
 # MEGATRON_WHEEL=path/to/megatron_core-*.whl installs the oracle first.
 gpu-check: $(STAMP)
 	PYTHON=$(PY) bash scripts/gpu_check.sh $(if $(MEGATRON_WHEEL),--megatron-core $(MEGATRON_WHEEL))

@@ -257,7 +257,9 @@ def bench_size(size: str, device: torch.device, args, peak: float | None) -> dic
     for r in range(args.rounds):
         order = ("dtgpt", "reference") if r % 2 == 0 else ("reference", "dtgpt")
         for impl in order:
-            runs[impl].append(measure(impl, cfg, device, batches, args.warmup, args.iters, args.profile))
+            # the profile once per side, in the last round: its numbers do not drift, its time is the budget's
+            profile = args.profile and r == args.rounds - 1
+            runs[impl].append(measure(impl, cfg, device, batches, args.warmup, args.iters, profile))
             if "error" in runs[impl][-1]:
                 print(f"  {impl} round {r + 1}: {runs[impl][-1]['error']}", flush=True)
     result = {
@@ -352,6 +354,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_json(args: argparse.Namespace, env: dict, results: dict, complete: bool) -> None:
+    if not args.json:
+        return
+    settings = {k: getattr(args, k) for k in ("device", "compile", "warmup", "iters", "rounds", "host_batches", "profile")}
+    report = {"environment": env, "flop_formula": FLOP_FORMULA, "settings": settings, "complete": complete,
+              "sizes": args.sizes, "results": results}  # fmt: skip
+    tmp = Path(args.json + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(args.json)  # whole or absent, never half-written
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device, 0)
@@ -363,15 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 (dtgpt: Megatron's regime; reference: autocast), compile {'on' if args.compile else 'off'}, {args.warmup} warm-up + {args.iters} timed "
           f"iterations x {args.rounds} rounds per side (alternating order), batches "
           f"{'in pinned host memory' if args.host_batches else 'already on the device'}", flush=True)  # fmt: skip
+    results: dict[str, dict] = {}
     try:
-        results = {size: bench_size(size, device, args, peak) for size in args.sizes}
+        for size in args.sizes:  # the JSON after each size: a run stopped from outside keeps the sizes it finished
+            results[size] = bench_size(size, device, args, peak)
+            write_json(args, env, results, complete=len(results) == len(args.sizes))
     finally:
         shutdown(clean=False)
     print_summary(results)
     if args.json:
-        settings = {k: getattr(args, k) for k in ("device", "compile", "warmup", "iters", "rounds", "host_batches", "profile")}
-        report = {"environment": env, "flop_formula": FLOP_FORMULA, "settings": settings, "results": results}
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0 if all(res["ratio"] is not None for res in results.values()) else 1
 

@@ -33,6 +33,7 @@ def test_tiny_cpu_run_writes_json(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(out.read_text())
+    assert report["complete"] is True and report["sizes"] == ["tiny"]  # rewritten after each size; this was the last
     tiny = report["results"]["tiny"]
     dtgpt, reference = tiny["dtgpt"]["tokens_per_s"], tiny["reference"]["tokens_per_s"]
     assert dtgpt > 0 and reference > 0

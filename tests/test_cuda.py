@@ -1,5 +1,5 @@
 """What only CUDA can show, skipped without it (`cuda` marker; every other test pins the CPU:
-tests/conftest.py). The first thing scripts/gpu_check.sh runs on a GPU machine."""
+tests/conftest.py). scripts/gpu_check.sh runs them on a GPU machine (its suite step, after the benchmark)."""
 
 from __future__ import annotations
 
