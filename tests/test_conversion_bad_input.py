@@ -26,7 +26,7 @@ from dtgpt.checkpoint.lock import check_save_dir
 from dtgpt.config import ConfigError, load_config, padded_vocab_size
 from dtgpt.data.tokenizer import build_tokenizer
 from dtgpt.model import GPT
-from tests.test_hf_export import load_script
+from tests.test_checkpoint_convert import load_script
 
 pytestmark = pytest.mark.slow  # ~20 s of conversions: make test runs them
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+transformers = pytest.importorskip("transformers")  # in the dev extra; a bare venv skips these
 from safetensors.torch import load_file
 
 from dtgpt.checkpoint import layout

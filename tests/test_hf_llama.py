@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+transformers = pytest.importorskip("transformers")  # in the dev extra; a bare venv skips these
 
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.architecture import architecture
