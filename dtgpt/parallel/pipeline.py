@@ -66,7 +66,8 @@ def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
 
 
 class _StageHooks:
-    """What dtgpt adds to torch's stage (the bounded one or its own), three things:
+    """What dtgpt adds to torch's stage (the bounded one or its own), three things (and, on torch
+    2.11, no warm-up send to its own rank: _get_init_p2p_neighbors_ops):
 
     - after_backward: where the stage's module is a compute copy (dtgpt/parallel/compute_copy.py),
       after each of its backwards that gives parameter gradients (a full one, or a zero-bubble
@@ -118,6 +119,14 @@ class _StageHooks:
         # torch 2.13 takes the loss function and the target here (and may call it), 2.11 only the count.
         with self._stand_in():
             return super()._prepare_backward_infra(*args, **kwargs)
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        # torch 2.11 opens the link to each neighbouring stage with a send and a receive, a V
+        # schedule's neighbour on this same rank included, and gloo cannot send to its own rank
+        # ("Pair is not connected"): every V schedule failed on CPU. Same-rank stages hand their
+        # tensors over without communication, so those ops are dropped (torch 2.13 warms up with
+        # its own protocol and no longer calls this).
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
     @contextmanager
     def _stand_in(self) -> Iterator[None]:
