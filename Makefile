@@ -34,6 +34,10 @@ FLOOR_TESTS := tests/test_config.py tests/test_model.py tests/test_library.py te
 	tests/test_staging.py tests/test_devices.py tests/test_optim.py tests/test_precision.py \
 	tests/test_pipeline_schedules.py tests/test_train.py tests/test_trajectory.py tests/test_rng.py tests/test_parity.py \
 	tests/test_torch_cuda_apis.py tests/test_gpu_check.py
+# Slow parity cases that reach torch's private pipelining and functional-collective internals, each
+# of which has differed between 2.11 and 2.13: a pipelined run, a context-parallel run and MoE
+# routing statistics on a pipeline stage (against one process, on real gloo ranks).
+FLOOR_SLOW := tests/test_parity.py -k "pp2_1f1b_tied or cp2_full_uniform_ac or moe_pp2_expert_bias_full_block_ac"
 
 .PHONY: train test test-fast test-oracle test-no-megatron test-torch-floor gpu-check setup clean
 
@@ -84,6 +88,7 @@ test-no-megatron: $(STAMP)
 
 test-torch-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
+	DTGPT_SLOW=1 $(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_SLOW)
 
 # The first thing to run on a GPU (one command of at most 9 minutes; scripts/gpu_check.sh --help).
 # MEGATRON_WHEEL=path/to/megatron_core-*.whl installs the oracle first.

@@ -148,15 +148,15 @@ class MTPLoss:
     """The prediction modules' loss terms, and their per-depth sums for the log.
 
     `totals` (depth,): each depth's micro-batch means summed since the last `take()`;
-    `uncounted_calls`: loss calls still to come on stand-in outputs (a pipeline schedule's
-    metadata inference) that must not be counted."""
+    `counting`: False while the loss is taken of stand-in outputs (a pipeline stage inferring its
+    shapes), which must not be counted."""
 
     def __init__(self, cfg: ModelConfig, shift: SequenceShift | None = None):
         self.depth = cfg.mtp_depth
         self.shift = shift or SequenceShift()
         self.weight = cfg.mtp_loss_scaling_factor / self.depth
         self.totals: torch.Tensor | None = None
-        self.uncounted_calls = 0
+        self.counting = True
 
     def term(
         self,
@@ -182,8 +182,7 @@ class MTPLoss:
         return term * self.weight
 
     def _count(self, means: torch.Tensor) -> None:
-        if self.uncounted_calls:
-            self.uncounted_calls -= 1
+        if not self.counting:
             return
         self.totals = means if self.totals is None else self.totals + means
 

@@ -160,17 +160,27 @@ def _one_stage(model: ModelParts, loss: GlobalBatchLoss, batch: Batch, num_micro
     return total
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` with a fresh tensor's strides. torch 2.11's first stage checks every step's inputs
+    against the strides it first saw; tokens are a view of the samples (one token longer), and
+    .contiguous() keeps a one-sample batch's row stride (T + 1): a batch-size ramp-up from one
+    sample then failed with a stride mismatch."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return t if t.stride() == tuple(strides) else t.clone(memory_format=torch.contiguous_format)
+
+
 def _pipelined(model: ModelParts, loss: GlobalBatchLoss | None, batch: Batch | None, num_microbatches: int, forward_only: bool) -> torch.Tensor:
-    # Contiguous: torch 2.11's stages check each input's strides against a contiguous tensor of its
-    # shape, and tokens are a view of the samples (one token longer).
-    args = (batch.tokens.contiguous(),) if model.has_first_stage else ()
+    args = (_dense(batch.tokens),) if model.has_first_stage else ()
     target = batch.labels if model.has_last_stage else None
     # The schedule cuts tensor keywords into micro-batches itself but would hand the document
     # bounds (host numbers, ragged per micro-batch) whole to each: they go to the stages cut here.
-    inputs = {k: v.contiguous() for k, v in replace(batch, document_bounds=None).model_inputs().items()} if batch is not None else {}
+    inputs = {k: _dense(v) for k, v in replace(batch, document_bounds=None).model_inputs().items()} if batch is not None else {}
     bounds = batch.document_bounds.chunk(num_microbatches) if batch is not None and batch.document_bounds is not None else None
     if model.mtp_loss is not None and model.has_last_stage:
-        inputs["input_ids"] = batch.tokens.contiguous()  # the last stage's prediction modules embed them
+        inputs["input_ids"] = _dense(batch.tokens)  # the last stage's prediction modules embed them
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     model.refresh_compute_copies()
     model.schedules.run(num_microbatches, loss, forward_only, *args, target=target, losses=losses, return_outputs=False,

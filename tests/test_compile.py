@@ -134,6 +134,8 @@ class StaleProcessGroup(Exception):
 
 
 @pytest.mark.xfail(
+    # torch 2.11 keys it with the group (the test passes there): the bug came with a later torch.
+    condition=tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13),
     strict=True,
     raises=StaleProcessGroup,
     reason="torch 2.13: the AOTAutograd cache keys a compiled DTensor graph without its process group, "

@@ -144,3 +144,19 @@ def test_stage_hooks_pass_torchs_own_arguments_through(base):
     kwargs = stage.seen[2]
     assert isinstance(kwargs["document_ids"], Documents) and kwargs["document_ids"].bounds == "bounds of micro-batch 0"
     assert stage.seen[3:] == ((True,) if extra else ())
+
+
+def test_stage_hooks_drop_the_warm_up_send_to_their_own_rank():
+    """torch 2.11 warms up a V schedule's same-rank neighbour with a send to itself, which gloo
+    refuses ("Pair is not connected"): dtgpt's stage keeps only the ops to other ranks."""
+    from types import SimpleNamespace
+
+    from dtgpt.parallel.pipeline import _StageHooks
+
+    class _Torch211Neighbours:
+        def _get_init_p2p_neighbors_ops(self):
+            return [SimpleNamespace(group_peer=peer) for peer in (0, 1, 1, 0)]
+
+    stage = type("Stage", (_StageHooks, _Torch211Neighbours), {})()
+    stage.group_rank = 1
+    assert [op.group_peer for op in stage._get_init_p2p_neighbors_ops()] == [0, 0]

@@ -63,8 +63,8 @@ class MoELayer(nn.Module):
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.shared_expert = shared_expert
         self.aux_loss_scale = 1.0
-        self.uncounted_forwards = 0
-        """Forwards still to come whose routing is not counted (a pipeline's metadata inference)."""
+        self.counting = True
+        """False while a pipeline stage infers its shapes on stand-in inputs (dtgpt.moe.stats.uncounted)."""
         self.totals: dict[str, torch.Tensor] = {}
         """This rank's routing statistics since take_totals(): the logged losses (Routing.logged),
         tokens_per_expert (E,) and dropped_tokens, summed over the micro-batches trained."""
@@ -91,11 +91,8 @@ class MoELayer(nn.Module):
             out = out + self.shared_expert(x)
         if routing.loss is not None:
             out = _LossGradient.apply(out, routing.loss, self.aux_loss_scale)
-        if training and not in_backward():
-            if self.uncounted_forwards:
-                self.uncounted_forwards -= 1
-            else:
-                self._count(routing)
+        if training and self.counting and not in_backward():
+            self._count(routing)
         return out
 
     @torch.no_grad()

@@ -10,7 +10,8 @@ The vector's layout comes from the config alone, the same on ranks without MoE l
 
 from __future__ import annotations
 
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -43,10 +44,18 @@ def set_aux_loss_scale(parts: Iterable[nn.Module], scale: float) -> None:
         layer.aux_loss_scale = scale
 
 
-def skip_one_forward(parts: Iterable[nn.Module]) -> None:
-    """The next forward of each MoE layer in `parts` routes stand-in tokens: count nothing of it."""
-    for layer in moe_layers(parts).values():
-        layer.uncounted_forwards = 1
+@contextmanager
+def uncounted(parts: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside, the MoE layers in `parts` route stand-in tokens (a pipeline stage's shape-inferring
+    forward): they count nothing of it."""
+    layers = list(moe_layers(parts).values())
+    for layer in layers:
+        layer.counting = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.counting = True
 
 
 class RoutingStats:

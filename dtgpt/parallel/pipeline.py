@@ -9,7 +9,8 @@ multi-token prediction also the prediction modules and a copy of the word embedd
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from dtgpt.attention_varlen import DocumentBounds, Documents
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
 from dtgpt.model import GPT
-from dtgpt.moe.stats import moe_layers, skip_one_forward
+from dtgpt.moe.stats import uncounted
 from dtgpt.parallel.pipeline_buffers import BoundedPipelineStage, supported
 from dtgpt.parallel.schedules import build_schedule
 
@@ -65,7 +66,8 @@ def build_stage_model(whole: GPT, stage: int, counts: list[int]) -> GPT:
 
 
 class _StageHooks:
-    """What dtgpt adds to torch's stage (the bounded one or its own), two things:
+    """What dtgpt adds to torch's stage (the bounded one or its own), three things (and, on torch
+    2.11, no warm-up send to its own rank: _get_init_p2p_neighbors_ops):
 
     - after_backward: where the stage's module is a compute copy (dtgpt/parallel/compute_copy.py),
       after each of its backwards that gives parameter gradients (a full one, or a zero-bubble
@@ -81,10 +83,18 @@ class _StageHooks:
       forward that infers the stages' shapes (micro-batch 0's inputs; torch's private
       `_prepare_forward_infra`, checked on torch 2.11 and 2.13). tests/test_attention_varlen.py's pp runs count the
       kernel's calls on every stage.
+    - inferring: True while torch's set-up (`_prepare_forward_infra`, `_prepare_backward_infra`)
+      runs, in which torch may run the stage, and the loss, on stand-in inputs to infer shapes:
+      torch 2.13 does, with gradients on, whenever a schedule first trains or switches between
+      eval and training; torch 2.11 does once per stage, under no_grad. The MoE layers and the
+      prediction modules' loss count nothing inside it, so the routing statistics are those of
+      the real micro-batches on either torch (tests/test_parity.py's moe_pp2 case compares them
+      with one process; checked on torch 2.11 and 2.13).
     """
 
     after_backward: Callable[[bool], None] | None = None
     micro_batch_documents: list[DocumentBounds] | None = None
+    inferring = False
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
@@ -102,7 +112,30 @@ class _StageHooks:
 
     def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, *more, **options):
         # The rest passes through as given: torch 2.13 adds has_backward, which 2.11 does not take.
-        return super()._prepare_forward_infra(num_microbatches, args, self._with_documents(0, kwargs), *more, **options)
+        with self._stand_in():
+            return super()._prepare_forward_infra(num_microbatches, args, self._with_documents(0, kwargs), *more, **options)
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        # torch 2.13 takes the loss function and the target here (and may call it), 2.11 only the count.
+        with self._stand_in():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        # torch 2.11 opens the link to each neighbouring stage with a send and a receive, a V
+        # schedule's neighbour on this same rank included, and gloo cannot send to its own rank
+        # ("Pair is not connected"): every V schedule failed on CPU. Same-rank stages hand their
+        # tensors over without communication, so those ops are dropped (torch 2.13 warms up with
+        # its own protocol and no longer calls this).
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    @contextmanager
+    def _stand_in(self) -> Iterator[None]:
+        self.inferring = True
+        try:
+            with uncounted([self.submod] if hasattr(self, "submod") else []):
+                yield
+        finally:
+            self.inferring = False
 
 
 class _BoundedStage(_StageHooks, BoundedPipelineStage):
@@ -132,16 +165,6 @@ def build_pipeline_stages(
     return stages
 
 
-def infers_metadata(schedule) -> bool:
-    """Whether a training step of `schedule` first runs every stage once on stand-in inputs, with
-    gradients on (torch's metadata inference: on its first step, and on the first after an eval).
-    Reads torch's private flags; tests/test_moe_training.py's pp2 run checks the routing counts."""
-    single = hasattr(schedule, "_stage_forward_initialized")
-    forward = schedule._stage_forward_initialized if single else schedule._stages_forward_initialized
-    backward = schedule._stage_backward_initialized if single else schedule._stages_backward_initialized
-    return not forward or not backward
-
-
 class ScheduleCache:
     """One schedule per micro-batch count (batch-size ramp-up changes it), built on first use.
 
@@ -160,12 +183,6 @@ class ScheduleCache:
         """One schedule step (or eval) over n_microbatches with `loss` as the loss function;
         document_bounds: per micro-batch, where the documents of its `document_ids` start."""
         schedule = self._get(n_microbatches)
-        parts = [stage.submod for stage in self.stages]
-        if not forward_only and moe_layers(parts) and infers_metadata(schedule):
-            # The stand-in forward routes no real tokens: the MoE layers must not count it.
-            skip_one_forward(parts)
-        if not forward_only and getattr(loss, "mtp", None) is not None and infers_metadata(schedule):
-            loss.mtp.uncounted_calls = 1  # nor the prediction modules' loss on the stand-in outputs
         self._loss = loss
         for stage in self.stages:
             stage.micro_batch_documents = document_bounds
@@ -177,7 +194,14 @@ class ScheduleCache:
                 stage.micro_batch_documents = None
 
     def _loss_of_this_run(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss(output, target)
+        mtp = getattr(self._loss, "mtp", None)
+        if mtp is None or not any(stage.inferring for stage in self.stages):
+            return self._loss(output, target)
+        mtp.counting = False  # the prediction modules' loss of stand-in outputs (_StageHooks.inferring)
+        try:
+            return self._loss(output, target)
+        finally:
+            mtp.counting = True
 
     def _get(self, n_microbatches: int):
         if n_microbatches not in self._cache:
