@@ -230,7 +230,9 @@ def test_mla_per_rank_files_of_transformer_engines_spec_read_back_whole(dtgpt_ml
     assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
 
 
-@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"]], ids=["torch_dist", "per_rank"])
+@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"],
+                                 ["--format", "per-rank", "--tp", "2", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]],
+                         ids=["torch_dist", "per_rank", "per_rank_pp2"])  # fmt: skip
 def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
     """to-megatron then from-megatron gives every tensor back (the key map both ways, layers apart)."""
     assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *fmt]) == 0
