@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
@@ -116,10 +118,17 @@ def _save_streaming(state: dict, directory: Path, produce: Callable[[str, int | 
     """dcp.save of `state`, producing each tensor (or layer of a `stacked` one) on demand. One
     file per chunk, written by one thread: DCP keeps a file's tensors alive until the file is
     complete, so one file per rank would hold the whole model."""
+    fresh = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     writer = FileSystemWriter(str(directory), single_file_per_rank=False, thread_count=1)
-    with layout.single_process():
-        dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
+    try:
+        with layout.single_process():
+            dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
+    except CheckpointException as e:  # DCP wraps what `produce` raised (a damaged source file): say that, in one line
+        if fresh:
+            shutil.rmtree(directory, ignore_errors=True)
+        failures = [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
+        raise next((f for f in failures if isinstance(f, CheckpointError)), None) or CheckpointError(layout.describe(e)) from None
 
 
 def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:

@@ -7,7 +7,7 @@ of each tensor (column-parallel rows, row-parallel columns; SwiGLU's linear_fc1 
 its fc1 rows]; per_rank.TP_DIM), and of each MoE block's routed
 experts only its ep rank's, numbered from 0 as `mlp.experts.local_experts.<K>.` (ep rank r holds
 global experts r * E / ep ...). Every linear layer has its `_extra_state` (None for the local
-spec), which megatron-core's strict load_state_dict asks for. The weights only: Megatron keeps
+spec), which megatron-core's strict load_state_dict asks for, the output layer's too. The weights only: Megatron keeps
 the optimizer state of this format in files of its own DP layout, which dtgpt does not write.
 Unlike the torch_dist conversion this holds the whole model in memory (the format is per
 rank, each file a slice of every tensor).
@@ -78,6 +78,7 @@ def _rank_model(full: dict, cfg: Config, tp: int, tp_rank: int, ep: int, ep_rank
             model[name] = _tp_part(name, value, tp, tp_rank, swiglu)
     for name in [n for n in model if n.endswith(".weight") and (".linear_" in n or n.endswith(".eh_proj.weight"))]:
         model[name.removesuffix(".weight") + "._extra_state"] = None
+    model["output_layer._extra_state"] = None  # the head module exists, weight or not (tied at pp 1), and saves its own
     return model
 
 
