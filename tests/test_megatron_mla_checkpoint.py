@@ -308,3 +308,25 @@ def test_pp2_per_rank_files_of_another_layout_are_one_error_line(dtgpt_mla, tmp_
     assert len(err) == 1 and err[0].startswith("error:") and str(find(tmp_path / "m")) in err[0], err
     assert re.search(message, err[0]), err[0]
     assert not layout.iteration_dir(tmp_path / "back", 3).exists()
+
+
+@pytest.mark.slow
+def test_megatron_mla_moe_mtp_checkpoints_load_into_dtgpt_at_ep2(mla_root):
+    """checkpoint.load of megatron-core's torch_dist and per-rank (tp 2) checkpoints of the MLA +
+    MoE + MTP model on 2 dtgpt ranks, the experts split over ep 2 (tests/megatron_family_worker.py):
+    the main model's logits are megatron-core's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("megatron_family_worker.py")
+    jobs = [[str(mla_root / root), MODEL, ["ep2"]] for root in ("megatron", "megatron_per_rank")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker), json.dumps(jobs)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    theirs = torch.load(mla_root / "logits.pt", weights_only=True)[0]
+    for root in ("megatron", "megatron_per_rank"):
+        ours = torch.load(mla_root / root / "ep2_logits.pt", weights_only=True)
+        ours = ours[0] if isinstance(ours, (list, tuple)) else ours
+        assert relative_error(ours, theirs) < 1e-5, root
