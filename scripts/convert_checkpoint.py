@@ -77,9 +77,11 @@ def to_megatron(args) -> None:
     directory = find_checkpoint(args.src, args.iteration)
     cfg = read_config(directory, args.config)
     if args.format == "per-rank":
-        written = megatron.to_megatron_per_rank(directory, cfg, args.dst, args.tp, args.ep)
-        print(f"wrote {written} (Megatron-LM per-rank files of tp {args.tp} x ep {args.ep}, weights only) from {directory}")
+        written = megatron.to_megatron_per_rank(directory, cfg, args.dst, args.tp, args.ep, args.pp, args.decoder_first_pipeline_num_layers)
+        print(f"wrote {written} (Megatron-LM per-rank files of tp {args.tp} x pp {args.pp} x ep {args.ep}, weights only) from {directory}")
         return
+    if args.pp != 1 or args.decoder_first_pipeline_num_layers is not None:
+        raise ValueError("--pp names the per-rank format's pipeline stages: torch_dist is the same at any pp (add --format per-rank)")
     if args.ep != 1:
         raise ValueError("--ep names the per-rank format's expert-parallel files: torch_dist is the same at any ep (add --format per-rank)")
     written = megatron.to_megatron(directory, cfg, args.dst, args.tp)
@@ -108,8 +110,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config (default: the one stored with the checkpoint)")
     parser.add_argument("--tp", type=int, default=1, help="to-megatron: pad the vocabulary as Megatron does at this tensor parallel size")
     parser.add_argument("--format", choices=("torch_dist", "per-rank"), default="torch_dist",
-                        help="to-megatron: Megatron's torch_dist (any mesh) or its per-rank mp_rank_TT[_EEE] files")
+                        help="to-megatron: Megatron's torch_dist (any mesh) or its per-rank mp_rank_TT[_PPP][_EEE] files")
     parser.add_argument("--ep", type=int, default=1, help="to-megatron --format per-rank: expert parallel size of the files")
+    parser.add_argument("--pp", type=int, default=1, help="to-megatron --format per-rank: pipeline parallel size of the files")
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                        help="to-megatron --format per-rank --pp N: layers of the first stage (Megatron's flag), the rest split evenly")
     parser.add_argument("--weights-only", action="store_true", help="to-torch: model tensors only")
     args = parser.parse_args(argv)
     args.command = ALIASES.get(args.command, args.command)

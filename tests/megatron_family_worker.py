@@ -29,8 +29,8 @@ LAYOUTS = {"pp2": dict(pipeline_model_parallel_size=2), "tp2": dict(tensor_model
 
 def loaded(root: str, model_fields: dict, layout: str):
     cfg = dtgpt.make_config(
-        model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
-                   attention_dropout=0.0, **model_fields),
+        model={**dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
+                      attention_dropout=0.0), **model_fields},
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
         training=dict(micro_batch_size=1 if layout == "ep2" else 2, global_batch_size=2),  # ep2: 2 data-parallel ranks
         parallel=LAYOUTS[layout],

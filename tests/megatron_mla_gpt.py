@@ -32,6 +32,7 @@ megatron-core runs with tests/megatron_moe_gpt.py's CPU patches and the two of t
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -95,15 +96,19 @@ def _layer_spec(num_experts: int | None, te_names: bool):
     return spec
 
 
-def build(tp: int, seed: int, te_names: bool):
+def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = None):
+    """The model at tp (pp 1), or this rank's pipeline stage at pp 2 (the first stage one layer,
+    the dense one: Megatron's decoder_first_pipeline_num_layers=1)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, 1)
+        parallel_state.initialize_model_parallel(tp, pp)
+    stages = dict(pipeline_model_parallel_size=pp, num_layers_in_first_pipeline_stage=1, pipeline_dtype=torch.float32) if pp > 1 else {}
     config = MLATransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
@@ -111,13 +116,16 @@ def build(tp: int, seed: int, te_names: bool):
         persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, kv_channels=LATENT["v_head_dim"], num_moe_experts=EXPERTS,
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, original_max_position_embeddings=4096,
-        moe_layer_freq=MOE_LAYERS, **MTP, **DENSE, **LATENT, **MOE,
+        moe_layer_freq=MOE_LAYERS, **MTP, **DENSE, **LATENT, **MOE, **stages,
     )  # fmt: skip
     specs = [_layer_spec(EXPERTS if moe else None, te_names) for moe in MOE_LAYERS]
-    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=specs[0].submodules.input_layernorm)  # the final norm
+    offset = get_transformer_layer_offset(config)
+    own = specs[offset:offset + get_num_layers_to_build(config)]  # this stage's layers, megatron-core's split
+    block = TransformerBlockSubmodules(layer_specs=own, layer_norm=specs[0].submodules.input_layernorm)  # the final norm
     torch.manual_seed(seed)
-    model = GPTModel(config, block, vocab_size=padded_vocab(tp), max_sequence_length=SEQ,
+    model = GPTModel(config, block, vocab_size=vocab or padded_vocab(tp), max_sequence_length=SEQ,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
                      mtp_block_spec=get_gpt_mtp_block_spec(config, block, use_transformer_engine=False))  # fmt: skip
     draw_wide(model, seed)
     return model
@@ -226,7 +234,39 @@ def main(root: Path) -> None:
         record(other, root, "loaded_per_rank_")
     dist.barrier()
     parallel_state.destroy_model_parallel()
+    pipeline_stages(root, state)
     dist.destroy_process_group()
+
+
+def pipeline_stages(root: Path, state: dict) -> None:
+    """Megatron-LM's per-rank save at pp 2 (tp 1, the vocabulary rows of tp 2) of the weights of
+    ROOT/megatron, which each stage loads with dist_checkpointing; and the strict load of dtgpt's
+    pp 2 files (to-megatron --pp 2 --decoder-first-pipeline-num-layers 1), ROOT/from_dtgpt_pp2."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    rank = dist.get_rank()
+    # the stages' all-reduce of the embedding copy (the last stage's, for its MTP block) moves it to CUDA first
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+    stage = build(1, 7, te_names=False, pp=2, vocab=padded_vocab(2))
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}  # the MTP stage's embedding copy asks
+    loaded = dist_checkpointing.load(stage.sharded_state_dict(metadata=metadata), str(root / "megatron" / f"iter_{ITERATION:07d}"))
+    stage.load_state_dict(loaded, strict=False)
+    args = argparse.Namespace(**{**vars(state["args"]), "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                                 "decoder_first_pipeline_num_layers": 1})  # fmt: skip
+    rank_dir = root / "megatron_pp2" / f"iter_{ITERATION:07d}" / f"mp_rank_00_{rank:03d}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": stage.state_dict_for_save_checkpoint(), **state, "args": args}, rank_dir / "model_optim_rng.pt")
+    if rank == 0:
+        (root / "megatron_pp2" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    dtgpt_pp2 = root / "from_dtgpt_pp2"
+    if dtgpt_pp2.is_dir():  # each stage its own file, strictly: every key, shape and _extra_state
+        other = build(1, 99, te_names=False, pp=2, vocab=padded_vocab(2))
+        iteration = int((dtgpt_pp2 / "latest_checkpointed_iteration.txt").read_text())
+        own = dtgpt_pp2 / f"iter_{iteration:07d}" / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt"
+        other.load_state_dict(torch.load(own, weights_only=False)["model"], strict=True)
+        (root / f"loaded_pp2_{rank}.ok").write_text("strict")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
 
 
 if __name__ == "__main__":

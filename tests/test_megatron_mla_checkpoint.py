@@ -14,6 +14,7 @@ records those. dtgpt must give the same logits and losses both ways.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ from tests.test_checkpoint_convert import load_script
 from tests.test_megatron_checkpoint import write_stages
 from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
 
+PP2 = ["--format", "per-rank", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]
+"""Megatron-LM's split of the 3 layers that megatron_mla_gpt.py's pp 2 stages build: the dense one first."""
 ROWS = 128  # 100 padded to a multiple of 16 x tp 2, Megatron's
 SCRIPT = Path(__file__).with_name("megatron_mla_gpt.py")
 MODEL = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=32, hidden_dropout=0.0,
@@ -85,6 +88,7 @@ def mla_root(tmp_path_factory) -> Path:
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt")]) == 0
     per_rank = ["--format", "per-rank", "--tp", "2"]
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
+    assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_pp2"), *PP2]) == 0
     launch(SCRIPT, root)
     return root
 
@@ -193,6 +197,30 @@ def test_dtgpt_mla_moe_per_rank_files_load_in_megatron_core_at_tp2_with_equal_lo
     assert_converts_back(mla_root / "from_dtgpt_per_rank", saved, tmp_path / "back")
 
 
+@pytest.mark.slow
+def test_dtgpt_pp2_per_rank_files_equal_megatron_cores_own_save_at_pp2(mla_root, tmp_path):
+    """megatron-core's stages at pp 2 load its torch_dist checkpoint and save their per-rank files
+    (mp_rank_00_000: the embedding and the dense layer; mp_rank_00_001: the two MoE layers numbered
+    0 and 1, the final norm, the head, the MTP block and the embedding it uses); dtgpt's
+    to-megatron --pp 2 of the same weights writes the same files key for key and tensor for
+    tensor, megatron-core's stages load dtgpt's own strictly, and dtgpt reads megatron-core's
+    back into its logits."""
+    assert load_script().main(["from-megatron", str(mla_root / "megatron"), str(tmp_path / "d"), "--config",
+                               str(layout.iteration_dir(mla_root / "dtgpt", 3) / "config.toml")]) == 0  # fmt: skip
+    assert load_script().main(["to-megatron", str(tmp_path / "d"), str(tmp_path / "m"), *PP2]) == 0
+    ours, theirs = find(tmp_path / "m"), find(mla_root / "megatron_pp2")
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        mine, megatron = (load_pickle(d / stage / PER_RANK_FILE)["model"] for d in (ours, theirs))
+        assert sorted(mine) == sorted(megatron), stage
+        for key, value in megatron.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(mine[key], value), (stage, key)
+    assert "decoder.layers.2.mlp.router.weight" not in mine and "decoder.layers.1.mlp.router.weight" in mine
+    assert [(mla_root / f"loaded_pp2_{r}.ok").read_text() for r in range(2)] == ["strict", "strict"]
+    assert_same_outputs(head_outputs(load_megatron_model(theirs, model_cfg(), ROWS)), mla_root)
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda model: model.pop("decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
      "mp_rank_01/model_optim_rng.pt has no decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
@@ -230,8 +258,75 @@ def test_mla_per_rank_files_of_transformer_engines_spec_read_back_whole(dtgpt_ml
     assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
 
 
-@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"]], ids=["torch_dist", "per_rank"])
+@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"],
+                                 ["--format", "per-rank", "--tp", "2", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]],
+                         ids=["torch_dist", "per_rank", "per_rank_pp2"])  # fmt: skip
 def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
     """to-megatron then from-megatron gives every tensor back (the key map both ways, layers apart)."""
     assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *fmt]) == 0
     assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "2"], "--pp 2: Megatron splits model.num_layers=3 evenly over the pipeline stages"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "3"], "--decoder-first-pipeline-num-layers 3: with pp 2 it must leave"),
+    (["--pp", "0"], "--pp 0: the pipeline parallel size must be at least 1"),
+])  # fmt: skip
+def test_to_megatron_refuses_a_pipeline_split_in_one_line(dtgpt_mla, tmp_path, capfd, flags, message):
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "out"), "--format", "per-rank", *flags]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def drop_stage(directory: Path) -> None:
+    for path in sorted((directory / "mp_rank_01_001").iterdir()):
+        path.unlink()
+    (directory / "mp_rank_01_001").rmdir()
+
+
+def stage_swapped(directory: Path) -> None:
+    """tp rank 1's last-stage file replaced by its first stage's: one stage in the wrong place."""
+    saved = load_pickle(directory / "mp_rank_01_000" / PER_RANK_FILE)
+    torch.save(saved, directory / "mp_rank_01_001" / PER_RANK_FILE)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (drop_stage, r"lack \(tp 1, pp 1, ep 0\)'s model_optim_rng.pt"),
+    (stage_swapped, "mp_rank_01_001/model_optim_rng.pt has no "),
+], ids=["missing_stage", "pp_layout"])  # fmt: skip
+def test_pp2_per_rank_files_of_another_layout_are_one_error_line(dtgpt_mla, tmp_path, capfd, damage, message):
+    """dtgpt's pp 2 files with a stage directory gone, or args whose split the files do not
+    follow: from-megatron says so in one line naming the checkpoint, and writes nothing."""
+    flags = ["--format", "per-rank", "--tp", "2", *PP2[2:]]
+    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *flags]) == 0
+    damage(find(tmp_path / "m"))
+    capfd.readouterr()
+    config = layout.iteration_dir(dtgpt_mla, 3) / "config.toml"
+    assert load_script().main(["from-megatron", str(tmp_path / "m"), str(tmp_path / "back"), "--config", str(config)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and str(find(tmp_path / "m")) in err[0], err
+    assert re.search(message, err[0]), err[0]
+    assert not layout.iteration_dir(tmp_path / "back", 3).exists()
+
+
+@pytest.mark.slow
+def test_megatron_mla_moe_mtp_checkpoints_load_into_dtgpt_at_ep2(mla_root):
+    """checkpoint.load of megatron-core's torch_dist and per-rank (tp 2) checkpoints of the MLA +
+    MoE + MTP model on 2 dtgpt ranks, the experts split over ep 2 (tests/megatron_family_worker.py):
+    the main model's logits are megatron-core's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("megatron_family_worker.py")
+    jobs = [[str(mla_root / root), MODEL, ["ep2"]] for root in ("megatron", "megatron_per_rank")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker), json.dumps(jobs)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    theirs = torch.load(mla_root / "logits.pt", weights_only=True)[0]
+    for root in ("megatron", "megatron_per_rank"):
+        ours = torch.load(mla_root / root / "ep2_logits.pt", weights_only=True)
+        ours = ours[0] if isinstance(ours, (list, tuple)) else ours
+        assert relative_error(ours, theirs) < 1e-5, root

@@ -249,3 +249,27 @@ def test_moe_architecture_keys_are_compared_with_megatrons_args():
     assert "model.moe_shared_expert_intermediate_size: the checkpoint has unset but the config has 48" in difference(
         megatron_architecture(unshared), cfg)
     assert with_megatron_architecture(dense, cfg).num_experts is None
+
+
+def test_per_rank_files_at_tp2_pp2_ep2_of_a_tied_model_read_back_whole(tmp_path):
+    """Megatron-LM's names with all three suffixes (mp_rank_TT_PPP_EEE), each stage's layer
+    numbered 0, the embedding on the first stage and, tied at pp > 1, the last stage's copy of it
+    as output_layer.weight; dtgpt glues every tensor back whole."""
+    tied = {**MODEL, "untie_embeddings_and_output_weights": False}
+    save_dtgpt(tmp_path / "d", tied)
+    flags = ["--format", "per-rank", "--tp", "2", "--pp", "2", "--ep", "2"]
+    assert load_script().main(["to-megatron", str(tmp_path / "d"), str(tmp_path / "m"), *flags]) == 0
+    directory = find(tmp_path / "m")
+    assert sorted(p.name for p in directory.iterdir()) == [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2) for e in range(2)]
+    first, last = (torch.load(directory / f"mp_rank_01_{p:03d}_001" / "model_optim_rng.pt", weights_only=False) for p in range(2))
+    assert "embedding.word_embeddings.weight" in first["model"] and "output_layer.weight" not in first["model"]
+    assert torch.equal(last["model"]["output_layer.weight"], first["model"]["embedding.word_embeddings.weight"])
+    assert "decoder.final_layernorm.weight" in last["model"] and "embedding.word_embeddings.weight" not in last["model"]
+    assert {k.split(".")[2] for k in last["model"] if k.startswith("decoder.layers.")} == {"0"}
+    assert last["args"].pipeline_model_parallel_size == 2
+    saved = layout.iteration_dir(tmp_path / "d", 3)
+    ours = load_model(saved, read_config(saved)).state_dict()
+    back = load_megatron_model(directory, model_cfg(untie_embeddings_and_output_weights=False, make_vocab_size_divisible_by=32), 128)
+    for name, value in ours.items():
+        stored = back.state_dict()[name]
+        assert torch.equal(stored[: value.shape[0]] if name in ("embedding.word.weight", "output.weight") else stored, value), name

@@ -124,10 +124,18 @@ class MegatronReader:
             if tuple(stored) != tuple(shape):
                 raise _mismatch(self.directory, key, self.shapes[key], wanted[name], name)
         for key, shape in self.shapes.items():
+            if key == "output_layer.weight" and self._tied_head_copy(used):
+                continue
             if key not in used and not key.endswith("_extra_state") and self._is_model_key(key):
                 raise CheckpointError(
                     f"Megatron checkpoint {self.directory}: its tensor {key} {tuple(shape)} has no counterpart in this model"
                 )
+
+    def _tied_head_copy(self, used) -> bool:
+        """Whether output_layer.weight is the last stage's copy of the tied word embeddings, which
+        Megatron-LM's per-rank files hold at pp > 1 (the model reads the embedding itself)."""
+        return (not self.torch_dist and self._per_rank.pp > 1 and "output_layer.weight" not in used
+                and "embedding.word_embeddings.weight" in used)  # fmt: skip
 
     def vocab_problem(self, key: str, rows: int) -> str:
         """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp, dtgpt to

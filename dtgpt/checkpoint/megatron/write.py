@@ -118,12 +118,15 @@ def _save_streaming(state: dict, directory: Path, produce: Callable[[str, int | 
     """dcp.save of `state`, producing each tensor (or layer of a `stacked` one) on demand. One
     file per chunk, written by one thread: DCP keeps a file's tensors alive until the file is
     complete, so one file per rank would hold the whole model."""
+    fresh = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     writer = FileSystemWriter(str(directory), single_file_per_rank=False, thread_count=1)
     try:
         with layout.single_process():
             dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
     except CheckpointException as e:  # a BaseException, wrapping what a tensor's producer raised
+        if fresh:  # a half-written iteration would block the rerun
+            shutil.rmtree(directory, ignore_errors=True)
         raise _said_error(e, directory) from None
 
 

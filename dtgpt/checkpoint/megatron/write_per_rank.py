@@ -1,12 +1,13 @@
-"""A dtgpt checkpoint as Megatron-LM's per-rank format: mp_rank_TT[_EEE]/model_optim_rng.pt.
+"""A dtgpt checkpoint as Megatron-LM's per-rank format: mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt.
 
-What Megatron-LM's legacy save writes at tp x ep (pp 1): each file holds the whole model's layers
-(and multi-token prediction blocks, `mtp.layers.<k>.`) under the local spec's names, its TP split
+What Megatron-LM's legacy save writes at tp x pp x ep: each file holds its pipeline stage's layers,
+numbered within the stage (stages.py: the embedding on the first stage; the final norm, the output
+layer and the multi-token prediction blocks, `mtp.layers.<k>.`, on the last), under the local spec's names, its TP split
 of each tensor (column-parallel rows, row-parallel columns; SwiGLU's linear_fc1 as [its gate rows;
 its fc1 rows]; per_rank.TP_DIM), and of each MoE block's routed
 experts only its ep rank's, numbered from 0 as `mlp.experts.local_experts.<K>.` (ep rank r holds
 global experts r * E / ep ...). Every linear layer has its `_extra_state` (None for the local
-spec), which megatron-core's strict load_state_dict asks for. The weights only: Megatron keeps
+spec), which megatron-core's strict load_state_dict asks for, the output layer's too. The weights only: Megatron keeps
 the optimizer state of this format in files of its own DP layout, which dtgpt does not write.
 Unlike the torch_dist conversion this holds the whole model in memory (the format is per
 rank, each file a slice of every tensor).
@@ -25,6 +26,7 @@ from dtgpt.checkpoint.megatron.keys import (
     EXPERT_KEY, LOCAL_NORM_NAMES, VOCAB_KEYS, half_of, megatron_name, resize_vocab, stores_per_layer,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.per_rank import BLOCK, LOCAL_EXPERTS, tp_dim
+from dtgpt.checkpoint.megatron.stages import stage_counts, stage_model
 from dtgpt.checkpoint.megatron.write import trainer_common
 from dtgpt.config import Config, padded_vocab_size
 
@@ -78,13 +80,16 @@ def _rank_model(full: dict, cfg: Config, tp: int, tp_rank: int, ep: int, ep_rank
             model[name] = _tp_part(name, value, tp, tp_rank, swiglu)
     for name in [n for n in model if n.endswith(".weight") and (".linear_" in n or n.endswith(".eh_proj.weight"))]:
         model[name.removesuffix(".weight") + "._extra_state"] = None
+    model["output_layer._extra_state"] = None  # the head module exists, weight or not (tied at pp 1), and saves its own
     return model
 
 
-def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int = 1, ep: int = 1) -> Path:
+def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int = 1, ep: int = 1, pp: int = 1,
+                         first_stage_layers: int | None = None) -> Path:
     """Write dtgpt checkpoint `src` as Megatron-LM's per-rank iteration at tensor parallel size
-    `tp` and expert parallel size `ep` (pp 1), its vocabulary padded as Megatron pads at `tp`.
-    Returns the iteration directory."""
+    `tp`, pipeline parallel size `pp` (its layers split evenly, or with `first_stage_layers` on the
+    first stage and the rest evenly, Megatron's decoder_first_pipeline_num_layers) and expert
+    parallel size `ep`, its vocabulary padded as Megatron pads at `tp`. Returns the iteration directory."""
     for key, count in (("model.num_attention_heads", cfg.model.num_attention_heads), ("model.num_query_groups", cfg.model.query_groups)):
         if count % tp:  # an even split of the rows could still cut a head in two
             raise CheckpointError(f"--tp {tp} must divide {key}={count}: Megatron's tp ranks hold whole heads and key/value groups")
@@ -92,6 +97,7 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     if ep < 1 or (ep > 1 and experts % ep):
         what = f"model.num_experts={experts}" if experts else "a model without experts (model.num_experts unset)"
         raise CheckpointError(f"--ep {ep}: the expert-parallel ranks must split {what} evenly")
+    counts = stage_counts(cfg.model.num_layers, pp, first_stage_layers)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
@@ -99,14 +105,19 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     stored = layout.read_metadata(src).state_dict_metadata
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if any(k.startswith("train_state.") for k in stored) else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
-    vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=1)
+    vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)
+    if first_stage_layers is not None:
+        vars(common["args"]).update(decoder_first_pipeline_num_layers=first_stage_layers)
+    tied = not cfg.model.untie_embeddings_and_output_weights
     directory = layout.iteration_dir(out_root, iteration)
     first = _rank_model(full, cfg, tp, 0, ep, 0)  # every rank's split has its shapes: an uneven one fails before a file is written
     for tp_rank in range(tp):
         for ep_rank in range(ep):
-            rank_dir = directory / (f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else ""))
-            rank_dir.mkdir(parents=True, exist_ok=True)
             model = first if tp_rank == ep_rank == 0 else _rank_model(full, cfg, tp, tp_rank, ep, ep_rank)
-            torch.save({"model": model, **common}, rank_dir / PER_RANK_FILE)
+            for pp_rank in range(pp):
+                name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
+                (directory / name).mkdir(parents=True, exist_ok=True)
+                own = stage_model(model, counts, pp_rank, tied) if pp > 1 else model
+                torch.save({"model": own, **common}, directory / name / PER_RANK_FILE)
     layout.write_pointer(out_root, iteration)
     return directory
