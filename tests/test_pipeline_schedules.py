@@ -118,12 +118,16 @@ def test_dual_pipe_v_needs_a_micro_batch_per_stage(fake_pp_group):
 class _Torch211Stage:
     """The stand-in forward's set-up as torch 2.11 declares it (2.13 adds has_backward)."""
 
+    device = "cpu"
+
     def _prepare_forward_infra(self, num_microbatches, args, kwargs=None):
         self.seen = (num_microbatches, args, kwargs)
         return ()
 
 
 class _Torch213Stage:
+    device = "cpu"
+
     def _prepare_forward_infra(self, num_microbatches, args, kwargs=None, has_backward=False):
         self.seen = (num_microbatches, args, kwargs, has_backward)
         return ()

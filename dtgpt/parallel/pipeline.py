@@ -130,9 +130,14 @@ class _StageHooks:
 
     @contextmanager
     def _stand_in(self) -> Iterator[None]:
+        # Nor does it draw from the random generators (its dropout): torch 2.13 forks them around
+        # the inference, 2.11 does not, and a run resumed at iteration k infers again there.
+        device = torch.device(self.device)
+        devices = [device] if device.type != "cpu" else []
         self.inferring = True
         try:
-            with uncounted([self.submod] if hasattr(self, "submod") else []):
+            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"), \
+                    uncounted([self.submod] if hasattr(self, "submod") else []):
                 yield
         finally:
             self.inferring = False
