@@ -31,10 +31,19 @@ def test_torch_has_the_stage_internals_the_adapter_replaces():
     """Fails when torch changes them: then pipeline_buffers.py needs a look (and CHECKED_TORCH a new entry)."""
     assert torch.__version__.startswith(pipeline_buffers.CHECKED_TORCH), torch.__version__
     assert pipeline_buffers.supported()
-    signatures = {
-        "_setup_forward_recv_info": ["self", "num_microbatches", "has_backward"],
+    if pipeline_buffers.DESCRIBES_RECEIVES:  # torch 2.13
+        signatures = {
+            "_setup_forward_recv_info": ["self", "num_microbatches", "has_backward"],
+            "_setup_backward_recv_info": ["self", "num_microbatches"],
+        }
+    else:  # torch 2.11
+        signatures = {
+            "_prepare_forward_infra": ["self", "num_microbatches", "args", "kwargs"],
+            "_prepare_backward_infra": ["self", "num_microbatches"],
+            "clear_runtime_states": ["self"],
+        }
+    signatures |= {
         "_create_grad_recv_info": ["self", "act_send_info"],
-        "_setup_backward_recv_info": ["self", "num_microbatches"],
         "forward_one_chunk": ["self", "fwd_chunk_id", "args", "kwargs", "save_forward_output"],
         "backward_one_chunk": ["self", "bwd_chunk_id", "loss", "full_backward", "last_backward"],
         "set_local_fwd_input": ["self", "prev_stage_outputs", "mb_index"],
@@ -44,9 +53,14 @@ def test_torch_has_the_stage_internals_the_adapter_replaces():
         assert list(inspect.signature(getattr(PipelineStage, name)).parameters) == params, name
     # The receive infos: a buffer per micro-batch (set up by the methods above), root args without.
     source = inspect.getsource(PipelineStage)
-    for attribute in ("self.args_recv_info[chunk_id]", "_make_tensor_from_meta(meta, self.device)", "self.fwd_cache[fwd_chunk_id]"):
-        assert attribute in inspect.getsource(sys.modules[PipelineStage.__module__]), attribute
-    assert "_setup_backward_recv_info(num_microbatches)" in source
+    module = inspect.getsource(sys.modules[PipelineStage.__module__])
+    if pipeline_buffers.DESCRIBES_RECEIVES:
+        for attribute in ("self.args_recv_info[chunk_id]", "_make_tensor_from_meta(meta, self.device)", "self.fwd_cache[fwd_chunk_id]"):
+            assert attribute in module, attribute
+        assert "_setup_backward_recv_info(num_microbatches)" in source
+    else:  # every micro-batch's buffer made in the forward set-up, its gradient's cleared by clear_runtime_states
+        for attribute in ("self.args_recv_info[chunk_id] = recv_infos", "_make_tensor_from_meta(inp, self.device)", "a.buffer.grad = None"):
+            assert attribute in module, attribute
 
 
 def test_planner_counts_one_buffer_of_each_kind_per_stage():

@@ -15,7 +15,10 @@ are torch's; only the stage's own references are dropped.
 
 This leans on torch's private stage internals (`args_recv_info`, `grad_recv_info`, `_RecvInfo
 .buffer`, `_setup_forward_recv_info`, `_create_grad_recv_info`, `_make_tensor_from_meta`,
-`fwd_cache`). It was checked on the torch versions in CHECKED_TORCH; on another torch whose
+`fwd_cache`). torch 2.13 describes each receive apart from its buffer (`_RecvInfo.tensor_meta`) and
+sets up every micro-batch's receive in `_setup_forward_recv_info`; torch 2.11 describes a receive
+only by its buffer and allocates every micro-batch's in `_prepare_forward_infra`, so on 2.11 a
+dropped buffer leaves a meta tensor in its place. It was checked on the torch versions in CHECKED_TORCH; on another torch whose
 internals differ the stage keeps torch's own buffers (`supported()` says which), and
 tests/test_pipeline_buffers.py fails on the pinned torch if they change.
 """
@@ -28,9 +31,12 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import stage as torch_stage
 
-CHECKED_TORCH = ("2.13",)
+CHECKED_TORCH = ("2.11", "2.13")
 
-_PRIVATE = ("_setup_forward_recv_info", "_create_grad_recv_info", "set_local_fwd_input", "set_local_bwd_input",
+DESCRIBES_RECEIVES = hasattr(PipelineStage, "_setup_forward_recv_info")
+"""torch 2.13's stage (each receive's tensor_meta, a set-up per micro-batch); False on torch 2.11."""
+
+_PRIVATE = ("_setup_forward_recv_info" if DESCRIBES_RECEIVES else "_prepare_forward_infra", "_create_grad_recv_info", "set_local_fwd_input", "set_local_bwd_input",
             "get_fwd_recv_ops", "get_bwd_recv_ops", "forward_one_chunk", "backward_one_chunk", "get_fwd_send_ops")  # fmt: skip
 
 
@@ -43,17 +49,45 @@ def _without_buffers(infos: tuple) -> tuple:
     """Copies of a micro-batch's receive infos that hold no buffer (root arguments unchanged)."""
     out = []
     for info in infos:
-        if not info.is_root_arg and info.buffer is not None:
+        buffer = getattr(info, "buffer", None)  # torch 2.11's root arguments are placeholders without one
+        if buffer is not None and not getattr(info, "is_root_arg", False):
             info = copy.copy(info)
+            if not hasattr(info, "tensor_meta"):  # torch 2.11: the buffer was the receive's only description
+                info.tensor_meta = torch.empty_like(buffer, device="meta").requires_grad_(buffer.requires_grad)
             info.buffer = None
         out.append(info)
     return tuple(out)
+
+
+def _buffer_from(meta, device: torch.device) -> torch.Tensor:
+    if isinstance(meta, torch.Tensor):  # torch 2.11: the received tensor is itself autograd's leaf
+        return torch.empty(meta.shape, dtype=meta.dtype, device=device).requires_grad_(meta.requires_grad)
+    return torch_stage._make_tensor_from_meta(meta, device)
 
 
 class BoundedPipelineStage(PipelineStage):
     """torch's PipelineStage holding receive buffers only for the micro-batches in flight."""
 
     # -- set-up: describe every micro-batch's receive, allocate none ---------------------------
+
+    if not DESCRIBES_RECEIVES:  # torch 2.11
+
+        def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None, *more, **options):
+            # torch's set-up for one micro-batch, as the template of every micro-batch's receive.
+            outputs = super()._prepare_forward_infra(1, args, kwargs, *more, **options)
+            template = _without_buffers(self.args_recv_info[0])
+            for chunk in range(num_microbatches):
+                self.args_recv_info[chunk] = template
+            return outputs
+
+        def clear_runtime_states(self) -> None:
+            # torch 2.11's clears the gradient of every receive's buffer, assuming each has one.
+            self.fwd_cache.clear()
+            self.output_chunks.clear()
+            for infos in self.args_recv_info.values():
+                for info in infos:
+                    if getattr(info, "buffer", None) is not None:
+                        info.buffer.grad = None
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
         # torch's own set-up for one micro-batch, as the template of every micro-batch's receive
@@ -71,9 +105,9 @@ class BoundedPipelineStage(PipelineStage):
     def _allocate(self, infos: tuple) -> tuple:
         fresh = []
         for info in infos:
-            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+            if getattr(info, "tensor_meta", None) is not None and info.buffer is None and not getattr(info, "is_root_arg", False):
                 info = copy.copy(info)
-                info.buffer = torch_stage._make_tensor_from_meta(info.tensor_meta, self.device)
+                info.buffer = _buffer_from(info.tensor_meta, self.device)
             fresh.append(info)
         return tuple(fresh)
 
@@ -131,7 +165,8 @@ def held_buffers(stage: PipelineStage) -> list[torch.Tensor]:
     seen, out = set(), []
     for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
         for info in infos:
-            for t in (info.buffer, getattr(info.buffer, "grad", None)):
+            buffer = getattr(info, "buffer", None)
+            for t in (buffer, getattr(buffer, "grad", None)):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     out.append(t)
