@@ -33,7 +33,7 @@ FLOOR_STAMP := $(FLOOR_VENV)/.installed
 FLOOR_TESTS := tests/test_config.py tests/test_model.py tests/test_library.py tests/test_checkpoint_unit.py \
 	tests/test_staging.py tests/test_devices.py tests/test_optim.py tests/test_precision.py \
 	tests/test_pipeline_schedules.py tests/test_train.py tests/test_trajectory.py tests/test_rng.py tests/test_parity.py \
-	tests/test_torch_cuda_apis.py tests/test_gpu_check.py
+	tests/test_torch_cuda_apis.py tests/test_gpu_check.py tests/test_pipeline_buffers.py
 # Slow parity cases that reach torch's private pipelining and functional-collective internals, each
 # of which has differed between 2.11 and 2.13: a pipelined run, a context-parallel run and MoE
 # routing statistics on a pipeline stage (against one process, on real gloo ranks).
