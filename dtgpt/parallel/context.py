@@ -24,7 +24,6 @@ while that layer's attention runs (and for backward, unless the core is recomput
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -32,6 +31,7 @@ from dtgpt import varlen_kernel
 from dtgpt.attention_varlen import DocumentBounds, Documents, context_parallel_documents_attention, document_tensor
 from dtgpt.model import GPT, CoreAttention, allowed_keys, attend
 from dtgpt.mtp import named_blocks
+from dtgpt.parallel.collectives import all_gather_autograd
 from dtgpt.parallel.context_shift import ContextParallelShift
 
 
@@ -47,11 +47,6 @@ def split_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 
 def global_indices(local_length: int, cp_rank: int, cp_size: int, device: torch.device) -> torch.Tensor:
     """The global token indices of the local_length tokens cp rank `cp_rank` holds."""
     return split_sequence(torch.arange(local_length * cp_size, device=device), cp_rank, cp_size, dim=0)
-
-
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-"""An all-gather whose backward reduce-scatters: torch 2.13 names it all_gather_single_autograd
-(and deprecates the other name, with a warning), torch 2.11 has only all_gather_tensor_autograd."""
 
 
 class WholeRows:
@@ -90,7 +85,7 @@ class ContextParallelAttention(nn.Module):
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' x concatenated along dim, in cp-rank order (backward: reduce-scatter)."""
-        return _all_gather_autograd(x.contiguous(), gather_dim=dim, group=self.cp_mesh)
+        return all_gather_autograd(x.contiguous(), gather_dim=dim, group=self.cp_mesh)
 
     def key_indices(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global token indices of the gathered keys, in gathered order."""

@@ -21,10 +21,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtgpt.mtp import SequenceShift
-
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-"""torch 2.13's name (its all_gather_tensor warns that it is deprecated); torch 2.11 has only
-all_gather_tensor. dtgpt.parallel.context picks its autograd all-gather the same way."""
+from dtgpt.parallel.collectives import all_gather
 
 
 def next_chunk_holder(chunk: int, cp_size: int) -> tuple[int, int] | None:
@@ -57,7 +54,7 @@ class ContextParallelShift(SequenceShift):
 
     def gather(self, heads: torch.Tensor) -> torch.Tensor:
         """(2, ...) -> (2 * cp, ...): rank q's heads at 2q (its first chunk) and 2q + 1 (its second)."""
-        return _all_gather(heads.contiguous(), gather_dim=0, group=self.cp_mesh)
+        return all_gather(heads.contiguous(), gather_dim=0, group=self.cp_mesh)
 
     def total(self, counts: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(counts, "sum", group=self.cp_mesh)
