@@ -133,10 +133,9 @@ class _StageHooks:
         # Nor does it draw from the random generators (its dropout): torch 2.13 forks them around
         # the inference, 2.11 does not, and a run resumed at iteration k infers again there.
         device = torch.device(self.device)
-        devices = [device] if device.type != "cpu" else []
         self.inferring = True
         try:
-            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"), \
+            with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type), \
                     uncounted([self.submod] if hasattr(self, "submod") else []):
                 yield
         finally:
