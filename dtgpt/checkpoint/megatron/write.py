@@ -124,10 +124,12 @@ def _save_streaming(state: dict, directory: Path, produce: Callable[[str, int | 
     try:
         with layout.single_process():
             dcp.save(state, storage_writer=writer, planner=StreamingPlanner(produce, stacked), no_dist=True)
-    except CheckpointException as e:  # a BaseException, wrapping what a tensor's producer raised
-        if fresh:  # a half-written iteration would block the rerun
+    except BaseException as e:  # CheckpointException is one, wrapping what a tensor's producer raised
+        if fresh:  # ours, half-written: it would block the rerun
             shutil.rmtree(directory, ignore_errors=True)
-        raise _said_error(e, directory) from None
+        if isinstance(e, CheckpointException):
+            raise _said_error(e, directory) from None
+        raise
 
 
 def _said_error(error: CheckpointException, directory: Path) -> CheckpointError:
@@ -300,11 +302,7 @@ def from_megatron(src: str | Path, cfg: Config, out_root: str | Path, vocab_rows
             raise CheckpointError(f"Megatron checkpoint {directory}: {where} holds non-finite values (NaN or inf): a damaged file?")
         return tensor
 
-    try:
-        _save_streaming(state, out, produce)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # ours (refuse_run_root found no iter_* there): a rerun starts clean
-        raise
+    _save_streaming(state, out, produce)  # refuse_run_root found no iter_* there: a failed one is removed
     tied = not cfg.model.untie_embeddings_and_output_weights
     layout.write_atomic(out / layout.CONFIG, to_toml(cfg))
     layout.write_marker(out, {
