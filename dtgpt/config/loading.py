@@ -22,6 +22,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from dtgpt.config.megatron_flags import translate
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.moe_keys import MoEKeys
+from dtgpt.config.pipeline_split import apply_virtual_stages
 from dtgpt.config.run_outputs import apply_logs_follow_checkpoint
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
@@ -220,6 +221,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), check: bool 
     said = translate(list(overrides))
     apply_megatron_vocab_multiple(cfg, [spelling for _, _, spelling in said.overrides], said.ignored, levels, bool(path))
     resolve_conflicts(cfg, levels)
+    apply_virtual_stages(cfg, levels)
     if check:
         validate(cfg)
     return cfg

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dtgpt.config.batch_schedule import smallest_batch_size
 from dtgpt.config.derived import layout_invariant_dropout, num_microbatches, num_pipeline_stages
+from dtgpt.config.pipeline_split import check_pipeline_split, megatron_stage_layers
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 
@@ -96,6 +97,7 @@ def _check_pipeline(cfg: Config) -> None:
     pp = cfg.parallel.pipeline_model_parallel_size
     vpp = cfg.parallel.virtual_pipeline_stages_per_rank
     stages = pp * vpp
+    check_pipeline_split(cfg, V_SHAPED_SCHEDULES)
     if p.pipeline_layers_per_stage:
         counts = p.pipeline_layers_per_stage
         _require(
@@ -113,7 +115,7 @@ def _check_pipeline(cfg: Config) -> None:
             f"parallel.pipeline_layers_per_stage={counts}: middle stage {empty[0] if empty else ''} would hold "
             "nothing (only the first stage may be just the embedding, the last just the head)",
         )
-    else:
+    elif megatron_stage_layers(cfg) is None:
         _require(
             m.num_layers % stages == 0,
             f"model.num_layers={m.num_layers} must be divisible by the number of pipeline stages "

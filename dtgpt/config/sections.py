@@ -11,6 +11,7 @@ from typing import Optional
 from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.mtp_keys import MTPKeys
+from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 
 
@@ -204,7 +205,9 @@ class OptimizerConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(PipelineSplitKeys):
+    """[parallel]: the mesh and schedule here, Megatron's uneven pipeline split in PipelineSplitKeys."""
+
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     data_parallel_shard_size: int = -1
@@ -218,7 +221,8 @@ class ParallelConfig:
     pipeline_schedule: str = "1F1B"
     virtual_pipeline_stages_per_rank: int = 1
     pipeline_layers_per_stage: list[int] = field(default_factory=list)
-    """Explicit layer count per stage (pp * virtual entries); empty means an even split."""
+    """Explicit layer count per stage (pp * virtual entries); empty means an even split, or
+    Megatron's split where its keys are set (PipelineSplitKeys)."""
     loss_parallel: bool = True
     """Under tp, cross-entropy on vocabulary-sharded logits (no full-logit gather): Megatron's
     vocabulary-parallel loss (dtgpt/parallel/vocab_parallel_loss.py). False: the logits are

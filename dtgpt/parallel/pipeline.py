@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from dtgpt.attention_varlen import DocumentBounds, Documents
 from dtgpt.config import V_SHAPED_SCHEDULES, Config, num_pipeline_stages
+from dtgpt.config.pipeline_split import megatron_stage_layers
 from dtgpt.model import GPT
 from dtgpt.moe.stats import uncounted
 from dtgpt.parallel.pipeline_buffers import BoundedPipelineStage, supported
@@ -25,9 +26,13 @@ from dtgpt.parallel.schedules import build_schedule
 
 
 def stage_layer_counts(cfg: Config) -> list[int]:
-    """Blocks per stage: explicit counts, or an even split."""
+    """Blocks per stage: explicit counts, Megatron's split keys' (dtgpt/config/pipeline_split.py),
+    or an even split."""
     if cfg.parallel.pipeline_layers_per_stage:
         return list(cfg.parallel.pipeline_layers_per_stage)
+    megatron = megatron_stage_layers(cfg)
+    if megatron is not None:
+        return megatron
     stages = num_pipeline_stages(cfg)
     return [cfg.model.num_layers // stages] * stages
 
