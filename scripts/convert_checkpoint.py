@@ -77,10 +77,11 @@ def to_megatron(args) -> None:
     directory = find_checkpoint(args.src, args.iteration)
     cfg = read_config(directory, args.config)
     if args.format == "per-rank":
-        written = megatron.to_megatron_per_rank(directory, cfg, args.dst, args.tp, args.ep, args.pp, args.decoder_first_pipeline_num_layers)
+        written = megatron.to_megatron_per_rank(directory, cfg, args.dst, args.tp, args.ep, args.pp,
+                                                args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
         print(f"wrote {written} (Megatron-LM per-rank files of tp {args.tp} x pp {args.pp} x ep {args.ep}, weights only) from {directory}")
         return
-    if args.pp != 1 or args.decoder_first_pipeline_num_layers is not None:
+    if args.pp != 1 or args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
         raise ValueError("--pp names the per-rank format's pipeline stages: torch_dist is the same at any pp (add --format per-rank)")
     if args.ep != 1:
         raise ValueError("--ep names the per-rank format's expert-parallel files: torch_dist is the same at any ep (add --format per-rank)")
@@ -115,6 +116,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pp", type=int, default=1, help="to-megatron --format per-rank: pipeline parallel size of the files")
     parser.add_argument("--decoder-first-pipeline-num-layers", type=int,
                         help="to-megatron --format per-rank --pp N: layers of the first stage (Megatron's flag), the rest split evenly")
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                        help="to-megatron --format per-rank --pp N: layers of the last stage (Megatron's flag), the rest split evenly")
     parser.add_argument("--weights-only", action="store_true", help="to-torch: model tensors only")
     args = parser.parse_args(argv)
     args.command = ALIASES.get(args.command, args.command)

@@ -259,8 +259,9 @@ def test_mla_per_rank_files_of_transformer_engines_spec_read_back_whole(dtgpt_ml
 
 
 @pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"],
-                                 ["--format", "per-rank", "--tp", "2", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]],
-                         ids=["torch_dist", "per_rank", "per_rank_pp2"])  # fmt: skip
+                                 ["--format", "per-rank", "--tp", "2", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
+                                 ["--format", "per-rank", "--pp", "2", "--decoder-last-pipeline-num-layers", "2"]],
+                         ids=["torch_dist", "per_rank", "per_rank_pp2", "per_rank_pp2_last"])  # fmt: skip
 def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
     """to-megatron then from-megatron gives every tensor back (the key map both ways, layers apart)."""
     assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *fmt]) == 0
@@ -269,8 +270,9 @@ def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
 
 @pytest.mark.parametrize("flags, message", [
     (["--pp", "2"], "--pp 2: Megatron splits model.num_layers=3 evenly over the pipeline stages"),
-    (["--pp", "2", "--decoder-first-pipeline-num-layers", "3"], "--decoder-first-pipeline-num-layers 3: with pp 2 it must leave"),
+    (["--pp", "2", "--decoder-first-pipeline-num-layers", "3"], "--decoder-first-pipeline-num-layers 3: with --pp 2 it must leave"),
     (["--pp", "0"], "--pp 0: the pipeline parallel size must be at least 1"),
+    (["--pp", "2", "--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers 0 must be > 0"),
 ])  # fmt: skip
 def test_to_megatron_refuses_a_pipeline_split_in_one_line(dtgpt_mla, tmp_path, capfd, flags, message):
     assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "out"), "--format", "per-rank", *flags]) == 2

@@ -16,18 +16,25 @@ VOCAB = 128
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, untie_embeddings_and_output_weights=True)
 
 
+def save_tiny(out, model: dict):
+    """A freshly initialised dtgpt checkpoint of `model` (mock data, NullTokenizer of VOCAB) in
+    `out`: (its iteration directory, its config)."""
+    cfg = dtgpt.make_config(
+        model=model, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
+        training=dict(micro_batch_size=1, global_batch_size=1, train_iters=1),
+    )  # fmt: skip
+    runtime = dtgpt.init_distributed(cfg)
+    built = dtgpt.build_model(cfg, runtime, vocab_size=VOCAB)
+    saved = dtgpt.save_checkpoint(out, cfg, runtime, built)
+    dtgpt.shutdown()
+    return saved, cfg
+
+
 @pytest.fixture(scope="module")
 def tp2_files(tmp_path_factory):
     """A dtgpt checkpoint written as Megatron's per-rank files at tp 2 (mp_rank_00, mp_rank_01)."""
     root = tmp_path_factory.mktemp("per_rank")
-    cfg = dtgpt.make_config(
-        model=MODEL, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB, num_workers=0),
-        training=dict(micro_batch_size=1, global_batch_size=1, train_iters=1),
-    )  # fmt: skip
-    runtime = dtgpt.init_distributed(cfg)
-    model = dtgpt.build_model(cfg, runtime, vocab_size=VOCAB)
-    saved = dtgpt.save_checkpoint(root / "dtgpt", cfg, runtime, model)
-    dtgpt.shutdown()
+    saved, cfg = save_tiny(root / "dtgpt", MODEL)
     return to_megatron_per_rank(saved, cfg, root / "megatron", tp=2), cfg
 
 

@@ -175,7 +175,7 @@ DTGPT_REFUSES = {
                                              "--num-layers-per-virtual-pipeline-stage 3: the layers of each pp rank"),
     "explicit_counts_too": (8, 2, ["--decoder-last-pipeline-num-layers", "3", "--parallel.pipeline_layers_per_stage=[4,4]"],
                             "both choose the pipeline split; keep one"),
-    "first_at_pp1": (8, 1, ["--decoder-first-pipeline-num-layers", "8"], "needs --pipeline-model-parallel-size > 1"),
+    "first_at_pp1": (8, 1, ["--decoder-first-pipeline-num-layers", "8"], "splits a pipeline, but --pipeline-model-parallel-size 1: it must be > 1"),
 }  # fmt: skip
 
 

@@ -33,6 +33,7 @@ FIRST, LAST = "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_la
 EMBEDDING, LOSS = "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"
 PER_VIRTUAL, LAYOUT = "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout"
 SPLIT_KEYS = (FIRST, LAST, EMBEDDING, LOSS, PER_VIRTUAL, LAYOUT)
+PP, VP = "pipeline_model_parallel_size", "virtual_pipeline_stages_per_rank"
 LAYERS = {"E": "the embedding", "t": "a transformer layer", "m": "a multi-token prediction module", "L": "the loss and head"}
 
 
@@ -68,7 +69,7 @@ def layout_layers(text: str, pp: int, num_layers: int, mtp_layers: int, name: Na
     said, flat = name(LAYOUT, text), "".join(stages)
     _require(
         len(stages) % pp == 0,
-        f"{said} has {len(stages)} stages, which must be a multiple of parallel.pipeline_model_parallel_size={pp} "
+        f"{said} has {len(stages)} stages, which must be a multiple of {name(PP, pp)} "
         "(pp ranks x virtual stages)",
     )
     _require(
@@ -115,12 +116,12 @@ def split_layers(num_layers: int, pp: int, vp: int, first: int | None = None, la
     _require(
         total % pp == 0,
         f"{said}: model.num_layers={num_layers} + {embedding + loss} = {total} must be divisible by "
-        f"parallel.pipeline_model_parallel_size={pp}",
+        f"{name(PP, pp)}",
     )
     _require(
         total // pp % vp == 0,
         f"{said}: the {total // pp} layers of each pp rank (model.num_layers={num_layers} + {embedding + loss}) must be "
-        f"divisible by parallel.virtual_pipeline_stages_per_rank={vp}",
+        f"divisible by {name(VP, vp)}",
     )
     counts = [total // pp // vp] * (pp * vp)
     counts[0] -= embedding
@@ -135,24 +136,25 @@ def _first_last(num_layers: int, pp: int, vp: int, first: int | None, last: int 
         not accounted,
         f"{said} cannot be combined with parallel.{EMBEDDING} or parallel.{LOSS} (Megatron's rule): keep one way of splitting",
     )
-    _require(pp > 1, f"{said} needs parallel.pipeline_model_parallel_size > 1 (got {pp})")
+    _require(pp > 1, f"{said} splits a pipeline, but {name(PP, pp)}: it must be > 1")
     for key, n in given.items():
         _require(n > 0, f"{name(key, n)} must be > 0")
         _require(
             n % vp == 0,
-            f"{name(key, n)} must be divisible by parallel.virtual_pipeline_stages_per_rank={vp} "
+            f"{name(key, n)} must be divisible by {name(VP, vp)} "
             "(the rank's virtual stages hold equal shares)",
         )
     rest, ranks = num_layers - sum(given.values()), pp - len(given)
+    they, them = ("it", "it") if len(given) == 1 else ("they", "them")
     _require(
         rest >= 0 and bool(rest) == bool(ranks),
-        f"{said}: with parallel.pipeline_model_parallel_size={pp} they must leave model.num_layers={num_layers} "
-        f"minus them, {rest}, " + (f"at least 1, split evenly over the other {ranks} pp ranks" if ranks else "0: no other pp rank holds layers"),
+        f"{said}: with {name(PP, pp)} {they} must leave model.num_layers={num_layers} minus {them}, {rest}, "
+        + (f"at least 1, split evenly over the other {ranks} pp ranks" if ranks else "0: no other pp rank holds layers"),
     )
     _require(
         ranks == 0 or (rest % ranks == 0 and rest // ranks % vp == 0),
         f"{said}: the {rest} other layers must split evenly over the other {ranks} pp ranks"
-        + (f", and each rank's share over its parallel.virtual_pipeline_stages_per_rank={vp} virtual stages" if vp > 1 else ""),
+        + (f", and each rank's share over its {name(VP, vp)} virtual stages" if vp > 1 else ""),
     )
     per_rank = [rest // ranks if ranks else 0] * pp
     if first is not None:
@@ -171,7 +173,7 @@ def virtual_stages_of_layers(num_layers: int, pp: int, per_stage: int, embedding
         total % pp == 0 and total // pp % per_stage == 0,
         f"{name(PER_VIRTUAL, per_stage)}: the layers of each pp rank (model.num_layers={num_layers}"
         + (f" + {embedding + loss} accounted" if embedding or loss else "")
-        + f", over parallel.pipeline_model_parallel_size={pp}) must be a whole multiple of it",
+        + f", over {name(PP, pp)}) must be a whole multiple of it",
     )
     return total // pp // per_stage
 

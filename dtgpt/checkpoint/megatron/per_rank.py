@@ -212,10 +212,15 @@ class PerRankModel:
         model = self._model(0, stage)
         return tuple(k[len(prefix):] for k in model if k.startswith(prefix))
 
+    def _first_with_layers(self) -> int:
+        """The first stage that holds decoder layers: stage 0, unless it holds only the embedding
+        (Megatron's account_for_embedding_in_pipeline_split, or a layout's 'E|...')."""
+        return next((s for s in range(len(self.stages)) if self._layer_count(s)), 0)
+
     def per_layer(self) -> bool:
         """Whether the decoder layers differ in tensors (dense and MoE layers mixed): then they
         are read apart (`decoder.layers.<i>.`), as megatron-core's torch_dist keeps them."""
-        first = self._block_names(0, "decoder.layers.0.")
+        first = self._block_names(self._first_with_layers(), "decoder.layers.0.")
         return any(self._block_names(stage, f"decoder.layers.{i}.") != first
                    for stage in range(len(self.stages)) for i in range(self._layer_count(stage)))  # fmt: skip
 
@@ -269,9 +274,9 @@ class PerRankModel:
         the routed experts on a global expert axis."""
         if self._shapes is not None:
             return self._shapes
-        last, apart = len(self.stages) - 1, self.per_layer()
+        last, apart, layered = len(self.stages) - 1, self.per_layer(), self._first_with_layers()
         self._shapes, self._where = {}, {}
-        for stage in range(len(self.stages)) if apart else sorted({0, last}):
+        for stage in range(len(self.stages)) if apart else sorted({0, layered, last}):
             offset = self._offset(stage)
             for name, part in self._model(0, stage).items():
                 if not isinstance(part, torch.Tensor):
@@ -291,7 +296,7 @@ class PerRankModel:
                     elif apart:
                         key = f"decoder.layers.{offset + int(match.group(1))}.{rest}"
                         where = (stage, prefix, rest)
-                    elif stage == 0 and match.group(1) == "0":
+                    elif stage == layered and match.group(1) == "0":
                         key, where, lead = "decoder.layers." + rest, (None, "decoder.layers.", rest), (self.num_layers(), *lead)
                     else:
                         continue

@@ -1,7 +1,8 @@
 """Megatron-LM's pipeline split of a per-rank model: which stage's file holds which tensor.
 
 Megatron splits the decoder layers evenly over the pp stages, or with
-decoder_first_pipeline_num_layers that many on the first and the rest evenly; each stage numbers
+decoder_first_pipeline_num_layers (decoder_last_pipeline_num_layers) that many on the first (last)
+and the rest evenly (dtgpt/config/pipeline_split.py); each stage numbers
 its layers from 0. The embedding lives on the first stage, the final norm and the output layer on
 the last. With tied embeddings and pp > 1 the last stage holds the head as `output_layer.weight`,
 its own copy of the word embeddings (kept equal by an all-reduce over the embedding group); a
@@ -12,26 +13,31 @@ shifted tokens), so it holds `embedding.*` as well.
 from __future__ import annotations
 
 from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.config import ConfigError
+from dtgpt.config.pipeline_split import split_layers
 
 LAST_STAGE = ("decoder.final_layernorm.", "output_layer.", "mtp.")
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
-def stage_counts(layers: int, pp: int, first: int | None = None) -> list[int]:
+def flag_name(key: str, value: object) -> str:
+    """A split key as the converter's flag: --pp 2, --decoder-first-pipeline-num-layers 1."""
+    return f"--{'pp' if key == 'pipeline_model_parallel_size' else key.replace('_', '-')} {value}"
+
+
+def stage_counts(layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
     """The decoder layers of each of `pp` stages (Megatron's rule), or one error naming the rule."""
     if pp < 1:
         raise CheckpointError(f"--pp {pp}: the pipeline parallel size must be at least 1")
-    if first is not None and pp > 1 and 0 < first < layers and (layers - first) % (pp - 1) == 0:
-        return [first] + [(layers - first) // (pp - 1)] * (pp - 1)
-    if first is not None:
-        raise CheckpointError(
-            f"--decoder-first-pipeline-num-layers {first}: with pp {pp} it must leave model.num_layers={layers} "
-            f"minus it, at least 1, split evenly over the other {pp - 1} stages"
-        )
+    if first is not None or last is not None:
+        try:
+            return split_layers(layers, pp, 1, first, last, name=flag_name)
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
     if layers % pp:
         raise CheckpointError(
             f"--pp {pp}: Megatron splits model.num_layers={layers} evenly over the pipeline stages "
-            "(or give --decoder-first-pipeline-num-layers)"
+            "(or give --decoder-first-pipeline-num-layers or --decoder-last-pipeline-num-layers)"
         )
     return [layers // pp] * pp
 

@@ -85,10 +85,11 @@ def _rank_model(full: dict, cfg: Config, tp: int, tp_rank: int, ep: int, ep_rank
 
 
 def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int = 1, ep: int = 1, pp: int = 1,
-                         first_stage_layers: int | None = None) -> Path:
+                         first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> Path:
     """Write dtgpt checkpoint `src` as Megatron-LM's per-rank iteration at tensor parallel size
     `tp`, pipeline parallel size `pp` (its layers split evenly, or with `first_stage_layers` on the
-    first stage and the rest evenly, Megatron's decoder_first_pipeline_num_layers) and expert
+    first stage and/or `last_stage_layers` on the last and the rest evenly, Megatron's
+    decoder_first/last_pipeline_num_layers) and expert
     parallel size `ep`, its vocabulary padded as Megatron pads at `tp`. Returns the iteration directory."""
     for key, count in (("model.num_attention_heads", cfg.model.num_attention_heads), ("model.num_query_groups", cfg.model.query_groups)):
         if count % tp:  # an even split of the rows could still cut a head in two
@@ -97,7 +98,7 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     if ep < 1 or (ep > 1 and experts % ep):
         what = f"model.num_experts={experts}" if experts else "a model without experts (model.num_experts unset)"
         raise CheckpointError(f"--ep {ep}: the expert-parallel ranks must split {what} evenly")
-    counts = stage_counts(cfg.model.num_layers, pp, first_stage_layers)
+    counts = stage_counts(cfg.model.num_layers, pp, first_stage_layers, last_stage_layers)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
@@ -106,8 +107,7 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if any(k.startswith("train_state.") for k in stored) else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
     vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)
-    if first_stage_layers is not None:
-        vars(common["args"]).update(decoder_first_pipeline_num_layers=first_stage_layers)
+    vars(common["args"]).update(decoder_first_pipeline_num_layers=first_stage_layers, decoder_last_pipeline_num_layers=last_stage_layers)
     tied = not cfg.model.untie_embeddings_and_output_weights
     directory = layout.iteration_dir(out_root, iteration)
     first = _rank_model(full, cfg, tp, 0, ep, 0)  # every rank's split has its shapes: an uneven one fails before a file is written
