@@ -160,12 +160,13 @@ class Finished:
 
 def train_runs(runs: list[Run]) -> dict[str, dict | str]:
     """The runs, launched together: one launch per rank count (tests/batch_worker.py), which pays
-    the processes' start-up once instead of once per run. Returns read_run's dict by key, or for a
-    run that failed or never ran (an earlier one in its launch raised) the text saying so."""
+    the processes' start-up once instead of once per run. Returns read_run's dict by key, with
+    "output": what its ranks printed, or for a run that failed or never ran (an earlier one in its
+    launch raised) the text saying so."""
     commands = [Command(r.key, r.directory, run_args(r.directory, r.args, r.key, r.base, r.save_interval), r.nproc,
                         r.seconds or SECONDS_PER_RUN) for r in runs]  # fmt: skip
     finished = launch_commands(sorted(commands, key=lambda c: c.nproc))
-    return {r.key: finished[r.key].failure or read_run(r.directory, r.key) for r in runs}
+    return {r.key: finished[r.key].failure or {**read_run(r.directory, r.key), "output": finished[r.key].output} for r in runs}
 
 
 def launch_commands(commands: list[Command]) -> dict[str, Finished]:

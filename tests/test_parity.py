@@ -79,6 +79,8 @@ LAYOUTS = {
     "llama_dp_shard2_reshard_always": (2, [*LLAMA, "--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"]),
     "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
     "pp2_1f1b_tied": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]),
+    # Megatron's layout string: stage 0 holds only the embedding, stage 1 the 4 blocks and the tied head
+    "pp2_megatron_layout_embedding_alone": (2, [PP2, "--parallel.pipeline_schedule=1F1B", "--pipeline-model-parallel-layout=E|t*4L"]),
     # stages 1 and 2 hold neither the first nor the last stage: they read no batches
     "pp4_middle_stages": (4, ["--parallel.pipeline_model_parallel_size=4", "--parallel.pipeline_schedule=1F1B"]),
     # full recomputation, 'uniform' in groups of 2 of the 4 blocks
@@ -184,6 +186,9 @@ LAYOUTS = {
 }
 
 
+# What a layout's run prints that shows its split took effect
+PRINTED = {"pp2_megatron_layout_embedding_alone": "model: 10,240 parameters on rank 0"}  # the embedding only: (128 + 32) x 64
+
 VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
 SCHEDULES = {
     # every schedule besides 1F1B (above), on 2 ranks for SHORT iterations
@@ -235,6 +240,7 @@ def reference(runs: dict, model_args: list[str]) -> dict:
 def test_layout_matches_single_process(runs, name):
     expected = reference(runs, model_overrides(LAYOUTS[name][1]))
     assert_same_training(result_of(runs, name), expected, STEPS)
+    assert PRINTED.get(name, "") in result_of(runs, name)["output"]
 
 
 @pytest.mark.slow
