@@ -23,6 +23,7 @@ from dtgpt.config.megatron_flags import translate
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.pipeline_split import apply_virtual_stages
+from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_outputs import apply_logs_follow_checkpoint
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
@@ -250,15 +251,16 @@ def _toml_value(value: Any) -> str:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML; unset optional keys appear as comments."""
     lines = []
-    moe = {f.name for f in dataclasses.fields(MoEKeys)}
+    later = {f.name for keys in (MoEKeys, PipelineSplitKeys) for f in dataclasses.fields(keys)}
     for section_field in dataclasses.fields(cfg):
         section = getattr(cfg, section_field.name)
         if section_field.name == "faults":
             lines.append("# fault injection, for tests and drills (docs/faults.md): leave it at 0 in a real run")
         lines.append(f"[{section_field.name}]")
         # a [model] reads as the model first; its mixture-of-experts keys (a base class, so
-        # first among the fields) come after the dense ones
-        for f in sorted(dataclasses.fields(section), key=lambda f: f.name in moe):
+        # first among the fields) come after the dense ones, as [parallel]'s uneven-split keys
+        # come after the mesh
+        for f in sorted(dataclasses.fields(section), key=lambda f: f.name in later):
             if f.name == "num_experts":
                 lines.append("# mixture of experts (unset num_experts: every block dense)")
             value = getattr(section, f.name)
