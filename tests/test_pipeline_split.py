@@ -115,12 +115,15 @@ def test_deepseek_v3_layout_gives_its_configs_stages():
 
 
 def test_split_keys_round_trip_through_the_saved_config(tmp_path):
-    """The resolved config (virtual stages derived from the layout) reads back as the same split."""
-    cfg = dtgpt_config(8, 2, ["--pipeline-model-parallel-layout", "Et*2|(t|)*2,t*4L", INTERLEAVED])
+    """The resolved config (virtual stages derived from the layout and, none chosen, Megatron's
+    interleaved schedule for them) reads back as the same split."""
+    cfg = dtgpt_config(8, 2, ["--pipeline-model-parallel-layout", "Et*2|(t|)*2,t*4L"])
+    assert cfg.parallel.pipeline_schedule == "Interleaved1F1B"
     (tmp_path / "c.toml").write_text(to_toml(cfg))
     again = load_config(tmp_path / "c.toml", [])
     assert stage_layer_counts(again) == stage_layer_counts(cfg) == [2, 1, 1, 4]
     assert again.parallel.virtual_pipeline_stages_per_rank == 2
+    assert dtgpt_config(8, 2, ["--num-layers-per-virtual-pipeline-stage", "2", "--parallel.pipeline_schedule=LoopedBFS"]).parallel.pipeline_schedule == "LoopedBFS"
 
 
 # Refused by megatron-core itself (TransformerConfig / its layout) and by dtgpt, in the words typed.

@@ -250,12 +250,15 @@ def check_pipeline_split(cfg: Config, v_shaped: tuple[str, ...]) -> None:
 
 def apply_virtual_stages(cfg: Config, levels: dict[str, int]) -> None:
     """When the config is read: a layout or num_layers_per_virtual_pipeline_stage sets the
-    virtual stages per rank (Megatron derives them the same way). A different
+    virtual stages per rank (Megatron derives them the same way) and, with more than one and no
+    schedule chosen, Megatron's schedule for them, Interleaved1F1B. A different
     virtual_pipeline_stages_per_rank given beside them is refused by check_pipeline_split."""
     try:
         vp = derived_virtual_stages(cfg)
     except ConfigError:  # validation names it (or a caller that does not validate has its reasons)
         return
-    key = "parallel.virtual_pipeline_stages_per_rank"
-    if vp is not None and key not in levels:
-        cfg.parallel.virtual_pipeline_stages_per_rank = vp
+    if vp is None or "parallel.virtual_pipeline_stages_per_rank" in levels:
+        return
+    cfg.parallel.virtual_pipeline_stages_per_rank = vp
+    if vp > 1 and "parallel.pipeline_schedule" not in levels:
+        cfg.parallel.pipeline_schedule = "Interleaved1F1B"
