@@ -235,7 +235,7 @@ def check_pipeline_split(cfg: Config, v_shaped: tuple[str, ...]) -> None:
         f"not parallel.{PER_VIRTUAL} (Megatron's rule)",
     )
     _require(
-        p.pipeline_schedule not in v_shaped,
+        p.pipeline_schedule not in v_shaped or keys == [PER_VIRTUAL],  # an even split is the same either way
         f"{said}: Megatron's split numbers the stages looped (pp rank r holds stages r, r + pp, ...), but "
         f"parallel.pipeline_schedule={p.pipeline_schedule!r} places them in a V; give parallel.pipeline_layers_per_stage instead",
     )
