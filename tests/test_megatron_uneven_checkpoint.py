@@ -78,3 +78,17 @@ def test_to_megatron_refuses_an_uneven_split_megatron_refuses(saved, tmp_path, f
     with pytest.raises(CheckpointError, match=message):
         to_megatron_per_rank(directory, cfg, tmp_path / "m", **flags)
     assert not (tmp_path / "m").exists()
+
+
+def test_stages_that_disagree_with_their_args_split_are_one_error(saved, tmp_path):
+    """Files cut 3 + 3 whose args say decoder_first_pipeline_num_layers=2 (a split of 2 + 4): the
+    layers would land in the wrong places, so the read stops with one line naming both."""
+    directory, cfg = saved
+    to_megatron_per_rank(directory, cfg, tmp_path / "pp1", pp=1)
+    whole = load_pickle(find(tmp_path / "pp1") / "mp_rank_00" / PER_RANK_FILE)
+    vars(whole["args"]).update(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2)
+    write_stages(whole, tmp_path / "pp2", 0, 2, ["model"], LAYERS, counts=[3, 3])
+    message = r"pipeline stage 0 holds 3 layers, but its args' split \(num_layers=6, decoder_first_pipeline_num_layers=2\) over 2 stages gives 2"
+    with pytest.raises(CheckpointError, match=message) as err:
+        assert_reads_back(tmp_path / "pp2", directory, cfg)
+    assert "\n" not in str(err.value)

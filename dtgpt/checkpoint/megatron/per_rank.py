@@ -18,6 +18,8 @@ import torch
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle, per_rank_dirs
 from dtgpt.checkpoint.megatron.keys import EXPERT_KEY
+from dtgpt.config import ConfigError
+from dtgpt.config.pipeline_split import layout_layers, split_layers
 
 TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
           "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1,
@@ -48,7 +50,32 @@ def tp_dim(key: str, duplicated: bool = False) -> int | None:
 LOCAL_EXPERTS = "mlp.experts.local_experts."
 UNEVEN_SPLIT_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
                      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")  # fmt: skip
-"""Megatron's args that make its pipeline split uneven: then each stage's file says its layer count."""
+"""Megatron's args that make its pipeline split uneven."""
+
+
+def describe_split(args) -> str:
+    """The args that choose the split, as `name=value`."""
+    said = [f"num_layers={getattr(args, 'num_layers', None)}"]
+    return ", ".join(said + [f"{name}={getattr(args, name)!r}" for name in UNEVEN_SPLIT_ARGS if getattr(args, name, None)])
+
+
+def args_split(args, pp: int, vp: int) -> list[int] | None:
+    """The layers of each of pp * vp stages that Megatron's saved args give, or None where they
+    give none (no layer count; an even split that does not divide; a split dtgpt's rules refuse)."""
+    layers = getattr(args, "num_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        return None
+    uneven = {name: getattr(args, name, None) for name in UNEVEN_SPLIT_ARGS}
+    try:
+        if uneven["pipeline_model_parallel_layout"]:
+            mtp = getattr(args, "mtp_num_layers", None) or 0
+            return layout_layers(str(uneven["pipeline_model_parallel_layout"]), pp, layers, mtp)
+        if not any(uneven.values()):
+            return [layers // (pp * vp)] * (pp * vp) if layers % (pp * vp) == 0 else None
+        return split_layers(layers, pp, vp, *(uneven[name] for name in UNEVEN_SPLIT_ARGS[:2]),
+                            bool(uneven["account_for_embedding_in_pipeline_split"]), bool(uneven["account_for_loss_in_pipeline_split"]))  # fmt: skip
+    except ConfigError:
+        return None
 
 
 def _expert_parallel(saved: dict) -> bool:
@@ -93,6 +120,7 @@ class PerRankModel:
             )
         self._models: dict[tuple[int, int, int], dict] = {(0, 0, 0): first}
         self._counts: dict[int, int] = {}
+        self._split: list[int] | None | bool = False  # _args_split's, once known
         self._shapes: dict[str, tuple[int, ...]] | None = None
         chunk_keys = (f"model{v}" for v in itertools.count())
         self.chunks = ["model"] if "model" in first else list(itertools.takewhile(first.__contains__, chunk_keys))
@@ -140,34 +168,35 @@ class PerRankModel:
             self._counts[stage] = sum(1 for k in self._model(0, stage) if k.startswith("decoder.layers.") and k.endswith(suffix))
         return self._counts[stage]
 
-    def _even_layers(self) -> int | None:
-        """Layers per stage when the args say the split is even (Megatron's default), else None:
-        then each stage's file is opened to count them."""
-        args = self.common.get("args")
-        layers = getattr(args, "num_layers", None)
-        uneven = any(getattr(args, name, None) for name in UNEVEN_SPLIT_ARGS)
-        return layers // len(self.stages) if layers and not uneven and layers % len(self.stages) == 0 else None
+    def _args_split(self) -> list[int] | None:
+        """The layers of each stage that the args' split gives (Megatron's rules: even, or its
+        uneven-split args, dtgpt/config/pipeline_split.py), at the files' pp and virtual stages;
+        None where the args give none (then each stage's file is counted, unchecked)."""
+        if self._split is False:
+            self._split = args_split(self.common.get("args"), self.pp, len(self.chunks))
+        return self._split
 
     def num_layers(self) -> int:
-        even = self._even_layers()
-        return even * len(self.stages) if even is not None else sum(self._layer_count(s) for s in range(len(self.stages)))
+        split = self._args_split()
+        return sum(split) if split is not None else sum(self._layer_count(s) for s in range(len(self.stages)))
 
     def _layer_at(self, layer: int) -> tuple[int, int]:
-        """(stage, layer within it) of global layer `layer`; the stage's file is checked to hold it."""
-        even = self._even_layers()
-        if even is not None:
-            stage, i = divmod(layer, even)
-            if self._layer_count(stage) != even:
-                raise CheckpointError(
-                    f"Megatron checkpoint {self.directory}: pipeline stage {stage} holds {self._layer_count(stage)} layers, "
-                    f"but its args' num_layers={even * len(self.stages)} split evenly over {len(self.stages)} stages gives {even}"
-                )
-            return stage, i
-        for stage in range(len(self.stages)):
-            if layer < self._layer_count(stage):
-                return stage, layer
-            layer -= self._layer_count(stage)
-        raise KeyError(layer)
+        """(stage, layer within it) of global layer `layer`; where the args give the split, only
+        that stage's file is opened, and checked to hold the layers the split gives it."""
+        split = self._args_split()
+        counts = split if split is not None else [self._layer_count(s) for s in range(len(self.stages))]
+        for stage, count in enumerate(counts):
+            if layer < count:
+                break
+            layer -= count
+        else:
+            raise KeyError(layer)
+        if split is not None and self._layer_count(stage) != count:
+            raise CheckpointError(
+                f"Megatron checkpoint {self.directory}: pipeline stage {stage} holds {self._layer_count(stage)} layers, but "
+                f"its args' split ({describe_split(self.common.get('args'))}) over {len(self.stages)} stages gives {count}"
+            )
+        return stage, layer
 
     def _tp_pieces(self, key: str, full: int) -> list[list[tuple[int, int, int]]]:
         """Per tp rank, the (start in the full tensor, start in its part, length) of its rows
