@@ -7,6 +7,7 @@ from typing import Sequence
 
 from dtgpt.config import Config
 from dtgpt.parallel import ParallelDims
+from dtgpt.parallel.pipeline import stage_layer_counts
 
 
 def data_source(cfg: Config, tokenizer) -> str:
@@ -58,6 +59,9 @@ def expert_mesh(cfg: Config, dims: ParallelDims) -> str:
 
 def startup_summary(cfg: Config, dims: ParallelDims, n_params: int, vocab_size: int, tokenizer, datasets: Sequence) -> str:
     schedule = f", schedule {cfg.parallel.pipeline_schedule}" if dims.pp > 1 else ""
+    counts = stage_layer_counts(cfg) if dims.pp > 1 else []
+    if len(set(counts)) > 1:  # an uneven split, shown as the stages build it
+        schedule += f", blocks per stage {' '.join(map(str, counts))}"
     return "\n".join([
         f"> data: {data_source(cfg, tokenizer)}",
         f"> samples (seq_length {cfg.model.seq_length}): {split_sizes(datasets)}",

@@ -187,7 +187,8 @@ LAYOUTS = {
 
 
 # What a layout's run prints that shows its split took effect
-PRINTED = {"pp2_megatron_layout_embedding_alone": "model: 10,240 parameters on rank 0"}  # the embedding only: (128 + 32) x 64
+# (rank 0's parameters: the embedding alone, (128 words + 32 positions) x 64)
+PRINTED = {"pp2_megatron_layout_embedding_alone": "schedule 1F1B, blocks per stage 0 4\n> model: 10,240 parameters on rank 0"}
 
 VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
 SCHEDULES = {
