@@ -2,8 +2,9 @@
 
 Same mesh: per-iteration losses equal exactly (dropout on, so the RNG state must come back too).
 Another mesh: the model and optimizer are resharded and the losses match to fp32 rounding.
-Each uninterrupted run saves at iteration 10 and goes on to 20; resuming from iteration 10
-(checkpoint.load_iteration) must reproduce iterations 11..20.
+Each uninterrupted run saves at iteration SAVED (4: past the LR warmup, into the decay) and goes
+on to ITERS (8); resuming from iteration SAVED (checkpoint.load_iteration) must reproduce
+iterations SAVED+1..ITERS.
 
 The runs share launches (tests/runs.py launch_commands): one per rank count, each resume after
 the run it resumes, 4 ranks first (their checkpoints are resumed on 1 and 2 ranks), then 1, then
@@ -26,12 +27,13 @@ from tests.runs import REPO, Command, launch_commands, read_metrics, selected_ca
 
 pytestmark = pytest.mark.slow  # train.py and torchrun runs
 
+ITERS, SAVED = 8, 4
 BASE = [
     "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32",
     "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=8",
-    "--training.train_iters=20", "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
+    f"--training.train_iters={ITERS}", "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
     "--optimizer.lr_decay_style=cosine", "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer",
-    "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", "--logging.log_interval=10",
+    "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", f"--logging.log_interval={SAVED}",
 ]  # fmt: skip
 DROPOUT = ["--model.hidden_dropout=0.1", "--model.attention_dropout=0.1"]
 NO_DROPOUT = ["--model.hidden_dropout=0.0", "--model.attention_dropout=0.0"]
@@ -39,7 +41,7 @@ DP2_TP2 = ["--parallel.tensor_model_parallel_size=2"]
 PP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]
 
 
-SECONDS = 180  # per run: 20 tiny iterations on up to 4 ranks, 2 loaded cores
+SECONDS = 180  # per run: 8 tiny iterations on up to 4 ranks, 2 loaded cores
 LAUNCH_ORDER = (4, 1, 2)  # rank counts: a 4-rank checkpoint is resumed on 1 and 2 ranks
 
 
@@ -49,13 +51,13 @@ def train(directory, key: str, args: list[str], nproc: int = 1) -> Command:
 
 
 def uninterrupted(directory, key: str, args: list[str], nproc: int) -> Command:
-    """20 iterations, saving at 10 and 20 into KEY_ckpt."""
-    return train(directory, key, args + [f"--checkpoint.save={directory / f'{key}_ckpt'}", "--checkpoint.save_interval=10"], nproc)
+    """ITERS iterations, saving at SAVED and ITERS into KEY_ckpt."""
+    return train(directory, key, args + [f"--checkpoint.save={directory / f'{key}_ckpt'}", f"--checkpoint.save_interval={SAVED}"], nproc)
 
 
 def resume(directory, key: str, root, args: list[str], nproc: int, save=None) -> Command:
-    """From iteration 10 of the checkpoints under root (saved by an earlier run of the batch)."""
-    extra = [f"--checkpoint.load={root}", "--checkpoint.load_iteration=10"]
+    """From iteration SAVED of the checkpoints under root (saved by an earlier run of the batch)."""
+    extra = [f"--checkpoint.load={root}", f"--checkpoint.load_iteration={SAVED}"]
     if save:
         extra.append(f"--checkpoint.save={save}")
     return train(directory, key, args + extra, nproc)
@@ -110,17 +112,17 @@ def losses_of(runs: dict, key: str) -> tuple[dict[int, float], str]:
 
 
 def uninterrupted_run(runs: dict, key: str):
-    """An uninterrupted run's (losses, checkpoint root), checked: 20 iterations, saved at 10 and 20."""
+    """An uninterrupted run's (losses, checkpoint root), checked: ITERS iterations, saved at SAVED and ITERS."""
     losses, _ = losses_of(runs, key)
     root = runs[key][1] / f"{key}_ckpt"
-    assert sorted(losses) == list(range(1, 21))
-    assert layout.read_pointer(root) == 20 and layout.list_iterations(root) == [10, 20]
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert layout.read_pointer(root) == ITERS and layout.list_iterations(root) == [SAVED, ITERS]
     return losses, root
 
 
 def resumed_run(runs: dict, key: str):
     losses, out = losses_of(runs, key)
-    assert sorted(losses) == list(range(11, 21)), "the resumed run must start at iteration 11"
+    assert sorted(losses) == list(range(SAVED + 1, ITERS + 1)), "the resumed run must start after iteration SAVED"
     return losses, out
 
 
@@ -144,8 +146,8 @@ def assert_same_tensors(a_dir, b_dir) -> None:
 def test_resume_one_process_is_bitwise_identical(runs):
     reference, _ = uninterrupted_run(runs, "bitwise")
     resumed, out = resumed_run(runs, "bitwise_resumed")
-    assert resumed == {it: reference[it] for it in range(11, 21)}
-    assert "loaded checkpoint" in out and "iteration 10, consumed samples 80" in out
+    assert resumed == {it: reference[it] for it in range(SAVED + 1, ITERS + 1)}
+    assert "loaded checkpoint" in out and f"iteration {SAVED}, consumed samples {SAVED * 8}" in out
 
 
 def evaluation_lines(output: str) -> dict[str, str]:
@@ -177,13 +179,13 @@ def test_resume_two_ranks_bitwise_and_async_equals_sync(runs):
     both final checkpoints hold the same state, so their tensors are equal. The last stage's
     copy of the tied weight is not stored; it is read back from the embedding."""
     reference, root = uninterrupted_run(runs, "pp2")
-    keys = layout.read_metadata(layout.iteration_dir(root, 10)).state_dict_metadata
+    keys = layout.read_metadata(layout.iteration_dir(root, SAVED)).state_dict_metadata
     assert not any("output.weight" in k for k in keys) and "optimizer.state.embedding.word.weight.exp_avg" in keys
     assert {"rng.pp_0.tp_0.cpu", "rng.pp_1.tp_0.cpu"} <= set(keys)
     resumed_root = runs["pp2"][1] / "pp2_resumed_ckpt"
     resumed, _ = resumed_run(runs, "pp2_resumed")
-    assert resumed == {it: reference[it] for it in range(11, 21)}
-    assert_same_tensors(layout.iteration_dir(root, 20), layout.iteration_dir(resumed_root, 20))
+    assert resumed == {it: reference[it] for it in range(SAVED + 1, ITERS + 1)}
+    assert_same_tensors(layout.iteration_dir(root, ITERS), layout.iteration_dir(resumed_root, ITERS))
 
 
 @pytest.fixture
@@ -219,7 +221,7 @@ def test_every_stored_key_is_documented_in_stored_py(dp2_tp2):
     """dtgpt/checkpoint/stored.py lists what a checkpoint holds: every key of a dp2 x tp2 one
     (the RNG states under their (pp, tp) coordinate) matches one of its patterns."""
     _, root = dp2_tp2
-    keys = layout.read_metadata(layout.iteration_dir(root, 10)).state_dict_metadata
+    keys = layout.read_metadata(layout.iteration_dir(root, SAVED)).state_dict_metadata
     assert {"rng.pp_0.tp_0.cpu", "rng.pp_0.tp_1.cpu"} <= set(keys)
     patterns = documented_key_patterns()
     assert [k for k in keys if not any(p.match(k) for p in patterns)] == []
@@ -234,7 +236,7 @@ def test_generate_from_dp2_tp2_checkpoint(dp2_tp2):
     ids = proc.stdout.split()
     assert ids[:4] == ["1", "2", "3", "4"] and len(ids) == 10
     assert all(0 <= int(i) < 128 for i in ids)
-    assert "iter_0000020" in proc.stderr
+    assert f"iter_{ITERS:07d}" in proc.stderr
 
 
 SLOW_MESHES = {

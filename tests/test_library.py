@@ -12,7 +12,7 @@ import torch
 
 import dtgpt
 from dtgpt.config import load_config
-from tests.runs import REPO, TINY, read_metrics, run_train
+from tests.runs import REPO, TINY, Command, launch_commands, read_metrics
 
 EXAMPLE = REPO / "examples/simple_train_loop.py"
 
@@ -107,8 +107,7 @@ def _resume_library_checkpoint_in_train_py(tmp_path):
     assert 1 <= skipped < 4 and state.scaler.scale < 2.0**20  # the scaler has moved, the schedule too
     dtgpt.save_checkpoint(tmp_path / "ckpt", cfg, runtime, state)
 
-    whole = read_metrics_of(tmp_path, args, "whole")
-    resumed = read_metrics_of(tmp_path, args + [f"--checkpoint.load={tmp_path / 'ckpt'}"], "resumed")
+    whole, resumed = read_metrics_of(tmp_path, {"whole": args, "resumed": args + [f"--checkpoint.load={tmp_path / 'ckpt'}"]})
     assert [r.loss for r in library] == [r["loss"] for r in whole[:4]]
     assert [as_logged(r.grad_norm) for r in library] == [r["grad_norm"] for r in whole[:4]]
     assert [r["iteration"] for r in resumed] == [5, 6, 7, 8]
@@ -119,10 +118,12 @@ def as_logged(value: float) -> float | None:
     return value if math.isfinite(value) else None  # the metrics file writes non-finite as null
 
 
-def read_metrics_of(tmp_path, args: list[str], name: str) -> list[dict]:
-    metrics = tmp_path / f"{name}.jsonl"
-    run_train(tmp_path, args + [f"--logging.metrics_file={metrics}"], name=name)
-    return read_metrics(metrics)
+def read_metrics_of(tmp_path, runs: dict[str, list[str]]) -> list[list[dict]]:
+    """The metrics of train.py runs {name: args}, run in this order in one launch (tests/runs.py)."""
+    finished = launch_commands([Command(name, tmp_path, args + [f"--logging.metrics_file={tmp_path / f'{name}.jsonl'}"]) for name, args in runs.items()])
+    for name in runs:
+        finished[name].checked()  # a run that failed fails the test with its log
+    return [read_metrics(tmp_path / f"{name}.jsonl") for name in runs]
 
 
 def test_bare_model_checkpoint_claims_no_training_state(tmp_path):

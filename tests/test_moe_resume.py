@@ -10,7 +10,7 @@ uninterrupted run to fp32 rounding.
 
 import pytest
 
-from tests.runs import TINY, read_metrics, run_train
+from tests.runs import TINY, Command, launch_commands, read_metrics, selected_cases
 
 pytestmark = pytest.mark.slow  # torchrun launches
 
@@ -26,10 +26,15 @@ EXPERT_BIAS = ["--model.moe_router_score_function=sigmoid", "--model.moe_router_
 RESUME = [*TINY, *MOE, *EXPERT_BIAS, "--training.train_iters=6", "--optimizer.lr_decay_iters=6"]
 
 
-def losses_of(tmp_path, name: str, args: list[str], nproc: int) -> dict[int, float]:
-    metrics = tmp_path / f"{name}.jsonl"
-    run_train(tmp_path, RESUME + args + [f"--logging.metrics_file={metrics}"], nproc=nproc, name=name)
-    return {r["iteration"]: r["loss"] for r in read_metrics(metrics)}
+def command(directory, key: str, args: list[str], nproc: int) -> Command:
+    return Command(key, directory, RESUME + args + [f"--logging.metrics_file={directory / f'{key}.jsonl'}"], nproc)
+
+
+def losses_of(runs: dict, key: str) -> dict[int, float]:
+    """A run's losses by iteration; a run that failed fails the test with its log."""
+    finished, directory = runs[key]
+    finished.checked()
+    return {r["iteration"]: r["loss"] for r in read_metrics(directory / f"{key}.jsonl")}
 
 
 LAYOUT_EP2 = ["--parallel.data_parallel_shard_size=2", ep(2)]
@@ -38,16 +43,29 @@ LAYOUTS = {
     "ep2": (LAYOUT_EP2, 2),
     "ep2_tp2_sp": ([*LAYOUT_EP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], 4),
 }
+CASES = {"ep2_tp2_sp_to_ep1": ("ep2_tp2_sp", "ep1"), "ep1_to_ep2": ("ep1", "ep2")}  # case: (saved at, resumed at)
 
 
-@pytest.mark.parametrize("saved_at,resumed_at", [("ep2_tp2_sp", "ep1"), ("ep1", "ep2")], ids=["ep2_tp2_sp_to_ep1", "ep1_to_ep2"])
-def test_a_checkpoint_resumes_at_another_ep(tmp_path, saved_at, resumed_at):
-    root = tmp_path / "ckpt"
-    args, ranks = LAYOUTS[saved_at]
-    whole = losses_of(tmp_path, "whole", args + [f"--checkpoint.save={root}", "--checkpoint.save_interval=3"], ranks)
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict:
+    """Each selected case's whole run, then its resume: one launch per rank count (tests/runs.py
+    launch_commands; the one-process launch resumes one case and saves the other's). {key: (Finished, directory)}."""
+    commands = []
+    for case in selected_cases(request, test_a_checkpoint_resumes_at_another_ep):
+        (saved, saved_ranks), (resumed, resumed_ranks) = (LAYOUTS[layout] for layout in CASES[case])
+        directory = tmp_path_factory.mktemp(case)
+        root = directory / "ckpt"
+        commands += [command(directory, f"{case}_whole", saved + [f"--checkpoint.save={root}", "--checkpoint.save_interval=3"], saved_ranks),
+                     command(directory, f"{case}_resumed", resumed + [f"--checkpoint.load={root}", "--checkpoint.load_iteration=3"], resumed_ranks)]  # fmt: skip
+    finished = launch_commands(commands) if commands else {}
+    return {c.key: (finished[c.key], c.directory) for c in commands}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_checkpoint_resumes_at_another_ep(runs, case):
+    whole = losses_of(runs, f"{case}_whole")
     assert sorted(whole) == list(range(1, 7))
-    args, ranks = LAYOUTS[resumed_at]
-    resumed = losses_of(tmp_path, "resumed", args + [f"--checkpoint.load={root}", "--checkpoint.load_iteration=3"], ranks)
+    resumed = losses_of(runs, f"{case}_resumed")
     assert sorted(resumed) == [4, 5, 6]
     for iteration, loss in resumed.items():
         assert loss == pytest.approx(whole[iteration], rel=1e-5), iteration

@@ -4,16 +4,14 @@ TensorBoard, with tokens per expert and dropped tokens in the metrics file."""
 
 import pytest
 
-from tests.runs import TINY, read_metrics, run_train
+from tests.runs import TINY, Command, launch_commands, read_metrics
 
 MOE = ["--model.num_layers=2", "--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64",
        "--training.train_iters=4", "--logging.log_interval=2"]  # fmt: skip
 
 
-def _run(tmp_path, name: str, *args: str):
-    metrics = tmp_path / f"{name}.jsonl"
-    proc = run_train(tmp_path, [*TINY, *MOE, *args, f"--logging.metrics_file={metrics}"], name=name)
-    return proc.stdout, read_metrics(metrics)
+def _command(tmp_path, name: str, *args: str) -> Command:
+    return Command(name, tmp_path, [*TINY, *MOE, *args, f"--logging.metrics_file={tmp_path / f'{name}.jsonl'}"])
 
 
 @pytest.mark.slow
@@ -21,9 +19,12 @@ def test_aux_loss_coeff_changes_the_trajectory_and_is_logged(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = tmp_path / "tb"
-    out, weighted = _run(tmp_path, "weighted", "--model.moe_aux_loss_coeff=1.0", "--model.moe_expert_capacity_factor=1.0",
-                         f"--logging.tensorboard_dir={tb}")  # fmt: skip
-    _, plain = _run(tmp_path, "plain", "--model.moe_aux_loss_coeff=0.0", "--model.moe_expert_capacity_factor=1.0")
+    finished = launch_commands([  # both runs in one launch
+        _command(tmp_path, "weighted", "--model.moe_aux_loss_coeff=1.0", "--model.moe_expert_capacity_factor=1.0", f"--logging.tensorboard_dir={tb}"),
+        _command(tmp_path, "plain", "--model.moe_aux_loss_coeff=0.0", "--model.moe_expert_capacity_factor=1.0"),
+    ])  # fmt: skip
+    out, _ = finished["weighted"].checked(), finished["plain"].checked()
+    weighted, plain = read_metrics(tmp_path / "weighted.jsonl"), read_metrics(tmp_path / "plain.jsonl")
     assert weighted[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)  # the same start: only training differs
     assert weighted[-1]["loss"] != pytest.approx(plain[-1]["loss"], rel=1e-4)
     assert "load_balancing_loss" not in plain[0]  # no weight, nothing logged, as Megatron

@@ -1,27 +1,56 @@
-"""Timers and the profiler through real train.py runs."""
+"""Timers and the profiler through real train.py runs (one launch: tests/runs.py launch_commands)."""
 
 import pytest
 
-from tests.runs import TINY, read_metrics, run_train
+from tests.runs import TINY, Command, launch_commands, read_metrics, selected_cases
 
 pytestmark = pytest.mark.slow  # train.py runs
 
 HEADER = "(min, max) time across ranks (ms):"
+LEVELS = {
+    # timers_log_level: (timers printed, timers not printed)
+    0: ([], ["forward-backward", "optimizer ...", "batch-generator"]),
+    1: (["forward-backward", "optimizer ..."], ["batch-generator", "grads-reduce-clip", "optimizer-inner-step"]),
+    2: (["forward-backward", "optimizer ...", "batch-generator", "grads-reduce-clip", "optimizer-inner-step"], []),
+}
 
 
-@pytest.mark.parametrize(
-    "level,present,absent",
-    [
-        (0, [], ["forward-backward", "optimizer ...", "batch-generator"]),
-        (1, ["forward-backward", "optimizer ..."], ["batch-generator", "grads-reduce-clip", "optimizer-inner-step"]),
-        (2, ["forward-backward", "optimizer ...", "batch-generator", "grads-reduce-clip", "optimizer-inner-step"], []),
-    ],
-)
-def test_timer_levels(tmp_path, level, present, absent):
+def level_args(level: int, directory) -> list[str]:
     args = TINY + ["--training.train_iters=4", "--logging.log_interval=2", f"--logging.timers_log_level={level}"]
     if level == 2:
-        args += ["--profiling.profile_step_start=2", "--profiling.profile_step_end=4", f"--profiling.trace_dir={tmp_path / 'trace'}"]
-    out = run_train(tmp_path, args).stdout
+        args += ["--profiling.profile_step_start=2", "--profiling.profile_step_end=4", f"--profiling.trace_dir={directory / 'trace'}"]
+    return args
+
+
+def phase_args(directory) -> list[str]:
+    return TINY + ["--training.train_iters=4", "--logging.log_interval=4", "--logging.timers_log_level=2",
+                   f"--logging.tensorboard_dir={directory / 'tb'}", f"--logging.metrics_file={directory / 'm.jsonl'}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict:
+    """The selected tests' one-process runs in one launch: {key: (Finished, its directory)}."""
+    commands = []
+    for case in selected_cases(request, test_timer_levels):
+        directory = tmp_path_factory.mktemp(f"level{case}")
+        commands.append(Command(f"level{case}", directory, level_args(int(case), directory)))
+    if selected_cases(request, test_phase_times_reach_tensorboard_per_iteration):
+        directory = tmp_path_factory.mktemp("phases")
+        commands.append(Command("phases", directory, phase_args(directory)))
+    finished = launch_commands(commands) if commands else {}
+    return {c.key: (finished[c.key], c.directory) for c in commands}
+
+
+def printed(runs: dict, key: str):
+    """(what a run printed, its directory); a run that failed fails the test with its log."""
+    finished, directory = runs[key]
+    return finished.checked(), directory
+
+
+@pytest.mark.parametrize("level", list(LEVELS), ids=str)
+def test_timer_levels(runs, level):
+    present, absent = LEVELS[level]
+    out, tmp_path = printed(runs, f"level{level}")
     assert (HEADER in out) == (level > 0)
     if level:
         assert out.count(HEADER) == 2  # every log_interval
@@ -34,16 +63,14 @@ def test_timer_levels(tmp_path, level, present, absent):
         assert traces and traces[0].stat().st_size > 1000
 
 
-def test_phase_times_reach_tensorboard_per_iteration(tmp_path):
+def test_phase_times_reach_tensorboard_per_iteration(runs):
     """A short run with tensorboard_dir set has `<phase>-time` scalars in its event file, and the
     times are per iteration: an interval's forward-backward total divided by its iterations fits
     inside the mean iteration time (the total itself would not: it spans four iterations)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    out, tmp_path = printed(runs, "phases")
     tb, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
-    args = TINY + ["--training.train_iters=4", "--logging.log_interval=4", "--logging.timers_log_level=2",
-                   f"--logging.tensorboard_dir={tb}", f"--logging.metrics_file={metrics}"]  # fmt: skip
-    out = run_train(tmp_path, args).stdout
     acc = EventAccumulator(str(tb))
     acc.Reload()
     phases = ("forward-backward", "optimizer", "batch-generator", "grads-reduce-clip", "optimizer-inner-step")

@@ -36,10 +36,10 @@ import hashlib
 import pytest
 
 from tests.parity_oracle import assert_same_training
-from tests.runs import REPO, Run, result_of, selected_cases, train_run, train_runs
+from tests.runs import REPO, Run, result_of, selected_cases, train_runs
 
-STEPS = 7
-SHORT = 5
+STEPS = 4
+SHORT = 3
 RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]  # what every run of the comparison shares
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
@@ -227,6 +227,9 @@ def runs(request, tmp_path_factory) -> dict:
     variants = {tuple(model_overrides(LAYOUTS[name][1])) for name in layouts} | ({()} if schedules else set())
     for model_args in sorted(variants):
         batch.append(Run(reference_key(list(model_args)), tmp_path_factory.mktemp("single"), RUN + list(model_args), save_interval=SHORT))
+    if selected_cases(request, test_debug_3d_config_matches_single_process):
+        debug_3d = tmp_path_factory.mktemp("debug_3d")
+        batch += [Run("debug_3d_single", debug_3d, DEBUG_3D + ONE_PROCESS, base=[]), Run("debug_3d", debug_3d, DEBUG_3D, 8, base=[])]
     return train_runs(batch)
 
 
@@ -250,10 +253,11 @@ def test_every_pipeline_schedule_matches_single_process(runs, name):
     assert_same_training(result_of(runs, name), reference(runs, []), SHORT)
 
 
-def test_debug_3d_config_matches_single_process(tmp_path):
+DEBUG_3D = ["--config", str(REPO / "configs/debug_3d.toml"), f"--training.train_iters={SHORT}", "--eval.eval_iters=0"]
+ONE_PROCESS = ["--parallel.tensor_model_parallel_size=1", "--parallel.pipeline_model_parallel_size=1", "--parallel.sequence_parallel=false"]
+
+
+def test_debug_3d_config_matches_single_process(runs):
     """configs/debug_3d.toml as the README runs it (pp2 x dp2 x tp2 + SP, 8 ranks) against the same
-    file on one process."""
-    config = ["--config", str(REPO / "configs/debug_3d.toml"), f"--training.train_iters={SHORT}", "--eval.eval_iters=0"]
-    one = ["--parallel.tensor_model_parallel_size=1", "--parallel.pipeline_model_parallel_size=1", "--parallel.sequence_parallel=false"]
-    expected = train_run(tmp_path, config + one, name="single", base=[])
-    assert_same_training(train_run(tmp_path, config, nproc=8, base=[]), expected, SHORT)
+    file on one process (both in the module's launches: the 8 ranks share the 8-rank layouts' one)."""
+    assert_same_training(result_of(runs, "debug_3d"), result_of(runs, "debug_3d_single"), SHORT)

@@ -21,7 +21,7 @@ from dtgpt.parallel.model_parts import cross_entropy_sum
 from dtgpt.step import local_forward_backward
 from tests.megatron_step_schedule import compare_with_megatron
 from tests.parity_oracle import assert_same_training
-from tests.runs import TINY, Run, read_metrics, result_of, run_train, train_runs
+from tests.runs import TINY, Command, Run, launch_commands, read_metrics, result_of, train_runs
 
 BASE = ["--data.mock_data=true", "--data.tokenizer_type=NullTokenizer", "--data.vocab_size=127", "--model.seq_length=32",
         "--training.micro_batch_size=2"]  # fmt: skip
@@ -202,17 +202,20 @@ def test_step_schedule_run_logs_its_batches_and_resumes_mid_schedule(tmp_path):
     """train.py with the schedule logs batches 4 then 8 (megatron-core's calculator gives the same:
     test_step_schedule_follows_megatron_calculator), and a run stopped at iteration 3 resumes
     with the same batches, samples and losses."""
-    whole = tmp_path / "whole.jsonl"
-    proc = run_train(tmp_path, [*RUN, f"--logging.metrics_file={whole}"], name="whole")
+    whole, first, second, ckpt = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl", tmp_path / "ckpt"
+    finished = launch_commands([  # one launch, in this order
+        Command("whole", tmp_path, [*RUN, f"--logging.metrics_file={whole}"]),
+        Command("first", tmp_path, [*RUN, f"--logging.metrics_file={first}", f"--checkpoint.save={ckpt}", "--checkpoint.exit_interval=3"]),
+        Command("second", tmp_path, [*RUN, f"--logging.metrics_file={second}", f"--checkpoint.load={ckpt}"]),
+    ])  # fmt: skip
+    output = finished["whole"].checked()
     records = read_metrics(whole)
     assert [r["global_batch_size"] for r in records] == DONE_WHEN_BATCHES
     assert [r["consumed_samples"] for r in records] == [4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
-    logged = [line.split("global batch size:")[1].split("|")[0].strip() for line in proc.stdout.splitlines() if "global batch size:" in line]
+    logged = [line.split("global batch size:")[1].split("|")[0].strip() for line in output.splitlines() if "global batch size:" in line]
     assert logged == [str(b) for b in DONE_WHEN_BATCHES]
 
-    first, second, ckpt = tmp_path / "first.jsonl", tmp_path / "second.jsonl", tmp_path / "ckpt"
-    run_train(tmp_path, [*RUN, f"--logging.metrics_file={first}", f"--checkpoint.save={ckpt}", "--checkpoint.exit_interval=3"], name="first")
-    run_train(tmp_path, [*RUN, f"--logging.metrics_file={second}", f"--checkpoint.load={ckpt}"], name="second")
+    finished["first"].checked(), finished["second"].checked()
     resumed = read_metrics(first) + read_metrics(second)
     for key in ("iteration", "global_batch_size", "consumed_samples"):
         assert [r[key] for r in resumed] == [r[key] for r in records], key
