@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import io
 import json
 import os
@@ -72,6 +73,14 @@ def forget_earlier_meshes() -> None:
     _redistribute._gen_transform_infos.cache_clear()
 
 
+def entry(run: dict):
+    """What a run calls with its argv: train.py's entry, or the function it names."""
+    if "call" not in run:
+        return lambda argv: run_main(argv, train.model_provider, train.datasets_provider)
+    module, function = run["call"].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ.get("RANK", "0"))
@@ -83,7 +92,7 @@ def main() -> None:
         with open(f"{run['key']}.rank{rank}.out", "w") as out, contextlib.redirect_stdout(Tee(sys.stdout, out)), \
                 contextlib.redirect_stderr(Tee(sys.stderr, out)):  # fmt: skip
             try:
-                status = run_main(run["argv"], train.model_provider, train.datasets_provider)
+                status = entry(run)(run["argv"])
             except BaseException:
                 traceback.print_exc()
                 sys.stdout.flush()

@@ -9,6 +9,8 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           model in Megatron's bf16 (Float16Module)
     python tests/megatron_gpt.py per-rank DIR [--layers N]  the same weights in the per-rank format
     python tests/megatron_gpt.py load DIR                 load DIR's checkpoint, write DIR/loaded_logits.pt
+                                                          (and DIR/per_rank_pp2's tied stages at pp 2:
+                                                          tests/megatron_tied_stages.py)
     python tests/megatron_gpt.py adam DIR                 one AdamW step of the distributed optimizer,
                                                           save model + optimizer, write DIR/adam.pt
                                                           (state saved, and after one more step)
@@ -251,6 +253,10 @@ def run(command: str, root: Path, untied: bool, layers: int, arch: str) -> None:
         if own_loss is not None:
             torch.save(own_loss, root / "loss.pt")
     dist.barrier()
+    if command == "load" and (root / "per_rank_pp2").is_dir():
+        from tests.megatron_tied_stages import load_tied_stages
+
+        load_tied_stages(root)
 
 
 if __name__ == "__main__":

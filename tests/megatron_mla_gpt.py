@@ -17,7 +17,8 @@ block, as the last layer), its router weights, expert biases and norms drawn wid
   pre-MLP norm into mlp.linear_fc1), which the local model writes through its layers'
   sharded_state_dict_keys_map; writes ROOT/logits.pt (the head's logits of the main model, then of
   the MTP depth), its own LM loss on tests/megatron_gpt.py's labels, ROOT/loss.pt, and the MTP
-  depth's loss as its forward tracks it in training mode, ROOT/mtp_loss.pt;
+  depth's loss as its forward tracks it in training mode, ROOT/mtp_loss.pt; given ROOT/batch.pt
+  (tokens, labels), its LM and MTP losses on that batch, ROOT/batch_losses.pt;
 - saves Megatron-LM's legacy per-rank format under ROOT/megatron_per_rank (mp_rank_TT/model_optim_rng.pt:
   each tp rank's own state dict, the local spec's names);
 - if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.megatron_gpt, run as a script
 
-from tests.megatron_gpt import ITERATION, SEQ, inputs, labels, loss, padded_vocab, patch_megatron, trainer_state  # noqa: E402
+from tests.megatron_gpt import ITERATION, SEQ, inputs, labels, loss, padded_vocab, patch_megatron, tokens, trainer_state  # noqa: E402
 from tests.megatron_moe_gpt import draw_wide  # noqa: E402
 
 LAYERS, HIDDEN, HEADS = 3, 64, 4
@@ -154,12 +155,19 @@ def head_outputs(model) -> torch.Tensor:
     return torch.stack(full)
 
 
+def inputs_of(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids (B, T), their positions and the causal mask (True: masked), passed explicitly."""
+    T = ids.shape[1]
+    return ids, torch.arange(T).expand_as(ids), torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]
+
+
 @torch.no_grad()
-def mtp_losses(model) -> torch.Tensor:
-    """megatron-core's own MTP loss of each depth on tokens() -> labels() (what it logs as
-    `mtp_<k> loss`), tracked by its forward in training mode."""
+def mtp_losses(model, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """megatron-core's own MTP loss of each depth on ids -> targets (default tokens() -> labels();
+    what it logs as `mtp_<k> loss`), tracked by its forward in training mode."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    ids, targets = (tokens(), labels()) if ids is None else (ids, targets)
     tracker = MTPLossLoggingHelper.tracker
     tracker.clear()
     tracker["values"] = torch.zeros(MTP["mtp_num_layers"])  # on CPU (it would make it on the current CUDA device)
@@ -167,11 +175,18 @@ def mtp_losses(model) -> torch.Tensor:
     # without sequence parallelism, so only the top module is put in training mode (dropout is 0)
     model.eval()
     model.training = True
-    model(*inputs(), labels=labels())
+    model(*inputs_of(ids), labels=targets)
     model.training = False
     values = tracker["values"].clone()
     tracker.clear()
     return values
+
+
+@torch.no_grad()
+def batch_losses(model, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[LM loss, each MTP depth's loss] of megatron-core on a batch (the LM loss the token mean)."""
+    model.eval()
+    return torch.cat([model(*inputs_of(ids), labels=targets).float().mean()[None], mtp_losses(model, ids, targets)])
 
 
 def save(model, directory: Path, state: dict) -> None:
@@ -218,6 +233,10 @@ def main(root: Path) -> None:
         layer.submodules_config.sharded_state_dict_keys_map = te_norm_names(moe)
     save(model, root / "megatron_te" / f"iter_{ITERATION:07d}", state)
     record(model, root, "")
+    if (root / "batch.pt").is_file():  # the global batch a run resumed from this checkpoint trains on first
+        losses = batch_losses(model, *torch.load(root / "batch.pt", weights_only=True))
+        if rank == 0:
+            torch.save(losses, root / "batch_losses.pt")
     dtgpt_out = root / "from_dtgpt"
     if dtgpt_out.is_dir():
         other = build(tp, 99, te_names=True)

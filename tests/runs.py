@@ -141,6 +141,8 @@ class Command:
     nproc: int = 1
     seconds: float = SECONDS_PER_RUN
     """its share of its launch's timeout"""
+    call: str = ""
+    """"module:function" to call with argv in place of train.py's entry (tests/batch_worker.py)"""
 
 
 @dataclass
@@ -181,7 +183,7 @@ def launch_commands(commands: list[Command]) -> dict[str, Finished]:
 
 def _launch(commands: list[Command], nproc: int) -> dict[str, Finished]:
     workdir = commands[0].directory
-    spec = [{"key": c.key, "cwd": str(c.directory), "argv": c.argv} for c in commands]
+    spec = [{"key": c.key, "cwd": str(c.directory), "argv": c.argv, **({"call": c.call} if c.call else {})} for c in commands]
     (workdir / "runs.json").write_text(json.dumps(spec))
     if nproc == 1:
         cmd = [sys.executable, BATCH_WORKER]

@@ -364,7 +364,8 @@ def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, trained_on):
 
 def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
     """dtgpt trains and saves; to-megatron writes torch_dist; megatron-core's GPTModel at tp 2
-    loads it. dtgpt pads to 32, so its 128 rows are Megatron's at tp 2 and the way back is exact."""
+    loads it, and its two tied pipeline stages each load their file of to-megatron --format
+    per-rank --pp 2 strictly, with dtgpt's logits. dtgpt pads to 32, so its 128 rows are Megatron's at tp 2 and the way back is exact."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "megatron"
     run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--training.train_iters=2", "--optimizer.lr_warmup_iters=1",
                          "--eval.eval_interval=2", "--eval.eval_iters=3", "--model.make_vocab_size_divisible_by=32",
@@ -374,13 +375,16 @@ def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
     directory = find(out)
     valid = 3 * 8  # one evaluation of 3 global batches of 8
     assert progress_of(MegatronReader(directory).common) == {"iteration": 2, "consumed_samples": 16, "consumed_valid_samples": valid, "lr_num_samples": 16}
-    run_megatron_gpt("load", out, 2)
+    # and per-rank at pp 2: the last stage holds the head as output_layer.weight, its copy of the embedding
+    assert convert.main(["to-megatron", str(ckpt), str(out / "per_rank_pp2"), "--format", "per-rank", "--pp", "2"]) == 0
+    run_megatron_gpt("load", out, 2)  # megatron-core at tp 2, then its two tied stages (tests/megatron_tied_stages.py)
     cfg = read_config(layout.iteration_dir(ckpt, 2))
     model = load_model(layout.iteration_dir(ckpt, 2), cfg).eval()
     with torch.no_grad():
         ours = model(tokens())[..., :VOCAB]
-    theirs = torch.load(out / "loaded_logits.pt", weights_only=True)[..., :VOCAB]
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
+    for name in ("loaded_logits.pt", "loaded_pp2_logits.pt"):
+        theirs = torch.load(out / name, weights_only=True)[..., :VOCAB]
+        assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5, name
     # and back: from-megatron gives the same weights again
     assert convert.main(["from-megatron", str(out), str(tmp_path / "back"), "--config", str(layout.iteration_dir(ckpt, 2) / "config.toml")]) == 0
     back = load_model(layout.iteration_dir(tmp_path / "back", 2), cfg)

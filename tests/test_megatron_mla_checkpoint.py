@@ -14,12 +14,14 @@ records those. dtgpt must give the same logits and losses both ways.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import dtgpt
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
@@ -28,8 +30,10 @@ from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.mtp import depth_labels
-from tests.megatron_gpt import VOCAB, labels, tokens
+from tests.megatron_gpt import CONSUMED, ITERATION, VOCAB, labels, tokens
 from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE, MOE_LAYERS, MTP
+from tests.parity_oracle import assert_same_training
+from tests.runs import Command, launch_commands, read_run, run_args
 from tests.test_checkpoint_convert import load_script
 from tests.test_megatron_checkpoint import write_stages
 from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
@@ -89,6 +93,7 @@ def mla_root(tmp_path_factory) -> Path:
     per_rank = ["--format", "per-rank", "--tp", "2"]
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_pp2"), *PP2]) == 0
+    torch.save(first_batch(), root / "batch.pt")  # megatron-core's losses on it: batch_losses.pt
     launch(SCRIPT, root)
     return root
 
@@ -312,23 +317,77 @@ def test_pp2_per_rank_files_of_another_layout_are_one_error_line(dtgpt_mla, tmp_
     assert not layout.iteration_dir(tmp_path / "back", 3).exists()
 
 
-@pytest.mark.slow
-def test_megatron_mla_moe_mtp_checkpoints_load_into_dtgpt_at_ep2(mla_root):
-    """checkpoint.load of megatron-core's torch_dist and per-rank (tp 2) checkpoints of the MLA +
-    MoE + MTP model on 2 dtgpt ranks, the experts split over ep 2 (tests/megatron_family_worker.py):
-    the main model's logits are megatron-core's."""
-    import json
-    import os
-    import subprocess
-    import sys
+LOADED_LAYOUTS = ("tp2", "pp2", "ep2")
+"""dtgpt meshes of 2 ranks the Megatron checkpoints load into (tests/megatron_family_worker.py)."""
+STAGES = {"pp2": {"pipeline_layers_per_stage": [1, LAYERS - 1]}}
+"""Megatron's split at pp 2 (decoder_first_pipeline_num_layers=1): the dense layer, then the two MoE layers and the MTP block."""
+STEPS = 2
+"""iterations a run resumed from megatron-core's checkpoint (iteration 7) trains"""
+TRAIN_ON = [*(f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in MODEL.items()),
+            "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer", f"--data.vocab_size={VOCAB}", "--data.num_workers=0",
+            "--training.micro_batch_size=2", "--training.global_batch_size=8", f"--training.train_iters={ITERATION + STEPS}",
+            "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2", "--eval.eval_iters=0", "--logging.log_interval=1"]  # fmt: skip
+"""train.py on from megatron-core's checkpoint: its model, 8 samples a global batch as its 56 consumed ones"""
+TRAINED_ON = {"one": (1, []), "tp2": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
+              "pp2": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_layers_per_stage=[1,2]"])}  # fmt: skip
 
-    worker = Path(__file__).with_name("megatron_family_worker.py")
-    jobs = [[str(mla_root / root), MODEL, ["ep2"]] for root in ("megatron", "megatron_per_rank")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker), json.dumps(jobs)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    theirs = torch.load(mla_root / "logits.pt", weights_only=True)[0]
+
+def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) of the global batch a run of TRAIN_ON resumed at megatron-core's consumed
+    samples trains on first (dtgpt's data order, read here as train.py reads it)."""
+    from dtgpt.config import load_config
+
+    cfg = load_config(None, TRAIN_ON + ["--training.micro_batch_size=8"])
+    batch = next(dtgpt.build_train_iterator(cfg, dtgpt.build_model(cfg, dtgpt.init_distributed(cfg), VOCAB), CONSUMED))
+    return batch.tokens, batch.labels
+
+
+@pytest.fixture(scope="module")
+def mla_on_dtgpt_meshes(mla_root, tmp_path_factory) -> dict:
+    """One launch per rank count (tests/runs.py): on 2 ranks the checkpoint loads of
+    tests/megatron_family_worker.py (torch_dist and per-rank at LOADED_LAYOUTS), then train.py on
+    from megatron-core's torch_dist checkpoint at tp 2 + SP and pp 2; on one process the same run.
+    {key: Finished}; the runs' directories by key under "directories"."""
+    jobs = [[str(mla_root / root), MODEL, list(LOADED_LAYOUTS), STAGES] for root in ("megatron", "megatron_per_rank")]
+    commands = [Command("loads", tmp_path_factory.mktemp("loads"), [json.dumps(jobs)], 2, call="tests.megatron_family_worker:main")]
+    directories = {}
+    for name, (nproc, mesh) in TRAINED_ON.items():
+        directories[name] = tmp_path_factory.mktemp(name)
+        argv = run_args(directories[name], [*mesh, f"--checkpoint.load={mla_root / 'megatron'}"], name, TRAIN_ON, 0)
+        commands.append(Command(name, directories[name], argv, nproc))
+    return {**launch_commands(commands), "directories": directories}
+
+
+@pytest.mark.slow
+def test_megatron_mla_moe_mtp_checkpoints_load_into_dtgpt_at_tp2_pp2_and_ep2(mla_root, mla_on_dtgpt_meshes):
+    """checkpoint.load of megatron-core's torch_dist and per-rank (tp 2) checkpoints of the MLA +
+    MoE + MTP model on 2 dtgpt ranks: at tp 2 with sequence parallelism (the MoE blocks' experts
+    and routers with the expert bias split as every block's), at pp 2 (the MTP block and the
+    embedding copy it reads on the last stage, which embeds the tokens itself) and with the
+    experts over ep 2: the main model's and the MTP depth's logits, the LM loss and the MTP loss
+    are megatron-core's."""
+    mla_on_dtgpt_meshes["loads"].checked()
     for root in ("megatron", "megatron_per_rank"):
-        ours = torch.load(mla_root / root / "ep2_logits.pt", weights_only=True)
-        ours = ours[0] if isinstance(ours, (list, tuple)) else ours
-        assert relative_error(ours, theirs) < 1e-5, root
+        for name in LOADED_LAYOUTS:
+            assert_same_outputs(torch.load(mla_root / root / f"{name}_logits.pt", weights_only=True), mla_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_megatron_mla_moe_mtp_checkpoint_trains_on_at_tp2_and_pp2_as_one_process(mla_root, mla_on_dtgpt_meshes, name):
+    """train.py resumed from megatron-core's checkpoint goes on from its iteration and consumed
+    samples; its first loss and MTP loss are megatron-core's own on that global batch, and at tp 2
+    + SP and pp 2 it trains as one process does: the loss, MTP loss, gradient norm and router
+    statistics of each iteration and every parameter after the last (tests/parity_oracle.py)."""
+    runs = {}
+    for key in ("one", name):
+        output = mla_on_dtgpt_meshes[key].checked()
+        assert f"loaded Megatron checkpoint {mla_root / 'megatron'}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
+        run = read_run(mla_on_dtgpt_meshes["directories"][key], key)
+        runs[key] = {**run, "params": {STEPS: run["params"][ITERATION + STEPS]}}  # numbered from the resume
+    one = runs["one"]
+    assert one["iteration"] == [ITERATION + 1 + i for i in range(STEPS)] and one["consumed_samples"][0] == CONSUMED + 8
+    theirs = torch.load(mla_root / "batch_losses.pt", weights_only=True)  # [LM loss, mtp_1 loss]
+    assert one["loss"][0] == pytest.approx(theirs[0].item(), rel=1e-5)
+    assert one["mtp_1 loss"][0] == pytest.approx(theirs[1].item(), rel=1e-5)
+    assert_same_training(runs[name], one, STEPS)

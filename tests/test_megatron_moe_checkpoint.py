@@ -147,20 +147,20 @@ def test_dtgpt_moe_per_rank_files_at_ep2_load_in_megatron_core_with_equal_logits
 
 
 @pytest.mark.slow
-def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_and_pp2(moe_root):
+def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_pp2_and_tp2(moe_root):
     """checkpoint.load of Megatron's MoE checkpoints at dtgpt meshes (tests/megatron_family_worker.py):
-    the experts split over ep 2 (each rank reads only its experts' region), pp 2. (tp 2 is left
-    out: dtgpt's MoE forward at tp 2 with the expert bias fails before any checkpoint is involved.)"""
+    the experts split over ep 2 (each rank reads only its experts' region), pp 2, and tp 2 with
+    sequence parallelism (the experts, router and expert bias split as dtgpt's tp plan splits them)."""
     import json
 
     fields = {k: v for k, v in MODEL.items() if k not in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                                              "hidden_dropout", "attention_dropout")}  # fmt: skip
-    jobs = [[str(moe_root / "megatron"), fields, ["ep2", "pp2"]], [str(moe_root / "megatron_per_rank"), fields, ["ep2"]]]
+    jobs = [[str(moe_root / "megatron"), fields, ["ep2", "pp2", "tp2"]], [str(moe_root / "megatron_per_rank"), fields, ["ep2"]]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), json.dumps(jobs)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     theirs = torch.load(moe_root / "logits.pt", weights_only=True)
-    for root, layouts in (("megatron", ("ep2", "pp2")), ("megatron_per_rank", ("ep2",))):
+    for root, layouts in (("megatron", ("ep2", "pp2", "tp2")), ("megatron_per_rank", ("ep2",))):
         for name in layouts:
             assert relative_error(torch.load(moe_root / root / f"{name}_logits.pt", weights_only=True), theirs) < 1e-5, (root, name)
 
