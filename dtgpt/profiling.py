@@ -92,6 +92,7 @@ class Profiler:
         self._prof = torch.profiler.profile(
             activities=activities,
             record_shapes=True,
+            acc_events=True,  # one cycle per profiler: only stops torch 2.11's warning (count_ops_profile)
             on_trace_ready=torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{self.rank}"),
         )
         if self.memory_snapshot_path:

@@ -32,6 +32,7 @@ CASES = {
 
 @pytest.fixture
 def megatron(monkeypatch):
+    pytest.importorskip("megatron.core")
     from megatron.core.transformer import multi_latent_attention
 
     # Its module sees Transformer Engine's adapter import without Transformer Engine (TELinear None)

@@ -64,7 +64,10 @@ def test_local_dispatch_and_combine_equal_a_per_token_moe(layout, grouped):
     experts = experts_module(grouped)
     x1, p1 = leaves(x, probs)
     out = moe(LocalDispatcher(4), experts, x1, p1, routing_map, **layout)
-    grad = torch.randn(12, 16)
+    # Seeded: the probs' gradient is a 16-term dot product whose fp32 rounding differs between the
+    # grouped and per-token sums; about 1 random gradient in 80 has a cancellation beyond the
+    # tolerance (on torch 2.11 and 2.13 alike), which an unseeded draw made depend on the test order.
+    grad = torch.randn(12, 16, generator=torch.Generator().manual_seed(2))
     (out * grad).sum().backward()
     expert_grads = {n: p.grad.clone() for n, p in experts.named_parameters()}
     experts.zero_grad(set_to_none=True)

@@ -140,7 +140,8 @@ def peak_allocated_bytes(step) -> int:
     with its running total; its event tree is where torch exposes that total for the CPU (there
     is no torch.cuda.max_memory_allocated for it). No timing is involved.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # acc_events: one cycle either way; it only stops torch 2.11's warning that a new cycle clears events
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
         step()
     events = sorted(_allocation_totals(prof.profiler.kineto_results.experimental_event_tree()), key=lambda e: e[0])
     _, first_size, first_total = events[0]
