@@ -416,3 +416,22 @@ def test_a_short_write_is_named_for_what_it_usually_is():
     error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
     assert layout.describe(error).endswith("(the file came out shorter than written: usually no space left on the device)")
     assert layout.describe(OSError(28, "No space left on device")) == "OSError: [Errno 28] No space left on device"
+
+
+def test_saved_rng_states_apply_only_where_each_stage_holds_the_same_blocks():
+    """A pp2 checkpoint's RNG states belong to its stages' blocks: resumed on another split of
+    the layers they are derived anew, on the same split they are reused."""
+    from types import SimpleNamespace
+
+    from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
+
+    dims = SimpleNamespace(world_size=2, pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=1)
+    pp2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B", "--model.num_layers=4"]
+    even = mesh_info(load_config(None, pp2, check=False), dims)
+    uneven = mesh_info(load_config(None, [*pp2, "--decoder-first-pipeline-num-layers=1"], check=False), dims)
+    assert (even["layers_per_stage"], uneven["layers_per_stage"]) == ([2, 2], [1, 3])
+    assert same_rng_coordinates(uneven, dict(uneven))
+    assert not same_rng_coordinates(even, uneven)
+    assert mesh_text(uneven) != mesh_text(even) and mesh_text(uneven).endswith("blocks per stage 1 3")
+    before_recorded = {k: v for k, v in even.items() if k != "layers_per_stage"}
+    assert same_rng_coordinates(before_recorded, even)
