@@ -201,16 +201,23 @@ def derived_virtual_stages(cfg: Config) -> int | None:
     return None
 
 
+def keyed_stage_layers(keys: object, num_layers: int, pp: int, vp: int, mtp_layers: int) -> list[int] | None:
+    """The transformer layers of each of pp * vp stages under the uneven-split keys that `keys`
+    holds as attributes (a [parallel] section, or Megatron's saved args); None when it sets none
+    that makes the split uneven."""
+    layout = getattr(keys, LAYOUT, None)
+    if layout:
+        return layout_layers(str(layout), pp, num_layers, mtp_layers)
+    first, last, embedding, loss = (getattr(keys, key, None) for key in (FIRST, LAST, EMBEDDING, LOSS))
+    if first is None and last is None and not embedding and not loss:
+        return None
+    return split_layers(num_layers, pp, vp, first, last, bool(embedding), bool(loss))
+
+
 def megatron_stage_layers(cfg: Config) -> list[int] | None:
     """The transformer layers of each stage under Megatron's split keys; None when none is set."""
     p, m = cfg.parallel, cfg.model
-    pp, vp = p.pipeline_model_parallel_size, p.virtual_pipeline_stages_per_rank
-    if p.pipeline_model_parallel_layout:
-        return layout_layers(p.pipeline_model_parallel_layout, pp, m.num_layers, m.mtp_depth)
-    if not split_keys_set(cfg) or split_keys_set(cfg) == [PER_VIRTUAL]:
-        return None
-    return split_layers(m.num_layers, pp, vp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
-                        p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)  # fmt: skip
+    return keyed_stage_layers(p, m.num_layers, p.pipeline_model_parallel_size, p.virtual_pipeline_stages_per_rank, m.mtp_depth)
 
 
 def check_pipeline_split(cfg: Config, v_shaped: tuple[str, ...]) -> None:

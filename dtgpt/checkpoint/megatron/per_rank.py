@@ -9,6 +9,7 @@ Everything outside the routed experts is the same in every ep rank's file (ep ra
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle, per_rank_dirs
 from dtgpt.checkpoint.megatron.keys import EXPERT_KEY
 from dtgpt.config import ConfigError
-from dtgpt.config.pipeline_split import layout_layers, split_layers
+from dtgpt.config.pipeline_split import PER_VIRTUAL, SPLIT_KEYS, keyed_stage_layers
 
 TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
           "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1,
@@ -48,8 +49,7 @@ def tp_dim(key: str, duplicated: bool = False) -> int | None:
     return next((d for suffix, d in TP_DIM.items() if key.endswith(suffix)), None)
 
 LOCAL_EXPERTS = "mlp.experts.local_experts."
-UNEVEN_SPLIT_ARGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
-                     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")  # fmt: skip
+UNEVEN_SPLIT_ARGS = tuple(key for key in SPLIT_KEYS if key != PER_VIRTUAL)
 """Megatron's args that make its pipeline split uneven."""
 
 
@@ -65,17 +65,13 @@ def args_split(args, pp: int, vp: int) -> list[int] | None:
     layers = getattr(args, "num_layers", None)
     if not isinstance(layers, int) or layers < 1:
         return None
-    uneven = {name: getattr(args, name, None) for name in UNEVEN_SPLIT_ARGS}
     try:
-        if uneven["pipeline_model_parallel_layout"]:
-            mtp = getattr(args, "mtp_num_layers", None) or 0
-            return layout_layers(str(uneven["pipeline_model_parallel_layout"]), pp, layers, mtp)
-        if not any(uneven.values()):
-            return [layers // (pp * vp)] * (pp * vp) if layers % (pp * vp) == 0 else None
-        return split_layers(layers, pp, vp, *(uneven[name] for name in UNEVEN_SPLIT_ARGS[:2]),
-                            bool(uneven["account_for_embedding_in_pipeline_split"]), bool(uneven["account_for_loss_in_pipeline_split"]))  # fmt: skip
+        uneven = keyed_stage_layers(args, layers, pp, vp, getattr(args, "mtp_num_layers", None) or 0)
     except ConfigError:
         return None
+    if uneven is not None:
+        return uneven
+    return [layers // (pp * vp)] * (pp * vp) if layers % (pp * vp) == 0 else None
 
 
 def _expert_parallel(saved: dict) -> bool:
@@ -120,7 +116,6 @@ class PerRankModel:
             )
         self._models: dict[tuple[int, int, int], dict] = {(0, 0, 0): first}
         self._counts: dict[int, int] = {}
-        self._split: list[int] | None | bool = False  # _args_split's, once known
         self._shapes: dict[str, tuple[int, ...]] | None = None
         chunk_keys = (f"model{v}" for v in itertools.count())
         self.chunks = ["model"] if "model" in first else list(itertools.takewhile(first.__contains__, chunk_keys))
@@ -168,22 +163,21 @@ class PerRankModel:
             self._counts[stage] = sum(1 for k in self._model(0, stage) if k.startswith("decoder.layers.") and k.endswith(suffix))
         return self._counts[stage]
 
+    @functools.cached_property
     def _args_split(self) -> list[int] | None:
         """The layers of each stage that the args' split gives (Megatron's rules: even, or its
         uneven-split args, dtgpt/config/pipeline_split.py), at the files' pp and virtual stages;
         None where the args give none (then each stage's file is counted, unchecked)."""
-        if self._split is False:
-            self._split = args_split(self.common.get("args"), self.pp, len(self.chunks))
-        return self._split
+        return args_split(self.common.get("args"), self.pp, len(self.chunks))
 
     def num_layers(self) -> int:
-        split = self._args_split()
+        split = self._args_split
         return sum(split) if split is not None else sum(self._layer_count(s) for s in range(len(self.stages)))
 
     def _layer_at(self, layer: int) -> tuple[int, int]:
         """(stage, layer within it) of global layer `layer`; where the args give the split, only
         that stage's file is opened, and checked to hold the layers the split gives it."""
-        split = self._args_split()
+        split = self._args_split
         counts = split if split is not None else [self._layer_count(s) for s in range(len(self.stages))]
         for stage, count in enumerate(counts):
             if layer < count:
