@@ -17,7 +17,9 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtgpt.config import Config, OptimizerConfig, get_key
+from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
+from dtgpt.decoupled_lr import DECOUPLED, decoupled_group, is_embedding_or_output
 
 # ---------------------------------------------------------------------------------------------
 # AdamW
@@ -29,7 +31,8 @@ def build_optimizer(
     *,
     fused: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW with two groups: matrices decay, biases and norm weights do not (`decays`).
+    """AdamW with two groups: matrices decay, biases and norm weights do not (`decays`); under
+    optimizer.decoupled_lr a third holds the word embedding and the output layer.
 
     Parameters may be DTensors (FSDP2 / TP shards); AdamW's kernels handle them as they are.
     A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
@@ -41,17 +44,23 @@ def build_optimizer(
     seen: set[int] = set()
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    embedding_output: list[nn.Parameter] = []  # their own group under decoupled_lr (dtgpt/decoupled_lr.py)
     for name, param in named_params:
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        (decay if decays(name, param) else no_decay).append(param)
+        if cfg.decoupled_lr is not None and is_embedding_or_output(name):
+            embedding_output.append(param)
+        else:
+            (decay if decays(name, param) else no_decay).append(param)
     if not seen:
         raise ValueError("build_optimizer got no trainable parameters")
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.decoupled_lr is not None:
+        groups.append(decoupled_group(embedding_output, cfg.weight_decay))
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,
@@ -127,22 +136,26 @@ class LRSchedule(Stateful):
         o = cfg.optimizer  # validated: warmup < decay, and the WSD anneal fits between them
         self.style, self.wsd_style = o.lr_decay_style, o.lr_wsd_decay_style
         self.max_lr, self.min_lr, self.init_lr = o.lr, o.min_lr, o.lr_warmup_init
+        # The (peak, minimum) of the groups marked DECOUPLED: the word embedding and output layer.
+        self.decoupled = embedding_output_bounds(o) if o.decoupled_lr is not None else None
         self.decay_steps = lr_decay_length(cfg).samples
         self.warmup_steps = lr_warmup_length(cfg).samples
         self.wsd_decay_steps = lr_wsd_decay_length(cfg).samples if self.style == "WSD" else 0
         self.num_samples = 0
 
-    def lr_at(self, num_samples: float) -> float:
-        """The learning rate after `num_samples` samples of successful iterations."""
+    def lr_at(self, num_samples: float, bounds: tuple[float, float] | None = None) -> float:
+        """The learning rate after `num_samples` samples of successful iterations, between
+        `bounds` (peak, minimum) if given (a decoupled group's), else max_lr and min_lr."""
+        max_lr, min_lr = bounds or (self.max_lr, self.min_lr)
         if self.warmup_steps > 0 and num_samples <= self.warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * num_samples / self.warmup_steps
+            return self.init_lr + (max_lr - self.init_lr) * num_samples / self.warmup_steps
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if num_samples > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
             warmup, n = max(self.warmup_steps, 1), max(num_samples, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(n))
+            return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(n))
         if self.style == "WSD":
             anneal_start = self.decay_steps - self.wsd_decay_steps
             if num_samples <= anneal_start:
@@ -153,7 +166,7 @@ class LRSchedule(Stateful):
         else:
             ratio = (num_samples - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
             coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     @property
     def current_lr(self) -> float:
@@ -166,13 +179,16 @@ class LRSchedule(Stateful):
         self.num_samples += increment_samples
 
     def apply(self, optimizer: torch.optim.Optimizer) -> float:
-        """Set every group's lr to current_lr (call before optimizer.step); returns it."""
+        """Set every group's lr (call before optimizer.step); returns current_lr, the LR of every
+        group but the embedding-and-output one of decoupled_lr."""
         lr = self.current_lr
+        decoupled = self.lr_at(self.num_samples, self.decoupled) if self.decoupled is not None else lr
         for group in optimizer.param_groups:
+            group_lr = decoupled if group.get(DECOUPLED) else lr
             if isinstance(group["lr"], torch.Tensor):  # a tensor lr (capturable / compiled step) stays one
-                group["lr"].fill_(lr)
+                group["lr"].fill_(group_lr)
             else:
-                group["lr"] = lr
+                group["lr"] = group_lr
         return lr
 
     def state_dict(self) -> dict[str, int]:
@@ -183,7 +199,7 @@ class LRSchedule(Stateful):
 
 
 SCHEDULE_KEYS = (
-    "optimizer.lr", "optimizer.min_lr", "optimizer.lr_decay_style", "optimizer.lr_decay_iters",
+    "optimizer.lr", "optimizer.min_lr", "optimizer.decoupled_lr", "optimizer.decoupled_min_lr", "optimizer.lr_decay_style", "optimizer.lr_decay_iters",
     "optimizer.lr_decay_samples", "optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters",
     "optimizer.lr_warmup_samples", "optimizer.lr_warmup_init", "optimizer.lr_wsd_decay_style",
     "optimizer.lr_wsd_decay_iters", "optimizer.lr_wsd_decay_samples", "training.train_iters",

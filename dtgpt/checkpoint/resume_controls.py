@@ -7,8 +7,8 @@
     checkpoint.load_rng=false        the generators keep their fresh seeding (--no-load-rng)
 
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
-minimum LR, warmup and decay lengths (samples), decay style and weight decay must equal the
-config's, unless optimizer.override_opt_param_scheduler (the config's are used) or
+minimum LR (and the embedding and output layer's, optimizer.decoupled_lr), warmup and decay
+lengths (samples), decay style and weight decay must equal the config's, unless optimizer.override_opt_param_scheduler (the config's are used) or
 optimizer.use_checkpoint_opt_param_scheduler (the checkpoint's are used).
 """
 
@@ -18,7 +18,9 @@ from typing import NamedTuple
 
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import CheckpointConfig, Config
+from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 from dtgpt.config.derived import lr_decay_length, lr_warmup_length
+from dtgpt.decoupled_lr import DECOUPLED
 from dtgpt.optim import LRSchedule, schedule_change
 from dtgpt.state import TrainState
 
@@ -57,6 +59,8 @@ def scheduler_values(cfg: Config) -> list[tuple[str, str, object]]:
         ("warmup samples", lr_warmup_length(cfg).key, schedule.warmup_steps),
         ("decay samples", lr_decay_length(cfg).key, schedule.decay_steps),
         ("learning rate decay style", "optimizer.lr_decay_style", schedule.style),
+        # Megatron keeps these in its optimizer's param groups; the effective values are compared
+        ("embedding and output layer's peak and minimum learning rate", "optimizer.decoupled_lr", embedding_output_bounds(o)),
         ("weight decay", "optimizer.weight_decay", o.weight_decay),
     ]
 
@@ -87,6 +91,12 @@ def _take_checkpoint_schedule(saved: Config, state: TrainState) -> str:
     ours, theirs = state.lr_schedule, LRSchedule(saved)
     ours.max_lr, ours.min_lr, ours.style = theirs.max_lr, theirs.min_lr, theirs.style
     ours.warmup_steps, ours.decay_steps = theirs.warmup_steps, theirs.decay_steps
+    if theirs.decoupled is not None and not any(g.get(DECOUPLED) for g in state.optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint trained the word embedding and output layer at optimizer.decoupled_lr={saved.optimizer.decoupled_lr}: "
+            "set optimizer.decoupled_lr to follow its schedule (optimizer.use_checkpoint_opt_param_scheduler)"
+        )
+    ours.decoupled = theirs.decoupled
     if ours.style == "WSD" and not ours.wsd_decay_steps:
         ours.wsd_decay_steps = theirs.wsd_decay_steps
     for optimizer in state.optimizer.optimizers:

@@ -45,9 +45,11 @@ def low_precision(cfg: Config) -> bool:
 
 
 def grads_reduced_in_fp32(cfg: Config) -> bool:
-    """Gradients accumulate and cross dp in fp32: fp32 runs, bf16 runs (Megatron forces it) and
-    fp16 runs with accumulate_allreduce_grads_in_fp32."""
+    """Gradients accumulate and cross dp in fp32: fp32 runs, bf16 runs (Megatron forces it, unless
+    grad_reduce_in_bf16) and fp16 runs with accumulate_allreduce_grads_in_fp32."""
     t = cfg.training
+    if t.bf16:
+        return not t.grad_reduce_in_bf16
     return not t.fp16 or t.accumulate_allreduce_grads_in_fp32
 
 

@@ -143,7 +143,10 @@ class TrainingConfig:
     does (dtgpt/parallel/fsdp.py)."""
     accumulate_allreduce_grads_in_fp32: bool = False
     """Accumulate gradients over micro-batches and reduce them over dp in fp32 (else in the
-    compute dtype). Always on under bf16, as in Megatron."""
+    compute dtype). Always on under bf16 unless grad_reduce_in_bf16, as in Megatron."""
+    grad_reduce_in_bf16: bool = False
+    """Under bf16: accumulate gradients and reduce them over dp in bf16 instead of fp32 (master
+    weights and Adam state stay fp32), Megatron's --grad-reduce-in-bf16."""
     fp32_residual_connection: bool = False
     """Keep the residual stream (and what pipeline stages pass) in fp32 under fp16 / bf16."""
     fp16_lm_cross_entropy: bool = False
@@ -170,6 +173,11 @@ class TrainingConfig:
 class OptimizerConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
+    decoupled_lr: Optional[float] = None
+    """Peak LR of the word embedding and the output layer (Megatron's --decoupled-lr), on the
+    same schedule as lr; unset: they follow lr (dtgpt/decoupled_lr.py)."""
+    decoupled_min_lr: Optional[float] = None
+    """Their minimum LR under decoupled_lr; unset: min_lr."""
     lr_decay_style: str = "linear"
     """'constant', 'linear', 'cosine', 'inverse-square-root' or 'WSD'."""
     lr_decay_iters: Optional[int] = None

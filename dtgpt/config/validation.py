@@ -20,6 +20,7 @@ from dtgpt.config.derived import (
 )
 from dtgpt.config.batch_schedule import STEP_KEY, step_schedule, train_iterations
 from dtgpt.config.blend import parse_blend
+from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
@@ -189,6 +190,11 @@ def _check_precision(cfg: Config) -> None:
         t.fp16 or t.bf16 or not t.fp32_residual_connection,
         "training.fp32_residual_connection=true needs training.fp16 or training.bf16 (an fp32 run's residual stream is fp32 already)",
     )
+    _require(t.bf16 or not t.grad_reduce_in_bf16, "training.grad_reduce_in_bf16=true needs training.bf16=true (it only changes a bf16 run)")
+    _require(
+        not (t.grad_reduce_in_bf16 and t.accumulate_allreduce_grads_in_fp32),
+        "training.grad_reduce_in_bf16 and training.accumulate_allreduce_grads_in_fp32 cannot both be true: gradients are reduced in one dtype",
+    )
     _require(o.initial_loss_scale > 0 and o.min_loss_scale > 0, "optimizer.initial_loss_scale and min_loss_scale must be > 0")
     _require(o.hysteresis >= 1, f"optimizer.hysteresis={o.hysteresis} must be >= 1")
     _require(o.loss_scale_window >= 1, f"optimizer.loss_scale_window={o.loss_scale_window} must be >= 1")
@@ -325,6 +331,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_batch_sizes(cfg)
     _check_precision(cfg)
     _check_learning_rate(cfg)
+    check_decoupled_lr(cfg)
     _check_data(cfg)
     _check_checkpoint_logging_faults(cfg)
 
