@@ -60,7 +60,8 @@ MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16,
 # A layout name may end in a precision ("tp2_sp_bf16", "tp2_sp_fp32"). Those runs use a wider model, whose every
 # activation (b·s·h/tp under SP) has at least LARGE elements, so that the dtype census below sees
 # each activation collective.
-PRECISIONS = {"bf16": dict(bf16=True), "fp16": dict(fp16=True), "fp32": {}}
+# "bf16r": bf16 with Megatron's --grad-reduce-in-bf16 (gradients accumulate and cross dp in bf16)
+PRECISIONS = {"bf16": dict(bf16=True), "bf16r": dict(bf16=True, grad_reduce_in_bf16=True), "fp16": dict(fp16=True), "fp32": {}}
 LOW_PRECISION_MODEL = {**MODEL, "hidden_size": 64, "seq_length": 32}
 LARGE = 1024
 # A layout name may start with "llama_": the Llama-style model (2 key/value groups for 4 heads, SwiGLU,

@@ -32,8 +32,10 @@ import torch.distributed as dist
 
 from tests.megatron_gpt import SEQ, VOCAB
 
-ADAM = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
-"""The optimizer both sides run (dtgpt: the same [optimizer] keys, constant LR)."""
+ADAM = dict(lr=1e-3, decoupled_lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
+"""The optimizer both sides run (dtgpt: the same [optimizer] keys, constant LR). decoupled_lr:
+the word embedding (and the tied head) in a param group of its own at its own LR, as a Megatron
+launch script with --decoupled-lr trains it; its checkpoint holds that third group."""
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 SEED = 1234  # dtgpt's training.seed default: the mock samples are dtgpt's
 BATCH = 8
@@ -107,8 +109,9 @@ def step(ddp, optimizer, batch: torch.Tensor) -> None:
     loss = ddp(ids, torch.arange(T).expand_as(ids), mask, labels=labels)
     (loss.sum() / loss.numel()).backward()
     ddp.finish_grad_sync()
-    for group in optimizer.param_groups:  # what OptimizerParamScheduler sets every iteration
-        group["lr"], group["weight_decay"] = ADAM["lr"], ADAM["weight_decay"] * group["wd_mult"]
+    for group in optimizer.param_groups:  # what OptimizerParamScheduler sets every iteration (constant LR)
+        group["lr"], group["weight_decay"] = group["max_lr"], ADAM["weight_decay"] * group["wd_mult"]
+    assert sorted(g["max_lr"] for g in optimizer.param_groups) == [ADAM["lr"], ADAM["lr"], ADAM["decoupled_lr"]]
     assert optimizer.step()[0], "megatron-core skipped the step"
 
 

@@ -37,6 +37,9 @@ BASE = [
 ]  # fmt: skip
 DROPOUT = ["--model.hidden_dropout=0.1", "--model.attention_dropout=0.1"]
 NO_DROPOUT = ["--model.hidden_dropout=0.0", "--model.attention_dropout=0.0"]
+# Megatron's decoupled LR (the embedding and output layer in an AdamW group of their own): the
+# bitwise resumes below run with it, so its group and LR come back exactly
+DECOUPLED = ["--decoupled-lr=1e-2", "--decoupled-min-lr=1e-3"]
 DP2_TP2 = ["--parallel.tensor_model_parallel_size=2"]
 PP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]
 
@@ -74,15 +77,16 @@ def runs(request, tmp_path_factory) -> dict:
     commands: list[Command] = []
     if selected(test_resume_one_process_is_bitwise_identical):
         d = directory("one_process")
-        commands += [uninterrupted(d, "bitwise", DROPOUT, 1), resume(d, "bitwise_resumed", d / "bitwise_ckpt", DROPOUT, 1)]
+        args = DROPOUT + DECOUPLED
+        commands += [uninterrupted(d, "bitwise", args, 1), resume(d, "bitwise_resumed", d / "bitwise_ckpt", args, 1)]
     if selected(test_evaluation_after_a_resume_continues_the_validation_stream):
         d = directory("evaluation")
         commands += [train(d, "eval", EVAL + [f"--checkpoint.save={d / 'eval_ckpt'}", "--checkpoint.save_interval=4"]),
                      train(d, "eval_resumed", EVAL + [f"--checkpoint.load={d / 'eval_ckpt'}", "--checkpoint.load_iteration=4"])]  # fmt: skip
     if selected(test_resume_two_ranks_bitwise_and_async_equals_sync):
         d = directory("two_ranks")
-        commands += [uninterrupted(d, "pp2", DROPOUT + PP2 + ["--checkpoint.async_save=true"], 2),
-                     resume(d, "pp2_resumed", d / "pp2_ckpt", DROPOUT + PP2, 2, save=d / "pp2_resumed_ckpt")]  # fmt: skip
+        commands += [uninterrupted(d, "pp2", DROPOUT + DECOUPLED + PP2 + ["--checkpoint.async_save=true"], 2),
+                     resume(d, "pp2_resumed", d / "pp2_ckpt", DROPOUT + DECOUPLED + PP2, 2, save=d / "pp2_resumed_ckpt")]  # fmt: skip
     meshes = selected(test_dp2_tp2_checkpoint_resumes_on_other_meshes)
     one = selected(test_dp2_tp2_checkpoint_resumes_in_one_process)
     if meshes or one or any(selected(t) for t in (test_every_stored_key_is_documented_in_stored_py, test_generate_from_dp2_tp2_checkpoint)):

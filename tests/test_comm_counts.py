@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 LAUNCHES = {
     2: ["dp2", "dp2_zero3", "tp2", "tp2_sp", "pp2_1f1b", "pp2_interleaved", "cp2",
-        "dp2_bf16", "tp2_sp_bf16", "pp2_1f1b_bf16", "cp2_bf16", "dp2_fp16", "tp2_sp_fp32", "pp2_1f1b_fp32", "llama_tp2",
+        "dp2_bf16", "dp2_bf16r", "tp2_sp_bf16", "pp2_1f1b_bf16", "cp2_bf16", "dp2_fp16", "tp2_sp_fp32", "pp2_1f1b_fp32", "llama_tp2",
         "mqa_tp2", "moe_ep2", "moe_ep2_full", "moe_tp2_sp", "mla_tp2_sp", "mla_cp2", "mtp_dp2", "mtp_cp2", "mtp_pp2_1f1b",
         "mtp_tp2", "mtp_tp2_sp", "mtp_moe_ep2", "mtp_moe_tp2_sp"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
@@ -132,6 +132,19 @@ def test_low_precision_moves_no_large_fp32_but_gradients(counted):
         for rank, counts in enumerate(ranks):
             for micro, large in counts["large_fp32"][name].items():
                 assert large == [], (name, rank, micro, large)
+
+
+def test_grad_reduce_in_bf16_halves_the_gradient_bytes(counted):
+    """training.grad_reduce_in_bf16 (Megatron's --grad-reduce-in-bf16): FSDP's reduce-scatters carry
+    the same elements as under bf16 alone, in bf16 (2 bytes each, not 4); the gathers are unchanged."""
+    world, ranks = counted
+    if world != 2:
+        pytest.skip("dp2_bf16r runs in the 2-rank launch")
+    for counts in ranks:
+        for micro in ("1", "4"):
+            fp32, bf16 = counts["counts"]["dp2_bf16"][micro], counts["counts"]["dp2_bf16r"][micro]
+            assert bf16["reduce_scatter"][0] == fp32["reduce_scatter"][0] and 2 * bf16["reduce_scatter"][1] == fp32["reduce_scatter"][1]
+            assert bf16["all_gather"] == fp32["all_gather"]
 
 
 def test_the_census_sees_fp32_activations(counted):

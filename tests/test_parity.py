@@ -67,8 +67,12 @@ DP_SHARD2 = "--parallel.data_parallel_shard_size=2"
 def ep(size: int) -> str:
     return f"--parallel.expert_model_parallel_size={size}"
 
+# Megatron's --decoupled-lr and --decoupled-min-lr as a launch script spells them: the word
+# embedding and the output layer at their own LR bounds (dtgpt/decoupled_lr.py)
+DECOUPLED = ["--decoupled-lr=1e-2", "--decoupled-min-lr=1e-3"]
+
 # overrides that change the model or what it trains on: the reference gets them too
-MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_")
+MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-")
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -182,6 +186,10 @@ LAYOUTS = {
     # counted per micro-batch, which no dp, ep or pp split changes (tp and cp, which split a
     # sequence, are refused): the same tokens drop on every layout (dropped_tokens compared). Padded to
     # capacity (Megatron's static-shape mode): every exchange's sizes are known, nothing syncs.
+    # decoupled LR: the tied embedding on stage 0 and its copy, the head, on stage 1 must move at
+    # the same LR to stay one weight; under FSDP the embedding is a DTensor shard of the root unit
+    "decoupled_lr_pp2_1f1b_tied": (2, [*DECOUPLED, PP2, "--parallel.pipeline_schedule=1F1B"]),
+    "decoupled_lr_dp_shard2": (2, [*DECOUPLED, DP_SHARD2]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
@@ -225,6 +233,8 @@ def runs(request, tmp_path_factory) -> dict:
     batch = [Run(name, tmp_path_factory.mktemp(name), RUN + LAYOUTS[name][1], LAYOUTS[name][0]) for name in layouts]
     batch += [Run(name, tmp_path_factory.mktemp(name), RUN + schedule_overrides(name), 2) for name in schedules]
     variants = {tuple(model_overrides(LAYOUTS[name][1])) for name in layouts} | ({()} if schedules else set())
+    if selected_cases(request, test_decoupled_lr_changes_what_is_trained):
+        variants |= {(), tuple(DECOUPLED)}
     for model_args in sorted(variants):
         batch.append(Run(reference_key(list(model_args)), tmp_path_factory.mktemp("single"), RUN + list(model_args), save_interval=SHORT))
     if selected_cases(request, test_debug_3d_config_matches_single_process):
@@ -245,6 +255,14 @@ def test_layout_matches_single_process(runs, name):
     expected = reference(runs, model_overrides(LAYOUTS[name][1]))
     assert_same_training(result_of(runs, name), expected, STEPS)
     assert PRINTED.get(name, "") in result_of(runs, name)["output"]
+
+
+@pytest.mark.slow
+def test_decoupled_lr_changes_what_is_trained(runs):
+    """The flags reach the optimizer through train.py: the one-process runs with and without them
+    start alike and part once the embedding moves at its own LR."""
+    plain, decoupled = reference(runs, []), reference(runs, DECOUPLED)
+    assert decoupled["loss"][0] == plain["loss"][0] and decoupled["loss"][-1] != pytest.approx(plain["loss"][-1], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -76,6 +76,8 @@ def test_no_load_rng_keeps_the_fresh_seeding(saved):
         ("--optimizer.lr_warmup_iters=1", r"warmup samples is 4 here \(optimizer.lr_warmup_iters\) but 0 in the checkpoint"),
         ("--optimizer.lr_decay_style=cosine", r"learning rate decay style is cosine here"),
         ("--optimizer.weight_decay=0.1", r"weight decay is 0.1 here"),
+        ("--decoupled-lr=0.002", r"output layer's peak and minimum learning rate is \(0.002, 0.0\) here \(optimizer.decoupled_lr\) "
+                                 r"but \(0.0003, 0.0\) in the checkpoint"),
     ],
 )
 def test_a_changed_schedule_is_refused_naming_the_value(saved, override, message):
@@ -106,3 +108,36 @@ def test_no_check_when_the_schedule_is_not_loaded(saved):
 def test_the_two_schedule_keys_exclude_each_other():
     with pytest.raises(ConfigError, match="override_opt_param_scheduler and optimizer.use_checkpoint_opt_param_scheduler cannot both be true"):
         make_trainer("--optimizer.override_opt_param_scheduler=true", "--optimizer.use_checkpoint_opt_param_scheduler=true")
+
+
+DECOUPLED = ("--decoupled-lr=0.002", "--decoupled-min-lr=1e-05")
+
+
+def group_lrs(trainer: Trainer) -> list[float]:
+    """Each AdamW group's LR as the next step would set it."""
+    optimizer = trainer.state.optimizer.optimizers[0]
+    trainer.state.lr_schedule.apply(optimizer)
+    return [group["lr"] for group in optimizer.param_groups]
+
+
+def test_decoupled_lr_resumes_and_follows_the_schedule_keys(tmp_path):
+    """A checkpoint trained with decoupled_lr loads with its third group's AdamW state; a changed
+    decoupled_lr is refused as a changed lr is, followed under override_opt_param_scheduler, and
+    the checkpoint's comes back under use_checkpoint_opt_param_scheduler (also with the key unset here)."""
+    t = make_trainer(f"--checkpoint.save={tmp_path}", *DECOUPLED)
+    step(t, 2)
+    checkpointer(t).save(2)
+    same = loaded(tmp_path, *DECOUPLED)
+    assert same_weights(t, same) and group_lrs(same) == group_lrs(t) and len(group_lrs(t)) == 3
+    assert group_lrs(t)[2] == pytest.approx(1e-5 + (0.002 - 1e-5) * (1 - 8 / 40))  # linear decay, 8 of 40 samples
+    embedding = same.state.model.parts[0].embedding.word.weight
+    assert torch.equal(same.state.optimizer.optimizers[0].state[embedding]["exp_avg"],
+                       t.state.optimizer.optimizers[0].state[t.state.model.parts[0].embedding.word.weight]["exp_avg"])  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"peak and minimum learning rate is \(0.004, 1e-05\) here"):
+        loaded(tmp_path, "--decoupled-lr=0.004", "--decoupled-min-lr=1e-05")
+    ours = loaded(tmp_path, "--decoupled-lr=0.004", "--optimizer.override_opt_param_scheduler=true")
+    assert group_lrs(ours)[2] == pytest.approx(0.004 * (1 - 8 / 40))
+    theirs = loaded(tmp_path, "--decoupled-lr=0.004", "--optimizer.use_checkpoint_opt_param_scheduler=true")
+    assert group_lrs(theirs) == pytest.approx(group_lrs(t))
+    with pytest.raises(CheckpointError, match=r"optimizer.decoupled_lr=0.002: set optimizer.decoupled_lr"):
+        loaded(tmp_path, "--optimizer.use_checkpoint_opt_param_scheduler=true")

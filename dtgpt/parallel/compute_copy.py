@@ -18,7 +18,8 @@ with main parameters):
 - its gradients land in one compute-dtype buffer and are moved to the masters' fp32 gradients
   (one buffer, viewed by each master's `.grad`) after every micro-batch's backward: added in fp32
   when gradients accumulate in fp32, as FSDP accumulates them, or once after the last one in the
-  compute dtype (fp16 without training.accumulate_allreduce_grads_in_fp32). A gradient that
+  compute dtype (fp16 without training.accumulate_allreduce_grads_in_fp32, bf16 with
+  training.grad_reduce_in_bf16). A gradient that
   DTensor leaves as a pending sum over tp (Partial) stays one in the masters' gradient, and is
   summed once per iteration with the others (ModelParts.reduce_pending_grads).
 

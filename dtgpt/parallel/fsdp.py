@@ -5,7 +5,7 @@ parameter gathered in it, so the residual stream, each norm's output, every tens
 context-parallel collective and every pipeline send move two bytes per element), over fp32
 master weights that the optimizer steps; gradients come out of backward in the compute dtype and
 are accumulated and reduced in fp32 (`training.accumulate_allreduce_grads_in_fp32`, always on
-under bf16). FSDP's MixedPrecisionPolicy is exactly that, so a low-precision run is FSDP-sharded
+under bf16 unless `training.grad_reduce_in_bf16`: then in bf16, as Megatron's --grad-reduce-in-bf16). FSDP's MixedPrecisionPolicy is exactly that, so a low-precision run is FSDP-sharded
 wherever ranks share weights (dp x cp > 1); where none does (one process, tp or pp at dp x cp =
 1) the same regime runs through a compute copy of the masters instead
 (dtgpt/parallel/compute_copy.py: FSDP's numbers, without its per-unit hooks), an MoE model

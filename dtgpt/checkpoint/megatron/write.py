@@ -32,6 +32,7 @@ from dtgpt.checkpoint.megatron.keys import (
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
+from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
@@ -240,15 +241,20 @@ def _adam_step(src: Path, metadata) -> float:
 
 def megatron_optimizer_common(cfg: OptimizerConfig, step: float) -> dict:
     """What megatron-core's distributed optimizer keeps in common.pt for the model-space
-    (`fully_reshardable`) layout: its two param groups (weight decay on matrices, none on
-    biases and norms, told apart by wd_mult) with the Adam step, and the sharding type, which
-    Megatron-LM reads back from `content_metadata`."""
+    (`fully_reshardable`) layout: its param groups (weight decay on matrices, none on biases and
+    norms, told apart by wd_mult; under decoupled_lr the word embedding and output layer's between
+    them, told apart by max_lr and min_lr, where megatron-core puts it) with the Adam step, and the
+    sharding type, which Megatron-LM reads back from `content_metadata`."""
+    bounds = [(1.0, cfg.lr, cfg.min_lr, True)]
+    if cfg.decoupled_lr is not None:
+        bounds.append((1.0, *embedding_output_bounds(cfg), False))
+    bounds.append((0.0, cfg.lr, cfg.min_lr, True))
     groups = [
-        {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "default_config": True,
-         "max_lr": cfg.lr, "min_lr": cfg.min_lr, "lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+        {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "default_config": default,
+         "max_lr": max_lr, "min_lr": min_lr, "lr": max_lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
          "weight_decay": cfg.weight_decay * wd_mult, "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
          "differentiable": False, "fused": None, "decoupled_weight_decay": True, "step": step}
-        for wd_mult in (1.0, 0.0)
+        for wd_mult, max_lr, min_lr, default in bounds
     ]  # fmt: skip
     sharding = "fully_reshardable"
     return {"optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": sharding},
