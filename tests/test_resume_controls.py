@@ -137,7 +137,8 @@ def test_decoupled_lr_resumes_and_follows_the_schedule_keys(tmp_path):
         loaded(tmp_path, "--decoupled-lr=0.004", "--decoupled-min-lr=1e-05")
     ours = loaded(tmp_path, "--decoupled-lr=0.004", "--optimizer.override_opt_param_scheduler=true")
     assert group_lrs(ours)[2] == pytest.approx(0.004 * (1 - 8 / 40))
-    theirs = loaded(tmp_path, "--decoupled-lr=0.004", "--optimizer.use_checkpoint_opt_param_scheduler=true")
+    theirs = loaded(tmp_path, "--decoupled-lr=0.004", "--optimizer.weight_decay=0.1", "--optimizer.use_checkpoint_opt_param_scheduler=true")
     assert group_lrs(theirs) == pytest.approx(group_lrs(t))
+    assert [g["weight_decay"] for g in theirs.state.optimizer.optimizers[0].param_groups] == [0.01, 0.0, 0.01]
     with pytest.raises(CheckpointError, match=r"optimizer.decoupled_lr=0.002: set optimizer.decoupled_lr"):
         loaded(tmp_path, "--optimizer.use_checkpoint_opt_param_scheduler=true")

@@ -8,7 +8,8 @@
 
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
 minimum LR (and the embedding and output layer's, optimizer.decoupled_lr), warmup and decay
-lengths (samples), decay style and weight decay must equal the config's, unless optimizer.override_opt_param_scheduler (the config's are used) or
+lengths (samples), decay style and weight decay must equal the config's, unless
+optimizer.override_opt_param_scheduler (the config's are used) or
 optimizer.use_checkpoint_opt_param_scheduler (the checkpoint's are used).
 """
 
@@ -100,6 +101,7 @@ def _take_checkpoint_schedule(saved: Config, state: TrainState) -> str:
     if ours.style == "WSD" and not ours.wsd_decay_steps:
         ours.wsd_decay_steps = theirs.wsd_decay_steps
     for optimizer in state.optimizer.optimizers:
-        optimizer.param_groups[0]["weight_decay"] = saved.optimizer.weight_decay  # the decaying group
+        for group in optimizer.param_groups[:1] + [g for g in optimizer.param_groups if g.get(DECOUPLED)]:  # the decaying ones
+            group["weight_decay"] = saved.optimizer.weight_decay
     values = ", ".join(f"{what} {value}" for what, _, value in scheduler_values(saved))
     return f"LR schedule from the checkpoint (optimizer.use_checkpoint_opt_param_scheduler): {values}"
