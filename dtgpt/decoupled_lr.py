@@ -9,8 +9,10 @@ multi-token prediction's copy there (`embedding.word.weight`) are summed with th
 every step (dtgpt.parallel.tied), so they must move at its LR to stay equal.
 
 They get an AdamW group of their own, marked DECOUPLED, built only when decoupled_lr is set (so
-a run without it keeps Megatron's two groups). Every pipeline stage builds it, empty where the
-stage holds neither end, so each stage's optimizer has the same groups.
+a run without it keeps Megatron's two groups) and only by a model part that holds one of them: a
+pipeline stage with neither end has no such group. That is safe because checkpoints key the
+AdamW state by parameter name and store no param groups (dtgpt/checkpoint/stored.py), and
+necessary because torch's flattened optimizer state dict cannot load into an empty group.
 """
 
 from __future__ import annotations

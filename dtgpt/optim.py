@@ -59,7 +59,7 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    if cfg.decoupled_lr is not None:
+    if embedding_output:
         groups.append(decoupled_group(embedding_output, cfg.weight_decay))
     return torch.optim.AdamW(
         groups,

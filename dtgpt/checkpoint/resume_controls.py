@@ -92,7 +92,7 @@ def _take_checkpoint_schedule(saved: Config, state: TrainState) -> str:
     ours, theirs = state.lr_schedule, LRSchedule(saved)
     ours.max_lr, ours.min_lr, ours.style = theirs.max_lr, theirs.min_lr, theirs.style
     ours.warmup_steps, ours.decay_steps = theirs.warmup_steps, theirs.decay_steps
-    if theirs.decoupled is not None and not any(g.get(DECOUPLED) for g in state.optimizer.param_groups):
+    if theirs.decoupled is not None and ours.decoupled is None:  # the embedding and output are in the other groups
         raise CheckpointError(
             f"the checkpoint trained the word embedding and output layer at optimizer.decoupled_lr={saved.optimizer.decoupled_lr}: "
             "set optimizer.decoupled_lr to follow its schedule (optimizer.use_checkpoint_opt_param_scheduler)"
