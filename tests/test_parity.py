@@ -12,7 +12,9 @@ masking) under dp, tp+SP, pp and cp, and the Llama-style model (LLAMA: grouped-q
 SwiGLU, RMSNorm, RoPE, qk-layernorm, no biases, an untied head) on dp, tp+SP, pp, cp, pp x dp x tp
 and compiled under dp, and with one key/value group for two tp ranks, and a tiny MoE (MOE) on dp,
 tp+SP with a shared expert, pp with recomputation and the expert bias, and expert parallelism
-(ep2 and ep4, beside FSDP, pp, tp + SP and cp). Every other pipeline schedule runs SHORT
+(ep2 and ep4, beside FSDP, pp, tp + SP and cp), and Megatron's --decoupled-lr (the embedding and
+output layer at their own LR) on pp2 with the tied head on the other stage and on FSDP (dp2).
+Every other pipeline schedule runs SHORT
 iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
 (lr_decay_iters), so a shorter run is a prefix of the longer one (the reference also saves its
