@@ -60,6 +60,14 @@ class MoEKeys:
     """Width of an MLP every token also goes through (the shared expert); unset: none."""
     moe_grouped_gemm: bool = False
     """Run the experts as grouped matrix multiplications (torch._grouped_mm), not one by one."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How Megatron moves tokens to their experts ('allgather', 'alltoall' or 'flex'): the same
+    result in each (docs/moe.md), so it only decides which of Megatron's rules apply (flex with
+    DeepEP cannot pad to capacity)."""
+    moe_enable_deepep: bool = False
+    """Megatron's older spelling of moe_flex_dispatcher_backend='deepep' (needs the flex dispatcher)."""
+    moe_flex_dispatcher_backend: str = "deepep"
+    """The flex dispatcher's kernels ('deepep', 'hybridep' or 'ncclep'): transport only."""
 
     @property
     def moe_enabled(self) -> bool:
