@@ -49,6 +49,7 @@ MEGATRON_EXAMPLE = {
     "--moe-token-dispatcher-type": "model.moe_token_dispatcher_type", "--moe-enable-deepep": "model.moe_enable_deepep",
     "--moe-flex-dispatcher-backend": "model.moe_flex_dispatcher_backend",
     "--expert-tensor-parallel-size": "parallel.expert_tensor_parallel_size",
+    "--moe-router-force-load-balancing": "model.moe_router_force_load_balancing",
 }  # fmt: skip
 LATER_KEYS = {  # keys of Megatron's training controls, mapped once their config keys exist
     "--train-samples": "training.train_samples", "--step-batch-size-schedule": "training.step_batch_size_schedule",

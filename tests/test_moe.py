@@ -106,10 +106,12 @@ def test_expert_bias_moves_towards_the_mean_load():
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
 
 
-def same_layer_as_megatron(theirs_layer, moe: dict):
-    """dtgpt's MoELayer with megatron-core's `theirs_layer`'s weights, both run on the same tokens:
-    asserts the same output and router, input and expert gradients; returns (ours, their run)."""
+def same_layer_as_megatron(theirs_layer, moe: dict, prepare=lambda layer: None):
+    """dtgpt's MoELayer with megatron-core's `theirs_layer`'s weights (then given to `prepare`),
+    both run on the same tokens: asserts the same output and router, input and expert gradients;
+    returns (ours, their run)."""
     ours_layer = MoELayer(dtgpt_config(moe))
+    prepare(ours_layer)
     fc1, fc2 = expert_weights(theirs_layer)
     with torch.no_grad():
         ours_layer.router.weight.copy_(theirs_layer.router.weight)

@@ -96,6 +96,12 @@ def check_moe(cfg: Config) -> None:
         "no parity test covers compiled MoE blocks under tp (each MoE layer an FSDP unit inside its block); "
         "set training.compile=false",
     )
+    _require(
+        not t.compile or not m.moe_router_force_load_balancing,
+        "training.compile=true is not supported with model.moe_router_force_load_balancing=true (a benchmarking "
+        "mode whose token indices reach the routers by a hook on each block, which no compiled test covers); "
+        "set training.compile=false",
+    )
     _require(e % ep == 0, f"parallel.expert_model_parallel_size={ep} must divide model.num_experts={e}")
     if p.data_parallel_shard_size > 0:
         _check_expert_ranks(cfg, p.data_parallel_shard_size)
