@@ -186,8 +186,13 @@ def test_bad_megatron_flags_are_one_error_line(capfd, argv, message):
         (["--num-experts", "4", "--moe-enable-deepep"], "error: --moe-enable-deepep needs --moe-token-dispatcher-type flex"),
         (["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-expert-capacity-factor", "1",
           "--moe-pad-expert-input-to-capacity"], "is not taken with --moe-token-dispatcher-type flex and the DeepEP backend"),
+        (["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+          "hybridep"], "error: --moe-enable-deepep names the DeepEP backend but --moe-flex-dispatcher-backend hybridep; keep one"),
+        (["--num-experts", "4", "--moe-router-force-load-balancing", "--training.compile=true"],
+         "is not supported with --moe-router-force-load-balancing"),
     ],
-    ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned", "expert-tp", "deepep-without-flex", "deepep-pad"],
+    ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned", "expert-tp", "deepep-without-flex", "deepep-pad", "deepep-and-hybridep",
+         "forced-balance-compiled"],
 )
 def test_megatron_flags_that_break_a_rule_are_one_error_line(capfd, argv, message):
     """Flags that parse but break a config rule: the line names the flags as typed (--print-config

@@ -152,6 +152,11 @@ def check_dispatcher(m) -> None:
         not m.moe_enable_deepep or kind == "flex",
         f"model.moe_enable_deepep=true needs model.moe_token_dispatcher_type='flex' (got {kind!r}), as in Megatron",
     )
+    _require(
+        not m.moe_enable_deepep or backend != "hybridep",
+        "model.moe_enable_deepep=true names the DeepEP backend but model.moe_flex_dispatcher_backend='hybridep'; "
+        "keep one, as Megatron",
+    )
     deepep = kind == "flex" and (m.moe_enable_deepep or backend == "deepep")
     _require(
         not (deepep and m.moe_pad_expert_input_to_capacity),
