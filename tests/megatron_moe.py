@@ -1,11 +1,12 @@
 """megatron-core's MoE layer on CPU, in the test process: the oracle for dtgpt/moe (the dev
 extra's megatron-core: 0.19.2, or 0.16.1 below Python 3.12).
 
-Its MoELayer from the local layer spec (SequentialMLP experts, the allgather dispatcher) runs on
-one gloo rank (a HashStore, no rendezvous) with four patches of what it assumes of CUDA, none of
-its numerics: the CUDA RNG tracker's fork a null context, torch.cuda.current_device -> "cpu",
-torch.cuda.synchronize a no-op, and moe_utils.te_general_gemm = None (a NameError without
-Transformer Engine). `megatron_session` (for a test's fixture) applies them through monkeypatch,
+Its MoELayer from the local layer spec (SequentialMLP experts, the allgather dispatcher unless a
+test names another) runs on one gloo rank (a HashStore, no rendezvous) with patches of what it
+assumes of CUDA, none of its numerics: the CUDA RNG tracker's fork a null context (draws come from
+torch's default generator), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a no-op,
+moe_utils.te_general_gemm = None (a NameError without Transformer Engine), and the alltoall
+dispatcher's host copy of its split sizes (a CUDA side stream) the identity. `megatron_session` (for a test's fixture) applies them through monkeypatch,
 so they end with the test, and destroys Megatron's groups and the process group after it.
 """
 
@@ -40,12 +41,19 @@ def megatron_session(monkeypatch):
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as megatron_random
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(megatron_random.CudaRNGStatesTracker, "fork", lambda self, *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    # The alltoall dispatcher copies its split sizes to the host on a CUDA side stream; on CPU
+    # they are on the host already: its copy-and-wait step returns the counts as they are.
+    monkeypatch.setattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    monkeypatch.setattr(
+        token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+        lambda self, point, tokens_per_expert=None: tokens_per_expert,
+    )  # fmt: skip
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     try:
@@ -65,7 +73,7 @@ def build_layer(**moe):
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, moe_token_dispatcher_type="allgather", **moe,
+        gradient_accumulation_fusion=False, **{"moe_token_dispatcher_type": "allgather", **moe},
     )  # fmt: skip
     mlp = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
     torch.manual_seed(7)

@@ -46,6 +46,10 @@ MEGATRON_EXAMPLE = {
     "--no-bias-gelu-fusion": "model.bias_gelu_fusion", "--num-experts": "model.num_experts",
     "--moe-router-topk": "model.moe_router_topk", "--expert-model-parallel-size": "parallel.expert_model_parallel_size",
     "--moe-aux-loss-coeff": "model.moe_aux_loss_coeff", "--moe-grouped-gemm": "model.moe_grouped_gemm",
+    "--moe-token-dispatcher-type": "model.moe_token_dispatcher_type", "--moe-enable-deepep": "model.moe_enable_deepep",
+    "--moe-flex-dispatcher-backend": "model.moe_flex_dispatcher_backend",
+    "--expert-tensor-parallel-size": "parallel.expert_tensor_parallel_size",
+    "--moe-router-force-load-balancing": "model.moe_router_force_load_balancing",
 }  # fmt: skip
 LATER_KEYS = {  # keys of Megatron's training controls, mapped once their config keys exist
     "--train-samples": "training.train_samples", "--step-batch-size-schedule": "training.step_batch_size_schedule",
@@ -177,14 +181,45 @@ def test_bad_megatron_flags_are_one_error_line(capfd, argv, message):
         (["--mtp-loss-scaling-factor", "0.5"], "error: --mtp-loss-scaling-factor 0.5 needs --mtp-num-layers"),
         (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
          "needs --position-embedding-type rope (the last stage shares the word embedding only, not the position embedding)"),
+        (["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
+         "error: --expert-tensor-parallel-size 2: only 1 is built (each expert is kept whole on every tensor-parallel rank"),
+        (["--num-experts", "4", "--moe-enable-deepep"], "error: --moe-enable-deepep needs --moe-token-dispatcher-type flex"),
+        (["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-expert-capacity-factor", "1",
+          "--moe-pad-expert-input-to-capacity"], "is not taken with --moe-token-dispatcher-type flex and the DeepEP backend"),
+        (["--num-experts", "4", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--moe-flex-dispatcher-backend",
+          "hybridep"], "error: --moe-enable-deepep names the DeepEP backend but --moe-flex-dispatcher-backend hybridep; keep one"),
+        (["--num-experts", "4", "--moe-router-force-load-balancing", "--training.compile=true"],
+         "is not supported with --moe-router-force-load-balancing"),
     ],
-    ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned"],
+    ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned", "expert-tp", "deepep-without-flex", "deepep-pad", "deepep-and-hybridep",
+         "forced-balance-compiled"],
 )
 def test_megatron_flags_that_break_a_rule_are_one_error_line(capfd, argv, message):
     """Flags that parse but break a config rule: the line names the flags as typed (--print-config
     prints the config first, by design)."""
     code, out, err = _cli(capfd, ["--mock-data", *argv])
     assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+MOE_SCRIPT_FLAGS = [  # the MoE flags of Megatron's Mixtral and DeepSeek-V3 (Megatron FSDP) launch scripts
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "flex",
+    "--moe-flex-dispatcher-backend", "hybridep", "--expert-tensor-parallel-size", "1", "--moe-permute-fusion",
+    "--moe-router-fusion", "--moe-shared-expert-overlap", "--moe-per-layer-logging",
+]  # fmt: skip
+
+
+def test_megatron_moe_script_flags_are_taken():
+    """Dispatchers and expert tp 1 set their keys (checked as Megatron checks them); fusions,
+    overlap and per-layer logging are accepted with the note."""
+    from dtgpt.config.megatron_flags import translate
+
+    cfg = load_config(None, ["--mock-data", *MOE_SCRIPT_FLAGS])
+    m = cfg.model
+    assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend, m.num_experts) == ("flex", "hybridep", 8)
+    assert cfg.parallel.expert_tensor_parallel_size == 1
+    assert translate(MOE_SCRIPT_FLAGS).ignored == [
+        "--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap", "--moe-per-layer-logging"]
 
 
 def test_megatron_flags_mix_with_config_and_overrides(capfd, tmp_path):

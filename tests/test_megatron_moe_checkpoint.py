@@ -200,6 +200,7 @@ def test_per_rank_files_at_tp2_ep2_hold_each_ranks_slice_and_read_back_whole(dtg
     assert torch.equal(fc2, ours["layers.1.mlp.experts.fc2_weight"][2][:, EXPERT_FFN // 2:])
     assert "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight" not in second["model"]
     assert second["args"].expert_model_parallel_size == 2 and second["args"].num_experts == EXPERTS
+    assert second["args"].expert_tensor_parallel_size == 2  # the experts split over tp, as written
     back = load_megatron_model(directory, model_cfg(make_vocab_size_divisible_by=32), 128).state_dict()
     for name, value in ours.items():
         stored = back[name][: value.shape[0]] if name in ("embedding.word.weight", "output.weight") else back[name]
@@ -214,6 +215,26 @@ def test_to_megatron_refuses_an_expert_split_in_one_line(dtgpt_moe, tmp_path, ca
     assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "out"), *flags]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
+@pytest.mark.parametrize("etp", [1, 4])
+def test_per_rank_files_saved_with_another_expert_tp_split_are_one_error_line(dtgpt_moe, tmp_path, capfd, etp):
+    """Megatron's --expert-tensor-parallel-size other than tp slices (or, at 1, keeps whole) the
+    experts in each file otherwise than the dense MLP: the reader refuses before reading a tensor."""
+    assert load_script().main(["to-megatron", str(dtgpt_moe), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
+    directory = find(tmp_path / "m")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        path = directory / rank / "model_optim_rng.pt"
+        saved = torch.load(path, weights_only=False)
+        saved["args"].expert_tensor_parallel_size = etp
+        torch.save(saved, path)
+    config = layout.iteration_dir(dtgpt_moe, 3) / layout.CONFIG
+    capfd.readouterr()
+    assert load_script().main(["from-megatron", str(directory), str(tmp_path / "out"), "--config", str(config)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert f"its args say expert_tensor_parallel_size={etp} with tensor_model_parallel_size=2" in err[0]
+    assert "takes experts split over tp as the dense MLP" in err[0] and "torch_dist" in err[0]
 
 
 def test_per_rank_files_of_a_model_mixing_dense_and_moe_layers_read_back_whole(tmp_path):

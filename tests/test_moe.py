@@ -106,17 +106,12 @@ def test_expert_bias_moves_towards_the_mean_load():
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
 
 
-LAYER_CASES = ("softmax", "sigmoid", "seq_aux_loss", "capacity_probs", "capacity_padded", "router_fp64")
-
-
-@pytest.mark.parametrize("case", LAYER_CASES)
-def test_layer_matches_megatron(megatron, case):
-    """Output, and the gradients of the router (LM and aux/z losses together), the input and the
-    experts, for (output * upstream).sum() with the aux gradient at scale 1, as Megatron's
-    MoEAuxLossAutoScaler at loss scale 1."""
-    moe = CASES[case]
-    theirs_layer = build_layer(num_moe_experts=4, **{"moe_router_topk": 2, **moe})
+def same_layer_as_megatron(theirs_layer, moe: dict, prepare=lambda layer: None):
+    """dtgpt's MoELayer with megatron-core's `theirs_layer`'s weights (then given to `prepare`),
+    both run on the same tokens: asserts the same output and router, input and expert gradients;
+    returns (ours, their run)."""
     ours_layer = MoELayer(dtgpt_config(moe))
+    prepare(ours_layer)
     fc1, fc2 = expert_weights(theirs_layer)
     with torch.no_grad():
         ours_layer.router.weight.copy_(theirs_layer.router.weight)
@@ -130,8 +125,22 @@ def test_layer_matches_megatron(megatron, case):
     _same(out.detach(), theirs.output, "output")
     _same(ours_layer.router.weight.grad, theirs.router_grad, "router gradient")
     _same(x.grad, theirs.input_grad, "input gradient")
-    their_fc1_grad = torch.stack([e.linear_fc1.weight.grad for e in theirs_layer.experts.local_experts])
-    _same(ours_layer.experts.fc1_weight.grad, their_fc1_grad, "expert fc1 gradient")
+    for name in ("fc1", "fc2"):
+        their_grad = torch.stack([getattr(e, f"linear_{name}").weight.grad for e in theirs_layer.experts.local_experts])
+        _same(getattr(ours_layer.experts, f"{name}_weight").grad, their_grad, f"expert {name} gradient")
+    return ours_layer, theirs
+
+
+LAYER_CASES = ("softmax", "sigmoid", "seq_aux_loss", "capacity_probs", "capacity_padded", "router_fp64")
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_layer_matches_megatron(megatron, case):
+    """Output, and the gradients of the router (LM and aux/z losses together), the input and the
+    experts, for (output * upstream).sum() with the aux gradient at scale 1, as Megatron's
+    MoEAuxLossAutoScaler at loss scale 1."""
+    moe = CASES[case]
+    ours_layer, theirs = same_layer_as_megatron(build_layer(num_moe_experts=4, **{"moe_router_topk": 2, **moe}), moe)
     totals = ours_layer.take_totals()
     assert {k: float(totals[k]) for k in theirs.losses} == pytest.approx(theirs.losses, rel=1e-5)
     assert int(totals["tokens_per_expert"].sum()) + int(totals["dropped_tokens"]) >= SEQ * BATCH * 2 or "padded" in case

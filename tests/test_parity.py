@@ -184,6 +184,14 @@ LAYOUTS = {
         [*MOE_GROUPED, *EXPERT_BIAS, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", ep(2)],
     ),
     "moe_ep2_cp2": (2, [*MOE_GROUPED, CP2, ep(2)]),
+    # Megatron's forced load balancing (a benchmarking mode): the router's logits replaced by draws
+    # keyed on each token's index in the run, so tp + SP chunks, cp chunks and ep ranks draw what
+    # one process draws for the same tokens (with group-limited top-k over the draws)
+    "moe_ep2_tp2_sp_cp2_forced_balance": (
+        4,
+        [*MOE_GROUPED, "--model.moe_router_force_load_balancing=true", "--model.moe_router_num_groups=2",
+         "--model.moe_router_group_topk=1", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", CP2, ep(2)],
+    ),  # fmt: skip
     # a capacity factor: each expert takes at most 1.0 x its share of a micro-batch's tokens,
     # counted per micro-batch, which no dp, ep or pp split changes (tp and cp, which split a
     # sequence, are refused): the same tokens drop on every layout (dropped_tokens compared). Padded to

@@ -35,6 +35,7 @@ from dtgpt.config.derived import (
     fsdp_reshards_after_forward,
     grads_reduced_in_fp32,
     interleaved_round_size,
+    keys_on_token_index,
     layout_invariant_dropout,
     low_precision,
     mesh_shape,
@@ -52,6 +53,6 @@ __all__ = [
     "FaultsConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
     "ProfilingConfig", "TrainingConfig", "apply_override", "config_from_dict", "load_config",
     "load_toml", "split_overrides", "to_toml", "INTERLEAVED_SCHEDULES", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES",
-    "V_SHAPED_SCHEDULES", "data_parallel_size", "fsdp_reshards_after_forward", "get_key", "grads_reduced_in_fp32", "interleaved_round_size", "layout_invariant_dropout", "low_precision", "mesh_shape", "num_microbatches",
+    "V_SHAPED_SCHEDULES", "data_parallel_size", "fsdp_reshards_after_forward", "get_key", "grads_reduced_in_fp32", "interleaved_round_size", "keys_on_token_index", "layout_invariant_dropout", "low_precision", "mesh_shape", "num_microbatches",
     "num_pipeline_stages", "padded_vocab_size", "padded_vocabulary", "validate", "validate_mesh",
 ]  # fmt: skip

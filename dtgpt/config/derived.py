@@ -69,6 +69,13 @@ def layout_invariant_dropout(cfg: Config) -> bool:
     return m.dropout_rng == "layout_invariant" and (m.hidden_dropout > 0.0 or m.attention_dropout > 0.0)
 
 
+def keys_on_token_index(cfg: Config) -> bool:
+    """The model takes each token's index in the run: layout-invariant dropout and the MoE
+    router's forced balance draw from hashes of it."""
+    m = cfg.model
+    return layout_invariant_dropout(cfg) or (m.moe_enabled and m.moe_router_force_load_balancing)
+
+
 def num_microbatches(cfg: Config, dp: int, global_batch_size: int | None = None, key: str = "training.global_batch_size") -> int:
     """Micro-batches each data-parallel rank runs to make up a global batch of that size (by
     default training.global_batch_size; a ramp-up gives smaller ones first)."""

@@ -60,6 +60,19 @@ class MoEKeys:
     """Width of an MLP every token also goes through (the shared expert); unset: none."""
     moe_grouped_gemm: bool = False
     """Run the experts as grouped matrix multiplications (torch._grouped_mm), not one by one."""
+    moe_router_force_load_balancing: bool = False
+    """Benchmarking only, as Megatron's: the router's logits are replaced by standard normal draws
+    (the gradient passes straight through to the real ones), so every expert gets about the same
+    load; dtgpt draws each (token, expert) value from a hash of the seed, the layer and the
+    token's index in the run, the same in every layout (dtgpt/moe/forced_balance.py)."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How Megatron moves tokens to their experts ('allgather', 'alltoall' or 'flex'): the same
+    result in each (docs/moe.md), so it only decides which of Megatron's rules apply (flex with
+    DeepEP cannot pad to capacity)."""
+    moe_enable_deepep: bool = False
+    """Megatron's older spelling of moe_flex_dispatcher_backend='deepep' (needs the flex dispatcher)."""
+    moe_flex_dispatcher_backend: str = "deepep"
+    """The flex dispatcher's kernels ('deepep', 'hybridep' or 'ncclep'): transport only."""
 
     @property
     def moe_enabled(self) -> bool:

@@ -12,11 +12,19 @@ MOE_CHOICES = {
     "model.moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none"),
     "model.moe_token_drop_policy": ("probs", "position"),
     "model.moe_router_dtype": (None, "fp32", "fp64"),
+    "model.moe_token_dispatcher_type": ("allgather", "alltoall", "flex"),
+    "model.moe_flex_dispatcher_backend": ("deepep", "hybridep", "ncclep"),
 }
 
 
 def check_moe(cfg: Config) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    etp = p.expert_tensor_parallel_size
+    _require(
+        etp in (None, 1),
+        f"parallel.expert_tensor_parallel_size={etp}: only 1 is built (each expert is kept whole on every tensor-parallel "
+        "rank; the model is the same, only Megatron's layout of the expert weights differs); set 1 or leave it unset",
+    )
     ep = p.expert_model_parallel_size
     _require(ep >= 1, f"parallel.expert_model_parallel_size={ep} must be >= 1")
     if not m.moe_enabled:
@@ -38,6 +46,7 @@ def check_moe(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_group_routing(m)
+    check_dispatcher(m)
     for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(m, key)
         _require(value is None or value > 0, f"model.{key}={value} must be > 0 (or unset)")
@@ -87,6 +96,12 @@ def check_moe(cfg: Config) -> None:
         "no parity test covers compiled MoE blocks under tp (each MoE layer an FSDP unit inside its block); "
         "set training.compile=false",
     )
+    _require(
+        not t.compile or not m.moe_router_force_load_balancing,
+        "training.compile=true is not supported with model.moe_router_force_load_balancing=true (a benchmarking "
+        "mode whose token indices reach the routers by a hook on each block, which no compiled test covers); "
+        "set training.compile=false",
+    )
     _require(e % ep == 0, f"parallel.expert_model_parallel_size={ep} must divide model.num_experts={e}")
     if p.data_parallel_shard_size > 0:
         _check_expert_ranks(cfg, p.data_parallel_shard_size)
@@ -126,4 +141,25 @@ def check_group_routing(m) -> None:
         group_topk <= k <= group_topk * (e // groups),
         f"model.moe_router_topk={k} must be in [moe_router_group_topk={group_topk}, moe_router_group_topk * experts "
         f"per group = {group_topk * (e // groups)}] (each chosen group is scored by its top topk/group_topk experts)",
+    )
+
+
+def check_dispatcher(m) -> None:
+    """Megatron's own rules on its token dispatchers, which choose only how tokens travel: refused
+    where Megatron refuses, so a script dtgpt runs is one Megatron runs."""
+    kind, backend = m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend
+    _require(
+        not m.moe_enable_deepep or kind == "flex",
+        f"model.moe_enable_deepep=true needs model.moe_token_dispatcher_type='flex' (got {kind!r}), as in Megatron",
+    )
+    _require(
+        not m.moe_enable_deepep or backend != "hybridep",
+        "model.moe_enable_deepep=true names the DeepEP backend but model.moe_flex_dispatcher_backend='hybridep'; "
+        "keep one, as Megatron",
+    )
+    deepep = kind == "flex" and (m.moe_enable_deepep or backend == "deepep")
+    _require(
+        not (deepep and m.moe_pad_expert_input_to_capacity),
+        "model.moe_pad_expert_input_to_capacity=true is not taken with model.moe_token_dispatcher_type='flex' and the "
+        "DeepEP backend: DeepEP sends only the kept (token, expert) pairs and cannot pad, and Megatron refuses it too",
     )

@@ -238,6 +238,9 @@ class ParallelConfig(PipelineSplitKeys):
     expert_model_parallel_size: int = 1
     """Ranks that split each MoE layer's experts, folded out of data_parallel_shard_size *
     context_parallel_size (Megatron's; expert tensor parallelism is 1)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Megatron's tp split of each expert: only 1 is built (experts are kept whole on every tp
+    rank; unset means the same), docs/moe.md."""
     fsdp_reshard_after_forward: str = "never"
     """'never' (= 'default', Megatron's distributed optimizer: each FSDP unit is all-gathered once
     per iteration and kept through every micro-batch) or 'always' (ZeRO-3: re-gathered in each

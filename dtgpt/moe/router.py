@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init
+from dtgpt.moe.forced_balance import forced_logits
 from dtgpt.moe.group_routing import Select, plain_topk, topk_selector
 
 
@@ -131,6 +132,10 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e) if cfg.moe_router_enable_expert_bias else None)
         self.sequence_ranks = 1
         self.sum_over_sequence_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda counts: counts
+        self.forced_balance: tuple[int, str] | None = None
+        """(seed, site) of model.moe_router_force_load_balancing's draws, and token_index (N,) the
+        indices of the tokens of the next forward: set by dtgpt/moe/forced_balance.py."""
+        self.token_index: torch.Tensor | None = None
 
     def init_buffers(self) -> None:
         if self.expert_bias is not None:
@@ -150,6 +155,8 @@ class Router(nn.Module):
         losses that train (Megatron: only in training with gradients on)."""
         cfg = self.cfg
         logits = self.gating(x)
+        if cfg.moe_router_force_load_balancing:
+            logits = self._forced(logits)
         probs, routing_map = top_k(
             logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax, self.expert_bias,
             topk_selector(cfg),
@@ -178,6 +185,14 @@ class Router(nn.Module):
         dtype = ROUTER_DTYPES.get(self.cfg.moe_router_dtype, x.dtype)
         bias = self.bias.to(dtype) if self.bias is not None else None
         return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+    def _forced(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.forced_balance is None or self.token_index is None or self.token_index.shape != logits.shape[:1]:
+            raise ValueError(
+                "model.moe_router_force_load_balancing: the router has no token indices for its tokens "
+                "(dtgpt/moe/forced_balance.py apply_forced_balance gives them)"
+            )
+        return forced_logits(logits, *self.forced_balance, self.token_index)
 
     def _losses(self, logits: torch.Tensor, batch_size: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         cfg, losses, logged = self.cfg, [], {}

@@ -13,8 +13,11 @@ import copy
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
+from dtgpt.config import (
+    Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, keys_on_token_index, layout_invariant_dropout, num_pipeline_stages,
+)
 from dtgpt.model import GPT
+from dtgpt.moe.forced_balance import apply_forced_balance
 from dtgpt.moe.stats import RoutingStats, moe_layers
 from dtgpt.mtp import MTPLoss
 from dtgpt.parallel.compile import apply_compile
@@ -99,6 +102,8 @@ def parallelize(
         apply_ep(model, dims.sub("ep"), dims.expert_mesh())
     if layout_invariant_dropout(cfg):  # after CP (its core wraps cp's), before recomputation
         apply_invariant_dropout(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
+    if cfg.model.moe_enabled and cfg.model.moe_router_force_load_balancing:  # before recomputation wraps the blocks
+        apply_forced_balance(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
     t = cfg.training
     apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
     if cfg.training.compile and not uses_compute_copy(cfg, dims):  # where a parity test covers it (config validation)
@@ -215,10 +220,10 @@ def build_model_parts(cfg: Config, dims: ParallelDims, model: GPT, device: torch
         compute_copies=compute_copies,
         routing_stats=RoutingStats(cfg.model) if cfg.model.moe_enabled else None,
         mtp_loss=MTPLoss(cfg.model, ContextParallelShift(dims.sub("cp")) if dims.cp_enabled else None) if cfg.model.mtp_depth else None,
-        token_index=layout_invariant_dropout(cfg),
+        token_index=keys_on_token_index(cfg),
         # Per-token inputs every stage needs: its chunks' positions under cp, Megatron's reset
-        # options, the token indices that layout-invariant dropout keys on.
+        # options, the token indices that layout-invariant dropout and forced balance key on.
         every_stage_reads_batches=(
-            dims.cp_enabled or cfg.data.reset_position_ids or cfg.data.reset_attention_mask or layout_invariant_dropout(cfg)
+            dims.cp_enabled or cfg.data.reset_position_ids or cfg.data.reset_attention_mask or keys_on_token_index(cfg)
         ),
     )

@@ -93,6 +93,20 @@ def _check_rank_counts(directory: Path, args: dict, tp: int, pp: int) -> None:
             )
 
 
+def _check_expert_split(directory: Path, args: dict, tp: int) -> None:
+    """The routed experts split over the tp ranks as the dense MLP: Megatron's default
+    (expert_tensor_parallel_size unset, or absent from older args, means tp). Files saved with
+    another expert tp split hold another slicing (and, at 1, other rank names): refused."""
+    etp = args.get("expert_tensor_parallel_size")
+    if args.get("num_experts") and isinstance(etp, int) and etp != tp:
+        raise CheckpointError(
+            f"Megatron checkpoint {directory}: its args say expert_tensor_parallel_size={etp} with "
+            f"tensor_model_parallel_size={tp}; the per-rank reader takes experts split over tp as the dense MLP "
+            "(expert_tensor_parallel_size = tp, Megatron's default): save it from Megatron in torch_dist "
+            "(--ckpt-format torch_dist), whose tensors are whole whatever the split"
+        )
+
+
 class PerRankModel:
     """Megatron-LM's per-rank format, glued back into torch_dist's stacked, full tensors.
 
@@ -107,6 +121,7 @@ class PerRankModel:
         self.files = per_rank_dirs(directory, _expert_parallel(first))
         self.tp, self.pp, self.ep = (1 + max(rank[i] for rank in self.files) for i in range(3))
         _check_rank_counts(directory, getattr(first.get("args"), "__dict__", {}), self.tp, self.pp)
+        _check_expert_split(directory, getattr(first.get("args"), "__dict__", {}), self.tp)
         missing = [rank for rank in itertools.product(range(self.tp), range(self.pp), range(self.ep)) if rank not in self.files]
         if missing:
             tp, pp, ep = missing[0]

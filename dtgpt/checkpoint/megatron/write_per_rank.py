@@ -106,7 +106,7 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     stored = layout.read_metadata(src).state_dict_metadata
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if any(k.startswith("train_state.") for k in stored) else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
-    vars(common["args"]).update(expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)
+    vars(common["args"]).update(expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, pipeline_model_parallel_size=pp)
     vars(common["args"]).update(decoder_first_pipeline_num_layers=first_stage_layers, decoder_last_pipeline_num_layers=last_stage_layers)
     tied = not cfg.model.untie_embeddings_and_output_weights
     directory = layout.iteration_dir(out_root, iteration)
