@@ -10,6 +10,7 @@ two iterations on mock data in one process."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import typing
 
 import pytest
@@ -157,6 +158,14 @@ SCRIPTS = {"llama3_8b": LLAMA3_8B, "mixtral_8x7b": MIXTRAL_8X7B, "qwen3_30b_a3b"
            "deepseek_v2_lite": DEEPSEEK_V2_LITE, "deepseek_v3": DEEPSEEK_V3}  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _root_logger_level():
+    """--logging-level sets the root logger's level (Megatron's meaning): put it back after."""
+    level = logging.getLogger().level
+    yield
+    logging.getLogger().setLevel(level)
+
+
 def argv(flags: list[tuple[str, list[str]]], tmp_path) -> list[str]:
     """The command line, less the flags built elsewhere and the refused values, paths in tmp_path."""
     paths = {"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb")}
@@ -225,6 +234,7 @@ def test_example_script_dry_runs_with_megatrons_values(name, tmp_path, capfd):
     vocab_multiple = dict(flags).get("--make-vocab-size-divisible-by", ["128"])[0]
     assert padded_vocabulary(cfg, 127) == int(vocab_multiple) * cfg.parallel.tensor_model_parallel_size  # Megatron's rows
     assert run_main([*args, "--dry-run"], None, None) == 0
+    assert logging.getLogger().level == (40 if name == "deepseek_v3" else logging.WARNING)  # --logging-level 40
     out, err = capfd.readouterr()
     assert err == "" and f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}" in out, (out, err)
 
@@ -276,6 +286,25 @@ def test_legacy_position_flags_and_padded_vocabulary_are_megatrons():
     cfg = load_config(None, ["--mock-data", "--make-vocab-size-divisible-by", "1", "--padded-vocab-size", "1024",
                              "--tensor-model-parallel-size", "2"], check=False)  # fmt: skip
     assert cfg.model.make_vocab_size_divisible_by == 1024 and padded_vocabulary(cfg, 1000) == 1024
+
+
+@pytest.mark.parametrize(
+    "args, path, policy",
+    [
+        (["--bf16"], None, "stop"),  # Megatron's check: a NaN stops the run
+        (["--fp16"], None, "skip"),  # dynamic loss scaling: Megatron turns the check off, the scaler skips
+        (["--fp16", "--loss-scale", "1024"], None, "stop"),  # a static scale: the check is on
+        (["--bf16", "--no-check-for-nan-in-loss-and-grad"], None, "skip"),
+        (["--bf16", "--training.nan_policy=skip"], None, "skip"),  # dtgpt's key says it
+        (["--bf16"], "configs/debug.toml", "skip"),  # a config file keeps dtgpt's default
+    ],
+    ids=["bf16", "fp16-dynamic", "fp16-static", "flag", "key", "config-file"],
+)
+def test_a_launch_script_gets_megatrons_nan_check(args, path, policy):
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / path if path else None, ["--mock-data", *args], check=False)
+    assert cfg.training.nan_policy == policy
 
 
 @pytest.mark.slow
