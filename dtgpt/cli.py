@@ -11,6 +11,7 @@ many ranks meet it (dtgpt/error_once.py).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -52,6 +53,8 @@ def run_main(argv: list[str], model_provider, datasets_provider) -> int:
         if args.config is None and not overrides:
             raise ConfigError(NO_CONFIG)
         cfg = load_config(args.config, overrides)
+        if cfg.logging.logging_level is not None:  # Megatron's --logging-level: the root logger's
+            logging.getLogger().setLevel(cfg.logging.logging_level)
         taken = ""
         if cfg.checkpoint.use_checkpoint_args:
             from dtgpt.checkpoint.checkpoint_args import with_checkpoint_architecture

@@ -6,6 +6,10 @@ so the trace covers iterations start_iter .. end_iter - 1. `close()` writes what
 recorded if training ends inside the window. Traces go through
 `torch.profiler.tensorboard_trace_handler`, one `rank{N}.*.pt.trace.json` per rank, which both
 TensorBoard's profiler plugin and chrome://tracing / Perfetto open.
+
+Megatron's --record-memory-history (profiling.record_memory_history) records the CUDA allocator's
+history from the start of training instead, dumping it at every log interval; profiling.profile_ranks
+(--profile-ranks) limits both to some ranks. build_profiler reads the config.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ import os
 from typing import Optional
 
 import torch
+
+from dtgpt import cuda_memory
+
+MEGATRON_SNAPSHOT = "snapshot.pickle"
+"""Megatron's default --memory-snapshot-path."""
 
 
 def quiet_kineto() -> None:
@@ -53,7 +62,10 @@ class Profiler:
         memory_snapshot_path: str = "",
         rank: int = 0,
         device: Optional[torch.device] = None,
+        history_every: int = 0,
     ) -> None:
+        """history_every > 0: record the allocator's history from now on, dumped to
+        memory_snapshot_path (default snapshot.pickle) every that many iterations."""
         self.enabled = start_iter > 0 and bool(trace_dir)
         if self.enabled and end_iter <= start_iter:
             raise ValueError(
@@ -66,14 +78,25 @@ class Profiler:
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.on_cuda = device.type == "cuda"
-        self.memory_snapshot_path = _snapshot_path(memory_snapshot_path, rank) if memory_snapshot_path else ""
+        self.history_every = history_every
+        self.history_path = _snapshot_path(memory_snapshot_path or MEGATRON_SNAPSHOT, rank) if history_every else ""
+        self.memory_snapshot_path = _snapshot_path(memory_snapshot_path, rank) if memory_snapshot_path and not history_every else ""
         self._prof: Optional[torch.profiler.profile] = None
+        if history_every and self.on_cuda:
+            cuda_memory.start_recording()
+        elif history_every:
+            self._cpu_skip(f"memory history ({self.history_path})")
+
+    def _cpu_skip(self, what: str) -> None:
+        print(f"[rank{self.rank}] profiling: {what} skipped: it records CUDA allocations and this run is on CPU", flush=True)
 
     @property
     def running(self) -> bool:
         return self._prof is not None
 
     def step(self, iteration: int) -> None:
+        if self.history_every and self.on_cuda and iteration > 1 and (iteration - 1) % self.history_every == 0:
+            cuda_memory.dump_snapshot(self.history_path)  # after iteration - 1, as Megatron dumps at its log line
         if not self.enabled:
             return
         if iteration == self.start_iter and not self.running:
@@ -97,26 +120,34 @@ class Profiler:
         )
         if self.memory_snapshot_path:
             if self.on_cuda:
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                cuda_memory.start_recording()
             else:
-                print(
-                    f"[rank{self.rank}] profiling: memory snapshot {self.memory_snapshot_path} skipped: "
-                    "it records CUDA allocations and this run is on CPU",
-                    flush=True,
-                )
+                self._cpu_skip(f"memory snapshot {self.memory_snapshot_path}")
         self._prof.start()
 
     def _stop(self) -> None:
         self._prof.stop()  # calls the trace handler, which writes the file
         self._prof = None
         if self.memory_snapshot_path and self.on_cuda:
-            parent = os.path.dirname(os.path.abspath(self.memory_snapshot_path))
-            os.makedirs(parent, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(self.memory_snapshot_path)
-            torch.cuda.memory._record_memory_history(enabled=None)  # stop recording: it costs time
+            cuda_memory.dump_snapshot(self.memory_snapshot_path)
+            cuda_memory.stop_recording()
         print(f"[rank{self.rank}] profiling: trace written to {self.trace_dir}", flush=True)
 
     def close(self) -> None:
-        """Write a trace still being recorded (the run ended before end_iter)."""
+        """Write a trace still being recorded (the run ended before end_iter), and the memory history."""
         if self.running:
             self._stop()
+        if self.history_every and self.on_cuda:
+            cuda_memory.dump_snapshot(self.history_path)
+            cuda_memory.stop_recording()
+            self.history_every = 0
+
+
+def build_profiler(cfg, rank: int, device: torch.device) -> Profiler:
+    """The [profiling] section's profiler for this rank: a no-op on a rank outside profile_ranks."""
+    prof = cfg.profiling
+    chosen = not prof.profile_ranks or rank in prof.profile_ranks
+    return Profiler(
+        prof.profile_step_start if chosen else 0, prof.profile_step_end, prof.trace_dir, prof.memory_snapshot_path,
+        rank=rank, device=device, history_every=cfg.logging.log_interval if chosen and prof.record_memory_history else 0,
+    )  # fmt: skip

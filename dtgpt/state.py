@@ -234,13 +234,15 @@ class TrainState(Stateful):
         # Steps are skipped on every rank together, so either all optimizers have state or none.
         return all(opt.state for opt in self.optimizer.optimizers)
 
-    def state_dict(self) -> dict:
-        """The nested dict handed to dcp.save / dcp.async_save (values alias live tensors)."""
+    def state_dict(self, optimizer: bool = True) -> dict:
+        """The nested dict handed to dcp.save / dcp.async_save (values alias live tensors);
+        without `optimizer`, no AdamW state, LR schedule or loss scale (Megatron's --no-save-optim)."""
         state = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=False)}
         for section, attr in self.STATEFUL.items() if self.resumable else ():
-            state[section] = scalars_to_tensors(getattr(self, attr).state_dict())
+            if optimizer or section == "train_state":
+                state[section] = scalars_to_tensors(getattr(self, attr).state_dict())
         state["rng"] = rng_state(self.model)
-        if self.has_optimizer_state():
+        if optimizer and self.has_optimizer_state():
             state["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=False)
         return state
 

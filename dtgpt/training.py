@@ -38,7 +38,7 @@ from dtgpt.faults.signals import ExitConditions
 from dtgpt.faults.watchdog import Watchdog
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model_size import flops_per_token
-from dtgpt.profiling import Profiler
+from dtgpt.profiling import build_profiler
 from dtgpt.state import TrainState, set_rng_state
 from dtgpt.step import StepResult
 from dtgpt.summary import startup_summary
@@ -183,11 +183,7 @@ def train(
     """The loop, then the final save and the final evaluation (under the same watch: a dead peer
     there is said in one line, with last words); returns why it stopped."""
     progress, timers = state.progress, state.timers
-    prof = cfg.profiling
-    profiler = Profiler(
-        prof.profile_step_start, prof.profile_step_end, prof.trace_dir, prof.memory_snapshot_path,
-        rank=runtime.rank, device=runtime.device,
-    )  # fmt: skip
+    profiler = build_profiler(cfg, runtime.rank, runtime.device)
     watchdog = Watchdog(runtime.rank, cfg.distributed.heartbeat_factor, cfg.distributed.heartbeat_min_seconds)
     phase = Phase(watchdog, runtime.rank)
     last_words = build_failure_watch(cfg, runtime, state, checkpointer)

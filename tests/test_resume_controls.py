@@ -142,3 +142,25 @@ def test_decoupled_lr_resumes_and_follows_the_schedule_keys(tmp_path):
     assert [g["weight_decay"] for g in theirs.state.optimizer.optimizers[0].param_groups] == [0.01, 0.0, 0.01]
     with pytest.raises(CheckpointError, match=r"optimizer.decoupled_lr=0.002: set optimizer.decoupled_lr"):
         loaded(tmp_path, "--optimizer.use_checkpoint_opt_param_scheduler=true")
+
+
+def test_no_save_optim_saves_without_it_and_a_resume_starts_it_fresh(tmp_path):
+    """Megatron's --no-save-optim (checkpoint.save_optimizer=false): no AdamW state, LR schedule or
+    loss scale on disk; a plain resume from it then is --no-load-optim's: fresh AdamW and schedule,
+    iteration, consumed samples, weights and RNG from the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from dtgpt.checkpoint import layout
+
+    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.save_optimizer=false")
+    step(t, 2)
+    checkpointer(t).save(2)
+    rng = torch.get_rng_state()
+    sections = {key.split(".")[0] for key in dcp.FileSystemReader(str(layout.iteration_dir(tmp_path, 2))).read_metadata().state_dict_metadata}
+    assert sections == {"model", "rng", "train_state"}
+    b = loaded(tmp_path)  # no load key: the checkpoint has nothing to give
+    p = b.state.progress
+    assert (p.iteration, p.consumed_samples) == (2, 8) and b.state.lr_schedule.num_samples == 0
+    assert not b.state.optimizer.optimizers[0].state and same_weights(t, b)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert loaded(tmp_path, "--optimizer.lr=0.002").state.lr_schedule.max_lr == 0.002  # no schedule to check against

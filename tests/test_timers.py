@@ -161,3 +161,30 @@ def test_profiler_disabled_and_close_mid_window(tmp_path):
     _matmul()
     early.close()  # the run ended inside the window: the trace is still written
     assert list((tmp_path / "early").glob("rank0*.pt.trace.json*"))
+
+
+def test_profile_ranks_and_memory_history_are_megatrons(tmp_path, capsys, monkeypatch):
+    """--profile-ranks: only those ranks profile; --record-memory-history: the allocator's history
+    from the start (CUDA; here a spy stands in for torch's private calls, dtgpt/cuda_memory.py),
+    dumped to Megatron's default snapshot.pickle, named per rank, after every log interval's
+    iteration and at the end; on CPU one line says it is skipped."""
+    from dtgpt import cuda_memory
+    from dtgpt.config import load_config
+    from dtgpt.profiling import build_profiler
+
+    cfg = load_config(None, ["--profile-ranks", "1", "--record-memory-history", "--log-interval", "2", "--profile-step-start", "2",
+                             "--profile-step-end", "3", f"--profiling.trace_dir={tmp_path / 't'}"], check=False)  # fmt: skip
+    assert not build_profiler(cfg, 0, CPU).enabled and not build_profiler(cfg, 0, CPU).history_every
+    calls = []
+    monkeypatch.setattr(cuda_memory, "start_recording", lambda: calls.append("start"))
+    monkeypatch.setattr(cuda_memory, "stop_recording", lambda: calls.append("stop"))
+    monkeypatch.setattr(cuda_memory, "dump_snapshot", lambda path: calls.append(path))
+    cfg.profiling.profile_step_start = 0  # the trace window is test_profiler_writes_trace_for_window's
+    prof = build_profiler(cfg, 1, torch.device("cuda"))
+    for it in range(1, 6):
+        prof.step(it)
+    prof.close()
+    assert calls == ["start", "snapshot_rank1.pickle", "snapshot_rank1.pickle", "snapshot_rank1.pickle", "stop"]
+    capsys.readouterr()
+    build_profiler(cfg, 1, CPU)
+    assert capsys.readouterr().out == "[rank1] profiling: memory history (snapshot_rank1.pickle) skipped: it records CUDA allocations and this run is on CPU\n"

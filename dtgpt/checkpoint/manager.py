@@ -32,7 +32,7 @@ from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
 from dtgpt.checkpoint.integrity import ChecksummingWriter, CorruptCheckpoint, read_problem
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
-from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule
+from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule, saved_without_optimizer
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.rejoin import Rejoining
 from dtgpt.checkpoint.rank_zero import RankZeroCalls
@@ -175,6 +175,10 @@ class Checkpointer(Rejoining, RankZeroCalls):
         where, saved = f"checkpoint {directory} does not fit this model: ", layout.stored_config(directory)
 
         plan = load_plan(c, self.state.resumable)
+        if plan.optimizer and has_section(metadata, "train_state") and not has_section(metadata, "lr_schedule"):
+            plan = saved_without_optimizer(plan)
+            self._log("the checkpoint was saved without its optimizer (checkpoint.save_optimizer=false): fresh AdamW "
+                      "state, LR schedule and loss scale, as checkpoint.load_optimizer=false")  # fmt: skip
         stateful = "lr_schedule" in plan.sections
         if stateful and not has_section(metadata, "train_state"):
             raise CheckpointError(
@@ -263,7 +267,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
         self._poll(wait=True)  # at most one save in flight
         verdict = self.state.health.verdict(self.state.weights_finite())
         directory = self._from_rank0(lambda: self._prepare(iteration))
-        state = self.state.state_dict()
+        state = self.state.state_dict(optimizer=self.cfg.save_optimizer)
         writer = self._faults.storage_writer(directory, iteration) or ChecksummingWriter(directory)
         if self.cfg.async_save if background is None else background:
             self._stager = stager_for_next_save(self._stager, cuda=self.runtime.device.type == "cuda")
@@ -301,7 +305,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
         verdict = self.state.health.verdict(self.state.weights_finite(group))
         box = [self._prepare(iteration) if leader else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
-        state = self.state.state_dict()
+        state = self.state.state_dict(optimizer=self.cfg.save_optimizer)
         state["rng"] = rng if rng is not None else state["rng"]
         writer = ChecksummingWriter(box[0])
         dcp.save(state, checkpoint_id=str(box[0]), storage_writer=writer, process_group=group)

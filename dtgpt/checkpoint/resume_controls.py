@@ -6,6 +6,9 @@
                                      iteration, samples and RNG are loaded (--no-load-optim)
     checkpoint.load_rng=false        the generators keep their fresh seeding (--no-load-rng)
 
+A checkpoint saved with checkpoint.save_optimizer=false (--no-save-optim) holds no AdamW state,
+LR schedule or loss scale: a resume from it is planned as with checkpoint.load_optimizer=false.
+
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
 minimum LR (and the embedding and output layer's, optimizer.decoupled_lr), warmup and decay
 lengths (samples), decay style and weight decay must equal the config's, unless
@@ -42,6 +45,11 @@ def load_plan(c: CheckpointConfig, resumable: bool) -> LoadPlan:
         return LoadPlan(optimizer, (), False)
     sections = ("train_state", "lr_schedule", "loss_scaler") if optimizer else ("train_state",)
     return LoadPlan(optimizer, sections, c.load_rng)
+
+
+def saved_without_optimizer(plan: LoadPlan) -> LoadPlan:
+    """The plan for a checkpoint saved without its optimizer: load_optimizer=false's."""
+    return plan._replace(optimizer=False, sections=tuple(s for s in plan.sections if s == "train_state"))
 
 
 def fresh_note(c: CheckpointConfig) -> str:

@@ -20,6 +20,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 from dtgpt.config.megatron_flags import translate
+from dtgpt.config.megatron_launch import apply_megatron_launch_rules
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.pipeline_split import apply_virtual_stages
@@ -220,7 +221,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (), check: bool 
     _apply_command_line(cfg, list(overrides), levels)
     apply_logs_follow_checkpoint(cfg, file_save, levels, FILE)
     said = translate(list(overrides))
-    apply_megatron_vocab_multiple(cfg, [spelling for _, _, spelling in said.overrides], said.ignored, levels, bool(path))
+    spellings = [spelling for _, _, spelling in said.overrides]
+    apply_megatron_vocab_multiple(cfg, spellings, said.ignored, levels, bool(path))
+    apply_megatron_launch_rules(cfg, spellings, said.ignored, levels, bool(path))
     resolve_conflicts(cfg, levels)
     apply_virtual_stages(cfg, levels)
     if check:

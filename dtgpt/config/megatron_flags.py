@@ -21,6 +21,8 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from dtgpt.config.megatron_names import MEGATRON_0_16_FLAGS, NEWER_FLAGS
+from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, check_noted_value, noted_section
+from dtgpt.config.megatron_vocab import padded_vocabulary_wins
 from dtgpt.config.sections import Config, ConfigError
 
 RENAMED = {
@@ -30,6 +32,10 @@ RENAMED = {
     "timing-log-level": ("logging.timers_log_level", None),
     "ckpt-step": ("checkpoint.load_iteration", None),
     "num-virtual-stages-per-pipeline-rank": ("parallel.virtual_pipeline_stages_per_rank", None),
+    "no-save-optim": ("checkpoint.save_optimizer", False),
+    "no-check-for-nan-in-loss-and-grad": ("training.nan_policy", "skip"),
+    "use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
+    "padded-vocab-size": ("model.make_vocab_size_divisible_by", None),  # P rows: dtgpt/config/megatron_vocab.py
 }
 """flag -> (dtgpt key, the value a flag without a value sets; None: the flag takes values)."""
 
@@ -47,6 +53,7 @@ IGNORED = (
     "log-num-zeros-in-grad", "no-log-loss-scale-to-tensorboard", "tensorboard-log-interval",
     "tensorboard-queue-size", "profile", "use-pytorch-profiler",
     "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap", "moe-per-layer-logging",
+    *NOTED,  # Megatron's example scripts' flags, each with what dtgpt does (dtgpt/config/megatron_noted.py)
 )  # fmt: skip
 """Megatron internals with no effect on what dtgpt trains: accepted with one note on rank 0."""
 
@@ -63,7 +70,7 @@ class Flag(NamedTuple):
 class Mapping(NamedTuple):
     flag: Flag
     key: str  # section.key
-    value: bool | None  # what the flag sets, for a flag without a value
+    value: bool | str | None  # what the flag sets, for a flag without a value
 
 
 @lru_cache(maxsize=None)
@@ -139,6 +146,7 @@ def translate(args: list[str]) -> Translated:
             values.append(args[i])
             i += 1
         _check_arity(arg, flag, values)
+        check_noted_value(name, values)
         if name in IGNORED:
             ignored.append(" ".join(["--" + name, *values]))
         elif name in flag_table():
@@ -147,7 +155,7 @@ def translate(args: list[str]) -> Translated:
             overrides.append((mapping.key, text, " ".join(["--" + name, *values])))
         else:
             raise ConfigError(f"--{name} is a Megatron-LM flag dtgpt does not implement (docs/megatron_flags.md lists the ones it maps)")
-    return Translated(overrides, ignored)
+    return Translated(padded_vocabulary_wins(overrides), ignored)
 
 
 def _check_arity(arg: str, flag: Flag, values: list[str]) -> None:
@@ -163,7 +171,7 @@ def _as_text(mapping: Mapping, values: list[str]) -> str:
     """The override text of a flag's values: a TOML list for a list key, so that a path holding
     a comma or a space stays one element."""
     if mapping.flag.arity == "0":
-        return "true" if mapping.value else "false"
+        return mapping.value if isinstance(mapping.value, str) else "true" if mapping.value else "false"
     if mapping.flag.arity == "1":
         return values[0]
     if _key_type(mapping.key) == list[str]:
@@ -222,6 +230,7 @@ def markdown_table() -> str:
         arity = {"0": str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
+    lines += ["## Megatron's example scripts", "", *EXAMPLE_SCRIPTS, "", *noted_section(), ""]
     return "\n".join(lines)
 
 

@@ -230,4 +230,6 @@ MEGATRON_0_16_FLAGS = """
 
 NEWER_FLAGS = """
     step-batch-size-schedule
+    megatron-fsdp-main-grads-dtype
+    megatron-fsdp-grad-comm-dtype
 """

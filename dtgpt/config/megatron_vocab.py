@@ -14,6 +14,11 @@ Two cases take Megatron's meaning:
   the whole run with Megatron's defaults) that sets the multiple nowhere: Megatron's default
   128 x tp.
 A config file's or a `--model.make_vocab_size_divisible_by` value is dtgpt's: the whole multiple.
+
+`--padded-vocab-size P` gives Megatron's model P vocabulary rows whatever the divisor (which it
+then ignores). A tokenizer's vocabulary fits in P (else Megatron's embedding could not look its
+tokens up), so the multiple P pads it to P rows exactly: the flag sets the key to P, and a
+`--make-vocab-size-divisible-by` beside it is dropped, as Megatron drops it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dtgpt.config.sections import Config
 
 FLAG = "--make-vocab-size-divisible-by"
+PADDED_FLAG = "--padded-vocab-size"
 KEY = "model.make_vocab_size_divisible_by"
 MEGATRON_DEFAULT = 128
 
@@ -28,6 +34,23 @@ MEGATRON_DEFAULT = 128
 def _is_megatron_flag(spelling: str) -> bool:
     """A Megatron flag's spelling (`--num-layers 96`), not a dtgpt override (`--model.x=1`)."""
     return "." not in spelling.split()[0].split("=")[0]
+
+
+def _flag_of(spelling: str) -> str:
+    return spelling.split()[0].split("=")[0]
+
+
+def padded_vocabulary_wins(overrides: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The translated command line without its divisor flags when --padded-vocab-size is there."""
+    if not any(_flag_of(spelling) == PADDED_FLAG for _, _, spelling in overrides):
+        return overrides
+    return [o for o in overrides if _flag_of(o[2]) != FLAG]
+
+
+def megatron_launch(spellings: list[str], ignored: list[str], has_file: bool) -> bool:
+    """A command line of Megatron flags without `--config`: a launch script, which describes the
+    whole run with Megatron's defaults."""
+    return not has_file and bool(ignored or any(_is_megatron_flag(s) for s in spellings))
 
 
 def apply_megatron_vocab_multiple(cfg: Config, spellings: list[str], ignored: list[str], levels: dict, has_file: bool) -> None:
@@ -42,6 +65,5 @@ def apply_megatron_vocab_multiple(cfg: Config, spellings: list[str], ignored: li
         if not any(s.startswith(f"--{KEY}") for s in spellings):
             cfg.model.make_vocab_size_divisible_by = divisor * tp
         return
-    megatron_launch = not has_file and (ignored or any(_is_megatron_flag(s) for s in spellings))
-    if megatron_launch and KEY not in levels:
+    if megatron_launch(spellings, ignored, has_file) and KEY not in levels:
         cfg.model.make_vocab_size_divisible_by = MEGATRON_DEFAULT * tp

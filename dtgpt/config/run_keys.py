@@ -37,6 +37,11 @@ class ProfilingConfig:
     """Each rank writes rank{N}.*.pt.trace.json here (TensorBoard's profiler plugin reads it)."""
     memory_snapshot_path: str = ""
     """CUDA only: an allocator-history pickle over the window ('{rank}' is filled in)."""
+    profile_ranks: list[int] = field(default_factory=list)
+    """The ranks that profile (and record memory history); empty: every rank (Megatron's --profile-ranks)."""
+    record_memory_history: bool = False
+    """CUDA only: record the allocator's history from the start of training and dump it to
+    memory_snapshot_path (default snapshot.pickle) at every log interval (Megatron's --record-memory-history)."""
 
 
 @dataclass

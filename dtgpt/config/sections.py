@@ -296,6 +296,9 @@ class CheckpointConfig:
     load_optimizer: bool = True
     """False (Megatron's --no-load-optim): AdamW state, LR schedule and loss scale start fresh;
     weights, progress and RNG are loaded."""
+    save_optimizer: bool = True
+    """False (Megatron's --no-save-optim): checkpoints hold no AdamW state, LR schedule or loss
+    scale; a resume from one starts them fresh, as checkpoint.load_optimizer=false does."""
     load_rng: bool = True
     """False (--no-load-rng): the generators keep their fresh seeding instead of the checkpoint's."""
     finetune: bool = False
@@ -332,6 +335,8 @@ class LoggingConfig:
     peak_tflops: float = 0.0
     """Dense peak per device for MFU; 0 looks the device up in a table."""
     timers_log_level: int = 0
+    logging_level: Optional[int] = None
+    """The level of Python's root logger (Megatron's --logging-level, e.g. 40 = ERROR); unset: Python's."""
 
 
 @dataclass

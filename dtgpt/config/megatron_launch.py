@@ -1,0 +1,38 @@
+"""Megatron's meanings that hold for a whole launch script, applied once the config is read.
+
+- NaN checks: Megatron checks the loss and the gradients for NaN by default and stops the run on
+  one (its rerun machinery raises), except under fp16 with dynamic loss scaling, where a
+  non-finite gradient is the scaler's signal to skip the step (Megatron turns the check off
+  there). `--no-check-for-nan-in-loss-and-grad` turns it off. dtgpt's `training.nan_policy`
+  says the same: 'stop', or 'skip' (the iteration's update is not applied). A Megatron launch
+  script (Megatron flags, no `--config`) that sets neither gets Megatron's default; a config
+  file keeps dtgpt's ('skip').
+- `--no-position-embedding`: Megatron refuses it unless the positions are rotary (its own
+  deprecation), where the model has no learned position table anyway; so does dtgpt.
+"""
+
+from __future__ import annotations
+
+from dtgpt.config.megatron_vocab import megatron_launch
+from dtgpt.config.sections import Config, ConfigError
+
+NAN_KEY = "training.nan_policy"
+NO_POSITION_EMBEDDING = "--no-position-embedding"
+
+
+def megatron_nan_policy(cfg: Config) -> str:
+    """What Megatron does on a non-finite loss or gradient norm with its checks at their default."""
+    t = cfg.training
+    return "skip" if t.fp16 and cfg.optimizer.loss_scale is None else "stop"
+
+
+def apply_megatron_launch_rules(cfg: Config, spellings: list[str], ignored: list[str], levels: dict, has_file: bool) -> None:
+    """In place: Megatron's NaN check for a launch script; refuse --no-position-embedding without rope."""
+    if megatron_launch(spellings, ignored, has_file) and NAN_KEY not in levels:
+        cfg.training.nan_policy = megatron_nan_policy(cfg)
+    if NO_POSITION_EMBEDDING in ignored and cfg.model.position_embedding_type != "rope":
+        raise ConfigError(
+            f"{NO_POSITION_EMBEDDING} needs --position-embedding-type rope (model.position_embedding_type is "
+            f"{cfg.model.position_embedding_type!r}): Megatron refuses it otherwise; choose the positions with "
+            "--position-embedding-type"
+        )

@@ -1,0 +1,106 @@
+"""Megatron-LM flags that Megatron's example launch scripts pass and dtgpt accepts with a note,
+each with what dtgpt does instead; a few accept only some of their values.
+
+These choose Megatron's data-parallel implementation (Megatron-FSDP and its buffers), its
+checkpoint-format detection, its logging back ends or its feature gates: none changes the model,
+the data or the arithmetic dtgpt trains with. Their notes are the "Megatron's example scripts"
+section of docs/megatron_flags.md. A value that would change the arithmetic (gradients kept or
+reduced in bf16) is refused with one line saying why.
+"""
+
+from __future__ import annotations
+
+from dtgpt.config.sections import ConfigError
+
+NOTED = {
+    "use-megatron-fsdp": "dtgpt's data parallelism is always FSDP2 (`fully_shard` over the dp_shard mesh dim): "
+    "parameters, gradients and optimizer state are sharded over it, gradients kept and reduced in fp32",
+    "data-parallel-sharding-strategy": "every strategy (no_shard, optim, optim_grads, optim_grads_params) is accepted: "
+    "dtgpt shards parameters, gradients and optimizer state over dp_shard whatever the choice, which changes memory "
+    "and traffic only; `--parallel.fsdp_reshard_after_forward=always` re-gathers parameters in every micro-batch as "
+    "optim_grads_params does, `--parallel.data_parallel_replicate_size` replicates as no_shard does",
+    "init-model-with-meta-device": "dtgpt always builds the model on the meta device and materialises it after sharding",
+    "fsdp-double-buffer": "a Megatron-FSDP communication buffer scheme; FSDP2 manages its own buffers",
+    "use-nccl-ub": "NCCL user-buffer registration of Megatron's communication buffers",
+    "fsdp-manual-registration": "NCCL user-buffer registration of Megatron-FSDP's buffers",
+    "megatron-fsdp-main-grads-dtype": "fp32 and auto are accepted: dtgpt keeps gradients in fp32 (as "
+    "`--accumulate-allreduce-grads-in-fp32`; Megatron-FSDP's auto follows the parameters' dtype); bf16 and fp16 are refused",
+    "megatron-fsdp-grad-comm-dtype": "fp32 and auto are accepted: dtgpt reduces gradients in fp32; bf16 and fp16 are refused",
+    "auto-detect-ckpt-format": "dtgpt always detects a checkpoint's format from its files (its own DCP, Megatron's "
+    "torch_dist or per-rank `torch`)",
+    "dist-ckpt-strictness": "every value is accepted: dtgpt's load of a Megatron checkpoint is strict whatever it says "
+    "(a missing or an unexpected model tensor is one error line naming it, never a partial load), so a load that "
+    "succeeds reads what Megatron would",
+    "wandb-project": "Weights & Biases is not a dependency of dtgpt: metrics go to TensorBoard (`--tensorboard-dir`) "
+    "and to `logging.metrics_file`",
+    "wandb-exp-name": "as --wandb-project",
+    "wandb-save-dir": "as --wandb-project",
+    "enable-experimental": "gates Megatron's experimental code paths; dtgpt has none behind it",
+    "no-position-embedding": "accepted beside rotary positions (`--position-embedding-type rope` or "
+    "`--use-rotary-position-embeddings`), where the model has no learned position table anyway; refused otherwise, "
+    "as Megatron refuses it",
+    "tiktoken-pattern": "read by Megatron's TikTokenizer only, which dtgpt does not have (its --tokenizer-type is "
+    "refused): beside another tokenizer (the Llama-3 script's NullTokenizer) it changes nothing",
+    "trust-remote-code": "dtgpt's HuggingFaceTokenizer reads tokenizer.json with the `tokenizers` library and never "
+    "runs code from the tokenizer's directory",
+}
+"""flag -> what dtgpt does instead (accepted, and named in the one note rank 0 prints)."""
+
+EXAMPLE_SCRIPTS = [
+    "These run on `train.py` as written, with `train.py` in place of `pretrain_gpt.py` (tests/test_megatron_scripts.py",
+    "passes each one's flags, shrunk to a small model, through `--dry-run`): Megatron-LM's",
+    "`examples/gpt3/train_gpt3_175b_distributed.sh`, `examples/llama/train_llama3_8b_h100_fp8.sh` (with",
+    "`DTYPE=bf16`: dtgpt has no fp8), `examples/mixtral/train_mixtral_8x7b_distributed.sh`, and Megatron-MoE-ModelZoo's",
+    "Qwen3-30B-A3B, DeepSeek-V2-Lite and DeepSeek-V3 benchmark flag sets; the few flags of theirs that dtgpt does",
+    "not take are named in that test. Flags mapped for them:",
+    "",
+    "- `--use-rotary-position-embeddings` (legacy): `model.position_embedding_type = \"rope\"`; beside another",
+    "  `--position-embedding-type` it is refused as two values for one key.",
+    "- `--no-check-for-nan-in-loss-and-grad`: `training.nan_policy = \"skip\"`; without it a launch script gets",
+    "  Megatron's check, `stop` (`skip` under fp16 with dynamic loss scaling, where Megatron skips the step).",
+    "- `--no-save-optim`: `checkpoint.save_optimizer = false`: the checkpoint holds no AdamW state, LR schedule or",
+    "  loss scale, and a run resuming from it starts those fresh, as `--no-load-optim` does.",
+    "- `--padded-vocab-size P`: the vocabulary has P rows (`model.make_vocab_size_divisible_by = P`; a",
+    "  `--make-vocab-size-divisible-by` beside it is dropped, as Megatron drops it).",
+    "- `--logging-level N`: the level of Python's root logger (Megatron's meaning).",
+    "- `--profile-ranks`: only these ranks profile (empty: all). `--record-memory-history`: on CUDA, each profiled",
+    "  rank records the allocator's history from the start of training and dumps it to `--memory-snapshot-path`",
+    "  (default snapshot.pickle, the rank in its name) at every log interval; on CPU a line says it is skipped.",
+    "",
+    "Accepted with a note, each changing nothing that is trained:",
+]
+
+GRAD_DTYPES = {"fp32": None, "auto": None, "bf16": "", "fp16": ""}
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+              "return_unexpected", "return_all", "ignore_all")  # fmt: skip
+CHOICES = {
+    "data-parallel-sharding-strategy": dict.fromkeys(("no_shard", "optim", "optim_grads", "optim_grads_params")),
+    "dist-ckpt-strictness": dict.fromkeys(STRICTNESS),
+    "megatron-fsdp-main-grads-dtype": GRAD_DTYPES,
+    "megatron-fsdp-grad-comm-dtype": GRAD_DTYPES,
+}
+"""Megatron's choices for the flags that take one; a value mapped to a string is refused."""
+
+WHY_REFUSED = {
+    "megatron-fsdp-main-grads-dtype": "it accumulates gradients in {value}, and dtgpt keeps them in fp32 (Megatron's "
+    "--accumulate-allreduce-grads-in-fp32 regime); drop the flag or give fp32",
+    "megatron-fsdp-grad-comm-dtype": "it reduces gradients over data-parallel ranks in {value}, and dtgpt reduces them in "
+    "fp32 (Megatron's --accumulate-allreduce-grads-in-fp32 regime); drop the flag or give fp32",
+}
+
+
+def check_noted_value(name: str, values: list[str]) -> None:
+    """Refuse a value outside Megatron's choices, or one that would change what is trained."""
+    if name not in CHOICES:
+        return
+    value = values[0]
+    choices = CHOICES[name]
+    if value not in choices:
+        raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(choices)}")
+    if choices[value] is not None:
+        raise ConfigError(f"--{name} {value} is refused: {WHY_REFUSED[name].format(value=value)}")
+
+
+def noted_section() -> list[str]:
+    """The documented notes, a line per flag."""
+    return [f"- `--{name}`: {note}." for name, note in NOTED.items()]
