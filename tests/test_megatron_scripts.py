@@ -21,11 +21,7 @@ from dtgpt.config.loading import _unwrap_optional
 from dtgpt.config.megatron_flags import IGNORED, flag_table
 
 FLAGS_BUILT_ON_OTHER_BRANCHES = {
-    "--decoupled-lr", "--decoupled-min-lr", "--grad-reduce-in-bf16",
     "--recompute-modules", "--recompute-activations", "--moe-layer-recompute",
-    "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-enable-deepep", "--moe-permute-fusion",
-    "--moe-router-fusion", "--moe-shared-expert-overlap", "--moe-per-layer-logging",
-    "--expert-tensor-parallel-size", "--moe-router-force-load-balancing",
 }  # fmt: skip
 """Flags the scripts pass that are built on other branches: left out of the runs until they land
 (empty this set once they have)."""
