@@ -164,6 +164,9 @@ class TrainingConfig:
     """What a non-finite loss does: 'skip' the iteration or 'stop' the run."""
     exit_skipped_iters: int = 100
     """Stop with an error after this many skipped iterations in a row (0: never)."""
+    deterministic: bool = False
+    """Megatron's --deterministic-mode: on CUDA, deterministic kernels only (an op without one
+    raises), cuBLAS's fixed workspace and NCCL's ring algorithm (dtgpt/determinism.py)."""
 
 
 @dataclass
@@ -302,6 +305,9 @@ class CheckpointConfig:
     keep_last: int = 0
     """Keep this many newest iterations (0 keeps all). Nothing is pruned after a save whose
     weights are not finite."""
+    save_retain_interval: int = 0
+    """Megatron's --save-retain-interval: after each save, the previous checkpoint is deleted
+    unless its iteration is a multiple of this (0: none deleted); the newest always stays."""
     overwrite: bool = False
     """Let a run that did not load from checkpoint.save write into it although it holds
     iter_* directories (of another run, which this one may then replace)."""
@@ -326,6 +332,9 @@ class LoggingConfig:
     timers_log_level: int = 0
     logging_level: Optional[int] = None
     """The level of Python's root logger (Megatron's --logging-level, e.g. 40 = ERROR); unset: Python's."""
+    log_progress: bool = False
+    """Megatron's --log-progress: append job starts, saves and deletions, with throughput and
+    tokens, to progress.txt in checkpoint.save (dtgpt/progress_log.py)."""
 
 
 @dataclass

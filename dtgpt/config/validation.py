@@ -261,6 +261,12 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
     c = cfg.checkpoint
     for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration"):
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+    retain = c.save_retain_interval
+    _require(
+        retain == 0 or (retain > 0 and c.save_interval > 0 and retain % c.save_interval == 0),
+        f"checkpoint.save_retain_interval={retain} must be 0 or a positive multiple of checkpoint.save_interval="
+        f"{c.save_interval} (as Megatron requires): the retained checkpoints are saves",
+    )
     o = cfg.optimizer
     _require(
         not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),
