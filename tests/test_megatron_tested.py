@@ -46,15 +46,14 @@ CP_A2A_P2P = _f(
     "--use-persistent-ckpt-worker"
 ) + TINY_DATA
 
-# gpt/gpt3_15b_8t_release without --squared-relu (refused) and its token-threshold batch schedule
-# (one global batch here): 32 -> 2 layers, 6144 -> 64 hidden, tp 8 -> 2.
+# gpt/gpt3_15b_8t_release without its token-threshold batch schedule (one global batch here): 32 -> 2 layers, 6144 -> 64 hidden, tp 8 -> 2.
 RELEASE_15B = _f(
     "--distributed-timeout-minutes 60 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 "
     "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --use-mcore-models --sequence-parallel "
     "--disable-bias-linear --micro-batch-size 4 --global-batch-size 8 --train-samples 64 --manual-gc "
     "--transformer-impl transformer_engine --split 99,1,0 --no-mmap-bin-files --apply-layernorm-1p "
     "--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --rotary-percent 0.5 "
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+    "--squared-relu --num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
     "--seq-length 32 --max-position-embeddings 32 --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0 "
     "--weight-decay 0.1 --lr-decay-samples 48 --lr-warmup-samples 8 --lr 0.00045 --min-lr 4.5e-05 "
     "--decoupled-lr 0.0005 --decoupled-min-lr 4.5e-05 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 "
@@ -84,7 +83,7 @@ def test_derived_keys_of_the_functional_tests(tmp_path):
     cfg = load_config(None, argv(MULTI_DIST_OPTIMIZER, tmp_path))
     assert cfg.training.deterministic and cfg.parallel.data_parallel_replicate_size == 2  # Megatron's 2 instances
     cfg = load_config(None, argv(RELEASE_15B, tmp_path))
-    assert (cfg.checkpoint.save_retain_interval, cfg.logging.log_progress) == (5000, True)
+    assert (cfg.checkpoint.save_retain_interval, cfg.logging.log_progress, cfg.model.squared_relu) == (5000, True, True)
     assert not load_config(None, argv(CP_A2A_P2P, tmp_path)).training.deterministic
 
 
@@ -107,7 +106,8 @@ def test_noted_flags_are_named_in_the_one_note(tmp_path, capfd):
          "refused: dtgpt evaluates --global-batch-size 8 samples per evaluation iteration"),
         (["--save-interval", "10", "--save-retain-interval", "15"], "error: --save-retain-interval 15 must be 0 or "
          "a positive multiple of --save-interval 10"),
-        (["--squared-relu"], "error: --squared-relu is a Megatron-LM flag dtgpt does not implement"),
+        (["--squared-relu", "--swiglu"], "error: --squared-relu and --swiglu: choose one "
+         "activation (Megatron refuses both)"),
     ],
     ids=["sgd", "main-params-bf16", "cuda-graph-impl", "cp-comm-type", "eval-batch", "retain", "squared-relu"],
 )

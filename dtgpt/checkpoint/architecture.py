@@ -63,7 +63,9 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         arch["mtp_num_layers"] = m.mtp_num_layers
     if m.multi_latent_attention:
         arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
-    if not m.swiglu:
+    if m.squared_relu:
+        arch["squared_relu"] = True
+    elif not m.swiglu:
         arch["gelu"] = m.gelu_approximation
     if m.position_embedding_type == "rope":
         arch |= {key: getattr(m, key) for key in ROPE_KEYS}

@@ -26,7 +26,8 @@ TESTED_SCRIPTS = [
     "- `--save-retain-interval R`: `checkpoint.save_retain_interval`: after each save the previous checkpoint is",
     "  deleted unless its iteration is a multiple of R; the newest always stays (docs/checkpoints.md).",
     "- `--log-progress`: `logging.log_progress`: Megatron's progress.txt in the save directory (docs/logging.md).",
-    "- `--squared-relu` is refused: dtgpt's MLP is GeLU or SwiGLU.",
+    "- `--squared-relu`: `model.squared_relu = true`: the dense MLP is fc2(relu(fc1(x))^2), as megatron-core's",
+    "  (tests/test_squared_relu.py compares the two); refused beside `--swiglu` (as Megatron) or `--num-experts`.",
     "",
     "Accepted with a note, each changing nothing that is trained:",
 ]

@@ -45,6 +45,8 @@ class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
     multiple of 64, as Megatron)."""
     swiglu: bool = False
     """A SwiGLU MLP, fc2(silu(gate(x)) * fc1(x)), instead of fc2(gelu(fc1(x)))."""
+    squared_relu: bool = False
+    """Megatron's --squared-relu: fc2(relu(fc1(x))^2) instead of the GeLU (dense MLPs)."""
     openai_gelu: bool = False
     bias_gelu_fusion: bool = True
     """Megatron's GeLU variant: the tanh approximation with bias_gelu_fusion (when the linears

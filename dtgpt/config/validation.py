@@ -124,6 +124,12 @@ def _check_model(cfg: Config) -> None:
     _require(  # inverse frequencies base^(-2i/d): a base of 0 or 1 makes every step's loss non-finite or RoPE a no-op
         m.position_embedding_type != "rope" or m.rotary_base > 1, f"model.rotary_base={m.rotary_base} must be > 1 (RoPE's base)"
     )
+    _require(not (m.squared_relu and m.swiglu), "model.squared_relu=true and model.swiglu=true: choose one activation (Megatron refuses both)")
+    _require(
+        not (m.squared_relu and m.num_experts),
+        f"model.squared_relu=true with model.num_experts={m.num_experts}: dtgpt's experts are GeLU or SwiGLU; "
+        "squared ReLU is for dense MLPs",
+    )
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")
