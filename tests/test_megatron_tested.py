@@ -85,6 +85,8 @@ def test_derived_keys_of_the_functional_tests(tmp_path):
     cfg = load_config(None, argv(RELEASE_15B, tmp_path))
     assert (cfg.checkpoint.save_retain_interval, cfg.logging.log_progress, cfg.model.squared_relu) == (5000, True, True)
     assert not load_config(None, argv(CP_A2A_P2P, tmp_path)).training.deterministic
+    every = ["--mock-data", "--check-weight-hash-across-dp-replicas-interval", "10"]
+    assert load_config(None, every).training.check_weight_hash_across_dp_replicas_interval == 10
 
 
 def test_noted_flags_are_named_in_the_one_note(tmp_path, capfd):

@@ -25,6 +25,8 @@ TESTED_SCRIPTS = [
     "  optimizer within each of N data-parallel groups and replicates it across them, as dtgpt's dp_replicate does.",
     "- `--save-retain-interval R`: `checkpoint.save_retain_interval`: after each save the previous checkpoint is",
     "  deleted unless its iteration is a multiple of R; the newest always stays (docs/checkpoints.md).",
+    "- `--check-weight-hash-across-dp-replicas-interval N`: every N iterations the dp_replicate replicas compare a",
+    "  SHA-256 of their weights and a difference stops the run (dtgpt/parallel/replica_check.py).",
     "- `--log-progress`: `logging.log_progress`: Megatron's progress.txt in the save directory (docs/logging.md).",
     "- `--squared-relu`: `model.squared_relu = true`: the dense MLP is fc2(relu(fc1(x))^2), as megatron-core's",
     "  (tests/test_squared_relu.py compares the two); refused beside `--swiglu` (as Megatron) or `--num-experts`.",
@@ -58,9 +60,6 @@ NOTED = {
     "timing-log-option": "every choice is accepted: dtgpt's timer block always prints each phase's (min, max) over "
     "ranks, Megatron's default minmax",
     "straggler-minmax-count": "the number of slowest and fastest ranks Megatron's straggler detector reports",
-    "check-weight-hash-across-dp-replicas-interval": "Megatron's check that data-parallel replicas hold the same "
-    "weights; dtgpt's replicas are one FSDP2 mesh whose update is one reduced gradient (its checkpoints carry "
-    "CRC-32 checksums of every file)",
     "te-rng-tracker": "Transformer Engine's implementation of the per-tensor-parallel-rank dropout streams; "
     "dtgpt has its own (dtgpt/parallel/rng.py)",
     "defer-embedding-wgrad-compute": "delays the output layer's weight gradient to overlap it with pipeline "

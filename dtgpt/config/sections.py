@@ -166,6 +166,9 @@ class TrainingConfig:
     """What a non-finite loss does: 'skip' the iteration or 'stop' the run."""
     exit_skipped_iters: int = 100
     """Stop with an error after this many skipped iterations in a row (0: never)."""
+    check_weight_hash_across_dp_replicas_interval: int = 0
+    """Every this many iterations the dp_replicate replicas compare a hash of their weights and
+    stop the run if they differ (Megatron's check; 0: never; dtgpt/parallel/replica_check.py)."""
     deterministic: bool = False
     """Megatron's --deterministic-mode: on CUDA, deterministic kernels only (an op without one
     raises), cuBLAS's fixed workspace and NCCL's ring algorithm (dtgpt/determinism.py)."""

@@ -265,7 +265,8 @@ def _check_data(cfg: Config) -> None:
 def _check_checkpoint_logging_faults(cfg: Config) -> None:
     """Rules of checkpoint and logging."""
     c = cfg.checkpoint
-    for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration"):
+    for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration",
+                "training.check_weight_hash_across_dp_replicas_interval"):
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
     retain = c.save_retain_interval
     _require(
