@@ -64,3 +64,19 @@ def test_the_flag_sets_the_key_and_refuses_experts():
     assert load_config(None, ["--mock-data", "--squared-relu"]).model.squared_relu
     with pytest.raises(ConfigError, match="dtgpt's experts are GeLU or SwiGLU"):
         load_config(None, ["--mock-data", "--squared-relu", "--num-experts", "4"])
+
+
+def test_a_megatron_checkpoints_squared_relu_is_its_architecture():
+    """Megatron-LM's args with squared_relu: a GeLU config is told to set it, use_checkpoint_args
+    takes it, and the args dtgpt writes for Megatron carry it."""
+    from argparse import Namespace
+
+    from dtgpt.checkpoint.architecture import difference, megatron_architecture, megatron_args, with_megatron_architecture
+
+    args = Namespace(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=FFN, swiglu=False,
+                     add_bias_linear=True, normalization="LayerNorm", squared_relu=True)  # fmt: skip
+    gelu = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=FFN)
+    assert "model.squared_relu: the checkpoint has true but the config has false" in difference(megatron_architecture(args), gelu)
+    taken = with_megatron_architecture(args, gelu)
+    assert taken.squared_relu and difference(megatron_architecture(args), taken) is None
+    assert megatron_args(taken)["squared_relu"] is True
