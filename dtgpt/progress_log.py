@@ -11,7 +11,8 @@ how far a run of many jobs got and at what throughput:
 Floating-point operations are the run's so far (dtgpt.model_size.flops_per_token times the
 tokens consumed). The job throughput counts this job's; the cumulative one counts from the first
 job started at the same number of GPUs (after the last change of it), as Megatron's does. The
-job id is the scheduler's (SLURM_JOB_ID), empty elsewhere. Rank 0 writes.
+job id is the scheduler's (SLURM_JOB_ID), empty elsewhere. Rank 0 writes. An asynchronous save is
+logged once it is complete (Megatron's "Saved checkpoint" means the same: committed).
 """
 
 from __future__ import annotations
