@@ -18,6 +18,7 @@ from dtgpt.faults import group_sockets
 from dtgpt.faults.attempt_store import attempt_store
 from dtgpt.config import Config, low_precision, validate
 from dtgpt.config.devices import choose_device
+from dtgpt.determinism import apply_determinism
 from dtgpt.parallel import last_stage_rank, uses_compute_copy
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
@@ -74,6 +75,8 @@ def init_distributed(cfg: Config) -> Runtime:
     dims = ParallelDims.from_config(cfg, world_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.training.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    # NCCL and cuBLAS read their settings when first used: before the process group
+    note = apply_determinism(device) if cfg.training.deterministic else None
     rank = 0
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = None
@@ -84,6 +87,8 @@ def init_distributed(cfg: Config) -> Runtime:
     if dist.is_initialized():
         rank = dist.get_rank()
         dims.build_mesh(device.type)
+    if note and rank == 0:
+        print(note, flush=True)
     # Dropout differs between pipeline stages as in Megatron; weights and data order never
     # depend on this seed (they have their own, see GPT.init_weights and the data order).
     # The tp-region stream is seeded in build_model (dtgpt.parallel.rng).

@@ -38,6 +38,7 @@ from dtgpt.faults.signals import ExitConditions
 from dtgpt.faults.watchdog import Watchdog
 from dtgpt.metrics import MetricsLogger, memory_stats, peak_tflops, throughput_metrics
 from dtgpt.model_size import flops_per_token
+from dtgpt.parallel.replica_check import check_weight_hash
 from dtgpt.profiling import build_profiler
 from dtgpt.state import TrainState, set_rng_state
 from dtgpt.step import StepResult
@@ -222,6 +223,7 @@ def train(
             with last_words.guard():  # collectives between iterations: a dead peer is recovered from here too
                 if progress.iteration % cfg.logging.log_interval == 0:
                     state.model.check_tied_copies(progress.iteration)
+                check_weight_hash(state.model, cfg.training.check_weight_hash_across_dp_replicas_interval, progress.iteration)
                 stop = exits.reason(progress.iteration)
             if getattr(last_words, "pending", None) is not None:  # the next iteration starts afresh
                 train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer)

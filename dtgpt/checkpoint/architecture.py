@@ -37,7 +37,7 @@ have it (rope_type as its effective value: unset is YaRN there)."""
 
 FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
-    "ffn_hidden_size", "swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+    "ffn_hidden_size", "swiglu", "squared_relu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
     "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
     "untie_embeddings_and_output_weights", *MOE_FIELDS, "multi_latent_attention", *MLA_FIELDS, "mtp_num_layers",
@@ -63,7 +63,8 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         arch["mtp_num_layers"] = m.mtp_num_layers
     if m.multi_latent_attention:
         arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
-    if not m.swiglu:
+    arch["squared_relu"] = m.squared_relu  # a checkpoint saved before the key has none: not compared
+    if not m.swiglu and not m.squared_relu:
         arch["gelu"] = m.gelu_approximation
     if m.position_embedding_type == "rope":
         arch |= {key: getattr(m, key) for key in ROPE_KEYS}
@@ -113,7 +114,8 @@ def megatron_architecture(args) -> dict[str, object]:
     bias = arch["add_bias_linear"]
     if bias is not None:
         arch["add_qkv_bias"] = bool(bias or get("add_qkv_bias", False))
-        if not arch["swiglu"]:  # Megatron's fused bias-GeLU (needs biases) and openai_gelu are tanh
+        arch["squared_relu"] = bool(get("squared_relu", False))
+        if not arch["swiglu"] and not arch["squared_relu"]:  # Megatron's fused bias-GeLU (needs biases) and openai_gelu are tanh
             arch["gelu"] = "tanh" if get("openai_gelu", False) or (get("bias_gelu_fusion", True) and bias) else "none"
     if arch["position_embedding_type"] == "rope":
         arch |= {key: get(key) for key in ROPE_KEYS}

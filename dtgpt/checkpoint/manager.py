@@ -35,6 +35,7 @@ from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
 from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule, saved_without_optimizer
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.rejoin import Rejoining
+from dtgpt.checkpoint.retain import retire_previous
 from dtgpt.checkpoint.rank_zero import RankZeroCalls
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
@@ -43,6 +44,7 @@ from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
+from dtgpt.progress_log import build_progress_log
 from dtgpt.parallel.rng import model_parallel_seed, stage_seed
 from dtgpt.state import SaveVerdict, TrainState, rng_state, set_rng_state
 
@@ -84,6 +86,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
         self._faults = faults
         self.run_id = uuid.uuid4().hex[:12]
         self._lock: SaveDirLock | None = None  # rank 0's, while it runs
+        self._progress = None  # logging.log_progress's file, rank 0's (dtgpt/progress_log.py)
         if joining:
             return self._join()
         if self.cfg.save:
@@ -93,6 +96,8 @@ class Checkpointer(Rejoining, RankZeroCalls):
         except BaseException:
             self.release()  # a failed start leaves no lock (nor a directory it created) behind
             raise
+        if runtime.is_main:
+            self._progress = build_progress_log(cfg, runtime.world_size, state.model.parts[0].vocab_size, state.progress.consumed_samples)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -344,15 +349,22 @@ class Checkpointer(Rejoining, RankZeroCalls):
             "run_id": self.run_id, "weights_finite": verdict.weights_finite, "counts_for_keep_last": verdict.counts,
         }, records)  # fmt: skip
         layout.swap_in(directory, layout.iteration_dir(self.cfg.save, iteration))
+        previous = layout.read_pointer(self.cfg.save)
         layout.write_pointer(self.cfg.save, iteration)
+        if self._progress is not None:
+            self._progress.saved(iteration, self.state.progress.consumed_samples)
         layout.remove_stale_staging(self.cfg.save, iteration)
         if not verdict.counts:
             if self.cfg.keep_last:
                 self._log(f"iteration {iteration} {verdict.why_not}: no older checkpoint is pruned, nor does it count "
                           "toward checkpoint.keep_last", "WARNING: ")  # fmt: skip
             return
-        for path in layout.prune(self.cfg.save, self.cfg.keep_last, iteration):
-            self._log(f"removed old checkpoint {path} (checkpoint.keep_last={self.cfg.keep_last})")
+        removed = dict.fromkeys(layout.prune(self.cfg.save, self.cfg.keep_last, iteration), "keep_last")
+        removed |= dict.fromkeys(retire_previous(self.cfg.save, previous, iteration, self.cfg.save_retain_interval), "save_retain_interval")
+        for path, key in removed.items():
+            self._log(f"removed old checkpoint {path} (checkpoint.{key}={getattr(self.cfg, key)})")
+            if self._progress is not None:
+                self._progress.deleted(int(path.name.removeprefix("iter_")))
 
     def _poll(self, wait: bool) -> None:
         pending = self._pending

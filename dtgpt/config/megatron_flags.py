@@ -22,6 +22,9 @@ from typing import NamedTuple
 
 from dtgpt.config.megatron_names import MEGATRON_0_16_FLAGS, NEWER_FLAGS
 from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, check_noted_value, noted_section
+from dtgpt.config.megatron_tested import NEWER as TESTED_NEWER
+from dtgpt.config.megatron_tested import NOTED as TESTED_NOTED
+from dtgpt.config.megatron_tested import TESTED_SCRIPTS, check_tested_value, tested_section
 from dtgpt.config.megatron_vocab import padded_vocabulary_wins
 from dtgpt.config.sections import Config, ConfigError
 
@@ -36,6 +39,8 @@ RENAMED = {
     "no-check-for-nan-in-loss-and-grad": ("training.nan_policy", "skip"),
     "use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
     "padded-vocab-size": ("model.make_vocab_size_divisible_by", None),  # P rows: dtgpt/config/megatron_vocab.py
+    "deterministic-mode": ("training.deterministic", True),
+    "num-distributed-optimizer-instances": ("parallel.data_parallel_replicate_size", None),  # Megatron's HSDP replicas
 }
 """flag -> (dtgpt key, the value a flag without a value sets; None: the flag takes values)."""
 
@@ -54,6 +59,7 @@ IGNORED = (
     "tensorboard-queue-size", "profile", "use-pytorch-profiler",
     "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap", "moe-per-layer-logging",
     *NOTED,  # Megatron's example scripts' flags, each with what dtgpt does (dtgpt/config/megatron_noted.py)
+    *TESTED_NOTED,  # Megatron's functional tests' flags, each with what dtgpt does (dtgpt/config/megatron_tested.py)
 )  # fmt: skip
 """Megatron internals with no effect on what dtgpt trains: accepted with one note on rank 0."""
 
@@ -77,7 +83,7 @@ class Mapping(NamedTuple):
 def megatron_flags() -> dict[str, Flag]:
     """Megatron's flags by name, read from the packed list of dtgpt/config/megatron_names.py."""
     flags = {}
-    for entry in (MEGATRON_0_16_FLAGS + NEWER_FLAGS).split():
+    for entry in (MEGATRON_0_16_FLAGS + NEWER_FLAGS + TESTED_NEWER).split():
         spec, _, dest = entry.partition("=")
         name, stores, arity = spec, None, "1"
         if spec[-1] in "!~":
@@ -147,6 +153,7 @@ def translate(args: list[str]) -> Translated:
             i += 1
         _check_arity(arg, flag, values)
         check_noted_value(name, values)
+        check_tested_value(name, values)
         if name in IGNORED:
             ignored.append(" ".join(["--" + name, *values]))
         elif name in flag_table():
@@ -231,6 +238,7 @@ def markdown_table() -> str:
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
     lines += ["## Megatron's example scripts", "", *EXAMPLE_SCRIPTS, "", *noted_section(), ""]
+    lines += ["## Megatron's functional tests", "", *TESTED_SCRIPTS, "", *tested_section(), ""]
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from dtgpt.config.megatron_tested import check_eval_batch
 from dtgpt.config.megatron_vocab import megatron_launch
 from dtgpt.config.sections import Config, ConfigError
 
@@ -30,6 +31,7 @@ def apply_megatron_launch_rules(cfg: Config, spellings: list[str], ignored: list
     """In place: Megatron's NaN check for a launch script; refuse --no-position-embedding without rope."""
     if megatron_launch(spellings, ignored, has_file) and NAN_KEY not in levels:
         cfg.training.nan_policy = megatron_nan_policy(cfg)
+    check_eval_batch(cfg, ignored)
     if NO_POSITION_EMBEDDING in ignored and cfg.model.position_embedding_type != "rope":
         raise ConfigError(
             f"{NO_POSITION_EMBEDDING} needs --position-embedding-type rope (model.position_embedding_type is "

@@ -45,6 +45,8 @@ class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
     multiple of 64, as Megatron)."""
     swiglu: bool = False
     """A SwiGLU MLP, fc2(silu(gate(x)) * fc1(x)), instead of fc2(gelu(fc1(x)))."""
+    squared_relu: bool = False
+    """Megatron's --squared-relu: fc2(relu(fc1(x))^2) instead of the GeLU (dense MLPs)."""
     openai_gelu: bool = False
     bias_gelu_fusion: bool = True
     """Megatron's GeLU variant: the tanh approximation with bias_gelu_fusion (when the linears
@@ -167,6 +169,12 @@ class TrainingConfig:
     """What a non-finite loss does: 'skip' the iteration or 'stop' the run."""
     exit_skipped_iters: int = 100
     """Stop with an error after this many skipped iterations in a row (0: never)."""
+    check_weight_hash_across_dp_replicas_interval: int = 0
+    """Every this many iterations the dp_replicate replicas compare a hash of their weights and
+    stop the run if they differ (Megatron's check; 0: never; dtgpt/parallel/replica_check.py)."""
+    deterministic: bool = False
+    """Megatron's --deterministic-mode: on CUDA, deterministic kernels only (an op without one
+    raises), cuBLAS's fixed workspace and NCCL's ring algorithm (dtgpt/determinism.py)."""
 
 
 @dataclass
@@ -313,6 +321,9 @@ class CheckpointConfig:
     keep_last: int = 0
     """Keep this many newest iterations (0 keeps all). Nothing is pruned after a save whose
     weights are not finite."""
+    save_retain_interval: int = 0
+    """Megatron's --save-retain-interval: after each save, the previous checkpoint is deleted
+    unless its iteration is a multiple of this (0: none deleted); the newest always stays."""
     overwrite: bool = False
     """Let a run that did not load from checkpoint.save write into it although it holds
     iter_* directories (of another run, which this one may then replace)."""
@@ -337,6 +348,9 @@ class LoggingConfig:
     timers_log_level: int = 0
     logging_level: Optional[int] = None
     """The level of Python's root logger (Megatron's --logging-level, e.g. 40 = ERROR); unset: Python's."""
+    log_progress: bool = False
+    """Megatron's --log-progress: append job starts, saves and deletions, with throughput and
+    tokens, to progress.txt in checkpoint.save (dtgpt/progress_log.py)."""
 
 
 @dataclass

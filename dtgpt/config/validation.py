@@ -125,6 +125,12 @@ def _check_model(cfg: Config) -> None:
     _require(  # inverse frequencies base^(-2i/d): a base of 0 or 1 makes every step's loss non-finite or RoPE a no-op
         m.position_embedding_type != "rope" or m.rotary_base > 1, f"model.rotary_base={m.rotary_base} must be > 1 (RoPE's base)"
     )
+    _require(not (m.squared_relu and m.swiglu), "model.squared_relu=true and model.swiglu=true: choose one activation (Megatron refuses both)")
+    _require(
+        not (m.squared_relu and m.num_experts),
+        f"model.squared_relu=true with model.num_experts={m.num_experts}: dtgpt's experts are GeLU or SwiGLU; "
+        "squared ReLU is for dense MLPs",
+    )
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")
@@ -265,8 +271,15 @@ def _check_data(cfg: Config) -> None:
 def _check_checkpoint_logging_faults(cfg: Config) -> None:
     """Rules of checkpoint and logging."""
     c = cfg.checkpoint
-    for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration"):
+    for key in ("checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.exit_interval", "checkpoint.load_iteration",
+                "training.check_weight_hash_across_dp_replicas_interval"):
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
+    retain = c.save_retain_interval
+    _require(
+        retain == 0 or (retain > 0 and c.save_interval > 0 and retain % c.save_interval == 0),
+        f"checkpoint.save_retain_interval={retain} must be 0 or a positive multiple of checkpoint.save_interval="
+        f"{c.save_interval} (as Megatron requires): the retained checkpoints are saves",
+    )
     o = cfg.optimizer
     _require(
         not (o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler),

@@ -1,0 +1,151 @@
+"""Training flags that Megatron-LM's own functional tests pass (tests/functional_tests/test_cases/
+*/model_config.yaml), with what dtgpt does for each.
+
+Those accepted with a note choose Megatron's checkpoint writers, CUDA graphs, overlap schedules,
+rank placement, process groups or logging extras: none changes the model, the data or the
+arithmetic dtgpt trains with. Where one of their values would (an optimizer other than Adam,
+Megatron-FSDP master weights in bf16), that value is refused with one line saying why. The notes
+are the "Megatron's functional tests" section of docs/megatron_flags.md.
+"""
+
+from __future__ import annotations
+
+from dtgpt.config.sections import Config, ConfigError
+
+TESTED_SCRIPTS = [
+    "The training flags of Megatron-LM's functional tests (the GPT, MoE and Mixtral",
+    "`tests/functional_tests/test_cases/*/model_config.yaml`) run too; tests/test_megatron_tested.py passes a few",
+    "of their flag sets through `--dry-run`. Their inference, RL, fp8/fp4, Muon, FIM and linear-attention flags",
+    "stay refused. Flags mapped or built for them:",
+    "",
+    "- `--deterministic-mode`: `training.deterministic = true`: on CUDA, torch's deterministic algorithms (an op",
+    "  without a deterministic kernel raises), `CUBLAS_WORKSPACE_CONFIG=:4096:8` and `NCCL_ALGO=Ring` unless set to",
+    "  another deterministic value; on CPU a line says nothing needs setting.",
+    "- `--num-distributed-optimizer-instances N`: `parallel.data_parallel_replicate_size = N`: Megatron shards the",
+    "  optimizer within each of N data-parallel groups and replicates it across them, as dtgpt's dp_replicate does.",
+    "- `--save-retain-interval R`: `checkpoint.save_retain_interval`: after each save the previous checkpoint is",
+    "  deleted unless its iteration is a multiple of R; the newest always stays (docs/checkpoints.md).",
+    "- `--check-weight-hash-across-dp-replicas-interval N`: every N iterations the dp_replicate replicas compare a",
+    "  SHA-256 of their weights and a difference stops the run (dtgpt/parallel/replica_check.py).",
+    "- `--log-progress`: `logging.log_progress`: Megatron's progress.txt in the save directory (docs/logging.md).",
+    "- `--squared-relu`: `model.squared_relu = true`: the dense MLP is fc2(relu(fc1(x))^2), as megatron-core's",
+    "  (tests/test_squared_relu.py compares the two); refused beside `--swiglu` (as Megatron) or `--num-experts`.",
+    "",
+    "Accepted with a note, each changing nothing that is trained:",
+]
+
+NOTED = {
+    "use-persistent-ckpt-worker": "keeps Megatron's asynchronous-save worker process alive between saves; dtgpt's "
+    "`--async-save` writes from a background thread of each rank (DCP's async save)",
+    "dist-ckpt-optim-fully-reshardable": "dtgpt's optimizer state is always saved mesh-free (DCP keyed by parameter "
+    "name), so it loads at any other layout",
+    "ckpt-fully-parallel-save": "which ranks write which shards of Megatron's torch_dist files; under DCP every rank "
+    "writes its own shard, each replicated tensor once",
+    "no-ckpt-fully-parallel-save": "as --ckpt-fully-parallel-save",
+    "async-ckpt-use-cpu-shm": "stages Megatron's asynchronous save in shared CPU memory; DCP stages its own copy",
+    "cuda-graph-impl": "every choice (none, local, transformer_engine, full_iteration) is accepted: a CUDA graph "
+    "replays the kernels it captured, so it changes launch cost, never the arithmetic; dtgpt captures no graphs "
+    "(`--training.compile` is its fusion path)",
+    "enable-cuda-graph": "as --cuda-graph-impl local",
+    "cuda-graph-modules": "as --cuda-graph-impl",
+    "apply-query-key-layer-scaling": "Megatron divides the attention scores by the layer number before its fp16 "
+    "softmax and multiplies them back inside it (and keeps that softmax in fp32), so the probabilities are the "
+    "same up to rounding; dtgpt computes every softmax in fp32 from unscaled scores",
+    "use-tp-pp-dp-mapping": "orders ranks tp, pp, dp instead of tp, cp, dp, pp: only which GPU holds which shard "
+    "changes; dtgpt's mesh is always pp, dp_replicate, dp_shard, cp, tp (outer to inner)",
+    "rerun-mode": "every choice is accepted: Megatron's validate_results re-runs an iteration whose loss is "
+    "non-finite to tell a hardware fault from a bug before it stops, report_stats measures the variation of "
+    "repeated runs; dtgpt never reruns an iteration and stops or skips per `training.nan_policy`, which is what "
+    "is trained either way",
+    "timing-log-option": "every choice is accepted: dtgpt's timer block always prints each phase's (min, max) over "
+    "ranks, Megatron's default minmax",
+    "straggler-minmax-count": "the number of slowest and fastest ranks Megatron's straggler detector reports",
+    "te-rng-tracker": "Transformer Engine's implementation of the per-tensor-parallel-rank dropout streams; "
+    "dtgpt has its own (dtgpt/parallel/rng.py)",
+    "defer-embedding-wgrad-compute": "delays the output layer's weight gradient to overlap it with pipeline "
+    "communication; the gradient is the same",
+    "wgrad-deferral-limit": "as --defer-embedding-wgrad-compute",
+    "overlap-p2p-communication-warmup-flush": "overlaps pipeline sends and receives in the warm-up and flush phases",
+    "microbatch-group-size-per-virtual-pipeline-stage": "the order in which Megatron's interleaved schedule runs "
+    "micro-batches on each virtual stage; the gradients of the same micro-batches are summed whatever the order "
+    "(dtgpt's interleaved schedule is torch.distributed.pipelining's)",
+    "ddp-average-in-collective": "averages gradients inside the reduction instead of scaling them before it; "
+    "dtgpt's gradient is the sum of token losses over the global batch's loss tokens either way",
+    "outer-dp-sharding-strategy": "no_shard and optim are accepted: the outer data-parallel dim "
+    "(`parallel.data_parallel_replicate_size`) holds replicas; optim would shard their optimizer state too, "
+    "which changes memory only",
+    "overlap-param-gather-with-optimizer-step": "overlaps the parameter all-gather with the optimizer step",
+    "disable-gloo-process-groups": "Megatron's gloo side groups for its CPU checkpoint paths; dtgpt's NCCL runs "
+    "build none of those",
+    "cp-comm-type": "every choice (p2p, a2a, allgather, a2a+p2p, per layer or one for all) is accepted: each "
+    "exchanges keys and values differently for the same attention; dtgpt's context parallelism all-gathers them "
+    "(dtgpt/parallel/context.py)",
+    "hierarchical-context-parallel-sizes": "the group sizes of --cp-comm-type a2a+p2p, as that flag",
+    "no-use-tokenizer-model-from-checkpoint-args": "dtgpt never takes the tokenizer from a checkpoint: it is always "
+    "the one the flags name (`--use-checkpoint-args` reads the architecture only)",
+    "megatron-fsdp-main-params-dtype": "fp32 is accepted: dtgpt keeps master weights in fp32; bf16, fp16 and auto "
+    "are refused",
+    "optimizer": "adam is accepted: dtgpt's optimizer is Megatron's adam (AdamW, decoupled weight decay); the "
+    "others are refused",
+    "eval-global-batch-size": "accepted equal to `--global-batch-size` (Megatron's default): dtgpt evaluates "
+    "global-batch-size samples per evaluation iteration; another value is refused",
+}
+"""flag -> what dtgpt does instead (accepted, and named in the one note rank 0 prints)."""
+
+NEWER = """
+    megatron-fsdp-main-params-dtype cuda-graph-modules* eval-global-batch-size async-ckpt-use-cpu-shm!
+"""
+"""Flags newer than megatron-core 0.16.1 among these, in megatron_names' notation."""
+
+REFUSED = ""
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+CHOICES = {
+    "cuda-graph-impl": dict.fromkeys(("none", "local", "transformer_engine", "full_iteration")),
+    "rerun-mode": dict.fromkeys(("disabled", "validate_results", "report_stats")),
+    "timing-log-option": dict.fromkeys(("max", "minmax", "all")),
+    "outer-dp-sharding-strategy": dict.fromkeys(("no_shard", "optim")),
+    "megatron-fsdp-main-params-dtype": {"fp32": None, "bf16": REFUSED, "fp16": REFUSED, "auto": REFUSED},
+    "optimizer": {"adam": None, **dict.fromkeys(("sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
+}
+"""Megatron's choices for the flags that take one; a value mapped to REFUSED is refused."""
+
+WHY_REFUSED = {
+    "megatron-fsdp-main-params-dtype": "it keeps master weights in {value} (auto: the parameters' dtype), and dtgpt "
+    "keeps them in fp32 (Megatron's mixed-precision regime); drop the flag or give fp32",
+    "optimizer": "dtgpt's optimizer is AdamW (Megatron's adam); {value} is not built; drop the flag or give adam",
+}
+
+
+def check_tested_value(name: str, values: list[str]) -> None:
+    """Refuse a value outside Megatron's choices, or one that would change what is trained."""
+    if name == "cp-comm-type":
+        for value in values:
+            if value not in CP_COMM_TYPES:
+                raise ConfigError(f"--cp-comm-type {value} is not one of Megatron's choices: {', '.join(CP_COMM_TYPES)}")
+    if name not in CHOICES:
+        return
+    value, choices = values[0], CHOICES[name]
+    if value not in choices:
+        raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(choices)}")
+    if choices[value] is not None:
+        raise ConfigError(f"--{name} {value} is refused: {WHY_REFUSED[name].format(value=value)}")
+
+
+EVAL_BATCH = "--eval-global-batch-size"
+
+
+def check_eval_batch(cfg: Config, ignored: list[str]) -> None:
+    """--eval-global-batch-size other than the training global batch is refused (checked once the
+    config is read, wherever --global-batch-size stands on the line)."""
+    for spelled in ignored:
+        flag, _, value = spelled.partition(" ")
+        if flag == EVAL_BATCH and value != str(cfg.training.global_batch_size):
+            raise ConfigError(
+                f"{EVAL_BATCH} {value} is refused: dtgpt evaluates training.global_batch_size="
+                f"{cfg.training.global_batch_size} samples per evaluation iteration; drop the flag or give that value"
+            )
+
+
+def tested_section() -> list[str]:
+    """The documented notes, a line per flag."""
+    return [f"- `--{name}`: {note}." for name, note in NOTED.items()]
