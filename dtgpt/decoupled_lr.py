@@ -10,10 +10,8 @@ every step (dtgpt.parallel.tied), so they must move at its LR to stay equal.
 
 They get an AdamW group of their own, marked DECOUPLED, built only when decoupled_lr is set (so
 a run without it keeps Megatron's two groups) and only by a model part that holds one of them: a
-pipeline stage with neither end has no such group. That is safe because checkpoints key the
-AdamW state by parameter name and store no param groups (dtgpt/checkpoint/stored.py), and
-necessary because torch's flattened optimizer state dict cannot load into an empty group.
-"""
+pipeline stage with neither end has no such group (dtgpt.optim.build_optimizer builds no empty
+group, since torch's flattened optimizer state dict cannot load into one)."""
 
 from __future__ import annotations
 

@@ -31,15 +31,18 @@ def build_optimizer(
     *,
     fused: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW with two groups: matrices decay, biases and norm weights do not (`decays`); under
-    optimizer.decoupled_lr a third holds the word embedding and the output layer.
+    """AdamW with up to three groups: matrices decay, biases and norm weights do not (`decays`);
+    under optimizer.decoupled_lr a third holds the word embedding and the output layer. Each
+    group carries Megatron's `wd_mult` (1.0 decays, 0.0 does not), which says its role.
 
     Parameters may be DTensors (FSDP2 / TP shards); AdamW's kernels handle them as they are.
     A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
     is stepped once. Frozen parameters (requires_grad=False) are left out.
-    Both groups always exist, even when one is empty, so every pipeline stage builds an
-    optimizer with the same group layout and a checkpoint loads on any mesh. `fused` (CUDA)
-    runs one kernel per step; otherwise the multi-tensor (foreach) kernels.
+    Only non-empty groups are built: torch's flattened optimizer state dict (the checkpoint's)
+    cannot load into an empty group, and a pipeline stage may hold no parameter of a group (the
+    embedding alone has no bias or norm). Nothing depends on a group's position: checkpoints key
+    the AdamW state by parameter name and store no groups. `fused` (CUDA) runs one kernel per
+    step; otherwise the multi-tensor (foreach) kernels.
     """
     seen: set[int] = set()
     decay: list[nn.Parameter] = []
@@ -51,18 +54,19 @@ def build_optimizer(
         seen.add(id(param))
         if cfg.decoupled_lr is not None and is_embedding_or_output(name):
             embedding_output.append(param)
+        elif decays(name, param, apply_wd_to_qk_layernorm=cfg.apply_wd_to_qk_layernorm):
+            decay.append(param)
         else:
-            (decay if decays(name, param) else no_decay).append(param)
+            no_decay.append(param)
     if not seen:
         raise ValueError("build_optimizer got no trainable parameters")
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": cfg.weight_decay, WD_MULT: 1.0},
+        {"params": no_decay, "weight_decay": 0.0, WD_MULT: 0.0},
+        decoupled_group(embedding_output, cfg.weight_decay) | {WD_MULT: 1.0},
     ]
-    if embedding_output:
-        groups.append(decoupled_group(embedding_output, cfg.weight_decay))
     return torch.optim.AdamW(
-        groups,
+        [g for g in groups if g["params"]],
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
@@ -72,12 +76,26 @@ def build_optimizer(
     )
 
 
-def decays(name: str, param: torch.Tensor) -> bool:
-    """Megatron's rule: weight decay for every parameter but the biases and the norm weights.
+WD_MULT = "wd_mult"
+"""The param-group key, Megatron's name, scaling optimizer.weight_decay: 1.0 for the groups that decay, 0.0 else."""
+
+QK_LAYERNORM = (".q_norm.", ".k_norm.")
+"""What marks the query and key norms' parameters for apply_wd_to_qk_layernorm: Megatron matches
+its names `q_layernorm.` and `k_layernorm.`, dtgpt's attention q_norm and k_norm (multi-token
+prediction's blocks too). Multi-latent attention's norms are refused with it
+(dtgpt/config/weight_decay_rules.py)."""
+
+
+def decays(name: str, param: torch.Tensor, *, apply_wd_to_qk_layernorm: bool = False) -> bool:
+    """Megatron's rule: weight decay for every parameter but the biases and the norm weights;
+    with apply_wd_to_qk_layernorm (Megatron's --apply-wd-to-qk-layernorm), the query and key
+    norms' weights and biases decay too.
 
     Decided by role, not by shape alone: a bias is named so (`.bias`, or the stacked experts'
     `fc1_bias` of shape (E, n), one bias per expert, which a shape rule would decay), a norm
     weight is the only other 1-D parameter."""
+    if apply_wd_to_qk_layernorm and any(mark in f".{name}" for mark in QK_LAYERNORM):
+        return True
     return not (name.endswith("bias") or param.ndim < 2)
 
 

@@ -103,22 +103,10 @@ def test_bad_bounds_are_refused(keys, words):
 
 
 def test_a_part_without_either_end_has_no_decoupled_group_and_its_state_round_trips():
-    """A middle pipeline stage: two groups (torch's flattened optimizer state dict, which the
-    checkpoint uses, cannot load into an empty one), and its AdamW state saves and loads."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from dtgpt.state import FLAT_OPTIM
+    """A middle pipeline stage: two groups, and its AdamW state saves and loads."""
+    from tests.test_weight_decay_groups import assert_state_round_trips
 
     part = _model(tied=False)
     part.embedding, part.output = None, None
-    cfg = OptimizerConfig(decoupled_lr=1e-2)
-    optimizer = build_optimizer(part.named_parameters(), cfg)
+    optimizer = assert_state_round_trips(part, OptimizerConfig(decoupled_lr=1e-2))
     assert len(optimizer.param_groups) == 2 and not any(g.get(DECOUPLED) for g in optimizer.param_groups)
-    for p in part.parameters():
-        p.grad = torch.ones_like(p)
-    optimizer.step()
-    optimizer.zero_grad()
-    again = build_optimizer(part.named_parameters(), cfg)
-    get_optimizer_state_dict(part, again, options=FLAT_OPTIM)  # creates its state, as TrainState.load_request does
-    set_optimizer_state_dict(part, again, get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM), options=FLAT_OPTIM)
-    assert all(torch.equal(again.state[p]["exp_avg"], optimizer.state[p]["exp_avg"]) for p in part.parameters())

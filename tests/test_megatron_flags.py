@@ -18,7 +18,7 @@ import pytest
 from dtgpt.cli import run_main
 from dtgpt.config import Config, load_config
 from dtgpt.config.loading import _unwrap_optional
-from dtgpt.config.megatron_flags import IGNORED, RENAMED, flag_table, markdown_table, megatron_flags
+from dtgpt.config.megatron_flags import CHOICES, IGNORED, RENAMED, flag_table, markdown_table, megatron_flags
 from dtgpt.config.megatron_names import NEWER_FLAGS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,6 +122,9 @@ def test_every_key_with_a_megatron_flag_maps_and_round_trips():
     for name, m in flag_table().items():
         if m.flag.arity == "0":
             argv, expected = [f"--{name}"], m.value
+        elif name in CHOICES:  # a value naming a setting: each of Megatron's sets the key (TOML text)
+            (value, text), = CHOICES[name][1].items()
+            argv, expected = [f"--{name}", value], {"true": True, "false": False}.get(text, text)
         else:
             expected = _value_for(m.key, types[m.key])
             values = expected if isinstance(expected, list) else [str(expected)]

@@ -24,8 +24,7 @@ from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import CheckpointConfig, Config
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 from dtgpt.config.derived import lr_decay_length, lr_warmup_length
-from dtgpt.decoupled_lr import DECOUPLED
-from dtgpt.optim import LRSchedule, schedule_change
+from dtgpt.optim import WD_MULT, LRSchedule, schedule_change
 from dtgpt.state import TrainState
 
 
@@ -109,7 +108,7 @@ def _take_checkpoint_schedule(saved: Config, state: TrainState) -> str:
     if ours.style == "WSD" and not ours.wsd_decay_steps:
         ours.wsd_decay_steps = theirs.wsd_decay_steps
     for optimizer in state.optimizer.optimizers:
-        for group in optimizer.param_groups[:1] + [g for g in optimizer.param_groups if g.get(DECOUPLED)]:  # the decaying ones
-            group["weight_decay"] = saved.optimizer.weight_decay
+        for group in optimizer.param_groups:  # a library user's own groups decay where they have weight decay
+            group["weight_decay"] = saved.optimizer.weight_decay * group.get(WD_MULT, float(group["weight_decay"] != 0))
     values = ", ".join(f"{what} {value}" for what, _, value in scheduler_values(saved))
     return f"LR schedule from the checkpoint (optimizer.use_checkpoint_opt_param_scheduler): {values}"

@@ -44,6 +44,11 @@ RENAMED = {
 }
 """flag -> (dtgpt key, the value a flag without a value sets; None: the flag takes values)."""
 
+CHOICES = {
+    "no-weight-decay-cond-type": ("optimizer.apply_wd_to_qk_layernorm", {"apply_wd_to_qk_layernorm": "true"}),
+}
+"""flag -> (dtgpt key, each value Megatron accepts -> the key's value): a flag whose value names a setting."""
+
 IGNORED = (
     "use-mcore-models", "transformer-impl", "use-flash-attn", "attention-backend",
     "no-masked-softmax-fusion", "no-bias-dropout-fusion", "no-bias-swiglu-fusion", "no-rope-fusion",
@@ -112,6 +117,8 @@ def flag_table() -> dict[str, Mapping]:
     for flag in megatron_flags().values():
         if flag.name in RENAMED:
             key, value = RENAMED[flag.name]
+        elif flag.name in CHOICES:
+            key, value = CHOICES[flag.name][0], None
         elif flag.name.replace("-", "_") in keys or flag.dest in keys:
             key = keys.get(flag.name.replace("-", "_")) or keys[flag.dest]
             value = flag.stores
@@ -179,6 +186,11 @@ def _as_text(mapping: Mapping, values: list[str]) -> str:
     a comma or a space stays one element."""
     if mapping.flag.arity == "0":
         return mapping.value if isinstance(mapping.value, str) else "true" if mapping.value else "false"
+    if mapping.flag.name in CHOICES:
+        choices = CHOICES[mapping.flag.name][1]
+        if values[0] not in choices:
+            raise ConfigError(f"--{mapping.flag.name}={values[0]} is not one of Megatron's values: {', '.join(choices)}")
+        return choices[values[0]]
     if mapping.flag.arity == "1":
         return values[0]
     if _key_type(mapping.key) == list[str]:
@@ -234,6 +246,9 @@ def markdown_table() -> str:
         "|---|---|---|",
     ]
     for name, m in sorted(flag_table().items(), key=lambda item: (item[1].key, item[0])):
+        if name in CHOICES:
+            lines.append(f"| `--{name}` | `{m.key}` | {'; '.join(f'{v}: {t}' for v, t in CHOICES[name][1].items())} |")
+            continue
         arity = {"0": str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]

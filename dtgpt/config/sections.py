@@ -207,6 +207,9 @@ class OptimizerConfig:
     """On resume, take lr, min_lr, warmup, decay length and style from the checkpoint. With
     neither key, they must agree with the checkpoint's (as Megatron asserts)."""
     weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
+    """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm; other
+    biases and norm weights never decay): dtgpt.optim.decays."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8

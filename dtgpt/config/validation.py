@@ -21,6 +21,7 @@ from dtgpt.config.derived import (
 from dtgpt.config.batch_schedule import STEP_KEY, step_schedule, train_iterations
 from dtgpt.config.blend import parse_blend
 from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
+from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
@@ -345,6 +346,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_precision(cfg)
     _check_learning_rate(cfg)
     check_decoupled_lr(cfg)
+    check_apply_wd_to_qk_layernorm(cfg)
     _check_data(cfg)
     _check_checkpoint_logging_faults(cfg)
 
