@@ -46,7 +46,7 @@ IGNORED = (
     "log-validation-ppl-to-tensorboard", "log-memory-to-tensorboard", "log-params-norm",
     "log-num-zeros-in-grad", "no-log-loss-scale-to-tensorboard", "tensorboard-log-interval",
     "tensorboard-queue-size", "profile", "use-pytorch-profiler",
-    "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap", "moe-per-layer-logging",
+    "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap",
 )  # fmt: skip
 """Megatron internals with no effect on what dtgpt trains: accepted with one note on rank 0."""
 

@@ -178,13 +178,14 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
 
 def routing_stats_numel(c) -> int:
     """fp32 numbers an MoE model adds to the iteration's loss-and-norm all-reduce over the world
-    (dtgpt/moe/stats.py): each logged router loss, then per MoE layer of the whole model its
-    tokens per expert and its dropped tokens (the prediction modules' MoE layers too)."""
+    (dtgpt/moe/stats.py): each logged router loss (per MoE layer with per-layer logging), then
+    per MoE layer of the whole model its tokens per expert and its dropped tokens (the prediction
+    modules' MoE layers too)."""
     if c.experts == 0:
         return 0
     losses = int(c.load_balancing != "none" and c.aux_loss_coeff > 0) + int(c.z_loss)
     layers = sum(1 for i in range(c.num_layers) if is_moe_block(c, i)) + mtp_moe_layers(c, [c.num_stages - 1])
-    return losses + layers * (c.experts + 1)
+    return losses * (layers if c.per_layer_logging else 1) + layers * (c.experts + 1)
 
 
 def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
@@ -203,5 +204,6 @@ def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, colle
     if c.tp > 1 and c.fsdp_applied and not tp_folds_in(c):  # HSDP: FSDP sums each over tp
         grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
         replicated = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + expert_shapes(c)
+        replicated += [(1, c.hidden)] * (c.shared_gate and c.shared_ffn > 0)  # the shared expert's gate, as the router
         out += [collective("all_reduce", "tp", "router and expert grads", layers, math.prod(s) * grad) for s in replicated]
     return out
