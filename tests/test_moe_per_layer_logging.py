@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dtgpt.config import ModelConfig
-from dtgpt.metrics import check_record, metrics_json_line
+from dtgpt.config import LoggingConfig
+from dtgpt.metrics import MetricsLogger, check_record, metrics_json_line
 from dtgpt.model import GPT
 from dtgpt.moe.stats import RoutingStats, moe_layers
 from dtgpt.plan.comm import CommLayout
@@ -47,7 +48,7 @@ def test_per_layer_values_average_to_the_logged_total():
     assert per_layer["tokens_per_expert"] == total["tokens_per_expert"]
 
 
-def test_per_layer_losses_are_recorded_and_counted_by_the_planner():
+def test_per_layer_losses_are_recorded_and_counted_by_the_planner(tmp_path, capsys):
     per_layer, _ = routed(dataclasses.replace(CFG, moe_per_layer_logging=True))
     record = dict(iteration=1, consumed_samples=4, loss=1.0, lr=1e-4, grad_norm=1.0, loss_scale=1.0, global_batch_size=4,
                   skipped=0, nan=0, tokens_per_s=None, tflops_per_gpu=None, mfu=None, elapsed_ms=None, **per_layer)  # fmt: skip
@@ -55,6 +56,7 @@ def test_per_layer_losses_are_recorded_and_counted_by_the_planner():
     assert '"moe/z_loss_layer_2": ' in metrics_json_line(record)
     with pytest.raises(ValueError, match="moe/z_loss_layer_x"):
         check_record({**record, "moe/z_loss_layer_x": 1.0})
+    check_tensorboard(record, tmp_path)
     layout = dict(num_layers=3, experts=4, load_balancing="aux_loss", aux_loss_coeff=1e-2, z_loss=True, layer_counts=(3,))
     off = routing_stats_numel(CommLayoutStub(**layout))
     on = routing_stats_numel(CommLayoutStub(**layout, per_layer_logging=True))
@@ -65,3 +67,17 @@ def CommLayoutStub(**fields):
     """A CommLayout with only the MoE fields the routing statistics' count reads."""
     defaults = {f.name: None for f in dataclasses.fields(CommLayout) if f.default is dataclasses.MISSING}
     return CommLayout(**{**defaults, "pp": 1, "stages_per_rank": 1, **fields})
+
+
+def check_tensorboard(record: dict, tmp_path) -> None:
+    """The per-layer losses reach TensorBoard under Megatron's tags, as recorded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(LoggingConfig(log_interval=1, tensorboard_dir=str(tmp_path)), total_iters=1, is_logging_rank=True)
+    logger.log(record)
+    logger.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    for i in range(3):
+        tag = f"moe/load_balancing_loss_layer_{i}"
+        assert [e.value for e in events.Scalars(tag)] == [pytest.approx(record[tag], rel=1e-6)]
