@@ -65,7 +65,8 @@ def tp_folds_in(c) -> bool:
 
 
 def router_shapes(c) -> list[tuple[int, ...]]:
-    return [(c.experts, c.hidden)] + [(c.experts,)] * c.bias
+    """The router's, and the shared expert's gate's: the MoE layer's own parameters, replicated over tp."""
+    return [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + [(1, c.hidden)] * (c.shared_gate and c.shared_ffn > 0)
 
 
 def moe_block_shapes(c) -> list[tuple[int, ...]]:
@@ -203,7 +204,6 @@ def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, colle
         out.append(collective("all_reduce", dim, "router load counts", (layers + rerun) * n_micro, counts))
     if c.tp > 1 and c.fsdp_applied and not tp_folds_in(c):  # HSDP: FSDP sums each over tp
         grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
-        replicated = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + expert_shapes(c)
-        replicated += [(1, c.hidden)] * (c.shared_gate and c.shared_ffn > 0)  # the shared expert's gate, as the router
+        replicated = router_shapes(c) + expert_shapes(c)
         out += [collective("all_reduce", "tp", "router and expert grads", layers, math.prod(s) * grad) for s in replicated]
     return out
