@@ -15,6 +15,17 @@ MOE_LOSS_KEYS: tuple[str, ...] = ("load_balancing_loss", "seq_load_balancing_los
 MOE_KEYS: tuple[str, ...] = MOE_LOSS_KEYS + ("tokens_per_expert", "dropped_tokens")
 
 
+def moe_layer_loss_key(name: str, layer: int) -> str:
+    """One MoE layer's router loss (model.moe_per_layer_logging), Megatron's tensorboard tag
+    `moe/<loss>_layer_<i>`, i the block's number from 0 (multi-token prediction's after the blocks)."""
+    return f"moe/{name}_layer_{layer}"
+
+
+def is_moe_layer_loss_key(key: str) -> bool:
+    name, _, layer = key.removeprefix("moe/").rpartition("_layer_")
+    return key.startswith("moe/") and name in MOE_LOSS_KEYS and layer.isdigit()
+
+
 def is_mtp_loss_key(key: str) -> bool:
     """Whether `key` is a multi-token prediction depth's loss, Megatron's `mtp_<k> loss` (dtgpt/mtp.py)."""
     return key.startswith("mtp_") and key.endswith(" loss") and key[4:-5].isdigit()

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from dtgpt.config import LoggingConfig
-from dtgpt.log_format import MEMORY_KEYS, MOE_KEYS, MOE_LOSS_KEYS, is_mtp_loss_key, format_eval_block, format_log_line, perplexity, summarize_interval
+from dtgpt.log_format import MEMORY_KEYS, MOE_KEYS, MOE_LOSS_KEYS, is_moe_layer_loss_key, is_mtp_loss_key, format_eval_block, format_log_line, perplexity, summarize_interval
 from dtgpt.timers import Timers, format_times
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s per device, fp16 for V100/T4 that
@@ -127,7 +127,7 @@ def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tu
     ({phase: [min, max]} per iteration) on the lines that close a log interval with timers on."""
     line = {k: _json_value(record[k]) for k in METRICS_KEYS}
     line.update({k: _json_value(record[k]) for k in MOE_KEYS if k in record})  # MoE runs only
-    line.update({k: _json_value(v) for k, v in record.items() if is_mtp_loss_key(k)})  # multi-token prediction
+    line.update({k: _json_value(v) for k, v in record.items() if is_mtp_loss_key(k) or is_moe_layer_loss_key(k)})
     if times:
         line["timers_ms"] = {name: [lo, hi] for name, (lo, hi) in times.items()}
     return json.dumps(line, allow_nan=False)
@@ -138,6 +138,7 @@ def check_record(record: Mapping[str, Any]) -> None:
     missing = [k for k in RECORD_KEYS if k not in record]
     unknown = [
         k for k in record if k not in RECORD_KEYS and k not in MEMORY_KEYS and k not in MOE_KEYS and not is_mtp_loss_key(k)
+        and not is_moe_layer_loss_key(k)
     ]
     if missing or unknown:
         raise ValueError(
@@ -276,7 +277,7 @@ class MetricsLogger:
         for key, tag in _TB_SCALARS:
             if record.get(key) is not None:
                 self.writer.add_scalar(tag, record[key], step)
-        for key in filter(is_mtp_loss_key, record):  # Megatron's tags: `mtp_<k> loss`
+        for key in (k for k in record if is_mtp_loss_key(k) or is_moe_layer_loss_key(k)):  # Megatron's tags, as named
             if record[key] is not None:
                 self.writer.add_scalar(key, record[key], step)
         for key, tag in _TB_VS_SAMPLES:

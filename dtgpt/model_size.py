@@ -56,6 +56,7 @@ def moe_parameters(cfg: ModelConfig, experts: int | None = None) -> int:
     experts = cfg.num_experts if experts is None else experts
     router = cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.add_bias_linear else 0)
     shared = _mlp(cfg, cfg.moe_shared_expert_intermediate_size) if cfg.moe_shared_expert_intermediate_size else 0
+    shared += cfg.hidden_size if shared and cfg.moe_shared_expert_gate else 0  # the gate's one row
     return router + experts * _mlp(cfg, cfg.expert_ffn_size) + shared
 
 

@@ -5,7 +5,7 @@ Run under torchrun with one gloo rank per expert-parallel rank (tp 1, pp 1; ep =
     python tests/megatron_moe_gpt.py ROOT
 
 builds a 2-layer Llama-style model whose MLPs are MoE layers (4 routed experts of SequentialMLP,
-top-2 of a sigmoid router with the expert bias, a SwiGLU shared expert), its router weights and
+top-2 of a sigmoid router with the expert bias, a SwiGLU shared expert with its gate), its router weights and
 expert biases drawn wide so that routing depends on them, then in one launch:
 - saves Megatron-LM's torch_dist iteration under ROOT/megatron and the per-rank format
   (mp_rank_00[_EEE]/model_optim_rng.pt, each expert-parallel rank's `local_experts.K`) under
@@ -36,11 +36,11 @@ from tests.megatron_gpt import ARCHS, ITERATION, SEQ, inputs, padded_vocab, patc
 EXPERTS, TOPK, EXPERT_FFN, SHARED_FFN = 4, 2, 32, 48
 MOE_CONFIG = dict(num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN,
                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                  moe_shared_expert_intermediate_size=SHARED_FFN, moe_token_dispatcher_type="allgather",
+                  moe_shared_expert_intermediate_size=SHARED_FFN, moe_shared_expert_gate=True, moe_token_dispatcher_type="allgather",
                   moe_aux_loss_coeff=0.0)  # fmt: skip
 MOE_ARGS = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_layer_freq=1,
                 moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
-                moe_shared_expert_intermediate_size=SHARED_FFN, pipeline_model_parallel_size=1)  # fmt: skip
+                moe_shared_expert_intermediate_size=SHARED_FFN, moe_shared_expert_gate=True, pipeline_model_parallel_size=1)  # fmt: skip
 """Megatron-LM's args for the MoE part, as its common.pt keeps them."""
 
 

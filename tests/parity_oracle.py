@@ -60,6 +60,8 @@ def assert_same_training(got: dict, want: dict, iterations: int, rtol: float = R
     # An MoE run's router losses and routing counts are global figures too (dtgpt/moe/stats.py).
     losses = [k for k in ("load_balancing_loss", "seq_load_balancing_loss", "z_loss") if k in want]
     losses += [k for k in want if k.startswith("mtp_")]  # multi-token prediction's per-depth losses
+    losses += [k for k in want if k.startswith("moe/")]  # each MoE layer's, with model.moe_per_layer_logging
+    assert {k for k in got if k.startswith("moe/")} == {k for k in want if k.startswith("moe/")}
     for key in ("loss", "grad_norm", *losses):
         for it, (g, w) in enumerate(zip(got[key], want[key][resumed_at:iterations]), start=resumed_at + 1):
             assert g == pytest.approx(w, rel=rtol), f"iteration {it}: {key} {g} vs one-process {w}"

@@ -68,6 +68,8 @@ CASES = {
     "bf16 GQA+SwiGLU, tp2+SP": (["none", "selective"], 2, "bf16", FAMILY, False),
     # Mixtral's MoE block: 4 SwiGLU experts, top-2, the load-balancing loss, in every block
     "bf16 MoE top-2, flash": (["none", "full, groups of 1"], 1, "bf16", MOE, False),
+    # with a shared expert and its gate (Qwen2-MoE's)
+    "bf16 MoE, gated shared expert": (["none"], 1, "bf16", dict(MOE, moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True), False),
     "fp32 MLA, math kernel": (["none", "selective"], 1, "fp32", MLA, True),
     "fp32 MLA, tp2+SP, math": (["none", "selective"], 2, "fp32", MLA, True),
 }

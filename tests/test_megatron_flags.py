@@ -194,9 +194,11 @@ def test_bad_megatron_flags_are_one_error_line(capfd, argv, message):
           "hybridep"], "error: --moe-enable-deepep names the DeepEP backend but --moe-flex-dispatcher-backend hybridep; keep one"),
         (["--num-experts", "4", "--moe-router-force-load-balancing", "--training.compile=true"],
          "is not supported with --moe-router-force-load-balancing"),
+        (["--num-experts", "4", "--moe-shared-expert-gate"],
+         "error: --moe-shared-expert-gate needs --num-experts and --moe-shared-expert-intermediate-size (got 4 and None)"),
     ],
     ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned", "expert-tp", "deepep-without-flex", "deepep-pad", "deepep-and-hybridep",
-         "forced-balance-compiled"],
+         "forced-balance-compiled", "shared-gate-without-shared-expert"],
 )
 def test_megatron_flags_that_break_a_rule_are_one_error_line(capfd, argv, message):
     """Flags that parse but break a config rule: the line names the flags as typed (--print-config
@@ -214,16 +216,15 @@ MOE_SCRIPT_FLAGS = [  # the MoE flags of Megatron's Mixtral and DeepSeek-V3 (Meg
 
 
 def test_megatron_moe_script_flags_are_taken():
-    """Dispatchers and expert tp 1 set their keys (checked as Megatron checks them); fusions,
-    overlap and per-layer logging are accepted with the note."""
+    """Dispatchers, expert tp 1 and per-layer logging set their keys (checked as Megatron checks
+    them); fusions and overlap are accepted with the note."""
     from dtgpt.config.megatron_flags import translate
 
     cfg = load_config(None, ["--mock-data", *MOE_SCRIPT_FLAGS])
     m = cfg.model
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend, m.num_experts) == ("flex", "hybridep", 8)
-    assert cfg.parallel.expert_tensor_parallel_size == 1
-    assert translate(MOE_SCRIPT_FLAGS).ignored == [
-        "--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap", "--moe-per-layer-logging"]
+    assert cfg.parallel.expert_tensor_parallel_size == 1 and m.moe_per_layer_logging
+    assert translate(MOE_SCRIPT_FLAGS).ignored == ["--moe-permute-fusion", "--moe-router-fusion", "--moe-shared-expert-overlap"]
 
 
 def test_megatron_flags_mix_with_config_and_overrides(capfd, tmp_path):

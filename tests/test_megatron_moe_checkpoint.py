@@ -2,7 +2,7 @@
 
 One megatron-core launch on 2 gloo ranks at ep 2 (tests/megatron_moe_gpt.py): a 2-layer model of
 MoE layers (4 SequentialMLP experts, top-2 of a sigmoid router with the expert bias, a SwiGLU
-shared expert) saves torch_dist (the experts on their global axis) and the per-rank format
+shared expert and its gate) saves torch_dist (the experts on their global axis) and the per-rank format
 (mp_rank_00_000 and mp_rank_00_001, each with its 2 local_experts), and records its logits; in
 the same launch it loads the checkpoints dtgpt wrote before it (to-megatron torch_dist and
 per-rank at ep 2) into a model from another seed and records those logits. dtgpt must give the
@@ -35,7 +35,8 @@ ROWS = 112  # 100 padded to a multiple of 16, Megatron's at tp 1
 SCRIPT = Path(__file__).with_name("megatron_moe_gpt.py")
 WORKER = Path(__file__).with_name("megatron_family_worker.py")
 MOE = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_router_score_function="sigmoid",
-           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN)  # fmt: skip
+           moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=SHARED_FFN,
+           moe_shared_expert_gate=True)  # fmt: skip
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0, attention_dropout=0.0,
              make_vocab_size_divisible_by=16, **ARCHS["llama"], **MOE)  # fmt: skip
 
@@ -94,6 +95,7 @@ def test_megatron_moe_torch_dist_at_ep2_gives_megatrons_logits(moe_root):
     # the experts on torch_dist's global expert axis, after the layer axis
     assert reader.shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, EXPERTS, 2 * EXPERT_FFN, 64)
     assert reader.shapes["decoder.layers.mlp.router.expert_bias"] == (2, EXPERTS)
+    assert reader.shapes["decoder.layers.mlp.shared_experts.gate_weight"] == (2, 1, 64)  # Megatron's gate, one row
     model = load_megatron_model(directory, model_cfg(), ROWS).eval()
     assert model.layers["0"].mlp.router.expert_bias.abs().min() > 0  # Megatron's drawn bias, not the zero init
     with torch.no_grad():

@@ -2,10 +2,13 @@
 for the same weights and tokens, the same router probabilities, routing, layer output, gradients
 and auxiliary losses, option by option."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from dtgpt.config import ModelConfig
+from dtgpt.model import MLP
 from dtgpt.moe.layer import MoELayer
 from dtgpt.moe.router import Router, capacity, switch_loss
 from tests.megatron_moe import BATCH, FFN, HIDDEN, SEQ, build_layer, expert_weights, megatron_session, run_megatron
@@ -110,7 +113,9 @@ def same_layer_as_megatron(theirs_layer, moe: dict, prepare=lambda layer: None):
     """dtgpt's MoELayer with megatron-core's `theirs_layer`'s weights (then given to `prepare`),
     both run on the same tokens: asserts the same output and router, input and expert gradients;
     returns (ours, their run)."""
-    ours_layer = MoELayer(dtgpt_config(moe))
+    cfg = dtgpt_config(moe)
+    shared = cfg.moe_shared_expert_intermediate_size
+    ours_layer = MoELayer(cfg, MLP(dataclasses.replace(cfg, ffn_hidden_size=shared)) if shared else None)  # as dtgpt.model's Block
     prepare(ours_layer)
     fc1, fc2 = expert_weights(theirs_layer)
     with torch.no_grad():
@@ -146,6 +151,27 @@ def test_layer_matches_megatron(megatron, case):
     assert int(totals["tokens_per_expert"].sum()) + int(totals["dropped_tokens"]) >= SEQ * BATCH * 2 or "padded" in case
 
 
+def test_shared_expert_gate_matches_megatron(megatron):
+    """Megatron's shared expert with its gate (sigmoid(x . w) scales its output): the same output
+    and gradients of the gate, the shared expert's weights and the input."""
+    moe = dict(**AUX, moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True)
+    theirs_layer = build_layer(num_moe_experts=4, moe_router_topk=2, **moe)
+    shared = theirs_layer.shared_experts
+    with torch.no_grad():  # a gate far from 1/2, so that a missing or misplaced one shows
+        shared.gate_weight.normal_(0.0, 0.5)
+
+    def prepare(ours):
+        with torch.no_grad():
+            ours.shared_expert_gate.weight.copy_(shared.gate_weight)
+            ours.shared_expert.fc1.weight.copy_(shared.linear_fc1.weight)
+            ours.shared_expert.fc2.weight.copy_(shared.linear_fc2.weight)
+
+    ours, _ = same_layer_as_megatron(theirs_layer, moe, prepare)
+    _same(ours.shared_expert_gate.weight.grad, shared.gate_weight.grad, "gate gradient")
+    _same(ours.shared_expert.fc1.weight.grad, shared.linear_fc1.weight.grad, "shared fc1 gradient")
+    _same(ours.shared_expert.fc2.weight.grad, shared.linear_fc2.weight.grad, "shared fc2 gradient")
+
+
 def test_aux_gradient_reaches_the_router_only_and_scales():
     """The aux loss adds d(coeff * loss)/d(router) * aux_loss_scale to the router's gradient and
     nothing to the experts'."""
@@ -179,7 +205,7 @@ def test_gpt_places_moe_layers_by_frequency_and_inits_them_on_full_shapes():
     from dtgpt.model import GPT, MLP
 
     cfg = dtgpt_config(dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                            moe_shared_expert_intermediate_size=8, moe_layer_freq=2))  # fmt: skip
+                            moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True, moe_layer_freq=2))  # fmt: skip
     cfg.num_layers, cfg.untie_embeddings_and_output_weights = 3, True
     with torch.device("meta"):
         model = GPT(cfg, vocab_size=64)
@@ -191,6 +217,8 @@ def test_gpt_places_moe_layers_by_frequency_and_inits_them_on_full_shapes():
     assert params["layers.2.mlp.experts.fc1_weight"].shape == (4, FFN, HIDDEN)
     assert float(params["layers.2.mlp.experts.fc1_weight"].detach().std()) == pytest.approx(cfg.init_method_std, rel=0.2)
     assert torch.equal(model.layers["0"].mlp.router.expert_bias, torch.zeros(4))  # a buffer, set by init too
+    assert params["layers.0.mlp.shared_expert_gate.weight"].shape == (1, HIDDEN)  # drawn by init, as Megatron's
+    assert params["layers.0.mlp.shared_expert_gate.weight"].abs().min() > 0
     again = GPT(cfg, vocab_size=64)
     again.init_weights(seed=5)
     assert all(torch.equal(p, dict(again.named_parameters())[n]) for n, p in params.items())
@@ -217,7 +245,7 @@ def test_closed_form_size_counts_the_experts():
     from dtgpt.model import GPT
     from dtgpt.model_size import flops_per_token, num_parameters
 
-    moe = dtgpt_config(dict(moe_shared_expert_intermediate_size=8, moe_layer_freq=2, moe_ffn_hidden_size=12))
+    moe = dtgpt_config(dict(moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True, moe_layer_freq=2, moe_ffn_hidden_size=12))
     moe.num_layers, moe.add_bias_linear = 3, True
     model = GPT(moe, vocab_size=64)
     assert num_parameters(moe, 64) == sum(p.numel() for p in model.parameters())

@@ -61,6 +61,8 @@ MQA = [*(o for o in LLAMA if "num_query_groups" not in o and "qk_layernorm" not 
 MOE = ["--model.num_experts=4", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=64",
        "--model.moe_aux_loss_coeff=1e-2", "--model.moe_z_loss_coeff=1e-3"]  # fmt: skip
 MOE_GROUPED = [*MOE, "--model.moe_grouped_gemm=true"]
+SHARED_GATED = ["--model.moe_shared_expert_intermediate_size=64", "--model.moe_shared_expert_gate=true",
+                "--model.moe_per_layer_logging=true"]  # fmt: skip
 # aux-loss-free balancing: a sigmoid router whose expert bias moves by every iteration's counts
 EXPERT_BIAS = ["--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true", "--model.moe_router_bias_update_rate=0.05"]
 DP_SHARD2 = "--parallel.data_parallel_shard_size=2"
@@ -154,16 +156,19 @@ LAYOUTS = {
     # recomputed blocks and aux-loss-free balancing, whose bias moves by every iteration's counts
     # (counting the pipeline's metadata-inference forward would change them). Router losses,
     # tokens per expert and dropped tokens are compared too (tests/parity_oracle.py).
+    # The shared expert is gated (Megatron's moe_shared_expert_gate): the gate's one row is
+    # replicated over tp like the router, its gradient summed over the tp ranks' chunks; the
+    # router losses are also logged per layer (moe_per_layer_logging), compared with one process.
     "moe_dp_shard2": (2, [*MOE, "--parallel.data_parallel_shard_size=2"]),
     "moe_tp2_sp_shared_expert": (
         2,
-        [*MOE, "--model.moe_shared_expert_intermediate_size=64", "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+        [*MOE, *SHARED_GATED, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
     ),
     # dp x tp: the router and experts FSDP-sharded over all 4 ranks (tp folded in, as Megatron's
     # expert-data-parallel group), their gradients summed in one reduce-scatter per MoE layer
     "moe_dp_shard2_tp2_sp_shared_expert": (
         4,
-        [*MOE, "--model.moe_shared_expert_intermediate_size=64", DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
+        [*MOE, *SHARED_GATED, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"],
     ),
     "moe_pp2_expert_bias_full_block_ac": (
         2,

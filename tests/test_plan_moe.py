@@ -132,3 +132,22 @@ def test_bad_moe_configs_get_one_error_line(override, message):
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("note:")]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], lines
+
+
+def test_the_shared_expert_gate_is_counted_with_the_router():
+    """A gated shared expert's MoE block: FSDP's gathers count its real parameters, the gate's row
+    among them, and the parameter count is the built model's."""
+    from dataclasses import replace
+
+    from dtgpt.plan.comm import CommLayout, block_shapes, gathered_numel
+
+    cfg = dtgpt.make_config(model={**TINY, "moe_shared_expert_gate": True}, data=DATA)
+    with torch.device("meta"):
+        model = GPT(cfg.model, 64)
+    block = model.layers["0"]
+    assert block.mlp.shared_expert_gate is not None
+    c = CommLayout.from_config(cfg, 1, 64)
+    assert gathered_numel(block_shapes(c, moe=True), 1) == sum(p.numel() for p in block.parameters())
+    assert num_parameters(cfg.model, 64) == sum(p.numel() for p in model.parameters())
+    ungated = CommLayout.from_config(replace(cfg, model=replace(cfg.model, moe_shared_expert_gate=False)), 1, 64)
+    assert gathered_numel(block_shapes(c, moe=True), 1) - gathered_numel(block_shapes(ungated, moe=True), 1) == 32

@@ -20,7 +20,7 @@ from dtgpt.config.layer_freq import moe_layer_pattern
 
 MOE_FIELDS = (
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
-    "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+    "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
 )  # fmt: skip
 """The mixture-of-experts keys that change the model's tensors or what it computes from them

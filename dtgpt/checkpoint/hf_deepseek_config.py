@@ -63,7 +63,7 @@ def deepseek_problems(m: ModelConfig) -> list[str]:
     problems = unmet(m, wanted)
     if not m.moe_enabled:
         return problems + [need("num_experts", "a count", m)]
-    problems += unmet(m, {"moe_router_score_function": "sigmoid", "moe_expert_capacity_factor": None})
+    problems += unmet(m, {"moe_router_score_function": "sigmoid", "moe_expert_capacity_factor": None, "moe_shared_expert_gate": False})
     if dense_blocks(m) is None:
         problems.append(need("moe_layer_freq", "dense blocks first, then MoE blocks ([0]*k+[1]*rest)", m))
     if shared_experts(m) is None:

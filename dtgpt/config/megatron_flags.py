@@ -62,7 +62,7 @@ IGNORED = (
     "log-validation-ppl-to-tensorboard", "log-memory-to-tensorboard", "log-params-norm",
     "log-num-zeros-in-grad", "no-log-loss-scale-to-tensorboard", "tensorboard-log-interval",
     "tensorboard-queue-size", "profile", "use-pytorch-profiler",
-    "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap", "moe-per-layer-logging",
+    "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap",
     *NOTED,  # Megatron's example scripts' flags, each with what dtgpt does (dtgpt/config/megatron_noted.py)
     *TESTED_NOTED,  # Megatron's functional tests' flags, each with what dtgpt does (dtgpt/config/megatron_tested.py)
 )  # fmt: skip

@@ -58,6 +58,9 @@ class MoEKeys:
     """The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5); unset: 1."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Width of an MLP every token also goes through (the shared expert); unset: none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a learned gate, sigmoid(x . w) per token (Qwen2-MoE's;
+    w is one row of hidden_size, replicated over tp like the router)."""
     moe_grouped_gemm: bool = False
     """Run the experts as grouped matrix multiplications (torch._grouped_mm), not one by one."""
     moe_router_force_load_balancing: bool = False
@@ -65,6 +68,9 @@ class MoEKeys:
     (the gradient passes straight through to the real ones), so every expert gets about the same
     load; dtgpt draws each (token, expert) value from a hash of the seed, the layer and the
     token's index in the run, the same in every layout (dtgpt/moe/forced_balance.py)."""
+    moe_per_layer_logging: bool = False
+    """Also log each MoE layer's router losses (Megatron's tags `moe/<loss>_layer_<i>`, in the
+    metrics file and tensorboard); the routing statistics' one all-reduce gets longer, no more."""
     moe_token_dispatcher_type: str = "allgather"
     """How Megatron moves tokens to their experts ('allgather', 'alltoall' or 'flex'): the same
     result in each (docs/moe.md), so it only decides which of Megatron's rules apply (flex with

@@ -27,6 +27,11 @@ def check_moe(cfg: Config) -> None:
     )
     ep = p.expert_model_parallel_size
     _require(ep >= 1, f"parallel.expert_model_parallel_size={ep} must be >= 1")
+    _require(
+        not m.moe_shared_expert_gate or (m.moe_enabled and m.moe_shared_expert_intermediate_size),
+        "model.moe_shared_expert_gate=true needs model.num_experts and model.moe_shared_expert_intermediate_size "
+        f"(got {m.num_experts} and {m.moe_shared_expert_intermediate_size}): it gates the shared expert's output",
+    )
     if not m.moe_enabled:
         _require(
             ep == 1,

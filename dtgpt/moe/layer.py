@@ -62,6 +62,9 @@ class MoELayer(nn.Module):
         # Replaced by an expert-parallel dispatcher with the same methods under EP.
         self.dispatcher = LocalDispatcher(cfg.num_experts)
         self.shared_expert = shared_expert
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.moe_shared_expert_gate and shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.aux_loss_scale = 1.0
         self.counting = True
         """False while a pipeline stage infers its shapes on stand-in inputs (dtgpt.moe.stats.uncounted)."""
@@ -70,10 +73,13 @@ class MoELayer(nn.Module):
         tokens_per_expert (E,) and dropped_tokens, summed over the micro-batches trained."""
 
     def declared_inits(self) -> DeclaredInits:
-        """The experts' weights as Megatron's expert linears: fc1 N(0, std), fc2 the scaled normal, biases zero."""
+        """The experts' weights as Megatron's expert linears: fc1 N(0, std), fc2 the scaled normal,
+        biases zero; the shared expert's gate N(0, std)."""
         e = self.experts
         inits = [(e.fc1_weight, Init.NORMAL), (e.fc2_weight, Init.SCALED_NORMAL)]
-        return inits + [(bias, Init.ZEROS) for bias in (e.fc1_bias, e.fc2_bias) if bias is not None]
+        inits += [(bias, Init.ZEROS) for bias in (e.fc1_bias, e.fc2_bias) if bias is not None]
+        # Megatron draws the shared expert's gate with its init_method, N(0, std)
+        return inits + ([(self.shared_expert_gate.weight, Init.NORMAL)] if self.shared_expert_gate is not None else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, h) -> (B, T, h)."""
@@ -88,7 +94,10 @@ class MoELayer(nn.Module):
         y = self.dispatcher.combine(y)  # (T * B, h)
         out = y.view(T, B, h).transpose(0, 1)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+            out = out + shared
         if routing.loss is not None:
             out = _LossGradient.apply(out, routing.loss, self.aux_loss_scale)
         if training and self.counting and not in_backward():

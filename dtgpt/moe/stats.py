@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from dtgpt.config import ModelConfig
+from dtgpt.log_format import moe_layer_loss_key
 from dtgpt.moe.layer import MoELayer
 from dtgpt.mtp import numbered_blocks
 
@@ -59,8 +60,8 @@ def uncounted(parts: Iterable[nn.Module]) -> Iterator[None]:
 
 
 class RoutingStats:
-    """Vector layout: [each logged loss summed over layers] + [tokens per expert, layer by layer]
-    + [dropped tokens per layer]."""
+    """Vector layout: [each logged loss summed over layers, or with model.moe_per_layer_logging
+    each layer's (layer by layer)] + [tokens per expert, layer by layer] + [dropped tokens per layer]."""
 
     def __init__(self, cfg: ModelConfig):
         self.names = logged_losses(cfg)
@@ -68,35 +69,42 @@ class RoutingStats:
         if cfg.is_moe_layer(cfg.num_layers - 1):  # the prediction modules' blocks are of the last block's kind
             self.layers += [cfg.num_layers + k for k in range(cfg.mtp_depth)]
         self.experts = cfg.num_experts
+        self.loss_rows = len(self.layers) if cfg.moe_per_layer_logging else 1
 
     @property
     def size(self) -> int:
-        return len(self.names) + len(self.layers) * (self.experts + 1)
+        return self.loss_rows * len(self.names) + len(self.layers) * (self.experts + 1)
 
     def local(self, parts: Iterable[nn.Module], device: torch.device) -> torch.Tensor:
         """This rank's shares since the last call (taken from its layers, which start again at zero)."""
-        losses = torch.zeros(len(self.names), device=device)
+        losses = torch.zeros(self.loss_rows, len(self.names), device=device)
         tokens = torch.zeros(len(self.layers), self.experts, device=device)
         dropped = torch.zeros(len(self.layers), device=device)
         for index, layer in moe_layers(parts).items():
             totals, row = layer.take_totals(), self.layers.index(index)
             for i, name in enumerate(self.names):
-                losses[i] += totals.get(name, 0.0)
+                losses[row if self.loss_rows > 1 else 0, i] += totals.get(name, 0.0)
             if totals:
                 tokens[row] = totals[TOKENS_PER_EXPERT]
                 dropped[row] = totals[DROPPED_TOKENS]
-        return torch.cat([losses, tokens.flatten(), dropped])
+        return torch.cat([losses.flatten(), tokens.flatten(), dropped])
 
     def tokens_per_expert(self, reduced: torch.Tensor) -> torch.Tensor:
         """(MoE layers, E) from the summed vector."""
-        start = len(self.names)
+        start = self.loss_rows * len(self.names)
         return reduced[start : start + len(self.layers) * self.experts].view(len(self.layers), self.experts)
 
     def summary(self, reduced: list[float], microbatches: int) -> dict:
         """The record's MoE entries from the summed vector (as host numbers): each loss as Megatron
-        logs it, the mean over the global batch's micro-batches and the MoE layers."""
-        record = {name: reduced[i] / (microbatches * len(self.layers)) for i, name in enumerate(self.names)}
-        start = len(self.names)
+        logs it, the mean over the global batch's micro-batches and the MoE layers; per layer
+        (model.moe_per_layer_logging), Megatron's `moe/<loss>_layer_<i>`, the mean over the
+        micro-batches: the total is the mean of the layers' values."""
+        n, start = len(self.names), self.loss_rows * len(self.names)
+        rows = [reduced[r * n : (r + 1) * n] for r in range(self.loss_rows)]
+        record = {name: sum(row[i] for row in rows) / (microbatches * len(self.layers)) for i, name in enumerate(self.names)}
+        if self.loss_rows > 1:
+            for layer, row in zip(self.layers, rows):
+                record |= {moe_layer_loss_key(name, layer): row[i] / microbatches for i, name in enumerate(self.names)}
         tokens = reduced[start : start + len(self.layers) * self.experts]
         record[TOKENS_PER_EXPERT] = [[round(t) for t in tokens[i * self.experts : (i + 1) * self.experts]] for i in range(len(self.layers))]
         record[DROPPED_TOKENS] = round(sum(reduced[start + len(tokens) :]))

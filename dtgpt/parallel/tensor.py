@@ -106,7 +106,7 @@ def _replicated_parameters(module: nn.Module, _inputs, _output) -> None:
 def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> dict[str, ParallelStyle]:
     """An MoE block's plan under sequence parallelism (config: MoE with tp needs it): the router
     and experts route this rank's chunk of tokens with replicated weights; the shared expert is
-    a tensor-parallel MLP like the dense one.
+    a tensor-parallel MLP like the dense one, its gate (if any) replicated like the router.
 
     folded: FSDP shards the router and experts over dp x tp (ParallelDims.tp_folds_into_moe), so
     they stay plain parameters here, whole on every tp rank until FSDP takes them.
@@ -115,9 +115,11 @@ def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, folded: bool) 
     plan: dict[str, ParallelStyle] = {
         prefix + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True),
     }
+    shared = block.mlp.shared_expert
     if not folded:
         plan.update({prefix + "mlp.router": LocalReplicaParallel(), prefix + "mlp.experts": LocalReplicaParallel()})
-    shared = block.mlp.shared_expert
+        if block.mlp.shared_expert_gate is not None:  # Megatron's gate: replicated, grads summed over tp as the router's
+            plan[prefix + "mlp.shared_expert_gate"] = LocalReplicaParallel()
     if shared is not None:
         plan.update(
             {

@@ -70,6 +70,7 @@ class ActivationShape:
     expert_ffn: int = 0
     routed_rows_per_token: float = 0.0
     shared_ffn: int = 0
+    shared_gate: bool = False
     ep: int = 1
 
     @classmethod
@@ -193,7 +194,7 @@ def _moe_fields(cfg: Config) -> dict:
     if m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity:
         rows = m.moe_router_topk * m.moe_expert_capacity_factor  # every expert runs its capacity
     return dict(experts=m.num_experts, topk=m.moe_router_topk, expert_ffn=m.expert_ffn_size,
-                routed_rows_per_token=rows, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
+                routed_rows_per_token=rows, shared_ffn=m.moe_shared_expert_intermediate_size or 0, shared_gate=m.moe_shared_expert_gate,
                 ep=cfg.parallel.expert_model_parallel_size)  # fmt: skip
 
 
@@ -215,6 +216,7 @@ def moe_activation_terms(shape: ActivationShape) -> dict[str, float]:
     routing indices (int64): the gather, and under     8·R, 3·8·R under ep
       ep the two sorts around the all-to-all
     shared expert (width f_s), as the dense MLP        (1 | 3)·e·s·b·f_s/t + e·s·b·f_s/t
+    its gate: the shared output and the score          e·s·b·(h + 1)/t
 
     tests/test_activation_memory.py measures the saved tensors of a real MoE layer against it.
     """
@@ -234,6 +236,8 @@ def moe_activation_terms(shape: ActivationShape) -> dict[str, float]:
     if shape.shared_ffn:
         sbf = shape.sbh * shape.shared_ffn / shape.hidden_size
         terms["shared expert"] = (gated + 1) * e * sbf / t
+        if shape.shared_gate:  # the product keeps the shared output and the score (sigmoid's output)
+            terms["shared expert gate: output, score"] = e * shape.sbh * (1 + 1 / shape.hidden_size) / t
     return terms
 
 

@@ -63,8 +63,7 @@ class Collective:
     """the mesh dimension it runs over: tp, cp, pp, dp, dp_cp, dp_shard(_cp), dp_replicate, ep, efsdp(_tp), moe_fsdp, tied, world"""
     what: str
     count: int
-    message_bytes: int
-    """bytes of one call's message"""
+    message_bytes: int  # bytes of one call's message
 
     @property
     def bytes(self) -> int:
@@ -80,8 +79,7 @@ class CommLayout:
     ffn: int
     seq: int
     micro_batch: int
-    vocab: int
-    """padded vocabulary"""
+    vocab: int  # the padded vocabulary
     positions: int
     """learned position rows (0 with RoPE)"""
     norm_params: int
@@ -125,6 +123,8 @@ class CommLayout:
     load_balancing: str = "none"
     aux_loss_coeff: float = 0.0
     z_loss: bool = False
+    shared_gate: bool = False
+    per_layer_logging: bool = False
     compiled_tp: bool = False
     latent: "comm_mla.Latent | None" = None
     """Multi-latent attention's widths (dtgpt.plan.comm_mla), None for (grouped-query) attention."""
@@ -148,12 +148,12 @@ class CommLayout:
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
             heads=m.num_attention_heads, groups=m.query_groups, head_dim=m.head_dim, swiglu=m.swiglu,
-            bias=m.add_bias_linear, qkv_bias=m.qkv_bias, qk_norm=m.qk_layernorm,
+            bias=m.add_bias_linear, qkv_bias=m.qkv_bias, qk_norm=m.qk_layernorm, latent=comm_mla.Latent.of(m), mtp=m.mtp_depth,
             experts=m.num_experts or 0, topk=m.moe_router_topk if m.moe_enabled else 0, moe_layer_freq=m.moe_layer_freq,
-            expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0,
-            ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor,
+            expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0, shared_gate=m.moe_shared_expert_gate,
+            ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor, per_layer_logging=m.moe_per_layer_logging,
             pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
-            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None, latent=comm_mla.Latent.of(m), mtp=m.mtp_depth,
+            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None,
         )  # fmt: skip
 
     @property

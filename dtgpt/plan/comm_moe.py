@@ -65,7 +65,8 @@ def tp_folds_in(c) -> bool:
 
 
 def router_shapes(c) -> list[tuple[int, ...]]:
-    return [(c.experts, c.hidden)] + [(c.experts,)] * c.bias
+    """The router's, and the shared expert's gate's: the MoE layer's own parameters, replicated over tp."""
+    return [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + [(1, c.hidden)] * (c.shared_gate and c.shared_ffn > 0)
 
 
 def moe_block_shapes(c) -> list[tuple[int, ...]]:
@@ -178,13 +179,14 @@ def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, col
 
 def routing_stats_numel(c) -> int:
     """fp32 numbers an MoE model adds to the iteration's loss-and-norm all-reduce over the world
-    (dtgpt/moe/stats.py): each logged router loss, then per MoE layer of the whole model its
-    tokens per expert and its dropped tokens (the prediction modules' MoE layers too)."""
+    (dtgpt/moe/stats.py): each logged router loss (per MoE layer with per-layer logging), then
+    per MoE layer of the whole model its tokens per expert and its dropped tokens (the prediction
+    modules' MoE layers too)."""
     if c.experts == 0:
         return 0
     losses = int(c.load_balancing != "none" and c.aux_loss_coeff > 0) + int(c.z_loss)
     layers = sum(1 for i in range(c.num_layers) if is_moe_block(c, i)) + mtp_moe_layers(c, [c.num_stages - 1])
-    return losses + layers * (c.experts + 1)
+    return losses * (layers if c.per_layer_logging else 1) + layers * (c.experts + 1)
 
 
 def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
@@ -202,6 +204,6 @@ def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, colle
         out.append(collective("all_reduce", dim, "router load counts", (layers + rerun) * n_micro, counts))
     if c.tp > 1 and c.fsdp_applied and not tp_folds_in(c):  # HSDP: FSDP sums each over tp
         grad = c.grad_bytes if n_micro > 1 else c.compute_bytes
-        replicated = [(c.experts, c.hidden)] + [(c.experts,)] * c.bias + expert_shapes(c)
+        replicated = router_shapes(c) + expert_shapes(c)
         out += [collective("all_reduce", "tp", "router and expert grads", layers, math.prod(s) * grad) for s in replicated]
     return out

@@ -66,6 +66,7 @@ LAYER_KEYS = {
     "mlp.shared_expert.fc1.bias": "mlp.shared_experts.linear_fc1.bias",
     "mlp.shared_expert.fc2.weight": "mlp.shared_experts.linear_fc2.weight",
     "mlp.shared_expert.fc2.bias": "mlp.shared_experts.linear_fc2.bias",
+    "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight",
 }
 """dtgpt block-relative name -> Megatron's (torch_dist stacks it under `decoder.layers.`)."""
 
