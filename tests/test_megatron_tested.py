@@ -17,6 +17,8 @@ from dtgpt.determinism import CPU_NOTE, apply_determinism
 from dtgpt.progress_log import ProgressLog, cumulative_start
 from tests.test_megatron_scripts import TINY_DATA, _f, _get, argv, expected_keys
 
+CUDA_LABEL = torch.device("cuda")  # a device label only: these tests call no CUDA API (spies and env dicts stand in)
+
 SHRUNK = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
 
 # tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp2_pp1_multi_dist_optimizer_instances: 12 -> 2 layers,
@@ -124,14 +126,14 @@ def test_deterministic_mode_sets_cuda_determinism_and_says_so_on_cpu():
     assert apply_determinism(torch.device("cpu"), env) == CPU_NOTE and env == {}
     assert not torch.are_deterministic_algorithms_enabled()
     try:
-        assert apply_determinism(torch.device("cuda"), env) is None
+        assert apply_determinism(CUDA_LABEL, env) is None
         assert torch.are_deterministic_algorithms_enabled()
         assert env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
         kept = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Ring,CollnetChain"}
-        apply_determinism(torch.device("cuda"), kept)
+        apply_determinism(CUDA_LABEL, kept)
         assert kept == {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Ring,CollnetChain"}  # the user's, deterministic
         with pytest.raises(ConfigError, match="needs NCCL_ALGO unset or one of Ring"):
-            apply_determinism(torch.device("cuda"), {"NCCL_ALGO": "Tree"})
+            apply_determinism(CUDA_LABEL, {"NCCL_ALGO": "Tree"})
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -12,6 +12,8 @@ import torch.multiprocessing as mp
 from dtgpt.profiling import Profiler
 from dtgpt.timers import PHASE_LEVELS, NullTimer, Timer, Timers, format_times
 
+CUDA_LABEL = torch.device("cuda")  # a device label only: these tests call no CUDA API (spies and env dicts stand in)
+
 CPU = torch.device("cpu")
 LEVEL1 = [n for n, lvl in PHASE_LEVELS.items() if lvl == 1]
 LEVEL2 = [n for n, lvl in PHASE_LEVELS.items() if lvl == 2]
@@ -180,7 +182,7 @@ def test_profile_ranks_and_memory_history_are_megatrons(tmp_path, capsys, monkey
     monkeypatch.setattr(cuda_memory, "stop_recording", lambda: calls.append("stop"))
     monkeypatch.setattr(cuda_memory, "dump_snapshot", lambda path: calls.append(path))
     cfg.profiling.profile_step_start = 0  # the trace window is test_profiler_writes_trace_for_window's
-    prof = build_profiler(cfg, 1, torch.device("cuda"))
+    prof = build_profiler(cfg, 1, CUDA_LABEL)
     for it in range(1, 6):
         prof.step(it)
     prof.close()
