@@ -30,8 +30,9 @@ RENAMED = {
     "timing-log-level": ("logging.timers_log_level", None),
     "ckpt-step": ("checkpoint.load_iteration", None),
     "num-virtual-stages-per-pipeline-rank": ("parallel.virtual_pipeline_stages_per_rank", None),
+    "recompute-activations": ("training.recompute_granularity", "selective"),
 }
-"""flag -> (dtgpt key, the value a flag without a value sets; None: the flag takes values)."""
+"""flag -> (dtgpt key, the value a flag without a value sets (a bool or a string); None: the flag takes values)."""
 
 IGNORED = (
     "use-mcore-models", "transformer-impl", "use-flash-attn", "attention-backend",
@@ -62,7 +63,7 @@ class Flag(NamedTuple):
 class Mapping(NamedTuple):
     flag: Flag
     key: str  # section.key
-    value: bool | None  # what the flag sets, for a flag without a value
+    value: bool | str | None  # what the flag sets, for a flag without a value
 
 
 @lru_cache(maxsize=None)
@@ -162,10 +163,10 @@ def _as_text(mapping: Mapping, values: list[str]) -> str:
     """The override text of a flag's values: a TOML list for a list key, so that a path holding
     a comma or a space stays one element."""
     if mapping.flag.arity == "0":
-        return "true" if mapping.value else "false"
+        return mapping.value if isinstance(mapping.value, str) else "true" if mapping.value else "false"
     if mapping.flag.arity == "1":
         return values[0]
-    if _key_type(mapping.key) == list[str]:
+    if _key_type(mapping.key) in (list[str], typing.Optional[list[str]]):
         return "[" + ", ".join(json.dumps(v) for v in values) + "]"
     return " ".join(values)
 
@@ -218,7 +219,7 @@ def markdown_table() -> str:
         "|---|---|---|",
     ]
     for name, m in sorted(flag_table().items(), key=lambda item: (item[1].key, item[0])):
-        arity = {"0": str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
+        arity = {"0": m.value if isinstance(m.value, str) else str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
     return "\n".join(lines)

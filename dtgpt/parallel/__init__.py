@@ -14,6 +14,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, layout_invariant_dropout, num_pipeline_stages
+from dtgpt.config.recompute_rules import selective_modules
 from dtgpt.model import GPT
 from dtgpt.moe.stats import RoutingStats, moe_layers
 from dtgpt.mtp import MTPLoss
@@ -100,7 +101,7 @@ def parallelize(
     if layout_invariant_dropout(cfg):  # after CP (its core wraps cp's), before recomputation
         apply_invariant_dropout(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
     t = cfg.training
-    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
+    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng, selective_modules(t))
     if cfg.training.compile and not uses_compute_copy(cfg, dims):  # where a parity test covers it (config validation)
         apply_compile(model, dims)  # (a compute copy compiles the copy, in build_model_parts)
     if cfg.training.fp32_residual_connection and model.embedding is not None:
