@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from dtgpt.config import ModelConfig
+from dtgpt.discard import discard_until_backward
 from dtgpt.inits import DeclaredInits, Init, linear_inits
 from dtgpt.norms import build_norm, norm_inits
 from dtgpt.rope import apply_rotary, latent_rotary_frequencies, yarn_mscale
@@ -63,6 +65,8 @@ class MLASelfAttention(nn.Module):
         self.linear_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=cfg.add_bias_linear)
         # SDPA divides by sqrt(q_head_dim); YaRN's softmax scale is that times mscale^2, applied to q.
         self.query_scale = yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale_all_dim) ** 2
+        self.recompute_up_proj = False
+        """Megatron's 'mla_up_proj' recomputation (dtgpt.parallel.recompute_modules)."""
 
     def declared_inits(self) -> DeclaredInits:
         inits = linear_inits(self.linear_kv_down_proj, Init.NORMAL) + linear_inits(self.linear_kv_up_proj, Init.NORMAL)
@@ -75,37 +79,45 @@ class MLASelfAttention(nn.Module):
             inits += norm_inits(norm) if norm is not None else []
         return inits
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, heads * q_head_dim), heads: this rank's under tensor parallelism."""
-        if self.cfg.q_lora_rank is None:
-            return self.linear_q_proj(x)
-        compressed = self.linear_q_down_proj(x)
-        if self.q_layernorm is not None:
-            compressed = self.q_layernorm(compressed)
-        return self.linear_q_up_proj(compressed)
-
     def forward(self, x: torch.Tensor, position_ids=None, document_ids=None, token_index=None) -> torch.Tensor:
         """x (B, T, C); the per-token inputs as GPT.forward takes them."""
         cfg = self.cfg
-        q = self.queries(x)
+        q_in = x if cfg.q_lora_rank is None else self.linear_q_down_proj(x)
+        if getattr(self, "q_layernorm", None) is not None:
+            q_in = self.q_layernorm(q_in)
         compressed, k_pe = self.linear_kv_down_proj(x).split([cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
         if self.kv_layernorm is not None:
             compressed = self.kv_layernorm(compressed)
+        k_pe = self.k_pos_emb(k_pe)
+        up = (q_in, compressed, k_pe, position_ids)
+        if self.recompute_up_proj:  # Megatron's 'mla_up_proj': keep the inputs, not q, k, v
+            q, k, v = checkpoint(self.up_projections, *up, use_reentrant=False)
+        else:
+            q, k, v = self.up_projections(*up)
+        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, v)
+        if self.recompute_up_proj:
+            discard_until_backward([q, k, v], lambda: self.up_projections(*up), y)
+        B, T = y.shape[0], y.shape[2]
+        return self.linear_proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * v)
+
+    def up_projections(self, q_in: torch.Tensor, compressed: torch.Tensor, k_pe: torch.Tensor, position_ids=None):
+        """The heads' q, k (RoPE'd) and v, each (B, nh, T, d), from the compressed query (or x
+        without q_lora_rank), the normed compressed key/value and the shared RoPE key (B, T, pe);
+        heads: this rank's under tensor parallelism."""
+        cfg = self.cfg
+        q = self.linear_q_proj(q_in) if cfg.q_lora_rank is None else self.linear_q_up_proj(q_in)
         kv = self.linear_kv_up_proj(compressed)
         B, T = q.shape[:2]  # q and kv are plain tensors here, whatever x was
         q = q.view(B, T, -1, self.q_head_dim)  # (B, T, nh, qk + pe)
         kv = kv.view(B, T, -1, cfg.qk_head_dim + cfg.v_head_dim)  # (B, T, nh, qk + v)
         q_nope, q_pe = q.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         k_nope, v = kv.split([cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
-        k_pe = self.k_pos_emb(k_pe).unsqueeze(2)  # (B, T, 1, pe): one for every head
-        inv_freq, factor = latent_rotary_frequencies(cfg, x.device)
+        k_pe = k_pe.unsqueeze(2)  # (B, T, 1, pe): one for every head
+        inv_freq, factor = latent_rotary_frequencies(cfg, q.device)
         q_pe = apply_rotary(deinterleave(q_pe), inv_freq, position_ids, attention_factor=factor)
         k_pe = apply_rotary(deinterleave(k_pe), inv_freq, position_ids, attention_factor=factor)
         q = torch.cat((q_nope, q_pe), dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k = torch.cat((k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, d)
-        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, v)
-        return self.linear_proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * v)
-
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, d)

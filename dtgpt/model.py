@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from dtgpt import varlen_kernel
 from dtgpt.attention_varlen import Documents, documents_attention
 from dtgpt.config import ModelConfig
+from dtgpt.discard import normed_sublayer
 from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
 from dtgpt.mla import MLASelfAttention
 from dtgpt.moe.layer import MoELayer
@@ -270,8 +271,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, position_ids=None, document_ids=None, token_index=None) -> torch.Tensor:
         """x (B, T, C); the per-token inputs as GPT.forward takes them."""
         per_token = dict(position_ids=position_ids, document_ids=document_ids, token_index=token_index)
-        x = x + self.dropout(self.attention(self.input_norm(x), **per_token), token_index)
-        return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)), token_index)
+        attention, discard = lambda n: self.attention(n, **per_token), getattr(self, "discard_norm_outputs", False)  # 'layernorm' recomputation
+        x = x + self.dropout(normed_sublayer(self.input_norm, attention, x, discard), token_index)
+        return x + self.mlp_dropout(normed_sublayer(self.mlp_norm, self.mlp, x, discard), token_index)
 
 
 class GPT(nn.Module):

@@ -47,7 +47,8 @@ MODEL = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, seq_leng
 # LayerNorm's fused kernel does on both).
 FAMILY = dict(swiglu=True, add_bias_linear=False, group_query_attention=True, num_query_groups=2, qk_layernorm=True,
               position_embedding_type="rope")  # fmt: skip
-MOE = dict(FAMILY, qk_layernorm=False, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_grouped_gemm=True)
+MOE_KEYS = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_grouped_gemm=True)
+MOE = dict(FAMILY, qk_layernorm=False, **MOE_KEYS)
 # DeepSeek-V3's attention: a compressed query, norms on the compressed vectors, q/k wider than v
 # (so no CPU flash kernel: the math kernel, in fp32 as the scores case); a narrow MLP, so that
 # the attention's terms decide the sum (modelled as grouped-query attention it is 40-65 % off)
@@ -58,20 +59,28 @@ RECOMPUTE = {
     "selective": dict(recompute_granularity="selective"),
     "full, groups of 1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     "full, one group of 2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    **{"selective " + "+".join(m): dict(recompute_granularity="selective", recompute_modules=m) for m in (
+        ["mlp"], ["layernorm"], ["mlp", "layernorm"], ["moe"], ["moe", "layernorm"], ["moe_act"], ["mla_up_proj"],
+        ["core_attn", "mla_up_proj", "layernorm"], ["mlp", "moe", "mla_up_proj", "layernorm"])},  # the last: DeepSeek-V3's
 }
 CASES = {
     # name: (recompute, tp, precision, model overrides, the attention kernel keeps the scores)
-    "bf16, flash": (["none", "selective", "full, groups of 1", "full, one group of 2"], 1, "bf16", {}, False),
-    "bf16, tp2 + SP, flash": (["none", "selective", "full, groups of 1"], 2, "bf16", {}, False),
+    "bf16, flash": (["none", "selective", "full, groups of 1", "full, one group of 2", "selective mlp",
+                     "selective layernorm", "selective mlp+layernorm"], 1, "bf16", {}, False),
+    "bf16, tp2 + SP, flash": (["none", "selective", "full, groups of 1", "selective mlp+layernorm"], 2, "bf16", {}, False),
     "fp32, math kernel": (["none", "selective"], 1, "fp32", dict(seq_length=128, hidden_size=128), True),
     # 2 key/value groups for 4 heads, SwiGLU, qk-layernorm, RoPE, no biases
     "bf16 GQA+SwiGLU, tp2+SP": (["none", "selective"], 2, "bf16", FAMILY, False),
     # Mixtral's MoE block: 4 SwiGLU experts, top-2, the load-balancing loss, in every block
-    "bf16 MoE top-2, flash": (["none", "full, groups of 1"], 1, "bf16", MOE, False),
+    "bf16 MoE top-2, flash": (["none", "full, groups of 1", "selective moe", "selective moe+layernorm", "selective moe_act"],
+                              1, "bf16", MOE, False),
     # with a shared expert and its gate (Qwen2-MoE's)
     "bf16 MoE, gated shared expert": (["none"], 1, "bf16", dict(MOE, moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True), False),
-    "fp32 MLA, math kernel": (["none", "selective"], 1, "fp32", MLA, True),
+    "fp32 MLA, math kernel": (["none", "selective", "selective mla_up_proj", "selective core_attn+mla_up_proj+layernorm"],
+                              1, "fp32", MLA, True),
     "fp32 MLA, tp2+SP, math": (["none", "selective"], 2, "fp32", MLA, True),
+    # DeepSeek-V3's attention with MoE blocks, and its launch script's recompute_modules
+    "fp32 MLA+MoE, math": (["none", "selective mlp+moe+mla_up_proj+layernorm"], 1, "fp32", {**MLA, **MOE_KEYS}, True),
 }
 TOLERANCE = 0.05
 
@@ -104,7 +113,7 @@ def saved_bytes_by_part(cfg: Config, tp: int, kernel: SDPBackend) -> dict[str, f
         with torch.device("meta"):
             whole = GPT(cfg.model, padded_vocabulary(cfg, VOCAB))
         model = build_model_parts(cfg, dims, whole, torch.device("cpu")).forward_module()  # the bf16 compute copy (dp x cp = 1)
-        params, seen, part = set(), {}, ["embedding"]
+        params, saved, part = set(), [], ["embedding"]
 
         def note_params(module, args):  # the compute copy's (or FSDP's gathered) parameters are in place by now
             params.update(_local(p).untyped_storage().data_ptr() for p in module.parameters(recurse=False))
@@ -122,13 +131,19 @@ def saved_bytes_by_part(cfg: Config, tp: int, kernel: SDPBackend) -> dict[str, f
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = _local(t).untyped_storage()
             if storage.data_ptr() not in params:
-                seen.setdefault(storage.data_ptr(), (part[0], storage.nbytes()))
+                saved.append((part[0], storage))
             return t
 
         tokens = torch.randint(0, VOCAB, (cfg.training.micro_batch_size, cfg.model.seq_length))
         model.train()
         with sdpa_kernel(kernel), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(tokens)
+        # Counted once the forward is done: recomputation may have released a saved storage (its
+        # size is 0 then, until backward refills it: dtgpt.discard); live storages are distinct.
+        seen = {}
+        for where, storage in saved:
+            if storage.nbytes():
+                seen.setdefault(storage.data_ptr(), (where, storage.nbytes()))
         return {name: sum(n for where, n in seen.values() if where == name) for name in ("blocks", "head", "mtp")}
     finally:
         dist.destroy_process_group()
@@ -150,7 +165,7 @@ def _expected(cfg: Config, recompute: str, tp: int, scores_kept: bool, megatron_
     if recompute.startswith("full"):
         groups = -(-LAYERS // cfg.training.recompute_num_layers)
         return groups * layer_activation_bytes(shape, "full") / LAYERS
-    return layer_activation_bytes(shape, recompute, moe=cfg.model.moe_enabled)
+    return layer_activation_bytes(shape, recompute.split()[0], moe=cfg.model.moe_enabled)  # "selective mlp": its modules are the config's
 
 
 def _measure(case: str, recompute: str) -> tuple[float, float, float, Config]:

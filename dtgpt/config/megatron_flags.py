@@ -41,8 +41,9 @@ RENAMED = {
     "padded-vocab-size": ("model.make_vocab_size_divisible_by", None),  # P rows: dtgpt/config/megatron_vocab.py
     "deterministic-mode": ("training.deterministic", True),
     "num-distributed-optimizer-instances": ("parallel.data_parallel_replicate_size", None),  # Megatron's HSDP replicas
+    "recompute-activations": ("training.recompute_granularity", "selective"),
 }
-"""flag -> (dtgpt key, the value a flag without a value sets; None: the flag takes values)."""
+"""flag -> (dtgpt key, the value a flag without a value sets (a bool or a string); None: the flag takes values)."""
 
 CHOICES = {
     "no-weight-decay-cond-type": ("optimizer.apply_wd_to_qk_layernorm", {"apply_wd_to_qk_layernorm": "true"}),
@@ -193,7 +194,7 @@ def _as_text(mapping: Mapping, values: list[str]) -> str:
         return choices[values[0]]
     if mapping.flag.arity == "1":
         return values[0]
-    if _key_type(mapping.key) == list[str]:
+    if _key_type(mapping.key) in (list[str], typing.Optional[list[str]]):
         return "[" + ", ".join(json.dumps(v) for v in values) + "]"
     return " ".join(values)
 
@@ -249,7 +250,7 @@ def markdown_table() -> str:
         if name in CHOICES:
             lines.append(f"| `--{name}` | `{m.key}` | {'; '.join(f'{v}: {t}' for v, t in CHOICES[name][1].items())} |")
             continue
-        arity = {"0": str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
+        arity = {"0": m.value if isinstance(m.value, str) else str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
     lines += ["## Megatron's example scripts", "", *EXAMPLE_SCRIPTS, "", *noted_section(), ""]

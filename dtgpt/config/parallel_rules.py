@@ -220,7 +220,7 @@ def _check_recompute(cfg: Config) -> None:
         )
     else:
         for key, value in (("recompute_method", method), ("recompute_num_layers", n)):
-            why = "'selective' recomputes the attention core of every block" if granularity else "it is unset"
+            why = "'selective' recomputes training.recompute_modules of every block" if granularity else "it is unset"
             _require(
                 value is None,
                 f"training.{key}={value!r} applies only to training.recompute_granularity='full' ({why}); "

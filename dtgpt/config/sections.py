@@ -154,13 +154,19 @@ class TrainingConfig:
     fp16_lm_cross_entropy: bool = False
     """Compute the loss from fp16 / bf16 logits instead of casting them to fp32 first."""
     recompute_granularity: Optional[str] = None
-    """Megatron's activation recomputation: 'selective' (the attention core of every block) or
+    """Megatron's activation recomputation: 'selective' (recompute_modules of every block) or
     'full' (whole blocks, chosen by recompute_method); unset: none."""
     recompute_method: Optional[str] = None
     """With 'full': 'uniform' (every block, in groups of recompute_num_layers recomputed as one
     unit) or 'block' (the first recompute_num_layers blocks of each pipeline stage)."""
     recompute_num_layers: Optional[int] = None
     """With 'full': blocks per recomputed group ('uniform') or recomputed per stage ('block')."""
+    recompute_modules: Optional[list[str]] = None
+    """With 'selective': the submodules of every block that backward recomputes (Megatron's
+    names; unset: ['core_attn']): core_attn, mlp, moe, shared_experts, layernorm, mla_up_proj,
+    moe_act (dtgpt/parallel/recompute_modules.py says what each keeps)."""
+    moe_layer_recompute: bool = False
+    """Megatron's older flag: the same as recompute_granularity='selective' with 'moe' added to recompute_modules."""
     compile: bool = False
     """torch.compile the whole model (per stage under pipeline parallelism)."""
     device: str = "auto"

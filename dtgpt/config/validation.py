@@ -28,6 +28,7 @@ from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.ranges import check_ranges
+from dtgpt.config.recompute_rules import apply_moe_layer_recompute, check_recompute_modules
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 from dtgpt.config.split import parse_split
@@ -338,7 +339,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(value > 0, f"{key}={value} must be > 0")
     check_conflicts(cfg)
     _check_model(cfg)
+    apply_moe_layer_recompute(cfg)  # Megatron's older flag stands for two keys the rules below read
     check_parallelism(cfg)
+    check_recompute_modules(cfg)
     check_moe(cfg)
     check_mla(cfg)
     check_mtp(cfg)

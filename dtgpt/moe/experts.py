@@ -31,7 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
+from torch.utils.checkpoint import checkpoint
 
+from dtgpt.discard import discard_until_backward
 from dtgpt.inits import named_normal
 
 _GEMM_ALIGNMENT_BYTES = 16
@@ -101,6 +103,8 @@ class GroupedExperts(nn.Module):
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.fc1_bias = nn.Parameter(torch.empty(num_experts, fc1_rows)) if bias else None
         self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.recompute_activation = False
+        """Megatron's 'moe_act' recomputation (dtgpt.parallel.recompute_modules)."""
 
     # -- initialisation ------------------------------------------------------------------------
 
@@ -163,15 +167,22 @@ class GroupedExperts(nn.Module):
         h = linear(x_sorted, w1)  # (M, ffn or 2 * ffn)
         if self.fc1_bias is not None:
             h = h + self._per_row(self.fc1_bias, tokens_per_expert, x_sorted.shape[0])
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+        if self.recompute_activation:  # Megatron's 'moe_act': keep fc1's output, not the activation's
+            a = checkpoint(self.activation, h, use_reentrant=False)
+            y = linear(a, w2)  # (M, h)
+            discard_until_backward([a], lambda: [self.activation(h)], y)
         else:
-            h = F.gelu(h, approximate=self.gelu_approximation)
-        y = linear(h, w2)  # (M, h)
+            y = linear(self.activation(h), w2)  # (M, h)
         if self.fc2_bias is not None:
             y = y + self._per_row(self.fc2_bias, tokens_per_expert, x_sorted.shape[0])
         return y
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of fc1's [gate; up] output, or GeLU."""
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate=self.gelu_approximation)
 
     @staticmethod
     def _per_row(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from dtgpt.config import (
     Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, keys_on_token_index, layout_invariant_dropout, num_pipeline_stages,
 )
+from dtgpt.config.recompute_rules import selective_modules
 from dtgpt.model import GPT
 from dtgpt.moe.forced_balance import apply_forced_balance
 from dtgpt.moe.stats import RoutingStats, moe_layers
@@ -105,7 +106,7 @@ def parallelize(
     if cfg.model.moe_enabled and cfg.model.moe_router_force_load_balancing:  # before recomputation wraps the blocks
         apply_forced_balance(model, cfg.training.seed, dims.tp_rank, dims.tp, cfg.parallel.sequence_parallel)
     t = cfg.training
-    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng)
+    apply_recompute(model, t.recompute_granularity, t.recompute_method, t.recompute_num_layers, rng, selective_modules(t))
     if cfg.training.compile and not uses_compute_copy(cfg, dims):  # where a parity test covers it (config validation)
         apply_compile(model, dims)  # (a compute copy compiles the copy, in build_model_parts)
     if cfg.training.fp32_residual_connection and model.embedding is not None:

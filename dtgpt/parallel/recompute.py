@@ -1,7 +1,8 @@
 """Activation recomputation with Megatron-LM's meanings (`recompute_granularity`, `_method`, `_num_layers`).
 
-selective  every block's attention core (softmax(q k^T) v, no projections) runs under
-           torch's checkpoint_wrapper: backward recomputes it instead of keeping its scores.
+selective  in every block, the submodules training.recompute_modules names (Megatron's names;
+           by default the attention core, softmax(q k^T) v: backward recomputes it instead of
+           keeping its scores). dtgpt/parallel/recompute_modules.py says what each keeps.
 full       whole blocks are recomputed in backward; only the input of each recomputed group is kept.
            uniform: all of a stage's blocks, in consecutive groups of recompute_num_layers.
            block:   the first recompute_num_layers blocks of each pipeline stage, one by one.
@@ -15,11 +16,10 @@ is replayed through checkpoint's `context_fn`, so dropout masks are the same in 
 from __future__ import annotations
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
 from dtgpt.model import GPT
-from dtgpt.mtp import named_blocks
+from dtgpt.parallel.recompute_modules import apply_module_recompute, recomputed_modules, rng_replay
 from dtgpt.parallel.rng import ModelParallelRNG
 
 
@@ -33,7 +33,7 @@ class RecomputedGroup:
     def __init__(self, names: list[str], blocks: list[torch.nn.Module], rng: ModelParallelRNG | None = None):
         self.names = names
         self.blocks = blocks
-        self.checkpoint_kwargs = _rng_replay(rng)
+        self.checkpoint_kwargs = rng_replay(rng)
 
     def _run(self, h: torch.Tensor, **per_token) -> torch.Tensor:
         for block in self.blocks:
@@ -43,10 +43,6 @@ class RecomputedGroup:
     def __call__(self, h: torch.Tensor, **per_token) -> torch.Tensor:
         """per_token: the blocks' position_ids and document_ids keywords, passed through."""
         return checkpoint(self._run, h, use_reentrant=False, **self.checkpoint_kwargs, **per_token)
-
-
-def _rng_replay(rng: ModelParallelRNG | None) -> dict:
-    return {"context_fn": rng.recompute_contexts} if rng is not None else {}
 
 
 def recompute_groups(names: list[str], method: str, num_layers: int) -> list[list[str]]:
@@ -62,11 +58,12 @@ def apply_recompute(
     method: str | None,
     num_layers: int | None,
     rng: ModelParallelRNG | None = None,
+    modules: tuple[str, ...] = ("core_attn",),
 ) -> None:
-    """Set up recomputation on one model or pipeline stage in place (granularity None: none)."""
+    """Set up recomputation on one model or pipeline stage in place (granularity None: none);
+    `modules`: what 'selective' recomputes."""
     if granularity == "selective":
-        for block in named_blocks(model).values():  # the prediction modules' blocks too, as Megatron's
-            block.attention.core = checkpoint_wrapper(block.attention.core, **_rng_replay(rng))
+        apply_module_recompute(model, modules, rng)
     elif granularity == "full":
         names = list(model.layers)
         groups = recompute_groups(names, method, num_layers)
@@ -79,7 +76,7 @@ def block_recompute(model: GPT) -> dict[str, str]:
     """How each block of `model` is recomputed ('full', 'selective' or 'none'): the planner reads it."""
     full = {n for run in model.block_runs or [] if isinstance(run, RecomputedGroup) for n in run.names}
     return {
-        name: "full" if name in full else "selective" if isinstance(block.attention.core, CheckpointWrapper) else "none"
+        name: "full" if name in full else "selective" if recomputed_modules(block) else "none"
         for name, block in model.layers.items()
     }
 

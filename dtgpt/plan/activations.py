@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtgpt.config import Config, low_precision
+from dtgpt.config.recompute_rules import DEFAULT_MODULES, selective_modules
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ActivationShape:
     shared_ffn: int = 0
     shared_gate: bool = False
     ep: int = 1
+    recompute_modules: tuple[str, ...] = DEFAULT_MODULES
+    """What recompute 'selective' recomputes in every block (training.recompute_modules)."""
 
     @classmethod
     def for_config(cls, cfg: Config, padded_vocab: int, tp: int, cp: int = 1, *, scores_kept: bool = True) -> "ActivationShape":
@@ -90,6 +93,7 @@ class ActivationShape:
             residual_bytes=4 if t.fp32_residual_connection else None, hidden_dropout=m.hidden_dropout > 0,
             attention_dropout=m.attention_dropout > 0, scores_kept=scores_kept, megatron_sp=False, cp=cp,
             swiglu=m.swiglu, **attention, **_moe_fields(cfg),
+            recompute_modules=selective_modules(t) if t.recompute_granularity == "selective" else DEFAULT_MODULES,
         )  # fmt: skip
 
     @property
@@ -176,7 +180,7 @@ def latent_attention_terms(shape: ActivationShape, recompute: str) -> dict[str, 
     """
     lat, e, t, sbh = shape.latent, shape.compute_bytes, shape.tp, shape.sbh
     own, gathered = shape.sp_divisor, shape.gathered_divisor
-    v_view = not shape.scores_kept or recompute == "selective"
+    v_view = not shape.scores_kept or core_recomputed(shape, recompute)
     terms = {"down-projections' input": e * sbh / own}
     if lat.q_lora:
         terms["compressed query"] = e * sbh * lat.q_lora * (1 / own * lat.norms + 1 / gathered)
@@ -264,8 +268,9 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none", *, m
 
     e = 2, r = e, f = 4h: 4 + 2 + 6 + 2 + 2 + 8 + 8 + 2 = 34·s·b·h and 2 + 1 + 2 = 5·a·s²·b, Korthikanti's
     34·s·b·h + 5·a·s²·b (without SP: 10·s·b·h + 24·s·b·h/t + 5·a·s²·b/t).
-    recompute 'selective': the attention core is recomputed, so no scores and no gathered cp
-    keys and values (its inputs q, k, v are kept as before). 'full': only the input of each
+    recompute 'selective': the recompute_modules (recomputed_modules_terms); with core_attn (the
+    default) the attention core is recomputed, so no scores and no gathered cp keys and values
+    (its inputs q, k, v are kept as before). 'full': only the input of each
     recomputed group, r·s·b·h (/t with SP); the planner counts it once per group.
     With cp, s·b·h is the rank's share (s/cp tokens) while a·s²·b keeps one full s: each local
     query scores every key. Not counted (under 1% at h >= 256): the norms' statistics and a fused
@@ -298,13 +303,57 @@ def layer_activation_terms(shape: ActivationShape, recompute: str = "none", *, m
     if shape.hidden_dropout:
         terms["hidden dropout masks"] = 2 * sbh / shape.sp_divisor
     scores = sbh * shape.num_heads * shape.seq_length / shape.hidden_size / t  # a·(s/cp)·s·b / t elements
-    if shape.scores_kept and recompute != "selective":
+    if shape.scores_kept and not core_recomputed(shape, recompute):
         terms["softmax output"] = e * scores
         if shape.attention_dropout:
             terms["attention dropout mask, output"] = (1 + e) * scores
-    if recompute == "none" and shape.cp > 1:  # every head's keys and values (MLA: its q/k and v widths)
+    if not core_recomputed(shape, recompute) and shape.cp > 1:  # every head's keys and values (MLA: its q/k and v widths)
         kv_width = 2 if shape.latent is None else shape.latent.heads_qk + shape.latent.heads_v
         terms["cp keys and values"] = kv_width * e * sbh * (shape.cp - 1) / t
+    return recomputed_modules_terms(shape, terms, moe) if recompute == "selective" else terms
+
+
+def core_recomputed(shape: ActivationShape, recompute: str) -> bool:
+    return recompute == "selective" and "core_attn" in shape.recompute_modules
+
+
+def recomputed_modules_terms(shape: ActivationShape, terms: dict[str, float], moe: bool) -> dict[str, float]:
+    """A selectively recomputed layer's terms (dtgpt/parallel/recompute_modules.py), from the terms
+    of `recompute_modules` minus core_attn (done by the caller):
+
+    mlp             a dense layer's MLP keeps its input only, fc1's input (dtgpt's SP plan gathers
+                    it before the MLP), not what follows
+    moe             an MoE layer keeps its input only ("moe input")
+    shared_experts  the shared expert's term goes (its input is the moe input)
+    moe_act         the experts keep fc1's output (SwiGLU: gate and up, 2·e·R·f_e), not the
+                    activation's intermediate or output (fc2's input)
+    layernorm       the norms' outputs go: the qkv input (MLA: the down-projections'), the fc1
+                    input (or an MLP's kept input; an MoE layer's only when the layer is
+                    recomputed, the router reading a token-major copy); none under SP (dtgpt keeps
+                    the gathered input, and a norm's output there is not released)
+    mla_up_proj     q, k and v go where the core keeps them (a fused kernel, or the recomputed
+                    core); the math kernel keeps copies of them (scaled q and k, v made
+                    contiguous), which stay
+    """
+    mods, e = shape.recompute_modules, shape.compute_bytes
+    if "mlp" in mods and not moe:
+        for dense in ("gate, silu, fc1 outputs", "gelu input", "fc2 input"):
+            terms.pop(dense, None)
+    if moe and "moe" in mods:
+        terms = {k: v for k, v in terms.items() if k == "moe input" or k not in moe_activation_terms(shape)}
+    if moe and "shared_experts" in mods:
+        terms.pop("shared expert", None)
+    if moe and "moe_act" in mods and "moe" not in mods:
+        rows = shape.routed_rows_per_token * shape.routed_tokens
+        terms.pop("expert gate, silu, fc1 outputs" if shape.swiglu else "expert gelu inputs")
+        terms["expert fc1 outputs"] = (2 if shape.swiglu else 1) * e * rows * shape.expert_ffn
+        terms.pop("expert fc2 inputs")
+    if "layernorm" in mods and not shape.sp:
+        for normed in ("qkv input", "down-projections' input", "fc1 input" if not moe else "moe input" if "moe" in mods else ""):
+            terms.pop(normed, None)
+    if "mla_up_proj" in mods and shape.latent is not None:
+        if not shape.scores_kept or "core_attn" in mods:
+            terms.pop("q, k, v")
     return terms
 
 
