@@ -31,6 +31,7 @@ from dtgpt.config import ModelConfig
 from dtgpt.discard import normed_sublayer
 from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
 from dtgpt.mla import MLASelfAttention
+from dtgpt.mlp import MLP
 from dtgpt.moe.layer import MoELayer
 from dtgpt.mtp import MultiTokenPrediction
 from dtgpt.norms import build_norm, norm_inits
@@ -224,29 +225,6 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or ng, T, hd)
         y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * hd)
-
-
-class MLP(nn.Module):
-    """fc2(gelu(fc1(x))) or fc2(relu(fc1(x))^2) (squared_relu), or with swiglu fc2(silu(gate(x)) * fc1(x))
-    (Megatron's fc1 holds [gate; fc1] in one matrix; two here, so that each splits over tp on its own)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.add_bias_linear) if cfg.swiglu else None
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.add_bias_linear)
-        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
-        self.gelu_approximation, self.squared_relu = cfg.gelu_approximation, cfg.squared_relu
-
-    def declared_inits(self) -> DeclaredInits:
-        inits = linear_inits(self.fc1, Init.NORMAL) + linear_inits(self.fc2, Init.SCALED_NORMAL)
-        return inits + (linear_inits(self.gate, Init.NORMAL) if self.gate is not None else [])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
-        if self.squared_relu:
-            return self.fc2(F.relu(self.fc1(x)).square())
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.gelu_approximation))
 
 
 class Block(nn.Module):

@@ -20,12 +20,6 @@ from dtgpt.config import Config, load_config, padded_vocabulary
 from dtgpt.config.loading import _unwrap_optional
 from dtgpt.config.megatron_flags import IGNORED, flag_table
 
-FLAGS_BUILT_ON_OTHER_BRANCHES = {
-    "--recompute-modules", "--recompute-activations", "--moe-layer-recompute",
-}  # fmt: skip
-"""Flags the scripts pass that are built on other branches: left out of the runs until they land
-(empty this set once they have)."""
-
 REFUSED = {"--megatron-fsdp-main-grads-dtype": ["bf16"], "--megatron-fsdp-grad-comm-dtype": ["bf16"]}
 """The DeepSeek-V3 benchmark's bf16 gradients: dtgpt keeps Megatron's fp32 gradient regime and
 refuses them by name (test_refused_values_are_one_error_line)."""
@@ -167,7 +161,7 @@ def argv(flags: list[tuple[str, list[str]]], tmp_path) -> list[str]:
     paths = {"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb")}
     out = []
     for flag, values in flags:
-        if flag not in FLAGS_BUILT_ON_OTHER_BRANCHES and flag not in REFUSED:
+        if flag not in REFUSED:
             out += [flag, *(paths.get(v, v) for v in values)]
     return out
 

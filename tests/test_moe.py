@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dtgpt.config import ModelConfig
-from dtgpt.model import MLP
+from dtgpt.mlp import MLP
 from dtgpt.moe.layer import MoELayer
 from dtgpt.moe.router import Router, capacity, switch_loss
 from tests.megatron_moe import BATCH, FFN, HIDDEN, SEQ, build_layer, expert_weights, megatron_session, run_megatron
@@ -202,7 +202,8 @@ def test_aux_gradient_reaches_the_router_only_and_scales():
 
 
 def test_gpt_places_moe_layers_by_frequency_and_inits_them_on_full_shapes():
-    from dtgpt.model import GPT, MLP
+    from dtgpt.mlp import MLP
+    from dtgpt.model import GPT
 
     cfg = dtgpt_config(dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                             moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True, moe_layer_freq=2))  # fmt: skip

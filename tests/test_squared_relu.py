@@ -9,7 +9,7 @@ import torch
 
 from dtgpt.config import load_config
 from dtgpt.config.sections import ConfigError, ModelConfig
-from dtgpt.model import MLP
+from dtgpt.mlp import MLP
 
 HIDDEN, FFN = 16, 40
 

@@ -29,7 +29,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
-from dtgpt.model import MLP, Block, GPT
+from dtgpt.mlp import MLP
+from dtgpt.model import Block, GPT
 from dtgpt.moe.layer import MoELayer
 from dtgpt.mtp import named_blocks
 from dtgpt.parallel.rng import ModelParallelRNG

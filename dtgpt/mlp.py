@@ -1,0 +1,33 @@
+"""The dense block's MLP: Megatron's fc1 -> activation -> fc2 (GeLU, squared ReLU or SwiGLU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtgpt.config import ModelConfig
+from dtgpt.inits import DeclaredInits, Init, linear_inits
+
+
+class MLP(nn.Module):
+    """fc2(gelu(fc1(x))) or fc2(relu(fc1(x))^2) (squared_relu), or with swiglu fc2(silu(gate(x)) * fc1(x))
+    (Megatron's fc1 holds [gate; fc1] in one matrix; two here, so that each splits over tp on its own)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.add_bias_linear) if cfg.swiglu else None
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=cfg.add_bias_linear)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.gelu_approximation, self.squared_relu = cfg.gelu_approximation, cfg.squared_relu
+
+    def declared_inits(self) -> DeclaredInits:
+        inits = linear_inits(self.fc1, Init.NORMAL) + linear_inits(self.fc2, Init.SCALED_NORMAL)
+        return inits + (linear_inits(self.gate, Init.NORMAL) if self.gate is not None else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        if self.squared_relu:
+            return self.fc2(F.relu(self.fc1(x)).square())
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.gelu_approximation))
