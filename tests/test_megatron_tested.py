@@ -61,8 +61,8 @@ RELEASE_15B = _f(
     "--decoupled-lr 0.0005 --decoupled-min-lr 4.5e-05 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 "
     "--eval-iters 32 --eval-interval 2000 --save CKPT --load CKPT --save-interval 1000 --save-retain-interval 5000 "
     "--init-method-std 0.0134 --log-timers-to-tensorboard --log-interval 100 --tensorboard-dir TB "
-    "--wandb-project megatron-core-release-runs --wandb-exp-name release --bf16 --exit-interval 51000 --async-save "
-    "--use-persistent-ckpt-worker --log-progress --optimizer adam --rerun-mode validate_results "
+    "--wandb-project megatron-core-release-runs --wandb-entity adlr --wandb-exp-name release --bf16 "
+    "--exit-interval 51000 --async-save --use-persistent-ckpt-worker --log-progress --optimizer adam --rerun-mode validate_results "
     "--eval-global-batch-size 8 --timing-log-option minmax"
 ) + TINY_DATA
 
@@ -98,6 +98,26 @@ def test_noted_flags_are_named_in_the_one_note(tmp_path, capfd):
         assert f" {flag}" in note, flag
 
 
+# The rest of the functional tests' training flags, as they pass them (the resume, MoE overlap, offloading, op-fuser
+# and test-mode cases); each is accepted with a note.
+NOTED_ELSEWHERE = (
+    "--verify-integrity", "--async-strategy mcore", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+    "--use-transformer-engine-op-fuser", "--fine-grained-activation-offloading",
+    "--offload-modules expert_fc1 moe_act attn_norm mlp_norm qkv_linear core_attn attn_proj", "--test-mode",
+    "--error-injection-rate 0", "--error-injection-type persistent_error", "--wandb-entity adlr",
+)  # fmt: skip
+
+
+def test_the_other_functional_test_flags_are_named_in_the_one_note(tmp_path, capfd):
+    args = argv(CP_A2A_P2P, tmp_path) + [a for flag in NOTED_ELSEWHERE for a in flag.split()]
+    cfg, plain = load_config(None, args), load_config(None, argv(CP_A2A_P2P, tmp_path))
+    assert cfg == plain  # nothing trained changes
+    assert run_main(["--print-config", *args], None, None) == 0
+    note = capfd.readouterr().out.splitlines()[0]
+    for flag in NOTED_ELSEWHERE:
+        assert f" {flag}" in note, flag
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -112,8 +132,18 @@ def test_noted_flags_are_named_in_the_one_note(tmp_path, capfd):
          "a positive multiple of --save-interval 10"),
         (["--squared-relu", "--swiglu"], "error: --squared-relu and --swiglu: choose one "
          "activation (Megatron refuses both)"),
+        (["--error-injection-rate", "100", "--error-injection-type", "transient_error"], "error: "
+         "--error-injection-rate 100 is refused: it injects mismatches into the reruns of Megatron's rerun state "
+         "machine, which dtgpt does not have"),
+        (["--use-mup"], "error: --use-mup is refused: maximal update parametrisation rescales the initialisation"),
+        (["--mup-base-hidden-size", "256"], "error: --mup-base-hidden-size is refused: it sets the base width of "
+         "--use-mup, which dtgpt does not build"),
+        (["--async-strategy", "torch"], "error: --async-strategy torch is not one of Megatron's choices: nvrx, mcore"),
+        (["--error-injection-type", "hang"], "error: --error-injection-type hang is not one of Megatron's choices"),
+        (["--offload-modules", "core_attn", "mlp"], "error: --offload-modules mlp is not one of Megatron's choices"),
     ],
-    ids=["sgd", "main-params-bf16", "cuda-graph-impl", "cp-comm-type", "eval-batch", "retain", "squared-relu"],
+    ids=["sgd", "main-params-bf16", "cuda-graph-impl", "cp-comm-type", "eval-batch", "retain", "squared-relu",
+         "error-injection", "mup", "mup-base", "async-strategy", "error-injection-type", "offload-modules"],
 )
 def test_refused_values_are_one_error_line(capfd, args, message):
     code = run_main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", *args], None, None)

@@ -35,6 +35,7 @@ NOTED = {
     "and to `logging.metrics_file`",
     "wandb-exp-name": "as --wandb-project",
     "wandb-save-dir": "as --wandb-project",
+    "wandb-entity": "as --wandb-project",
     "enable-experimental": "gates Megatron's experimental code paths; dtgpt has none behind it",
     "no-position-embedding": "accepted beside rotary positions (`--position-embedding-type rope` or "
     "`--use-rotary-position-embeddings`), where the model has no learned position table anyway; refused otherwise, "

@@ -1,11 +1,12 @@
 """Training flags that Megatron-LM's own functional tests pass (tests/functional_tests/test_cases/
 */model_config.yaml), with what dtgpt does for each.
 
-Those accepted with a note choose Megatron's checkpoint writers, CUDA graphs, overlap schedules,
-rank placement, process groups or logging extras: none changes the model, the data or the
-arithmetic dtgpt trains with. Where one of their values would (an optimizer other than Adam,
-Megatron-FSDP master weights in bf16), that value is refused with one line saying why. The notes
-are the "Megatron's functional tests" section of docs/megatron_flags.md.
+Those accepted with a note choose Megatron's checkpoint writers, CUDA graphs, kernel fusions,
+overlap schedules, activation offloading, rank placement, process groups, consistency checks or
+logging extras: none changes the model, the data or the arithmetic dtgpt trains with. Where one of
+their values would (an optimizer other than Adam, Megatron-FSDP master weights in bf16), or where a
+flag asks for what dtgpt does not build (MuP, rerun error injection), it is refused with one line
+saying why. The notes are the "Megatron's functional tests" section of docs/megatron_flags.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ TESTED_SCRIPTS = [
     "The training flags of Megatron-LM's functional tests (the GPT, MoE and Mixtral",
     "`tests/functional_tests/test_cases/*/model_config.yaml`) run too; tests/test_megatron_tested.py passes a few",
     "of their flag sets through `--dry-run`. Their inference, RL, fp8/fp4, Muon, FIM and linear-attention flags",
-    "stay refused. Flags mapped or built for them:",
+    "stay refused, as do `--use-mup` (maximal update parametrisation) and a positive `--error-injection-rate`",
+    "(faults injected into Megatron's reruns). Flags mapped or built for them:",
     "",
     "- `--deterministic-mode`: `training.deterministic = true`: on CUDA, torch's deterministic algorithms (an op",
     "  without a deterministic kernel raises), `CUBLAS_WORKSPACE_CONFIG=:4096:8` and `NCCL_ALGO=Ring` unless set to",
@@ -89,16 +91,45 @@ NOTED = {
     "others are refused",
     "eval-global-batch-size": "accepted equal to `--global-batch-size` (Megatron's default): dtgpt evaluates "
     "global-batch-size samples per evaluation iteration; another value is refused",
+    "verify-integrity": "Megatron writes a SHA-256 of every torch_dist file beside its checkpoint and re-hashes them "
+    "before a load; dtgpt always records the size and CRC-32 of every file and item it saves and checks what it "
+    "loads, falling back to the previous checkpoint on a mismatch (docs/checkpoints.md); the integrity.json of a "
+    "Megatron checkpoint is not read",
+    "async-strategy": "nvrx and mcore are accepted: which library runs Megatron's asynchronous save (NVIDIA "
+    "Resiliency Extension's or megatron-core's); dtgpt's `--async-save` is DCP's async save",
+    "overlap-moe-expert-parallel-comm": "overlaps one micro-batch's expert-parallel all-to-all with another's "
+    "computation in Megatron's 1F1B schedule; the same micro-batches give the same gradients in either order",
+    "delay-wgrad-compute": "computes weight gradients later, for the overlap of --overlap-moe-expert-parallel-comm; "
+    "the gradient is the same",
+    "use-transformer-engine-op-fuser": "lets Transformer Engine fuse sequences of operations into fewer kernels; "
+    "dtgpt's fusion path is `--training.compile`",
+    "fine-grained-activation-offloading": "moves the inputs of the --offload-modules to host memory until the "
+    "backward needs them, which changes device memory only: dtgpt keeps activations on the device (recomputation, "
+    "`--recompute-modules`, is its way to save that memory; scripts/plan.py shows what a layout needs)",
+    "offload-modules": "as --fine-grained-activation-offloading",
+    "test-mode": "Megatron's real-time check that every data-parallel rank holds the same q/k layernorm weights "
+    "(it also turns off one fused qkv and rope kernel); dtgpt does not run it: under dp_shard each weight is held "
+    "once, and `--check-weight-hash-across-dp-replicas-interval` compares the dp_replicate replicas",
+    "error-injection-type": "every choice (correct_result, transient_error, persistent_error) is accepted: it "
+    "acts only with a positive --error-injection-rate, which is refused",
+    "error-injection-rate": "0 is accepted (Megatron's default: nothing injected); a positive rate is refused",
 }
 """flag -> what dtgpt does instead (accepted, and named in the one note rank 0 prints)."""
 
 NEWER = """
     megatron-fsdp-main-params-dtype cuda-graph-modules* eval-global-batch-size async-ckpt-use-cpu-shm!
+    verify-integrity! async-strategy use-transformer-engine-op-fuser!
+    use-mup! mup-base-hidden-size
 """
 """Flags newer than megatron-core 0.16.1 among these, in megatron_names' notation."""
 
 REFUSED = ""
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+LIST_CHOICES = {
+    "cp-comm-type": ("p2p", "a2a", "allgather", "a2a+p2p"),
+    "offload-modules": ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+                        "fused_group_mlp", "gdp_qkv"),
+}  # fmt: skip
+"""Megatron's choices for each value of the flags that take a list."""
 CHOICES = {
     "cuda-graph-impl": dict.fromkeys(("none", "local", "transformer_engine", "full_iteration")),
     "rerun-mode": dict.fromkeys(("disabled", "validate_results", "report_stats")),
@@ -106,6 +137,8 @@ CHOICES = {
     "outer-dp-sharding-strategy": dict.fromkeys(("no_shard", "optim")),
     "megatron-fsdp-main-params-dtype": {"fp32": None, "bf16": REFUSED, "fp16": REFUSED, "auto": REFUSED},
     "optimizer": {"adam": None, **dict.fromkeys(("sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
+    "async-strategy": dict.fromkeys(("nvrx", "mcore")),
+    "error-injection-type": dict.fromkeys(("correct_result", "transient_error", "persistent_error")),
 }
 """Megatron's choices for the flags that take one; a value mapped to REFUSED is refused."""
 
@@ -113,15 +146,27 @@ WHY_REFUSED = {
     "megatron-fsdp-main-params-dtype": "it keeps master weights in {value} (auto: the parameters' dtype), and dtgpt "
     "keeps them in fp32 (Megatron's mixed-precision regime); drop the flag or give fp32",
     "optimizer": "dtgpt's optimizer is AdamW (Megatron's adam); {value} is not built; drop the flag or give adam",
+    "error-injection-rate": "it injects mismatches into the reruns of Megatron's rerun state machine, which dtgpt "
+    "does not have (it never reruns an iteration); dtgpt's fault drills are the [faults] keys (docs/faults.md); "
+    "drop the flag or give 0",
+    "use-mup": "maximal update parametrisation rescales the initialisation, the learning rates, the attention "
+    "scale and the output logits by the width multiplier, which dtgpt does not build; drop the flag",
+    "mup-base-hidden-size": "it sets the base width of --use-mup, which dtgpt does not build; drop the flag",
 }
+
+REFUSED_FLAGS = ("use-mup", "mup-base-hidden-size")
+"""Flags refused whatever their value, each with its reason in WHY_REFUSED."""
 
 
 def check_tested_value(name: str, values: list[str]) -> None:
     """Refuse a value outside Megatron's choices, or one that would change what is trained."""
-    if name == "cp-comm-type":
-        for value in values:
-            if value not in CP_COMM_TYPES:
-                raise ConfigError(f"--cp-comm-type {value} is not one of Megatron's choices: {', '.join(CP_COMM_TYPES)}")
+    if name in REFUSED_FLAGS:
+        raise ConfigError(f"--{name} is refused: {WHY_REFUSED[name]}")
+    if name == "error-injection-rate" and values[0] != "0":
+        raise ConfigError(f"--{name} {values[0]} is refused: {WHY_REFUSED[name]}")
+    for value in values if name in LIST_CHOICES else ():
+        if value not in LIST_CHOICES[name]:
+            raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(LIST_CHOICES[name])}")
     if name not in CHOICES:
         return
     value, choices = values[0], CHOICES[name]
