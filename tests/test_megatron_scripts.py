@@ -213,17 +213,23 @@ def _get(cfg: Config, key: str):
     return getattr(getattr(cfg, section), name)
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_example_script_dry_runs_with_megatrons_values(name, tmp_path, capfd):
-    flags = SCRIPTS[name]
+def dry_run_with_megatrons_values(name: str, flags: list[tuple[str, list[str]]], tmp_path) -> Config:
+    """Each key a flag maps equals the value derived from Megatron's flags, and `--dry-run` accepts them."""
     args = argv(flags, tmp_path)
     cfg = load_config(None, args)
     for key, value in expected_keys(flags, tmp_path).items():
         assert _get(cfg, key) == value, (name, key, _get(cfg, key), value)
+    assert run_main([*args, "--dry-run"], None, None) == 0
+    return cfg
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_example_script_dry_runs_with_megatrons_values(name, tmp_path, capfd):
+    flags = SCRIPTS[name]
+    cfg = dry_run_with_megatrons_values(name, flags, tmp_path)
     assert cfg.model.position_embedding_type == "rope"
     vocab_multiple = dict(flags).get("--make-vocab-size-divisible-by", ["128"])[0]
     assert padded_vocabulary(cfg, 127) == int(vocab_multiple) * cfg.parallel.tensor_model_parallel_size  # Megatron's rows
-    assert run_main([*args, "--dry-run"], None, None) == 0
     assert logging.getLogger().level == (40 if name == "deepseek_v3" else logging.WARNING)  # --logging-level 40
     out, err = capfd.readouterr()
     assert err == "" and f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}" in out, (out, err)

@@ -15,7 +15,7 @@ from dtgpt.config import load_config
 from dtgpt.config.sections import ConfigError
 from dtgpt.determinism import CPU_NOTE, apply_determinism
 from dtgpt.progress_log import ProgressLog, cumulative_start
-from tests.test_megatron_scripts import TINY_DATA, _f, _get, argv, expected_keys
+from tests.test_megatron_scripts import TINY_DATA, _f, argv, dry_run_with_megatrons_values
 
 CUDA_LABEL = torch.device("cuda")  # a device label only: these tests call no CUDA API (spies and env dicts stand in)
 
@@ -71,12 +71,7 @@ FUNCTIONAL_TESTS = {"multi_dist_optimizer": MULTI_DIST_OPTIMIZER, "cp_a2a_p2p": 
 
 @pytest.mark.parametrize("name", FUNCTIONAL_TESTS)
 def test_functional_test_flags_dry_run_with_megatrons_values(name, tmp_path, capfd):
-    flags = FUNCTIONAL_TESTS[name]
-    args = argv(flags, tmp_path)
-    cfg = load_config(None, args)
-    for key, value in expected_keys(flags, tmp_path).items():
-        assert _get(cfg, key) == value, (name, key, _get(cfg, key), value)
-    assert run_main([*args, "--dry-run"], None, None) == 0
+    dry_run_with_megatrons_values(name, FUNCTIONAL_TESTS[name], tmp_path)
     out, err = capfd.readouterr()
     assert err == "" and "2 layers, hidden 64" in out, (out, err)
 

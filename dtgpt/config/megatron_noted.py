@@ -90,18 +90,24 @@ WHY_REFUSED = {
 }
 
 
-def check_noted_value(name: str, values: list[str]) -> None:
-    """Refuse a value outside Megatron's choices, or one that would change what is trained."""
-    if name not in CHOICES:
-        return
-    value = values[0]
-    choices = CHOICES[name]
+def check_choice(name: str, value: str, choices: dict, why_refused: dict[str, str]) -> None:
+    """Refuse a value outside Megatron's `choices` for flag `name`, or one mapped to a refusal (not None)."""
     if value not in choices:
         raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(choices)}")
     if choices[value] is not None:
-        raise ConfigError(f"--{name} {value} is refused: {WHY_REFUSED[name].format(value=value)}")
+        raise ConfigError(f"--{name} {value} is refused: {why_refused[name].format(value=value)}")
+
+
+def check_noted_value(name: str, values: list[str]) -> None:
+    """Refuse a value outside Megatron's choices, or one that would change what is trained."""
+    if name in CHOICES:
+        check_choice(name, values[0], CHOICES[name], WHY_REFUSED)
+
+
+def note_lines(notes: dict[str, str]) -> list[str]:
+    """The documented notes, a line per flag."""
+    return [f"- `--{name}`: {note}." for name, note in notes.items()]
 
 
 def noted_section() -> list[str]:
-    """The documented notes, a line per flag."""
-    return [f"- `--{name}`: {note}." for name, note in NOTED.items()]
+    return note_lines(NOTED)

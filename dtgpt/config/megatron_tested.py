@@ -11,6 +11,7 @@ saying why. The notes are the "Megatron's functional tests" section of docs/mega
 
 from __future__ import annotations
 
+from dtgpt.config.megatron_noted import check_choice, note_lines
 from dtgpt.config.sections import Config, ConfigError
 
 TESTED_SCRIPTS = [
@@ -167,13 +168,8 @@ def check_tested_value(name: str, values: list[str]) -> None:
     for value in values if name in LIST_CHOICES else ():
         if value not in LIST_CHOICES[name]:
             raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(LIST_CHOICES[name])}")
-    if name not in CHOICES:
-        return
-    value, choices = values[0], CHOICES[name]
-    if value not in choices:
-        raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(choices)}")
-    if choices[value] is not None:
-        raise ConfigError(f"--{name} {value} is refused: {WHY_REFUSED[name].format(value=value)}")
+    if name in CHOICES:
+        check_choice(name, values[0], CHOICES[name], WHY_REFUSED)
 
 
 EVAL_BATCH = "--eval-global-batch-size"
@@ -192,5 +188,4 @@ def check_eval_batch(cfg: Config, ignored: list[str]) -> None:
 
 
 def tested_section() -> list[str]:
-    """The documented notes, a line per flag."""
-    return [f"- `--{name}`: {note}." for name, note in NOTED.items()]
+    return note_lines(NOTED)
