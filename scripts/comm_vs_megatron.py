@@ -11,7 +11,9 @@ runs the same config (fp16/bf16 model, distributed optimizer, SP as configured):
        of the row-parallel output forward; backward, the all-gather of the output gradient, the
        reduce-scatter of the input gradient, and the input all-gathered again for the weight
        gradient (the column-parallel layer keeps only its sequence shard): 3 all-gathers and
-       2 reduce-scatters of b·s·h·e. Without SP: 1 all-reduce each way. The embedding reduce-
+       2 reduce-scatters of b·s·h·e. Without SP: 1 all-reduce each way. Full recomputation
+       replays a recomputed block's whole forward (its checkpoint has no early stop): 2 all-gathers
+       and 2 reduce-scatters (without SP 2 all-reduces) more per block and micro-batch. The embedding reduce-
        scatters (SP) or all-reduces its output; the output layer gathers its input (SP, and again
        in backward) or all-reduces its input gradient; the vocabulary-parallel loss all-reduces
        3 x b·s fp32. With SP the norm weights' gradients: 1 all-reduce of h·g per norm tensor;
@@ -53,6 +55,7 @@ from dtgpt.plan.comm import (  # noqa: E402
     rank_collectives,
     rank_stages,
 )
+from dtgpt.plan.comm_recompute import recomputed_blocks  # noqa: E402
 from dtgpt.plan.comm_moe import expert_shapes, is_moe_block, routed_rows, stage_blocks  # noqa: E402
 from dtgpt.plan.layout import tokenizer_vocab_size  # noqa: E402
 from dtgpt.plan.links import group_size, link_bytes  # noqa: E402
@@ -86,11 +89,12 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
     e, g = c.compute_bytes, c.grad_bytes
     act = c.micro_batch * c.tokens * c.hidden * e
     sub = 2 * blocks * n
+    replayed = sum(len(recomputed_blocks(c, s)) for s in stages) * n  # full recomputation replays each such block's whole forward
     out = []
     if c.tp > 1:
         if c.sequence_parallel:
-            out += [Collective("all_gather", "tp", "sp activations", 3 * sub, act),
-                    Collective("reduce_scatter", "tp", "sp activations", 2 * sub, act)]  # fmt: skip
+            out += [Collective("all_gather", "tp", "sp activations", 3 * sub + 2 * replayed, act),
+                    Collective("reduce_scatter", "tp", "sp activations", 2 * sub + 2 * replayed, act)]  # fmt: skip
             norms = (2 * blocks + (1 if last else 0)) * c.norm_params
             out.append(Collective("all_reduce", "tp", "sp norm weight grads", norms, c.hidden * g))
             if first:
@@ -98,12 +102,12 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
             if last:
                 out += [Collective("all_gather", "tp", "head input", 2 * n, act), Collective("reduce_scatter", "tp", "head", n, act)]
         else:
-            out.append(Collective("all_reduce", "tp", "activations", 2 * sub, act))
+            out.append(Collective("all_reduce", "tp", "activations", 2 * sub + 2 * replayed, act))
             out += [Collective("all_reduce", "tp", "embedding", n, act)] if first else []
             out += [Collective("all_reduce", "tp", "head input grad", n, act)] if last else []
         if c.groups < c.tp:  # fewer key/value groups than ranks: the QKV output gathered, its gradient reduce-scattered
             qkv = c.micro_batch * c.tokens * (c.heads + 2 * c.groups) * c.head_dim * e
-            out += [Collective("all_gather", "tp", "qkv output", blocks * n, qkv), Collective("reduce_scatter", "tp", "qkv output", blocks * n, qkv)]
+            out += [Collective("all_gather", "tp", "qkv output", blocks * n + replayed, qkv), Collective("reduce_scatter", "tp", "qkv output", blocks * n, qkv)]
         if c.qk_norm:  # qk-layernorm weights see their rank's heads: their gradients summed over tp
             out.append(Collective("all_reduce", "tp", "qk norm weight grads", 2 * blocks * c.norm_params, c.head_dim * g))
         if last:
@@ -115,7 +119,7 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
         out += [Collective("send", "pp", "activations", n * boundaries, message), Collective("recv", "pp", "activations", n * boundaries, message)]
     moe = [i for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i)]
     if c.ep > 1 and moe:
-        rerun = len(moe) if c.recompute[0] == "full" else 0  # Megatron's uniform/block full recomputation reruns each block
+        rerun = sum(1 for s in stages for i in recomputed_blocks(c, s) if is_moe_block(c, i))
         rows = routed_rows(c) * c.hidden * e
         out += [Collective("all_to_all", "ep", "dispatch + combine", (4 * len(moe) + 2 * rerun) * n, rows),
                 Collective("all_gather", "ep", "tokens per expert", (len(moe) + rerun) * n, c.ep * c.experts * 8)]  # fmt: skip

@@ -53,8 +53,17 @@ LAYOUTS = {
     "ep2_tp2_sp": {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True},
     "ep2_full": {"expert_model_parallel_size": 2, "recompute_granularity": "full", "recompute_method": "uniform",
                  "recompute_num_layers": 1},
+    "tp2_sp_full": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "full",
+                    "recompute_method": "uniform", "recompute_num_layers": 1},
+    "tp2_full2": {"tensor_model_parallel_size": 2, "recompute_granularity": "full", "recompute_method": "uniform",
+                  "recompute_num_layers": 2},
+    "tp2_sp_up_mlp_ln": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "selective",
+                         "recompute_modules": ["mla_up_proj", "mlp", "layernorm"]},
+    "ep2_moe_act": {"expert_model_parallel_size": 2, "recompute_granularity": "selective", "recompute_modules": ["moe", "moe_act"]},
+    "tp2_sp_moe_act": {"tensor_model_parallel_size": 2, "sequence_parallel": True, "recompute_granularity": "selective",
+                       "recompute_modules": ["moe", "moe_act"]},
 }  # fmt: skip
-RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers")  # [training] keys in a layout
+RECOMPUTE_KEYS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")  # [training] keys in a layout
 # No dropout: context parallelism refuses it under Megatron's RNG (and dropout communicates nothing).
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=4, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
 # A layout name may end in a precision ("tp2_sp_bf16", "tp2_sp_fp32"). Those runs use a wider model, whose every
@@ -102,9 +111,16 @@ MTP_MOE = "mtp_moe_"
 MTP_MOE_MODEL = {**MOE_MODEL, "mtp_num_layers": 1}
 
 
+# "drop_": the tiny GPT with hidden dropout, whose mask keeps a recomputed group's last output collective in its replay;
+# "shared_": the MoE model with a shared expert (a tensor-parallel MLP beside the routed experts).
+DROP, SHARED = "drop_", "shared_"
+DROP_MODEL = {**MODEL, "hidden_dropout": 0.1}
+SHARED_MODEL = {**MOE_MODEL, "moe_shared_expert_intermediate_size": 16}
+
+
 def _model(name: str, precision: str | None) -> dict:
-    for prefix, model in ((LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL), (MLA, MLA_MODEL), (MTP_MOE, MTP_MOE_MODEL),
-                          (MTP, MTP_MODEL)):  # fmt: skip
+    for prefix, model in ((DROP, DROP_MODEL), (SHARED, SHARED_MODEL), (LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL),
+                          (MLA, MLA_MODEL), (MTP_MOE, MTP_MOE_MODEL), (MTP, MTP_MODEL)):  # fmt: skip
         if name.startswith(prefix):
             return model
     return MODEL if precision is None else LOW_PRECISION_MODEL
@@ -112,8 +128,10 @@ def _model(name: str, precision: str | None) -> dict:
 
 def split_name(name: str) -> tuple[str, str | None]:
     """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
-    without the "llama_", "mqa_" or "moe_" model prefix)."""
-    bare = name.removeprefix(LLAMA).removeprefix(MQA).removeprefix(MOE).removeprefix(MLA).removeprefix(MTP_MOE).removeprefix(MTP)
+    without a model prefix: "llama_", "mqa_", "moe_", ...)."""
+    bare = name
+    for prefix in (DROP, SHARED, LLAMA, MQA, MOE, MLA, MTP_MOE, MTP):
+        bare = bare.removeprefix(prefix)
     base, _, suffix = bare.rpartition("_")
     return (base, suffix) if suffix in PRECISIONS else (bare, None)
 

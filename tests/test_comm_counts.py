@@ -29,7 +29,8 @@ LAUNCHES = {
     2: ["dp2", "dp2_zero3", "tp2", "tp2_sp", "pp2_1f1b", "pp2_interleaved", "cp2",
         "dp2_bf16", "dp2_bf16r", "tp2_sp_bf16", "pp2_1f1b_bf16", "cp2_bf16", "dp2_fp16", "tp2_sp_fp32", "pp2_1f1b_fp32", "llama_tp2",
         "mqa_tp2", "moe_ep2", "moe_ep2_full", "moe_tp2_sp", "mla_tp2_sp", "mla_cp2", "mtp_dp2", "mtp_cp2", "mtp_pp2_1f1b",
-        "mtp_tp2", "mtp_tp2_sp", "mtp_moe_ep2", "mtp_moe_tp2_sp"],
+        "mtp_tp2", "mtp_tp2_sp", "mtp_moe_ep2", "mtp_moe_tp2_sp",
+        "tp2_sp_full", "drop_tp2_full2", "mla_tp2_sp_up_mlp_ln", "moe_ep2_moe_act", "shared_tp2_sp_moe_act"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
         "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp", "moe_dp2_tp2_sp",
         "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp"],
@@ -80,9 +81,22 @@ def test_experts_exchange_tokens_and_shard_over_the_remaining_ranks(counted):
     assert a2a[0] == 5 * MODEL["num_layers"] and a2a[1] > 0
     gathers = ranks[0]["counts"]["moe_ep2"]["1"]["all_gather"][0]
     assert gathers == MODEL["num_layers"] + 1 + (MODEL["num_layers"] if world == 4 else 0)
-    if world == 2:  # full recomputation dispatches again: 1 count and 2 token exchanges more per layer
-        rerun = ranks[0]["counts"]["moe_ep2_full"]["1"]["all_to_all"]
-        assert rerun[0] == a2a[0] + 3 * MODEL["num_layers"]
+    if world == 2:  # full recomputation, selective 'moe': 1 count and 2 token exchanges more per layer
+        for name in ("moe_ep2_full", "moe_ep2_moe_act"):
+            assert ranks[0]["counts"][name]["1"]["all_to_all"][0] == a2a[0] + 3 * MODEL["num_layers"]
+
+
+def test_full_recomputation_replays_the_blocks_tp_collectives(counted):
+    """tp2 + SP, every block its own recomputed group: each block gathers its two sub-layers' inputs
+    again, and reduce-scatters its attention's output again; its MLP's output feeds nothing backward
+    keeps, so the replay stops before that reduce-scatter."""
+    world, ranks = counted
+    if world != 2:
+        pytest.skip("tp2_sp_full runs in the 2-rank launch")
+    plain, full = ranks[0]["counts"]["tp2_sp"]["1"], ranks[0]["counts"]["tp2_sp_full"]["1"]
+    layers = MODEL["num_layers"]
+    assert full["all_gather"][0] == plain["all_gather"][0] + 2 * layers
+    assert full["reduce_scatter"][0] == plain["reduce_scatter"][0] + layers
 
 
 def test_tp_sums_router_and_expert_grads_in_one_bucket(counted):

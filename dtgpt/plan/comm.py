@@ -33,6 +33,7 @@ below counts the rank's s/cp tokens):
                  h elements per iteration (g bytes each, e with a single micro-batch) under FSDP;
                  without it, all such pending sums (and the MoE router's and experts') in 1
                  all-reduce per iteration.
+  recomputation  a recomputed forward's collectives again: dtgpt.plan.comm_recompute.
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
   MoE, MTP       the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
@@ -49,8 +50,8 @@ from dataclasses import dataclass
 
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
-from dtgpt.parallel.recompute import recompute_groups
-from dtgpt.plan import comm_embedding, comm_mla, comm_moe, comm_mtp, comm_tp_grads
+from dtgpt.config.recompute_rules import selective_modules
+from dtgpt.plan import comm_embedding, comm_mla, comm_moe, comm_mtp, comm_recompute, comm_tp_grads
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
@@ -101,7 +102,9 @@ class CommLayout:
     reshard_every_micro_batch: bool
     layer_counts: tuple[int, ...]
     recompute: tuple[str | None, str | None, int | None] = (None, None, None)
-    """Megatron's (granularity, method, num_layers): which attention cores backward re-runs."""
+    """Megatron's (granularity, method, num_layers), and what 'selective' recomputes (dtgpt.plan.comm_recompute)."""
+    recompute_modules: tuple[str, ...] = ()
+    dropout: bool = False  # hidden dropout keeps a mask after each sub-layer
     heads: int = 0
     """Query heads, key/value groups and channels per head (GPT-3: groups = heads, head_dim = h / heads)."""
     groups: int = 0
@@ -147,6 +150,7 @@ class CommLayout:
             reshard_every_micro_batch=fsdp_reshards_after_forward(cfg),
             layer_counts=tuple(stage_layer_counts(cfg)) if pp > 1 else (m.num_layers,),
             recompute=(t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
+            recompute_modules=selective_modules(t), dropout=m.hidden_dropout > 0,
             heads=m.num_attention_heads, groups=m.query_groups, head_dim=m.head_dim, swiglu=m.swiglu,
             bias=m.add_bias_linear, qkv_bias=m.qkv_bias, qk_norm=m.qk_layernorm, latent=comm_mla.Latent.of(m), mtp=m.mtp_depth,
             experts=m.num_experts or 0, topk=m.moe_router_topk if m.moe_enabled else 0, moe_layer_freq=m.moe_layer_freq,
@@ -276,7 +280,8 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     act = residual = c.micro_batch * c.tokens * c.hidden * c.compute_bytes
     blocks = sum(c.layer_counts[s] for s in stages) + comm_mtp.mtp_blocks(c, stages)
     moe = comm_moe.moe_layers_held(c, stages)
-    sublayers = (2 * blocks - moe) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
+    shared = moe if c.shared_ffn else 0  # a shared expert is a tensor-parallel MLP
+    sublayers = (2 * blocks - moe + shared) * n_micro  # an MoE layer routes the rank's own tokens: no SP around it
     inputs = sublayers - (blocks * n_micro if c.latent is not None else 0)  # MLA reads the rank's own tokens
     out = []
     if c.sequence_parallel:
@@ -312,26 +317,6 @@ def tp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
     return out
 
 
-def recomputed_blocks(c: CommLayout, stage: int) -> list[int]:
-    """The global indices of a stage's blocks whose whole forward backward runs again (full recomputation)."""
-    granularity, method, num_layers = c.recompute
-    if granularity != "full":
-        return []
-    blocks = comm_moe.stage_blocks(c, stage)
-    return [blocks[int(n)] for g in recompute_groups([str(i) for i in range(len(blocks))], method, num_layers) for n in g]
-
-
-def recomputed_cores(c: CommLayout, stage: int) -> int:
-    """Blocks of a stage whose attention core backward runs again (selective, or full recomputation)."""
-    granularity, method, num_layers = c.recompute
-    blocks = c.layer_counts[stage]
-    if granularity == "selective":
-        return blocks
-    if granularity == "full":
-        return sum(len(g) for g in recompute_groups([str(i) for i in range(blocks)], method, num_layers))
-    return 0
-
-
 def cp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Collective]:
     """The attention core gathers keys and values (this rank's heads, the whole sequence) and
     reduce-scatters their gradients; a recomputed core gathers them again."""
@@ -339,7 +324,7 @@ def cp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Colle
         return []
     gathered = c.micro_batch * c.seq * c.groups * c.head_dim // c.tp * c.compute_bytes  # this rank's key/value groups
     blocks = sum(c.layer_counts[s] for s in stages)
-    rerun = sum(recomputed_cores(c, s) for s in stages)
+    rerun = sum(comm_recompute.recomputed_cores(c, s) for s in stages)
     if c.latent is not None:
         return comm_mla.latent_cp_collectives(c, Collective, (blocks + rerun) * n_micro, blocks * n_micro)
     return [
@@ -384,8 +369,9 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
         + tp_collectives(c, stages, n_micro)
         + cp_collectives(c, stages, n_micro) + comm_mtp.mtp_cp_collectives(c, stages, n_micro, Collective)
         + pp_collectives(c, stages, n_micro)
-        + comm_moe.all_to_all_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
-        + comm_moe.sequence_collectives(c, stages, n_micro, lambda s: recomputed_blocks(c, s), Collective)
+        + comm_recompute.tp_replay_collectives(c, stages, n_micro, Collective)
+        + comm_moe.all_to_all_collectives(c, stages, n_micro, comm_recompute.rerun_moe_layers(c, stages), Collective)
+        + comm_moe.sequence_collectives(c, stages, n_micro, comm_recompute.rerun_moe_layers(c, stages), Collective)
         + step_collectives(c, stages)
     )
 

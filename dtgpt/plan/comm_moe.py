@@ -8,8 +8,8 @@ micro-batch (each tp rank routes its own sequence chunk under SP), per MoE layer
        the per-expert counts (E int64) forward (padded to capacity, none: the sizes are static),
        then the routed rows, R·h·e bytes each (R = N·k dropless, E·capacity when padded to
        capacity, at most N·k when a capacity drops tokens): dispatch and combine forward, the
-       same two backward; a recomputed block (full recomputation) runs its forward again, counts
-       and both exchanges. Each rank sends its own R rows; what it receives depends on the
+       same two backward; a recomputed MoE layer (full recomputation, selective 'moe') runs its
+       forward again, counts and both exchanges (dtgpt.plan.comm_recompute). Each rank sends its own R rows; what it receives depends on the
        routing, so R·h·e is the mean over the ep ranks (their sum is exact).
   under tp (+ SP) and cp: the router and the experts run on the rank's own tokens, so an MoE
        block has no SP gather/scatter around its MLP (only the attention's); the router's
@@ -161,13 +161,12 @@ def expert_fsdp_collectives(c, stages: list[int], collective) -> list:
     return out
 
 
-def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
-    """Expert parallelism's token exchange (module docstring); `rerun_blocks(stage)`: the global
-    indices of the stage's blocks whose forward backward runs again."""
+def all_to_all_collectives(c, stages: list[int], n_micro: int, rerun: int, collective) -> list:
+    """Expert parallelism's token exchange (module docstring); `rerun`: the MoE layers whose
+    forward backward runs again (dtgpt.plan.comm_recompute)."""
     if c.ep == 1 or c.experts == 0:
         return []
-    layers = moe_layers_held(c, stages)  # a module's block is never recomputed
-    rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
+    layers = moe_layers_held(c, stages)
     rows = routed_rows(c) * c.hidden * c.compute_bytes
     static = c.capacity_factor is not None and c.pad_to_capacity
     counts = [] if static else [collective("all_to_all", "ep", "tokens per expert fwd", (layers + rerun) * n_micro, 8 * c.experts)]
@@ -189,13 +188,12 @@ def routing_stats_numel(c) -> int:
     return losses * (layers if c.per_layer_logging else 1) + layers * (c.experts + 1)
 
 
-def sequence_collectives(c, stages: list[int], n_micro: int, rerun_blocks, collective) -> list:
-    """tp and cp's MoE terms (module docstring): the router's load counts and the gradients of the
-    parameters tp replicates (router, experts)."""
+def sequence_collectives(c, stages: list[int], n_micro: int, rerun: int, collective) -> list:
+    """tp and cp's MoE terms (module docstring): the router's load counts (`rerun` MoE layers'
+    again) and the gradients of the parameters tp replicates (router, experts)."""
     if c.experts == 0:
         return []
-    layers = moe_layers_held(c, stages)  # a module's block is never recomputed
-    rerun = sum(1 for s in stages for i in rerun_blocks(s) if is_moe_block(c, i))
+    layers = moe_layers_held(c, stages)
     out = []
     tp = c.tp if c.sequence_parallel else 1
     if c.cp * tp > 1 and c.load_balancing != "none" and c.aux_loss_coeff > 0:
