@@ -25,7 +25,10 @@ block, as the last layer), its router weights, expert biases and norms drawn wid
   another seed (with the Transformer Engine names), loads it with dist_checkpointing and writes
   ROOT/loaded_logits.pt, ROOT/loaded_loss.pt and ROOT/loaded_mtp_loss.pt;
 - if ROOT/from_dtgpt_per_rank holds per-rank files (to-megatron --format per-rank --tp 2), each
-  rank loads its own with a strict load_state_dict and writes ROOT/loaded_per_rank_*.pt likewise.
+  rank loads its own with a strict load_state_dict and writes ROOT/loaded_per_rank_*.pt likewise;
+- at pp 2, its stages' per-rank files (pipeline_stages below);
+- with its distributed optimizer at ep 2, a checkpoint carrying Adam state and the next step's
+  (ROOT/megatron_adam, ROOT/megatron_adam_stepped: tests/megatron_mla_adam.py).
 
 megatron-core runs with tests/megatron_moe_gpt.py's CPU patches and the two of tests/test_mla.py
 (its local core attention without the k_channels/v_channels keywords, HAVE_TE False in its MLA module).
@@ -97,9 +100,9 @@ def _layer_spec(num_experts: int | None, te_names: bool):
     return spec
 
 
-def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = None):
+def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = None, ep: int = 1):
     """The model at tp (pp 1), or this rank's pipeline stage at pp 2 (the first stage one layer,
-    the dense one: Megatron's decoder_first_pipeline_num_layers=1)."""
+    the dense one: Megatron's decoder_first_pipeline_num_layers=1); the experts over ep."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -108,7 +111,7 @@ def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = N
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     stages = dict(pipeline_model_parallel_size=pp, num_layers_in_first_pipeline_stage=1, pipeline_dtype=torch.float32) if pp > 1 else {}
     config = MLATransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
@@ -117,7 +120,7 @@ def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = N
         persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, kv_channels=LATENT["v_head_dim"], num_moe_experts=EXPERTS,
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, original_max_position_embeddings=4096,
-        moe_layer_freq=MOE_LAYERS, **MTP, **DENSE, **LATENT, **MOE, **stages,
+        moe_layer_freq=MOE_LAYERS, expert_model_parallel_size=ep, **MTP, **DENSE, **LATENT, **MOE, **stages,
     )  # fmt: skip
     specs = [_layer_spec(EXPERTS if moe else None, te_names) for moe in MOE_LAYERS]
     offset = get_transformer_layer_offset(config)
@@ -214,6 +217,8 @@ def main(root: Path) -> None:
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
+    from tests.megatron_mla_adam import adam_oracle  # it builds on this module's model
+
     patch_megatron()
     moe_utils.te_general_gemm = None
     multi_latent_attention.HAVE_TE = False  # its adapter imports without Transformer Engine (TELinear None)
@@ -254,6 +259,7 @@ def main(root: Path) -> None:
     dist.barrier()
     parallel_state.destroy_model_parallel()
     pipeline_stages(root, state)
+    adam_oracle(root, state)  # last: its CPU patches of the optimizer stay
     dist.destroy_process_group()
 
 
