@@ -9,7 +9,9 @@ rows (make_vocab_size_divisible_by 32). It:
 - steps once (the iteration that ends at the checkpoint), on mock samples 0-7, each dp rank its 4;
 - saves model and optimizer as Megatron-LM does with --dist-ckpt-optim-fully-reshardable (its
   content metadata, chained_optim_avoid_prefix included) under ROOT/megatron_adam, iteration 7,
-  with its own OptimizerParamScheduler's state at 48 samples;
+  with its own OptimizerParamScheduler's state at 48 samples; and the same without
+  chained_optim_avoid_prefix (each optimizer's tensors under chained_<i>., as Megatron-LM saved
+  them before July 2025) under ROOT/megatron_adam_chained;
 - steps once more, as Megatron-LM's train_step does (forward-backward, finalize_model_grads with
   its expert-bias update, optimizer step, scheduler step), on the global batch a dtgpt run resumed
   at 56 consumed samples trains on first, and saves that under ROOT/megatron_adam_stepped
@@ -100,13 +102,14 @@ def train_step(ddp, optimizer, scheduler, batch: torch.Tensor) -> torch.Tensor:
     return torch.cat([losses, torch.tensor([float(grad_norm)])])
 
 
-def save(ddp, optimizer, scheduler, directory: Path, state: dict) -> None:
+def save(ddp, optimizer, scheduler, directory: Path, state: dict, avoid_prefix: bool = True) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     # Megatron-LM's content metadata (checkpointing._build_sharded_state_dict_metadata) with
     # --dist-ckpt-optim-fully-reshardable: model-space optimizer tensors, chained ones unprefixed
+    # (avoid_prefix False: chained_<i>.optimizer.state.*, as before Megatron-LM set it)
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
-                "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "singleton_local_shards": False, "chained_optim_avoid_prefix": avoid_prefix,
                 "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}  # fmt: skip
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
@@ -134,7 +137,8 @@ def adam_oracle(root: Path, state: dict) -> None:
     train_step(ddp, optimizer, scheduler, mock_batch(0))
     args = dict(vars(state["args"]), expert_model_parallel_size=ep, tensor_model_parallel_size=1, padded_vocab_size=ROWS,
                 make_vocab_size_divisible_by=DIVISIBLE_BY, use_distributed_optimizer=True)  # fmt: skip
-    save(ddp, optimizer, scheduler, root / "megatron_adam" / f"iter_{ITERATION:07d}", {**state, "args": argparse.Namespace(**args)})
+    for name, avoid_prefix in (("megatron_adam", True), ("megatron_adam_chained", False)):
+        save(ddp, optimizer, scheduler, root / name / f"iter_{ITERATION:07d}", {**state, "args": argparse.Namespace(**args)}, avoid_prefix)
     step = train_step(ddp, optimizer, scheduler, mock_batch(CONSUMED))
     args["consumed_train_samples"] = CONSUMED + GLOBAL_BATCH
     stepped = {**state, "iteration": ITERATION + 1, "args": argparse.Namespace(**args)}

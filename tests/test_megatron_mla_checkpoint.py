@@ -245,7 +245,10 @@ ADAM_RUN = [*(arg for arg in TRAIN_ON if not arg.startswith(("--optimizer.", "--
 with its optimizer, LR schedule and loss: Megatron-LM's default, the mean of micro-batch means, whose
 MTP term divides each depth's token losses by that depth's own token count (T - 1 a sequence at
 depth 1); dtgpt's default per-token loss divides them by the LM loss's (T), 3% less gradient here."""
-ADAM_ON = {"adam_one": (1, []), "adam_pp2": TRAINED_ON["pp2"]}
+ADAM_ON = {"adam_one": (1, [], "megatron_adam"), "adam_pp2": (*TRAINED_ON["pp2"], "megatron_adam"),
+           "adam_chained": (1, [], "megatron_adam_chained")}  # fmt: skip
+"""run: (ranks, mesh, the checkpoint it resumes from); megatron_adam_chained: the chained
+optimizers' tensors under the prefixes megatron-core gave them before chained_optim_avoid_prefix."""
 
 
 def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,9 +274,9 @@ def mla_on_dtgpt_meshes(mla_root, tmp_path_factory) -> dict:
         directories[name] = tmp_path_factory.mktemp(name)
         argv = run_args(directories[name], [*mesh, f"--checkpoint.load={mla_root / 'megatron'}"], name, TRAIN_ON, 0)
         commands.append(Command(name, directories[name], argv, nproc))
-    for name, (nproc, mesh) in ADAM_ON.items():
+    for name, (nproc, mesh, saved) in ADAM_ON.items():
         directories[name] = tmp_path_factory.mktemp(name)
-        argv = run_args(directories[name], [*mesh, f"--checkpoint.load={mla_root / 'megatron_adam'}"], name, ADAM_RUN, 0)
+        argv = run_args(directories[name], [*mesh, f"--checkpoint.load={mla_root / saved}"], name, ADAM_RUN, 0)
         commands.append(Command(name, directories[name], argv, nproc))
     return {**launch_commands(commands), "directories": directories}
 
@@ -335,17 +338,18 @@ def test_megatron_mla_moe_mtp_adam_state_loads_and_steps_on_as_megatron_core(mla
     """megatron-core's distributed optimizer (dense and expert optimizers chained, dp 2 x ep 2)
     saves the MLA + MoE + MTP model with its Adam state, then takes its next step; train.py
     resumed from the saved checkpoint (one process; pp 2, the MTP block and its copy of the
-    embedding on the last stage) takes the same step: its LR from the
-    checkpoint's schedule, the same LM loss, MTP loss and gradient norm, and after it the same
-    weights, master weights, Adam moments and expert biases, tensor by tensor (to-megatron puts
-    dtgpt's in megatron-core's keys)."""
+    embedding on the last stage; one process from the chained_<i>.-prefixed save) takes the same
+    step: its LR from the checkpoint's schedule, the same LM loss, MTP loss and gradient norm, and
+    after it the same weights, master weights, Adam moments and expert biases, tensor by tensor
+    (to-megatron puts dtgpt's in megatron-core's keys)."""
     output = mla_on_dtgpt_meshes[name].checked()
     assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in output
-    assert f"loaded Megatron checkpoint {mla_root / 'megatron_adam'}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
+    saved = mla_root / ADAM_ON[name][2]
+    assert f"loaded Megatron checkpoint {saved}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
     directory = mla_on_dtgpt_meshes["directories"][name]
     run = read_run(directory, name)
     assert run["iteration"] == [ITERATION + 1] and run["consumed_samples"] == [CONSUMED + 8]
-    groups = MegatronReader(find(mla_root / "megatron_adam")).common["optimizer"][0]["optimizer"]["param_groups"]
+    groups = MegatronReader(find(saved)).common["optimizer"][0]["optimizer"]["param_groups"]
     assert run["lr"][0] == pytest.approx(groups[0]["lr"], rel=1e-12)  # cosine decay at 48 samples: 5.5e-4
     loss, mtp_loss, grad_norm = torch.load(mla_root / "adam_step.pt", weights_only=True).tolist()
     assert run["loss"][0] == pytest.approx(loss, rel=1e-6) and run["mtp_1 loss"][0] == pytest.approx(mtp_loss, rel=1e-6)
