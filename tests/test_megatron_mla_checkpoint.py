@@ -53,6 +53,9 @@ MODEL = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, s
              moe_layer_freq=str(MOE_LAYERS), **MTP, **DENSE, **LATENT, **MOE)  # fmt: skip
 
 
+TIED = {**MODEL, "untie_embeddings_and_output_weights": False}
+
+
 def model_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**{**MODEL, **overrides})
 
@@ -98,6 +101,8 @@ def mla_root(tmp_path_factory) -> Path:
     per_rank = ["--format", "per-rank", "--tp", "2"]
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_pp2"), *PP2]) == 0
+    save_dtgpt(root / "dtgpt_tied", TIED)  # megatron-core's tied stages load its pp 2 files
+    assert load_script().main(["to-megatron", str(root / "dtgpt_tied"), str(root / "from_dtgpt_tied_pp2"), *PP2]) == 0
     torch.save(first_batch(), root / "batch.pt")  # megatron-core's losses on it: batch_losses.pt
     launch(SCRIPT, root)
     return root
@@ -211,6 +216,14 @@ def test_dtgpt_pp2_per_rank_files_equal_megatron_cores_own_save_at_pp2(mla_root,
                                str(layout.iteration_dir(mla_root / "dtgpt", 3) / "config.toml")]) == 0  # fmt: skip
     assert load_script().main(["to-megatron", str(tmp_path / "d"), str(tmp_path / "m"), *PP2]) == 0
     ours, theirs = find(tmp_path / "m"), find(mla_root / "megatron_pp2")
+    mine = assert_same_stage_files(ours, theirs)
+    assert "decoder.layers.2.mlp.router.weight" not in mine and "decoder.layers.1.mlp.router.weight" in mine
+    assert [(mla_root / f"loaded_pp2_{r}.ok").read_text() for r in range(2)] == ["strict", "strict"]
+    assert_same_outputs(head_outputs(load_megatron_model(theirs, model_cfg(), ROWS)), mla_root)
+
+
+def assert_same_stage_files(ours: Path, theirs: Path) -> dict:
+    """Two pp 2 per-rank iterations hold the same keys and tensors, stage by stage; the last stage's model."""
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
     for stage in ("mp_rank_00_000", "mp_rank_00_001"):
         mine, megatron = (load_pickle(d / stage / PER_RANK_FILE)["model"] for d in (ours, theirs))
@@ -218,9 +231,28 @@ def test_dtgpt_pp2_per_rank_files_equal_megatron_cores_own_save_at_pp2(mla_root,
         for key, value in megatron.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(mine[key], value), (stage, key)
-    assert "decoder.layers.2.mlp.router.weight" not in mine and "decoder.layers.1.mlp.router.weight" in mine
-    assert [(mla_root / f"loaded_pp2_{r}.ok").read_text() for r in range(2)] == ["strict", "strict"]
-    assert_same_outputs(head_outputs(load_megatron_model(theirs, model_cfg(), ROWS)), mla_root)
+    return mine
+
+
+@pytest.mark.slow
+def test_tied_pp2_per_rank_files_load_both_ways_with_equal_logits(mla_root):
+    """With the head tied to the word embedding, at pp 2: megatron-core's two tied stages each load
+    their file of dtgpt's to-megatron --format per-rank --pp 2 strictly and, run as a pipeline,
+    give dtgpt's logits of the main model and of the MTP depth; and dtgpt reads the stages' own
+    per-rank save back into those logits, whose last stage holds an output_layer.weight that is
+    not the embedding (megatron-core reads the head from the MTP block's embedding copy and leaves
+    that tensor at its init: dtgpt must not read it)."""
+    saved = layout.iteration_dir(mla_root / "dtgpt_tied", 3)
+    ours = head_outputs(load_model(saved, read_config(saved)))
+    theirs = torch.load(mla_root / "loaded_tied_pp2_logits.pt", weights_only=True)
+    assert ours.shape == theirs.shape
+    megatrons = find(mla_root / "megatron_tied_pp2")
+    last = load_pickle(megatrons / "mp_rank_00_001" / PER_RANK_FILE)["model"]
+    assert not torch.equal(last["output_layer.weight"], last["embedding.word_embeddings.weight"])
+    back = head_outputs(load_megatron_model(megatrons, model_cfg(**TIED), ROWS))
+    for depth in range(len(ours)):
+        assert relative_error(ours[depth], theirs[depth]) < 1e-5, depth
+        assert relative_error(back[depth], theirs[depth]) < 1e-5, depth
 
 
 LOADED_LAYOUTS = ("tp2", "pp2", "ep2")
