@@ -25,7 +25,11 @@ block, as the last layer), its router weights, expert biases and norms drawn wid
   another seed (with the Transformer Engine names), loads it with dist_checkpointing and writes
   ROOT/loaded_logits.pt, ROOT/loaded_loss.pt and ROOT/loaded_mtp_loss.pt;
 - if ROOT/from_dtgpt_per_rank holds per-rank files (to-megatron --format per-rank --tp 2), each
-  rank loads its own with a strict load_state_dict and writes ROOT/loaded_per_rank_*.pt likewise.
+  rank loads its own with a strict load_state_dict and writes ROOT/loaded_per_rank_*.pt likewise;
+- at pp 2, its stages' per-rank files (pipeline_stages below), and given ROOT/from_dtgpt_tied_pp2
+  (dtgpt's model with a tied head, to-megatron --pp 2) its tied stages' logits (tied_stages);
+- with its distributed optimizer at ep 2, a checkpoint carrying Adam state and the next step's
+  (ROOT/megatron_adam, ROOT/megatron_adam_stepped: tests/megatron_mla_adam.py).
 
 megatron-core runs with tests/megatron_moe_gpt.py's CPU patches and the two of tests/test_mla.py
 (its local core attention without the k_channels/v_channels keywords, HAVE_TE False in its MLA module).
@@ -97,9 +101,10 @@ def _layer_spec(num_experts: int | None, te_names: bool):
     return spec
 
 
-def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = None):
+def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = None, ep: int = 1, tied: bool = False):
     """The model at tp (pp 1), or this rank's pipeline stage at pp 2 (the first stage one layer,
-    the dense one: Megatron's decoder_first_pipeline_num_layers=1)."""
+    the dense one: Megatron's decoder_first_pipeline_num_layers=1); the experts over ep; the
+    head tied to the word embedding with `tied`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -108,7 +113,7 @@ def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = N
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     stages = dict(pipeline_model_parallel_size=pp, num_layers_in_first_pipeline_stage=1, pipeline_dtype=torch.float32) if pp > 1 else {}
     config = MLATransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
@@ -117,7 +122,7 @@ def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = N
         persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, kv_channels=LATENT["v_head_dim"], num_moe_experts=EXPERTS,
         moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, original_max_position_embeddings=4096,
-        moe_layer_freq=MOE_LAYERS, **MTP, **DENSE, **LATENT, **MOE, **stages,
+        moe_layer_freq=MOE_LAYERS, expert_model_parallel_size=ep, **MTP, **DENSE, **LATENT, **MOE, **stages,
     )  # fmt: skip
     specs = [_layer_spec(EXPERTS if moe else None, te_names) for moe in MOE_LAYERS]
     offset = get_transformer_layer_offset(config)
@@ -125,7 +130,7 @@ def build(tp: int, seed: int, te_names: bool, pp: int = 1, vocab: int | None = N
     block = TransformerBlockSubmodules(layer_specs=own, layer_norm=specs[0].submodules.input_layernorm)  # the final norm
     torch.manual_seed(seed)
     model = GPTModel(config, block, vocab_size=vocab or padded_vocab(tp), max_sequence_length=SEQ,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                      pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
                      mtp_block_spec=get_gpt_mtp_block_spec(config, block, use_transformer_engine=False))  # fmt: skip
     draw_wide(model, seed)
@@ -214,6 +219,8 @@ def main(root: Path) -> None:
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
+    from tests.megatron_mla_adam import adam_oracle  # it builds on this module's model
+
     patch_megatron()
     moe_utils.te_general_gemm = None
     multi_latent_attention.HAVE_TE = False  # its adapter imports without Transformer Engine (TELinear None)
@@ -240,20 +247,21 @@ def main(root: Path) -> None:
     dtgpt_out = root / "from_dtgpt"
     if dtgpt_out.is_dir():
         other = build(tp, 99, te_names=True)
-        iteration = int((dtgpt_out / "latest_checkpointed_iteration.txt").read_text())
-        loaded = dist_checkpointing.load(other.sharded_state_dict(), str(dtgpt_out / f"iter_{iteration:07d}"))
+        loaded = dist_checkpointing.load(other.sharded_state_dict(), str(iteration_dir(dtgpt_out)))
         other.load_state_dict(loaded, strict=False)
         record(other, root, "loaded_")
     per_rank = root / "from_dtgpt_per_rank"
     if per_rank.is_dir():  # Megatron-LM's legacy load: each rank its own file, strictly
         other = build(tp, 99, te_names=False)
-        iteration = int((per_rank / "latest_checkpointed_iteration.txt").read_text())
-        own = per_rank / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        own = iteration_dir(per_rank) / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
         other.load_state_dict(torch.load(own, weights_only=False)["model"], strict=True)
         record(other, root, "loaded_per_rank_")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     pipeline_stages(root, state)
+    if (root / "from_dtgpt_tied_pp2").is_dir():
+        tied_stages(root, state)
+    adam_oracle(root, state)  # last: its CPU patches of the optimizer stay
     dist.destroy_process_group()
 
 
@@ -268,7 +276,7 @@ def pipeline_stages(root: Path, state: dict) -> None:
     torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
     stage = build(1, 7, te_names=False, pp=2, vocab=padded_vocab(2))
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}  # the MTP stage's embedding copy asks
-    loaded = dist_checkpointing.load(stage.sharded_state_dict(metadata=metadata), str(root / "megatron" / f"iter_{ITERATION:07d}"))
+    loaded = dist_checkpointing.load(stage.sharded_state_dict(metadata=metadata), str(iteration_dir(root / "megatron")))
     stage.load_state_dict(loaded, strict=False)
     args = argparse.Namespace(**{**vars(state["args"]), "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
                                  "decoder_first_pipeline_num_layers": 1})  # fmt: skip
@@ -280,12 +288,56 @@ def pipeline_stages(root: Path, state: dict) -> None:
     dtgpt_pp2 = root / "from_dtgpt_pp2"
     if dtgpt_pp2.is_dir():  # each stage its own file, strictly: every key, shape and _extra_state
         other = build(1, 99, te_names=False, pp=2, vocab=padded_vocab(2))
-        iteration = int((dtgpt_pp2 / "latest_checkpointed_iteration.txt").read_text())
-        own = dtgpt_pp2 / f"iter_{iteration:07d}" / f"mp_rank_00_{rank:03d}" / "model_optim_rng.pt"
-        other.load_state_dict(torch.load(own, weights_only=False)["model"], strict=True)
+        other.load_state_dict(torch.load(stage_file(dtgpt_pp2), weights_only=False)["model"], strict=True)
         (root / f"loaded_pp2_{rank}.ok").write_text("strict")
     dist.barrier()
     parallel_state.destroy_model_parallel()
+
+
+def tied_stages(root: Path, state: dict) -> None:
+    """megatron-core's two stages at pp 2 of the model with its head tied to the word embedding:
+    each loads its file of dtgpt's to-megatron --pp 2 (ROOT/from_dtgpt_tied_pp2) strictly; run as
+    a pipeline, the last writes the head's logits (the main model's, then the MTP depth's) to
+    ROOT/loaded_tied_pp2_logits.pt. That stage reads the head from the embedding copy its MTP block
+    uses; the output_layer.weight it also builds (and saves per rank) is never used nor trained, so
+    its per-rank save, ROOT/megatron_tied_pp2, keeps that tensor at its own init, as a Megatron-LM
+    run's files do. (megatron-core 0.16.1 saves no torch_dist of these stages: its
+    sharded_state_dict asserts the MTP stage has no output_layer.weight.)"""
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    stage = build(1, 99, te_names=False, pp=2, vocab=padded_vocab(2), tied=True)
+    unused_head = stage.output_layer.weight.detach().clone() if rank == 1 else None
+    stage.load_state_dict(torch.load(stage_file(root / "from_dtgpt_tied_pp2"), weights_only=False)["model"], strict=True)
+    stage.eval()
+    with torch.no_grad():
+        if rank == 0:
+            dist.send(stage(*inputs()).contiguous(), dst=1)
+        else:
+            hidden = torch.empty(tokens().shape[1], tokens().shape[0], HIDDEN)  # (T, B, H), Megatron's
+            dist.recv(hidden, src=0)
+            stage.set_input_tensor(hidden)
+            torch.save(head_outputs(stage), root / "loaded_tied_pp2_logits.pt")
+            stage.output_layer.weight.copy_(unused_head)
+    args = argparse.Namespace(**{**vars(state["args"]), "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                                 "decoder_first_pipeline_num_layers": 1, "untie_embeddings_and_output_weights": False})  # fmt: skip
+    rank_dir = root / "megatron_tied_pp2" / f"iter_{ITERATION:07d}" / f"mp_rank_00_{rank:03d}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": stage.state_dict_for_save_checkpoint(), **state, "args": args}, rank_dir / "model_optim_rng.pt")
+    if rank == 0:
+        (root / "megatron_tied_pp2" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
+
+def stage_file(saved: Path) -> Path:
+    """This rank's file (tp 1, pp stage = rank) of the iteration latest_checkpointed_iteration.txt names."""
+    return iteration_dir(saved) / f"mp_rank_00_{dist.get_rank():03d}" / "model_optim_rng.pt"
+
+
+def iteration_dir(saved: Path) -> Path:
+    """The iteration directory latest_checkpointed_iteration.txt points to."""
+    return saved / f"iter_{int((saved / 'latest_checkpointed_iteration.txt').read_text()):07d}"
 
 
 if __name__ == "__main__":

@@ -15,22 +15,27 @@ records those. dtgpt must give the same logits and losses both ways.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import dtgpt
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, stored_alias
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX
 from dtgpt.mtp import depth_labels
+from tests.megatron_adam import ADAM
 from tests.megatron_gpt import CONSUMED, ITERATION, VOCAB, labels, tokens
+from tests.megatron_mla_adam import SCHEDULE
 from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS, MOE, MOE_LAYERS, MTP
 from tests.parity_oracle import assert_same_training
 from tests.runs import Command, launch_commands, read_run, run_args
@@ -46,6 +51,9 @@ MODEL = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, s
              attention_dropout=0.0, make_vocab_size_divisible_by=32, position_embedding_type="rope", swiglu=True,
              untie_embeddings_and_output_weights=True, multi_latent_attention=True, num_experts=EXPERTS,
              moe_layer_freq=str(MOE_LAYERS), **MTP, **DENSE, **LATENT, **MOE)  # fmt: skip
+
+
+TIED = {**MODEL, "untie_embeddings_and_output_weights": False}
 
 
 def model_cfg(**overrides) -> ModelConfig:
@@ -93,6 +101,8 @@ def mla_root(tmp_path_factory) -> Path:
     per_rank = ["--format", "per-rank", "--tp", "2"]
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_per_rank"), *per_rank]) == 0
     assert load_script().main(["to-megatron", str(root / "dtgpt"), str(root / "from_dtgpt_pp2"), *PP2]) == 0
+    save_dtgpt(root / "dtgpt_tied", TIED)  # megatron-core's tied stages load its pp 2 files
+    assert load_script().main(["to-megatron", str(root / "dtgpt_tied"), str(root / "from_dtgpt_tied_pp2"), *PP2]) == 0
     torch.save(first_batch(), root / "batch.pt")  # megatron-core's losses on it: batch_losses.pt
     launch(SCRIPT, root)
     return root
@@ -146,14 +156,6 @@ def test_an_mla_architecture_other_than_megatrons_args_is_one_error(mla_root, ov
     with pytest.raises(CheckpointError, match=key) as err:
         load_megatron_model(find(mla_root / "megatron"), model_cfg(**overrides), ROWS)
     assert "\n" not in str(err.value)
-
-
-@pytest.fixture(scope="module")
-def dtgpt_mla(tmp_path_factory) -> Path:
-    """dtgpt's MLA checkpoint alone (no megatron-core launch)."""
-    root = tmp_path_factory.mktemp("dtgpt_mla")
-    save_dtgpt(root, MODEL)
-    return root
 
 
 def per_rank_file(root: Path, tp: int) -> dict:
@@ -214,6 +216,14 @@ def test_dtgpt_pp2_per_rank_files_equal_megatron_cores_own_save_at_pp2(mla_root,
                                str(layout.iteration_dir(mla_root / "dtgpt", 3) / "config.toml")]) == 0  # fmt: skip
     assert load_script().main(["to-megatron", str(tmp_path / "d"), str(tmp_path / "m"), *PP2]) == 0
     ours, theirs = find(tmp_path / "m"), find(mla_root / "megatron_pp2")
+    mine = assert_same_stage_files(ours, theirs)
+    assert "decoder.layers.2.mlp.router.weight" not in mine and "decoder.layers.1.mlp.router.weight" in mine
+    assert [(mla_root / f"loaded_pp2_{r}.ok").read_text() for r in range(2)] == ["strict", "strict"]
+    assert_same_outputs(head_outputs(load_megatron_model(theirs, model_cfg(), ROWS)), mla_root)
+
+
+def assert_same_stage_files(ours: Path, theirs: Path) -> dict:
+    """Two pp 2 per-rank iterations hold the same keys and tensors, stage by stage; the last stage's model."""
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
     for stage in ("mp_rank_00_000", "mp_rank_00_001"):
         mine, megatron = (load_pickle(d / stage / PER_RANK_FILE)["model"] for d in (ours, theirs))
@@ -221,100 +231,28 @@ def test_dtgpt_pp2_per_rank_files_equal_megatron_cores_own_save_at_pp2(mla_root,
         for key, value in megatron.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(mine[key], value), (stage, key)
-    assert "decoder.layers.2.mlp.router.weight" not in mine and "decoder.layers.1.mlp.router.weight" in mine
-    assert [(mla_root / f"loaded_pp2_{r}.ok").read_text() for r in range(2)] == ["strict", "strict"]
-    assert_same_outputs(head_outputs(load_megatron_model(theirs, model_cfg(), ROWS)), mla_root)
+    return mine
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda model: model.pop("decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
-     "mp_rank_01/model_optim_rng.pt has no decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
-    (lambda model: model.update({"mtp.layers.0.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}),
-     r"mp_rank_01/model_optim_rng.pt holds mtp.layers.0.eh_proj.weight of shape \(64, 128\) but tp rank 0's file \(32, 128\)"),
-])  # fmt: skip
-def test_a_damaged_mla_per_rank_file_is_one_error_naming_the_file_and_key(dtgpt_mla, tmp_path, damage, message):
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
-    path = find(tmp_path / "m") / "mp_rank_01" / "model_optim_rng.pt"
-    saved = torch.load(path, weights_only=False)
-    damage(saved["model"])
-    torch.save(saved, path)
-    with pytest.raises(CheckpointError, match=message) as err:
-        load_megatron_model(find(tmp_path / "m"), model_cfg(make_vocab_size_divisible_by=16), ROWS)
-    assert "\n" not in str(err.value)
-
-
-def test_mla_per_rank_files_of_transformer_engines_spec_read_back_whole(dtgpt_mla, tmp_path):
-    """Megatron-LM's default (Transformer Engine) spec builds MLA's down-projections as TELinear
-    with parallel_mode='duplicated' (megatron-core's multi_latent_attention.py) and fuses the
-    compressed vectors' norms into the up-projections (layer_norm_weight): its files, made here
-    from dtgpt's local-spec ones (Transformer Engine does not run on CPU), read back the same."""
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), "--format", "per-rank", "--tp", "2"]) == 0
-    directory = find(tmp_path / "m")
-    files = [load_pickle(directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE) for tp in range(2)]
-    whole = {k: torch.cat([files[0]["model"][k], files[1]["model"][k]]) for k in files[0]["model"] if k.endswith("_down_proj.weight")}
-    for saved in files:
-        saved["model"].update(whole)  # the down-projections whole on every tp rank
-        for key in [k for k in saved["model"] if k.endswith(("q_layernorm.weight", "kv_layernorm.weight"))]:
-            prefix, norm, _ = key.rsplit(".", 2)
-            saved["model"][f"{prefix}.linear_{norm.removesuffix('_layernorm')}_up_proj.layer_norm_weight"] = saved["model"].pop(key)
-    for tp, saved in enumerate(files):
-        torch.save(saved, directory / f"mp_rank_{tp:02d}" / PER_RANK_FILE)
-    assert MegatronReader(directory).shapes["decoder.layers.1.self_attention.linear_kv_down_proj.weight"] == (16 + 8, HIDDEN)
-    assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
-
-
-@pytest.mark.parametrize("fmt", [[], ["--format", "per-rank", "--tp", "2"],
-                                 ["--format", "per-rank", "--tp", "2", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
-                                 ["--format", "per-rank", "--pp", "2", "--decoder-last-pipeline-num-layers", "2"]],
-                         ids=["torch_dist", "per_rank", "per_rank_pp2", "per_rank_pp2_last"])  # fmt: skip
-def test_mla_round_trip_without_megatron(dtgpt_mla, tmp_path, fmt):
-    """to-megatron then from-megatron gives every tensor back (the key map both ways, layers apart)."""
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *fmt]) == 0
-    assert_converts_back(tmp_path / "m", layout.iteration_dir(dtgpt_mla, 3), tmp_path / "back")
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--pp", "2"], "--pp 2: Megatron splits model.num_layers=3 evenly over the pipeline stages"),
-    (["--pp", "2", "--decoder-first-pipeline-num-layers", "3"], "--decoder-first-pipeline-num-layers 3: with --pp 2 it must leave"),
-    (["--pp", "0"], "--pp 0: the pipeline parallel size must be at least 1"),
-    (["--pp", "2", "--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers 0 must be > 0"),
-])  # fmt: skip
-def test_to_megatron_refuses_a_pipeline_split_in_one_line(dtgpt_mla, tmp_path, capfd, flags, message):
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "out"), "--format", "per-rank", *flags]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
-    assert not (tmp_path / "out").exists()
-
-
-def drop_stage(directory: Path) -> None:
-    for path in sorted((directory / "mp_rank_01_001").iterdir()):
-        path.unlink()
-    (directory / "mp_rank_01_001").rmdir()
-
-
-def stage_swapped(directory: Path) -> None:
-    """tp rank 1's last-stage file replaced by its first stage's: one stage in the wrong place."""
-    saved = load_pickle(directory / "mp_rank_01_000" / PER_RANK_FILE)
-    torch.save(saved, directory / "mp_rank_01_001" / PER_RANK_FILE)
-
-
-@pytest.mark.parametrize("damage, message", [
-    (drop_stage, r"lack \(tp 1, pp 1, ep 0\)'s model_optim_rng.pt"),
-    (stage_swapped, "mp_rank_01_001/model_optim_rng.pt has no "),
-], ids=["missing_stage", "pp_layout"])  # fmt: skip
-def test_pp2_per_rank_files_of_another_layout_are_one_error_line(dtgpt_mla, tmp_path, capfd, damage, message):
-    """dtgpt's pp 2 files with a stage directory gone, or args whose split the files do not
-    follow: from-megatron says so in one line naming the checkpoint, and writes nothing."""
-    flags = ["--format", "per-rank", "--tp", "2", *PP2[2:]]
-    assert load_script().main(["to-megatron", str(dtgpt_mla), str(tmp_path / "m"), *flags]) == 0
-    damage(find(tmp_path / "m"))
-    capfd.readouterr()
-    config = layout.iteration_dir(dtgpt_mla, 3) / "config.toml"
-    assert load_script().main(["from-megatron", str(tmp_path / "m"), str(tmp_path / "back"), "--config", str(config)]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and str(find(tmp_path / "m")) in err[0], err
-    assert re.search(message, err[0]), err[0]
-    assert not layout.iteration_dir(tmp_path / "back", 3).exists()
+@pytest.mark.slow
+def test_tied_pp2_per_rank_files_load_both_ways_with_equal_logits(mla_root):
+    """With the head tied to the word embedding, at pp 2: megatron-core's two tied stages each load
+    their file of dtgpt's to-megatron --format per-rank --pp 2 strictly and, run as a pipeline,
+    give dtgpt's logits of the main model and of the MTP depth; and dtgpt reads the stages' own
+    per-rank save back into those logits, whose last stage holds an output_layer.weight that is
+    not the embedding (megatron-core reads the head from the MTP block's embedding copy and leaves
+    that tensor at its init: dtgpt must not read it)."""
+    saved = layout.iteration_dir(mla_root / "dtgpt_tied", 3)
+    ours = head_outputs(load_model(saved, read_config(saved)))
+    theirs = torch.load(mla_root / "loaded_tied_pp2_logits.pt", weights_only=True)
+    assert ours.shape == theirs.shape
+    megatrons = find(mla_root / "megatron_tied_pp2")
+    last = load_pickle(megatrons / "mp_rank_00_001" / PER_RANK_FILE)["model"]
+    assert not torch.equal(last["output_layer.weight"], last["embedding.word_embeddings.weight"])
+    back = head_outputs(load_megatron_model(megatrons, model_cfg(**TIED), ROWS))
+    for depth in range(len(ours)):
+        assert relative_error(ours[depth], theirs[depth]) < 1e-5, depth
+        assert relative_error(back[depth], theirs[depth]) < 1e-5, depth
 
 
 LOADED_LAYOUTS = ("tp2", "pp2", "ep2")
@@ -330,6 +268,19 @@ TRAIN_ON = [*(f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}" for 
 """train.py on from megatron-core's checkpoint: its model, 8 samples a global batch as its 56 consumed ones"""
 TRAINED_ON = {"one": (1, []), "tp2": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),
               "pp2": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_layers_per_stage=[1,2]"])}  # fmt: skip
+
+
+ADAM_RUN = [*(arg for arg in TRAIN_ON if not arg.startswith(("--optimizer.", "--training.train_iters="))),
+            *(f"--optimizer.{key}={value}" for key, value in {**ADAM, **SCHEDULE}.items()),
+            f"--training.train_iters={ITERATION + 1}", "--training.calculate_per_token_loss=false"]  # fmt: skip
+"""train.py one iteration on from megatron-core's checkpoint with Adam state (tests/megatron_mla_adam.py),
+with its optimizer, LR schedule and loss: Megatron-LM's default, the mean of micro-batch means, whose
+MTP term divides each depth's token losses by that depth's own token count (T - 1 a sequence at
+depth 1); dtgpt's default per-token loss divides them by the LM loss's (T), 3% less gradient here."""
+ADAM_ON = {"adam_one": (1, [], "megatron_adam"), "adam_pp2": (*TRAINED_ON["pp2"], "megatron_adam"),
+           "adam_chained": (1, [], "megatron_adam_chained")}  # fmt: skip
+"""run: (ranks, mesh, the checkpoint it resumes from); megatron_adam_chained: the chained
+optimizers' tensors under the prefixes megatron-core gave them before chained_optim_avoid_prefix."""
 
 
 def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,6 +305,10 @@ def mla_on_dtgpt_meshes(mla_root, tmp_path_factory) -> dict:
     for name, (nproc, mesh) in TRAINED_ON.items():
         directories[name] = tmp_path_factory.mktemp(name)
         argv = run_args(directories[name], [*mesh, f"--checkpoint.load={mla_root / 'megatron'}"], name, TRAIN_ON, 0)
+        commands.append(Command(name, directories[name], argv, nproc))
+    for name, (nproc, mesh, saved) in ADAM_ON.items():
+        directories[name] = tmp_path_factory.mktemp(name)
+        argv = run_args(directories[name], [*mesh, f"--checkpoint.load={mla_root / saved}"], name, ADAM_RUN, 0)
         commands.append(Command(name, directories[name], argv, nproc))
     return {**launch_commands(commands), "directories": directories}
 
@@ -391,3 +346,52 @@ def test_megatron_mla_moe_mtp_checkpoint_trains_on_at_tp2_and_pp2_as_one_process
     assert one["loss"][0] == pytest.approx(theirs[0].item(), rel=1e-5)
     assert one["mtp_1 loss"][0] == pytest.approx(theirs[1].item(), rel=1e-5)
     assert_same_training(runs[name], one, STEPS)
+
+
+def megatron_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the torch_dist checkpoint under root (model and optimizer.state.*), whole,
+    by its key under the local layer spec (Transformer Engine's fused norm names mapped back)."""
+    directory = find(root)
+    reader = FileSystemReader(str(directory))
+    shapes = {k: m.size for k, m in reader.read_metadata().state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    tensors = {key: torch.empty(shape) for key, shape in shapes.items()}
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    out = {}
+    for key, value in tensors.items():
+        slot = next((f"{OPTIMIZER_PREFIX}{s}." for s in ("exp_avg_sq", "exp_avg", "param") if key.startswith(f"{OPTIMIZER_PREFIX}{s}.")), "")
+        name = key.removeprefix(slot)
+        out[slot + (stored_alias(name) if name.endswith("layer_norm_weight") else name)] = value
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ADAM_ON))
+def test_megatron_mla_moe_mtp_adam_state_loads_and_steps_on_as_megatron_core(mla_root, mla_on_dtgpt_meshes, tmp_path, name):
+    """megatron-core's distributed optimizer (dense and expert optimizers chained, dp 2 x ep 2)
+    saves the MLA + MoE + MTP model with its Adam state, then takes its next step; train.py
+    resumed from the saved checkpoint (one process; pp 2, the MTP block and its copy of the
+    embedding on the last stage; one process from the chained_<i>.-prefixed save) takes the same
+    step: its LR from the checkpoint's schedule, the same LM loss, MTP loss and gradient norm, and
+    after it the same weights, master weights, Adam moments and expert biases, tensor by tensor
+    (to-megatron puts dtgpt's in megatron-core's keys)."""
+    output = mla_on_dtgpt_meshes[name].checked()
+    assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in output
+    saved = mla_root / ADAM_ON[name][2]
+    assert f"loaded Megatron checkpoint {saved}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
+    directory = mla_on_dtgpt_meshes["directories"][name]
+    run = read_run(directory, name)
+    assert run["iteration"] == [ITERATION + 1] and run["consumed_samples"] == [CONSUMED + 8]
+    groups = MegatronReader(find(saved)).common["optimizer"][0]["optimizer"]["param_groups"]
+    assert run["lr"][0] == pytest.approx(groups[0]["lr"], rel=1e-12)  # cosine decay at 48 samples: 5.5e-4
+    loss, mtp_loss, grad_norm = torch.load(mla_root / "adam_step.pt", weights_only=True).tolist()
+    assert run["loss"][0] == pytest.approx(loss, rel=1e-6) and run["mtp_1 loss"][0] == pytest.approx(mtp_loss, rel=1e-6)
+    assert run["grad_norm"][0] == pytest.approx(grad_norm, rel=1e-5)
+    assert load_script().main(["to-megatron", str(directory / f"{name}_ckpt"), str(tmp_path / "m")]) == 0
+    ours, theirs = megatron_tensors(tmp_path / "m"), megatron_tensors(mla_root / "megatron_adam_stepped")
+    assert ours.keys() == theirs.keys()
+    model_keys = {k for k in theirs if not k.startswith(OPTIMIZER_PREFIX)}
+    biases = {k for k in model_keys if k.endswith("router.expert_bias")}  # buffers, moved by the step
+    assert len(biases) == 3 and {k.removeprefix(f"{OPTIMIZER_PREFIX}exp_avg.") for k in theirs if ".exp_avg." in k} == model_keys - biases
+    for key, value in theirs.items():
+        error = ((ours[key] - value).norm() / value.norm()).item()
+        assert error <= 1e-5, (key, error)

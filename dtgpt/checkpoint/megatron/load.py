@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from dtgpt.checkpoint.megatron.formats import progress_of
 from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, is_buffer, megatron_name
-from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.checkpoint.megatron.reader import MegatronReader, unchained
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT
 from dtgpt.parallel.regions import local_region
@@ -113,7 +113,7 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         why = "common.pt holds no Adam step count"
         if not has_moments:
             why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
-        if any(key.startswith("optimizer.distributed.") for key in reader.shapes):
+        if any(unchained(key).startswith("optimizer.distributed.") for key in reader.shapes):
             why = ("its distributed optimizer state is in the dp_reshardable layout (per-bucket buffers of "
                    "Megatron's own DP split); save with the fully_reshardable sharding type to carry it")  # fmt: skip
         notes.append(f"optimizer state not read: {why}; fresh AdamW moments")

@@ -24,6 +24,15 @@ from dtgpt.checkpoint.megatron.regions import read_regions
 from dtgpt.config import ModelConfig
 
 PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+CHAINED = re.compile(r"chained_\d+\.")
+"""megatron-core's prefix of each chained optimizer's tensors (the dense one, then the experts')
+where Megatron-LM did not yet set chained_optim_avoid_prefix (before July 2025)."""
+
+
+def unchained(key: str) -> str:
+    """A stored key without a chained optimizer's prefix: the key Megatron-LM writes today."""
+    found = CHAINED.match(key)
+    return key[found.end():] if found else key
 
 
 def _mismatch(directory: Path, key: str, stored, wanted, name: str) -> CheckpointError:
@@ -44,7 +53,7 @@ class MegatronReader:
             # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never reads them.
             # COMMON_ITEM is read below, from its bytes, with load_pickle's allowlist.
             metadata = layout.read_metadata(
-                directory, unread=lambda key: "._extra_state" in key or key.startswith("optimizer.") or key == COMMON_ITEM
+                directory, unread=lambda key: "._extra_state" in key or unchained(key).startswith("optimizer.") or key == COMMON_ITEM
             )
             short = layout.short_data_file(directory, metadata)  # Megatron's format has no checksums
             if short:
@@ -66,6 +75,7 @@ class MegatronReader:
             self.common = self._per_rank.common
             self.shapes = self._per_rank.shapes()
             self.dtypes = {}
+        self._chained = {unchained(key): key for key in self.shapes if CHAINED.match(key)}
         self._model_names: frozenset[str] | None = None  # set by check()
         self._mla = False  # set by check(): the model's blocks have multi-latent attention
         # megatron-core keeps the decoder layers apart (decoder.layers.<i>.) when they are not all alike
@@ -163,7 +173,10 @@ class MegatronReader:
         alias = stored_alias(key)
         if key not in self.shapes and alias in self.shapes:  # another layer spec's name for it
             key = alias
-        return key if slot is None else f"{OPTIMIZER_PREFIX}{slot}.{key}"
+        if slot is None:
+            return key
+        optimizer_key = f"{OPTIMIZER_PREFIX}{slot}.{key}"
+        return self._chained.get(optimizer_key, optimizer_key)
 
     def regions(self, wanted: dict[str, tuple[str, str | None, tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
         """Sub-regions of dtgpt tensors: request -> (dtgpt name, optimizer slot or None, offsets,

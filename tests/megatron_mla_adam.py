@@ -1,0 +1,150 @@
+"""megatron-core's distributed optimizer on the MLA + MoE + MTP model: the oracle for a Megatron
+checkpoint of that model carrying Adam state, and for Megatron's next step from it.
+
+Called at the end of tests/megatron_mla_gpt.py's launch (2 gloo ranks): tp 1 with the experts over
+ep 2, so the dense parameters are data parallel over both ranks (the distributed optimizer shards
+their state over dp 2) and the experts are not (megatron-core gives them an optimizer of their own,
+chained after the dense one), as a Megatron-LM MoE run keeps them. The vocabulary has dtgpt's 128
+rows (make_vocab_size_divisible_by 32). It:
+- steps once (the iteration that ends at the checkpoint), on mock samples 0-7, each dp rank its 4;
+- saves model and optimizer as Megatron-LM does with --dist-ckpt-optim-fully-reshardable (its
+  content metadata, chained_optim_avoid_prefix included) under ROOT/megatron_adam, iteration 7,
+  with its own OptimizerParamScheduler's state at 48 samples; and the same without
+  chained_optim_avoid_prefix (each optimizer's tensors under chained_<i>., as Megatron-LM saved
+  them before July 2025) under ROOT/megatron_adam_chained;
+- steps once more, as Megatron-LM's train_step does (forward-backward, finalize_model_grads with
+  its expert-bias update, optimizer step, scheduler step), on the global batch a dtgpt run resumed
+  at 56 consumed samples trains on first, and saves that under ROOT/megatron_adam_stepped
+  (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm.
+
+Only the second step is compared, so the first may take any LR: the scheduler stands at 40 samples.
+CPU patches: tests/megatron_adam.py's, and the experts drawn by their global index (every rank
+draws the same (E, ...) tensors and keeps its own experts), so no two experts are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.megatron_adam import ADAM, mock_batch, patch_for_optimizer
+from tests.megatron_gpt import CONSUMED, ITERATION, LR_SAMPLES
+from tests.megatron_mla_gpt import EXPERTS, MTP, build, inputs_of
+
+DIVISIBLE_BY, ROWS = 32, 128  # make_vocab_size_divisible_by on both sides: 100 ids padded to 128 rows at tp 1
+SCHEDULE = dict(min_lr=1e-4, lr_decay_style="cosine", lr_warmup_iters=2, lr_decay_iters=10)
+"""The LR schedule both sides run (dtgpt: the same [optimizer] keys; 8 samples an iteration), so
+Megatron's next step takes its LR from the checkpoint's scheduler at 48 samples: cosine decay."""
+GLOBAL_BATCH = 8
+
+
+def draw_experts(model, seed: int) -> None:
+    """Each expert's weights by its global index: one (E, ...) draw per weight, this rank's slice."""
+    from megatron.core import parallel_state
+
+    ep, rank = parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
+    draw = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if type(module).__name__ != "SequentialMLP":
+            continue
+        local = EXPERTS // ep
+        for name in ("linear_fc1", "linear_fc2"):
+            weight = getattr(module.local_experts[0], name).weight
+            full = torch.randn((EXPERTS, *weight.shape), generator=draw) * 0.02
+            for i, expert in enumerate(module.local_experts):
+                getattr(expert, name).weight.data.copy_(full[rank * local + i])
+
+
+def build_optimizer(model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=SCHEDULE["min_lr"], **ADAM)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    samples = {k: SCHEDULE[f"lr_{k}_iters"] * GLOBAL_BATCH for k in ("warmup", "decay")}
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=ADAM["lr"], min_lr=SCHEDULE["min_lr"],
+                                        lr_warmup_steps=samples["warmup"], lr_decay_steps=samples["decay"],
+                                        lr_decay_style=SCHEDULE["lr_decay_style"], start_wd=ADAM["weight_decay"],
+                                        end_wd=ADAM["weight_decay"], wd_incr_steps=samples["decay"], wd_incr_style="constant")  # fmt: skip
+    return ddp, optimizer, scheduler
+
+
+def train_step(ddp, optimizer, scheduler, batch: torch.Tensor) -> torch.Tensor:
+    """Megatron-LM's train_step on this dp rank's share of a global batch:
+    [LM loss, MTP loss, gradient norm], the losses averaged over dp."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    share = batch[rank * len(batch) // dp:(rank + 1) * len(batch) // dp]
+    ids, labels = share[:, :-1], share[:, 1:]
+    tracker = MTPLossLoggingHelper.tracker
+    tracker.clear()
+    tracker["values"] = torch.zeros(MTP["mtp_num_layers"])
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp.train()
+    loss = ddp(*inputs_of(ids), labels=labels)
+    (loss.sum() / loss.numel()).backward()  # the MTP loss's gradient joins through its autoscaler
+    finalize_model_grads([ddp])  # dp reduction, and the expert bias moved towards the mean load
+    update_successful, grad_norm, _ = optimizer.step()
+    assert update_successful, "megatron-core skipped the step"
+    scheduler.step(increment=GLOBAL_BATCH)
+    losses = torch.stack([loss.detach().float().mean(), tracker["values"][0]]) / dp
+    tracker.clear()
+    dist.all_reduce(losses)
+    return torch.cat([losses, torch.tensor([float(grad_norm)])])
+
+
+def save(ddp, optimizer, scheduler, directory: Path, state: dict, avoid_prefix: bool = True) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+
+    # Megatron-LM's content metadata (checkpointing._build_sharded_state_dict_metadata) with
+    # --dist-ckpt-optim-fully-reshardable: model-space optimizer tensors, chained ones unprefixed
+    # (avoid_prefix False: chained_<i>.optimizer.state.*, as before Megatron-LM set it)
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
+                "singleton_local_shards": False, "chained_optim_avoid_prefix": avoid_prefix,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}  # fmt: skip
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model = ddp.module.sharded_state_dict(metadata=metadata)
+    content = {k: v for k, v in metadata.items() if k != "dp_cp_group"}
+    dist_checkpointing.save({**state, "model": model, "optimizer": optimizer.sharded_state_dict(model, metadata=metadata),
+                             "opt_param_scheduler": scheduler.state_dict(), "content_metadata": content}, str(directory))  # fmt: skip
+    if dist.get_rank() == 0:
+        (directory.parent / "latest_checkpointed_iteration.txt").write_text(str(state["iteration"]))
+
+
+def adam_oracle(root: Path, state: dict) -> None:
+    """The module doc's two steps and two saves, on the launch's ranks (tp 1, ep = world size)."""
+    from megatron.core import parallel_state
+
+    ep = dist.get_world_size()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    patch_for_optimizer()
+    model = build(1, 1234, te_names=False, vocab=ROWS, ep=ep)
+    draw_experts(model, 5)
+    ddp, optimizer, scheduler = build_optimizer(model)
+    scheduler.num_steps = LR_SAMPLES - GLOBAL_BATCH
+    scheduler.step(increment=0)
+    train_step(ddp, optimizer, scheduler, mock_batch(0))
+    args = dict(vars(state["args"]), expert_model_parallel_size=ep, tensor_model_parallel_size=1, padded_vocab_size=ROWS,
+                make_vocab_size_divisible_by=DIVISIBLE_BY, use_distributed_optimizer=True)  # fmt: skip
+    for name, avoid_prefix in (("megatron_adam", True), ("megatron_adam_chained", False)):
+        save(ddp, optimizer, scheduler, root / name / f"iter_{ITERATION:07d}", {**state, "args": argparse.Namespace(**args)}, avoid_prefix)
+    step = train_step(ddp, optimizer, scheduler, mock_batch(CONSUMED))
+    args["consumed_train_samples"] = CONSUMED + GLOBAL_BATCH
+    stepped = {**state, "iteration": ITERATION + 1, "args": argparse.Namespace(**args)}
+    save(ddp, optimizer, scheduler, root / "megatron_adam_stepped" / f"iter_{ITERATION + 1:07d}", stepped)
+    if dist.get_rank() == 0:
+        torch.save(step, root / "adam_step.pt")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+
