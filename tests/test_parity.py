@@ -31,6 +31,10 @@ kinds of parallelism, configs/debug_3d.toml (pp2 x dp2 x tp2 + SP), and skips th
 Dropout 0.1 (hidden and attention) with model.dropout_rng='layout_invariant' runs on tp2 + SP,
 pp2, dp2 and cp2, two of them with recomputation (which must redraw the forward's masks): each
 mask element is a function of what it drops, so every layout trains the same model.
+
+Megatron's recompute_modules (selective): [mlp, layernorm] on tp2 + SP and on pp2 zero bubble
+(with dropout), [moe] on ep2, [moe_act, layernorm] on ep2 x tp2 + SP (MLA's in
+tests/test_parity_deepseek.py).
 """
 
 import hashlib
