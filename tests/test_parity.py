@@ -31,6 +31,10 @@ kinds of parallelism, configs/debug_3d.toml (pp2 x dp2 x tp2 + SP), and skips th
 Dropout 0.1 (hidden and attention) with model.dropout_rng='layout_invariant' runs on tp2 + SP,
 pp2, dp2 and cp2, two of them with recomputation (which must redraw the forward's masks): each
 mask element is a function of what it drops, so every layout trains the same model.
+
+Megatron's recompute_modules (selective): [mlp, layernorm] on tp2 + SP and on pp2 zero bubble
+(with dropout), [moe] on ep2, [moe_act, layernorm] on ep2 x tp2 + SP (MLA's in
+tests/test_parity_deepseek.py).
 """
 
 import hashlib
@@ -46,6 +50,7 @@ RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
 PP2 = "--parallel.pipeline_model_parallel_size=2"
+VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
 FULL = ["--training.recompute_granularity=full"]  # Megatron's full recomputation; the method follows
 CP2 = "--parallel.context_parallel_size=2"
 # Megatron's per-token options, all on (eod_mask_loss, reset_position_ids, reset_attention_mask).
@@ -66,6 +71,12 @@ SHARED_GATED = ["--model.moe_shared_expert_intermediate_size=64", "--model.moe_s
 # aux-loss-free balancing: a sigmoid router whose expert bias moves by every iteration's counts
 EXPERT_BIAS = ["--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true", "--model.moe_router_bias_update_rate=0.05"]
 DP_SHARD2 = "--parallel.data_parallel_shard_size=2"
+TP2_SP = ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]
+
+
+def selective(*modules: str) -> list[str]:
+    """Selective recomputation of Megatron's recompute_modules (dtgpt/parallel/recompute_modules.py)."""
+    return ["--training.recompute_granularity=selective", f"--training.recompute_modules={list(modules)}"]
 
 
 def ep(size: int) -> str:
@@ -151,6 +162,15 @@ LAYOUTS = {
     ),
     "dropout_dp_shard2": (2, [*DROPOUT, "--parallel.data_parallel_shard_size=2"]),
     "dropout_cp2_selective_ac": (2, [*DROPOUT, CP2, "--training.recompute_granularity=selective"]),
+    # Megatron's recompute_modules: the MLP checkpointed (its input gathered by SP) and the norms'
+    # outputs discarded until backward (kept under SP, where they are DTensor chunks)
+    "dropout_tp2_sp_recompute_mlp_layernorm": (2, [*DROPOUT, *TP2_SP, *selective("mlp", "layernorm")]),
+    # every stage one block; zero bubble splits backward into the inputs' gradients, which refill
+    # the discarded norm outputs, and the weights' later, which read them (and rerun the MLP)
+    "dropout_pp2_zero_bubble_recompute_layernorm_mlp": (
+        2,
+        [*DROPOUT, PP2, VPP2, "--parallel.pipeline_schedule=InterleavedZeroBubble", *selective("layernorm", "mlp")],
+    ),
     # MoE: FSDP shards the stacked experts; tp ranks route their own sequence chunks with
     # replicated router and experts (a tensor-parallel shared expert beside them); pp with
     # recomputed blocks and aux-loss-free balancing, whose bias moves by every iteration's counts
@@ -189,6 +209,10 @@ LAYOUTS = {
         [*MOE_GROUPED, *EXPERT_BIAS, DP_SHARD2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true", ep(2)],
     ),
     "moe_ep2_cp2": (2, [*MOE_GROUPED, CP2, ep(2)]),
+    # recompute_modules under ep: the whole MoE layer (its recomputed forward exchanges its tokens
+    # again), and the experts' activation discarded until backward beside tp + SP
+    "moe_ep2_recompute_moe": (2, [*MOE_GROUPED, DP_SHARD2, ep(2), *selective("moe")]),
+    "moe_ep2_tp2_sp_recompute_moe_act_layernorm": (4, [*MOE_GROUPED, DP_SHARD2, *TP2_SP, ep(2), *selective("moe_act", "layernorm")]),
     # Megatron's forced load balancing (a benchmarking mode): the router's logits replaced by draws
     # keyed on each token's index in the run, so tp + SP chunks, cp chunks and ep ranks draw what
     # one process draws for the same tokens (with group-limited top-k over the draws)
@@ -213,7 +237,6 @@ LAYOUTS = {
 # (rank 0's parameters: the embedding alone, (128 words + 32 positions) x 64)
 PRINTED = {"pp2_megatron_layout_embedding_alone": "schedule 1F1B, blocks per stage 0 4\n> model: 10,240 parameters on rank 0"}
 
-VPP2 = "--parallel.virtual_pipeline_stages_per_rank=2"
 SCHEDULES = {
     # every schedule besides 1F1B (above), on 2 ranks for SHORT iterations
     "GPipe": [PP2],

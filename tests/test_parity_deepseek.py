@@ -38,13 +38,27 @@ DEEPSEEK_MTP = DEEPSEEK + ["--mtp-num-layers", "1"]
 DENSE_MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
              "--v-head-dim", "12", "--position-embedding-type", "rope", "--rotary-scaling-factor", "40",
              "--mscale-all-dim", "1.0"]  # fmt: skip
+TP2 = ["--parallel.tensor_model_parallel_size=2"]
+
+
+def selective(*modules: str) -> list[str]:
+    return ["--recompute-granularity", "selective", "--recompute-modules", *modules]  # as a launch script spells it
+
+
 LAYOUTS = {
     "twin_tp2_sp_ep2": (4, ["--config", TWIN], []),
     "pp2_full_recompute": (2, DEEPSEEK_MTP + ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B",
                                           "--training.recompute_granularity=full", "--training.recompute_method=uniform",
                                           "--training.recompute_num_layers=1"], TINY),
-    "cp2_selective": (2, DEEPSEEK_MTP + ["--parallel.context_parallel_size=2", "--training.recompute_granularity=selective"], TINY),
-    "dense_mla_tp2": (2, DENSE_MLA + ["--parallel.tensor_model_parallel_size=2"], TINY),
+    # selective recomputation of the attention core (cp's, which gathers keys and values) and of
+    # Megatron's recompute_modules beside it: the up-projections and RoPE checkpointed, q, k, v,
+    # the norms' outputs and the experts' activation discarded until backward
+    "cp2_selective_up_proj_moe_act_layernorm": (
+        2, DEEPSEEK_MTP + ["--parallel.context_parallel_size=2"] + selective("core_attn", "mla_up_proj", "moe_act", "layernorm"), TINY,
+    ),
+    "dense_mla_tp2": (2, DENSE_MLA + TP2, TINY),
+    # the same modules on tp ranks' heads (no SP: the norms' outputs are plain tensors, released)
+    "dense_mla_tp2_recompute_up_proj_layernorm": (2, DENSE_MLA + TP2 + selective("mla_up_proj", "layernorm"), TINY),
     # the pp2 run's checkpoint of iteration 3 (two stages, the prediction module on the last with
     # its copy of the embedding) loaded on tp2 + SP x ep2, which trains iterations 4 and 5
     "twin_from_pp2_at_3": (4, ["--config", TWIN], []),
