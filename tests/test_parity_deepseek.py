@@ -5,7 +5,8 @@ multi-latent attention (compressed query, norms, YaRN), one dense block then thr
 `mtp_1 loss`, compared too). It trains as on one process on tp2 + SP x ep2
 (configs/deepseek_v3_twin.toml itself, whose model is this one), on pp2 with full recomputation,
 and on cp2 (FSDP over the cp ranks; the prediction module's shifted tokens and labels cross the
-cp chunks) with selective recomputation; and the attention alone with its query projected in one, on tp2 without sequence parallelism: the loss, the gradient norm
+cp chunks) with selective recomputation; and the attention alone with its query projected in one, on tp2 without sequence
+parallelism and on tp2 + SP with 2 sequences per micro-batch: the loss, the gradient norm
 and the router's loss of every iteration, the tokens per expert, and every parameter after the
 last (tests/parity_oracle.py, relative 1e-5). Its checkpoints are mesh-free: the pp2 run's of
 iteration 3 continues on tp2 + SP x ep2 as the one-process run does. One launch per rank count
@@ -34,7 +35,7 @@ DEEPSEEK = [
 ]  # fmt: skip
 # with one multi-token prediction module (an MoE block, the last block's kind), on the last stage
 DEEPSEEK_MTP = DEEPSEEK + ["--mtp-num-layers", "1"]
-# the attention alone, its query projected in one (no q_lora_rank), on tp 2 without SP (MoE needs SP)
+# the attention alone, its query projected in one (no q_lora_rank), on tp 2 with and without SP (MoE needs SP)
 DENSE_MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
              "--v-head-dim", "12", "--position-embedding-type", "rope", "--rotary-scaling-factor", "40",
              "--mscale-all-dim", "1.0"]  # fmt: skip
@@ -59,6 +60,9 @@ LAYOUTS = {
     "dense_mla_tp2": (2, DENSE_MLA + TP2, TINY),
     # the same modules on tp ranks' heads (no SP: the norms' outputs are plain tensors, released)
     "dense_mla_tp2_recompute_up_proj_layernorm": (2, DENSE_MLA + TP2 + selective("mla_up_proj", "layernorm"), TINY),
+    # SP with 2 sequences per micro-batch: the down-projection's (batch, sequence-chunk) input,
+    # which torch 2.11's DTensor could not flatten for a linear layer (dtgpt/parallel/tensor_mla.py)
+    "dense_mla_tp2_sp_mb2": (2, DENSE_MLA + TP2 + ["--parallel.sequence_parallel=true", "--training.micro_batch_size=2"], TINY),
     # the pp2 run's checkpoint of iteration 3 (two stages, the prediction module on the last with
     # its copy of the embedding) loaded on tp2 + SP x ep2, which trains iterations 4 and 5
     "twin_from_pp2_at_3": (4, ["--config", TWIN], []),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from dtgpt.mla import MLASelfAttention
 from dtgpt.model import GPT, Attention
 from dtgpt.moe.layer import MoELayer
+from dtgpt.parallel.local_replica import LocalReplicaParallel
 from dtgpt.parallel.vocab_parallel import VocabParallelEmbedding
 from dtgpt.parallel.tensor_mla import mla_plan
 
@@ -63,44 +64,6 @@ class GatheredColwiseParallel(ColwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-
-
-class LocalReplicaParallel(ParallelStyle):
-    """Parameters replicated over tp as DTensors; the module computes on plain tensors: its own
-    tokens (a sequence-parallel chunk) with the local values of its parameters, whose gradients
-    come back as pending sums over tp (Partial: reduce_pending_grads sums them once).
-
-    For the MoE router and experts, whose routing (top-k, sorting, grouped GEMMs) has no DTensor
-    sharding rules and whose tokens differ per tp rank: no stock style runs a module on local
-    tensors with replicated parameters and sums their gradients. Buffers (the expert bias) stay plain.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # Not distribute_module: it makes every buffer a DTensor too, and the router adds its
-        # expert bias to plain scores.
-        for sub in module.modules():
-            for key, param in list(sub.named_parameters(recurse=False)):
-                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]), param.requires_grad))
-        module.register_forward_pre_hook(_local_parameters)
-        module.register_forward_hook(_replicated_parameters)
-        return module
-
-
-def _local_parameters(module: nn.Module, _inputs) -> None:
-    # Swapped in place for the forward (FSDP has already put its gathered parameters there).
-    module._replicas = []
-    for sub in module.modules():
-        for key, param in list(sub._parameters.items()):
-            if isinstance(param, DTensor):
-                module._replicas.append((sub, key, param))
-                # Under expert parallelism the experts live on (ep, tp): sharded over ep, replicated over tp.
-                sub._parameters[key] = param.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in param.placements])
-
-
-def _replicated_parameters(module: nn.Module, _inputs, _output) -> None:
-    for sub, key, param in module._replicas:
-        sub._parameters[key] = param
-    module._replicas = []
 
 
 def _moe_plan(prefix: str, block: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> dict[str, ParallelStyle]:
