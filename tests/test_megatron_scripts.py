@@ -205,6 +205,8 @@ def expected_keys(flags: list[tuple[str, list[str]]], tmp_path) -> dict[str, obj
         keys["model.make_vocab_size_divisible_by"] = int(said.get("--make-vocab-size-divisible-by", ["128"])[0]) * tp
     if "--no-check-for-nan-in-loss-and-grad" not in said:  # Megatron's NaN check stops the run (bf16: no scaler)
         keys["training.nan_policy"] = "stop"
+    if "--calculate-per-token-loss" not in said:  # Megatron's mean of micro-batch means
+        keys["training.calculate_per_token_loss"] = False
     return keys
 
 
@@ -301,6 +303,23 @@ def test_a_launch_script_gets_megatrons_nan_check(args, path, policy):
 
     cfg = load_config(Path(__file__).resolve().parents[1] / path if path else None, ["--mock-data", *args], check=False)
     assert cfg.training.nan_policy == policy
+
+
+@pytest.mark.parametrize(
+    "args, path, per_token",
+    [
+        ([], None, False),  # Megatron's default: each micro-batch's mean, averaged
+        (["--calculate-per-token-loss"], None, True),
+        (["--training.calculate_per_token_loss=true"], None, True),  # dtgpt's key says it
+        ([], "configs/debug.toml", True),  # a config file keeps dtgpt's default
+    ],
+    ids=["default", "flag", "key", "config-file"],
+)
+def test_a_launch_script_gets_megatrons_loss_normalisation(args, path, per_token):
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / path if path else None, ["--mock-data", "--bf16", *args], check=False)
+    assert cfg.training.calculate_per_token_loss is per_token
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ DEEPSEEK = [
     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05", "--moe-router-num-groups", "4",
     "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
     "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
+    "--calculate-per-token-loss",  # as DeepSeek-V3's Megatron scripts pass it (a launch script's default is Megatron's false)
 ]  # fmt: skip
 # with one multi-token prediction module (an MoE block, the last block's kind), on the last stage
 DEEPSEEK_MTP = DEEPSEEK + ["--mtp-num-layers", "1"]
@@ -79,6 +80,7 @@ def test_twin_is_the_flags_model():
     for section in ("model", "data", "optimizer"):
         assert getattr(twin, section) == getattr(flags, section), section
     assert (twin.training.micro_batch_size, twin.training.global_batch_size) == (1, 8)
+    assert twin.training.calculate_per_token_loss == flags.training.calculate_per_token_loss  # the MTP term's divisor
     big = load_config(str(REPO / "configs" / "deepseek_v3.toml")).model
     same = ("multi_latent_attention", "qk_layernorm", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
             "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights",

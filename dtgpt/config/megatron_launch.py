@@ -7,6 +7,11 @@
   says the same: 'stop', or 'skip' (the iteration's update is not applied). A Megatron launch
   script (Megatron flags, no `--config`) that sets neither gets Megatron's default; a config
   file keeps dtgpt's ('skip').
+- The loss: Megatron averages each micro-batch's per-token mean over the micro-batches unless
+  `--calculate-per-token-loss` is given; dtgpt's `training.calculate_per_token_loss` defaults to
+  true (every token of the global batch weighs the same). A launch script that does not give the
+  flag gets Megatron's `false`, so an MTP run or one under `--eod-mask-loss` continues Megatron's
+  loss (docs/schedules.md); a config file keeps dtgpt's.
 - `--no-position-embedding`: Megatron refuses it unless the positions are rotary (its own
   deprecation), where the model has no learned position table anyway; so does dtgpt.
 """
@@ -18,6 +23,7 @@ from dtgpt.config.megatron_vocab import megatron_launch
 from dtgpt.config.sections import Config, ConfigError
 
 NAN_KEY = "training.nan_policy"
+PER_TOKEN_KEY = "training.calculate_per_token_loss"
 NO_POSITION_EMBEDDING = "--no-position-embedding"
 
 
@@ -28,9 +34,13 @@ def megatron_nan_policy(cfg: Config) -> str:
 
 
 def apply_megatron_launch_rules(cfg: Config, spellings: list[str], ignored: list[str], levels: dict, has_file: bool) -> None:
-    """In place: Megatron's NaN check for a launch script; refuse --no-position-embedding without rope."""
-    if megatron_launch(spellings, ignored, has_file) and NAN_KEY not in levels:
+    """In place: Megatron's NaN check and loss normalisation for a launch script; refuse
+    --no-position-embedding without rope."""
+    launch = megatron_launch(spellings, ignored, has_file)
+    if launch and NAN_KEY not in levels:
         cfg.training.nan_policy = megatron_nan_policy(cfg)
+    if launch and PER_TOKEN_KEY not in levels:
+        cfg.training.calculate_per_token_loss = False
     check_eval_batch(cfg, ignored)
     if NO_POSITION_EMBEDDING in ignored and cfg.model.position_embedding_type != "rope":
         raise ConfigError(

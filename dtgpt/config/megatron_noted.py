@@ -55,6 +55,8 @@ EXAMPLE_SCRIPTS = [
     "Qwen3-30B-A3B, DeepSeek-V2-Lite and DeepSeek-V3 benchmark flag sets; the few flags of theirs that dtgpt does",
     "not take are named in that test. Flags mapped for them:",
     "",
+    "- `--calculate-per-token-loss`: `training.calculate_per_token_loss = true`; without it a launch script gets",
+    "  Megatron's `false` (each micro-batch's mean, averaged), and a config file dtgpt's `true` (docs/schedules.md).",
     "- `--use-rotary-position-embeddings` (legacy): `model.position_embedding_type = \"rope\"`; beside another",
     "  `--position-embedding-type` it is refused as two values for one key.",
     "- `--no-check-for-nan-in-loss-and-grad`: `training.nan_policy = \"skip\"`; without it a launch script gets",
