@@ -122,9 +122,12 @@ def test_every_key_with_a_megatron_flag_maps_and_round_trips():
     for name, m in flag_table().items():
         if m.flag.arity == "0":
             argv, expected = [f"--{name}"], m.value
-        elif name in CHOICES:  # a value naming a setting: each of Megatron's sets the key (TOML text)
-            (value, text), = CHOICES[name][1].items()
-            argv, expected = [f"--{name}", value], {"true": True, "false": False}.get(text, text)
+        elif name in CHOICES:  # a value naming a setting: each of Megatron's sets the key (TOML text), or nothing
+            for value, text in CHOICES[name][1].items():
+                cfg = load_config(None, [f"--{name}", value], check=False)
+                default = _get(load_config(None, [], check=False), m.key)
+                assert _get(cfg, m.key) == ({"true": True, "false": False}.get(text, text) if text is not None else default), (name, value)
+            continue
         else:
             expected = _value_for(m.key, types[m.key])
             values = expected if isinstance(expected, list) else [str(expected)]

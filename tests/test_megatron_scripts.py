@@ -18,11 +18,8 @@ import pytest
 from dtgpt.cli import run_main
 from dtgpt.config import Config, load_config, padded_vocabulary
 from dtgpt.config.loading import _unwrap_optional
-from dtgpt.config.megatron_flags import IGNORED, flag_table
+from dtgpt.config.megatron_flags import CHOICES, IGNORED, flag_table
 
-REFUSED = {"--megatron-fsdp-main-grads-dtype": ["bf16"], "--megatron-fsdp-grad-comm-dtype": ["bf16"]}
-"""The DeepSeek-V3 benchmark's bf16 gradients: dtgpt keeps Megatron's fp32 gradient regime and
-refuses them by name (test_refused_values_are_one_error_line)."""
 
 TINY_DATA = [("--mock-data", []), ("--tokenizer-type", ["NullTokenizer"]), ("--vocab-size", ["127"]), ("--num-workers", ["0"])]
 """Each script's tokenizer and data (a tokenizer model or data path) replaced by mock data."""
@@ -157,13 +154,9 @@ def _root_logger_level():
 
 
 def argv(flags: list[tuple[str, list[str]]], tmp_path) -> list[str]:
-    """The command line, less the flags built elsewhere and the refused values, paths in tmp_path."""
+    """The command line, paths in tmp_path."""
     paths = {"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb")}
-    out = []
-    for flag, values in flags:
-        if flag not in REFUSED:
-            out += [flag, *(paths.get(v, v) for v in values)]
-    return out
+    return [arg for flag, values in flags for arg in (flag, *(paths.get(v, v) for v in values))]
 
 
 def _type(key: str):
@@ -198,6 +191,11 @@ def expected_keys(flags: list[tuple[str, list[str]]], tmp_path) -> dict[str, obj
         m = flag_table().get(flag[2:])
         if m is None:
             assert flag[2:] in IGNORED, f"{flag} is neither mapped nor noted"
+            continue
+        if flag[2:] in CHOICES:  # a value that names a setting (None: the value sets nothing)
+            text = CHOICES[flag[2:]][1][values[0]]
+            if text is not None:
+                keys[m.key] = {"true": True, "false": False}.get(text, text)
             continue
         keys[m.key] = m.value if m.flag.arity == "0" else _read(_type(m.key), values)
     tp = int(said.get("--tensor-model-parallel-size", ["1"])[0])
@@ -243,6 +241,7 @@ def test_noted_flags_of_the_scripts_say_what_dtgpt_does(tmp_path, capfd):
     cfg = load_config(None, argv(DEEPSEEK_V3, tmp_path))
     assert (cfg.training.nan_policy, cfg.checkpoint.save_optimizer, cfg.logging.logging_level) == ("skip", False, 40)
     assert cfg.profiling.profile_ranks == [0] and cfg.training.recompute_granularity == "selective"
+    assert cfg.training.grad_reduce_in_bf16  # --megatron-fsdp-main-grads-dtype bf16 --megatron-fsdp-grad-comm-dtype bf16
     assert run_main(["--print-config", *argv(DEEPSEEK_V3, tmp_path)], None, None) == 0
     note = capfd.readouterr().out.splitlines()[0]
     for flag in ("--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads_params", "--init-model-with-meta-device",
@@ -254,10 +253,14 @@ def test_noted_flags_of_the_scripts_say_what_dtgpt_does(tmp_path, capfd):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--megatron-fsdp-main-grads-dtype", "bf16"], "error: --megatron-fsdp-main-grads-dtype bf16 is refused: it accumulates "
-         "gradients in bf16, and dtgpt keeps them in fp32"),
-        (["--megatron-fsdp-grad-comm-dtype", "bf16"], "error: --megatron-fsdp-grad-comm-dtype bf16 is refused: it reduces "
-         "gradients over data-parallel ranks in bf16"),
+        (["--bf16", "--megatron-fsdp-main-grads-dtype", "fp16"], "error: --megatron-fsdp-main-grads-dtype fp16 is refused: "
+         "it accumulates gradients in fp16, and dtgpt accumulates them in fp32, or in bf16 under --bf16"),
+        (["--bf16", "--megatron-fsdp-main-grads-dtype", "fp32", "--megatron-fsdp-grad-comm-dtype", "bf16"],
+         "error: --megatron-fsdp-main-grads-dtype fp32 and --megatron-fsdp-grad-comm-dtype bf16 ask for different gradient "
+         "dtypes: dtgpt accumulates and reduces gradients in one dtype"),
+        (["--bf16", "--grad-reduce-in-bf16", "--megatron-fsdp-grad-comm-dtype", "fp32"],
+         "error: --grad-reduce-in-bf16 and --megatron-fsdp-grad-comm-dtype fp32 ask for different gradient dtypes"),
+        (["--megatron-fsdp-main-grads-dtype", "bf16"], "error: --megatron-fsdp-main-grads-dtype bf16 needs --bf16"),
         (["--data-parallel-sharding-strategy", "zero3"], "error: --data-parallel-sharding-strategy zero3 is not one of "
          "Megatron's choices: no_shard, optim, optim_grads, optim_grads_params"),
         (["--no-position-embedding"], "error: --no-position-embedding needs --position-embedding-type rope "
@@ -266,10 +269,9 @@ def test_noted_flags_of_the_scripts_say_what_dtgpt_does(tmp_path, capfd):
          "error: --use-rotary-position-embeddings and --position-embedding-type learned_absolute both set "
          "--position-embedding-type, to 'rope' and 'learned_absolute'; keep one"),
     ],
-    ids=["main-grads-bf16", "grad-comm-bf16", "strategy", "no-position-learned", "rotary-contradiction"],
+    ids=["main-grads-fp16", "grad-dtypes-differ", "grad-reduce-differs", "main-grads-bf16-without-bf16", "strategy", "no-position-learned", "rotary-contradiction"],
 )
 def test_refused_values_are_one_error_line(capfd, args, message):
-    assert [f"--{n}" for n in ("megatron-fsdp-main-grads-dtype", "megatron-fsdp-grad-comm-dtype")] == list(REFUSED)
     code = run_main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", *args], None, None)
     err = capfd.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(message) and "Traceback" not in err, err

@@ -45,10 +45,17 @@ RENAMED = {
 }
 """flag -> (dtgpt key, the value a flag without a value sets (a bool or a string); None: the flag takes values)."""
 
+GRAD_DTYPE_KEY = "training.grad_reduce_in_bf16"
+GRAD_DTYPE = {"fp32": "false", "bf16": "true", "auto": None}
 CHOICES = {
     "no-weight-decay-cond-type": ("optimizer.apply_wd_to_qk_layernorm", {"apply_wd_to_qk_layernorm": "true"}),
+    # Megatron-FSDP's gradient accumulation and reduce-scatter dtypes: dtgpt has one for both, so two
+    # different values are one error naming both flags (one_gradient_dtype)
+    "megatron-fsdp-main-grads-dtype": (GRAD_DTYPE_KEY, GRAD_DTYPE),
+    "megatron-fsdp-grad-comm-dtype": (GRAD_DTYPE_KEY, GRAD_DTYPE),
 }
-"""flag -> (dtgpt key, each value Megatron accepts -> the key's value): a flag whose value names a setting."""
+"""flag -> (dtgpt key, each value Megatron accepts -> the key's value, None: the value sets nothing and is
+noted): a flag whose value names a setting."""
 
 IGNORED = (
     "use-mcore-models", "transformer-impl", "use-flash-attn", "attention-backend",
@@ -167,10 +174,25 @@ def translate(args: list[str]) -> Translated:
         elif name in flag_table():
             mapping = flag_table()[name]
             text = _as_text(mapping, values)
-            overrides.append((mapping.key, text, " ".join(["--" + name, *values])))
+            if text is None:  # a choice that keeps dtgpt's default
+                ignored.append(" ".join(["--" + name, *values]))
+            else:
+                overrides.append((mapping.key, text, " ".join(["--" + name, *values])))
         else:
             raise ConfigError(f"--{name} is a Megatron-LM flag dtgpt does not implement (docs/megatron_flags.md lists the ones it maps)")
+    one_gradient_dtype(overrides)
     return Translated(padded_vocabulary_wins(overrides), ignored)
+
+
+def one_gradient_dtype(overrides: list[tuple[str, str, str]]) -> None:
+    """Megatron-FSDP's accumulation and reduction dtypes (and --grad-reduce-in-bf16) set one key:
+    dtgpt accumulates and reduces gradients in one dtype, so two different ones are one error."""
+    given = [(text, spelling) for key, text, spelling in overrides if key == GRAD_DTYPE_KEY and not spelling.startswith("--training.")]
+    if len({text for text, _ in given}) > 1:
+        raise ConfigError(
+            f"{given[0][1]} and {given[1][1]} ask for different gradient dtypes: dtgpt accumulates and reduces "
+            "gradients in one dtype (fp32, or bf16 under --bf16); give one"
+        )
 
 
 def _check_arity(arg: str, flag: Flag, values: list[str]) -> None:
@@ -182,7 +204,7 @@ def _check_arity(arg: str, flag: Flag, values: list[str]) -> None:
         raise ConfigError(f"--{flag.name} needs {flag.arity} values, got {len(values)}")
 
 
-def _as_text(mapping: Mapping, values: list[str]) -> str:
+def _as_text(mapping: Mapping, values: list[str]) -> str | None:
     """The override text of a flag's values: a TOML list for a list key, so that a path holding
     a comma or a space stays one element."""
     if mapping.flag.arity == "0":
@@ -248,7 +270,8 @@ def markdown_table() -> str:
     ]
     for name, m in sorted(flag_table().items(), key=lambda item: (item[1].key, item[0])):
         if name in CHOICES:
-            lines.append(f"| `--{name}` | `{m.key}` | {'; '.join(f'{v}: {t}' for v, t in CHOICES[name][1].items())} |")
+            sets = "; ".join(f"{v}: {'nothing' if t is None else t}" for v, t in CHOICES[name][1].items())
+            lines.append(f"| `--{name}` | `{m.key}` | {sets} |")
             continue
         arity = {"0": m.value if isinstance(m.value, str) else str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")

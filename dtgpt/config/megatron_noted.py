@@ -4,8 +4,8 @@ each with what dtgpt does instead; a few accept only some of their values.
 These choose Megatron's data-parallel implementation (Megatron-FSDP and its buffers), its
 checkpoint-format detection, its logging back ends or its feature gates: none changes the model,
 the data or the arithmetic dtgpt trains with. Their notes are the "Megatron's example scripts"
-section of docs/megatron_flags.md. A value that would change the arithmetic (gradients kept or
-reduced in bf16) is refused with one line saying why.
+section of docs/megatron_flags.md. A value that would change the arithmetic in a way dtgpt does not
+build is refused with one line saying why.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dtgpt.config.sections import ConfigError
 
 NOTED = {
     "use-megatron-fsdp": "dtgpt's data parallelism is always FSDP2 (`fully_shard` over the dp_shard mesh dim): "
-    "parameters, gradients and optimizer state are sharded over it, gradients kept and reduced in fp32",
+    "parameters, gradients and optimizer state are sharded over it, gradients kept and reduced in fp32 (in bf16 "
+    "under `--megatron-fsdp-main-grads-dtype bf16`, see above)",
     "data-parallel-sharding-strategy": "every strategy (no_shard, optim, optim_grads, optim_grads_params) is accepted: "
     "dtgpt shards parameters, gradients and optimizer state over dp_shard whatever the choice, which changes memory "
     "and traffic only; `--parallel.fsdp_reshard_after_forward=always` re-gathers parameters in every micro-batch as "
@@ -23,9 +24,6 @@ NOTED = {
     "fsdp-double-buffer": "a Megatron-FSDP communication buffer scheme; FSDP2 manages its own buffers",
     "use-nccl-ub": "NCCL user-buffer registration of Megatron's communication buffers",
     "fsdp-manual-registration": "NCCL user-buffer registration of Megatron-FSDP's buffers",
-    "megatron-fsdp-main-grads-dtype": "fp32 and auto are accepted: dtgpt keeps gradients in fp32 (as "
-    "`--accumulate-allreduce-grads-in-fp32`; Megatron-FSDP's auto follows the parameters' dtype); bf16 and fp16 are refused",
-    "megatron-fsdp-grad-comm-dtype": "fp32 and auto are accepted: dtgpt reduces gradients in fp32; bf16 and fp16 are refused",
     "auto-detect-ckpt-format": "dtgpt always detects a checkpoint's format from its files (its own DCP, Megatron's "
     "torch_dist or per-rank `torch`)",
     "dist-ckpt-strictness": "every value is accepted: dtgpt's load of a Megatron checkpoint is strict whatever it says "
@@ -65,6 +63,13 @@ EXAMPLE_SCRIPTS = [
     "  loss scale, and a run resuming from it starts those fresh, as `--no-load-optim` does.",
     "- `--padded-vocab-size P`: the vocabulary has P rows (`model.make_vocab_size_divisible_by = P`; a",
     "  `--make-vocab-size-divisible-by` beside it is dropped, as Megatron drops it).",
+    "- `--megatron-fsdp-main-grads-dtype` and `--megatron-fsdp-grad-comm-dtype` (the dtype Megatron-FSDP accumulates",
+    "  gradients in, and the one it reduce-scatters them in; auto: the parameters' dtype, and the main gradients'):",
+    "  bf16 sets `training.grad_reduce_in_bf16 = true` (Megatron's `--grad-reduce-in-bf16`: both in bf16 over fp32",
+    "  master weights; it needs `--bf16`), fp32 sets it false; auto sets nothing, and dtgpt keeps fp32 (Megatron-FSDP's",
+    "  auto follows the gradients' dtype, bf16 under `--bf16`: give bf16 for that). dtgpt accumulates and reduces in",
+    "  one dtype, so the two flags (or `--grad-reduce-in-bf16`) in two dtypes are one error line naming both; fp16 is",
+    "  refused (under `--fp16`, `--accumulate-allreduce-grads-in-fp32` chooses).",
     "- `--logging-level N`: the level of Python's root logger (Megatron's meaning).",
     "- `--profile-ranks`: only these ranks profile (empty: all). `--record-memory-history`: on CUDA, each profiled",
     "  rank records the allocator's history from the start of training and dumps it to `--memory-snapshot-path`",
@@ -73,7 +78,7 @@ EXAMPLE_SCRIPTS = [
     "Accepted with a note, each changing nothing that is trained:",
 ]
 
-GRAD_DTYPES = {"fp32": None, "auto": None, "bf16": "", "fp16": ""}
+GRAD_DTYPES = {"fp32": None, "auto": None, "bf16": None, "fp16": ""}
 STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
               "return_unexpected", "return_all", "ignore_all")  # fmt: skip
 CHOICES = {
@@ -85,10 +90,10 @@ CHOICES = {
 """Megatron's choices for the flags that take one; a value mapped to a string is refused."""
 
 WHY_REFUSED = {
-    "megatron-fsdp-main-grads-dtype": "it accumulates gradients in {value}, and dtgpt keeps them in fp32 (Megatron's "
-    "--accumulate-allreduce-grads-in-fp32 regime); drop the flag or give fp32",
-    "megatron-fsdp-grad-comm-dtype": "it reduces gradients over data-parallel ranks in {value}, and dtgpt reduces them in "
-    "fp32 (Megatron's --accumulate-allreduce-grads-in-fp32 regime); drop the flag or give fp32",
+    "megatron-fsdp-main-grads-dtype": "it accumulates gradients in {value}, and dtgpt accumulates them in fp32, or in "
+    "bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
+    "megatron-fsdp-grad-comm-dtype": "it reduces gradients over data-parallel ranks in {value}, and dtgpt reduces them "
+    "in fp32, or in bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
 }
 
 

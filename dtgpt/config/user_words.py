@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from dtgpt.config.megatron_flags import Mapping, flag_table
+from dtgpt.config.megatron_flags import CHOICES, Mapping, flag_table
 
 KEY_MENTION = re.compile(r"(?<![\w./-])(?:--)?([a-z]+)\.([a-z][a-z0-9_]*)(?:=('[^']*'|\"[^\"]*\"|[^\s,;:)]+))?")
 """`section.key`, `--section.key` or `section.key=value` (a quoted value, or one up to a space or punctuation)."""
@@ -53,6 +53,9 @@ class UserWords:
         if value is None:
             return "--" + (typed or _canonical(key, mappings).flag.name)
         plain = value.strip("'\"")
+        if typed in CHOICES:  # a flag whose value names a setting: the value the user's flag gives
+            choice = next((c for c, text in CHOICES[typed][1].items() if text == plain.lower()), None)
+            return f"--{typed} {choice}" if choice else None
         if mappings[0].flag.arity == "0":  # a switch: the flag that sets this value
             wanted = plain.lower() == "true"
             fits = sorted((m for m in mappings if m.value == wanted), key=lambda m: (m.flag.name != typed, m.flag.name))
