@@ -88,14 +88,14 @@ def mock_batch(first: int) -> torch.Tensor:
     return torch.stack([torch.as_tensor(data[i]) for i in range(first, first + BATCH)])
 
 
-def build_optimizer(model):
+def build_optimizer(model, min_lr: float = 0.0):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    # min_lr as Megatron-LM's --min-lr default sets it (a bare OptimizerConfig has None): megatron-core
+    # min_lr as Megatron-LM's --min-lr sets it (default 0; a bare OptimizerConfig has None): megatron-core
     # 0.19 matches a loaded checkpoint's param groups to its own by min_lr, among other keys
-    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=0.0, **ADAM)
+    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=min_lr, **ADAM)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 

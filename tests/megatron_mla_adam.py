@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.megatron_adam import ADAM, mock_batch, patch_for_optimizer
+from tests.megatron_adam import ADAM, build_optimizer, mock_batch, patch_for_optimizer
 from tests.megatron_gpt import CONSUMED, ITERATION, LR_SAMPLES
 from tests.megatron_mla_gpt import EXPERTS, MTP, build, inputs_of
 
@@ -58,14 +58,10 @@ def draw_experts(model, seed: int) -> None:
                 getattr(expert, name).weight.data.copy_(full[rank * local + i])
 
 
-def build_optimizer(model):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def build_optimizer_and_scheduler(model):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=SCHEDULE["min_lr"], **ADAM)
-    optimizer = get_megatron_optimizer(config, [ddp])
+    ddp, optimizer = build_optimizer(model, min_lr=SCHEDULE["min_lr"])
     samples = {k: SCHEDULE[f"lr_{k}_iters"] * GLOBAL_BATCH for k in ("warmup", "decay")}
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=ADAM["lr"], min_lr=SCHEDULE["min_lr"],
                                         lr_warmup_steps=samples["warmup"], lr_decay_steps=samples["decay"],
@@ -131,7 +127,7 @@ def adam_oracle(root: Path, state: dict) -> None:
     patch_for_optimizer()
     model = build(1, 1234, te_names=False, vocab=ROWS, ep=ep)
     draw_experts(model, 5)
-    ddp, optimizer, scheduler = build_optimizer(model)
+    ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
     scheduler.num_steps = LR_SAMPLES - GLOBAL_BATCH
     scheduler.step(increment=0)
     train_step(ddp, optimizer, scheduler, mock_batch(0))
