@@ -61,6 +61,7 @@ LAYOUTS = {
     "dense_mla_tp2": (2, DENSE_MLA + TP2, TINY),
     # the same modules on tp ranks' heads (no SP: the norms' outputs are plain tensors, released)
     "dense_mla_tp2_recompute_up_proj_layernorm": (2, DENSE_MLA + TP2 + selective("mla_up_proj", "layernorm"), TINY),
+    "dense_mla_dp2_up_proj": (2, DENSE_MLA + selective("mla_up_proj"), TINY),
     # SP with 2 sequences per micro-batch: the down-projection's (batch, sequence-chunk) input,
     # which torch 2.11's DTensor could not flatten for a linear layer (dtgpt/parallel/tensor_mla.py)
     "dense_mla_tp2_sp_mb2": (2, DENSE_MLA + TP2 + ["--parallel.sequence_parallel=true", "--training.micro_batch_size=2"], TINY),
