@@ -8,10 +8,9 @@
 Any key can be overridden: --training.train_iters=20 or --training.train_iters 20.
 """
 
-import gc
 import sys
 
-from dtgpt.cli import run_main
+from dtgpt.cli import exit_process, run_main
 from dtgpt.config import Config
 from dtgpt.data import build_datasets
 from dtgpt.model import GPT
@@ -28,8 +27,4 @@ def datasets_provider(cfg: Config, tokenizer, num_samples: tuple[int, int, int])
 
 
 if __name__ == "__main__":  # async checkpoint saves re-import this file in worker processes
-    status = run_main(sys.argv[1:], model_provider, datasets_provider)
-    # Python's exit collects every object once more (torch's modules hold millions): about 2 s of
-    # CPU per rank that the finished run does not need. Freezing them skips that collection.
-    gc.freeze()
-    sys.exit(status)
+    exit_process(run_main(sys.argv[1:], model_provider, datasets_provider))  # (dtgpt/cli.py: why not sys.exit)

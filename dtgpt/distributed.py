@@ -134,8 +134,9 @@ def init_process_group(cfg: Config, device: torch.device, shared: dist.Store | N
     return store
 
 
-def shutdown(clean: bool = True) -> None:
-    """Always destroy the process group: gloo runs otherwise abort at exit now and then.
+def shutdown(clean: bool = True, dims: ParallelDims | None = None) -> None:
+    """Always destroy the process groups, and with `dims` let its meshes release them: gloo runs
+    otherwise abort or crash at exit now and then (ParallelDims.release_groups says why).
 
     After an error (`clean=False`) there is no final barrier: a dead or stuck peer would hold
     this rank in it until the collective timeout, hiding the error that is on its way out.
@@ -144,3 +145,5 @@ def shutdown(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+    if dims is not None:
+        dims.release_groups()

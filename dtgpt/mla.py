@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from dtgpt.config import ModelConfig
-from dtgpt.discard import discard_until_backward
+from dtgpt.discard import run_without_saving
 from dtgpt.inits import DeclaredInits, Init, linear_inits
 from dtgpt.norms import build_norm, norm_inits
 from dtgpt.rope import apply_rotary, latent_rotary_frequencies, yarn_mscale
@@ -91,12 +90,12 @@ class MLASelfAttention(nn.Module):
         k_pe = self.k_pos_emb(k_pe)
         up = (q_in, compressed, k_pe, position_ids)
         if self.recompute_up_proj:  # Megatron's 'mla_up_proj': keep the inputs, not q, k, v
-            q, k, v = checkpoint(self.up_projections, *up, use_reentrant=False)
+            (q, k, v), discard = run_without_saving(self.up_projections, *up)
         else:
             q, k, v = self.up_projections(*up)
         y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, v)
         if self.recompute_up_proj:
-            discard_until_backward([q, k, v], lambda: self.up_projections(*up), y)
+            discard(y)
         B, T = y.shape[0], y.shape[2]
         return self.linear_proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * v)
 

@@ -311,7 +311,7 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
     finally:
         if checkpointer is not None:
             checkpointer.release()  # after a failed start too: no lock left in the save directory
-        shutdown(clean)
+        shutdown(clean, runtime.dims)
 
 
 def run_validation(cfg: Config, state: TrainState, valid_iter: Iterator) -> float:

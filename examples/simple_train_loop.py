@@ -64,7 +64,7 @@ def main():
         dist.barrier()  # every rank has read the checkpoint before it goes
     if runtime.is_main and len(sys.argv) == 1:
         shutil.rmtree(directory)
-    dtgpt.shutdown()
+    dtgpt.shutdown(dims=runtime.dims)
 
 
 if __name__ == "__main__":

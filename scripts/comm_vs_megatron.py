@@ -22,8 +22,9 @@ runs the same config (fp16/bf16 model, distributed optimizer, SP as configured):
   DP   the distributed optimizer: 1 reduce-scatter of the gradients (g bytes) and 1 all-gather
        of the parameters (e bytes) per iteration.
   EP   (MoE, the alltoall dispatcher) per MoE layer and micro-batch: the routed rows, R·h·e,
-       dispatched and combined forward and both again backward (a recomputed block dispatches
-       again), and the tokens per expert all-gathered over ep (ep·E int64). The distributed
+       dispatched and combined forward and both again backward (a MoE layer recomputed, fully or
+       with selective 'moe', dispatches and combines again), the prediction modules' MoE layers
+       too, and the tokens per expert all-gathered over ep (ep·E int64). The distributed
        optimizer shards the experts over the expert data-parallel ranks (dp·cp/ep) and the rest
        over dp·cp. Under tp Megatron folds the tp ranks into the experts' data-parallel group:
        that layout is not compared here (tp 1 only for MoE).
@@ -55,8 +56,8 @@ from dtgpt.plan.comm import (  # noqa: E402
     rank_collectives,
     rank_stages,
 )
-from dtgpt.plan.comm_recompute import recomputed_blocks  # noqa: E402
-from dtgpt.plan.comm_moe import expert_shapes, is_moe_block, routed_rows, stage_blocks  # noqa: E402
+from dtgpt.plan.comm_recompute import recomputed_blocks, rerun_moe_layers  # noqa: E402
+from dtgpt.plan.comm_moe import expert_shapes, is_moe_block, moe_layers_held, routed_rows, stage_blocks  # noqa: E402
 from dtgpt.plan.layout import tokenizer_vocab_size  # noqa: E402
 from dtgpt.plan.links import group_size, link_bytes  # noqa: E402
 
@@ -119,10 +120,11 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
         out += [Collective("send", "pp", "activations", n * boundaries, message), Collective("recv", "pp", "activations", n * boundaries, message)]
     moe = [i for s in stages for i in stage_blocks(c, s) if is_moe_block(c, i)]
     if c.ep > 1 and moe:
-        rerun = sum(1 for s in stages for i in recomputed_blocks(c, s) if is_moe_block(c, i))
+        rerun = rerun_moe_layers(c, stages)  # selective 'moe' or full: Megatron's replay has no early stop either
         rows = routed_rows(c) * c.hidden * e
-        out += [Collective("all_to_all", "ep", "dispatch + combine", (4 * len(moe) + 2 * rerun) * n, rows),
-                Collective("all_gather", "ep", "tokens per expert", (len(moe) + rerun) * n, c.ep * c.experts * 8)]  # fmt: skip
+        held = moe_layers_held(c, stages)  # the prediction modules' MoE layers too
+        out += [Collective("all_to_all", "ep", "dispatch + combine", (4 * held + 2 * rerun) * n, rows),
+                Collective("all_gather", "ep", "tokens per expert", (held + rerun) * n, c.ep * c.experts * 8)]  # fmt: skip
     if c.efsdp > 1 and moe:
         experts = len(moe) * gathered_numel(expert_shapes(c), 1)
         out += [Collective("reduce_scatter", "efsdp", "dp expert grads", 1, experts * g),

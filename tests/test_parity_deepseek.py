@@ -53,14 +53,17 @@ LAYOUTS = {
                                           "--training.recompute_granularity=full", "--training.recompute_method=uniform",
                                           "--training.recompute_num_layers=1"], TINY),
     # selective recomputation of the attention core (cp's, which gathers keys and values) and of
-    # Megatron's recompute_modules beside it: the up-projections and RoPE checkpointed, q, k, v,
-    # the norms' outputs and the experts' activation discarded until backward
-    "cp2_selective_up_proj_moe_act_layernorm": (
-        2, DEEPSEEK_MTP + ["--parallel.context_parallel_size=2"] + selective("core_attn", "mla_up_proj", "moe_act", "layernorm"), TINY,
+    # Megatron's recompute_modules beside it: the up-projections and RoPE run keeping only their
+    # inputs, q, k, v, the norms' outputs and the experts' activation discarded until backward,
+    # the shared expert checkpointed
+    "cp2_selective_up_proj_shared_moe_act_layernorm": (
+        2, DEEPSEEK_MTP + ["--parallel.context_parallel_size=2"]
+        + selective("core_attn", "mla_up_proj", "shared_experts", "moe_act", "layernorm"), TINY,
     ),
     "dense_mla_tp2": (2, DENSE_MLA + TP2, TINY),
     # the same modules on tp ranks' heads (no SP: the norms' outputs are plain tensors, released)
     "dense_mla_tp2_recompute_up_proj_layernorm": (2, DENSE_MLA + TP2 + selective("mla_up_proj", "layernorm"), TINY),
+    "dense_mla_dp2_up_proj": (2, DENSE_MLA + selective("mla_up_proj"), TINY),
     # SP with 2 sequences per micro-batch: the down-projection's (batch, sequence-chunk) input,
     # which torch 2.11's DTensor could not flatten for a linear layer (dtgpt/parallel/tensor_mla.py)
     "dense_mla_tp2_sp_mb2": (2, DENSE_MLA + TP2 + ["--parallel.sequence_parallel=true", "--training.micro_batch_size=2"], TINY),

@@ -261,6 +261,7 @@ def rejoin_process_group(cfg, runtime) -> None:
     shared = runtime.store.underlying_store
     start = time.perf_counter()
     dist.destroy_process_group()
+    runtime.dims.release_groups()  # the old mesh's groups: their threads end with them
     runtime.store = init_process_group(cfg, runtime.device, shared)
     dims = ParallelDims.from_config(cfg, runtime.world_size)
     dims.build_mesh(runtime.device.type)

@@ -143,6 +143,19 @@ class ParallelDims:
         elif self.tp_enabled:
             self.flat["ep_tp"] = DeviceMesh._concatenate([expert["ep"], self.mesh["tp"]])
 
+    def release_groups(self) -> None:
+        """Drop the meshes' references to their process groups, once the groups are destroyed.
+
+        torch's DTensor caches keep the meshes they met for the life of the process, and a mesh
+        keeps its groups: gloo's threads would then outlive `destroy_process_group` and run on
+        while the exiting process tears down its static objects (a rank crashed at exit, SIGSEGV,
+        once in hundreds of runs). Without those references the groups go, threads joined."""
+        meshes = [self.mesh, *self.flat.values(), *self.slices.values()]
+        for mesh in meshes + [m._get_root_mesh() for m in meshes if m is not None]:
+            registry = getattr(mesh, "_pg_registry", None)  # (torch >= 2.12; older meshes hold names only)
+            if registry:
+                registry.clear()
+
     def sub(self, name: str) -> DeviceMesh | None:
         """mesh['tp'], mesh['pp'], mesh['dp'], mesh['dp_cp'] ...; None when there is no mesh."""
         if self.mesh is None:

@@ -14,8 +14,9 @@ released once the consumer has run, and computed again just before the consumer'
 
 layernorm       both norms of a block: their outputs (the QKV and fc1 matmuls' inputs); kept under
                 sequence parallelism, where what those matmuls keep is the gathered input
-mla_up_proj     multi-latent attention's up-projections and RoPE (checkpointed, so that RoPE keeps
-                nothing) and their outputs q, k, v, which the attention core keeps
+mla_up_proj     multi-latent attention's up-projections and RoPE (run keeping nothing but their
+                inputs) and their outputs q, k, v, which the attention core keeps; one run in
+                backward refills q, k, v and gives the up-projections' backward its graph
 moe_act         the experts' activation (checkpointed) and its output, fc2's input
 
 The prediction modules' blocks (multi-token prediction) are treated as the model's, as Megatron's.

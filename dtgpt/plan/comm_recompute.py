@@ -23,8 +23,8 @@ selective       core_attn: under cp the core's key/value gathers, nothing over t
                 moe: the whole MoE layer's forward: its all-to-alls and the router's load counts, a
                 shared expert's input gather (and its output's reduce-scatter where a gate keeps it).
                 mla_up_proj: under SP the up-projections' input gathers (compressed query, compressed
-                key/value), twice: the discarded q, k, v are computed again before the core's
-                backward, and the checkpointed up-projections again for their own backward.
+                key/value), once: the run that refills the discarded q, k, v before the core's
+                backward also builds the graph the up-projections' own backward runs (as Megatron's).
                 layernorm, moe_act: nothing (each recomputes from tensors the rank holds).
 """
 
@@ -95,8 +95,8 @@ def tp_replay_collectives(c, stages: list[int], n_micro: int, collective) -> lis
     if c.latent is not None and c.sequence_parallel:
         gathers = [x for x in comm_mla.latent_tp_collectives(c, collective, blocks, n_micro) if x.kind == "all_gather"]
         out += [collective(x.kind, x.dim, "recomputed " + x.what, x.count, x.message_bytes) for x in gathers]
-        if "mla_up_proj" in c.recompute_modules:  # refilled, then replayed: twice per block
-            up = 2 * (sum(c.layer_counts[s] for s in stages) + comm_mtp.mtp_blocks(c, stages)) * n_micro
+        if "mla_up_proj" in c.recompute_modules:  # refilled once per block and micro-batch
+            up = (sum(c.layer_counts[s] for s in stages) + comm_mtp.mtp_blocks(c, stages)) * n_micro
             token_bytes = c.micro_batch * c.tokens * c.compute_bytes
             out += [collective("all_gather", "tp", f"recomputed mla {what} fwd", up, width * token_bytes)
                     for what, width in (("compressed query", c.latent.q_lora or c.hidden), ("compressed key/value", c.latent.kv_lora))]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -159,3 +160,44 @@ def test_an_error_line_is_one_write_so_ranks_cannot_interleave(monkeypatch, capf
     print_error("rank 1: save-checkpoint of iteration 6 failed")
     assert writes == [(sys.stderr.fileno(), b"error: rank 1: save-checkpoint of iteration 6 failed\n")]
     assert capfd.readouterr().err == "error: rank 1: save-checkpoint of iteration 6 failed\n"
+
+
+def test_a_rank_that_crashes_in_native_code_prints_its_python_stacks(tmp_path):
+    """train.py's run_main enables faulthandler: a segfault prints every thread's Python stack (the
+    crashed rank's only account of itself under torchrun, which reports just the signal)."""
+    crash = ("import faulthandler, sys\nfrom dtgpt.cli import run_main\n"
+             "run_main(['--print-config'], None, None)\nfaulthandler._sigsegv()\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}, timeout=120)  # fmt: skip
+    assert proc.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in proc.stderr and 'File "<string>", line 4' in proc.stderr, proc.stderr
+
+
+THREADS_AFTER_RUN = """
+import os, sys
+import train
+from dtgpt.cli import run_main
+status = run_main(sys.argv[1:], train.model_provider, train.datasets_provider)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(f"rank {os.environ['RANK']}: {sum(n.startswith(('pt_gloo', 'gloo_')) for n in names)} gloo threads after the run")
+sys.exit(status)
+"""
+
+
+@pytest.mark.slow  # a 2-rank torchrun, about 15 s
+def test_a_finished_run_leaves_no_gloo_thread_running(tmp_path):
+    """After pretrain() the groups are gone, threads joined: DTensor's caches keep the meshes, and
+    each mesh its groups, unless shutdown() empties the meshes' registries (ParallelDims.release_groups)."""
+    script = tmp_path / "threads_after_run.py"
+    script.write_text(THREADS_AFTER_RUN)
+    repo = Path(__file__).parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+         "--config", str(repo / "configs" / "debug.toml"), "--training.train_iters=1", "--eval.eval_iters=0",
+         "--parallel.tensor_model_parallel_size=2", "--checkpoint.save=", "--checkpoint.load=", "--logging.tensorboard_dir="],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    counts = sorted(line for line in proc.stdout.splitlines() if "gloo threads after the run" in line)
+    assert counts == [f"rank {r}: 0 gloo threads after the run" for r in range(2)], proc.stdout[-2000:]
