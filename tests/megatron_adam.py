@@ -150,23 +150,27 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
     the first under root; each other from a `twin()` model (the same weights) whose grad buffer is cut into buckets of
     BUCKET_SIZE (the same step on the same batch), under root/<type>, its state in adam.pt as
     "saved_<type>". load-adam loads the first."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
 
     patch_for_optimizer()
     ddp, optimizer = build_optimizer(model)
     metadata = {"distrib_optim_sharding_type": shardings[0]}
     if command == "adam":
+        # at dp > 1 each rank holds a share of each parameter's state: only the checkpoints are written
+        whole = parallel_state.get_data_parallel_world_size() == 1
         step(ddp, optimizer, mock_batch(0))
         save(model, optimizer, root, shardings[0], trainer_state)
-        states = {"saved": stacked_state(model, optimizer)}
+        states = {"saved": stacked_state(model, optimizer)} if whole else {}
         for sharding in shardings[1:]:
             other = twin()
             other_ddp, other_optimizer = build_optimizer(other, bucket_size=BUCKET_SIZE)
             step(other_ddp, other_optimizer, mock_batch(0))
             save(other, other_optimizer, root / sharding, sharding, trainer_state)
-            states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
-        step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
-        torch.save({**states, "stepped": stacked_state(model, optimizer)}, root / "adam.pt")
+            if whole:
+                states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
+        if whole:
+            step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
+            torch.save({**states, "stepped": stacked_state(model, optimizer)}, root / "adam.pt")
     else:
         directory = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
         # Without TE or apex its torch-AdamW path reads the step from existing state: create
