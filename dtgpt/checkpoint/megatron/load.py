@@ -16,6 +16,11 @@ QKV layout and vocabulary rows carry over:
     fp32_param or param      the fp32 master weights: they, not the (maybe bf16) model weights,
                              become dtgpt's fp32 parameters
     step                     common.pt: the optimizer's param_groups[*]["step"] (or common_step)
+
+The distributed optimizer's default sharding type, `dp_reshardable`, keeps the same three slots
+(param, exp_avg, exp_avg_sq) in flat per-bucket tensors instead, and its param groups in a pickled
+item; MegatronReader maps each parameter's region into them (buckets.py), so the same read_into
+fills AdamW from either layout.
 """
 
 from __future__ import annotations

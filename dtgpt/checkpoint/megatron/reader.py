@@ -52,8 +52,9 @@ class MegatronReader:
         self.torch_dist = is_torch_dist(directory)
         if self.torch_dist:
             # Megatron keeps each layer's Transformer Engine state as a pickled `_extra_state`, and
-            # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never reads them.
-            # COMMON_ITEM is read below, from its bytes, with load_pickle's allowlist.
+            # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never hands
+            # them to DCP. COMMON_ITEM and the dp_reshardable param groups are read from their
+            # bytes, with load_pickle's allowlist (_item).
             metadata = layout.read_metadata(
                 directory, unread=lambda key: "._extra_state" in key or unchained(key).startswith("optimizer.") or key == COMMON_ITEM
             )
