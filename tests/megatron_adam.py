@@ -5,7 +5,8 @@ losses compare):
 
     adam DIR        wrap the GPTModel in megatron-core's DDP, build its DistributedOptimizer
                     (get_megatron_optimizer, AdamW), step once on mock samples 0-7, save model and
-                    optimizer as Megatron-LM does (fully_reshardable: the model-space layout), then
+                    optimizer as Megatron-LM does (fully_reshardable: the model-space layout, or
+                    with --sharding dp_reshardable its default per-bucket layout), then
                     step once more on samples 56-63, the batch a dtgpt run resuming at
                     consumed samples 56 trains on. DIR/adam.pt: {"saved": ..., "stepped": ...},
                     each {"weight" | "param" | "exp_avg" | "exp_avg_sq": {Megatron key: stacked}}
@@ -36,7 +37,11 @@ ADAM = dict(lr=1e-3, decoupled_lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_b
 """The optimizer both sides run (dtgpt: the same [optimizer] keys, constant LR). decoupled_lr:
 the word embedding (and the tied head) in a param group of its own at its own LR, as a Megatron
 launch script with --decoupled-lr trains it; its checkpoint holds that third group."""
-SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+BUCKET_SIZE = 40_000
+"""Elements per grad bucket (Megatron-LM's --ddp-bucket-size) of the dp_reshardable twin: the
+109k-parameter model spans three buckets. (The model-space save keeps one bucket: megatron-core
+0.16.1's fully_reshardable places a later bucket's state 64 elements off when an earlier bucket's
+length is not a multiple of its padding, 128 at dp 1.)"""
 SEED = 1234  # dtgpt's training.seed default: the mock samples are dtgpt's
 BATCH = 8
 
@@ -88,11 +93,13 @@ def mock_batch(first: int) -> torch.Tensor:
     return torch.stack([torch.as_tensor(data[i]) for i in range(first, first + BATCH)])
 
 
-def build_optimizer(model, min_lr: float = 0.0):
+def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    # bucket_size: megatron-core cuts its grad buffer into buckets only with overlap_grad_reduce
+    overlap = {"overlap_grad_reduce": True, "bucket_size": bucket_size} if bucket_size else {}
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True, **overlap), model)
     # min_lr as Megatron-LM's --min-lr sets it (default 0; a bare OptimizerConfig has None): megatron-core
     # 0.19 matches a loaded checkpoint's param groups to its own by min_lr, among other keys
     config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=min_lr, **ADAM)
@@ -137,31 +144,54 @@ def stacked_state(model, optimizer) -> dict:
     return out
 
 
-def run_adam(command: str, model, root: Path, trainer_state: dict) -> None:
-    from megatron.core import dist_checkpointing
+def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tuple[str, ...] = ("fully_reshardable",), twin=None) -> None:
+    """`shardings`: the distributed optimizer's distrib_optim_sharding_type(s), fully_reshardable
+    (model space) or dp_reshardable (per-bucket flat buffers, Megatron-LM's default). adam saves
+    the first under root; each other from a `twin()` model (the same weights) whose grad buffer is cut into buckets of
+    BUCKET_SIZE (the same step on the same batch), under root/<type>, its state in adam.pt as
+    "saved_<type>". load-adam loads the first."""
+    from megatron.core import dist_checkpointing, parallel_state
 
     patch_for_optimizer()
     ddp, optimizer = build_optimizer(model)
+    metadata = {"distrib_optim_sharding_type": shardings[0]}
     if command == "adam":
-        directory = root / f"iter_{trainer_state['iteration']:07d}"
-        directory.mkdir(parents=True, exist_ok=True)
+        # at dp > 1 each rank holds a share of each parameter's state: only the checkpoints are written
+        whole = parallel_state.get_data_parallel_world_size() == 1
         step(ddp, optimizer, mock_batch(0))
-        sharded = model.sharded_state_dict()
-        state = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, metadata=SHARDING), **trainer_state}
-        dist_checkpointing.save(state, str(directory))
-        saved = stacked_state(model, optimizer)
-        step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
-        torch.save({"saved": saved, "stepped": stacked_state(model, optimizer)}, root / "adam.pt")
-        (root / "latest_checkpointed_iteration.txt").write_text(str(trainer_state["iteration"]))
+        save(model, optimizer, root, shardings[0], trainer_state)
+        states = {"saved": stacked_state(model, optimizer)} if whole else {}
+        for sharding in shardings[1:]:
+            other = twin()
+            other_ddp, other_optimizer = build_optimizer(other, bucket_size=BUCKET_SIZE)
+            step(other_ddp, other_optimizer, mock_batch(0))
+            save(other, other_optimizer, root / sharding, sharding, trainer_state)
+            if whole:
+                states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
+        if whole:
+            step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
+            torch.save({**states, "stepped": stacked_state(model, optimizer)}, root / "adam.pt")
     else:
         directory = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
         # Without TE or apex its torch-AdamW path reads the step from existing state: create
         # some, as its own fsdp_dtensor load does (the load then overwrites all of it).
         optimizer.chained_optimizers[0]._init_optimizer_states_with_dummy_values()
         sharded = model.sharded_state_dict()
-        request = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, is_loading=True, metadata=SHARDING)}
+        request = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)}
         loaded = dist_checkpointing.load(request, str(directory))
         model.load_state_dict(loaded["model"], strict=False)
         optimizer.load_state_dict(loaded["optimizer"])
         torch.save(stacked_state(model, optimizer), root / "loaded_adam.pt")
     dist.barrier()
+
+
+def save(model, optimizer, root: Path, sharding: str, trainer_state: dict) -> None:
+    """Model and optimizer as Megatron-LM saves them, the optimizer in `sharding`, and the pointer."""
+    from megatron.core import dist_checkpointing
+
+    directory = root / f"iter_{trainer_state['iteration']:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    sharded = model.sharded_state_dict()
+    optimizer_state = optimizer.sharded_state_dict(sharded, metadata={"distrib_optim_sharding_type": sharding})
+    dist_checkpointing.save({"model": sharded, "optimizer": optimizer_state, **trainer_state}, str(directory))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(trainer_state["iteration"]))

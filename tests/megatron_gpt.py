@@ -15,6 +15,10 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           save model + optimizer, write DIR/adam.pt
                                                           (state saved, and after one more step)
     python tests/megatron_gpt.py load-adam DIR            load model + optimizer, write DIR/loaded_adam.pt
+                                                          (--sharding fully_reshardable dp_reshardable: adam also
+                                                          saves the same state in Megatron's default layout
+                                                          under DIR/dp_reshardable; load-adam loads the first;
+                                                          --dp 2 on 2 ranks: tp 1, dp 2, checkpoints only)
     python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
@@ -114,11 +118,17 @@ ARCHS = {
 
 def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
     from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tp, 1)
+    return new_model(tp, untied, layers, arch)
+
+
+def new_model(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
+    """The GPTModel, seeded: every call gives the same weights (model parallelism set up)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tp, 1)
     config = TransformerConfig(
         num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
@@ -195,6 +205,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--arch", choices=sorted(ARCHS), default="gpt")
+    parser.add_argument("--dp", type=int, default=1, help="adam: data-parallel ranks (tp = the ranks / dp)")
+    parser.add_argument("--sharding", nargs="+", choices=("fully_reshardable", "dp_reshardable"), default=["fully_reshardable"],
+                        help="adam: the distributed optimizer's distrib_optim_sharding_type, the first under DIR, any other under DIR/<type>")
     args = parser.parse_args(argv)
     patch_megatron()
     dist.init_process_group("gloo")
@@ -203,24 +216,24 @@ def main(argv: list[str]) -> None:
         from megatron.core import parallel_state
 
         for arch, command, untied in FAMILY:
-            run(command, root / (arch if command == "save" else f"{arch}_{command.replace('-', '_')}"), untied, args.layers, arch)
+            run(command, root / (arch if command == "save" else f"{arch}_{command.replace('-', '_')}"), untied, args.layers, arch, args.sharding, args.dp)
             parallel_state.destroy_model_parallel()
     else:
-        run(args.command, root, args.untied, args.layers, args.arch)
+        run(args.command, root, args.untied, args.layers, args.arch, args.sharding, args.dp)
     dist.destroy_process_group()
 
 
-def run(command: str, root: Path, untied: bool, layers: int, arch: str) -> None:
+def run(command: str, root: Path, untied: bool, layers: int, arch: str, sharding: tuple[str, ...] = ("fully_reshardable",), dp: int = 1) -> None:
     """One command on one model (see the module docstring)."""
     from megatron.core import dist_checkpointing
 
-    tp, rank = dist.get_world_size(), dist.get_rank()
+    tp, rank = dist.get_world_size() // dp, dist.get_rank()
     model = build(tp, untied, layers, arch)
     state = trainer_state(tp, layers, arch, untied)
     if command in ("adam", "load-adam"):
         from tests.megatron_adam import run_adam
 
-        run_adam(command, model, root, state)
+        run_adam(command, model, root, state, tuple(sharding), twin=lambda: new_model(tp, untied, layers, arch))
         return
     pointer = root / "latest_checkpointed_iteration.txt"
     iteration = int(pointer.read_text()) if command == "load" else ITERATION

@@ -330,8 +330,8 @@ def trained_on(request, tmp_path_factory) -> dict:
             add(f"tp2_{name}", nproc, [*MEGATRON_RUN, "--model.make_vocab_size_divisible_by=32", *mesh, f"--checkpoint.load={tp2_untied}"])
     if selected_cases(request, test_megatron_adam_state_loads_and_steps_on_like_megatron):
         adam_tp1 = request.getfixturevalue("adam_tp1")
-        for name, nproc, iters, mesh in ADAM_LAYOUTS:
-            add(f"adam_{name}", nproc, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1}"], save=True)
+        for name, nproc, iters, mesh, source in ADAM_LAYOUTS:
+            add(f"adam_{name}", nproc, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1 / source}"], save=True)
     if selected_cases(request, test_load_optimizer_false_leaves_adam_fresh):
         adam_tp1 = request.getfixturevalue("adam_tp1")
         add("adam_fresh", 1, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
@@ -411,10 +411,11 @@ ADAM_RUN = [
 
 @pytest.fixture(scope="module")
 def adam_tp1(tmp_path_factory):
-    """megatron-core's distributed optimizer after one step, saved; adam.pt holds its state then
-    and after one more step on the batch dtgpt trains on next."""
+    """megatron-core's distributed optimizer after one step, saved (model space, and the same state
+    under dp_reshardable/ in Megatron-LM's default layout); adam.pt holds its state then and after
+    one more step on the batch dtgpt trains on next."""
     root = tmp_path_factory.mktemp("megatron_adam")
-    run_megatron_gpt("adam", root, 1)
+    run_megatron_gpt("adam", root, 1, "--sharding", "fully_reshardable", "dp_reshardable")
     return root
 
 
@@ -448,23 +449,28 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
             assert error <= rtol, (slot, key, error)
 
 
-ADAM_LAYOUTS = (("one", 1, ITERATION, []), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"]),
-                ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"]))  # fmt: skip
+ADAM_LAYOUTS = (("one", 1, ITERATION, [], ""), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], ""),
+                ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], ""),
+                ("dp_reshardable_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "dp_reshardable"))  # fmt: skip
+"""(name, ranks, train_iters, mesh, the megatron-core checkpoint under adam_tp1: "" its model-space
+save, dp_reshardable the same state in Megatron-LM's default per-bucket layout)."""
 
 
 @pytest.mark.slow
 def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_on, tmp_path):
     """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
-    equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step.
+    equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step,
+    from its default dp_reshardable layout too (tp2: each rank reads its shards out of the buckets).
     The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal."""
     oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
     ckpt = {}
-    for name, _, _, _ in ADAM_LAYOUTS:
+    for name, *_ in ADAM_LAYOUTS:
         log, directory = trained(trained_on, f"adam_{name}")
         assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log and "fresh AdamW" not in log
         ckpt[name] = directory / "ckpt"
     assert_state_close(stacked_state(layout.iteration_dir(ckpt["one"], ITERATION)), oracle["saved"], 1e-7)
-    for name in ("tp2", "pp2"):  # tp2: DTensor shards of weights and moments
+    assert "dp_reshardable buckets (local layer order)" in trained(trained_on, "adam_dp_reshardable_tp2")[0]
+    for name in ("tp2", "pp2", "dp_reshardable_tp2"):  # tp2: DTensor shards of weights and moments
         assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), oracle["stepped"], 1e-5)
     stepped = layout.iteration_dir(ckpt["pp2"], ITERATION + 1)
     # and back into megatron-core's distributed optimizer
@@ -474,6 +480,24 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
     loaded = torch.load(out / "loaded_adam.pt", weights_only=True)
     assert_state_close(stacked_state(stepped), {**loaded, "weight": loaded["param"]}, 0.0)
     assert_state_close(stacked_state(stepped), loaded, 0.0)
+
+
+@pytest.mark.slow
+def test_megatron_default_dp_reshardable_state_reads_as_megatron_holds_it(adam_tp1):
+    """Megatron-LM's default distributed-optimizer layout (dp_reshardable: flat per-bucket buffers,
+    three buckets here) reads, parameter by parameter, as the state megatron-core's optimizer held
+    when it saved: master weights and both moments, bit for bit."""
+    reader = MegatronReader(layout.iteration_dir(adam_tp1 / "dp_reshardable", ITERATION))
+    held = torch.load(adam_tp1 / "adam.pt", weights_only=True)["saved_dp_reshardable"]
+    shapes = full_model_shapes(model_cfg(), ROWS)
+    reader.check(shapes, list(shapes))
+    found, spec = reader.bucket_layout()
+    assert spec == "local" and len({prefix for prefix, _ in found.places.values()}) == 3
+    for name, shape in shapes.items():
+        key, layer = megatron_name(name)
+        for slot in ("param", "exp_avg", "exp_avg_sq"):
+            theirs = held[slot][key] if layer is None else held[slot][key][layer]
+            assert torch.equal(reader.tensor(name, shape, slot), theirs), (name, slot)
 
 
 @pytest.mark.slow

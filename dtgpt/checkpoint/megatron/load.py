@@ -16,6 +16,11 @@ QKV layout and vocabulary rows carry over:
     fp32_param or param      the fp32 master weights: they, not the (maybe bf16) model weights,
                              become dtgpt's fp32 parameters
     step                     common.pt: the optimizer's param_groups[*]["step"] (or common_step)
+
+The distributed optimizer's default sharding type, `dp_reshardable`, keeps the same three slots
+(param, exp_avg, exp_avg_sq) in flat per-bucket tensors instead, and its param groups in a pickled
+item; MegatronReader maps each parameter's region into them (buckets.py), so the same read_into
+fills AdamW from either layout.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from dtgpt.checkpoint.megatron.formats import progress_of
 from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, is_buffer, megatron_name
-from dtgpt.checkpoint.megatron.reader import MegatronReader, unchained
+from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT
 from dtgpt.parallel.regions import local_region
@@ -82,7 +87,7 @@ def adam_step(optimizer_common) -> float | None:
 def optimizer_slots(reader: MegatronReader, names: list[str]) -> tuple[bool, str | None]:
     """(whether every parameter's Adam moments are stored, the master-weight slot or None)."""
     def stored(slot: str) -> bool:
-        return all(reader.stored_key(name, slot) in reader.shapes for name in names if not is_buffer(name))
+        return all(reader.holds(name, slot) for name in names if not is_buffer(name))
 
     return all(stored(m) for m in MOMENTS), next((s for s in MASTER_SLOTS if stored(s)), None)
 
@@ -97,7 +102,7 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     full = full_model_shapes(cfg.model, state.model.parts[0].vocab_size)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
     has_moments, master = optimizer_slots(reader, list(full)) if stateful else (False, None)
-    step = adam_step(reader.common.get("optimizer")) if has_moments else None
+    step = adam_step(reader.optimizer_common()) if has_moments else None
     use_adam = has_moments and step is not None
     weights_slot = master if use_adam else None
     for part in state.model.parts:
@@ -109,13 +114,16 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         _load_adam(state, reader, step)
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
         notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
+        buckets, spec = reader.bucket_layout()
+        if buckets is not None:
+            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({spec} layer order)")
     elif stateful:
         why = "common.pt holds no Adam step count"
         if not has_moments:
             why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
-        if any(unchained(key).startswith("optimizer.distributed.") for key in reader.shapes):
-            why = ("its distributed optimizer state is in the dp_reshardable layout (per-bucket buffers of "
-                   "Megatron's own DP split); save with the fully_reshardable sharding type to carry it")  # fmt: skip
+        buckets, unmapped = reader.bucket_layout()
+        if buckets is None and unmapped:
+            why = f"its distributed optimizer state is in the dp_reshardable layout, but {unmapped}"
         notes.append(f"optimizer state not read: {why}; fresh AdamW moments")
     if not (stateful or counts):
         return notes

@@ -8,6 +8,7 @@ described in formats.py, the key map in keys.py.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
+from dtgpt.checkpoint.megatron.buckets import BUCKET, BucketLayout, bucket_layout
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel
@@ -50,8 +52,9 @@ class MegatronReader:
         self.torch_dist = is_torch_dist(directory)
         if self.torch_dist:
             # Megatron keeps each layer's Transformer Engine state as a pickled `_extra_state`, and
-            # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never reads them.
-            # COMMON_ITEM is read below, from its bytes, with load_pickle's allowlist.
+            # the distributed optimizer's dp_reshardable layout pickled objects: dtgpt never hands
+            # them to DCP. COMMON_ITEM and the dp_reshardable param groups are read from their
+            # bytes, with load_pickle's allowlist (_item).
             metadata = layout.read_metadata(
                 directory, unread=lambda key: "._extra_state" in key or unchained(key).startswith("optimizer.") or key == COMMON_ITEM
             )
@@ -62,14 +65,12 @@ class MegatronReader:
                            if isinstance(v, TensorStorageMetadata)}  # fmt: skip
             self.dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()
                            if isinstance(v, TensorStorageMetadata)}  # fmt: skip
+            self._storage = metadata.storage_data
             common = directory / COMMON_FILE
-            item = metadata.storage_data.get(MetadataIndex(COMMON_ITEM))
             if common.is_file():
                 self.common = load_pickle(common)
-            elif item is not None:  # megatron-core >= 0.19
-                self.common = load_pickle(directory / item.relative_path, (item.offset, item.length))[0]
-            else:
-                self.common = {}
+            else:  # megatron-core >= 0.19 keeps it as an item
+                self.common = self._item(COMMON_ITEM) or {}
         else:
             self._per_rank = PerRankModel(directory)
             self.common = self._per_rank.common
@@ -80,6 +81,36 @@ class MegatronReader:
         self._mla = False  # set by check(): the model's blocks have multi-latent attention
         # megatron-core keeps the decoder layers apart (decoder.layers.<i>.) when they are not all alike
         self._per_layer = any(PER_LAYER.match(key) for key in self.shapes)
+        self._buckets: tuple[BucketLayout | None, str] | None = None  # set by bucket_layout()
+
+    def _item(self, key: str):
+        """A pickled item of the DCP checkpoint, read from its bytes with load_pickle's allowlist
+        (a list of one object), or None when there is none."""
+        item = self._storage.get(MetadataIndex(key))
+        return None if item is None else load_pickle(self.directory / item.relative_path, (item.offset, item.length))[0]
+
+    def bucket_layout(self) -> tuple[BucketLayout | None, str]:
+        """The distributed optimizer's dp_reshardable layout (buckets.py) and the layer spec it
+        matched, or (None, why not; "" when the checkpoint has no such buckets)."""
+        if self._buckets is None:
+            model_keys = [k for k in self.shapes if self._is_model_key(k)]
+            found = self.torch_dist and any(BUCKET.match(key) for key in self.shapes)
+            self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys) if found else (None, "")
+        return self._buckets
+
+    def optimizer_common(self):
+        """Megatron's optimizer state besides the tensors (its param groups, step included): in
+        common.pt, or with dp_reshardable in the dp group's pickled item."""
+        if self.bucket_layout()[0] is not None:
+            return self._item("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")
+        return self.common.get("optimizer")
+
+    def holds(self, name: str, slot: str) -> bool:
+        """Whether the checkpoint stores optimizer state `slot` of dtgpt tensor `name`."""
+        layout = self.bucket_layout()[0]
+        if layout is not None:
+            return slot in ("param", "exp_avg", "exp_avg_sq") and self._name(name) in layout.places
+        return self.stored_key(name, slot) in self.shapes
 
     @property
     def layers_key(self) -> str:
@@ -183,7 +214,7 @@ class MegatronReader:
         sizes) in dtgpt's coordinates (checked against the stored shapes by check()). Only the
         stored chunks that overlap a region are read (one layer of a stacked tensor, one shard's
         rows), in one DCP load."""
-        out, dcp_requests = {}, {}
+        out, dcp_requests, narrow = {}, {}, []
         if self._model_names is None:
             raise RuntimeError("MegatronReader.check must run before regions")
         for request, (name, slot, offsets, sizes) in wanted.items():
@@ -196,13 +227,30 @@ class MegatronReader:
             target = out[request] = torch.empty(sizes, dtype=self.dtypes.get(key, torch.float32))
             at = tuple(offsets) if layer is None else (layer, *offsets)
             target_at = target if layer is None else target.unsqueeze(0)
-            if self.torch_dist:
+            if slot is not None and key not in self.shapes and self.bucket_layout()[0] is not None:
+                bucket, at, rows, region = self._bucket_rows(name, slot, offsets, sizes)
+                dcp_requests[request] = (bucket, at, rows.view(-1))
+                narrow.append((target, rows, region))
+            elif self.torch_dist:
                 dcp_requests[request] = (key, at, target_at)
             else:
                 target_at.copy_(self._per_rank.region(key, at, tuple(target_at.shape)))
         if dcp_requests:
             read_regions(self.directory, dcp_requests)
+        for target, rows, region in narrow:
+            target.copy_(rows[region])
         return out
+
+    def _bucket_rows(self, name: str, slot: str, offsets: tuple[int, ...], sizes: tuple[int, ...]):
+        """A region of a parameter's state in a dp_reshardable bucket: the flat run of the rows it
+        spans (stored key, offset, destination), and the region within those rows."""
+        key, layer = self._name(name)
+        shape = self.shapes[key][0 if layer is None else 1:]
+        bucket, start = self.bucket_layout()[0].locate(key, layer, slot)
+        row = math.prod(shape[1:])
+        rows = torch.empty((sizes[0], *shape[1:]), dtype=self.dtypes.get(bucket, torch.float32))
+        region = (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))
+        return bucket, (start + offsets[0] * row,), rows, region
 
     def tensor(self, name: str, shape: tuple[int, ...], slot: str | None = None) -> torch.Tensor:
         """dtgpt tensor `name` (or its optimizer state `slot`), full (`shape`)."""
