@@ -100,8 +100,8 @@ def test_flag_list_is_megatrons():
     assert {name for name in megatron_flags() if name not in NEWER_FLAGS.split()} <= theirs
 
 
-FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)"}
-"""Keys whose strings have a format that is checked as they are read: a well-formed value."""
+FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)", "optimizer.optimizer": "sgd"}
+"""Keys whose strings have a format (or choices) checked as they are read: a well-formed value."""
 
 
 def _value_for(key: str, tp) -> typing.Any:

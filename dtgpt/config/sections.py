@@ -212,6 +212,11 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, take lr, min_lr, warmup, decay length and style from the checkpoint. With
     neither key, they must agree with the checkpoint's (as Megatron asserts)."""
+    optimizer: str = "adam"
+    """Megatron's --optimizer: 'adam' (torch AdamW, decoupled weight decay) or 'sgd' (torch SGD
+    with momentum sgd_momentum, weight decay added to the gradient): dtgpt.optim.build_optimizer."""
+    sgd_momentum: float = 0.9
+    """Momentum of 'sgd' (Megatron's --sgd-momentum); 0 keeps no momentum buffer."""
     weight_decay: float = 0.01
     apply_wd_to_qk_layernorm: bool = False
     """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm; other
