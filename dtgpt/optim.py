@@ -42,8 +42,8 @@ def build_optimizer(
     Only non-empty groups are built: torch's flattened optimizer state dict (the checkpoint's)
     cannot load into an empty group, and a pipeline stage may hold no parameter of a group (the
     embedding alone has no bias or norm). Nothing depends on a group's position: checkpoints key
-    the optimizer state by parameter name and store no groups. `fused` (CUDA) runs one kernel per
-    step; otherwise the multi-tensor (foreach) kernels.
+    the optimizer state by parameter name and store no groups. `fused` (CUDA) runs AdamW's one
+    kernel per step; otherwise (and for SGD) the multi-tensor (foreach) kernels.
     """
     seen: set[int] = set()
     decay: list[nn.Parameter] = []
@@ -67,12 +67,21 @@ def build_optimizer(
         decoupled_group(embedding_output, cfg.weight_decay) | {WD_MULT: 1.0},
     ]
     groups = [g for g in groups if g["params"]]
-    kernels = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=not fused, fused=fused)
     if cfg.optimizer == "sgd":
         # Megatron's sgd: torch's SGD with its default dampening 0 and nesterov False, the weight
-        # decay added to the gradient before the momentum (not decoupled as AdamW's)
-        return torch.optim.SGD(groups, momentum=cfg.sgd_momentum, **kernels)
-    return torch.optim.AdamW(groups, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **kernels)
+        # decay added to the gradient before the momentum (not decoupled as AdamW's). Always the
+        # foreach kernels: DTensor has no sharding rule for torch's fused SGD (torch 2.13), and
+        # SGD is one multiply-add per tensor (tests/test_torch_cuda_apis.py)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, foreach=True)
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        foreach=not fused,
+        fused=fused,
+    )
 
 
 WD_MULT = "wd_mult"

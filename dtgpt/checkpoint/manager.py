@@ -202,12 +202,10 @@ class Checkpointer(Rejoining, RankZeroCalls):
         problem = problem or extra_problem(set().union(*keys), metadata)
         self._agree(problem and where + problem)
         if "optimizer" in request:
-            problem = optimizer_problem(metadata, self.run_cfg.optimizer.optimizer)
-            problem = problem or shape_problem(flat_keys("optimizer", request["optimizer"]), metadata, "optimizer")
+            problem = optimizer_problem(request["optimizer"], metadata, self.run_cfg.optimizer.optimizer)
             self._agree(problem and where + problem)
         elif plan.optimizer:
-            self._log("the checkpoint has no optimizer state (saved before the first optimizer step, or by SGD without "
-                      "momentum): fresh optimizer state")  # fmt: skip
+            self._log("the checkpoint has no optimizer state (saved before the first optimizer step, or by SGD without momentum): fresh optimizer state")
 
         here = mesh_info(self.run_cfg, self.state.model.dims)
         if plan.rng:

@@ -89,12 +89,13 @@ def stored_optimizer(metadata: Metadata) -> str | None:
     return None
 
 
-def optimizer_problem(metadata: Metadata, optimizer: str) -> str | None:
-    """One line when the checkpoint's optimizer state is another optimizer's than `optimizer`
-    (optimizer.optimizer): AdamW's moments are no SGD momentum, nor the reverse."""
+def optimizer_problem(request: dict[str, object], metadata: Metadata, optimizer: str) -> str | None:
+    """The first problem of loading the optimizer state `request` (the optimizer section, flat),
+    as one line: the state of another optimizer than `optimizer` (optimizer.optimizer: AdamW's
+    moments are no SGD momentum, nor the reverse), or a requested tensor missing or reshaped."""
     stored = stored_optimizer(metadata)
     if stored is None or stored == optimizer:
-        return None
+        return shape_problem(flat_keys("optimizer", request), metadata, "optimizer")
     return (
         f"its optimizer state is {stored}'s, and optimizer.optimizer={optimizer!r}: one optimizer's state does not "
         f"resume another; set optimizer.optimizer={stored!r} to resume it, or checkpoint.load_optimizer=false to "
