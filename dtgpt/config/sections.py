@@ -316,10 +316,10 @@ class CheckpointConfig:
     load_iteration: int = 0
     """Load this iteration instead of the one latest_checkpointed_iteration.txt names."""
     load_optimizer: bool = True
-    """False (Megatron's --no-load-optim): AdamW state, LR schedule and loss scale start fresh;
+    """False (Megatron's --no-load-optim): optimizer state, LR schedule and loss scale start fresh;
     weights, progress and RNG are loaded."""
     save_optimizer: bool = True
-    """False (Megatron's --no-save-optim): checkpoints hold no AdamW state, LR schedule or loss
+    """False (Megatron's --no-save-optim): checkpoints hold no optimizer state, LR schedule or loss
     scale; a resume from one starts them fresh, as checkpoint.load_optimizer=false does."""
     load_rng: bool = True
     """False (--no-load-rng): the generators keep their fresh seeding instead of the checkpoint's."""
