@@ -1,4 +1,4 @@
-"""AdamW with weight-decay groups and the learning-rate schedule (the batch-size schedules are
+"""AdamW or SGD with weight-decay groups and the learning-rate schedule (the batch-size schedules are
 dtgpt/config/batch_schedule.py).
 
 Every length here is counted in samples, as Megatron's OptimizerParamScheduler counts them when
@@ -30,19 +30,20 @@ def build_optimizer(
     cfg: OptimizerConfig,
     *,
     fused: bool = False,
-) -> torch.optim.AdamW:
-    """AdamW with up to three groups: matrices decay, biases and norm weights do not (`decays`);
-    under optimizer.decoupled_lr a third holds the word embedding and the output layer. Each
-    group carries Megatron's `wd_mult` (1.0 decays, 0.0 does not), which says its role.
+) -> torch.optim.Optimizer:
+    """optimizer.optimizer's torch optimizer (AdamW or SGD) with up to three groups: matrices decay,
+    biases and norm weights do not (`decays`); under optimizer.decoupled_lr a third holds the word
+    embedding and the output layer. Each group carries Megatron's `wd_mult` (1.0 decays, 0.0 does
+    not), which says its role.
 
-    Parameters may be DTensors (FSDP2 / TP shards); AdamW's kernels handle them as they are.
+    Parameters may be DTensors (FSDP2 / TP shards); the optimizers' kernels handle them as they are.
     A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
     is stepped once. Frozen parameters (requires_grad=False) are left out.
     Only non-empty groups are built: torch's flattened optimizer state dict (the checkpoint's)
     cannot load into an empty group, and a pipeline stage may hold no parameter of a group (the
     embedding alone has no bias or norm). Nothing depends on a group's position: checkpoints key
-    the AdamW state by parameter name and store no groups. `fused` (CUDA) runs one kernel per
-    step; otherwise the multi-tensor (foreach) kernels.
+    the optimizer state by parameter name and store no groups. `fused` (CUDA) runs AdamW's one
+    kernel per step; otherwise (and for SGD) the multi-tensor (foreach) kernels.
     """
     seen: set[int] = set()
     decay: list[nn.Parameter] = []
@@ -65,8 +66,15 @@ def build_optimizer(
         {"params": no_decay, "weight_decay": 0.0, WD_MULT: 0.0},
         decoupled_group(embedding_output, cfg.weight_decay) | {WD_MULT: 1.0},
     ]
+    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer == "sgd":
+        # Megatron's sgd: torch's SGD with its default dampening 0 and nesterov False, the weight
+        # decay added to the gradient before the momentum (not decoupled as AdamW's). Always the
+        # foreach kernels: DTensor has no sharding rule for torch's fused SGD (torch 2.13), and
+        # SGD is one multiply-add per tensor (tests/test_torch_cuda_apis.py)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, foreach=True)
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
+        groups,
         lr=cfg.lr,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
@@ -100,7 +108,7 @@ def decays(name: str, param: torch.Tensor, *, apply_wd_to_qk_layernorm: bool = F
 
 
 class PartOptimizers:
-    """One AdamW per model part (one per pipeline stage a rank holds).
+    """One optimizer (AdamW or SGD) per model part (one per pipeline stage a rank holds).
 
     Each optimizer's state is then keyed by its own part's parameter names, which are the
     whole model's names whatever the pipeline split, so optimizer checkpoints are mesh-free.

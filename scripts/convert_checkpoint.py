@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dtgpt.checkpoint import CheckpointError, layout, megatron  # noqa: E402
 from dtgpt.checkpoint.saved_config import read_saved_config  # noqa: E402
+from dtgpt.checkpoint.stored import stored_optimizer  # noqa: E402
 from dtgpt.checkpoint.export import (  # noqa: E402
     find_checkpoint,
     from_hf_dir,
@@ -86,7 +87,9 @@ def to_megatron(args) -> None:
     if args.ep != 1:
         raise ValueError("--ep names the per-rank format's expert-parallel files: torch_dist is the same at any ep (add --format per-rank)")
     written = megatron.to_megatron(directory, cfg, args.dst, args.tp)
-    print(f"wrote {written} (Megatron-LM torch_dist, vocabulary padded for tp {args.tp}) from {directory}")
+    sgd = stored_optimizer(layout.read_metadata(directory)) == "sgd"
+    left_out = "; its SGD momentum is left out (Megatron's model-space optimizer layout holds Adam's state only)" if sgd else ""
+    print(f"wrote {written} (Megatron-LM torch_dist, vocabulary padded for tp {args.tp}) from {directory}{left_out}")
 
 
 def from_megatron(args) -> None:

@@ -10,6 +10,9 @@ losses compare):
                     step once more on samples 56-63, the batch a dtgpt run resuming at
                     consumed samples 56 trains on. DIR/adam.pt: {"saved": ..., "stepped": ...},
                     each {"weight" | "param" | "exp_avg" | "exp_avg_sq": {Megatron key: stacked}}
+    sgd DIR         save the model's weights, then step the optimizer built with optimizer='sgd'
+                    (fp32, not distributed) SGD_STEPS times on the mock samples from consumed 56 on;
+                    DIR/sgd.pt: {"weight": {Megatron key: stacked}} after the last step
     load-adam DIR   build the same, load DIR's checkpoint (model and optimizer),
                     DIR/loaded_adam.pt: the loaded state in the same layout
 
@@ -37,6 +40,8 @@ ADAM = dict(lr=1e-3, decoupled_lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_b
 """The optimizer both sides run (dtgpt: the same [optimizer] keys, constant LR). decoupled_lr:
 the word embedding (and the tied head) in a param group of its own at its own LR, as a Megatron
 launch script with --decoupled-lr trains it; its checkpoint holds that third group."""
+SGD_MOMENTUM, SGD_STEPS = 0.8, 3
+"""The sgd command: --optimizer sgd --sgd-momentum 0.8 (not the default 0.9), three steps."""
 BUCKET_SIZE = 40_000
 """Elements per grad bucket (Megatron-LM's --ddp-bucket-size) of the dp_reshardable twin: the
 109k-parameter model spans three buckets. (The model-space save keeps one bucket: megatron-core
@@ -93,16 +98,20 @@ def mock_batch(first: int) -> torch.Tensor:
     return torch.stack([torch.as_tensor(data[i]) for i in range(first, first + BATCH)])
 
 
-def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None):
+def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None, optimizer: str = "adam"):
+    """megatron-core's DDP and optimizer around `model`: `optimizer` is its --optimizer, adam (the
+    distributed optimizer) or sgd with SGD_MOMENTUM (its distributed optimizer refuses SGD, so
+    the fp32 one, as Megatron-LM runs --optimizer sgd), with the ADAM keys besides."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    distributed = optimizer == "adam"
     # bucket_size: megatron-core cuts its grad buffer into buckets only with overlap_grad_reduce
     overlap = {"overlap_grad_reduce": True, "bucket_size": bucket_size} if bucket_size else {}
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True, **overlap), model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed, **overlap), model)
     # min_lr as Megatron-LM's --min-lr sets it (default 0; a bare OptimizerConfig has None): megatron-core
     # 0.19 matches a loaded checkpoint's param groups to its own by min_lr, among other keys
-    config = OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, min_lr=min_lr, **ADAM)
+    config = OptimizerConfig(optimizer=optimizer, sgd_momentum=SGD_MOMENTUM, use_distributed_optimizer=distributed, min_lr=min_lr, **ADAM)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 
@@ -122,16 +131,16 @@ def step(ddp, optimizer, batch: torch.Tensor) -> None:
     assert optimizer.step()[0], "megatron-core skipped the step"
 
 
-def stacked_state(model, optimizer) -> dict:
-    """{"weight", "param", "exp_avg", "exp_avg_sq"} -> {Megatron key: tensor, layers stacked}."""
-    (inner,) = optimizer.chained_optimizers
-    out = {"weight": {}, "param": {}, "exp_avg": {}, "exp_avg_sq": {}}
+def stacked_state(model, optimizer, slots: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")) -> dict:
+    """{"weight", *slots} -> {Megatron key: tensor, layers stacked}; the slots are the optimizer's
+    (none for the weights alone)."""
+    out: dict[str, dict] = {slot: {} for slot in ("weight", *slots)}
     layers: dict[str, dict] = {}
     for sharded in model.sharded_state_dict().values():
         if not isinstance(getattr(sharded, "data", None), torch.nn.Parameter):
             continue  # _extra_state
-        states = inner._get_main_param_and_optimizer_states(sharded.data)
-        values = {"weight": sharded.data, **{k: states[k] for k in ("param", "exp_avg", "exp_avg_sq")}}
+        states = optimizer.chained_optimizers[0]._get_main_param_and_optimizer_states(sharded.data) if slots else {}
+        values = {"weight": sharded.data, **{k: states[k] for k in slots}}
         for slot, value in values.items():
             value = value.detach().reshape(sharded.data.shape).clone()
             if sharded.prepend_axis_num:
@@ -153,9 +162,18 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
     from megatron.core import dist_checkpointing, parallel_state
 
     patch_for_optimizer()
-    ddp, optimizer = build_optimizer(model)
+    ddp, optimizer = build_optimizer(model, optimizer="sgd" if command == "sgd" else "adam")
     metadata = {"distrib_optim_sharding_type": shardings[0]}
-    if command == "adam":
+    if command == "sgd":
+        directory = root / f"iter_{trainer_state['iteration']:07d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), **trainer_state}, str(directory))
+        (root / "latest_checkpointed_iteration.txt").write_text(str(trainer_state["iteration"]))
+        consumed = trainer_state["args"].consumed_train_samples
+        for k in range(SGD_STEPS):  # the batches a dtgpt run resuming at these consumed samples trains on
+            step(ddp, optimizer, mock_batch(consumed + k * BATCH))
+        torch.save(stacked_state(model, optimizer, slots=()), root / "sgd.pt")
+    elif command == "adam":
         # at dp > 1 each rank holds a share of each parameter's state: only the checkpoints are written
         whole = parallel_state.get_data_parallel_world_size() == 1
         step(ddp, optimizer, mock_batch(0))

@@ -19,6 +19,8 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           saves the same state in Megatron's default layout
                                                           under DIR/dp_reshardable; load-adam loads the first;
                                                           --dp 2 on 2 ranks: tp 1, dp 2, checkpoints only)
+    python tests/megatron_gpt.py sgd DIR                  save the weights, then step its optimizer='sgd'
+                                                          three times, write DIR/sgd.pt
     python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
@@ -200,7 +202,7 @@ under ROOT/<arch> (the per-rank one under ROOT/<arch>_per_rank)."""
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam", "family"))
+    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam", "sgd", "family"))
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
@@ -230,7 +232,7 @@ def run(command: str, root: Path, untied: bool, layers: int, arch: str, sharding
     tp, rank = dist.get_world_size() // dp, dist.get_rank()
     model = build(tp, untied, layers, arch)
     state = trainer_state(tp, layers, arch, untied)
-    if command in ("adam", "load-adam"):
+    if command in ("adam", "load-adam", "sgd"):
         from tests.megatron_adam import run_adam
 
         run_adam(command, model, root, state, tuple(sharding), twin=lambda: new_model(tp, untied, layers, arch))

@@ -83,8 +83,15 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
-def test_save_load_restores_everything_exactly(tmp_path):
-    a = make_trainer(f"--checkpoint.save={tmp_path}")
+OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"]}
+"""optimizer.optimizer -> its flags: Megatron's, as a launch script spells them."""
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_save_load_restores_everything_exactly(tmp_path, optimizer):
+    """Saved at iteration 3 and loaded into a fresh trainer, which then steps as the saver does:
+    weights, the optimizer's state (AdamW's moments and step, SGD's momentum), progress, RNG."""
+    a = make_trainer(f"--checkpoint.save={tmp_path}", *OPTIMIZERS[optimizer])
     step(a, 3)
     ckpt = checkpointer(a)
     ckpt.save(3)
@@ -93,7 +100,7 @@ def test_save_load_restores_everything_exactly(tmp_path):
     rng = torch.get_rng_state()
 
     torch.manual_seed(999)
-    b = make_trainer(f"--checkpoint.load={tmp_path}")
+    b = make_trainer(f"--checkpoint.load={tmp_path}", *OPTIMIZERS[optimizer])
     assert not b.state.optimizer.optimizers[0].state
     assert any(not torch.equal(x, y) for x, y in zip(a.state.model.parameters(), b.state.model.parameters()))
     loaded = checkpointer(b)
@@ -105,6 +112,8 @@ def test_save_load_restores_everything_exactly(tmp_path):
     keys = layout.read_metadata(layout.iteration_dir(tmp_path, 3)).state_dict_metadata
     assert "model.embedding.word.weight" in keys and "model.output.weight" not in keys
     assert not any(k.startswith("optimizer.param_groups") for k in keys)
+    slots = {k.rsplit(".", 1)[1] for k in keys if k.startswith("optimizer.state.")}
+    assert slots == ({"momentum_buffer"} if optimizer == "sgd" else {"exp_avg", "exp_avg_sq", "step"})
     # both continue identically (the same dropout draws: both start from the restored state)
     step(a)
     torch.set_rng_state(rng)
@@ -294,6 +303,26 @@ def test_wrong_model_names_the_key_or_the_tensor(tmp_path, override, named, shap
     layout.write_marker(directory, {k: v for k, v in marker.items() if k != "checksums"})
     with pytest.raises(CheckpointError, match=shapes):
         checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", override))
+
+
+@pytest.mark.parametrize("saved, resumed", [("adam", "sgd"), ("sgd", "adam")])
+def test_another_optimizers_state_is_one_error_or_a_fresh_start(tmp_path, saved, resumed):
+    """AdamW's moments do not resume SGD (nor the reverse): one line naming the key, both values
+    and the way out; with checkpoint.load_optimizer=false the run starts its optimizer fresh on the
+    checkpoint's weights and progress."""
+    t = make_trainer(f"--checkpoint.save={tmp_path}", *OPTIMIZERS[saved])
+    step(t, 2)
+    checkpointer(t).save(2)
+    line = (f"its optimizer state is {saved}'s, and optimizer.optimizer='{resumed}': one optimizer's state does not "
+            f"resume another; set optimizer.optimizer='{saved}' to resume it, or checkpoint.load_optimizer=false")  # fmt: skip
+    with pytest.raises(CheckpointError, match=re.escape(line)):
+        checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", f"--optimizer.optimizer={resumed}"))
+    b = make_trainer(f"--checkpoint.load={tmp_path}", f"--optimizer.optimizer={resumed}", "--checkpoint.load_optimizer=false")
+    checkpointer(b)
+    assert b.state.progress.iteration == 2 and not b.state.optimizer.optimizers[0].state
+    assert all(torch.equal(p, q) for p, q in zip(t.state.model.parameters(), b.state.model.parameters()))
+    step(b)  # and it trains
+    assert b.state.optimizer.optimizers[0].state
 
 
 def test_empty_load_dir_errors_unless_it_is_the_save_dir(tmp_path, capsys):

@@ -100,8 +100,8 @@ def test_flag_list_is_megatrons():
     assert {name for name in megatron_flags() if name not in NEWER_FLAGS.split()} <= theirs
 
 
-FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)"}
-"""Keys whose strings have a format that is checked as they are read: a well-formed value."""
+FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)", "optimizer.optimizer": "sgd"}
+"""Keys whose strings have a format (or choices) checked as they are read: a well-formed value."""
 
 
 def _value_for(key: str, tp) -> typing.Any:
@@ -183,6 +183,7 @@ def test_bad_megatron_flags_are_one_error_line(capfd, argv, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--optimizer", "sgd", "--sgd-momentum", "1.5"], "error: --sgd-momentum 1.5 must be in [0, 1)"),
         (["--position-embedding-type", "none"],  # Megatron's 'none' (no position embedding), read as the key unset
          "error: --position-embedding-type is unset (none, null or empty); it must be one of: 'learned_absolute', 'rope'"),
         (["--mtp-loss-scaling-factor", "0.5"], "error: --mtp-loss-scaling-factor 0.5 needs --mtp-num-layers"),
@@ -200,7 +201,7 @@ def test_bad_megatron_flags_are_one_error_line(capfd, argv, message):
         (["--num-experts", "4", "--moe-shared-expert-gate"],
          "error: --moe-shared-expert-gate needs --num-experts and --moe-shared-expert-intermediate-size (got 4 and None)"),
     ],
-    ids=["choice-none", "mtp-scale-alone", "mtp-pp-learned", "expert-tp", "deepep-without-flex", "deepep-pad", "deepep-and-hybridep",
+    ids=["sgd-momentum", "choice-none", "mtp-scale-alone", "mtp-pp-learned", "expert-tp", "deepep-without-flex", "deepep-pad", "deepep-and-hybridep",
          "forced-balance-compiled", "shared-gate-without-shared-expert"],
 )
 def test_megatron_flags_that_break_a_rule_are_one_error_line(capfd, argv, message):
@@ -208,6 +209,25 @@ def test_megatron_flags_that_break_a_rule_are_one_error_line(capfd, argv, messag
     prints the config first, by design)."""
     code, out, err = _cli(capfd, ["--mock-data", *argv])
     assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+SGD_SCRIPT_LINE = "--optimizer sgd --sgd-momentum 0.8 --lr 0.05 --weight-decay 0.1 --clip-grad 1.0 --use-distributed-optimizer"
+"""A launch script's optimizer arguments for Megatron's SGD."""
+
+
+def test_megatron_sgd_flags_set_the_optimizer_keys():
+    """--optimizer sgd and --sgd-momentum set optimizer.optimizer and optimizer.sgd_momentum (the
+    distributed optimizer is the note's: dtgpt's FSDP shards SGD's momentum as it shards Adam's
+    moments); --sgd-momentum alone leaves Adam, whose step never reads it, as in Megatron."""
+    from dtgpt.config.megatron_flags import translate
+
+    cfg = load_config(None, ["--mock-data", *shlex.split(SGD_SCRIPT_LINE)])
+    o = cfg.optimizer
+    assert (o.optimizer, o.sgd_momentum, o.lr, o.weight_decay, o.clip_grad) == ("sgd", 0.8, 0.05, 0.1, 1.0)
+    assert translate(shlex.split(SGD_SCRIPT_LINE)).ignored == ["--use-distributed-optimizer"]
+    alone = load_config(None, ["--mock-data", "--sgd-momentum", "0.8"]).optimizer
+    assert (alone.optimizer, alone.sgd_momentum) == ("adam", 0.8)
+    assert load_config(None, ["--mock-data"]).optimizer.sgd_momentum == 0.9  # Megatron's default
 
 
 MOE_SCRIPT_FLAGS = [  # the MoE flags of Megatron's Mixtral and DeepSeek-V3 (Megatron FSDP) launch scripts

@@ -13,7 +13,8 @@ SwiGLU, RMSNorm, RoPE, qk-layernorm, no biases, an untied head) on dp, tp+SP, pp
 and compiled under dp, and with one key/value group for two tp ranks, and a tiny MoE (MOE) on dp,
 tp+SP with a shared expert, pp with recomputation and the expert bias, and expert parallelism
 (ep2 and ep4, beside FSDP, pp, tp + SP and cp), and Megatron's --decoupled-lr (the embedding and
-output layer at their own LR) on pp2 with the tied head on the other stage and on FSDP (dp2).
+output layer at their own LR) on pp2 with the tied head on the other stage and on FSDP (dp2), and
+Megatron's --optimizer sgd (momentum 0.8) on dp_shard2 x tp2.
 Every other pipeline schedule runs SHORT
 iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
@@ -86,8 +87,11 @@ def ep(size: int) -> str:
 # embedding and the output layer at their own LR bounds (dtgpt/decoupled_lr.py)
 DECOUPLED = ["--decoupled-lr=1e-2", "--decoupled-min-lr=1e-3"]
 
+# Megatron's --optimizer sgd with its momentum, as a launch script spells them (dtgpt/optim.py)
+SGD = ["--optimizer=sgd", "--sgd-momentum=0.8"]
+
 # overrides that change the model or what it trains on: the reference gets them too
-MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-")
+MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum")
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -229,6 +233,8 @@ LAYOUTS = {
     # the same LR to stay one weight; under FSDP the embedding is a DTensor shard of the root unit
     "decoupled_lr_pp2_1f1b_tied": (2, [*DECOUPLED, PP2, "--parallel.pipeline_schedule=1F1B"]),
     "decoupled_lr_dp_shard2": (2, [*DECOUPLED, DP_SHARD2]),
+    # SGD's momentum buffers as DTensor shards of FSDP2 over tp
+    "sgd_dp_shard2_tp2": (4, [*SGD, DP_SHARD2, "--parallel.tensor_model_parallel_size=2"]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
@@ -273,6 +279,8 @@ def runs(request, tmp_path_factory) -> dict:
     variants = {tuple(model_overrides(LAYOUTS[name][1])) for name in layouts} | ({()} if schedules else set())
     if selected_cases(request, test_decoupled_lr_changes_what_is_trained):
         variants |= {(), tuple(DECOUPLED)}
+    if selected_cases(request, test_sgd_changes_what_is_trained):
+        variants |= {(), tuple(SGD)}
     for model_args in sorted(variants):
         batch.append(Run(reference_key(list(model_args)), tmp_path_factory.mktemp("single"), RUN + list(model_args), save_interval=SHORT))
     if selected_cases(request, test_debug_3d_config_matches_single_process):
@@ -301,6 +309,14 @@ def test_decoupled_lr_changes_what_is_trained(runs):
     start alike and part once the embedding moves at its own LR."""
     plain, decoupled = reference(runs, []), reference(runs, DECOUPLED)
     assert decoupled["loss"][0] == plain["loss"][0] and decoupled["loss"][-1] != pytest.approx(plain["loss"][-1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_sgd_changes_what_is_trained(runs):
+    """--optimizer sgd reaches the optimizer through train.py: the one-process runs with Adam and
+    with SGD take the same first iteration (at the warmup's LR 0) and part after it."""
+    adam, sgd = reference(runs, []), reference(runs, SGD)
+    assert sgd["loss"][0] == adam["loss"][0] and sgd["loss"][-1] != pytest.approx(adam["loss"][-1], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -267,6 +267,15 @@ def test_state_bytes():
     assert fp16.grads == 1000 + 2000
 
 
+def test_sgd_state_is_its_momentum():
+    """--optimizer sgd keeps one fp32 momentum buffer per parameter (none at momentum 0), not Adam's two."""
+    base = ["--data.mock_data=true", "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4"]
+    adam, sgd, plain = (plan_layout(load_config(None, base + extra), 2).ranks[0]
+                        for extra in ([], ["--optimizer", "sgd"], ["--optimizer", "sgd", "--sgd-momentum", "0"]))  # fmt: skip
+    assert adam.local_params > 0
+    assert [r.memory["adam"] * pm.GIB for r in (adam, sgd, plain)] == pytest.approx([8 * adam.local_params, 4 * adam.local_params, 0])
+
+
 @pytest.mark.slow
 def test_planner_counts_match_a_real_cpu_run(tmp_path):
     """The oracle: 8 ranks build the real model (tests/plan_real_counts.py) on CPU."""

@@ -79,9 +79,11 @@ def test_the_varlen_kernel_reaches_torchs_op_causal_with_its_scale(monkeypatch):
     assert out.shape == q.shape and calls == [(True, 0.125, [-1, 0], 2)]
 
 
-def test_fused_adamw_over_dtensor_parameters_equals_the_foreach_kernel():
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_fused_optimizer_over_dtensor_parameters_equals_the_foreach_kernel(optimizer):
     """build_optimizer(fused=True) is what a CUDA run builds; DTensor's rule for the fused kernel
-    and the kernel itself run on the CPU too, so a torch without them fails here."""
+    and the kernel itself run on the CPU too, so a torch without them fails here. SGD runs its
+    foreach kernels then (DTensor has no rule for torch's fused SGD): a run under FSDP or TP steps."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
@@ -90,11 +92,11 @@ def test_fused_adamw_over_dtensor_parameters_equals_the_foreach_kernel():
         results = []
         for fused in (False, True):
             params = {n: torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for n, t in full.items()}
-            optimizer = build_optimizer(params.items(), OptimizerConfig(lr=1e-2, weight_decay=0.1), fused=fused)
+            built = build_optimizer(params.items(), OptimizerConfig(optimizer=optimizer, lr=1e-2, weight_decay=0.1), fused=fused)
             for i in range(3):
                 for p in params.values():
                     p.grad = torch.full_like(p, 0.5 + i) * p.detach().sign()
-                optimizer.step()
+                built.step()
             results.append([p.full_tensor() for p in params.values()])
         for foreach, fused in zip(*results):
             torch.testing.assert_close(fused, foreach)

@@ -40,7 +40,7 @@ from dtgpt.checkpoint.rank_zero import RankZeroCalls
 from dtgpt.checkpoint.lock import SaveDirLock, check_save_dir, claim_save_dir
 from dtgpt.checkpoint.safe import SafeReader, trust_warning
 from dtgpt.checkpoint.staging import stager_for_next_save
-from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, shape_problem, stored_items
+from dtgpt.checkpoint.stored import extra_problem, flat_keys, has_section, optimizer_problem, shape_problem, stored_items
 from dtgpt.config import Config, to_toml
 from dtgpt.distributed import Runtime
 from dtgpt.faults.injection import NO_FAULTS, FaultHooks
@@ -182,7 +182,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
         plan = load_plan(c, self.state.resumable)
         if plan.optimizer and has_section(metadata, "train_state") and not has_section(metadata, "lr_schedule"):
             plan = saved_without_optimizer(plan)
-            self._log("the checkpoint was saved without its optimizer (checkpoint.save_optimizer=false): fresh AdamW "
+            self._log("the checkpoint was saved without its optimizer (checkpoint.save_optimizer=false): fresh optimizer "
                       "state, LR schedule and loss scale, as checkpoint.load_optimizer=false")  # fmt: skip
         stateful = "lr_schedule" in plan.sections
         if stateful and not has_section(metadata, "train_state"):
@@ -202,10 +202,10 @@ class Checkpointer(Rejoining, RankZeroCalls):
         problem = problem or extra_problem(set().union(*keys), metadata)
         self._agree(problem and where + problem)
         if "optimizer" in request:
-            problem = shape_problem(flat_keys("optimizer", request["optimizer"]), metadata, "optimizer")
+            problem = optimizer_problem(request["optimizer"], metadata, self.run_cfg.optimizer.optimizer)
             self._agree(problem and where + problem)
         elif plan.optimizer:
-            self._log("the checkpoint has no optimizer state (saved before the first optimizer step): fresh AdamW state")
+            self._log("the checkpoint has no optimizer state (saved before the first optimizer step, or by SGD without momentum): fresh optimizer state")
 
         here = mesh_info(self.run_cfg, self.state.model.dims)
         if plan.rng:

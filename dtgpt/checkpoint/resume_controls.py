@@ -2,11 +2,11 @@
 
     checkpoint.finetune=true         weights only: iteration, samples, AdamW, LR schedule, loss
                                      scale and RNG start fresh (--finetune)
-    checkpoint.load_optimizer=false  AdamW, LR schedule and loss scale start fresh; weights,
+    checkpoint.load_optimizer=false  optimizer, LR schedule and loss scale start fresh; weights,
                                      iteration, samples and RNG are loaded (--no-load-optim)
     checkpoint.load_rng=false        the generators keep their fresh seeding (--no-load-rng)
 
-A checkpoint saved with checkpoint.save_optimizer=false (--no-save-optim) holds no AdamW state,
+A checkpoint saved with checkpoint.save_optimizer=false (--no-save-optim) holds no optimizer state,
 LR schedule or loss scale: a resume from it is planned as with checkpoint.load_optimizer=false.
 
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
@@ -30,7 +30,7 @@ from dtgpt.state import TrainState
 
 class LoadPlan(NamedTuple):
     optimizer: bool
-    """Load the AdamW state, the LR schedule and the loss scale."""
+    """Load the optimizer state, the LR schedule and the loss scale."""
     sections: tuple[str, ...]
     """The TrainState.STATEFUL sections to read."""
     rng: bool

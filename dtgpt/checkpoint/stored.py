@@ -2,7 +2,8 @@
 RNG states aside: they belong to a (pp, tp) coordinate).
 
     model.<fqn>                         parameters (DTensor shards are resharded by DCP)
-    optimizer.state.<fqn>.<name>        AdamW state (exp_avg, exp_avg_sq, step), flattened by FQN
+    optimizer.state.<fqn>.<name>        the optimizer's state, flattened by FQN: AdamW's exp_avg,
+                                        exp_avg_sq, step; SGD's momentum_buffer (none without momentum)
     train_state.* lr_schedule.* loss_scaler.*   the Stateful objects' dicts, as tensors
                                         (dtgpt.state.scalars_to_tensors): no item is a pickle
     rng.pp_<p>.tp_<t>.cpu / .cuda / .model_parallel
@@ -73,3 +74,30 @@ def stored_items(request: dict, sections, metadata: Metadata) -> dict:
     saved = metadata.state_dict_metadata
     kept = {s: {k: v for k, v in request[s].items() if f"{s}.{k}" in saved} for s in sections if s in request}
     return {**request, **kept}
+
+
+OPTIMIZER_SLOTS = {"exp_avg": "adam", "exp_avg_sq": "adam", "momentum_buffer": "sgd"}
+"""The state each optimizer.optimizer keeps per parameter (its `step` aside), by name."""
+
+
+def stored_optimizer(metadata: Metadata) -> str | None:
+    """The optimizer whose state a checkpoint holds ('adam' or 'sgd'); None when it holds none."""
+    for key in metadata.state_dict_metadata:
+        if key.startswith("optimizer.state."):
+            if (kind := OPTIMIZER_SLOTS.get(key.rsplit(".", 1)[1])) is not None:
+                return kind
+    return None
+
+
+def optimizer_problem(request: dict[str, object], metadata: Metadata, optimizer: str) -> str | None:
+    """The first problem of loading the optimizer state `request` (the optimizer section, flat),
+    as one line: the state of another optimizer than `optimizer` (optimizer.optimizer: AdamW's
+    moments are no SGD momentum, nor the reverse), or a requested tensor missing or reshaped."""
+    stored = stored_optimizer(metadata)
+    if stored is None or stored == optimizer:
+        return shape_problem(flat_keys("optimizer", request), metadata, "optimizer")
+    return (
+        f"its optimizer state is {stored}'s, and optimizer.optimizer={optimizer!r}: one optimizer's state does not "
+        f"resume another; set optimizer.optimizer={stored!r} to resume it, or checkpoint.load_optimizer=false to "
+        f"start {optimizer} fresh on its weights"
+    )

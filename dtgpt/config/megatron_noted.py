@@ -59,7 +59,7 @@ EXAMPLE_SCRIPTS = [
     "  `--position-embedding-type` it is refused as two values for one key.",
     "- `--no-check-for-nan-in-loss-and-grad`: `training.nan_policy = \"skip\"`; without it a launch script gets",
     "  Megatron's check, `stop` (`skip` under fp16 with dynamic loss scaling, where Megatron skips the step).",
-    "- `--no-save-optim`: `checkpoint.save_optimizer = false`: the checkpoint holds no AdamW state, LR schedule or",
+    "- `--no-save-optim`: `checkpoint.save_optimizer = false`: the checkpoint holds no optimizer state, LR schedule or",
     "  loss scale, and a run resuming from it starts those fresh, as `--no-load-optim` does.",
     "- `--padded-vocab-size P`: the vocabulary has P rows (`model.make_vocab_size_divisible_by = P`; a",
     "  `--make-vocab-size-divisible-by` beside it is dropped, as Megatron drops it).",

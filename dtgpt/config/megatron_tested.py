@@ -4,7 +4,7 @@
 Those accepted with a note choose Megatron's checkpoint writers, CUDA graphs, kernel fusions,
 overlap schedules, activation offloading, rank placement, process groups, consistency checks or
 logging extras: none changes the model, the data or the arithmetic dtgpt trains with. Where one of
-their values would (an optimizer other than Adam, Megatron-FSDP master weights in bf16), or where a
+their values would (an optimizer other than Adam or SGD, Megatron-FSDP master weights in bf16), or where a
 flag asks for what dtgpt does not build (MuP, rerun error injection), it is refused with one line
 saying why. The notes are the "Megatron's functional tests" section of docs/megatron_flags.md.
 """
@@ -26,6 +26,9 @@ TESTED_SCRIPTS = [
     "  another deterministic value; on CPU a line says nothing needs setting.",
     "- `--num-distributed-optimizer-instances N`: `parallel.data_parallel_replicate_size = N`: Megatron shards the",
     "  optimizer within each of N data-parallel groups and replicates it across them, as dtgpt's dp_replicate does.",
+    "- `--optimizer sgd --sgd-momentum M`: `optimizer.optimizer = \"sgd\"`, `optimizer.sgd_momentum = M`: torch's SGD",
+    "  as megatron-core builds it, on the same groups, schedule and clipping as Adam (docs/schedules.md); muon,",
+    "  dist_muon, lion, soap and adaptive_muon stay refused.",
     "- `--save-retain-interval R`: `checkpoint.save_retain_interval`: after each save the previous checkpoint is",
     "  deleted unless its iteration is a multiple of R; the newest always stays (docs/checkpoints.md).",
     "- `--check-weight-hash-across-dp-replicas-interval N`: every N iterations the dp_replicate replicas compare a",
@@ -88,8 +91,6 @@ NOTED = {
     "the one the flags name (`--use-checkpoint-args` reads the architecture only)",
     "megatron-fsdp-main-params-dtype": "fp32 is accepted: dtgpt keeps master weights in fp32; bf16, fp16 and auto "
     "are refused",
-    "optimizer": "adam is accepted: dtgpt's optimizer is Megatron's adam (AdamW, decoupled weight decay); the "
-    "others are refused",
     "eval-global-batch-size": "accepted equal to `--global-batch-size` (Megatron's default): dtgpt evaluates "
     "global-batch-size samples per evaluation iteration; another value is refused",
     "verify-integrity": "Megatron writes a SHA-256 of every torch_dist file beside its checkpoint and re-hashes them "
@@ -137,7 +138,7 @@ CHOICES = {
     "timing-log-option": dict.fromkeys(("max", "minmax", "all")),
     "outer-dp-sharding-strategy": dict.fromkeys(("no_shard", "optim")),
     "megatron-fsdp-main-params-dtype": {"fp32": None, "bf16": REFUSED, "fp16": REFUSED, "auto": REFUSED},
-    "optimizer": {"adam": None, **dict.fromkeys(("sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
+    "optimizer": {"adam": None, "sgd": None, **dict.fromkeys(("muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
     "async-strategy": dict.fromkeys(("nvrx", "mcore")),
     "error-injection-type": dict.fromkeys(("correct_result", "transient_error", "persistent_error")),
 }
@@ -146,7 +147,8 @@ CHOICES = {
 WHY_REFUSED = {
     "megatron-fsdp-main-params-dtype": "it keeps master weights in {value} (auto: the parameters' dtype), and dtgpt "
     "keeps them in fp32 (Megatron's mixed-precision regime); drop the flag or give fp32",
-    "optimizer": "dtgpt's optimizer is AdamW (Megatron's adam); {value} is not built; drop the flag or give adam",
+    "optimizer": "dtgpt builds Megatron's adam (AdamW) and sgd (SGD with momentum), not {value}; drop the flag "
+    "or give adam or sgd",
     "error-injection-rate": "it injects mismatches into the reruns of Megatron's rerun state machine, which dtgpt "
     "does not have (it never reruns an iteration); dtgpt's fault drills are the [faults] keys (docs/faults.md); "
     "drop the flag or give 0",

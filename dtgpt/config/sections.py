@@ -212,6 +212,11 @@ class OptimizerConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, take lr, min_lr, warmup, decay length and style from the checkpoint. With
     neither key, they must agree with the checkpoint's (as Megatron asserts)."""
+    optimizer: str = "adam"
+    """Megatron's --optimizer: 'adam' (torch AdamW, decoupled weight decay) or 'sgd' (torch SGD
+    with momentum sgd_momentum, weight decay added to the gradient): dtgpt.optim.build_optimizer."""
+    sgd_momentum: float = 0.9
+    """Momentum of 'sgd' (Megatron's --sgd-momentum); 0 keeps no momentum buffer."""
     weight_decay: float = 0.01
     apply_wd_to_qk_layernorm: bool = False
     """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm; other
@@ -311,10 +316,10 @@ class CheckpointConfig:
     load_iteration: int = 0
     """Load this iteration instead of the one latest_checkpointed_iteration.txt names."""
     load_optimizer: bool = True
-    """False (Megatron's --no-load-optim): AdamW state, LR schedule and loss scale start fresh;
+    """False (Megatron's --no-load-optim): optimizer state, LR schedule and loss scale start fresh;
     weights, progress and RNG are loaded."""
     save_optimizer: bool = True
-    """False (Megatron's --no-save-optim): checkpoints hold no AdamW state, LR schedule or loss
+    """False (Megatron's --no-save-optim): checkpoints hold no optimizer state, LR schedule or loss
     scale; a resume from one starts them fresh, as checkpoint.load_optimizer=false does."""
     load_rng: bool = True
     """False (--no-load-rng): the generators keep their fresh seeding instead of the checkpoint's."""

@@ -43,6 +43,7 @@ _CHOICES = {
     "training.recompute_method": (None, "uniform", "block"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.nan_policy": ("skip", "stop"),
+    "optimizer.optimizer": ("adam", "sgd"),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
     "optimizer.lr_wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
     "parallel.pipeline_schedule": PIPELINE_SCHEDULES,

@@ -69,6 +69,16 @@ class StateBytes:
     """Compute copies: FSDP's gathered parameters, in the compute dtype."""
     grads: float
     adam: float
+    """The optimizer's state (the term keeps its name when optimizer.optimizer = "sgd"):
+    optimizer_bytes per parameter it holds."""
+
+
+def optimizer_bytes(optimizer: str, sgd_momentum: float) -> int:
+    """fp32 optimizer-state bytes per parameter: Adam's m and v, SGD's momentum buffer (none
+    without momentum)."""
+    if optimizer == "sgd":
+        return 4 if sgd_momentum else 0
+    return 8
 
 
 def state_bytes(
@@ -83,6 +93,7 @@ def state_bytes(
     reshard_after_forward: bool,
     accumulates: bool = False,
     compute_copy: bool = False,
+    state_per_param: int = 8,
 ) -> StateBytes:
     """Bytes of parameters, compute copies, gradients and Adam m, v on one rank.
 
@@ -91,6 +102,7 @@ def state_bytes(
     largest_unit      the largest FSDP unit (a block), gathered over dp
     compute_bytes     2 under fp16/bf16, 4 in fp32
     grad_bytes        what gradients accumulate and reduce in (config.grads_reduced_in_fp32)
+    state_per_param   the optimizer's bytes per parameter (optimizer_bytes: 8 for Adam)
 
     The fp32 parameters, gradients and Adam state are the master, dp shards under FSDP (an fp16
     or bf16 run is FSDP-sharded wherever dp x cp > 1: dtgpt/parallel/fsdp.py). FSDP
@@ -107,9 +119,9 @@ def state_bytes(
     """
     if compute_copy:
         n = local_params
-        return StateBytes(params=4 * n, copies=compute_bytes * n, grads=(4 + compute_bytes) * n, adam=8 * n)
+        return StateBytes(params=4 * n, copies=compute_bytes * n, grads=(4 + compute_bytes) * n, adam=state_per_param * n)
     if not fsdp:  # fp32 at dp = cp = 1
-        return StateBytes(params=4 * local_params, copies=0, grads=4 * local_params, adam=8 * local_params)
+        return StateBytes(params=4 * local_params, copies=0, grads=4 * local_params, adam=state_per_param * local_params)
     gathered = unsharded_params if pipelined or not reshard_after_forward else 2 * largest_unit
     if pipelined or accumulates:
         unsharded_grads = grad_bytes * unsharded_params
@@ -119,7 +131,7 @@ def state_bytes(
         params=4 * local_params,
         copies=compute_bytes * gathered,
         grads=4 * local_params + unsharded_grads,
-        adam=8 * local_params,
+        adam=state_per_param * local_params,
     )
 
 

@@ -6,7 +6,7 @@ offset and local shape name a region of Megatron's stored tensor (one layer of a
 and MegatronReader.regions reads just that region, touching only the stored chunks it overlaps.
 A rank's extra memory is its own shards, not whole stacked tensors.
 
-Megatron's optimizer state in model space (its non-distributed optimizers, and the distributed
+Megatron's Adam state in model space (its non-distributed optimizers, and the distributed
 optimizer's `fully_reshardable` and `fully_sharded_model_space` sharding types) is stored under
 `optimizer.state.<slot>.<model key>`, each shaped as the model tensor, so the weights' key map,
 QKV layout and vocabulary rows carry over:
@@ -21,6 +21,10 @@ The distributed optimizer's default sharding type, `dp_reshardable`, keeps the s
 (param, exp_avg, exp_avg_sq) in flat per-bucket tensors instead, and its param groups in a pickled
 item; MegatronReader maps each parameter's region into them (buckets.py), so the same read_into
 fills AdamW from either layout.
+
+Under optimizer.optimizer = "sgd" no optimizer state is read (the weights, counts, LR schedule and
+loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts its momentum
+fresh, with a note in the log.
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     reader.check_architecture(cfg.model)
     full = full_model_shapes(cfg.model, state.model.parts[0].vocab_size)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
-    has_moments, master = optimizer_slots(reader, list(full)) if stateful else (False, None)
+    adam = cfg.optimizer.optimizer == "adam"  # Megatron's optimizer state is Adam's
+    has_moments, master = optimizer_slots(reader, list(full)) if stateful and adam else (False, None)
     step = adam_step(reader.optimizer_common()) if has_moments else None
     use_adam = has_moments and step is not None
     weights_slot = master if use_adam else None
@@ -121,10 +126,13 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         why = "common.pt holds no Adam step count"
         if not has_moments:
             why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
-        buckets, unmapped = reader.bucket_layout()
-        if buckets is None and unmapped:
-            why = f"its distributed optimizer state is in the dp_reshardable layout, but {unmapped}"
-        notes.append(f"optimizer state not read: {why}; fresh AdamW moments")
+        if not adam:
+            why = f"optimizer.optimizer={cfg.optimizer.optimizer!r}, and only Adam moments are read from Megatron"
+        else:
+            buckets, unmapped = reader.bucket_layout()
+            if buckets is None and unmapped:
+                why = f"its distributed optimizer state is in the dp_reshardable layout, but {unmapped}"
+        notes.append(f"optimizer state not read: {why}; fresh {'AdamW moments' if adam else 'SGD momentum'}")
     if not (stateful or counts):
         return notes
     found = progress_of(reader.common)

@@ -31,6 +31,7 @@ from dtgpt.checkpoint.megatron.keys import (
     resize_vocab, stored_alias, stores_per_layer,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.checkpoint.stored import stored_optimizer
 from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 
@@ -160,12 +161,13 @@ def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:
 def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Path:
     """Write dtgpt checkpoint `src` as Megatron-LM's torch_dist iteration under out_root, its
     vocabulary padded as Megatron pads for tensor parallel size `tp`, with its Adam state (when
-    it has one) as megatron-core's distributed optimizer stores it in model space. Returns the directory."""
+    it has one) as megatron-core's distributed optimizer stores it in model space (an SGD run's
+    momentum is left out: that layout has no slot for it). Returns the directory."""
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
-    adam = _has(metadata, "optimizer")
+    adam = stored_optimizer(metadata) == "adam"  # SGD momentum has no slot in Megatron's model-space layout
     # Megatron key -> per layer (one entry if not stacked), the dtgpt keys its rows concatenate
     # (two for SwiGLU's linear_fc1, [gate; fc1]; else one)
     sources: dict[str, dict[int | None, list[str]]] = {}
