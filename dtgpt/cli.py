@@ -106,9 +106,9 @@ def exit_process(status: int) -> None:
     gloo's threads may still run: a group lives on while anything holds it (in torch 2.13 a
     DTensor, through C++, holds its mesh's), and one rank in hundreds of runs crashed there
     (SIGSEGV) after a run that had finished."""
-    for thread in threading.enumerate():  # what the teardown would wait for first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the teardown does first: the threading exit hooks (an executor's idle workers, such as
+    # the compiler's, are told to stop), then every non-daemon thread joined.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -201,3 +201,14 @@ def test_a_finished_run_leaves_no_gloo_thread_running(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     counts = sorted(line for line in proc.stdout.splitlines() if "gloo threads after the run" in line)
     assert counts == [f"rank {r}: 0 gloo threads after the run" for r in range(2)], proc.stdout[-2000:]
+
+
+def test_exit_process_ends_with_an_idle_executor_alive(tmp_path):
+    """exit_process stops what the teardown would stop first: an executor's idle worker threads
+    (torch.compile keeps a pool) are not daemons, and joining them without telling them to stop
+    would wait forever."""
+    code = ("from concurrent.futures import ThreadPoolExecutor\nfrom dtgpt.cli import exit_process\n"
+            "pool = ThreadPoolExecutor(2)\npool.submit(print, 'worked')\nexit_process(3)\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}, timeout=60)  # fmt: skip
+    assert proc.returncode == 3 and proc.stdout == "worked\n", proc.stdout + proc.stderr
