@@ -27,6 +27,7 @@ AdamW's per-parameter step (TE's and apex's Adam, its GPU optimizers, keep none)
 
 from __future__ import annotations
 
+import argparse
 import functools
 import types
 from pathlib import Path
@@ -98,14 +99,15 @@ def mock_batch(first: int) -> torch.Tensor:
     return torch.stack([torch.as_tensor(data[i]) for i in range(first, first + BATCH)])
 
 
-def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None, optimizer: str = "adam"):
+def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None, optimizer: str = "adam", distributed: bool | None = None):
     """megatron-core's DDP and optimizer around `model`: `optimizer` is its --optimizer, adam (the
-    distributed optimizer) or sgd with SGD_MOMENTUM (its distributed optimizer refuses SGD, so
-    the fp32 one, as Megatron-LM runs --optimizer sgd), with the ADAM keys besides."""
+    distributed optimizer unless `distributed` is False: then its FP32Optimizer) or sgd with
+    SGD_MOMENTUM (its distributed optimizer refuses SGD, so the fp32 one, as Megatron-LM runs
+    --optimizer sgd), with the ADAM keys besides."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    distributed = optimizer == "adam"
+    distributed = optimizer == "adam" if distributed is None else distributed
     # bucket_size: megatron-core cuts its grad buffer into buckets only with overlap_grad_reduce
     overlap = {"overlap_grad_reduce": True, "bucket_size": bucket_size} if bucket_size else {}
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed, **overlap), model)
@@ -139,7 +141,7 @@ def stacked_state(model, optimizer, slots: tuple[str, ...] = ("param", "exp_avg"
     for sharded in model.sharded_state_dict().values():
         if not isinstance(getattr(sharded, "data", None), torch.nn.Parameter):
             continue  # _extra_state
-        states = optimizer.chained_optimizers[0]._get_main_param_and_optimizer_states(sharded.data) if slots else {}
+        states = optimizer_states(optimizer, sharded.data) if slots else {}
         values = {"weight": sharded.data, **{k: states[k] for k in slots}}
         for slot, value in values.items():
             value = value.detach().reshape(sharded.data.shape).clone()
@@ -153,12 +155,43 @@ def stacked_state(model, optimizer, slots: tuple[str, ...] = ("param", "exp_avg"
     return out
 
 
-def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tuple[str, ...] = ("fully_reshardable",), twin=None) -> None:
+def optimizer_states(optimizer, param) -> dict:
+    """{"param", "exp_avg", "exp_avg_sq"} of `param`: the distributed optimizer's master copy and
+    moments, or the FP32Optimizer's (the fp32 parameter is its own master)."""
+    inner = optimizer.chained_optimizers[0]
+    if hasattr(inner, "_get_main_param_and_optimizer_states"):
+        return inner._get_main_param_and_optimizer_states(param)
+    return {"param": param, **{k: inner.optimizer.state[param][k] for k in ("exp_avg", "exp_avg_sq")}}
+
+
+def save_per_rank(model, optimizer, root: Path, trainer_state: dict, **args) -> None:
+    """Megatron-LM's legacy save (--ckpt-format torch, megatron/training/checkpointing.py, which the
+    pip package lacks), as its generate_state_dict builds it at tp 1, pp 1: model_optim_rng.pt
+    holds the model, `optimizer.state_dict()` (the FP32Optimizer's: torch's AdamW state by
+    parameter index; the distributed optimizer's: its param groups and step alone), the scheduler
+    and args (`args`: what differs from trainer_state's); with the distributed optimizer,
+    save_parameter_state writes distrib_optim.pt beside it (its buffers, buckets coalesced)."""
+    rank_dir = root / f"iter_{trainer_state['iteration']:07d}" / "mp_rank_00"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    saved_args = argparse.Namespace(**{**vars(trainer_state["args"]), **args})
+    state = {**trainer_state, "args": saved_args, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
+    torch.save(state, rank_dir / "model_optim_rng.pt")
+    if args.get("use_distributed_optimizer"):
+        optimizer.chained_optimizers[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(trainer_state["iteration"]))
+
+
+def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tuple[str, ...] = ("fully_reshardable",), twin=None,
+             per_rank: bool = False) -> None:
     """`shardings`: the distributed optimizer's distrib_optim_sharding_type(s), fully_reshardable
     (model space) or dp_reshardable (per-bucket flat buffers, Megatron-LM's default). adam saves
     the first under root; each other from a `twin()` model (the same weights) whose grad buffer is cut into buckets of
     BUCKET_SIZE (the same step on the same batch), under root/<type>, its state in adam.pt as
-    "saved_<type>". load-adam loads the first."""
+    "saved_<type>". load-adam loads the first. `per_rank`: the same states also in Megatron-LM's
+    per-rank format (save_per_rank): the distributed optimizer's under root/distrib_optim (one
+    bucket) and, from the twin, root/distrib_optim_buckets (BUCKET_SIZE buckets); and a twin's
+    FP32Optimizer (--use-distributed-optimizer off) under root/per_rank, its state in adam.pt as
+    "saved_per_rank" and, after the next step, "stepped_per_rank"."""
     from megatron.core import dist_checkpointing, parallel_state
 
     patch_for_optimizer()
@@ -179,11 +212,17 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
         step(ddp, optimizer, mock_batch(0))
         save(model, optimizer, root, shardings[0], trainer_state)
         states = {"saved": stacked_state(model, optimizer)} if whole else {}
+        if per_rank:
+            save_per_rank(model, optimizer, root / "distrib_optim", trainer_state, use_distributed_optimizer=True)
+            states.update(fp32_optimizer_states(twin(), root / "per_rank", trainer_state))
         for sharding in shardings[1:]:
             other = twin()
             other_ddp, other_optimizer = build_optimizer(other, bucket_size=BUCKET_SIZE)
             step(other_ddp, other_optimizer, mock_batch(0))
             save(other, other_optimizer, root / sharding, sharding, trainer_state)
+            if per_rank:
+                save_per_rank(other, other_optimizer, root / "distrib_optim_buckets", trainer_state, use_distributed_optimizer=True,
+                              overlap_grad_reduce=True, ddp_bucket_size=BUCKET_SIZE, data_parallel_size=1)  # fmt: skip
             if whole:
                 states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
         if whole:
@@ -201,6 +240,17 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
         optimizer.load_state_dict(loaded["optimizer"])
         torch.save(stacked_state(model, optimizer), root / "loaded_adam.pt")
     dist.barrier()
+
+
+def fp32_optimizer_states(model, root: Path, trainer_state: dict) -> dict:
+    """`model` with megatron-core's FP32Optimizer (not distributed) stepped on the first batch,
+    saved per rank under root, then stepped on the next: its state then and after."""
+    ddp, optimizer = build_optimizer(model, distributed=False)
+    step(ddp, optimizer, mock_batch(0))
+    save_per_rank(model, optimizer, root, trainer_state, use_distributed_optimizer=False)
+    saved = stacked_state(model, optimizer)
+    step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
+    return {"saved_per_rank": saved, "stepped_per_rank": stacked_state(model, optimizer)}
 
 
 def save(model, optimizer, root: Path, sharding: str, trainer_state: dict) -> None:

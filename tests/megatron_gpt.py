@@ -210,6 +210,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dp", type=int, default=1, help="adam: data-parallel ranks (tp = the ranks / dp)")
     parser.add_argument("--sharding", nargs="+", choices=("fully_reshardable", "dp_reshardable"), default=["fully_reshardable"],
                         help="adam: the distributed optimizer's distrib_optim_sharding_type, the first under DIR, any other under DIR/<type>")
+    parser.add_argument("--per-rank", action="store_true", help="adam: the states in Megatron-LM's per-rank format too (tests/megatron_adam.py)")
     args = parser.parse_args(argv)
     patch_megatron()
     dist.init_process_group("gloo")
@@ -221,11 +222,12 @@ def main(argv: list[str]) -> None:
             run(command, root / (arch if command == "save" else f"{arch}_{command.replace('-', '_')}"), untied, args.layers, arch, args.sharding, args.dp)
             parallel_state.destroy_model_parallel()
     else:
-        run(args.command, root, args.untied, args.layers, args.arch, args.sharding, args.dp)
+        run(args.command, root, args.untied, args.layers, args.arch, args.sharding, args.dp, args.per_rank)
     dist.destroy_process_group()
 
 
-def run(command: str, root: Path, untied: bool, layers: int, arch: str, sharding: tuple[str, ...] = ("fully_reshardable",), dp: int = 1) -> None:
+def run(command: str, root: Path, untied: bool, layers: int, arch: str, sharding: tuple[str, ...] = ("fully_reshardable",), dp: int = 1,
+        per_rank: bool = False) -> None:
     """One command on one model (see the module docstring)."""
     from megatron.core import dist_checkpointing
 
@@ -235,7 +237,7 @@ def run(command: str, root: Path, untied: bool, layers: int, arch: str, sharding
     if command in ("adam", "load-adam", "sgd"):
         from tests.megatron_adam import run_adam
 
-        run_adam(command, model, root, state, tuple(sharding), twin=lambda: new_model(tp, untied, layers, arch))
+        run_adam(command, model, root, state, tuple(sharding), twin=lambda: new_model(tp, untied, layers, arch), per_rank=per_rank)
         return
     pointer = root / "latest_checkpointed_iteration.txt"
     iteration = int(pointer.read_text()) if command == "load" else ITERATION

@@ -412,10 +412,12 @@ ADAM_RUN = [
 @pytest.fixture(scope="module")
 def adam_tp1(tmp_path_factory):
     """megatron-core's distributed optimizer after one step, saved (model space, and the same state
-    under dp_reshardable/ in Megatron-LM's default layout); adam.pt holds its state then and after
-    one more step on the batch dtgpt trains on next."""
+    under dp_reshardable/ in Megatron-LM's default layout; in the per-rank format with its
+    distrib_optim.pt under distrib_optim/, and from three buckets under distrib_optim_buckets/);
+    its FP32Optimizer's under per_rank/; adam.pt holds their states then and after one more step
+    on the batch dtgpt trains on next."""
     root = tmp_path_factory.mktemp("megatron_adam")
-    run_megatron_gpt("adam", root, 1, "--sharding", "fully_reshardable", "dp_reshardable")
+    run_megatron_gpt("adam", root, 1, "--sharding", "fully_reshardable", "dp_reshardable", "--per-rank")
     return root
 
 
@@ -451,27 +453,37 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
 
 ADAM_LAYOUTS = (("one", 1, ITERATION, [], ""), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], ""),
                 ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], ""),
-                ("dp_reshardable_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "dp_reshardable"))  # fmt: skip
+                ("dp_reshardable_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "dp_reshardable"),
+                ("per_rank_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "per_rank"),
+                ("distrib_optim_pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], "distrib_optim_buckets"))  # fmt: skip
 """(name, ranks, train_iters, mesh, the megatron-core checkpoint under adam_tp1: "" its model-space
-save, dp_reshardable the same state in Megatron-LM's default per-bucket layout)."""
+save, dp_reshardable the same state in Megatron-LM's default per-bucket layout, per_rank the
+FP32Optimizer's per-rank files, distrib_optim_buckets the distributed optimizer's per-rank files
+and distrib_optim.pt)."""
+MASTER_NOTE = "fp32 master weights (param), "
+"""What the load log says of the master weights: the FP32Optimizer keeps none (its parameters are fp32)."""
 
 
 @pytest.mark.slow
 def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_on, tmp_path):
     """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
     equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step,
-    from its default dp_reshardable layout too (tp2: each rank reads its shards out of the buckets).
+    from its default dp_reshardable layout too (tp2: each rank reads its shards out of the buckets),
+    and from the per-rank format (--ckpt-format torch): its FP32Optimizer's state by parameter
+    index (tp2) and its distributed optimizer's distrib_optim.pt (pp2) step on as megatron-core's.
     The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal."""
     oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
     ckpt = {}
-    for name, *_ in ADAM_LAYOUTS:
+    for name, *_, source in ADAM_LAYOUTS:
         log, directory = trained(trained_on, f"adam_{name}")
-        assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log and "fresh AdamW" not in log
+        master = "" if source == "per_rank" else MASTER_NOTE
+        assert f"optimizer state loaded: {master}Adam moments, step 1" in log and "fresh AdamW" not in log
         ckpt[name] = directory / "ckpt"
     assert_state_close(stacked_state(layout.iteration_dir(ckpt["one"], ITERATION)), oracle["saved"], 1e-7)
     assert "dp_reshardable buckets (local layer order)" in trained(trained_on, "adam_dp_reshardable_tp2")[0]
-    for name in ("tp2", "pp2", "dp_reshardable_tp2"):  # tp2: DTensor shards of weights and moments
-        assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), oracle["stepped"], 1e-5)
+    for name, stepped in (("tp2", "stepped"), ("pp2", "stepped"), ("dp_reshardable_tp2", "stepped"), ("per_rank_tp2", "stepped_per_rank"),
+                          ("distrib_optim_pp2", "stepped")):  # tp2: DTensor shards of weights and moments
+        assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), oracle[stepped], 1e-5)
     stepped = layout.iteration_dir(ckpt["pp2"], ITERATION + 1)
     # and back into megatron-core's distributed optimizer
     out = tmp_path / "megatron"
@@ -482,22 +494,35 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
     assert_state_close(stacked_state(stepped), loaded, 0.0)
 
 
+MEGATRON_OPTIMIZER_FILES = (("dp_reshardable", "saved_dp_reshardable", "param"), ("per_rank", "saved_per_rank", None),
+                            ("distrib_optim", "saved", "param"), ("distrib_optim_buckets", "saved_dp_reshardable", "param"))  # fmt: skip
+"""(directory under adam_tp1, its state in adam.pt, the slot of its master weights: None for the
+FP32Optimizer, whose fp32 parameters are the weights)."""
+
+
 @pytest.mark.slow
-def test_megatron_default_dp_reshardable_state_reads_as_megatron_holds_it(adam_tp1):
-    """Megatron-LM's default distributed-optimizer layout (dp_reshardable: flat per-bucket buffers,
-    three buckets here) reads, parameter by parameter, as the state megatron-core's optimizer held
-    when it saved: master weights and both moments, bit for bit."""
-    reader = MegatronReader(layout.iteration_dir(adam_tp1 / "dp_reshardable", ITERATION))
-    held = torch.load(adam_tp1 / "adam.pt", weights_only=True)["saved_dp_reshardable"]
+@pytest.mark.parametrize("source, held_as, master", MEGATRON_OPTIMIZER_FILES)
+def test_megatron_optimizer_state_reads_as_megatron_holds_it(adam_tp1, source, held_as, master):
+    """Megatron-LM's optimizer state reads, parameter by parameter, as megatron-core's optimizer
+    held it when it saved, master weights and both moments bit for bit: from the distributed
+    optimizer's default torch_dist layout (dp_reshardable: flat per-bucket buffers, three buckets
+    here), and from the per-rank format: the FP32Optimizer's state by parameter index in three
+    param groups (--decoupled-lr's among them), the distributed optimizer's distrib_optim.pt of one
+    bucket and of three (coalesced)."""
+    reader = MegatronReader(layout.iteration_dir(adam_tp1 / source, ITERATION))
+    held = torch.load(adam_tp1 / "adam.pt", weights_only=True)[held_as]
     shapes = full_model_shapes(model_cfg(), ROWS)
     reader.check(shapes, list(shapes))
-    found, spec = reader.bucket_layout()
-    assert spec == "local" and len({prefix for prefix, _ in found.places.values()}) == 3
+    if source == "dp_reshardable":
+        found, spec = reader.bucket_layout()
+        assert spec == "local" and len({prefix for prefix, _ in found.places.values()}) == 3
+    else:
+        assert reader.per_rank_optimizer_problem() == "" and reader.optimizer_common() == {"common_step": 1.0}
     for name, shape in shapes.items():
         key, layer = megatron_name(name)
-        for slot in ("param", "exp_avg", "exp_avg_sq"):
+        for slot, stored in (("param", master), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             theirs = held[slot][key] if layer is None else held[slot][key][layer]
-            assert torch.equal(reader.tensor(name, shape, slot), theirs), (name, slot)
+            assert torch.equal(reader.tensor(name, shape, stored), theirs), (name, slot)
 
 
 @pytest.mark.slow

@@ -126,7 +126,7 @@ def progress_of(common: dict) -> dict:
     scheduler = common.get("opt_param_scheduler") or {}
     if "num_steps" in scheduler:
         out["lr_num_samples"] = _count(scheduler["num_steps"], "opt_param_scheduler.num_steps")
-    scaler = _grad_scaler(common.get("optimizer"))
+    scaler = grad_scaler(common.get("optimizer"))
     if scaler:
         out["loss_scale"] = scaler
     return out
@@ -139,7 +139,7 @@ def _count(value, name: str) -> int:
     return int(value)
 
 
-def _grad_scaler(optimizer) -> dict | None:
+def grad_scaler(optimizer) -> dict | None:
     """Megatron's grad_scaler dict ({scale, growth_tracker, hysteresis_tracker}) where its
     optimizer state keeps it: at the top, or one level down (chained optimizers: a list or dict)."""
     if isinstance(optimizer, dict) and isinstance(optimizer.get("grad_scaler"), dict):

@@ -128,6 +128,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
             why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
         if not adam:
             why = f"optimizer.optimizer={cfg.optimizer.optimizer!r}, and only Adam moments are read from Megatron"
+        elif reader.per_rank_optimizer_problem():
+            why = reader.per_rank_optimizer_problem()
         else:
             buckets, unmapped = reader.bucket_layout()
             if buckets is None and unmapped:

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle, per_rank_dirs
-from dtgpt.checkpoint.megatron.keys import EXPERT_KEY
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, grad_scaler, load_pickle, per_rank_dirs
+from dtgpt.checkpoint.megatron.keys import EXPERT_KEY, OPTIMIZER_PREFIX
+from dtgpt.checkpoint.megatron.per_rank_optim import PerRankOptimizer
 from dtgpt.config import ConfigError
 from dtgpt.config.pipeline_split import PER_VIRTUAL, SPLIT_KEYS, keyed_stage_layers
 
@@ -137,6 +138,10 @@ class PerRankModel:
         if not self.chunks:
             raise CheckpointError(f"Megatron checkpoint {directory}: {self.files[(0, 0, 0)] / PER_RANK_FILE} holds no 'model' or 'model0'")
         self.common = {k: v for k, v in first.items() if k not in self.chunks and k != "optimizer"}
+        scaler = grad_scaler(first.get("optimizer"))  # fp16's loss scale, beside the optimizer state
+        if scaler:
+            self.common["optimizer"] = {"grad_scaler": scaler}
+        self.optimizer = PerRankOptimizer(self)  # the optimizer state, read as the weights are
         self.swiglu = bool(getattr(self.common.get("args"), "swiglu", False))
         # (pp rank, chunk key) of each pipeline stage, in the model's order
         self.stages = [(stage % self.pp, self.chunks[stage // self.pp]) for stage in range(self.pp * len(self.chunks))]
@@ -147,7 +152,8 @@ class PerRankModel:
 
     def _load(self, tp: int, pp: int, ep: int = 0) -> dict:
         """A rank's file, memory-mapped: its tensors' bytes are read only where a region uses them
-        (the optimizer state never), and only the files a region overlaps are opened."""
+        (the optimizer state only where a region of it is asked for), and only the files a region
+        overlaps are opened."""
         if (tp, pp, ep) not in self._models:
             self._models[(tp, pp, ep)] = load_pickle(self.files[(tp, pp, ep)] / PER_RANK_FILE, mmap=True)
         return self._models[(tp, pp, ep)]
@@ -264,7 +270,11 @@ class PerRankModel:
 
     def region(self, key: str, at: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The region (at, shape) of torch_dist's tensor `key` (stacked on a layer axis, or not:
-        see shapes), read from the files that hold it."""
+        see shapes), or of its optimizer state `optimizer.state.<slot>.<key>`, read from the files
+        that hold it."""
+        if key.startswith(OPTIMIZER_PREFIX):
+            slot, key = key[len(OPTIMIZER_PREFIX):].split(".", 1)
+            return self.optimizer.view(slot).region(key, at, shape)
         full = self.shapes()[key]
         stage, prefix, rest = self._where[key]
         if prefix is None:  # outside the blocks
@@ -343,4 +353,6 @@ class PerRankModel:
                 if dim is not None:
                     size[dim] *= self.tp
                 self._shapes[key], self._where[key] = (*lead, *size), where
+        slots = self.optimizer.first[0]  # each slot shaped as its parameter, as torch_dist's model-space state
+        self._shapes.update({f"{OPTIMIZER_PREFIX}{slot}.{key}": shape for slot in slots for key, shape in list(self._shapes.items())})
         return self._shapes

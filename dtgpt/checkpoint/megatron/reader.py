@@ -100,7 +100,11 @@ class MegatronReader:
 
     def optimizer_common(self):
         """Megatron's optimizer state besides the tensors (its param groups, step included): in
-        common.pt, or with dp_reshardable in the dp group's pickled item."""
+        common.pt, or with dp_reshardable in the dp group's pickled item; per-rank: the step its
+        files hold (per_rank_optim.py)."""
+        if not self.torch_dist:
+            step = self._per_rank.optimizer.first[1]
+            return None if step is None else {"common_step": step}
         if self.bucket_layout()[0] is not None:
             return self._item("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")
         return self.common.get("optimizer")
@@ -111,6 +115,10 @@ class MegatronReader:
         if layout is not None:
             return slot in ("param", "exp_avg", "exp_avg_sq") and self._name(name) in layout.places
         return self.stored_key(name, slot) in self.shapes
+
+    def per_rank_optimizer_problem(self) -> str:
+        """Why the per-rank files' optimizer state is not mapped ("" when it is, or for torch_dist)."""
+        return "" if self.torch_dist else self._per_rank.optimizer.first[2]
 
     @property
     def layers_key(self) -> str:

@@ -1,0 +1,210 @@
+"""The optimizer state of Megatron-LM's per-rank format (--ckpt-format torch), per file, by the
+file's own parameter names.
+
+What Megatron-LM's legacy save writes (megatron/training/checkpointing.py, generate_state_dict)
+into each mp_rank_*/model_optim_rng.pt under "optimizer" is its optimizer's state_dict():
+
+    FP32Optimizer (fp32 training)      torch's Adam state_dict: "state" by parameter index (exp_avg,
+                                       exp_avg_sq, step), "param_groups" each listing its indices
+    Float16OptimizerWithFloat16Params  {"optimizer": that state_dict, "fp32_from_fp16_params": the
+    (fp16, bf16)                       fp32 master weights, per group in the group's order,
+                                       "grad_scaler"}
+    DistributedOptimizer               {"optimizer": the param groups, each with its "step", no
+    (--use-distributed-optimizer)      state}; the state is in distrib_optim.pt beside it
+                                       (save_parameter_state): {"buckets_coalesced": True,
+                                       <gbuf>: {(param dtype, grad dtype): {"param", "exp_avg",
+                                       "exp_avg_sq": flat fp32 over the buffer, buckets unpadded
+                                       and back to back, "numel_unpadded"}}}
+
+An index names the parameter by position: megatron-core's _get_param_groups puts each parameter
+(in named_parameters order, which is the order of the file's model keys) into a group by its
+overrides (no weight decay for biases and 1-D tensors; with --decoupled-lr the word embeddings and
+output layer on their own), and torch numbers the groups' parameters in turn. The groups' own
+fields do not say which rule made them, so each group is matched to the one class of parameters
+whose shapes, in order, are the shapes of its state; anything else is not mapped. The
+distributed optimizer's buffer holds the parameters in reverse order, each aligned
+(buckets.fit), its buckets cut where megatron-core's DDP cuts them (bucket_lengths).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import torch
+
+from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.megatron.buckets import PARAM_ALIGNMENT, fit
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
+
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"
+DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""megatron-core's is_embedding_or_output_parameter: the tensors --decoupled-lr moves to a group of their own."""
+DEFAULT_BUCKET_SIZE = 40_000_000
+"""megatron-core DDP's bucket size with overlap_grad_reduce and no --ddp-bucket-size (at least 1e6 x dp)."""
+
+Slots = dict[str, dict[str, torch.Tensor]]  # slot -> {file key: tensor}
+
+
+class Unmapped(Exception):
+    """The optimizer state of a file that dtgpt does not map: the message says why."""
+
+
+def parameters(model: dict) -> list[tuple[str, torch.Tensor]]:
+    """A model chunk's parameters in megatron-core's named_parameters order (its state dict's)."""
+    return [(k, v) for k, v in model.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
+
+
+def file_state(saved: dict, directory: Path, chunks: list[str], tp: int, pp: int) -> tuple[dict[str, Slots], float]:
+    """{chunk: {slot: {key: tensor}}} and the Adam step of one per-rank file, or Unmapped."""
+    optimizer = saved.get("optimizer")
+    params = [(chunk, key, value) for chunk in chunks for key, value in parameters(saved.get(chunk, {}))]
+    if isinstance(optimizer, list):
+        raise Unmapped("holds several chained optimizers (MoE experts), which dtgpt does not map yet")
+    if not isinstance(optimizer, dict):
+        raise Unmapped("holds no optimizer state (saved with --no-save-optim)")
+    inner = optimizer.get("optimizer", optimizer)
+    if "state" in inner:
+        by_index, step = _indexed(inner, optimizer.get("fp32_from_fp16_params"), params)
+    elif (directory / DISTRIB_OPTIM_FILE).is_file():
+        if (tp, pp, len(chunks)) != (1, 1, 1):
+            raise Unmapped(f"is the distributed optimizer's {DISTRIB_OPTIM_FILE} at tp {tp}, pp {pp}: dtgpt maps it at tp 1, pp 1 only")
+        by_index, step = _distributed(load_pickle(directory / DISTRIB_OPTIM_FILE, mmap=True), params, saved.get("args"), inner)
+    else:
+        raise Unmapped(f"is the distributed optimizer's, but {directory / DISTRIB_OPTIM_FILE} is missing")
+    out: dict[str, Slots] = {chunk: {} for chunk in chunks}
+    for (chunk, key, _), slots in zip(params, by_index):
+        for slot, value in slots.items():
+            out[chunk].setdefault(slot, {})[key] = value
+    return out, step
+
+
+def _indexed(inner: dict, masters, params: list) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """Each parameter's slots from torch's state by index (FP32Optimizer, Float16Optimizer)."""
+    groups = [g["params"] for g in inner["param_groups"] if g["params"]]
+    state = inner["state"]
+    if any(i not in state for g in groups for i in g):
+        raise Unmapped("holds no Adam state for some parameters (saved before the first step?)")
+    order = _assign(groups, inner["param_groups"], state, params)
+    by_index = [{} for _ in params]
+    for g, group in enumerate(groups):
+        for j, (index, param) in enumerate(zip(group, order[g])):
+            slots = {"exp_avg": state[index]["exp_avg"], "exp_avg_sq": state[index]["exp_avg_sq"]}
+            if masters is not None:
+                if len(masters[g]) != len(group) or masters[g][j].shape != params[param][2].shape:
+                    raise Unmapped("has fp32_from_fp16_params that do not follow its param groups")
+                slots["fp32_param"] = masters[g][j]
+            by_index[param] = slots
+    steps = {float(s["step"]) for s in state.values() if "step" in s}
+    if len(steps) != 1:
+        raise Unmapped(f"holds Adam steps {sorted(steps)} (one step count expected)")
+    return by_index, steps.pop()
+
+
+def _assign(groups: list[list[int]], saved_groups: list[dict], state: dict, params: list) -> list[list[int]]:
+    """The parameter positions of each group: the one class (megatron-core's grouping, with or
+    without --decoupled-lr) whose shapes are the group's state's shapes, in order."""
+    live = [g for g in saved_groups if g["params"]]
+    for decoupled in (True, False):
+        classes: dict[tuple[bool, bool], list[int]] = {}
+        for p, (_, key, value) in enumerate(params):
+            no_wd = value.dim() == 1 or key.endswith(".bias")
+            classes.setdefault((no_wd, decoupled and key in DECOUPLED), []).append(p)
+        order = []
+        for group, saved in zip(groups, live):
+            shapes = [tuple(state[i]["exp_avg"].shape) for i in group]
+            found = [members for (no_wd, _), members in classes.items()
+                     if no_wd == (saved.get("wd_mult", 1.0) == 0.0) and [tuple(params[p][2].shape) for p in members] == shapes]  # fmt: skip
+            if len(found) != 1:
+                break
+            order.append(found[0])
+        if len(order) == len(groups) and sorted(p for members in order for p in members) == list(range(len(params))):
+            return order
+    raise Unmapped("has param groups that match megatron-core's grouping of this file's parameters in no way dtgpt knows")
+
+
+def bucket_lengths(numels: list[int], bucket_size: int | None) -> list[int]:
+    """The unpadded length of each bucket of megatron-core's grad buffer (param_and_grad_buffer):
+    the parameters in reverse, each aligned, a bucket closed once it reaches `bucket_size`."""
+    lengths, position = [], 0
+    for numel in reversed(numels):
+        position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + numel
+        if bucket_size is not None and position >= bucket_size:
+            lengths.append(position)
+            position = 0
+    return lengths + ([position] if position else [])
+
+
+def _distributed(state: dict, params: list, args, inner: dict) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """Each parameter's slots from distrib_optim.pt (one grad buffer, one dtype, at tp 1, pp 1)."""
+    buffers = [key for key in state if isinstance(key, int)]
+    if not state.get("buckets_coalesced") or len(buffers) != 1 or len(state[buffers[0]]) != 1:
+        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of several grad buffers, or buckets not coalesced (older Megatron), which dtgpt does not map")
+    flat = next(iter(state[buffers[0]].values()))
+    bucket_size = None
+    if getattr(args, "overlap_grad_reduce", False):
+        bucket_size = getattr(args, "ddp_bucket_size", None) or max(DEFAULT_BUCKET_SIZE, 1_000_000 * getattr(args, "data_parallel_size", 1))
+    numels = [value.numel() for _, _, value in params]
+    lengths = bucket_lengths(numels, bucket_size)
+    places = fit([((p, None), n) for p, n in enumerate(numels)], [(str(b), n) for b, n in enumerate(lengths)])
+    if places is None or sum(lengths) != flat["numel_unpadded"]:
+        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {flat['numel_unpadded']} elements, but the parameters laid out as "
+                       f"megatron-core's buffer (bucket size {bucket_size}) take {sum(lengths)}")  # fmt: skip
+    starts = [sum(lengths[:b]) for b in range(len(lengths))]
+    by_index = []
+    for p, (_, key, value) in enumerate(params):
+        bucket, start = places[(p, None)]
+        at = starts[int(bucket)] + start
+        slots = {slot: flat[slot][at : at + value.numel()].view(value.shape) for slot in ("param", "exp_avg", "exp_avg_sq")}
+        if not torch.equal(slots["param"].flatten()[[0, -1]].to(value.dtype), value.flatten()[[0, -1]]):
+            raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} whose master weights of {key} are not its weights where dtgpt maps them")
+        by_index.append(slots)
+    steps = {float(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
+    if len(steps) != 1:
+        raise Unmapped(f"holds param-group steps {sorted(steps)} (one step count expected)")
+    return by_index, steps.pop()
+
+
+class PerRankOptimizer:
+    """The optimizer state of a PerRankModel's files, mapped file by file as regions ask: view(slot)
+    reads it with the model's own gluing of tp shards and pipeline stages."""
+
+    def __init__(self, model):
+        self.model = model  # a PerRankModel
+        self._files: dict[tuple[int, int, int], tuple[dict[str, Slots], float]] = {}
+        self._views: dict[str, object] = {}
+
+    def _file(self, tp: int, pp: int, ep: int = 0) -> tuple[dict[str, Slots], float]:
+        if (tp, pp, ep) not in self._files:
+            where = self.model.files[(tp, pp, ep)]
+            self._files[(tp, pp, ep)] = file_state(self.model._load(tp, pp, ep), where, self.model.chunks, self.model.tp, self.model.pp)
+        return self._files[(tp, pp, ep)]
+
+    @functools.cached_property
+    def first(self) -> tuple[list[str], float | None, str]:
+        """(the slots stored, the Adam step, why not mapped: "" when mapped), from rank 0's file."""
+        try:
+            slots, step = self._file(0, 0, 0)
+        except Unmapped as e:
+            return [], None, f"{self.model.files[(0, 0, 0)] / PER_RANK_FILE} {e}"
+        return sorted(slots[self.model.chunks[0]]), step, ""
+
+    def view(self, slot: str):
+        """The PerRankModel whose files hold optimizer state `slot` in place of the weights."""
+        if slot not in self._views:
+            view = copy.copy(self.model)
+            view._model = functools.partial(self._slot_model, slot)
+            self._views[slot] = view
+        return self._views[slot]
+
+    def _slot_model(self, slot: str, tp: int, stage: int, ep: int = 0) -> dict[str, torch.Tensor]:
+        pp, chunk = self.model.stages[stage]
+        where = self.model.files[(tp, pp, ep)] / PER_RANK_FILE
+        try:
+            slots = self._file(tp, pp, ep)[0][chunk]
+        except Unmapped as e:
+            raise CheckpointError(f"Megatron checkpoint {self.model.directory}: {where} {e}, but rank 0's is mapped") from None
+        if slot not in slots:
+            raise CheckpointError(f"Megatron checkpoint {self.model.directory}: {where} holds no optimizer state {slot}")
+        return slots[slot]
