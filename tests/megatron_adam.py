@@ -45,7 +45,7 @@ SGD_MOMENTUM, SGD_STEPS = 0.8, 3
 """The sgd command: --optimizer sgd --sgd-momentum 0.8 (not the default 0.9), three steps."""
 BUCKET_SIZE = 40_000
 """Elements per grad bucket (Megatron-LM's --ddp-bucket-size) of the dp_reshardable twin: the
-109k-parameter model spans three buckets. (The model-space save keeps one bucket: megatron-core
+109k-parameter model spans three buckets (their unpadded lengths in adam.pt as "bucket_lengths"). (The model-space save keeps one bucket: megatron-core
 0.16.1's fully_reshardable places a later bucket's state 64 elements off when an earlier bucket's
 length is not a multiple of its padding, 128 at dp 1.)"""
 SEED = 1234  # dtgpt's training.seed default: the mock samples are dtgpt's
@@ -225,6 +225,7 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
                               overlap_grad_reduce=True, ddp_bucket_size=BUCKET_SIZE, data_parallel_size=1)  # fmt: skip
             if whole:
                 states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
+                states["bucket_lengths"] = [bucket.numel_unpadded for bucket in other_ddp.buffers[0].buckets]
         if whole:
             step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
             torch.save({**states, "stepped": stacked_state(model, optimizer)}, root / "adam.pt")

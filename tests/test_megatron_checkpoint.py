@@ -27,12 +27,13 @@ from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import COMMON_ITEM, PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs, progress_of
 from dtgpt.checkpoint.megatron.keys import full_model_shapes, megatron_name
+from dtgpt.checkpoint.megatron.per_rank_optim import bucket_lengths, parameters
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import Batch
-from tests.megatron_adam import ADAM
+from tests.megatron_adam import ADAM, BUCKET_SIZE
 from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, SEQ, VOCAB, labels, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, Command, launch_commands, read_metrics, run_train, selected_cases
@@ -518,11 +519,27 @@ def test_megatron_optimizer_state_reads_as_megatron_holds_it(adam_tp1, source, h
         assert spec == "local" and len({prefix for prefix, _ in found.places.values()}) == 3
     else:
         assert reader.per_rank_optimizer_problem() == "" and reader.optimizer_common() == {"common_step": 1.0}
+    if source == "distrib_optim_buckets":  # coalesced: where megatron-core's DDP cut its buckets is recomputed
+        saved = load_pickle(next(reader.directory.glob("mp_rank_00")) / PER_RANK_FILE)
+        numels = [value.numel() for _, value in parameters(saved["model"])]
+        assert bucket_lengths(numels, BUCKET_SIZE) == torch.load(adam_tp1 / "adam.pt", weights_only=True)["bucket_lengths"]
     for name, shape in shapes.items():
         key, layer = megatron_name(name)
         for slot, stored in (("param", master), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
             theirs = held[slot][key] if layer is None else held[slot][key][layer]
             assert torch.equal(reader.tensor(name, shape, stored), theirs), (name, slot)
+
+
+@pytest.mark.slow
+def test_unmapped_per_rank_optimizer_state_is_one_line_and_fresh_adam(adam_tp1, tmp_path, capsys):
+    """The distributed optimizer's per-rank files without their distrib_optim.pt: the weights load,
+    Adam starts fresh, and the log says why in one line naming the file."""
+    root = shutil.copytree(adam_tp1 / "distrib_optim", tmp_path / "distrib_optim")
+    rank_dir = layout.iteration_dir(root, ITERATION) / "mp_rank_00"
+    (rank_dir / "distrib_optim.pt").unlink()
+    imported_loss(root, 16)
+    why = f"{rank_dir / PER_RANK_FILE} is the distributed optimizer's, but {rank_dir / 'distrib_optim.pt'} is missing"
+    assert f"Megatron checkpoint: optimizer state not read: {why}; fresh AdamW moments" in capsys.readouterr().out
 
 
 @pytest.mark.slow
