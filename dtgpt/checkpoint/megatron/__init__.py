@@ -4,6 +4,7 @@
     keys.py     the key map between Megatron's names and dtgpt's, full shapes, vocabulary rows
     reader.py   MegatronReader: tensors or sub-regions of either format by dtgpt name
     per_rank.py PerRankModel: the per-rank files (tp, pp and ep ranks) glued into torch_dist's tensors
+    per_rank_optim.py  the per-rank files' Adam state, by each file's parameter names
     regions.py  DCP reads of sub-regions of stored tensors (a rank reads only what it holds)
     load.py     a Megatron checkpoint into a TrainState at any mesh, or into a one-device GPT
     write.py    streaming conversion dtgpt <-> Megatron torch_dist

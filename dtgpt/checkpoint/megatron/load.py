@@ -20,7 +20,9 @@ QKV layout and vocabulary rows carry over:
 The distributed optimizer's default sharding type, `dp_reshardable`, keeps the same three slots
 (param, exp_avg, exp_avg_sq) in flat per-bucket tensors instead, and its param groups in a pickled
 item; MegatronReader maps each parameter's region into them (buckets.py), so the same read_into
-fills AdamW from either layout.
+fills AdamW from either layout. The per-rank format's state (each file's optimizer state by
+parameter index, or the distributed optimizer's distrib_optim.pt) is read under the same
+`optimizer.state.<slot>.<model key>` names (per_rank_optim.py).
 
 Under optimizer.optimizer = "sgd" no optimizer state is read (the weights, counts, LR schedule and
 loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts its momentum
