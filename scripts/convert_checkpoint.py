@@ -80,7 +80,7 @@ def to_megatron(args) -> None:
     if args.format == "per-rank":
         written = megatron.to_megatron_per_rank(directory, cfg, args.dst, args.tp, args.ep, args.pp,
                                                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
-        print(f"wrote {written} (Megatron-LM per-rank files of tp {args.tp} x pp {args.pp} x ep {args.ep}, weights only) from {directory}")
+        print(f"wrote {written} (Megatron-LM per-rank files of tp {args.tp} x pp {args.pp} x ep {args.ep}) from {directory}")
         return
     if args.pp != 1 or args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
         raise ValueError("--pp names the per-rank format's pipeline stages: torch_dist is the same at any pp (add --format per-rank)")

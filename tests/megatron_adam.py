@@ -14,7 +14,8 @@ losses compare):
                     (fp32, not distributed) SGD_STEPS times on the mock samples from consumed 56 on;
                     DIR/sgd.pt: {"weight": {Megatron key: stacked}} after the last step
     load-adam DIR   build the same, load DIR's checkpoint (model and optimizer),
-                    DIR/loaded_adam.pt: the loaded state in the same layout
+                    DIR/loaded_adam.pt: the loaded state in the same layout; and DIR/per_rank's
+                    per-rank files where there are, into its FP32Optimizer: DIR/loaded_per_rank_adam.pt
 
 megatron-core 0.16.1 cannot save `fully_sharded_model_space` at all ("ShardedTensor.flattened_range
 is not supported", on any device), so `fully_reshardable` is the model-space format it writes.
@@ -240,7 +241,29 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
         model.load_state_dict(loaded["model"], strict=False)
         optimizer.load_state_dict(loaded["optimizer"])
         torch.save(stacked_state(model, optimizer), root / "loaded_adam.pt")
+        if (root / "per_rank").is_dir():
+            torch.save(load_per_rank(twin(), root / "per_rank"), root / "loaded_per_rank_adam.pt")
     dist.barrier()
+
+
+def load_per_rank(model, root: Path) -> dict:
+    """Megatron-LM's legacy load of root's per-rank file at tp 1, pp 1 into `model` and
+    megatron-core's FP32Optimizer (load_checkpoint: the model strictly, then
+    optimizer.load_state_dict), and the state they then hold."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    # megatron-core 0.16.1 tells a loaded param group by (wd_mult, lr_mult, is_expert_parallel,
+    # is_decoupled_lr), which --decoupled-lr's group shares with the default one (it differs in
+    # max_lr alone), so it gives both the same group and refuses its own legacy save; the current
+    # Megatron-LM source adds the override keys (max_lr, min_lr) to the identifier, as here
+    keys = megatron_optimizer.param_group_identifier_keys
+    megatron_optimizer.param_group_identifier_keys = (*keys, *(k for k in ("max_lr", "min_lr") if k not in keys))
+    ddp, optimizer = build_optimizer(model, distributed=False)
+    directory = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}" / "mp_rank_00"
+    saved = torch.load(directory / "model_optim_rng.pt", weights_only=False)
+    model.load_state_dict(saved["model"], strict=True)
+    optimizer.load_state_dict(saved["optimizer"])
+    return stacked_state(model, optimizer)
 
 
 def fp32_optimizer_states(model, root: Path, trainer_state: dict) -> dict:

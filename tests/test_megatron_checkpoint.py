@@ -472,7 +472,8 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
     from its default dp_reshardable layout too (tp2: each rank reads its shards out of the buckets),
     and from the per-rank format (--ckpt-format torch): its FP32Optimizer's state by parameter
     index (tp2) and its distributed optimizer's distrib_optim.pt (pp2) step on as megatron-core's.
-    The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal."""
+    The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal: its
+    distributed optimizer from torch_dist, its FP32Optimizer from the per-rank format."""
     oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
     ckpt = {}
     for name, *_, source in ADAM_LAYOUTS:
@@ -489,10 +490,13 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
     # and back into megatron-core's distributed optimizer
     out = tmp_path / "megatron"
     assert load_script().main(["to-megatron", str(stepped), str(out), "--tp", "1"]) == 0
+    # and per rank: each file's optimizer entry as megatron-core's FP32Optimizer saves it
+    assert load_script().main(["to-megatron", str(stepped), str(out / "per_rank"), "--format", "per-rank"]) == 0
     run_megatron_gpt("load-adam", out, 1)
-    loaded = torch.load(out / "loaded_adam.pt", weights_only=True)
-    assert_state_close(stacked_state(stepped), {**loaded, "weight": loaded["param"]}, 0.0)
-    assert_state_close(stacked_state(stepped), loaded, 0.0)
+    for name in ("loaded_adam.pt", "loaded_per_rank_adam.pt"):
+        loaded = torch.load(out / name, weights_only=True)
+        assert_state_close(stacked_state(stepped), {**loaded, "weight": loaded["param"]}, 0.0)
+        assert_state_close(stacked_state(stepped), loaded, 0.0)
 
 
 MEGATRON_OPTIMIZER_FILES = (("dp_reshardable", "saved_dp_reshardable", "param"), ("per_rank", "saved_per_rank", None),

@@ -208,7 +208,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if _has(metadata, "train_state") else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
     if adam:
-        common |= megatron_optimizer_common(cfg.optimizer, _adam_step(src, metadata))
+        common |= megatron_optimizer_common(cfg.optimizer, stored_adam_step(src, metadata))
     torch.save(common, directory / COMMON_FILE)
     (directory / BACKEND_FILE).write_text(json.dumps(BACKEND))
     layout.write_pointer(out_root, iteration)
@@ -235,7 +235,7 @@ def _adam_sources(name: str) -> dict[str, str]:
     return {"param": f"model.{name}", "exp_avg": f"optimizer.state.{name}.exp_avg", "exp_avg_sq": f"optimizer.state.{name}.exp_avg_sq"}
 
 
-def _adam_step(src: Path, metadata) -> float:
+def stored_adam_step(src: Path, metadata) -> float:
     """AdamW's step count (every parameter has the same; the first one's is read)."""
     key = next(k for k in metadata.state_dict_metadata if k.startswith("optimizer.state.") and k.endswith(".step"))
     return float(_read_stacked(src, [key], metadata)[0])

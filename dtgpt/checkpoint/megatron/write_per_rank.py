@@ -7,8 +7,12 @@ of each tensor (column-parallel rows, row-parallel columns; SwiGLU's linear_fc1 
 its fc1 rows]; per_rank.TP_DIM), and of each MoE block's routed
 experts only its ep rank's, numbered from 0 as `mlp.experts.local_experts.<K>.` (ep rank r holds
 global experts r * E / ep ...). Every linear layer has its `_extra_state` (None for the local
-spec), which megatron-core's strict load_state_dict asks for, the output layer's too. The weights only: Megatron keeps
-the optimizer state of this format in files of its own DP layout, which dtgpt does not write.
+spec), which megatron-core's strict load_state_dict asks for, the output layer's too. An Adam run's
+state goes into each file's "optimizer" as Megatron's non-distributed optimizers save it
+(write_per_rank_optim.py: run Megatron without --use-distributed-optimizer to load it), each
+file's model then in megatron-core's module order, by which the state is indexed; an SGD run's
+momentum, and the state of a model outside the dense GPT whose order dtgpt knows (MoE: Megatron
+chains an optimizer for its experts; multi-latent attention; MTP blocks), are left out.
 Unlike the torch_dist conversion this holds the whole model in memory (the format is per
 rank, each file a slice of every tensor).
 """
@@ -23,18 +27,20 @@ from dtgpt.checkpoint import export, layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE
 from dtgpt.checkpoint.megatron.keys import (
-    EXPERT_KEY, LOCAL_NORM_NAMES, VOCAB_KEYS, half_of, megatron_name, resize_vocab, stores_per_layer,
+    EXPERT_KEY, LOCAL_NORM_NAMES, VOCAB_KEYS, half_of, is_buffer, megatron_name, resize_vocab, stores_per_layer,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.per_rank import BLOCK, LOCAL_EXPERTS, tp_dim
 from dtgpt.checkpoint.megatron.stages import stage_counts, stage_model
-from dtgpt.checkpoint.megatron.write import trainer_common
+from dtgpt.checkpoint.megatron.write import megatron_optimizer_common, stored_adam_step, trainer_common
+from dtgpt.checkpoint.megatron.write_per_rank_optim import in_megatron_order, per_rank_optimizer
+from dtgpt.checkpoint.stored import stored_optimizer
 from dtgpt.config import Config, padded_vocab_size
 
 
-def _full_megatron_tensors(src: Path, cfg: Config, rows: int) -> dict[tuple[str, int | None], torch.Tensor]:
+def _full_megatron_tensors(state: dict[str, torch.Tensor], cfg: Config, rows: int) -> dict[tuple[str, int | None], torch.Tensor]:
     """(torch_dist key, layer or None) -> the full tensor of that layer, in Megatron's layout
-    (the decoder layers apart where torch_dist keeps them apart, see keys.stores_per_layer)."""
-    state = export.load_model(src, cfg).state_dict()
+    (the decoder layers apart where torch_dist keeps them apart, see keys.stores_per_layer), from
+    dtgpt's tensors by name (the weights, or one Adam slot of each)."""
     names = [n for n in state if not (n == "output.weight" and not cfg.model.untie_embeddings_and_output_weights)]
     mla, apart = cfg.model.multi_latent_attention, stores_per_layer(cfg.model)
     out: dict[tuple[str, int | None], list[torch.Tensor]] = {}
@@ -42,6 +48,14 @@ def _full_megatron_tensors(src: Path, cfg: Config, rows: int) -> dict[tuple[str,
         value = resize_vocab(state[name], rows) if name in VOCAB_KEYS else state[name]
         out.setdefault(megatron_name(name, mla, apart), []).append(value)
     return {key: torch.cat(parts) if len(parts) > 1 else parts[0] for key, parts in out.items()}
+
+
+def _adam_slots(src: Path, weights: dict, cfg: Config, rows: int) -> dict[str, dict]:
+    """{"exp_avg", "exp_avg_sq"} -> the full Megatron tensors of that AdamW slot (as the weights')."""
+    optimizer = export.read_sections(src, ("optimizer",))["optimizer"]
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    names = [n for n in weights if not is_buffer(n) and not (tied and n == "output.weight")]  # a tied head's state is the embedding's
+    return {slot: _full_megatron_tensors({name: optimizer[f"state.{name}.{slot}"] for name in names}, cfg, rows) for slot in ("exp_avg", "exp_avg_sq")}
 
 
 def _tp_part(key: str, value: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
@@ -102,22 +116,33 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
-    full = _full_megatron_tensors(src, cfg, rows)
-    stored = layout.read_metadata(src).state_dict_metadata
+    weights = export.load_model(src, cfg).state_dict()
+    full = _full_megatron_tensors(weights, cfg, rows)
+    metadata = layout.read_metadata(src)
+    stored = metadata.state_dict_metadata
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if any(k.startswith("train_state.") for k in stored) else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
     vars(common["args"]).update(expert_model_parallel_size=ep, expert_tensor_parallel_size=tp, pipeline_model_parallel_size=pp)
     vars(common["args"]).update(decoder_first_pipeline_num_layers=first_stage_layers, decoder_last_pipeline_num_layers=last_stage_layers)
     tied = not cfg.model.untie_embeddings_and_output_weights
     directory = layout.iteration_dir(out_root, iteration)
+    adam = stored_optimizer(metadata) == "adam" and not experts
+    slots = _adam_slots(src, weights, cfg, rows) if adam else {}
+    groups = megatron_optimizer_common(cfg.optimizer, stored_adam_step(src, metadata))["optimizer"]["optimizer"]["param_groups"] if adam else []
     first = _rank_model(full, cfg, tp, 0, ep, 0)  # every rank's split has its shapes: an uneven one fails before a file is written
     for tp_rank in range(tp):
         for ep_rank in range(ep):
             model = first if tp_rank == ep_rank == 0 else _rank_model(full, cfg, tp, tp_rank, ep, ep_rank)
+            slot_models = {slot: _rank_model(value, cfg, tp, tp_rank, ep, ep_rank) for slot, value in slots.items()}
             for pp_rank in range(pp):
                 name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
                 (directory / name).mkdir(parents=True, exist_ok=True)
-                own = stage_model(model, counts, pp_rank, tied) if pp > 1 else model
-                torch.save({"model": own, **common}, directory / name / PER_RANK_FILE)
+                stage = (lambda m: stage_model(m, counts, pp_rank, tied)) if pp > 1 else (lambda m: m)  # noqa: E731
+                own = stage(model)
+                ordered = in_megatron_order(own) if adam else None
+                saved = {"model": ordered or own, **common}
+                if ordered:
+                    saved["optimizer"] = per_rank_optimizer(ordered, {slot: stage(m) for slot, m in slot_models.items()}, cfg, groups)
+                torch.save(saved, directory / name / PER_RANK_FILE)
     layout.write_pointer(out_root, iteration)
     return directory
