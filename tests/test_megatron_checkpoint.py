@@ -497,6 +497,13 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
         loaded = torch.load(out / name, weights_only=True)
         assert_state_close(stacked_state(stepped), {**loaded, "weight": loaded["param"]}, 0.0)
         assert_state_close(stacked_state(stepped), loaded, 0.0)
+    # and the per-rank files read back into dtgpt as written
+    reader, optimizer = MegatronReader(find(out / "per_rank")), read_sections(stepped, ("optimizer",))["optimizer"]
+    shapes = full_model_shapes(model_cfg(), ROWS)
+    reader.check(shapes, list(shapes))
+    for name, shape in shapes.items():
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(reader.tensor(name, shape, slot), optimizer[f"state.{name}.{slot}"]), (name, slot)
 
 
 MEGATRON_OPTIMIZER_FILES = (("dp_reshardable", "saved_dp_reshardable", "param"), ("per_rank", "saved_per_rank", None),
