@@ -203,6 +203,38 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
     dist.barrier()
 
 
+PARALLEL_BUCKET_SIZE = 8_000
+"""Elements per grad bucket of adam-parallel's dp_reshardable twin: several buckets on the first
+pipeline stage (megatron-core keeps one on the others, besides a tied head's own)."""
+
+
+def synthetic_step(model, ddp, optimizer) -> None:
+    """One optimizer step on gradients made from the weights, sin(7 w): equal on every copy of a
+    parameter (tp replicas, a tied head's copy on the last stage), with no pipeline schedule."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    for param in model.parameters():
+        param.main_grad.copy_(torch.sin(7 * param.detach().float()))
+    for group in optimizer.param_groups:  # as step() sets them
+        group["lr"], group["weight_decay"] = group["max_lr"], ADAM["weight_decay"] * group["wd_mult"]
+    assert optimizer.step()[0], "megatron-core skipped the step"
+
+
+def run_adam_parallel(model, root: Path, trainer_state: dict, twin) -> None:
+    """At tp 2 x pp 2 (dp 1): one synthetic step of the distributed optimizer, saved in model space
+    (fully_reshardable, one bucket: megatron-core gathers each parameter's tp shards) under root,
+    and the same step of a `twin()` cut into PARALLEL_BUCKET_SIZE buckets saved dp_reshardable
+    under root/dp_reshardable: the same state in both layouts (patch_for_optimizer already run)."""
+    ddp, optimizer = build_optimizer(model)
+    synthetic_step(model, ddp, optimizer)
+    save(model, optimizer, root, "fully_reshardable", trainer_state)
+    other = twin()
+    other_ddp, other_optimizer = build_optimizer(other, bucket_size=PARALLEL_BUCKET_SIZE)
+    synthetic_step(other, other_ddp, other_optimizer)
+    save(other, other_optimizer, root / "dp_reshardable", "dp_reshardable", trainer_state)
+    dist.barrier()
+
+
 def save(model, optimizer, root: Path, sharding: str, trainer_state: dict) -> None:
     """Model and optimizer as Megatron-LM saves them, the optimizer in `sharding`, and the pointer."""
     from megatron.core import dist_checkpointing

@@ -7,7 +7,7 @@ exactly, so the alignment and the layouts dtgpt must refuse are shown here, with
 
 from __future__ import annotations
 
-from dtgpt.checkpoint.megatron.buckets import bucket_layout, fit
+from dtgpt.checkpoint.megatron.buckets import LAYER_ORDERS, Parallel, Piece, bucket_layout, fit, rank_pieces
 
 BUCKET = "optimizer.distributed.dp_group_idx_{}.gbuf_idx_{}.dtype_(torch.float32, torch.float32).bucket_idx_{}"
 
@@ -34,10 +34,41 @@ def test_layouts_it_does_not_map_say_why():
     def shapes(*buckets):
         return {f"{BUCKET.format(*b)}.{slot}": (128,) for b in buckets for slot in ("param", "exp_avg", "exp_avg_sq")}
 
-    layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0)), {}, [])
-    assert layout is None and why.startswith("it was saved with tensor or pipeline parallelism")
-    layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [])
-    assert layout is None and why.startswith("it holds several grad buffers")
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0)), {}, [], None)
+    assert layout is None and why == "it was saved by 2 model-parallel ranks and the checkpoint's args do not say its tp and pp"
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0), (2, 0, 0)), {}, [], Parallel(2))
+    assert layout is None and why == "it holds the buckets of 3 model-parallel ranks, but its args say tp x pp = 2 x 1"
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [], Parallel())
+    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank")
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
-    layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model))
+    layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
+
+
+def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
+    """tp 2 x pp 2, a layer per stage, tied head, SwiGLU: rank M = tp rank + 2 x pp rank holds
+    its stage's parameters (the last stage also the tied head's copy, in a bucket of its own), each
+    as its tp shard: vocabulary rows, linear_proj's and fc2's columns, fc1's [gate; up] rows."""
+    emb, proj, fc1, fc2, norm = ("embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_proj.weight",
+                                 "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight",
+                                 "decoder.final_layernorm.weight")  # fmt: skip
+    shapes = {emb: (8, 4), proj: (2, 4, 4), fc1: (2, 12, 4), fc2: (2, 4, 6), norm: (4,)}
+    # local sizes: emb 4x4=16, proj 4x2=8, fc1 6x4=24, fc2 4x3=12, norm 4, the head's copy 16
+    # stage 0, reversed: fc2 at 0, fc1 at 64, proj at 128, emb at 192: one bucket of 208
+    # stage 1, reversed: the head's copy alone (16), then norm at 0, fc2 at 64, fc1 at 128, proj at 192: 200
+    stored = {0: [("m0", 208)], 1: [("m1", 208)], 2: [("h2", 16), ("m2", 200)], 3: [("h3", 16), ("m3", 200)]}
+    pieces = rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (1, 1)))
+    assert pieces == {
+        (emb, None): [Piece("m0", 192, (4, 4), (0, 0)), Piece("m1", 192, (4, 4), (4, 0))],
+        (proj, 0): [Piece("m0", 128, (4, 2), (0, 0)), Piece("m1", 128, (4, 2), (0, 2))],
+        (fc1, 0): [Piece("m0", 64, (3, 4), (0, 0)), Piece("m0", 76, (3, 4), (6, 0)),  # [gate 0-2; up 6-8]
+                   Piece("m1", 64, (3, 4), (3, 0)), Piece("m1", 76, (3, 4), (9, 0))],  # [gate 3-5; up 9-11]
+        (fc2, 0): [Piece("m0", 0, (4, 3), (0, 0)), Piece("m1", 0, (4, 3), (0, 3))],
+        (proj, 1): [Piece("m2", 192, (4, 2), (0, 0)), Piece("m3", 192, (4, 2), (0, 2))],
+        (fc1, 1): [Piece("m2", 128, (3, 4), (0, 0)), Piece("m2", 140, (3, 4), (6, 0)),
+                   Piece("m3", 128, (3, 4), (3, 0)), Piece("m3", 140, (3, 4), (9, 0))],
+        (fc2, 1): [Piece("m2", 64, (4, 3), (0, 0)), Piece("m3", 64, (4, 3), (0, 3))],
+        (norm, None): [Piece("m2", 0, (4,), (0,))],  # whole on each tp rank: tp rank 0's copy
+    }  # fmt: skip
+    # an uneven split (the first stage without a layer) is another layout: these lengths do not fit it
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (0, 2))) is None

@@ -6,22 +6,29 @@ tensor per slot (param: the fp32 master weights, exp_avg, exp_avg_sq):
 
     optimizer.distributed.dp_group_idx_<M>.gbuf_idx_<G>.dtype_(<param dtype>, <grad dtype>).bucket_idx_<B>.<slot>
 
-<M> is the model-parallel rank (tp x pp: one group at tp 1, pp 1), each tensor is the bucket's
-unpadded length, and an element sits at its offset within the bucket whatever the dp size (each
-dp rank saves its contiguous share at its own offset; DCP joins the shares). Within the buffer,
-the parameters follow megatron-core's module order *reversed*, each starting at a multiple of 64
-elements, and a bucket closes once it reaches its size (so the stored lengths tell where the
-buckets end). The order is not stored: it is megatron-core's module registration order, which
-differs between its local and Transformer Engine layer specs (the input norm before the
-attention, or fused into linear_qkv after linear_proj). Both are tried; the one whose buckets
-have exactly the stored lengths and whose master weights equal the model weights (sampled on the
-non-layer tensors and layer 0) is taken. Anything else is no layout: the caller starts fresh.
+<M> is the rank in megatron-core's model-parallel group, tp rank + tp x pp rank (its rank
+generator numbers the tp-pp group with tp fastest); each such rank saves the buckets of its own
+parameters: its pipeline stage's layers (Megatron's split, stages.py), the embedding on the first
+stage, the final norm and head on the last (with a tied head at pp > 1, the last stage's own
+copy of the embedding, in a bucket of its own), each parameter as its tp shard (TP_DIM: rows or
+columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
+whole, replicated). Each tensor is the bucket's unpadded length, and an element sits at its
+offset within the bucket whatever the dp size (each dp rank saves its contiguous share at its own
+offset; DCP joins the shares). Within the buffer, the parameters follow megatron-core's module
+order *reversed*, each starting at a multiple of 64 elements, and a bucket closes once it
+reaches its size (so the stored lengths tell where the buckets end). The order is not stored: it
+is megatron-core's module registration order, which differs between its local and Transformer
+Engine layer specs (the input norm before the attention, or fused into linear_qkv after
+linear_proj). Both are tried; the one whose buckets have exactly the stored lengths and whose
+master weights equal the model weights (agrees: sampled on the non-layer tensors and each
+stage's first layer) is taken. Anything else is no layout: the caller starts fresh.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 import torch
 
@@ -46,19 +53,42 @@ LAYER_ORDERS = {
 """A dense GPT layer's parameters in megatron-core's module order, by layer spec."""
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+TIED_HEAD = "output_layer.weight"  # at pp > 1 the last stage's copy of a tied embedding: never read
+
+TP_DIM = {
+    "embedding.word_embeddings.weight": 0, "output_layer.weight": 0,  # vocabulary-parallel rows
+    "decoder.layers.self_attention.linear_qkv.weight": 0, "decoder.layers.self_attention.linear_qkv.bias": 0,
+    "decoder.layers.mlp.linear_fc1.weight": 0, "decoder.layers.mlp.linear_fc1.bias": 0,  # column-parallel
+    "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
+}  # fmt: skip
+"""The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
+QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
+SWIGLU_FC1 = ("decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc1.bias")
 
 Param = tuple[str, int | None]  # (Megatron key, layer or None)
 
 
+class Parallel(NamedTuple):
+    """The model parallelism a checkpoint was saved with (from its args)."""
+
+    tp: int = 1
+    stage_layers: tuple[int, ...] = ()  # the decoder layers of each pipeline stage; () for pp 1
+
+
+class Piece(NamedTuple):
+    """A contiguous run of a bucket holding a row-major block of a parameter's global tensor."""
+
+    prefix: str  # the bucket's stored key without the slot
+    start: int  # its first element's offset in the bucket
+    shape: tuple[int, ...]  # the block's shape
+    offsets: tuple[int, ...]  # where the block sits in the global tensor (one layer's)
+
+
 class BucketLayout:
-    """Where each Megatron parameter's optimizer state sits: (key, layer) -> (bucket prefix, start)."""
+    """Where each Megatron parameter's optimizer state sits: (key, layer) -> its pieces."""
 
-    def __init__(self, places: dict[Param, tuple[str, int]]):
-        self.places = places
-
-    def locate(self, key: str, layer: int | None, slot: str) -> tuple[str, int]:
-        prefix, start = self.places[(key, layer)]
-        return f"{prefix}.{slot}", start
+    def __init__(self, pieces: dict[Param, list[Piece]]):
+        self.pieces = pieces
 
 
 def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int]]:
@@ -72,20 +102,31 @@ def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int
     return found
 
 
-def module_order(shapes: dict[str, tuple[int, ...]], model_keys: list[str], layer_order: tuple[str, ...]) -> list[tuple[Param, int]] | None:
-    """((key, layer), numel) of every model parameter in megatron-core's module order, or None
-    when a key is outside the dense GPT this order knows."""
-    layer_keys = [k for k in model_keys if k.startswith("decoder.layers.")]
+def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """A parameter's shape on one tp rank (one layer's `shape` for a layer's)."""
+    dim = TP_DIM.get(key)
+    return shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+
+
+def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stage: int, parallel: Parallel) -> list[tuple[Param, tuple]] | None:
+    """((key, layer), local shape) of pipeline stage `stage`'s parameters in megatron-core's module
+    order (layers numbered globally), or None when a key is outside the dense GPT this order knows."""
     unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and k.removeprefix("decoder.layers.") not in layer_order]
     if unknown:
         return None
-    num_layers = shapes[layer_keys[0]][0] if layer_keys else 0
-    present = lambda keys: [k for k in keys if k in model_keys]  # noqa: E731
-    order = [((k, None), math.prod(shapes[k])) for k in present(BEFORE)]
-    stacked = present(f"decoder.layers.{k}" for k in layer_order)
-    for layer in range(num_layers):
-        order += [((k, layer), math.prod(shapes[k][1:])) for k in stacked]
-    return order + [((k, None), math.prod(shapes[k])) for k in present(AFTER)]
+    layer_keys = [k for k in model_keys if k.startswith("decoder.layers.")]
+    counts = parallel.stage_layers or ((shapes[layer_keys[0]][0] if layer_keys else 0),)
+    first, last = sum(counts[:stage]), stage == len(counts) - 1
+    whole = lambda keys: [((k, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
+    order = whole(BEFORE) if stage == 0 else []
+    stacked = [k for k in (f"decoder.layers.{k}" for k in layer_order) if k in model_keys]
+    for layer in range(first, first + counts[stage]):
+        order += [((k, layer), local_shape(k, shapes[k][1:], parallel.tp)) for k in stacked]
+    if last:
+        order += whole(AFTER)
+        if TIED_HEAD not in model_keys and len(counts) > 1:  # the tied head's copy on the last stage
+            order.append(((TIED_HEAD, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
+    return order
 
 
 def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[Param, tuple[str, int]] | None:
@@ -106,39 +147,96 @@ def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[
     return places if index == len(buckets) else None
 
 
-def agrees(directory, shapes: dict, places: dict[Param, tuple[str, int]], dtypes: dict) -> bool:
-    """Whether the master weights at the mapped offsets, cast to the model's dtype, equal the
-    model weights: first and last element of every non-layer tensor and of layer 0's."""
-    requests, pairs = {}, []
-    for (key, layer), (prefix, start) in places.items():
-        if layer not in (None, 0):
-            continue
-        shape = shapes[key][1:] if layer is not None else shapes[key]
-        numel = math.prod(shape)
-        for end, index in (("first", 0), ("last", numel - 1)):
-            name = f"{key}.{layer}.{end}"
-            weight_at = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape)) if shape else ()
-            weight_at = weight_at if layer is None else (layer, *weight_at)
-            dtype = dtypes.get(key, torch.float32)
-            requests[f"{name}.w"] = (key, weight_at, torch.empty((1,) * len(weight_at), dtype=dtype))
-            requests[f"{name}.m"] = (f"{prefix}.param", (start + index,), torch.empty(1, dtype=dtypes.get(f"{prefix}.param", torch.float32)))
-            pairs.append((f"{name}.w", f"{name}.m", dtype))
+def shard_pieces(key: str, shape: tuple[int, ...], prefix: str, start: int, tp: int, rank: int, halves: int) -> list[Piece]:
+    """Tp rank `rank`'s shard of a parameter of global (one layer's) `shape`, stored from `start`
+    of bucket `prefix`, as blocks of the global tensor. With SwiGLU (`halves` 2) linear_fc1's rows
+    are [gate; up] globally and [gate shard; up shard] on each rank: two blocks."""
+    dim = TP_DIM.get(key)
+    if dim is None:
+        return [Piece(prefix, start, shape, (0,) * len(shape))]
+    halves = halves if key in SWIGLU_FC1 else 1
+    part = shape[dim] // tp // halves
+    block = (*shape[:dim], part, *shape[dim + 1:])
+    at = lambda half: tuple((half * tp + rank) * part if d == dim else 0 for d in range(len(shape)))  # noqa: E731
+    return [Piece(prefix, start + half * math.prod(block), block, at(half)) for half in range(halves)]
+
+
+def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list], parallel: Parallel) -> dict[Param, list[Piece]] | None:
+    """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank ->
+    [(prefix, length)] by bucket), when each rank's buckets fit its parameters in this layer
+    order; else None. A parameter whole on every tp rank is read from tp rank 0's copy."""
+    fc1, fc2 = shapes.get(SWIGLU_FC1[0]), shapes.get("decoder.layers.mlp.linear_fc2.weight")
+    halves = 2 if fc1 and fc2 and fc1[1] == 2 * fc2[2] else 1
+    pieces: dict[Param, list[Piece]] = {}
+    for stage in range(len(parallel.stage_layers) or 1):
+        order = stage_order(shapes, model_keys, layer_order, stage, parallel)
+        if order is None:
+            return None
+        for rank in range(parallel.tp):
+            places = fit([(param, math.prod(shape)) for param, shape in order], stored[rank + parallel.tp * stage])
+            if places is None:
+                return None
+            for (key, layer), (prefix, start) in places.items():
+                if key in model_keys and (rank == 0 or key in TP_DIM):
+                    shape = shapes[key] if layer is None else shapes[key][1:]
+                    pieces.setdefault((key, layer), []).extend(shard_pieces(key, shape, prefix, start, parallel.tp, rank, halves))
+    return pieces
+
+
+Sample = tuple[str, tuple[int, ...], str, tuple[int, ...]]
+"""(model weight key, its index, master weight key, its index): one element to compare."""
+
+
+def agrees(directory, dtypes: dict, samples: list[Sample]) -> bool:
+    """Whether each sampled fp32 master weight, cast to the model's dtype, equals the model weight
+    it belongs to (one DCP read of just those elements)."""
+    requests = {}
+    for i, (weight, weight_at, master, master_at) in enumerate(samples):
+        for side, key, at in (("w", weight, weight_at), ("m", master, master_at)):
+            requests[f"{i}.{side}"] = (key, at, torch.empty((1,) * len(at), dtype=dtypes.get(key, torch.float32)))
     read_regions(directory, requests)
-    return all(torch.equal(requests[w][2].flatten(), requests[m][2].to(dtype)) for w, m, dtype in pairs)
+    values = {request: target.flatten() for request, (_, _, target) in requests.items()}
+    return all(torch.equal(values[f"{i}.w"], values[f"{i}.m"].to(values[f"{i}.w"].dtype)) for i in range(len(samples)))
 
 
-def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str]) -> tuple[BucketLayout | None, str]:
-    """The dp_reshardable layout of a checkpoint, or (None, why not)."""
+def corners(shape: tuple[int, ...], offsets: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The first and last element of a block of `shape` at `offsets`."""
+    return tuple(offsets), tuple(o + s - 1 for o, s in zip(offsets, shape))
+
+
+def bucket_samples(pieces: dict[Param, list[Piece]], sampled_layers: set[int]) -> list[Sample]:
+    """First and last element of every piece of the non-layer tensors and of `sampled_layers`."""
+    samples = []
+    for (key, layer), found in pieces.items():
+        if layer is not None and layer not in sampled_layers:
+            continue
+        for piece in found:
+            layer_at = () if layer is None else (layer,)
+            for weight_at, index in zip(corners(piece.shape, piece.offsets), (piece.start, piece.start + math.prod(piece.shape) - 1)):
+                samples.append((key, (*layer_at, *weight_at), f"{piece.prefix}.param", (index,)))
+    return samples
+
+
+def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], parallel: Parallel | None) -> tuple[BucketLayout | None, str]:
+    """The dp_reshardable layout of a checkpoint saved with `parallel` (None: its args are
+    unknown), or (None, why not)."""
     buckets = buckets_of(shapes)
-    groups = {k[:3] for k in buckets}
-    if len({g for g, _, _ in groups}) > 1:
-        return None, "it was saved with tensor or pipeline parallelism (one bucket set per model-parallel rank), which dtgpt does not map yet"
-    if len(groups) > 1:
-        return None, "it holds several grad buffers (parameter dtypes or experts), which dtgpt does not map yet"
-    stored = [buckets[k] for k in sorted(buckets, key=lambda k: k[3])]
+    ranks = sorted({k[0] for k in buckets})
+    if len({k[:3] for k in buckets}) > len(ranks):
+        return None, ("it holds several grad buffers per model-parallel rank (parameter dtypes, experts or "
+                      "virtual pipeline stages), which dtgpt does not map yet")  # fmt: skip
+    if parallel is None and ranks != [0]:
+        return None, f"it was saved by {len(ranks)} model-parallel ranks and the checkpoint's args do not say its tp and pp"
+    parallel = parallel or Parallel()
+    pp = len(parallel.stage_layers) or 1
+    if ranks != list(range(parallel.tp * pp)):
+        return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
+    stored: dict[int, list] = {}
+    for key in sorted(buckets, key=lambda k: k[3]):
+        stored.setdefault(key[0], []).append(buckets[key])
+    first_layers = {sum(parallel.stage_layers[:stage]) for stage in range(pp)}
     for spec, layer_order in LAYER_ORDERS.items():
-        order = module_order(shapes, model_keys, layer_order)
-        places = order and fit(order, stored)
-        if places and agrees(directory, shapes, places, dtypes):
-            return BucketLayout(places), spec
+        pieces = rank_pieces(shapes, model_keys, layer_order, stored, parallel)
+        if pieces and agrees(directory, dtypes, bucket_samples(pieces, first_layers)):
+            return BucketLayout(pieces), spec
     return None, "its buckets do not match megatron-core's parameter order for this model (dense GPT, local or Transformer Engine spec)"
