@@ -6,7 +6,8 @@ losses compare):
     adam DIR        wrap the GPTModel in megatron-core's DDP, build its DistributedOptimizer
                     (get_megatron_optimizer, AdamW), step once on mock samples 0-7, save model and
                     optimizer as Megatron-LM does (fully_reshardable: the model-space layout, or
-                    with --sharding dp_reshardable its default per-bucket layout), then
+                    with --sharding dp_reshardable its default per-bucket layout, and that
+                    bucketed twin in model space under SHIFTED), then
                     step once more on samples 56-63, the batch a dtgpt run resuming at
                     consumed samples 56 trains on. DIR/adam.pt: {"saved": ..., "stepped": ...},
                     each {"weight" | "param" | "exp_avg" | "exp_avg_sq": {Megatron key: stacked}}
@@ -47,6 +48,9 @@ BUCKET_SIZE = 40_000
 109k-parameter model spans three buckets. (The model-space save keeps one bucket: megatron-core
 0.16.1's fully_reshardable places a later bucket's state 64 elements off when an earlier bucket's
 length is not a multiple of its padding, 128 at dp 1.)"""
+SHIFTED = "fully_reshardable_buckets"
+"""Where adam saves the dp_reshardable twin in model space too: its later buckets' state lands 64
+elements off (megatron-core 0.16.1), so its master weights differ from its model weights."""
 SEED = 1234  # dtgpt's training.seed default: the mock samples are dtgpt's
 BATCH = 8
 
@@ -184,6 +188,8 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
             other_ddp, other_optimizer = build_optimizer(other, bucket_size=BUCKET_SIZE)
             step(other_ddp, other_optimizer, mock_batch(0))
             save(other, other_optimizer, root / sharding, sharding, trainer_state)
+            if sharding == "dp_reshardable":  # and model space: megatron-core 0.16.1 shifts a later bucket's state
+                save(other, other_optimizer, root / SHIFTED, "fully_reshardable", trainer_state)
             if whole:
                 states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
         if whole:

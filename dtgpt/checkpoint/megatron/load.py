@@ -108,7 +108,9 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     adam = cfg.optimizer.optimizer == "adam"  # Megatron's optimizer state is Adam's
     has_moments, master = optimizer_slots(reader, list(full)) if stateful and adam else (False, None)
     step = adam_step(reader.optimizer_common()) if has_moments else None
-    use_adam = has_moments and step is not None
+    in_buckets = has_moments and reader.bucket_layout()[0] is not None
+    shifted = has_moments and step is not None and master is not None and not in_buckets and not reader.masters_agree(master)
+    use_adam = has_moments and step is not None and not shifted
     weights_slot = master if use_adam else None
     for part in state.model.parts:
         live = get_model_state_dict(part)
@@ -119,11 +121,13 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         _load_adam(state, reader, step)
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
         notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
-        buckets, spec = reader.bucket_layout()
-        if buckets is not None:
-            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({spec} layer order)")
+        if in_buckets:
+            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({reader.bucket_layout()[1]} layer order)")
     elif stateful:
         why = "common.pt holds no Adam step count"
+        if shifted:
+            why = (f"its fp32 master weights (optimizer.state.{master}.*) differ from the model weights, so its Adam state is not "
+                   "where it belongs (megatron-core 0.16.1's fully_reshardable save of a grad buffer in several buckets shifts it)")
         if not has_moments:
             why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
         if not adam:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
-from dtgpt.checkpoint.megatron.buckets import BUCKET, BucketLayout, Parallel, bucket_layout
+from dtgpt.checkpoint.megatron.buckets import BUCKET, BucketLayout, Parallel, agrees, bucket_layout, corners
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel, args_split
@@ -123,6 +123,21 @@ class MegatronReader:
         if layout is not None:
             return slot in ("param", "exp_avg", "exp_avg_sq") and self._name(name) in layout.pieces
         return self.stored_key(name, slot) in self.shapes
+
+    def masters_agree(self, slot: str) -> bool:
+        """Whether the model-space master weights (optimizer.state.<slot>.*) equal the model
+        weights they belong to (agrees: first and last element of every tensor, a stacked one's
+        layer 0). They may not: megatron-core 0.16.1's fully_reshardable save of a grad buffer
+        cut into several buckets writes a later bucket's state at shifted offsets."""
+        samples = []
+        for key, shape in self.shapes.items():
+            master = self._chained.get(f"{OPTIMIZER_PREFIX}{slot}.{key}", f"{OPTIMIZER_PREFIX}{slot}.{key}")
+            if not self._is_model_key(key) or master not in self.shapes:
+                continue
+            stacked = key.startswith("decoder.layers.") and not self._per_layer
+            for at in corners(shape[1:] if stacked else shape, (0,) * (len(shape) - stacked)):
+                samples.append((key, (0, *at) if stacked else at, master, (0, *at) if stacked else at))
+        return not self.torch_dist or agrees(self.directory, self.dtypes, samples)
 
     @property
     def layers_key(self) -> str:
