@@ -39,7 +39,10 @@ def test_layouts_it_does_not_map_say_why():
     layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0), (2, 0, 0)), {}, [], Parallel(2))
     assert layout is None and why == "it holds the buckets of 3 model-parallel ranks, but its args say tp x pp = 2 x 1"
     layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [], Parallel())
-    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank")
+    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (parameter dtypes or virtual")
+    experts = {f"chained_{i}.{key}": shape for i in (0, 1) for key, shape in shapes((0, 0, 0)).items()}  # the same keys but for the prefix
+    layout, why = bucket_layout(None, experts, {}, [], Parallel())
+    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (an MoE model's experts")
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")

@@ -34,7 +34,9 @@ import torch
 
 from dtgpt.checkpoint.megatron.regions import read_regions
 
-BUCKET = re.compile(r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
+BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
+"""A bucket's stored key: (chained optimizer,) model-parallel rank, grad buffer, dtypes, bucket, slot.
+An MoE model's experts have an optimizer of their own (chained_1), with its own buffers."""
 PARAM_ALIGNMENT = 64  # elements: where megatron-core's distributed optimizer starts each parameter
 
 _ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
@@ -92,13 +94,14 @@ class BucketLayout:
 
 
 def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int]]:
-    """(dp group, gbuf, dtype, bucket) -> (stored key prefix, length) of every dp_reshardable bucket."""
+    """(model-parallel rank, grad buffer, bucket) -> (stored key prefix, length) of every
+    dp_reshardable bucket; a grad buffer is (chained optimizer, gbuf index, dtypes)."""
     found = {}
     for key, shape in shapes.items():
         match = BUCKET.match(key)
-        if match and match.group(5) == "param":
-            group, gbuf, dtype, bucket = match.groups()[:4]
-            found[(int(group), int(gbuf), dtype, int(bucket))] = (key[: -len(".param")], shape[0])
+        if match and match.group(6) == "param":
+            chain, rank, gbuf, dtype, bucket = match.groups()[:5]
+            found[(int(rank), (int(chain or 0), int(gbuf), dtype), int(bucket))] = (key[: -len(".param")], shape[0])
     return found
 
 
@@ -222,9 +225,10 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     unknown), or (None, why not)."""
     buckets = buckets_of(shapes)
     ranks = sorted({k[0] for k in buckets})
-    if len({k[:3] for k in buckets}) > len(ranks):
-        return None, ("it holds several grad buffers per model-parallel rank (parameter dtypes, experts or "
-                      "virtual pipeline stages), which dtgpt does not map yet")  # fmt: skip
+    buffers = {k[1] for k in buckets}
+    if len(buffers) > 1:
+        kinds = "an MoE model's experts, with their own optimizer" if any(chain for chain, _, _ in buffers) else "parameter dtypes or virtual pipeline stages"
+        return None, f"it holds several grad buffers per model-parallel rank ({kinds}), which dtgpt does not map yet"
     if parallel is None and ranks != [0]:
         return None, f"it was saved by {len(ranks)} model-parallel ranks and the checkpoint's args do not say its tp and pp"
     parallel = parallel or Parallel()
@@ -232,7 +236,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
     stored: dict[int, list] = {}
-    for key in sorted(buckets, key=lambda k: k[3]):
+    for key in sorted(buckets, key=lambda k: k[2]):
         stored.setdefault(key[0], []).append(buckets[key])
     first_layers = {sum(parallel.stage_layers[:stage]) for stage in range(pp)}
     for spec, layer_order in LAYER_ORDERS.items():

@@ -95,7 +95,13 @@ class MegatronReader:
         if self._buckets is None:
             model_keys = [k for k in self.shapes if self._is_model_key(k)]
             found = self.torch_dist and any(BUCKET.match(key) for key in self.shapes)
-            self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys, self._parallel()) if found else (None, "")
+            args, parallel = self.common.get("args"), self._parallel()
+            groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+            if found and parallel and groups and groups < parallel.tp:
+                self._buckets = (None, f"each of its tp {parallel.tp} ranks holds a copy of the key/value heads (num_query_groups={groups} "
+                                       "< tp), which dtgpt does not map yet")  # fmt: skip
+            else:
+                self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys, parallel) if found else (None, "")
         return self._buckets
 
     def _parallel(self) -> Parallel | None:
