@@ -75,3 +75,19 @@ def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
     }  # fmt: skip
     # an uneven split (the first stage without a layer) is another layout: these lengths do not fit it
     assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (0, 2))) is None
+
+
+def test_an_uneven_pipeline_split_places_each_stages_own_layers():
+    """pp 2 with decoder_first_pipeline_num_layers=1 of 3 layers (tp 1, tied head): the first stage
+    holds the embedding and layer 0, the last layers 1 and 2, the final norm and the head's copy."""
+    emb, proj, norm = "embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_proj.weight", "decoder.final_layernorm.weight"
+    shapes = {emb: (8, 4), proj: (3, 4, 4), norm: (4,)}
+    # stage 0, reversed: layer 0 at 0, emb at 64: 96; stage 1: the head's copy alone (32), then
+    # norm at 0, layer 2 at 64, layer 1 at 128: 144
+    stored = {0: [("s0", 96)], 1: [("h1", 32), ("s1", 144)]}
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 2))) == {
+        (emb, None): [Piece("s0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("s0", 0, (4, 4), (0, 0))],
+        (proj, 1): [Piece("s1", 128, (4, 4), (0, 0))], (proj, 2): [Piece("s1", 64, (4, 4), (0, 0))],
+        (norm, None): [Piece("s1", 0, (4,), (0,))],
+    }  # fmt: skip
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 1))) is None
