@@ -2,7 +2,8 @@
 
 megatron-core's own checkpoints of this layout are read in tests/test_megatron_checkpoint.py;
 its tiny model's tensors are all multiples of 64 elements and its parameters fill the buckets
-exactly, so the alignment and the layouts dtgpt must refuse are shown here, without a launch.
+exactly, so the alignment, each model-parallel rank's stage and tp shards (on shapes small enough
+to count by hand) and the layouts dtgpt must refuse are shown here, without a launch.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ QKV layout and vocabulary rows carry over:
 
 The distributed optimizer's default sharding type, `dp_reshardable`, keeps the same three slots
 (param, exp_avg, exp_avg_sq) in flat per-bucket tensors instead, and its param groups in a pickled
-item; MegatronReader maps each parameter's region into them (buckets.py), so the same read_into
-fills AdamW from either layout.
+item; MegatronReader maps each parameter's region into them (buckets.py: at any tp and pp it was
+saved with), so the same read_into fills AdamW from either layout. Model-space master weights are
+checked against the model weights as the buckets' are (MegatronReader.masters_agree): state that
+is not where it belongs (megatron-core 0.16.1's multi-bucket fully_reshardable save) starts fresh.
 
 Under optimizer.optimizer = "sgd" no optimizer state is read (the weights, counts, LR schedule and
 loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts its momentum
