@@ -8,7 +8,14 @@ to count by hand) and the layouts dtgpt must refuse are shown here, without a la
 
 from __future__ import annotations
 
-from dtgpt.checkpoint.megatron.buckets import LAYER_ORDERS, Parallel, Piece, bucket_layout, fit, rank_pieces
+import math
+
+import pytest
+
+from dtgpt.checkpoint.megatron import buckets
+from dtgpt.checkpoint.megatron.buckets import LAYER_ORDERS, PARAM_ALIGNMENT, Parallel, Piece, bucket_layout, fit, rank_pieces, stage_order
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX
+from dtgpt.checkpoint.megatron.reader import MegatronReader
 
 BUCKET = "optimizer.distributed.dp_group_idx_{}.gbuf_idx_{}.dtype_(torch.float32, torch.float32).bucket_idx_{}"
 
@@ -92,3 +99,62 @@ def test_an_uneven_pipeline_split_places_each_stages_own_layers():
         (norm, None): [Piece("s1", 0, (4,), (0,))],
     }  # fmt: skip
     assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 1))) is None
+
+
+def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:
+    """A dense GPT's Megatron shapes (local spec, untied head, biases on the attention output and fc2)."""
+    per_layer = {"self_attention.linear_qkv.layer_norm_weight": (hidden,), "self_attention.linear_proj.weight": (hidden, hidden),
+                 "self_attention.linear_proj.bias": (hidden,), "self_attention.linear_qkv.weight": (3 * hidden, hidden),
+                 "mlp.linear_fc1.layer_norm_weight": (hidden,), "mlp.linear_fc1.weight": (4 * hidden, hidden),
+                 "mlp.linear_fc2.weight": (hidden, 4 * hidden), "mlp.linear_fc2.bias": (hidden,)}  # fmt: skip
+    return {"embedding.word_embeddings.weight": (256, hidden), **{f"decoder.layers.{k}": (layers, *v) for k, v in per_layer.items()},
+            "decoder.final_layernorm.weight": (hidden,), "output_layer.weight": (256, hidden)}  # fmt: skip
+
+
+def saved_buckets(shapes: dict, parallel: Parallel) -> dict[str, tuple[int, ...]]:
+    """The dp_reshardable param buckets megatron-core saves for `shapes` at `parallel` (one bucket a rank)."""
+    stored = {}
+    for stage in range(len(parallel.stage_layers) or 1):
+        position = 0
+        for _, shape in reversed(stage_order(shapes, list(shapes), LAYER_ORDERS["local"], stage, parallel)):
+            position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + math.prod(shape)
+        for rank in range(parallel.tp):
+            stored[f"{BUCKET.format(rank + parallel.tp * stage, 0, 0)}.param"] = (position,)
+    return stored
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[tuple[str, int]]:
+    """Every region request the checks make, (stored key, elements), each answered with zeros."""
+    made = []
+
+    def read_regions(directory, requests):
+        for key, _, target in requests.values():
+            made.append((key, target.numel()))
+            target.zero_()
+
+    monkeypatch.setattr(buckets, "read_regions", read_regions)
+    return made
+
+
+@pytest.mark.parametrize("layers,parallel", [(2, Parallel()), (16, Parallel(4, (4, 4, 4, 4))), (32, Parallel(8, (2,) * 16))])
+def test_the_bucket_check_reads_as_much_whatever_the_layers_tp_and_pp(reads, layers, parallel):
+    """The master-weight check compares the final norm and two layers' 1-D tensors: the same
+    requests at 2 layers on one rank as at 32 layers on tp 8 x pp 16 (each one stored chunk, or two
+    on the bucket side), not a sample of every tp shard of every stage."""
+    shapes = dense_gpt(layers)
+    layout, spec = bucket_layout(None, {**shapes, **saved_buckets(shapes, parallel)}, {}, list(shapes), parallel)
+    assert layout is not None and spec == "local"
+    assert len(reads) == 2 * (1 + 4 * len({0, sum(parallel.stage_layers[:-1])}))  # both sides, each of 1 + 4 per layer
+    assert sum(n for _, n in reads) == 64 * len(reads)  # one 1-D tensor of 64 each
+
+
+@pytest.mark.parametrize("layers", [2, 96])
+def test_the_model_space_check_reads_as_much_whatever_the_layers(reads, layers):
+    """The shifted-state check compares the final norm and layer 0's 1-D tensors, not every tensor's layer 0."""
+    reader = MegatronReader.__new__(MegatronReader)
+    reader.directory, reader.torch_dist, reader.dtypes, reader._chained, reader._per_layer = None, True, {}, {}, False
+    model = dense_gpt(layers)
+    reader.shapes = {**model, **{f"{OPTIMIZER_PREFIX}param.{k}": v for k, v in model.items()}}
+    assert reader.masters_agree("param")
+    assert len(reads) == 2 * 5 and sum(n for _, n in reads) == 64 * 10

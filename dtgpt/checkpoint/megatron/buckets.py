@@ -20,8 +20,8 @@ reaches its size (so the stored lengths tell where the buckets end). The order i
 is megatron-core's module registration order, which differs between its local and Transformer
 Engine layer specs (the input norm before the attention, or fused into linear_qkv after
 linear_proj). Both are tried; the one whose buckets have exactly the stored lengths and whose
-master weights equal the model weights (agrees: sampled on the non-layer tensors and each
-stage's first layer) is taken. Anything else is no layout: the caller starts fresh.
+master weights equal the model weights (agrees, on a bounded set of small tensors:
+bucket_checks) is taken. Anything else is no layout: the caller starts fresh.
 """
 
 from __future__ import annotations
@@ -186,38 +186,40 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     return pieces
 
 
-Sample = tuple[str, tuple[int, ...], str, tuple[int, ...]]
-"""(model weight key, its index, master weight key, its index): one element to compare."""
+Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (stored key, offsets, shape)
+Check = tuple[Region, Region]
+"""(model weight region, fp32 master weight region of as many elements): a tensor to compare."""
 
 
-def agrees(directory, dtypes: dict, samples: list[Sample]) -> bool:
-    """Whether each sampled fp32 master weight, cast to the model's dtype, equals the model weight
-    it belongs to (one DCP read of just those elements)."""
+def agrees(directory, dtypes: dict, checks: list[Check]) -> bool:
+    """Whether each checked fp32 master weight, cast to the model's dtype, equals the model weight
+    it belongs to (one DCP read: a region request per side of each check)."""
     requests = {}
-    for i, (weight, weight_at, master, master_at) in enumerate(samples):
-        for side, key, at in (("w", weight, weight_at), ("m", master, master_at)):
-            requests[f"{i}.{side}"] = (key, at, torch.empty((1,) * len(at), dtype=dtypes.get(key, torch.float32)))
+    for i, check in enumerate(checks):
+        for side, (key, offsets, shape) in zip("wm", check):
+            requests[f"{i}.{side}"] = (key, offsets, torch.empty(shape, dtype=dtypes.get(key, torch.float32)))
     read_regions(directory, requests)
     values = {request: target.flatten() for request, (_, _, target) in requests.items()}
-    return all(torch.equal(values[f"{i}.w"], values[f"{i}.m"].to(values[f"{i}.w"].dtype)) for i in range(len(samples)))
+    return all(torch.equal(values[f"{i}.w"], values[f"{i}.m"].to(values[f"{i}.w"].dtype)) for i in range(len(checks)))
 
 
-def corners(shape: tuple[int, ...], offsets: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The first and last element of a block of `shape` at `offsets`."""
-    return tuple(offsets), tuple(o + s - 1 for o, s in zip(offsets, shape))
+def bucket_checks(pieces: dict[Param, list[Piece]], checked_layers: set[int]) -> list[Check]:
+    """The whole 1-D tensors (norms, biases; TP_DIM splits none of them) outside the layers and in
+    `checked_layers`, each against its run of its bucket.
 
-
-def bucket_samples(pieces: dict[Param, list[Piece]], sampled_layers: set[int]) -> list[Sample]:
-    """First and last element of every piece of the non-layer tensors and of `sampled_layers`."""
-    samples = []
+    The bound: a model weight region is one layer's 1-D tensor (its stored chunk is that small), a
+    master region one contiguous run of a bucket (at most two stored chunks: dp shares of the
+    bucket), and there are at most 2 + 10 x len(checked_layers) checks (the final norm's and each
+    layer's 1-D tensors), whatever the layer count, tp, pp and dp. It still catches what the check
+    is for: the 1-D tensors sit between the matrices in the buffer, so a wrong start or a wrong
+    layer order (the input norm before or after linear_proj) moves them onto other elements."""
+    checks = []
     for (key, layer), found in pieces.items():
-        if layer is not None and layer not in sampled_layers:
+        if (layer is not None and layer not in checked_layers) or key in TP_DIM or len(found[0].shape) != 1:
             continue
-        for piece in found:
-            layer_at = () if layer is None else (layer,)
-            for weight_at, index in zip(corners(piece.shape, piece.offsets), (piece.start, piece.start + math.prod(piece.shape) - 1)):
-                samples.append((key, (*layer_at, *weight_at), f"{piece.prefix}.param", (index,)))
-    return samples
+        (prefix, start, (numel,), _), at = found[0], () if layer is None else (layer,)
+        checks.append(((key, (*at, 0), (*(1,) * len(at), numel)), (f"{prefix}.param", (start,), (numel,))))
+    return checks
 
 
 def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], parallel: Parallel | None) -> tuple[BucketLayout | None, str]:
@@ -238,9 +240,11 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     stored: dict[int, list] = {}
     for key in sorted(buckets, key=lambda k: k[2]):
         stored.setdefault(key[0], []).append(buckets[key])
-    first_layers = {sum(parallel.stage_layers[:stage]) for stage in range(pp)}
+    # the first stage's first layer and the last stage's: in the last buckets of their ranks, which
+    # megatron-core's buffer (reverse module order) fills last
+    checked_layers = {0, sum(parallel.stage_layers[:-1])}
     for spec, layer_order in LAYER_ORDERS.items():
         pieces = rank_pieces(shapes, model_keys, layer_order, stored, parallel)
-        if pieces and agrees(directory, dtypes, bucket_samples(pieces, first_layers)):
+        if pieces and agrees(directory, dtypes, bucket_checks(pieces, checked_layers)):
             return BucketLayout(pieces), spec
     return None, "its buckets do not match megatron-core's parameter order for this model (dense GPT, local or Transformer Engine spec)"

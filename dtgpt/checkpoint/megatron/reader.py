@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
-from dtgpt.checkpoint.megatron.buckets import BUCKET, BucketLayout, Parallel, agrees, bucket_layout, corners
+from dtgpt.checkpoint.megatron.buckets import BUCKET, BucketLayout, Parallel, agrees, bucket_layout
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel, args_split
@@ -132,18 +132,23 @@ class MegatronReader:
 
     def masters_agree(self, slot: str) -> bool:
         """Whether the model-space master weights (optimizer.state.<slot>.*) equal the model
-        weights they belong to (agrees: first and last element of every tensor, a stacked one's
-        layer 0). They may not: megatron-core 0.16.1's fully_reshardable save of a grad buffer
-        cut into several buckets writes a later bucket's state at shifted offsets."""
-        samples = []
+        weights they belong to. They may not: megatron-core 0.16.1's fully_reshardable save of a
+        grad buffer cut into several buckets writes a later bucket's state at shifted offsets.
+
+        Compared (agrees): the 1-D tensors (norms, biases) outside the layers and of layer 0, whole
+        on both sides: at most 2 + 10 small tensors (one layer's chunk each), whatever the layer
+        count and the parallelism it was saved with. Layer 0 sits in the buffer's last bucket
+        (reverse module order), the one the shift hits, and its 1-D tensors between its matrices."""
+        checks = []
         for key, shape in self.shapes.items():
             master = self._chained.get(f"{OPTIMIZER_PREFIX}{slot}.{key}", f"{OPTIMIZER_PREFIX}{slot}.{key}")
-            if not self._is_model_key(key) or master not in self.shapes:
-                continue
+            per_layer = PER_LAYER.match(key)
             stacked = key.startswith("decoder.layers.") and not self._per_layer
-            for at in corners(shape[1:] if stacked else shape, (0,) * (len(shape) - stacked)):
-                samples.append((key, (0, *at) if stacked else at, master, (0, *at) if stacked else at))
-        return not self.torch_dist or agrees(self.directory, self.dtypes, samples)
+            if not self._is_model_key(key) or master not in self.shapes or len(shape) != 1 + stacked or (per_layer and per_layer[1] != "0"):
+                continue
+            region = ((0, 0), (1, shape[1])) if stacked else ((0,), shape)
+            checks.append(((key, *region), (master, *region)))
+        return not self.torch_dist or agrees(self.directory, self.dtypes, checks)
 
     @property
     def layers_key(self) -> str:
