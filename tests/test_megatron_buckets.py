@@ -111,12 +111,12 @@ def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:
             "decoder.final_layernorm.weight": (hidden,), "output_layer.weight": (256, hidden)}  # fmt: skip
 
 
-def saved_buckets(shapes: dict, parallel: Parallel) -> dict[str, tuple[int, ...]]:
+def saved_buckets(shapes: dict, parallel: Parallel, spec: str = "local") -> dict[str, tuple[int, ...]]:
     """The dp_reshardable param buckets megatron-core saves for `shapes` at `parallel` (one bucket a rank)."""
     stored = {}
     for stage in range(len(parallel.stage_layers) or 1):
         position = 0
-        for _, shape in reversed(stage_order(shapes, list(shapes), LAYER_ORDERS["local"], stage, parallel)):
+        for _, shape in reversed(stage_order(shapes, list(shapes), LAYER_ORDERS[spec], stage, parallel)):
             position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + math.prod(shape)
         for rank in range(parallel.tp):
             stored[f"{BUCKET.format(rank + parallel.tp * stage, 0, 0)}.param"] = (position,)
@@ -158,3 +158,23 @@ def test_the_model_space_check_reads_as_much_whatever_the_layers(reads, layers):
     reader.shapes = {**model, **{f"{OPTIMIZER_PREFIX}param.{k}": v for k, v in model.items()}}
     assert reader.masters_agree("param")
     assert len(reads) == 2 * 5 and sum(n for _, n in reads) == 64 * 10
+
+
+def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
+    """Saved under Transformer Engine's order at tp 2 x pp 2, whose buckets have the local order's
+    lengths too: the checked 1-D tensors (each valued by the parameter it is) sit elsewhere under
+    the local order (the input norm moves past linear_proj), so the local order is refused."""
+    shapes, parallel = dense_gpt(4), Parallel(2, (2, 2))
+    saved = saved_buckets(shapes, parallel, "transformer_engine")
+    stored = {rank: [(BUCKET.format(rank, 0, 0), saved[f"{BUCKET.format(rank, 0, 0)}.param"][0])] for rank in range(4)}
+    truth = rank_pieces(shapes, list(shapes), LAYER_ORDERS["transformer_engine"], stored, parallel)
+    at = {(f"{piece.prefix}.param", piece.start): param for param, found in truth.items() for piece in found}
+    label = {param: i for i, param in enumerate(truth)}
+
+    def read_regions(directory, requests):
+        for key, offsets, target in requests.values():
+            param = at.get((key, offsets[0]), -1) if key.endswith(".param") else (key, offsets[0] if target.dim() == 2 else None)
+            target.fill_(label.get(param, -1))
+
+    monkeypatch.setattr(buckets, "read_regions", read_regions)
+    assert bucket_layout(None, {**shapes, **saved}, {}, list(shapes), parallel)[1] == "transformer_engine"
