@@ -124,13 +124,13 @@ def saved_buckets(shapes: dict, parallel: Parallel, spec: str = "local") -> dict
 
 
 @pytest.fixture
-def reads(monkeypatch) -> list[tuple[str, int]]:
-    """Every region request the checks make, (stored key, elements), each answered with zeros."""
+def reads(monkeypatch) -> list[tuple[str, int, int]]:
+    """Every region request the checks make, (stored key, first offset, elements), each answered with zeros."""
     made = []
 
     def read_regions(directory, requests):
-        for key, _, target in requests.values():
-            made.append((key, target.numel()))
+        for key, offsets, target in requests.values():
+            made.append((key, offsets[0], target.numel()))
             target.zero_()
 
     monkeypatch.setattr(buckets, "read_regions", read_regions)
@@ -139,14 +139,20 @@ def reads(monkeypatch) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("layers,parallel", [(2, Parallel()), (16, Parallel(4, (4, 4, 4, 4))), (32, Parallel(8, (2,) * 16))])
 def test_the_bucket_check_reads_as_much_whatever_the_layers_tp_and_pp(reads, layers, parallel):
-    """The master-weight check compares the final norm and two layers' 1-D tensors: the same
-    requests at 2 layers on one rank as at 32 layers on tp 8 x pp 16 (each one stored chunk, or two
-    on the bucket side), not a sample of every tp shard of every stage."""
-    shapes = dense_gpt(layers)
-    layout, spec = bucket_layout(None, {**shapes, **saved_buckets(shapes, parallel)}, {}, list(shapes), parallel)
+    """The master-weight check compares the final norm and two layers' 1-D tensors, and asks for
+    each stored chunk of a bucket (here every 8192 elements, as dp shares) at most once: as many
+    requests at 2 layers on one rank as at 32 layers on tp 8 x pp 16, none longer than two chunks,
+    not a sample of every tp shard of every stage."""
+    shapes, saved = dense_gpt(layers), saved_buckets(dense_gpt(layers), parallel)
+    chunks = {key: list(range(0, length, 8192)) for key, (length,) in saved.items()}
+    layout, spec = bucket_layout(None, {**shapes, **saved}, {}, list(shapes), parallel, chunks)
     assert layout is not None and spec == "local"
-    assert len(reads) == 2 * (1 + 4 * len({0, sum(parallel.stage_layers[:-1])}))  # both sides, each of 1 + 4 per layer
-    assert sum(n for _, n in reads) == 64 * len(reads)  # one 1-D tensor of 64 each
+    checked = 1 + 4 * len({0, sum(parallel.stage_layers[:-1])})  # the final norm, 4 per layer
+    model, master = [n for key, _, n in reads if not key.endswith(".param")], [r for r in reads if r[0].endswith(".param")]
+    assert model == [64] * checked  # one 1-D tensor each
+    assert len(master) <= checked and all(n <= 2 * 8192 for _, _, n in master)
+    touched = [(key, chunk) for key, start, n in master for chunk in range(start // 8192, (start + n - 1) // 8192 + 1)]
+    assert len(touched) == len(set(touched))  # no chunk asked for twice
 
 
 @pytest.mark.parametrize("layers", [2, 96])
@@ -157,7 +163,7 @@ def test_the_model_space_check_reads_as_much_whatever_the_layers(reads, layers):
     model = dense_gpt(layers)
     reader.shapes = {**model, **{f"{OPTIMIZER_PREFIX}param.{k}": v for k, v in model.items()}}
     assert reader.masters_agree("param")
-    assert len(reads) == 2 * 5 and sum(n for _, n in reads) == 64 * 10
+    assert [n for _, _, n in reads] == [64] * 10  # both sides of the final norm and layer 0's 4 1-D tensors
 
 
 def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
@@ -168,13 +174,18 @@ def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
     saved = saved_buckets(shapes, parallel, "transformer_engine")
     stored = {rank: [(BUCKET.format(rank, 0, 0), saved[f"{BUCKET.format(rank, 0, 0)}.param"][0])] for rank in range(4)}
     truth = rank_pieces(shapes, list(shapes), LAYER_ORDERS["transformer_engine"], stored, parallel)
-    at = {(f"{piece.prefix}.param", piece.start): param for param, found in truth.items() for piece in found}
     label = {param: i for i, param in enumerate(truth)}
 
-    def read_regions(directory, requests):
+    def read_regions(directory, requests):  # each element valued by the parameter that holds it
         for key, offsets, target in requests.values():
-            param = at.get((key, offsets[0]), -1) if key.endswith(".param") else (key, offsets[0] if target.dim() == 2 else None)
-            target.fill_(label.get(param, -1))
+            if not key.endswith(".param"):
+                target.fill_(label[(key, offsets[0] if target.dim() == 2 else None)])
+                continue
+            target.fill_(-1)
+            for param, found in truth.items():
+                for piece in (p for p in found if f"{p.prefix}.param" == key):
+                    lo, hi = max(piece.start, offsets[0]), min(piece.start + math.prod(piece.shape), offsets[0] + target.numel())
+                    target[lo - offsets[0] : max(lo, hi) - offsets[0]] = label[param]
 
     monkeypatch.setattr(buckets, "read_regions", read_regions)
     assert bucket_layout(None, {**shapes, **saved}, {}, list(shapes), parallel)[1] == "transformer_engine"

@@ -26,6 +26,7 @@ bucket_checks) is taken. Anything else is no layout: the caller starts fresh.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from typing import NamedTuple
@@ -191,16 +192,41 @@ Check = tuple[Region, Region]
 """(model weight region, fp32 master weight region of as many elements): a tensor to compare."""
 
 
-def agrees(directory, dtypes: dict, checks: list[Check]) -> bool:
+def agrees(directory, dtypes: dict, checks: list[Check], chunks: dict[str, list[int]] | None = None) -> bool:
     """Whether each checked fp32 master weight, cast to the model's dtype, equals the model weight
-    it belongs to (one DCP read: a region request per side of each check)."""
-    requests = {}
-    for i, check in enumerate(checks):
-        for side, (key, offsets, shape) in zip("wm", check):
-            requests[f"{i}.{side}"] = (key, offsets, torch.empty(shape, dtype=dtypes.get(key, torch.float32)))
+    it belongs to, in one DCP read. The master regions are runs of 1-D buckets, merged per stored
+    chunk (chunks: key -> where its stored chunks start; none given, one) so that DCP, which reads
+    a whole chunk per request that touches it, reads each once."""
+    region = lambda key, offsets, shape: (key, offsets, torch.empty(shape, dtype=dtypes.get(key, torch.float32)))  # noqa: E731
+    runs = merged_runs([master for _, master in checks if len(master[2]) == 1], chunks or {})
+    requests = {f"run{j}": region(key, (start,), (end - start,)) for j, (key, start, end) in enumerate(runs)}
+    for i, (weight, master) in enumerate(checks):
+        requests[f"{i}.w"] = region(*weight)
+        if len(master[2]) > 1:
+            requests[f"{i}.m"] = region(*master)
     read_regions(directory, requests)
-    values = {request: target.flatten() for request, (_, _, target) in requests.items()}
-    return all(torch.equal(values[f"{i}.w"], values[f"{i}.m"].to(values[f"{i}.w"].dtype)) for i in range(len(checks)))
+
+    def master_values(i: int, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) > 1:
+            return requests[f"{i}.m"][2].flatten()
+        j = next(j for j, (run_key, start, end) in enumerate(runs) if run_key == key and start <= offsets[0] < end)
+        return requests[f"run{j}"][2][offsets[0] - runs[j][1] :][: shape[0]]
+
+    weights = [requests[f"{i}.w"][2].flatten() for i in range(len(checks))]
+    return all(torch.equal(weights[i], master_values(i, *master).to(weights[i].dtype)) for i, (_, master) in enumerate(checks))
+
+
+def merged_runs(regions: list[Region], chunks: dict[str, list[int]]) -> list[tuple[str, int, int]]:
+    """(key, start, end) runs covering the 1-D `regions`, merged where they touch a stored chunk in
+    common (chunks: key -> its chunks' starts), so that no two runs touch one chunk."""
+    chunk = lambda key, at: bisect.bisect_right(chunks.get(key, [0]), at)  # noqa: E731
+    runs: list[tuple[str, int, int]] = []
+    for key, (start,), (numel,) in sorted(regions):
+        if runs and runs[-1][0] == key and chunk(key, start) <= chunk(key, runs[-1][2] - 1):
+            runs[-1] = (key, runs[-1][1], max(runs[-1][2], start + numel))
+        else:
+            runs.append((key, start, start + numel))
+    return runs
 
 
 def bucket_checks(pieces: dict[Param, list[Piece]], checked_layers: set[int]) -> list[Check]:
@@ -208,9 +234,9 @@ def bucket_checks(pieces: dict[Param, list[Piece]], checked_layers: set[int]) ->
     `checked_layers`, each against its run of its bucket.
 
     The bound: a model weight region is one layer's 1-D tensor (its stored chunk is that small), a
-    master region one contiguous run of a bucket (at most two stored chunks: dp shares of the
-    bucket), and there are at most 2 + 10 x len(checked_layers) checks (the final norm's and each
-    layer's 1-D tensors), whatever the layer count, tp, pp and dp. It still catches what the check
+    master region one contiguous run of a bucket (agrees reads each stored chunk it touches, a dp
+    share of a bucket, once), and there are at most 2 + 10 x len(checked_layers) checks (the final
+    norm's and each layer's 1-D tensors), whatever the layer count, tp, pp and dp. It still catches what the check
     is for: the 1-D tensors sit between the matrices in the buffer, so a wrong start or a wrong
     layer order (the input norm before or after linear_proj) moves them onto other elements."""
     checks = []
@@ -222,9 +248,10 @@ def bucket_checks(pieces: dict[Param, list[Piece]], checked_layers: set[int]) ->
     return checks
 
 
-def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], parallel: Parallel | None) -> tuple[BucketLayout | None, str]:
+def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], parallel: Parallel | None,
+                  chunks: dict[str, list[int]] | None = None) -> tuple[BucketLayout | None, str]:
     """The dp_reshardable layout of a checkpoint saved with `parallel` (None: its args are
-    unknown), or (None, why not)."""
+    unknown; chunks: where each bucket's stored chunks start), or (None, why not)."""
     buckets = buckets_of(shapes)
     ranks = sorted({k[0] for k in buckets})
     buffers = {k[1] for k in buckets}
@@ -245,6 +272,6 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     checked_layers = {0, sum(parallel.stage_layers[:-1])}
     for spec, layer_order in LAYER_ORDERS.items():
         pieces = rank_pieces(shapes, model_keys, layer_order, stored, parallel)
-        if pieces and agrees(directory, dtypes, bucket_checks(pieces, checked_layers)):
+        if pieces and agrees(directory, dtypes, bucket_checks(pieces, checked_layers), chunks):
             return BucketLayout(pieces), spec
     return None, "its buckets do not match megatron-core's parameter order for this model (dense GPT, local or Transformer Engine spec)"

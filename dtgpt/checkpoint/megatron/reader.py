@@ -101,8 +101,16 @@ class MegatronReader:
                 self._buckets = (None, f"each of its tp {parallel.tp} ranks holds a copy of the key/value heads (num_query_groups={groups} "
                                        "< tp), which dtgpt does not map yet")  # fmt: skip
             else:
-                self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys, parallel) if found else (None, "")
+                self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys, parallel, self._chunk_starts()) if found else (None, "")
         return self._buckets
+
+    def _chunk_starts(self) -> dict[str, list[int]]:
+        """Where each stored 1-D tensor's chunks start (a bucket's: its dp shares)."""
+        starts: dict[str, list[int]] = {}
+        for index in sorted(self._storage, key=lambda index: (index.fqn, tuple(index.offset or ()))):
+            if index.offset is not None and len(index.offset) == 1:
+                starts.setdefault(index.fqn, []).append(index.offset[0])
+        return starts
 
     def _parallel(self) -> Parallel | None:
         """The tp size and pipeline split the checkpoint's args say it was saved with (None: no
