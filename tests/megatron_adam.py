@@ -6,7 +6,8 @@ losses compare):
     adam DIR        wrap the GPTModel in megatron-core's DDP, build its DistributedOptimizer
                     (get_megatron_optimizer, AdamW), step once on mock samples 0-7, save model and
                     optimizer as Megatron-LM does (fully_reshardable: the model-space layout, or
-                    with --sharding dp_reshardable its default per-bucket layout), then
+                    with --sharding dp_reshardable its default per-bucket layout, and that
+                    bucketed twin in model space under SHIFTED), then
                     step once more on samples 56-63, the batch a dtgpt run resuming at
                     consumed samples 56 trains on. DIR/adam.pt: {"saved": ..., "stepped": ...},
                     each {"weight" | "param" | "exp_avg" | "exp_avg_sq": {Megatron key: stacked}}
@@ -49,6 +50,9 @@ BUCKET_SIZE = 40_000
 109k-parameter model spans three buckets (their unpadded lengths in adam.pt as "bucket_lengths"). (The model-space save keeps one bucket: megatron-core
 0.16.1's fully_reshardable places a later bucket's state 64 elements off when an earlier bucket's
 length is not a multiple of its padding, 128 at dp 1.)"""
+SHIFTED = "fully_reshardable_buckets"
+"""Where adam saves the dp_reshardable twin in model space too: its later buckets' state lands 64
+elements off (megatron-core 0.16.1), so its master weights differ from its model weights."""
 SEED = 1234  # dtgpt's training.seed default: the mock samples are dtgpt's
 BATCH = 8
 
@@ -224,6 +228,8 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
             if per_rank:
                 save_per_rank(other, other_optimizer, root / "distrib_optim_buckets", trainer_state, use_distributed_optimizer=True,
                               overlap_grad_reduce=True, ddp_bucket_size=BUCKET_SIZE, data_parallel_size=1)  # fmt: skip
+            if sharding == "dp_reshardable":  # and model space: megatron-core 0.16.1 shifts a later bucket's state
+                save(other, other_optimizer, root / SHIFTED, "fully_reshardable", trainer_state)
             if whole:
                 states[f"saved_{sharding}"] = stacked_state(other, other_optimizer)
                 states["bucket_lengths"] = [bucket.numel_unpadded for bucket in other_ddp.buffers[0].buckets]
@@ -275,6 +281,38 @@ def fp32_optimizer_states(model, root: Path, trainer_state: dict) -> dict:
     saved = stacked_state(model, optimizer)
     step(ddp, optimizer, mock_batch(trainer_state["args"].consumed_train_samples))
     return {"saved_per_rank": saved, "stepped_per_rank": stacked_state(model, optimizer)}
+
+
+PARALLEL_BUCKET_SIZE = 8_000
+"""Elements per grad bucket of adam-parallel's dp_reshardable twin: several buckets on the first
+pipeline stage (megatron-core keeps one on the others, besides a tied head's own)."""
+
+
+def synthetic_step(model, ddp, optimizer) -> None:
+    """One optimizer step on gradients made from the weights, sin(7 w): equal on every copy of a
+    parameter (tp replicas, a tied head's copy on the last stage), with no pipeline schedule."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    for param in model.parameters():
+        param.main_grad.copy_(torch.sin(7 * param.detach().float()))
+    for group in optimizer.param_groups:  # as step() sets them
+        group["lr"], group["weight_decay"] = group["max_lr"], ADAM["weight_decay"] * group["wd_mult"]
+    assert optimizer.step()[0], "megatron-core skipped the step"
+
+
+def run_adam_parallel(model, root: Path, trainer_state: dict, twin) -> None:
+    """At tp 2 x pp 2 (dp 1): one synthetic step of the distributed optimizer, saved in model space
+    (fully_reshardable, one bucket: megatron-core gathers each parameter's tp shards) under root,
+    and the same step of a `twin()` cut into PARALLEL_BUCKET_SIZE buckets saved dp_reshardable
+    under root/dp_reshardable: the same state in both layouts (patch_for_optimizer already run)."""
+    ddp, optimizer = build_optimizer(model)
+    synthetic_step(model, ddp, optimizer)
+    save(model, optimizer, root, "fully_reshardable", trainer_state)
+    other = twin()
+    other_ddp, other_optimizer = build_optimizer(other, bucket_size=PARALLEL_BUCKET_SIZE)
+    synthetic_step(other, other_ddp, other_optimizer)
+    save(other, other_optimizer, root / "dp_reshardable", "dp_reshardable", trainer_state)
+    dist.barrier()
 
 
 def save(model, optimizer, root: Path, sharding: str, trainer_state: dict) -> None:

@@ -22,6 +22,9 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
     python tests/megatron_gpt.py sgd DIR                  save the weights, then step its optimizer='sgd'
                                                           three times, write DIR/sgd.pt
     python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
+    python tests/megatron_gpt.py adam-parallel DIR        on 4 ranks (tp 2 x pp 2): one distributed-optimizer
+                                                          step of each of PARALLEL_ADAM's models, saved
+                                                          model space and dp_reshardable (run_adam_parallel)
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
 no RNG tracker fork (dropout is 0), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a
@@ -118,28 +121,33 @@ ARCHS = {
 }  # fmt: skip
 
 
-def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
+def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt", pp: int = 1):
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
     return new_model(tp, untied, layers, arch)
 
 
 def new_model(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
-    """The GPTModel, seeded: every call gives the same weights (model parallelism set up)."""
+    """The GPTModel (this rank's pipeline stage), seeded: every call gives the same weights
+    (model parallelism set up)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
         num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(), pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, **ARCHS[arch]["config"],
     )  # fmt: skip
     torch.manual_seed(1234)
     model = GPTModel(config, get_gpt_layer_local_spec(**ARCHS[arch].get("spec", {})), vocab_size=padded_vocab(tp),
-                     max_sequence_length=SEQ, share_embeddings_and_output_weights=not untied, **ARCHS[arch]["model"])  # fmt: skip
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=not untied,
+                     pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+                     **ARCHS[arch]["model"])  # fmt: skip
     if arch != "gpt":  # the tolerances of the GPT-3 model's tests were derived at Megatron's init
         with torch.no_grad():  # norms start at one and biases at zero: give them values a mix-up would show
             for name, p in model.named_parameters():
@@ -179,11 +187,11 @@ def logits(model) -> torch.Tensor:
     return torch.cat(shards, dim=-1)
 
 
-def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool = False) -> dict:
+def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool = False, pp: int = 1) -> dict:
     """What Megatron-LM's trainer saves next to the model (its common.pt part), its args
     describing the architecture as Megatron-LM's do."""
     args = argparse.Namespace(consumed_train_samples=CONSUMED, consumed_valid_samples=CONSUMED_VALID,
-                              tensor_model_parallel_size=tp, num_layers=layers, hidden_size=HIDDEN,
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=layers, hidden_size=HIDDEN,
                               num_attention_heads=HEADS, kv_channels=HIDDEN // HEADS, normalization="LayerNorm",
                               norm_epsilon=1e-5, swiglu=False, add_bias_linear=True, add_qkv_bias=True,
                               bias_gelu_fusion=True, openai_gelu=False, group_query_attention=False, num_query_groups=1,
@@ -194,6 +202,9 @@ def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool
             "opt_param_scheduler": {"num_steps": LR_SAMPLES, "max_lr": 1e-3, "min_lr": 1e-4}}  # fmt: skip
 
 
+PARALLEL_ADAM = (("gpt", False), ("llama", True))
+"""What adam-parallel saves at tp 2 x pp 2, each under ROOT/<arch>: (architecture, untied head)."""
+
 FAMILY = (("rope", "save", False), ("llama", "save", True), ("options", "save", False), ("mqa", "save", False),
           ("llama", "per-rank", True))
 """What the `family` command saves in one launch: (architecture, save command, untied head), each
@@ -202,7 +213,7 @@ under ROOT/<arch> (the per-rank one under ROOT/<arch>_per_rank)."""
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam", "sgd", "family"))
+    parser.add_argument("command", choices=("save", "bf16", "per-rank", "load", "adam", "load-adam", "sgd", "family", "adam-parallel"))
     parser.add_argument("root")
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=LAYERS)
@@ -215,7 +226,17 @@ def main(argv: list[str]) -> None:
     patch_megatron()
     dist.init_process_group("gloo")
     root = Path(args.root)
-    if args.command == "family":  # several models in one launch: megatron-core's import is paid once
+    if args.command == "adam-parallel":  # on 4 ranks: tp 2 x pp 2
+        from megatron.core import parallel_state
+
+        from tests.megatron_adam import patch_for_optimizer, run_adam_parallel
+
+        patch_for_optimizer()  # before the build too: a tied head's last-stage copy is moved with .cuda()
+        for arch, untied in PARALLEL_ADAM:
+            model = build(2, untied, LAYERS, arch, pp=2)
+            run_adam_parallel(model, root / arch, trainer_state(2, LAYERS, arch, untied, pp=2), twin=lambda: new_model(2, untied, LAYERS, arch))
+            parallel_state.destroy_model_parallel()
+    elif args.command == "family":  # several models in one launch: megatron-core's import is paid once
         from megatron.core import parallel_state
 
         for arch, command, untied in FAMILY:

@@ -2,12 +2,20 @@
 
 megatron-core's own checkpoints of this layout are read in tests/test_megatron_checkpoint.py;
 its tiny model's tensors are all multiples of 64 elements and its parameters fill the buckets
-exactly, so the alignment and the layouts dtgpt must refuse are shown here, without a launch.
+exactly, so the alignment, each model-parallel rank's stage and tp shards (on shapes small enough
+to count by hand) and the layouts dtgpt must refuse are shown here, without a launch.
 """
 
 from __future__ import annotations
 
-from dtgpt.checkpoint.megatron.buckets import bucket_layout, fit
+import math
+
+import pytest
+
+from dtgpt.checkpoint.megatron import buckets
+from dtgpt.checkpoint.megatron.buckets import LAYER_ORDERS, PARAM_ALIGNMENT, Parallel, Piece, bucket_layout, fit, rank_pieces, stage_order
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX
+from dtgpt.checkpoint.megatron.reader import MegatronReader
 
 BUCKET = "optimizer.distributed.dp_group_idx_{}.gbuf_idx_{}.dtype_(torch.float32, torch.float32).bucket_idx_{}"
 
@@ -34,10 +42,150 @@ def test_layouts_it_does_not_map_say_why():
     def shapes(*buckets):
         return {f"{BUCKET.format(*b)}.{slot}": (128,) for b in buckets for slot in ("param", "exp_avg", "exp_avg_sq")}
 
-    layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0)), {}, [])
-    assert layout is None and why.startswith("it was saved with tensor or pipeline parallelism")
-    layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [])
-    assert layout is None and why.startswith("it holds several grad buffers")
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0)), {}, [], None)
+    assert layout is None and why == "it was saved by 2 model-parallel ranks and the checkpoint's args do not say its tp and pp"
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0), (2, 0, 0)), {}, [], Parallel(2))
+    assert layout is None and why == "it holds the buckets of 3 model-parallel ranks, but its args say tp x pp = 2 x 1"
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [], Parallel())
+    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (parameter dtypes or virtual")
+    experts = {f"chained_{i}.{key}": shape for i in (0, 1) for key, shape in shapes((0, 0, 0)).items()}  # the same keys but for the prefix
+    layout, why = bucket_layout(None, experts, {}, [], Parallel())
+    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (an MoE model's experts")
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
-    layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model))
+    layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
+
+
+def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
+    """tp 2 x pp 2, a layer per stage, tied head, SwiGLU: rank M = tp rank + 2 x pp rank holds
+    its stage's parameters (the last stage also the tied head's copy, in a bucket of its own), each
+    as its tp shard: vocabulary rows, linear_proj's and fc2's columns, fc1's [gate; up] rows."""
+    emb, proj, fc1, fc2, norm = ("embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_proj.weight",
+                                 "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight",
+                                 "decoder.final_layernorm.weight")  # fmt: skip
+    shapes = {emb: (8, 4), proj: (2, 4, 4), fc1: (2, 12, 4), fc2: (2, 4, 6), norm: (4,)}
+    # local sizes: emb 4x4=16, proj 4x2=8, fc1 6x4=24, fc2 4x3=12, norm 4, the head's copy 16
+    # stage 0, reversed: fc2 at 0, fc1 at 64, proj at 128, emb at 192: one bucket of 208
+    # stage 1, reversed: the head's copy alone (16), then norm at 0, fc2 at 64, fc1 at 128, proj at 192: 200
+    stored = {0: [("m0", 208)], 1: [("m1", 208)], 2: [("h2", 16), ("m2", 200)], 3: [("h3", 16), ("m3", 200)]}
+    pieces = rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (1, 1)))
+    assert pieces == {
+        (emb, None): [Piece("m0", 192, (4, 4), (0, 0)), Piece("m1", 192, (4, 4), (4, 0))],
+        (proj, 0): [Piece("m0", 128, (4, 2), (0, 0)), Piece("m1", 128, (4, 2), (0, 2))],
+        (fc1, 0): [Piece("m0", 64, (3, 4), (0, 0)), Piece("m0", 76, (3, 4), (6, 0)),  # [gate 0-2; up 6-8]
+                   Piece("m1", 64, (3, 4), (3, 0)), Piece("m1", 76, (3, 4), (9, 0))],  # [gate 3-5; up 9-11]
+        (fc2, 0): [Piece("m0", 0, (4, 3), (0, 0)), Piece("m1", 0, (4, 3), (0, 3))],
+        (proj, 1): [Piece("m2", 192, (4, 2), (0, 0)), Piece("m3", 192, (4, 2), (0, 2))],
+        (fc1, 1): [Piece("m2", 128, (3, 4), (0, 0)), Piece("m2", 140, (3, 4), (6, 0)),
+                   Piece("m3", 128, (3, 4), (3, 0)), Piece("m3", 140, (3, 4), (9, 0))],
+        (fc2, 1): [Piece("m2", 64, (4, 3), (0, 0)), Piece("m3", 64, (4, 3), (0, 3))],
+        (norm, None): [Piece("m2", 0, (4,), (0,))],  # whole on each tp rank: tp rank 0's copy
+    }  # fmt: skip
+    # an uneven split (the first stage without a layer) is another layout: these lengths do not fit it
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (0, 2))) is None
+
+
+def test_an_uneven_pipeline_split_places_each_stages_own_layers():
+    """pp 2 with decoder_first_pipeline_num_layers=1 of 3 layers (tp 1, tied head): the first stage
+    holds the embedding and layer 0, the last layers 1 and 2, the final norm and the head's copy."""
+    emb, proj, norm = "embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_proj.weight", "decoder.final_layernorm.weight"
+    shapes = {emb: (8, 4), proj: (3, 4, 4), norm: (4,)}
+    # stage 0, reversed: layer 0 at 0, emb at 64: 96; stage 1: the head's copy alone (32), then
+    # norm at 0, layer 2 at 64, layer 1 at 128: 144
+    stored = {0: [("s0", 96)], 1: [("h1", 32), ("s1", 144)]}
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 2))) == {
+        (emb, None): [Piece("s0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("s0", 0, (4, 4), (0, 0))],
+        (proj, 1): [Piece("s1", 128, (4, 4), (0, 0))], (proj, 2): [Piece("s1", 64, (4, 4), (0, 0))],
+        (norm, None): [Piece("s1", 0, (4,), (0,))],
+    }  # fmt: skip
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 1))) is None
+
+
+def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:
+    """A dense GPT's Megatron shapes (local spec, untied head, biases on the attention output and fc2)."""
+    per_layer = {"self_attention.linear_qkv.layer_norm_weight": (hidden,), "self_attention.linear_proj.weight": (hidden, hidden),
+                 "self_attention.linear_proj.bias": (hidden,), "self_attention.linear_qkv.weight": (3 * hidden, hidden),
+                 "mlp.linear_fc1.layer_norm_weight": (hidden,), "mlp.linear_fc1.weight": (4 * hidden, hidden),
+                 "mlp.linear_fc2.weight": (hidden, 4 * hidden), "mlp.linear_fc2.bias": (hidden,)}  # fmt: skip
+    return {"embedding.word_embeddings.weight": (256, hidden), **{f"decoder.layers.{k}": (layers, *v) for k, v in per_layer.items()},
+            "decoder.final_layernorm.weight": (hidden,), "output_layer.weight": (256, hidden)}  # fmt: skip
+
+
+def saved_buckets(shapes: dict, parallel: Parallel, spec: str = "local") -> dict[str, tuple[int, ...]]:
+    """The dp_reshardable param buckets megatron-core saves for `shapes` at `parallel` (one bucket a rank)."""
+    stored = {}
+    for stage in range(len(parallel.stage_layers) or 1):
+        position = 0
+        for _, shape in reversed(stage_order(shapes, list(shapes), LAYER_ORDERS[spec], stage, parallel)):
+            position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + math.prod(shape)
+        for rank in range(parallel.tp):
+            stored[f"{BUCKET.format(rank + parallel.tp * stage, 0, 0)}.param"] = (position,)
+    return stored
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[tuple[str, int, int]]:
+    """Every region request the checks make, (stored key, first offset, elements), each answered with zeros."""
+    made = []
+
+    def read_regions(directory, requests):
+        for key, offsets, target in requests.values():
+            made.append((key, offsets[0], target.numel()))
+            target.zero_()
+
+    monkeypatch.setattr(buckets, "read_regions", read_regions)
+    return made
+
+
+@pytest.mark.parametrize("layers,parallel", [(2, Parallel()), (16, Parallel(4, (4, 4, 4, 4))), (32, Parallel(8, (2,) * 16))])
+def test_the_bucket_check_reads_as_much_whatever_the_layers_tp_and_pp(reads, layers, parallel):
+    """The master-weight check compares the final norm and two layers' 1-D tensors, and asks for
+    each stored chunk of a bucket (here every 8192 elements, as dp shares) at most once: as many
+    requests at 2 layers on one rank as at 32 layers on tp 8 x pp 16, none longer than two chunks,
+    not a sample of every tp shard of every stage."""
+    shapes, saved = dense_gpt(layers), saved_buckets(dense_gpt(layers), parallel)
+    chunks = {key: list(range(0, length, 8192)) for key, (length,) in saved.items()}
+    layout, spec = bucket_layout(None, {**shapes, **saved}, {}, list(shapes), parallel, chunks)
+    assert layout is not None and spec == "local"
+    checked = 1 + 4 * len({0, sum(parallel.stage_layers[:-1])})  # the final norm, 4 per layer
+    model, master = [n for key, _, n in reads if not key.endswith(".param")], [r for r in reads if r[0].endswith(".param")]
+    assert model == [64] * checked  # one 1-D tensor each
+    assert len(master) <= checked and all(n <= 2 * 8192 for _, _, n in master)
+    touched = [(key, chunk) for key, start, n in master for chunk in range(start // 8192, (start + n - 1) // 8192 + 1)]
+    assert len(touched) == len(set(touched))  # no chunk asked for twice
+
+
+@pytest.mark.parametrize("layers", [2, 96])
+def test_the_model_space_check_reads_as_much_whatever_the_layers(reads, layers):
+    """The shifted-state check compares the final norm and layer 0's 1-D tensors, not every tensor's layer 0."""
+    reader = MegatronReader.__new__(MegatronReader)
+    reader.directory, reader.torch_dist, reader.dtypes, reader._chained, reader._per_layer = None, True, {}, {}, False
+    model = dense_gpt(layers)
+    reader.shapes = {**model, **{f"{OPTIMIZER_PREFIX}param.{k}": v for k, v in model.items()}}
+    assert reader.masters_agree("param")
+    assert [n for _, _, n in reads] == [64] * 10  # both sides of the final norm and layer 0's 4 1-D tensors
+
+
+def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
+    """Saved under Transformer Engine's order at tp 2 x pp 2, whose buckets have the local order's
+    lengths too: the checked 1-D tensors (each valued by the parameter it is) sit elsewhere under
+    the local order (the input norm moves past linear_proj), so the local order is refused."""
+    shapes, parallel = dense_gpt(4), Parallel(2, (2, 2))
+    saved = saved_buckets(shapes, parallel, "transformer_engine")
+    stored = {rank: [(BUCKET.format(rank, 0, 0), saved[f"{BUCKET.format(rank, 0, 0)}.param"][0])] for rank in range(4)}
+    truth = rank_pieces(shapes, list(shapes), LAYER_ORDERS["transformer_engine"], stored, parallel)
+    label = {param: i for i, param in enumerate(truth)}
+
+    def read_regions(directory, requests):  # each element valued by the parameter that holds it
+        for key, offsets, target in requests.values():
+            if not key.endswith(".param"):
+                target.fill_(label[(key, offsets[0] if target.dim() == 2 else None)])
+                continue
+            target.fill_(-1)
+            for param, found in truth.items():
+                for piece in (p for p in found if f"{p.prefix}.param" == key):
+                    lo, hi = max(piece.start, offsets[0]), min(piece.start + math.prod(piece.shape), offsets[0] + target.numel())
+                    target[lo - offsets[0] : max(lo, hi) - offsets[0]] = label[param]
+
+    monkeypatch.setattr(buckets, "read_regions", read_regions)
+    assert bucket_layout(None, {**shapes, **saved}, {}, list(shapes), parallel)[1] == "transformer_engine"

@@ -33,11 +33,12 @@ from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import Batch
-from tests.megatron_adam import ADAM, BUCKET_SIZE
-from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, SEQ, VOCAB, labels, tokens
+from tests.megatron_adam import ADAM, BUCKET_SIZE, SHIFTED
+from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, PARALLEL_ADAM, SEQ, VOCAB, labels, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, Command, launch_commands, read_metrics, run_train, selected_cases
 from tests.test_checkpoint_convert import load_script
+from tests.test_megatron_family import model_cfg as family_cfg
 
 ROWS = 112  # the padded vocabulary: 100 -> a multiple of 16 (Megatron at tp 1, dtgpt)
 ROWS_TP2 = 128  # Megatron at tp 2: a multiple of 32
@@ -330,13 +331,15 @@ def trained_on(request, tmp_path_factory) -> dict:
         for name, nproc, mesh in PP2_FROM_TP2:
             add(f"tp2_{name}", nproc, [*MEGATRON_RUN, "--model.make_vocab_size_divisible_by=32", *mesh, f"--checkpoint.load={tp2_untied}"])
     if selected_cases(request, test_megatron_adam_state_loads_and_steps_on_like_megatron):
-        adam_tp1 = request.getfixturevalue("adam_tp1")
         for name, nproc, iters, mesh, source in ADAM_LAYOUTS:
-            add(f"adam_{name}", nproc, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_tp1 / source}"], save=True)
+            add(f"adam_{name}", nproc, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_source(request, source)}"], save=True)
     if selected_cases(request, test_load_optimizer_false_leaves_adam_fresh):
         adam_tp1 = request.getfixturevalue("adam_tp1")
         add("adam_fresh", 1, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
                                 "--training.train_iters=" + str(ITERATION + 1)], save=True)  # fmt: skip
+    if selected_cases(request, test_shifted_model_space_adam_state_is_not_taken):
+        adam_tp1 = request.getfixturevalue("adam_tp1")
+        add("adam_shifted", 1, [*ADAM_RUN, f"--checkpoint.load={adam_tp1 / SHIFTED}", f"--training.train_iters={ITERATION + 1}"], save=True)
     finished = launch_commands(sorted(commands, key=lambda c: c.nproc))
     return {c.key: (finished[c.key], c.directory) for c in commands}
 
@@ -452,17 +455,29 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
             assert error <= rtol, (slot, key, error)
 
 
+ROWS_32 = "--model.make_vocab_size_divisible_by=32"  # Megatron's 128 rows at tp 2
 ADAM_LAYOUTS = (("one", 1, ITERATION, [], ""), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], ""),
                 ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], ""),
                 ("dp_reshardable_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "dp_reshardable"),
                 ("per_rank_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "per_rank"),
-                ("distrib_optim_pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], "distrib_optim_buckets"))  # fmt: skip
-"""(name, ranks, train_iters, mesh, the megatron-core checkpoint under adam_tp1: "" its model-space
+                ("distrib_optim_pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], "distrib_optim_buckets"),
+                ("saved_tp2pp2_one", 1, ITERATION + 1, [ROWS_32], "tp2pp2/gpt"),
+                ("saved_tp2pp2_dp_reshardable_tp2", 2, ITERATION + 1, [ROWS_32, "--parallel.tensor_model_parallel_size=2"],
+                 "tp2pp2/gpt/dp_reshardable"))  # fmt: skip
+"""(name, ranks, train_iters, mesh, the megatron-core checkpoint: under adam_tp1, "" its model-space
 save, dp_reshardable the same state in Megatron-LM's default per-bucket layout, per_rank the
 FP32Optimizer's per-rank files, distrib_optim_buckets the distributed optimizer's per-rank files
-and distrib_optim.pt)."""
+and distrib_optim.pt; under adam_tp2pp2 (tp2pp2/), the tied GPT's state saved at tp 2 x pp 2 in
+both torch_dist layouts)."""
 MASTER_NOTE = "fp32 master weights (param), "
 """What the load log says of the master weights: the FP32Optimizer keeps none (its parameters are fp32)."""
+
+
+def adam_source(request, source: str) -> Path:
+    """An ADAM_LAYOUTS source: a directory of the adam_tp1 or (tp2pp2/) the adam_tp2pp2 fixture."""
+    if source.startswith("tp2pp2/"):
+        return request.getfixturevalue("adam_tp2pp2") / source.removeprefix("tp2pp2/")
+    return request.getfixturevalue("adam_tp1") / source
 
 
 @pytest.mark.slow
@@ -486,6 +501,10 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
     for name, stepped in (("tp2", "stepped"), ("pp2", "stepped"), ("dp_reshardable_tp2", "stepped"), ("per_rank_tp2", "stepped_per_rank"),
                           ("distrib_optim_pp2", "stepped")):  # tp2: DTensor shards of weights and moments
         assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), oracle[stepped], 1e-5)
+    # saved at tp 2 x pp 2: its buckets (each rank's tp shards) step on as megatron-core's own gathering of them
+    assert "dp_reshardable buckets (local layer order)" in trained(trained_on, "adam_saved_tp2pp2_dp_reshardable_tp2")[0]
+    model_space = stacked_state(layout.iteration_dir(ckpt["saved_tp2pp2_one"], ITERATION + 1))
+    assert_state_close(stacked_state(layout.iteration_dir(ckpt["saved_tp2pp2_dp_reshardable_tp2"], ITERATION + 1)), model_space, 1e-5)
     stepped = layout.iteration_dir(ckpt["pp2"], ITERATION + 1)
     # and back into megatron-core's distributed optimizer
     out = tmp_path / "megatron"
@@ -527,7 +546,7 @@ def test_megatron_optimizer_state_reads_as_megatron_holds_it(adam_tp1, source, h
     reader.check(shapes, list(shapes))
     if source == "dp_reshardable":
         found, spec = reader.bucket_layout()
-        assert spec == "local" and len({prefix for prefix, _ in found.places.values()}) == 3
+        assert spec == "local" and len({piece.prefix for pieces in found.pieces.values() for piece in pieces}) == 3
     else:
         assert reader.per_rank_optimizer_problem() == "" and reader.optimizer_common() == {"common_step": 1.0}
     if source == "distrib_optim_buckets":  # coalesced: where megatron-core's DDP cut its buckets is recomputed
@@ -551,6 +570,47 @@ def test_unmapped_per_rank_optimizer_state_is_one_line_and_fresh_adam(adam_tp1, 
     imported_loss(root, 16)
     why = f"{rank_dir / PER_RANK_FILE} is the distributed optimizer's, but {rank_dir / 'distrib_optim.pt'} is missing"
     assert f"Megatron checkpoint: optimizer state not read: {why}; fresh AdamW moments" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def adam_tp2pp2(tmp_path_factory):
+    """megatron-core's distributed optimizer at tp 2 x pp 2 after one step, for each of
+    PARALLEL_ADAM's models (root/<arch>): model space and, under dp_reshardable/, its buckets."""
+    root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
+    run_megatron_gpt("adam-parallel", root, 4)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [arch for arch, _ in PARALLEL_ADAM])
+def test_dp_reshardable_state_saved_at_tp2_pp2_reads_as_megatron_gathers_it(adam_tp2pp2, arch):
+    """Saved by tp 2 x pp 2 ranks, the buckets of each model-parallel rank (its stage, its tp
+    shards: vocabulary rows, QKV rows, SwiGLU's [gate; up] rows, row-parallel columns) read, tensor
+    by tensor, bit for bit as megatron-core's model-space save of the same state, which gathers
+    the shards itself."""
+    cfg = model_cfg(make_vocab_size_divisible_by=32) if arch == "gpt" else family_cfg(arch)
+    shapes = full_model_shapes(cfg, ROWS_TP2)
+    buckets = MegatronReader(layout.iteration_dir(adam_tp2pp2 / arch / "dp_reshardable", ITERATION))
+    gathered = MegatronReader(layout.iteration_dir(adam_tp2pp2 / arch, ITERATION))
+    for reader in (buckets, gathered):
+        reader.check(shapes, list(shapes))
+    assert buckets.bucket_layout()[1] == "local" and gathered.bucket_layout()[0] is None
+    for name, shape in shapes.items():
+        for slot in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(buckets.tensor(name, shape, slot), gathered.tensor(name, shape, slot)), (name, slot)
+
+
+@pytest.mark.slow
+def test_shifted_model_space_adam_state_is_not_taken(adam_tp1, trained_on):
+    """megatron-core 0.16.1's model-space (fully_reshardable) save of a grad buffer in three
+    buckets writes the later buckets' state 64 elements off: its master weights differ from the
+    model weights, so the run says why and starts AdamW fresh; the unshifted save agrees."""
+    assert MegatronReader(layout.iteration_dir(adam_tp1, ITERATION)).masters_agree("param")
+    assert not MegatronReader(layout.iteration_dir(adam_tp1 / SHIFTED, ITERATION)).masters_agree("param")
+    log, directory = trained(trained_on, "adam_shifted")
+    assert "optimizer state not read: its fp32 master weights (optimizer.state.param.*) differ from the model weights" in log
+    steps = read_sections(layout.iteration_dir(directory / "ckpt", ITERATION + 1), ("optimizer",))["optimizer"]
+    assert {float(v) for k, v in steps.items() if k.endswith(".step")} == {1.0}  # fresh AdamW, one step
 
 
 @pytest.mark.slow

@@ -6,28 +6,38 @@ tensor per slot (param: the fp32 master weights, exp_avg, exp_avg_sq):
 
     optimizer.distributed.dp_group_idx_<M>.gbuf_idx_<G>.dtype_(<param dtype>, <grad dtype>).bucket_idx_<B>.<slot>
 
-<M> is the model-parallel rank (tp x pp: one group at tp 1, pp 1), each tensor is the bucket's
-unpadded length, and an element sits at its offset within the bucket whatever the dp size (each
-dp rank saves its contiguous share at its own offset; DCP joins the shares). Within the buffer,
-the parameters follow megatron-core's module order *reversed*, each starting at a multiple of 64
-elements, and a bucket closes once it reaches its size (so the stored lengths tell where the
-buckets end). The order is not stored: it is megatron-core's module registration order, which
-differs between its local and Transformer Engine layer specs (the input norm before the
-attention, or fused into linear_qkv after linear_proj). Both are tried; the one whose buckets
-have exactly the stored lengths and whose master weights equal the model weights (sampled on the
-non-layer tensors and layer 0) is taken. Anything else is no layout: the caller starts fresh.
+<M> is the rank in megatron-core's model-parallel group, tp rank + tp x pp rank (its rank
+generator numbers the tp-pp group with tp fastest); each such rank saves the buckets of its own
+parameters: its pipeline stage's layers (Megatron's split, stages.py), the embedding on the first
+stage, the final norm and head on the last (with a tied head at pp > 1, the last stage's own
+copy of the embedding, in a bucket of its own), each parameter as its tp shard (TP_DIM: rows or
+columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
+whole, replicated). Each tensor is the bucket's unpadded length, and an element sits at its
+offset within the bucket whatever the dp size (each dp rank saves its contiguous share at its own
+offset; DCP joins the shares). Within the buffer, the parameters follow megatron-core's module
+order *reversed*, each starting at a multiple of 64 elements, and a bucket closes once it
+reaches its size (so the stored lengths tell where the buckets end). The order is not stored: it
+is megatron-core's module registration order, which differs between its local and Transformer
+Engine layer specs (the input norm before the attention, or fused into linear_qkv after
+linear_proj). Both are tried; the one whose buckets have exactly the stored lengths and whose
+master weights equal the model weights (agrees, on a bounded set of small tensors:
+bucket_checks) is taken. Anything else is no layout: the caller starts fresh.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
+from typing import NamedTuple
 
 import torch
 
 from dtgpt.checkpoint.megatron.regions import read_regions
 
-BUCKET = re.compile(r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
+BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
+"""A bucket's stored key: (chained optimizer,) model-parallel rank, grad buffer, dtypes, bucket, slot.
+An MoE model's experts have an optimizer of their own (chained_1), with its own buffers."""
 PARAM_ALIGNMENT = 64  # elements: where megatron-core's distributed optimizer starts each parameter
 
 _ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
@@ -46,46 +56,81 @@ LAYER_ORDERS = {
 """A dense GPT layer's parameters in megatron-core's module order, by layer spec."""
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+TIED_HEAD = "output_layer.weight"  # at pp > 1 the last stage's copy of a tied embedding: never read
+
+TP_DIM = {
+    "embedding.word_embeddings.weight": 0, "output_layer.weight": 0,  # vocabulary-parallel rows
+    "decoder.layers.self_attention.linear_qkv.weight": 0, "decoder.layers.self_attention.linear_qkv.bias": 0,
+    "decoder.layers.mlp.linear_fc1.weight": 0, "decoder.layers.mlp.linear_fc1.bias": 0,  # column-parallel
+    "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
+}  # fmt: skip
+"""The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
+QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
+SWIGLU_FC1 = ("decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc1.bias")
 
 Param = tuple[str, int | None]  # (Megatron key, layer or None)
 
 
+class Parallel(NamedTuple):
+    """The model parallelism a checkpoint was saved with (from its args)."""
+
+    tp: int = 1
+    stage_layers: tuple[int, ...] = ()  # the decoder layers of each pipeline stage; () for pp 1
+
+
+class Piece(NamedTuple):
+    """A contiguous run of a bucket holding a row-major block of a parameter's global tensor."""
+
+    prefix: str  # the bucket's stored key without the slot
+    start: int  # its first element's offset in the bucket
+    shape: tuple[int, ...]  # the block's shape
+    offsets: tuple[int, ...]  # where the block sits in the global tensor (one layer's)
+
+
 class BucketLayout:
-    """Where each Megatron parameter's optimizer state sits: (key, layer) -> (bucket prefix, start)."""
+    """Where each Megatron parameter's optimizer state sits: (key, layer) -> its pieces."""
 
-    def __init__(self, places: dict[Param, tuple[str, int]]):
-        self.places = places
-
-    def locate(self, key: str, layer: int | None, slot: str) -> tuple[str, int]:
-        prefix, start = self.places[(key, layer)]
-        return f"{prefix}.{slot}", start
+    def __init__(self, pieces: dict[Param, list[Piece]]):
+        self.pieces = pieces
 
 
 def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int]]:
-    """(dp group, gbuf, dtype, bucket) -> (stored key prefix, length) of every dp_reshardable bucket."""
+    """(model-parallel rank, grad buffer, bucket) -> (stored key prefix, length) of every
+    dp_reshardable bucket; a grad buffer is (chained optimizer, gbuf index, dtypes)."""
     found = {}
     for key, shape in shapes.items():
         match = BUCKET.match(key)
-        if match and match.group(5) == "param":
-            group, gbuf, dtype, bucket = match.groups()[:4]
-            found[(int(group), int(gbuf), dtype, int(bucket))] = (key[: -len(".param")], shape[0])
+        if match and match.group(6) == "param":
+            chain, rank, gbuf, dtype, bucket = match.groups()[:5]
+            found[(int(rank), (int(chain or 0), int(gbuf), dtype), int(bucket))] = (key[: -len(".param")], shape[0])
     return found
 
 
-def module_order(shapes: dict[str, tuple[int, ...]], model_keys: list[str], layer_order: tuple[str, ...]) -> list[tuple[Param, int]] | None:
-    """((key, layer), numel) of every model parameter in megatron-core's module order, or None
-    when a key is outside the dense GPT this order knows."""
-    layer_keys = [k for k in model_keys if k.startswith("decoder.layers.")]
+def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """A parameter's shape on one tp rank (one layer's `shape` for a layer's)."""
+    dim = TP_DIM.get(key)
+    return shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+
+
+def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stage: int, parallel: Parallel) -> list[tuple[Param, tuple]] | None:
+    """((key, layer), local shape) of pipeline stage `stage`'s parameters in megatron-core's module
+    order (layers numbered globally), or None when a key is outside the dense GPT this order knows."""
     unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and k.removeprefix("decoder.layers.") not in layer_order]
     if unknown:
         return None
-    num_layers = shapes[layer_keys[0]][0] if layer_keys else 0
-    present = lambda keys: [k for k in keys if k in model_keys]  # noqa: E731
-    order = [((k, None), math.prod(shapes[k])) for k in present(BEFORE)]
-    stacked = present(f"decoder.layers.{k}" for k in layer_order)
-    for layer in range(num_layers):
-        order += [((k, layer), math.prod(shapes[k][1:])) for k in stacked]
-    return order + [((k, None), math.prod(shapes[k])) for k in present(AFTER)]
+    layer_keys = [k for k in model_keys if k.startswith("decoder.layers.")]
+    counts = parallel.stage_layers or ((shapes[layer_keys[0]][0] if layer_keys else 0),)
+    first, last = sum(counts[:stage]), stage == len(counts) - 1
+    whole = lambda keys: [((k, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
+    order = whole(BEFORE) if stage == 0 else []
+    stacked = [k for k in (f"decoder.layers.{k}" for k in layer_order) if k in model_keys]
+    for layer in range(first, first + counts[stage]):
+        order += [((k, layer), local_shape(k, shapes[k][1:], parallel.tp)) for k in stacked]
+    if last:
+        order += whole(AFTER)
+        if TIED_HEAD not in model_keys and len(counts) > 1:  # the tied head's copy on the last stage
+            order.append(((TIED_HEAD, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
+    return order
 
 
 def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[Param, tuple[str, int]] | None:
@@ -106,39 +151,127 @@ def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[
     return places if index == len(buckets) else None
 
 
-def agrees(directory, shapes: dict, places: dict[Param, tuple[str, int]], dtypes: dict) -> bool:
-    """Whether the master weights at the mapped offsets, cast to the model's dtype, equal the
-    model weights: first and last element of every non-layer tensor and of layer 0's."""
-    requests, pairs = {}, []
-    for (key, layer), (prefix, start) in places.items():
-        if layer not in (None, 0):
-            continue
-        shape = shapes[key][1:] if layer is not None else shapes[key]
-        numel = math.prod(shape)
-        for end, index in (("first", 0), ("last", numel - 1)):
-            name = f"{key}.{layer}.{end}"
-            weight_at = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), shape)) if shape else ()
-            weight_at = weight_at if layer is None else (layer, *weight_at)
-            dtype = dtypes.get(key, torch.float32)
-            requests[f"{name}.w"] = (key, weight_at, torch.empty((1,) * len(weight_at), dtype=dtype))
-            requests[f"{name}.m"] = (f"{prefix}.param", (start + index,), torch.empty(1, dtype=dtypes.get(f"{prefix}.param", torch.float32)))
-            pairs.append((f"{name}.w", f"{name}.m", dtype))
+def shard_pieces(key: str, shape: tuple[int, ...], prefix: str, start: int, tp: int, rank: int, halves: int) -> list[Piece]:
+    """Tp rank `rank`'s shard of a parameter of global (one layer's) `shape`, stored from `start`
+    of bucket `prefix`, as blocks of the global tensor. With SwiGLU (`halves` 2) linear_fc1's rows
+    are [gate; up] globally and [gate shard; up shard] on each rank: two blocks."""
+    dim = TP_DIM.get(key)
+    if dim is None:
+        return [Piece(prefix, start, shape, (0,) * len(shape))]
+    halves = halves if key in SWIGLU_FC1 else 1
+    part = shape[dim] // tp // halves
+    block = (*shape[:dim], part, *shape[dim + 1:])
+    at = lambda half: tuple((half * tp + rank) * part if d == dim else 0 for d in range(len(shape)))  # noqa: E731
+    return [Piece(prefix, start + half * math.prod(block), block, at(half)) for half in range(halves)]
+
+
+def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list], parallel: Parallel) -> dict[Param, list[Piece]] | None:
+    """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank ->
+    [(prefix, length)] by bucket), when each rank's buckets fit its parameters in this layer
+    order; else None. A parameter whole on every tp rank is read from tp rank 0's copy."""
+    fc1, fc2 = shapes.get(SWIGLU_FC1[0]), shapes.get("decoder.layers.mlp.linear_fc2.weight")
+    halves = 2 if fc1 and fc2 and fc1[1] == 2 * fc2[2] else 1
+    pieces: dict[Param, list[Piece]] = {}
+    for stage in range(len(parallel.stage_layers) or 1):
+        order = stage_order(shapes, model_keys, layer_order, stage, parallel)
+        if order is None:
+            return None
+        for rank in range(parallel.tp):
+            places = fit([(param, math.prod(shape)) for param, shape in order], stored[rank + parallel.tp * stage])
+            if places is None:
+                return None
+            for (key, layer), (prefix, start) in places.items():
+                if key in model_keys and (rank == 0 or key in TP_DIM):
+                    shape = shapes[key] if layer is None else shapes[key][1:]
+                    pieces.setdefault((key, layer), []).extend(shard_pieces(key, shape, prefix, start, parallel.tp, rank, halves))
+    return pieces
+
+
+Region = tuple[str, tuple[int, ...], tuple[int, ...]]  # (stored key, offsets, shape)
+Check = tuple[Region, Region]
+"""(model weight region, fp32 master weight region of as many elements): a tensor to compare."""
+
+
+def agrees(directory, dtypes: dict, checks: list[Check], chunks: dict[str, list[int]] | None = None) -> bool:
+    """Whether each checked fp32 master weight, cast to the model's dtype, equals the model weight
+    it belongs to, in one DCP read. The master regions are runs of 1-D buckets, merged per stored
+    chunk (chunks: key -> where its stored chunks start; none given, one) so that DCP, which reads
+    a whole chunk per request that touches it, reads each once."""
+    region = lambda key, offsets, shape: (key, offsets, torch.empty(shape, dtype=dtypes.get(key, torch.float32)))  # noqa: E731
+    runs = merged_runs([master for _, master in checks if len(master[2]) == 1], chunks or {})
+    requests = {f"run{j}": region(key, (start,), (end - start,)) for j, (key, start, end) in enumerate(runs)}
+    for i, (weight, master) in enumerate(checks):
+        requests[f"{i}.w"] = region(*weight)
+        if len(master[2]) > 1:
+            requests[f"{i}.m"] = region(*master)
     read_regions(directory, requests)
-    return all(torch.equal(requests[w][2].flatten(), requests[m][2].to(dtype)) for w, m, dtype in pairs)
+
+    def master_values(i: int, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) > 1:
+            return requests[f"{i}.m"][2].flatten()
+        j = next(j for j, (run_key, start, end) in enumerate(runs) if run_key == key and start <= offsets[0] < end)
+        return requests[f"run{j}"][2][offsets[0] - runs[j][1] :][: shape[0]]
+
+    weights = [requests[f"{i}.w"][2].flatten() for i in range(len(checks))]
+    return all(torch.equal(weights[i], master_values(i, *master).to(weights[i].dtype)) for i, (_, master) in enumerate(checks))
 
 
-def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str]) -> tuple[BucketLayout | None, str]:
-    """The dp_reshardable layout of a checkpoint, or (None, why not)."""
+def merged_runs(regions: list[Region], chunks: dict[str, list[int]]) -> list[tuple[str, int, int]]:
+    """(key, start, end) runs covering the 1-D `regions`, merged where they touch a stored chunk in
+    common (chunks: key -> its chunks' starts), so that no two runs touch one chunk."""
+    chunk = lambda key, at: bisect.bisect_right(chunks.get(key, [0]), at)  # noqa: E731
+    runs: list[tuple[str, int, int]] = []
+    for key, (start,), (numel,) in sorted(regions):
+        if runs and runs[-1][0] == key and chunk(key, start) <= chunk(key, runs[-1][2] - 1):
+            runs[-1] = (key, runs[-1][1], max(runs[-1][2], start + numel))
+        else:
+            runs.append((key, start, start + numel))
+    return runs
+
+
+def bucket_checks(pieces: dict[Param, list[Piece]], checked_layers: set[int]) -> list[Check]:
+    """The whole 1-D tensors (norms, biases; TP_DIM splits none of them) outside the layers and in
+    `checked_layers`, each against its run of its bucket.
+
+    The bound: a model weight region is one layer's 1-D tensor (its stored chunk is that small), a
+    master region one contiguous run of a bucket (agrees reads each stored chunk it touches, a dp
+    share of a bucket, once), and there are at most 2 + 10 x len(checked_layers) checks (the final
+    norm's and each layer's 1-D tensors), whatever the layer count, tp, pp and dp. It still catches what the check
+    is for: the 1-D tensors sit between the matrices in the buffer, so a wrong start or a wrong
+    layer order (the input norm before or after linear_proj) moves them onto other elements."""
+    checks = []
+    for (key, layer), found in pieces.items():
+        if (layer is not None and layer not in checked_layers) or key in TP_DIM or len(found[0].shape) != 1:
+            continue
+        (prefix, start, (numel,), _), at = found[0], () if layer is None else (layer,)
+        checks.append(((key, (*at, 0), (*(1,) * len(at), numel)), (f"{prefix}.param", (start,), (numel,))))
+    return checks
+
+
+def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], parallel: Parallel | None,
+                  chunks: dict[str, list[int]] | None = None) -> tuple[BucketLayout | None, str]:
+    """The dp_reshardable layout of a checkpoint saved with `parallel` (None: its args are
+    unknown; chunks: where each bucket's stored chunks start), or (None, why not)."""
     buckets = buckets_of(shapes)
-    groups = {k[:3] for k in buckets}
-    if len({g for g, _, _ in groups}) > 1:
-        return None, "it was saved with tensor or pipeline parallelism (one bucket set per model-parallel rank), which dtgpt does not map yet"
-    if len(groups) > 1:
-        return None, "it holds several grad buffers (parameter dtypes or experts), which dtgpt does not map yet"
-    stored = [buckets[k] for k in sorted(buckets, key=lambda k: k[3])]
+    ranks = sorted({k[0] for k in buckets})
+    buffers = {k[1] for k in buckets}
+    if len(buffers) > 1:
+        kinds = "an MoE model's experts, with their own optimizer" if any(chain for chain, _, _ in buffers) else "parameter dtypes or virtual pipeline stages"
+        return None, f"it holds several grad buffers per model-parallel rank ({kinds}), which dtgpt does not map yet"
+    if parallel is None and ranks != [0]:
+        return None, f"it was saved by {len(ranks)} model-parallel ranks and the checkpoint's args do not say its tp and pp"
+    parallel = parallel or Parallel()
+    pp = len(parallel.stage_layers) or 1
+    if ranks != list(range(parallel.tp * pp)):
+        return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
+    stored: dict[int, list] = {}
+    for key in sorted(buckets, key=lambda k: k[2]):
+        stored.setdefault(key[0], []).append(buckets[key])
+    # the first stage's first layer and the last stage's: in the last buckets of their ranks, which
+    # megatron-core's buffer (reverse module order) fills last
+    checked_layers = {0, sum(parallel.stage_layers[:-1])}
     for spec, layer_order in LAYER_ORDERS.items():
-        order = module_order(shapes, model_keys, layer_order)
-        places = order and fit(order, stored)
-        if places and agrees(directory, shapes, places, dtypes):
-            return BucketLayout(places), spec
+        pieces = rank_pieces(shapes, model_keys, layer_order, stored, parallel)
+        if pieces and agrees(directory, dtypes, bucket_checks(pieces, checked_layers), chunks):
+            return BucketLayout(pieces), spec
     return None, "its buckets do not match megatron-core's parameter order for this model (dense GPT, local or Transformer Engine spec)"

@@ -19,10 +19,13 @@ QKV layout and vocabulary rows carry over:
 
 The distributed optimizer's default sharding type, `dp_reshardable`, keeps the same three slots
 (param, exp_avg, exp_avg_sq) in flat per-bucket tensors instead, and its param groups in a pickled
-item; MegatronReader maps each parameter's region into them (buckets.py), so the same read_into
-fills AdamW from either layout. The per-rank format's state (each file's optimizer state by
-parameter index, or the distributed optimizer's distrib_optim.pt) is read under the same
-`optimizer.state.<slot>.<model key>` names (per_rank_optim.py).
+item; MegatronReader maps each parameter's region into them (buckets.py: at any tp and pp it was
+saved with), so the same read_into fills AdamW from either layout. Model-space master weights are
+checked against the model weights as the buckets' are (MegatronReader.masters_agree): state that
+is not where it belongs (megatron-core 0.16.1's multi-bucket fully_reshardable save) starts fresh.
+The per-rank format's state (each file's optimizer state by parameter index, or the distributed
+optimizer's distrib_optim.pt) is read under the same `optimizer.state.<slot>.<model key>` names
+(per_rank_optim.py).
 
 Under optimizer.optimizer = "sgd" no optimizer state is read (the weights, counts, LR schedule and
 loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts its momentum
@@ -110,7 +113,9 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     adam = cfg.optimizer.optimizer == "adam"  # Megatron's optimizer state is Adam's
     has_moments, master = optimizer_slots(reader, list(full)) if stateful and adam else (False, None)
     step = adam_step(reader.optimizer_common()) if has_moments else None
-    use_adam = has_moments and step is not None
+    in_buckets = has_moments and reader.bucket_layout()[0] is not None
+    shifted = has_moments and step is not None and master is not None and not in_buckets and not reader.masters_agree(master)
+    use_adam = has_moments and step is not None and not shifted
     weights_slot = master if use_adam else None
     for part in state.model.parts:
         live = get_model_state_dict(part)
@@ -121,11 +126,13 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         _load_adam(state, reader, step)
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
         notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
-        buckets, spec = reader.bucket_layout()
-        if buckets is not None:
-            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({spec} layer order)")
+        if in_buckets:
+            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({reader.bucket_layout()[1]} layer order)")
     elif stateful:
         why = "common.pt holds no Adam step count"
+        if shifted:
+            why = (f"its fp32 master weights (optimizer.state.{master}.*) differ from the model weights, so its Adam state is not "
+                   "where it belongs (megatron-core 0.16.1's fully_reshardable save of a grad buffer in several buckets shifts it)")
         if not has_moments:
             why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
         if not adam:
