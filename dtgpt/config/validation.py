@@ -5,7 +5,6 @@ Every error names the key, the value and the rule.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from dtgpt.config.derived import (
@@ -24,6 +23,7 @@ from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
 from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
+from dtgpt.config.output_paths import check_output_paths
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
@@ -295,13 +295,7 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
         cfg.logging.timers_log_level in (0, 1, 2),
         f"logging.timers_log_level={cfg.logging.timers_log_level} must be 0, 1 or 2",
     )
-    # Paths the logging rank writes, checked on every rank before any starts (one failing alone would strand the rest).
-    metrics, tensorboard = cfg.logging.metrics_file, cfg.logging.tensorboard_dir
-    _require(not (metrics and os.path.isdir(metrics)), f"logging.metrics_file={metrics} is a directory: name a file in it")
-    _require(
-        not (tensorboard and os.path.exists(tensorboard) and not os.path.isdir(tensorboard)),
-        f"logging.tensorboard_dir={tensorboard} is a file: TensorBoard writes a directory of event files",
-    )
+    check_output_paths(cfg)
 
     _require(
         cfg.distributed.heartbeat_min_seconds > 0,

@@ -180,7 +180,7 @@ def preprocess(input_path: str, out_prefix: str, data_cfg: DataConfig, json_keys
     workers=1 tokenizes in this process; more start a Pool of that many worker processes.
     """
     if not os.path.isfile(input_path):
-        raise PreprocessError(f"{input_path}: no such input file")
+        raise PreprocessError(f"{input_path}: " + ("a directory, not a JSONL file" if os.path.isdir(input_path) else "no such input file"))
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
     tokenizer = build_tokenizer(data_cfg)
