@@ -67,3 +67,17 @@ def test_a_directory_given_for_a_file_is_called_a_directory(tmp_path):
         preprocess(str(tmp_path), str(tmp_path / "out"), DataConfig(tokenizer_type="ByteTokenizer"))
     with pytest.raises(FileNotFoundError, match=f"^data.vocab_file='{tmp_path}': a directory, not a file "):
         GPT2BPETokenizer(str(tmp_path), str(tmp_path))
+
+
+def test_a_data_prefix_given_with_its_suffix_is_told_the_prefix(tmp_path):
+    """`--data-path corpus_text_document.bin` (a file the shell completes) named only the missing
+    `corpus_text_document.bin.idx`."""
+    from dtgpt.data.indexed import IndexedDataset, IndexedDatasetNotFoundError, IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "corpus") as writer:
+        writer.add_document([1, 2, 3])
+    for suffix in (".bin", ".idx"):
+        with pytest.raises(IndexedDatasetNotFoundError, match=f"without the suffix: {tmp_path / 'corpus'}$"):
+            IndexedDataset(str(tmp_path / "corpus") + suffix)
+    with pytest.raises(IndexedDatasetNotFoundError, match=r"\(indexed dataset prefix '[^']*nothere'\)$"):
+        IndexedDataset(str(tmp_path / "nothere"))  # no file of that name: no hint
