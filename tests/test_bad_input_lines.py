@@ -81,3 +81,18 @@ def test_a_data_prefix_given_with_its_suffix_is_told_the_prefix(tmp_path):
             IndexedDataset(str(tmp_path / "corpus") + suffix)
     with pytest.raises(IndexedDatasetNotFoundError, match=r"\(indexed dataset prefix '[^']*nothere'\)$"):
         IndexedDataset(str(tmp_path / "nothere"))  # no file of that name: no hint
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--optimizer.loss_scale=0", "optimizer.loss_scale=0.0 must be > 0: it is a static fp16 loss scale (unset: dynamic scaling)"),
+        ("--optimizer.loss_scale=-1", "optimizer.loss_scale=-1.0 must be > 0: it is a static fp16 loss scale (unset: dynamic scaling)"),
+        ("--optimizer.min_loss_scale=-1", "optimizer.min_loss_scale=-1.0 must be > 0"),
+    ],
+)  # fmt: skip
+def test_a_loss_scale_that_is_not_positive_is_refused_before_the_run(override, message):
+    """`--fp16 --loss-scale 0` passed the dry run, then the scaler's ValueError was a traceback."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [*TINY, "--training.fp16=true", override])
+    assert str(refused.value) == message
