@@ -96,3 +96,18 @@ def test_a_loss_scale_that_is_not_positive_is_refused_before_the_run(override, m
     with pytest.raises(ConfigError) as refused:
         load_config(None, [*TINY, "--training.fp16=true", override])
     assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--data.vocab_size=1"], "data.vocab_size=1 must be >= 2 for NullTokenizer on mock data (the whole vocabulary, the eod its last id)"),
+        (["--data.tokenizer_type=GPT2BPETokenizer", "--data.vocab_size=1"], "data.vocab_size=1 must be >= 2 for GPT2BPETokenizer on mock data"),
+        (["--data.mock_data=false", "--data.data_path=corpus", "--data.vocab_size=0"], "data.vocab_size=0 must be >= 1 for NullTokenizer"),
+    ],
+)  # fmt: skip
+def test_a_mock_vocabulary_of_the_eod_alone_is_refused_before_the_run(overrides, message):
+    """Mock data's vocab_size=1 left the NullTokenizer no id: its ValueError was a traceback."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [*TINY, *overrides])
+    assert str(refused.value).startswith(message)

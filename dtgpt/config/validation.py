@@ -255,10 +255,11 @@ def _check_data(cfg: Config) -> None:
         "no training data: set data.data_path (or data.train_data_path), data.builtin_corpus, or data.mock_data=true",
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
-    _require(
-        d.tokenizer_type != "NullTokenizer" or d.vocab_size > 0,
-        f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
-    )
+    mock_null = d.mock_data and d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file or d.merge_file) and d.vocab_size
+    if d.tokenizer_type == "NullTokenizer" or mock_null:  # mock data's vocab_size counts the eod: one id needs 2
+        least = 2 if d.mock_data else 1
+        _require(d.vocab_size >= least, f"data.vocab_size={d.vocab_size} must be >= {least} for {d.tokenizer_type}"
+                 + (" on mock data (the whole vocabulary, the eod its last id)" if d.mock_data else ""))
     _require(
         d.tokenizer_type != "HuggingFaceTokenizer" or bool(d.tokenizer_model),
         "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model, the directory of its tokenizer.json",
