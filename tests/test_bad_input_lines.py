@@ -111,3 +111,9 @@ def test_a_mock_vocabulary_of_the_eod_alone_is_refused_before_the_run(overrides,
     with pytest.raises(ConfigError) as refused:
         load_config(None, [*TINY, *overrides])
     assert str(refused.value).startswith(message)
+
+
+def test_a_negative_peak_is_refused_not_taken_for_the_table():
+    """logging.peak_tflops=-1 silently meant 0 (look the device up): the MFU the user asked for was not it."""
+    with pytest.raises(ConfigError, match=r"^logging.peak_tflops=-1.0 must be >= 0 \(0: the device's own, from a table\)$"):
+        load_config(None, [*TINY, "--logging.peak_tflops=-1"])

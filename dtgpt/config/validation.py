@@ -204,8 +204,6 @@ def _check_precision(cfg: Config) -> None:
         not (t.grad_reduce_in_bf16 and t.accumulate_allreduce_grads_in_fp32),
         "training.grad_reduce_in_bf16 and training.accumulate_allreduce_grads_in_fp32 cannot both be true: gradients are reduced in one dtype",
     )
-    for key in ("optimizer.initial_loss_scale", "optimizer.min_loss_scale"):
-        _require(get_key(cfg, key) > 0, f"{key}={get_key(cfg, key)} must be > 0")
     _require(
         o.loss_scale is None or o.loss_scale > 0,
         f"optimizer.loss_scale={o.loss_scale} must be > 0: it is a static fp16 loss scale (unset: dynamic scaling)",
