@@ -141,8 +141,15 @@ CHOICES = {
     "optimizer": {"adam": None, "sgd": None, **dict.fromkeys(("muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
     "async-strategy": dict.fromkeys(("nvrx", "mcore")),
     "error-injection-type": dict.fromkeys(("correct_result", "transient_error", "persistent_error")),
+    "ckpt-format": dict.fromkeys(("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
+    "transformer-impl": dict.fromkeys(("local", "transformer_engine", "inference_optimized")),
+    "dataloader-type": dict.fromkeys(("single", "cyclic", "external")),
+    "cross-entropy-fusion-impl": dict.fromkeys(("native", "te")),
+    "attention-backend": dict.fromkeys(("flash", "fused", "unfused", "local", "auto")),
+    "empty-unused-memory-level": dict.fromkeys(("0", "1", "2")),
 }
-"""Megatron's choices for the flags that take one; a value mapped to REFUSED is refused."""
+"""Megatron's choices for the flags that take one (its parser's, core_v0.16.1 and newer), whatever dtgpt does
+with the flag; a value mapped to REFUSED is refused with its reason in WHY_REFUSED."""
 
 WHY_REFUSED = {
     "megatron-fsdp-main-params-dtype": "it keeps master weights in {value} (auto: the parameters' dtype), and dtgpt "
