@@ -186,6 +186,10 @@ def preprocess(input_path: str, out_prefix: str, data_cfg: DataConfig, json_keys
     tokenizer = build_tokenizer(data_cfg)
     dtype = optimal_dtype(tokenizer.vocab_size)
     stats = PreprocessStats(outputs=[output_prefix(out_prefix, k) for k in json_keys])
+    existing = [p + suffix for p in stats.outputs for suffix in (".bin", ".idx") if os.path.exists(p + suffix)]
+    if existing:  # another corpus's dataset, or this one's: replacing it would lose it
+        raise PreprocessError(f"{existing[0]} already exists: preprocessing writes new datasets and replaces "
+                              "nothing; choose another --output-prefix or remove it (nothing was written)")
     writers = {k: IndexedDatasetWriter(p, dtype) for k, p in zip(json_keys, stats.outputs)}
     progress = _Progress(os.path.getsize(input_path), log)
     start = time.perf_counter()
