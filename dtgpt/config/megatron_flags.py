@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from dtgpt.config.megatron_names import MEGATRON_0_16_FLAGS, NEWER_FLAGS
-from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, check_noted_value, noted_section
+from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, noted_section
 from dtgpt.config.megatron_tested import NEWER as TESTED_NEWER
 from dtgpt.config.megatron_tested import NOTED as TESTED_NOTED
 from dtgpt.config.megatron_tested import TESTED_SCRIPTS, check_tested_value, tested_section
@@ -174,7 +174,6 @@ def translate(args: list[str]) -> Translated:
             values.append(args[i])
             i += 1
         _check_arity(arg, flag, values)
-        check_noted_value(name, values)
         check_tested_value(name, values)
         if name in IGNORED:
             ignored.append(" ".join(["--" + name, *values]))
