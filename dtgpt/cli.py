@@ -117,7 +117,8 @@ def exit_process(status: int) -> None:
 
 def keys_in_file(path: str | None) -> set[str]:
     """The `section.key` names a config file sets: errors name these as keys, not as flags."""
-    return {f"{s}.{k}" for s, table in load_toml(path).items() for k in table} if path else set()
+    tables = load_toml(path).items() if path else ()
+    return {f"{s}.{k}" for s, table in tables if isinstance(table, dict) for k in table}  # a stray top-level key: load_config names it
 
 
 def print_start(cfg, path: str | None, architecture_from: str = "") -> None:

@@ -63,6 +63,17 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt's token ids (eod alone for no prompt); a prompt the tokenizer refuses (a
+    NullTokenizer's text is its ids) is one error naming it."""
+    if not prompt:
+        return [tokenizer.eod]
+    try:
+        return tokenizer.tokenize(prompt)
+    except ValueError as e:
+        raise ValueError(f"--prompt {prompt!r}: {e}") from None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
@@ -82,6 +93,7 @@ def main(argv: list[str]) -> int:
         directory = find_checkpoint(args.checkpoint, args.iteration)
         cfg = read_config(directory, args.config)
         tokenizer = build_tokenizer(cfg.data)
+        ids = prompt_ids(tokenizer, args.prompt)
         model = load_model(directory, cfg)
     except (CheckpointError, ConfigError, ValueError) as e:
         print_error(str(e))
@@ -90,7 +102,6 @@ def main(argv: list[str]) -> int:
         print_error(os_error_line(e))
         return 2
     model.eval()
-    ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
     out = sample(model, ids, args.max_new_tokens, args.temperature, args.top_k, tokenizer.vocab_size,
                  torch.Generator().manual_seed(args.seed))  # fmt: skip
     print(f"> {directory}: {args.max_new_tokens} tokens, temperature {args.temperature}, top-k {args.top_k}", file=sys.stderr)

@@ -199,6 +199,31 @@ def test_a_megatron_directory_given_to_a_dtgpt_tool_is_named_so(tmp_path, capfd)
         assert "is a Megatron-LM checkpoint (iter_0000003), not a dtgpt one" in err and "complete" not in err
 
 
+def test_no_conversion_replaces_an_existing_output(tmp_path, capfd):
+    """to-torch onto a file, to-megatron (either format) onto a Megatron root or an iteration directory
+    it would write: one line naming the path, and the bytes there unchanged."""
+    checkpoint(tmp_path / "ckpt")
+    kept = tmp_path / "kept.pt"
+    kept.write_bytes(b"someone's file")
+    assert load_script().main(["to-torch", str(tmp_path / "ckpt"), str(kept)]) == 2
+    assert f"{kept} already exists: to-torch writes a new file" in one_error(capfd)
+    assert kept.read_bytes() == b"someone's file"
+    assert load_script().main(["to-megatron", str(tmp_path / "ckpt"), str(tmp_path / "meg")]) == 0
+    capfd.readouterr()
+    before = snapshot(tmp_path / "meg")
+    for extra in ([], ["--format", "per-rank"]):
+        assert load_script().main(["to-megatron", str(tmp_path / "ckpt"), str(tmp_path / "meg"), *extra]) == 2
+        assert f"{tmp_path / 'meg'} already holds checkpoints (iterations 3..3)" in one_error(capfd)
+        assert snapshot(tmp_path / "meg") == before
+    partial = layout.iteration_dir(tmp_path / "other", 3)  # unsealed, no pointer: a Megatron save's, or a copy's
+    partial.mkdir(parents=True)
+    (partial / "common.pt").write_bytes(b"someone's file")
+    for extra in ([], ["--format", "per-rank"]):
+        assert load_script().main(["to-megatron", str(tmp_path / "ckpt"), str(tmp_path / "other"), *extra]) == 2
+        assert f"{tmp_path / 'other'} already holds checkpoints (iterations 3..3)" in one_error(capfd)
+        assert snapshot(tmp_path / "other") == {"iter_0000003/common.pt": b"someone's file"}
+
+
 # -- DeepSeek-V3 directories that dtgpt's model cannot hold -------------------------------------
 
 

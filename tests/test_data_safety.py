@@ -98,3 +98,19 @@ def test_preprocessing_an_input_without_documents_is_refused(tmp_path, content):
     src.write_text(json.dumps({"text": "1 2 3"}) + "\n")  # one real document is enough
     preprocess(str(src), str(tmp_path / "out"), cfg, log=open(os.devnull, "w"))
     assert IndexedDataset(tmp_path / "out_text_document").num_tokens == 3
+
+
+def test_preprocessing_onto_an_existing_dataset_is_refused_and_leaves_it(tmp_path):
+    """Another corpus's .bin/.idx at the output prefix are never replaced: one line naming the file."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "1 2 3"}) + "\n")
+    cfg = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
+    preprocess(str(src), str(tmp_path / "out"), cfg, log=open(os.devnull, "w"))
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    src.write_text(json.dumps({"text": "4 5"}) + "\n")
+    with pytest.raises(PreprocessError, match=r"out_text_document\.bin already exists: .*nothing was written"):
+        preprocess(str(src), str(tmp_path / "out"), cfg, log=open(os.devnull, "w"))
+    (tmp_path / "out_text_document.bin").unlink()  # the index alone is refused too
+    with pytest.raises(PreprocessError, match=r"out_text_document\.idx already exists"):
+        preprocess(str(src), str(tmp_path / "out"), cfg, log=open(os.devnull, "w"))
+    assert (tmp_path / "out_text_document.idx").read_bytes() == before["out_text_document.idx"]

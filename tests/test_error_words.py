@@ -92,3 +92,12 @@ def test_a_longer_megatron_resume_under_torchrun_is_refused_once_in_megatron_fla
     assert "optimizer." not in errors[0]
     assert "Traceback" not in resumed.stderr.split(errors[0])[0]
     assert "exitcode  : 2" in resumed.stderr.split("Root Cause")[1]
+
+
+def test_a_list_value_is_named_as_the_flag_takes_it():
+    """A list key's value is the flag's values (a list's commas once cut the mention short:
+    `--data-path ['0.5, 'a', '0.5']`)."""
+    w = words(["--data-path", "0.5", "a", "0.5", "--rampup-batch-size", "0", "0", "0"])
+    message = "data.data_path=['0.5', 'a', '0.5'] must be prefixes, or weight/prefix pairs like ['0.3', 'a', '0.7', 'b']"
+    assert w.say(message) == "--data-path 0.5 a 0.5 must be prefixes, or weight/prefix pairs like ['0.3', 'a', '0.7', 'b']"
+    assert w.say("training.rampup_batch_size=[0, 0, 0] needs start > 0") == "--rampup-batch-size 0 0 0 needs start > 0"

@@ -40,3 +40,26 @@ def test_sampling_arguments_that_make_no_sense_are_one_error_line(tmp_path, capf
         assert generate.main([str(tmp_path), argument]) == 2, argument
         lines = capfd.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (argument, lines)
+
+
+def test_a_prompt_the_tokenizer_refuses_is_one_error_line(tmp_path, capfd, monkeypatch):
+    """A NullTokenizer's prompt is its ids: words, or ids past the vocabulary, were a traceback.
+    The prompt is read before the model is loaded."""
+    from dtgpt.config import Config
+
+    spec = importlib.util.spec_from_file_location("generate", REPO / "scripts/generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    cfg = Config()
+    cfg.data.tokenizer_type, cfg.data.vocab_size = "NullTokenizer", 128
+    monkeypatch.setattr(generate, "find_checkpoint", lambda path, iteration: tmp_path)
+    monkeypatch.setattr(generate, "read_config", lambda directory, path: cfg)
+    monkeypatch.setattr(generate, "load_model", lambda directory, cfg: pytest.fail("the model loaded before the prompt was read"))
+    refused = {
+        "def ": "--prompt 'def ': NullTokenizer: text must be space-separated integers",
+        "1 2 999": "--prompt '1 2 999': NullTokenizer: ids [999] are outside [0, 128)",
+    }
+    for prompt, message in refused.items():
+        assert generate.main([str(tmp_path), "--prompt", prompt]) == 2, prompt
+        lines = capfd.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), (prompt, lines)

@@ -128,6 +128,7 @@ def test_a_config_error_is_one_line_and_neither_restarted_nor_replaced(tmp_path)
         (["--bogus", "x.py"], "unrecognized arguments: --bogus"),
         (["--max-restarts=-1", "x.py"], "--max-restarts=-1: must be >= 0"),
         (["--nnodes=3:1", "x.py"], "--nnodes=3:1: need 0 < min <= max"),
+        (["--nproc-per-node=0", "x.py"], "--nproc-per-node=0: must be >= 1"),  # torch asserted it at launch
     ],
 )
 def test_bad_flags_are_one_line(flags, message, capsys):

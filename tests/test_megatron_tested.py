@@ -12,6 +12,8 @@ import pytest
 from dtgpt.checkpoint.retain import retire_previous
 from dtgpt.cli import run_main
 from dtgpt.config import load_config
+from dtgpt.config.megatron_flags import translate
+from dtgpt.config.megatron_tested import CHOICES
 from dtgpt.config.sections import ConfigError
 from dtgpt.determinism import CPU_NOTE, apply_determinism
 from dtgpt.progress_log import ProgressLog, cumulative_start
@@ -136,14 +138,35 @@ def test_the_other_functional_test_flags_are_named_in_the_one_note(tmp_path, cap
         (["--async-strategy", "torch"], "error: --async-strategy torch is not one of Megatron's choices: nvrx, mcore"),
         (["--error-injection-type", "hang"], "error: --error-injection-type hang is not one of Megatron's choices"),
         (["--offload-modules", "core_attn", "mlp"], "error: --offload-modules mlp is not one of Megatron's choices"),
+        (["--ckpt-format", "foo"], "error: --ckpt-format foo is not one of Megatron's choices: torch, torch_dist, "
+         "torch_dcp, fsdp_dtensor"),
+        (["--transformer-impl", "foo"], "error: --transformer-impl foo is not one of Megatron's choices: local, "
+         "transformer_engine, inference_optimized"),
+        (["--dataloader-type", "foo"], "error: --dataloader-type foo is not one of Megatron's choices: single, "
+         "cyclic, external"),
+        (["--empty-unused-memory-level", "3"], "error: --empty-unused-memory-level 3 is not one of Megatron's "
+         "choices: 0, 1, 2"),
     ],
     ids=["sgd", "main-params-bf16", "cuda-graph-impl", "cp-comm-type", "eval-batch", "retain", "squared-relu",
-         "error-injection", "mup", "mup-base", "async-strategy", "error-injection-type", "offload-modules"],
+         "error-injection", "mup", "mup-base", "async-strategy", "error-injection-type", "offload-modules",
+         "ckpt-format", "transformer-impl", "dataloader-type", "empty-unused-memory-level"],
 )
 def test_refused_values_are_one_error_line(capfd, args, message):
     code = run_main(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", *args], None, None)
     err = capfd.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(message) and "Traceback" not in err, err
+
+
+def test_every_megatron_choice_of_a_flag_is_accepted_or_refused_with_its_reason():
+    """Each of Megatron's values parses (the flag is noted or ignored), or is one line naming dtgpt's reason."""
+    for name, choices in CHOICES.items():
+        for value, refused in choices.items():
+            try:
+                translate(["--" + name, value])
+            except ConfigError as error:
+                assert refused is not None and f"--{name} {value} is refused: " in str(error), (name, value, error)
+            else:
+                assert refused is None, (name, value)
 
 
 def test_deterministic_mode_sets_cuda_determinism_and_says_so_on_cpu():

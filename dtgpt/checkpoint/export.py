@@ -153,8 +153,9 @@ def _refuse_existing(directory: Path) -> None:
 
 
 def refuse_run_root(root: str | Path) -> None:
-    """A conversion writes a new checkpoint root: one holding a run's iterations or pointer is
-    refused (its pointer would move to the conversion, and resuming there would replace the run)."""
+    """A conversion writes a new checkpoint root: one holding a run's iterations (any iter_*
+    directory, a Megatron one or an unsealed one included) or pointer is refused (its pointer would
+    move to the conversion, and resuming there would replace the run)."""
     root = Path(root)
     found = layout.list_iterations(root)
     if found or (root / layout.POINTER).exists():
@@ -166,7 +167,11 @@ def refuse_run_root(root: str | Path) -> None:
 
 
 def to_torch_file(directory: Path, out: str | Path, weights_only: bool = False) -> None:
-    """One torch.save file of full tensors: every section, the iteration and the config text."""
+    """One torch.save file of full tensors: every section, the iteration and the config text.
+    An existing file at `out` is refused: a conversion replaces nothing it did not make."""
+    if Path(out).is_file():
+        raise CheckpointError(f"{out} already exists: to-torch writes a new file and replaces nothing; "
+                              "choose another path or remove it (nothing was written)")
     sections = read_sections(directory, ("model",) if weights_only else None)
     marker = layout.read_marker(directory)
     config_text = (directory / layout.CONFIG).read_text() if (directory / layout.CONFIG).is_file() else ""

@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-from dtgpt.config.megatron_flags import translate
+from dtgpt.config.megatron_flags import CONFLICT_WORDS, translate
 from dtgpt.config.megatron_launch import apply_megatron_launch_rules
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.moe_keys import MoEKeys
@@ -141,6 +141,8 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
     sections = _section_classes()
     cfg = Config()
     for section_name, values in data.items():
+        if section_name not in sections and not isinstance(values, dict):
+            raise ConfigError(_outside_sections(source, section_name, values, sections))
         if section_name not in sections:
             raise ConfigError(
                 f"{source}: unknown section [{section_name}]{_closest(section_name, list(sections))}"
@@ -156,6 +158,13 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
                 )
             setattr(section, key, _check_value(f"{section_name}.{key}", value, types_[key]))
     return cfg
+
+
+def _outside_sections(source: str, key: str, value: Any, sections: dict[str, type]) -> str:
+    """A key written above every [section] header: name the section that holds a key of that name."""
+    homes = [name for name, cls in sections.items() if key in _field_types(cls)]
+    where = f"put it under [{homes[0]}]" if homes else f"no section has a key {key!r}"
+    return f"{source}: {key} = {value!r} is outside any [section]; {where}"
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -204,7 +213,8 @@ def _apply_command_line(cfg: Config, args: list[str], levels: dict[str, int]) ->
         section, name = key.split(".", 1)
         now = getattr(getattr(cfg, section), name)
         if key in said and said[key][0] != now and not all(s.startswith(f"--{key}") for s in (said[key][1], spelling)):
-            raise ConfigError(f"{said[key][1]} and {spelling} both set {key}, to {said[key][0]!r} and {now!r}; keep one")
+            words = CONFLICT_WORDS.get(key, f"both set {key}, to {said[key][0]!r} and {now!r}; keep one")
+            raise ConfigError(f"{said[key][1]} and {spelling} {words}")
         said[key] = (now, spelling)
 
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from dtgpt.config.megatron_names import MEGATRON_0_16_FLAGS, NEWER_FLAGS
-from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, check_noted_value, noted_section
+from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, noted_section
 from dtgpt.config.megatron_tested import NEWER as TESTED_NEWER
 from dtgpt.config.megatron_tested import NOTED as TESTED_NOTED
 from dtgpt.config.megatron_tested import TESTED_SCRIPTS, check_tested_value, tested_section
@@ -50,12 +50,19 @@ GRAD_DTYPE = {"fp32": "false", "bf16": "true", "auto": None}
 CHOICES = {
     "no-weight-decay-cond-type": ("optimizer.apply_wd_to_qk_layernorm", {"apply_wd_to_qk_layernorm": "true"}),
     # Megatron-FSDP's gradient accumulation and reduce-scatter dtypes: dtgpt has one for both, so two
-    # different values are one error naming both flags (one_gradient_dtype)
+    # different values are the error of two settings of one key (CONFLICT_WORDS)
     "megatron-fsdp-main-grads-dtype": (GRAD_DTYPE_KEY, GRAD_DTYPE),
     "megatron-fsdp-grad-comm-dtype": (GRAD_DTYPE_KEY, GRAD_DTYPE),
 }
 """flag -> (dtgpt key, each value Megatron accepts -> the key's value, None: the value sets nothing and is
 noted): a flag whose value names a setting."""
+
+CONFLICT_WORDS = {
+    GRAD_DTYPE_KEY: "ask for different gradient dtypes: dtgpt accumulates and reduces gradients in one dtype "
+    "(fp32, or bf16 under --bf16); give one",
+}
+"""key -> what two command-line settings that give it different values are told, where the key's
+own values (true, false) would not say it (dtgpt/config/loading.py)."""
 
 IGNORED = (
     "use-mcore-models", "transformer-impl", "use-flash-attn", "attention-backend",
@@ -167,7 +174,6 @@ def translate(args: list[str]) -> Translated:
             values.append(args[i])
             i += 1
         _check_arity(arg, flag, values)
-        check_noted_value(name, values)
         check_tested_value(name, values)
         if name in IGNORED:
             ignored.append(" ".join(["--" + name, *values]))
@@ -180,19 +186,7 @@ def translate(args: list[str]) -> Translated:
                 overrides.append((mapping.key, text, " ".join(["--" + name, *values])))
         else:
             raise ConfigError(f"--{name} is a Megatron-LM flag dtgpt does not implement (docs/megatron_flags.md lists the ones it maps)")
-    one_gradient_dtype(overrides)
     return Translated(padded_vocabulary_wins(overrides), ignored)
-
-
-def one_gradient_dtype(overrides: list[tuple[str, str, str]]) -> None:
-    """Megatron-FSDP's accumulation and reduction dtypes (and --grad-reduce-in-bf16) set one key:
-    dtgpt accumulates and reduces gradients in one dtype, so two different ones are one error."""
-    given = [(text, spelling) for key, text, spelling in overrides if key == GRAD_DTYPE_KEY and not spelling.startswith("--training.")]
-    if len({text for text, _ in given}) > 1:
-        raise ConfigError(
-            f"{given[0][1]} and {given[1][1]} ask for different gradient dtypes: dtgpt accumulates and reduces "
-            "gradients in one dtype (fp32, or bf16 under --bf16); give one"
-        )
 
 
 def _check_arity(arg: str, flag: Flag, values: list[str]) -> None:

@@ -10,7 +10,6 @@ build is refused with one line saying why.
 
 from __future__ import annotations
 
-from dtgpt.config.sections import ConfigError
 
 NOTED = {
     "use-megatron-fsdp": "dtgpt's data parallelism is always FSDP2 (`fully_shard` over the dp_shard mesh dim): "
@@ -77,38 +76,6 @@ EXAMPLE_SCRIPTS = [
     "",
     "Accepted with a note, each changing nothing that is trained:",
 ]
-
-GRAD_DTYPES = {"fp32": None, "auto": None, "bf16": None, "fp16": ""}
-STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
-              "return_unexpected", "return_all", "ignore_all")  # fmt: skip
-CHOICES = {
-    "data-parallel-sharding-strategy": dict.fromkeys(("no_shard", "optim", "optim_grads", "optim_grads_params")),
-    "dist-ckpt-strictness": dict.fromkeys(STRICTNESS),
-    "megatron-fsdp-main-grads-dtype": GRAD_DTYPES,
-    "megatron-fsdp-grad-comm-dtype": GRAD_DTYPES,
-}
-"""Megatron's choices for the flags that take one; a value mapped to a string is refused."""
-
-WHY_REFUSED = {
-    "megatron-fsdp-main-grads-dtype": "it accumulates gradients in {value}, and dtgpt accumulates them in fp32, or in "
-    "bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
-    "megatron-fsdp-grad-comm-dtype": "it reduces gradients over data-parallel ranks in {value}, and dtgpt reduces them "
-    "in fp32, or in bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
-}
-
-
-def check_choice(name: str, value: str, choices: dict, why_refused: dict[str, str]) -> None:
-    """Refuse a value outside Megatron's `choices` for flag `name`, or one mapped to a refusal (not None)."""
-    if value not in choices:
-        raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(choices)}")
-    if choices[value] is not None:
-        raise ConfigError(f"--{name} {value} is refused: {why_refused[name].format(value=value)}")
-
-
-def check_noted_value(name: str, values: list[str]) -> None:
-    """Refuse a value outside Megatron's choices, or one that would change what is trained."""
-    if name in CHOICES:
-        check_choice(name, values[0], CHOICES[name], WHY_REFUSED)
 
 
 def note_lines(notes: dict[str, str]) -> list[str]:

@@ -11,7 +11,7 @@ saying why. The notes are the "Megatron's functional tests" section of docs/mega
 
 from __future__ import annotations
 
-from dtgpt.config.megatron_noted import check_choice, note_lines
+from dtgpt.config.megatron_noted import note_lines
 from dtgpt.config.sections import Config, ConfigError
 
 TESTED_SCRIPTS = [
@@ -126,6 +126,9 @@ NEWER = """
 """Flags newer than megatron-core 0.16.1 among these, in megatron_names' notation."""
 
 REFUSED = ""
+GRAD_DTYPES = {"fp32": None, "auto": None, "bf16": None, "fp16": REFUSED}
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+              "return_unexpected", "return_all", "ignore_all")  # fmt: skip
 LIST_CHOICES = {
     "cp-comm-type": ("p2p", "a2a", "allgather", "a2a+p2p"),
     "offload-modules": ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
@@ -141,10 +144,25 @@ CHOICES = {
     "optimizer": {"adam": None, "sgd": None, **dict.fromkeys(("muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
     "async-strategy": dict.fromkeys(("nvrx", "mcore")),
     "error-injection-type": dict.fromkeys(("correct_result", "transient_error", "persistent_error")),
+    "ckpt-format": dict.fromkeys(("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
+    "transformer-impl": dict.fromkeys(("local", "transformer_engine", "inference_optimized")),
+    "dataloader-type": dict.fromkeys(("single", "cyclic", "external")),
+    "cross-entropy-fusion-impl": dict.fromkeys(("native", "te")),
+    "attention-backend": dict.fromkeys(("flash", "fused", "unfused", "local", "auto")),
+    "empty-unused-memory-level": dict.fromkeys(("0", "1", "2")),
+    "data-parallel-sharding-strategy": dict.fromkeys(("no_shard", "optim", "optim_grads", "optim_grads_params")),
+    "dist-ckpt-strictness": dict.fromkeys(STRICTNESS),
+    "megatron-fsdp-main-grads-dtype": GRAD_DTYPES,
+    "megatron-fsdp-grad-comm-dtype": GRAD_DTYPES,
 }
-"""Megatron's choices for the flags that take one; a value mapped to REFUSED is refused."""
+"""Megatron's choices for the flags that take one (its parser's, core_v0.16.1 and newer), whatever dtgpt does
+with the flag; a value mapped to REFUSED is refused with its reason in WHY_REFUSED."""
 
 WHY_REFUSED = {
+    "megatron-fsdp-main-grads-dtype": "it accumulates gradients in {value}, and dtgpt accumulates them in fp32, or in "
+    "bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
+    "megatron-fsdp-grad-comm-dtype": "it reduces gradients over data-parallel ranks in {value}, and dtgpt reduces them "
+    "in fp32, or in bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
     "megatron-fsdp-main-params-dtype": "it keeps master weights in {value} (auto: the parameters' dtype), and dtgpt "
     "keeps them in fp32 (Megatron's mixed-precision regime); drop the flag or give fp32",
     "optimizer": "dtgpt builds Megatron's adam (AdamW) and sgd (SGD with momentum), not {value}; drop the flag "
@@ -159,6 +177,14 @@ WHY_REFUSED = {
 
 REFUSED_FLAGS = ("use-mup", "mup-base-hidden-size")
 """Flags refused whatever their value, each with its reason in WHY_REFUSED."""
+
+
+def check_choice(name: str, value: str, choices: dict, why_refused: dict[str, str]) -> None:
+    """Refuse a value outside Megatron's `choices` for flag `name`, or one mapped to a refusal (not None)."""
+    if value not in choices:
+        raise ConfigError(f"--{name} {value} is not one of Megatron's choices: {', '.join(choices)}")
+    if choices[value] is not None:
+        raise ConfigError(f"--{name} {value} is refused: {why_refused[name].format(value=value)}")
 
 
 def check_tested_value(name: str, values: list[str]) -> None:

@@ -22,7 +22,7 @@ SEED_LIMIT = 2**32 - 1
 
 _UNIT_OPEN = ("optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.sgd_momentum", "model.hidden_dropout", "model.attention_dropout")
 """Keys in [0, 1)."""
-_POSITIVE_FLOAT = ("optimizer.adam_eps", "model.norm_epsilon")
+_POSITIVE_FLOAT = ("optimizer.adam_eps", "model.norm_epsilon", "optimizer.initial_loss_scale", "optimizer.min_loss_scale")
 
 
 def _numbers(cfg: Config):
@@ -66,6 +66,8 @@ def range_problem(cfg: Config) -> str | None:
         return f"optimizer.lr_warmup_fraction={o.lr_warmup_fraction} must be in [0, 1) (warmup < decay)"
     if o.lr_warmup_init < 0:
         return f"optimizer.lr_warmup_init={o.lr_warmup_init} must be >= 0"
+    if cfg.logging.peak_tflops < 0:
+        return f"logging.peak_tflops={cfg.logging.peak_tflops} must be >= 0 (0: the device's own, from a table)"
     if t.exit_skipped_iters < 0:
         return f"training.exit_skipped_iters={t.exit_skipped_iters} must be >= 0 (0: never stop)"
     return None

@@ -13,8 +13,8 @@ import re
 
 from dtgpt.config.megatron_flags import CHOICES, Mapping, flag_table
 
-KEY_MENTION = re.compile(r"(?<![\w./-])(?:--)?([a-z]+)\.([a-z][a-z0-9_]*)(?:=('[^']*'|\"[^\"]*\"|[^\s,;:)]+))?")
-"""`section.key`, `--section.key` or `section.key=value` (a quoted value, or one up to a space or punctuation)."""
+KEY_MENTION = re.compile(r"(?<![\w./-])(?:--)?([a-z]+)\.([a-z][a-z0-9_]*)(?:=(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;:)]+))?")
+"""`section.key`, `--section.key` or `section.key=value` (a list, a quoted value, or one up to a space or punctuation)."""
 
 
 class UserWords:
@@ -52,7 +52,7 @@ class UserWords:
         typed = self.typed_flags.get(key)
         if value is None:
             return "--" + (typed or _canonical(key, mappings).flag.name)
-        plain = value.strip("'\"")
+        plain = _as_typed(value)
         if typed in CHOICES:  # a flag whose value names a setting: the value the user's flag gives
             choice = next((c for c, text in CHOICES[typed][1].items() if text == plain.lower()), None)
             return f"--{typed} {choice}" if choice else None
@@ -68,3 +68,10 @@ def _canonical(key: str, mappings: list[Mapping]) -> Mapping:
     """The flag named as the key, else the first by name."""
     name = key.split(".")[1].replace("_", "-")
     return next((m for m in mappings if m.flag.name == name), min(mappings, key=lambda m: m.flag.name))
+
+
+def _as_typed(value: str) -> str:
+    """A value as a flag takes it: unquoted, and a list as its items (`['0.5', 'a']` -> `0.5 a`)."""
+    if value.startswith("["):
+        return " ".join(item.strip().strip("'\"") for item in value[1:-1].split(",") if item.strip())
+    return value.strip("'\"")

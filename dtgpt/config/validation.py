@@ -5,7 +5,6 @@ Every error names the key, the value and the rule.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from dtgpt.config.derived import (
@@ -24,6 +23,7 @@ from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
 from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
+from dtgpt.config.output_paths import check_output_paths
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
@@ -204,7 +204,10 @@ def _check_precision(cfg: Config) -> None:
         not (t.grad_reduce_in_bf16 and t.accumulate_allreduce_grads_in_fp32),
         "training.grad_reduce_in_bf16 and training.accumulate_allreduce_grads_in_fp32 cannot both be true: gradients are reduced in one dtype",
     )
-    _require(o.initial_loss_scale > 0 and o.min_loss_scale > 0, "optimizer.initial_loss_scale and min_loss_scale must be > 0")
+    _require(
+        o.loss_scale is None or o.loss_scale > 0,
+        f"optimizer.loss_scale={o.loss_scale} must be > 0: it is a static fp16 loss scale (unset: dynamic scaling)",
+    )
     _require(o.hysteresis >= 1, f"optimizer.hysteresis={o.hysteresis} must be >= 1")
     _require(o.loss_scale_window >= 1, f"optimizer.loss_scale_window={o.loss_scale_window} must be >= 1")
 
@@ -250,10 +253,11 @@ def _check_data(cfg: Config) -> None:
         "no training data: set data.data_path (or data.train_data_path), data.builtin_corpus, or data.mock_data=true",
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
-    _require(
-        d.tokenizer_type != "NullTokenizer" or d.vocab_size > 0,
-        f"data.tokenizer_type='NullTokenizer' needs data.vocab_size > 0 (got {d.vocab_size})",
-    )
+    mock_null = d.mock_data and d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file or d.merge_file) and d.vocab_size
+    if d.tokenizer_type == "NullTokenizer" or mock_null:  # mock data's vocab_size counts the eod: one id needs 2
+        least = 2 if d.mock_data else 1
+        _require(d.vocab_size >= least, f"data.vocab_size={d.vocab_size} must be >= {least} for {d.tokenizer_type}"
+                 + (" on mock data (the whole vocabulary, the eod its last id)" if d.mock_data else ""))
     _require(
         d.tokenizer_type != "HuggingFaceTokenizer" or bool(d.tokenizer_model),
         "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model, the directory of its tokenizer.json",
@@ -295,13 +299,7 @@ def _check_checkpoint_logging_faults(cfg: Config) -> None:
         cfg.logging.timers_log_level in (0, 1, 2),
         f"logging.timers_log_level={cfg.logging.timers_log_level} must be 0, 1 or 2",
     )
-    # Paths the logging rank writes, checked on every rank before any starts (one failing alone would strand the rest).
-    metrics, tensorboard = cfg.logging.metrics_file, cfg.logging.tensorboard_dir
-    _require(not (metrics and os.path.isdir(metrics)), f"logging.metrics_file={metrics} is a directory: name a file in it")
-    _require(
-        not (tensorboard and os.path.exists(tensorboard) and not os.path.isdir(tensorboard)),
-        f"logging.tensorboard_dir={tensorboard} is a file: TensorBoard writes a directory of event files",
-    )
+    check_output_paths(cfg)
 
     _require(
         cfg.distributed.heartbeat_min_seconds > 0,

@@ -47,6 +47,14 @@ class IndexedDatasetError(DataError):
     """A `.bin`/`.idx` pair that is not a valid MMIDIDX dataset; the message names the file."""
 
 
+def _suffix_hint(prefix: str) -> str:
+    """A prefix given with its file's suffix (Megatron's --data-path names the pair without one)."""
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix) and os.path.isfile(prefix):
+            return f"; a prefix names the .bin/.idx pair without the suffix: {prefix[: -len(suffix)]}"
+    return ""
+
+
 class DataFileNotFoundError(FileNotFoundError):
     """A data or tokenizer file that does not exist; the message names it."""
 
@@ -103,7 +111,7 @@ class IndexedDataset:
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
         for path in (ipath, bpath):
             if not os.path.isfile(path):
-                raise IndexedDatasetNotFoundError(f"{path}: no such file (indexed dataset prefix {self.prefix!r})")
+                raise IndexedDatasetNotFoundError(f"{path}: no such file (indexed dataset prefix {self.prefix!r}){_suffix_hint(self.prefix)}")
         idx_size = os.path.getsize(ipath)
         if idx_size < _HEADER.size:
             raise IndexedDatasetError(f"{ipath}: truncated index: {idx_size} bytes, the header alone is {_HEADER.size}")

@@ -180,12 +180,16 @@ def preprocess(input_path: str, out_prefix: str, data_cfg: DataConfig, json_keys
     workers=1 tokenizes in this process; more start a Pool of that many worker processes.
     """
     if not os.path.isfile(input_path):
-        raise PreprocessError(f"{input_path}: no such input file")
+        raise PreprocessError(f"{input_path}: " + ("a directory, not a JSONL file" if os.path.isdir(input_path) else "no such input file"))
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
     tokenizer = build_tokenizer(data_cfg)
     dtype = optimal_dtype(tokenizer.vocab_size)
     stats = PreprocessStats(outputs=[output_prefix(out_prefix, k) for k in json_keys])
+    existing = [p + suffix for p in stats.outputs for suffix in (".bin", ".idx") if os.path.exists(p + suffix)]
+    if existing:  # another corpus's dataset, or this one's: replacing it would lose it
+        raise PreprocessError(f"{existing[0]} already exists: preprocessing writes new datasets and replaces "
+                              "nothing; choose another --output-prefix or remove it (nothing was written)")
     writers = {k: IndexedDatasetWriter(p, dtype) for k, p in zip(json_keys, stats.outputs)}
     progress = _Progress(os.path.getsize(input_path), log)
     start = time.perf_counter()

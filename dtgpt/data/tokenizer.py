@@ -85,7 +85,7 @@ class GPT2BPETokenizer:
                 raise ValueError(f"GPT2BPETokenizer needs {key} (GPT-2's vocab.json / merges.txt); it is not set")
             if not os.path.isfile(path):
                 raise DataFileNotFoundError(
-                    f"{key}={path!r}: no such file (GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt, which "
+                    f"{key}={path!r}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'} (GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt, which "
                     "dtgpt does not download: docs/data.md; data.tokenizer_type ByteTokenizer or NullTokenizer needs no files)"
                 )
         tokenizers = _tokenizers_library("GPT2BPETokenizer")

@@ -32,9 +32,11 @@ def parse_launcher_args(argv: list[str]):
     args = parser.parse_args(argv)
     try:  # what torch's config_from_args would assert, said in one line before anything starts
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-        torchrun.determine_local_world_size(args.nproc_per_node)
+        workers = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as error:
         parser.error(str(error))
+    if workers < 1:  # torch's WorkerSpec asserts it, a bare AssertionError at launch
+        parser.error(f"--nproc-per-node={args.nproc_per_node}: must be >= 1")
     if not 0 < min_nodes <= max_nodes:
         parser.error(f"--nnodes={args.nnodes}: need 0 < min <= max")
     if args.max_restarts < 0:

@@ -166,6 +166,7 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
+    export.refuse_run_root(out_root)  # never replace a save or move a run's pointer
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
     adam = stored_optimizer(metadata) == "adam"  # SGD momentum has no slot in Megatron's model-space layout
     # Megatron key -> per layer (one entry if not stacked), the dtgpt keys its rows concatenate

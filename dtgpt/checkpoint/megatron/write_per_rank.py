@@ -115,6 +115,7 @@ def to_megatron_per_rank(src: Path, cfg: Config, out_root: str | Path, tp: int =
     counts = stage_counts(cfg.model.num_layers, pp, first_stage_layers, last_stage_layers)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
+    export.refuse_run_root(out_root)  # never replace a save or move a run's pointer
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
     weights = export.load_model(src, cfg).state_dict()
     full = _full_megatron_tensors(weights, cfg, rows)
