@@ -40,6 +40,11 @@ BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(
 An MoE model's experts have an optimizer of their own (chained_1), with its own buffers."""
 PARAM_ALIGNMENT = 64  # elements: where megatron-core's distributed optimizer starts each parameter
 
+
+def aligned(position: int) -> int:
+    """The first place at or after `position` where megatron-core's grad buffer starts a parameter."""
+    return -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+
 _ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
 _INPUT_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _REST = (
@@ -141,7 +146,7 @@ def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[
         if index == len(buckets):
             return None
         prefix, length = buckets[index]
-        position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+        position = aligned(position)
         if position + numel > length:
             return None
         places[param] = (prefix, position)

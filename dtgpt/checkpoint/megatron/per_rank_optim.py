@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.megatron.buckets import PARAM_ALIGNMENT, fit
+from dtgpt.checkpoint.megatron.buckets import aligned, fit
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
@@ -54,6 +54,12 @@ class Unmapped(Exception):
 def parameters(model: dict) -> list[tuple[str, torch.Tensor]]:
     """A model chunk's parameters in megatron-core's named_parameters order (its state dict's)."""
     return [(k, v) for k, v in model.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
+
+
+def param_class(key: str, value: torch.Tensor, decoupled: bool) -> tuple[bool, bool]:
+    """(no weight decay, in --decoupled-lr's group) of a parameter, as megatron-core's
+    _get_param_groups sorts it: biases and 1-D tensors take no weight decay."""
+    return value.dim() == 1 or key.endswith(".bias"), decoupled and key in DECOUPLED
 
 
 def file_state(saved: dict, directory: Path, chunks: list[str], tp: int, pp: int) -> tuple[dict[str, Slots], float]:
@@ -109,8 +115,7 @@ def _assign(groups: list[list[int]], saved_groups: list[dict], state: dict, para
     for decoupled in (True, False):
         classes: dict[tuple[bool, bool], list[int]] = {}
         for p, (_, key, value) in enumerate(params):
-            no_wd = value.dim() == 1 or key.endswith(".bias")
-            classes.setdefault((no_wd, decoupled and key in DECOUPLED), []).append(p)
+            classes.setdefault(param_class(key, value, decoupled), []).append(p)
         order = []
         for group, saved in zip(groups, live):
             shapes = [tuple(state[i]["exp_avg"].shape) for i in group]
@@ -129,7 +134,7 @@ def bucket_lengths(numels: list[int], bucket_size: int | None) -> list[int]:
     the parameters in reverse, each aligned, a bucket closed once it reaches `bucket_size`."""
     lengths, position = [], 0
     for numel in reversed(numels):
-        position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + numel
+        position = aligned(position) + numel
         if bucket_size is not None and position >= bucket_size:
             lengths.append(position)
             position = 0

@@ -20,7 +20,7 @@ import torch
 
 from dtgpt.checkpoint.megatron.buckets import AFTER, BEFORE, LAYER_ORDERS
 from dtgpt.checkpoint.megatron.keys import LOCAL_NORM_NAMES
-from dtgpt.checkpoint.megatron.per_rank_optim import DECOUPLED, parameters
+from dtgpt.checkpoint.megatron.per_rank_optim import param_class, parameters
 from dtgpt.config import Config
 
 LOCAL_LAYER_ORDER = [LOCAL_NORM_NAMES.get(key, key) for key in LAYER_ORDERS["local"]]
@@ -65,7 +65,7 @@ def per_rank_optimizer(model: dict, slots: dict[str, dict], cfg: Config, groups:
     decoupled = cfg.optimizer.decoupled_lr is not None
     members: dict[tuple[bool, bool], list[str]] = {c: [] for c in _classes(decoupled)}
     for key, value in parameters(model):
-        members[(value.dim() == 1 or key.endswith(".bias"), decoupled and key in DECOUPLED)].append(key)
+        members[param_class(key, value, decoupled)].append(key)
     state, param_groups, masters, index = {}, [], [], 0
     for group, c in zip(groups, _classes(decoupled)):
         keys = members[c]
