@@ -137,6 +137,16 @@ def main(root: Path) -> None:
         if rank == 0:
             torch.save(out, root / "loaded_per_rank_logits.pt")
     dist.barrier()
+    # the distributed optimizer's Adam state, at this ep and at ep 1 (tests/megatron_moe_adam.py)
+    from tests.megatron_adam import patch_for_optimizer
+    from tests.megatron_moe_adam import save_moe_adam
+
+    patch_for_optimizer()
+    for adam_ep in (ep, 1):
+        if adam_ep != ep:
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=adam_ep)
+        save_moe_adam(root / f"adam_ep{adam_ep}", adam_ep, lambda: build(adam_ep, 1234), common(adam_ep))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -24,6 +24,8 @@ from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import is_torch_dist, per_rank_dirs, progress_of
+from dtgpt.checkpoint.megatron.keys import full_model_shapes, is_buffer
+from dtgpt.checkpoint.megatron.load import adam_step
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from tests.megatron_gpt import ITERATION, VOCAB, tokens
@@ -296,3 +298,63 @@ def test_per_rank_files_at_tp2_pp2_ep2_of_a_tied_model_read_back_whole(tmp_path)
     for name, value in ours.items():
         stored = back.state_dict()[name]
         assert torch.equal(stored[: value.shape[0]] if name in ("embedding.word.weight", "output.weight") else stored, value), name
+
+
+# -- the distributed optimizer's Adam state (tests/megatron_moe_adam.py, in moe_root's launch) --
+
+ADAM_EPS = (2, 1)
+"""The expert parallelism megatron-core saved its Adam state at: 2 (the experts' own optimizer,
+chained_1, one expert-parallel rank's buffers each) and 1 (the experts in the dense buffer)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", ADAM_EPS)
+def test_megatron_moe_dp_reshardable_adam_state_reads_as_megatron_gathers_it(moe_root, ep):
+    """The dp_reshardable buckets of an MoE model (saved on 2 ranks: dense dp 2, the experts at
+    ep 2 or 1) read, tensor by tensor and slot by slot, bit for bit as megatron-core's own
+    model-space save of the same state: router, shared expert and the rest from the dense
+    buffers, each routed expert from its own expert-parallel rank's buffers (chained_1) at ep 2."""
+    shapes = full_model_shapes(model_cfg(), ROWS)
+    buckets = MegatronReader(layout.iteration_dir(moe_root / f"adam_ep{ep}" / "dp_reshardable", ITERATION))
+    gathered = MegatronReader(layout.iteration_dir(moe_root / f"adam_ep{ep}", ITERATION))
+    for reader in (buckets, gathered):
+        reader.check(shapes, list(shapes))
+    found, spec = buckets.bucket_layout()
+    assert spec == "local" and found.experts == "SequentialMLP" and gathered.bucket_layout()[0] is None
+    expert_buffers = {piece.prefix.split(".gbuf")[0] for piece in found.pieces[("decoder.layers.mlp.experts.experts.linear_fc1.weight", 1)]}
+    assert expert_buffers == ({f"chained_1.optimizer.distributed.dp_group_idx_{m}" for m in range(2)} if ep == 2 else
+                              {"optimizer.distributed.dp_group_idx_0"})  # fmt: skip
+    assert adam_step(buckets.optimizer_common()) == 1.0
+    for name, shape in shapes.items():
+        for slot in ("param", "exp_avg", "exp_avg_sq") if not is_buffer(name) else ():
+            assert torch.equal(buckets.tensor(name, shape, slot), gathered.tensor(name, shape, slot)), (name, slot, ep)
+
+
+@pytest.mark.slow
+def test_megatron_moe_dp_reshardable_adam_state_steps_on_as_its_model_space_save(moe_root, capsys):
+    """One dtgpt step (AdamW, clipped) from the dp_reshardable buckets saved at ep 2 equals one
+    from megatron-core's model-space save of the same state: weights and both moments, bit for
+    bit; the log says where the state came from."""
+    from dtgpt.checkpoint.megatron.keys import dtgpt_names
+
+    stepped = {}
+    for source in ("dp_reshardable", "model_space"):
+        cfg = dtgpt.make_config(model=MODEL, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+                                training=dict(micro_batch_size=2, global_batch_size=2),
+                                optimizer=dict(lr_decay_style="constant", lr_warmup_iters=0, lr=1e-3, clip_grad=1.0))  # fmt: skip
+        runtime = dtgpt.init_distributed(cfg)
+        state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, VOCAB))
+        root = moe_root / "adam_ep2" / ("dp_reshardable" if source == "dp_reshardable" else "")
+        assert dtgpt.load_checkpoint(root, cfg, runtime, state) == ITERATION
+        log = capsys.readouterr().out
+        assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log, log
+        assert ("dp_reshardable buckets (local layer order, SequentialMLP experts)" in log) == (source == "dp_reshardable")
+        dtgpt.train_step(cfg, state, tokens())
+        optimizer = state.optimizer.optimizers[0]
+        params = dict(state.model.parts[0].named_parameters())
+        stepped[source] = {name: (params[name].detach().clone(), *(optimizer.state[params[name]][k].clone() for k in ("exp_avg", "exp_avg_sq")))
+                           for name in dtgpt_names(cfg.model) if name in params}  # fmt: skip
+    assert stepped["dp_reshardable"].keys() == stepped["model_space"].keys() == {n for n in dtgpt_names(cfg.model) if not is_buffer(n)}
+    for name, values in stepped["dp_reshardable"].items():
+        for ours, theirs in zip(values, stepped["model_space"][name]):
+            assert torch.equal(ours, theirs), name

@@ -33,6 +33,9 @@ from typing import NamedTuple
 
 import torch
 
+from dtgpt.checkpoint.megatron.expert_buckets import (
+    EXPERT_ORDERS, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
+)  # fmt: skip
 from dtgpt.checkpoint.megatron.regions import read_regions
 
 BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
@@ -51,16 +54,22 @@ _REST = (
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",  # an MoE layer's, under the Transformer Engine spec
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    # an MoE layer's MLP: the router, the routed experts (EXPERTS: expert_buckets.py), the shared expert
+    "mlp.router.weight", "mlp.router.bias", EXPERTS,
+    "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.bias",
 )  # fmt: skip
 LAYER_ORDERS = {
     "local": (*_INPUT_NORM, *_ATTENTION, *_REST),
     "transformer_engine": (*_ATTENTION, *_INPUT_NORM, *_REST),
 }
-"""A dense GPT layer's parameters in megatron-core's module order, by layer spec."""
+"""A GPT layer's parameters in megatron-core's module order, by layer spec."""
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+BUFFERS = ("decoder.layers.mlp.router.expert_bias",)  # saved with the model, outside the optimizer
 TIED_HEAD = "output_layer.weight"  # at pp > 1 the last stage's copy of a tied embedding: never read
 
 TP_DIM = {
@@ -81,6 +90,7 @@ class Parallel(NamedTuple):
 
     tp: int = 1
     stage_layers: tuple[int, ...] = ()  # the decoder layers of each pipeline stage; () for pp 1
+    ep: int = 1  # expert parallelism (the experts' tp: 1)
 
 
 class Piece(NamedTuple):
@@ -95,8 +105,9 @@ class Piece(NamedTuple):
 class BucketLayout:
     """Where each Megatron parameter's optimizer state sits: (key, layer) -> its pieces."""
 
-    def __init__(self, pieces: dict[Param, list[Piece]]):
+    def __init__(self, pieces: dict[Param, list[Piece]], experts: str = ""):
         self.pieces = pieces
+        self.experts = experts  # the routed experts' module, whose parameter order they follow ("": no experts)
 
 
 def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int]]:
@@ -117,24 +128,36 @@ def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     return shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
 
 
-def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stage: int, parallel: Parallel) -> list[tuple[Param, tuple]] | None:
-    """((key, layer), local shape) of pipeline stage `stage`'s parameters in megatron-core's module
-    order (layers numbered globally), or None when a key is outside the dense GPT this order knows."""
-    unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and k.removeprefix("decoder.layers.") not in layer_order]
-    if unknown:
-        return None
+def stage_layers(shapes: dict, model_keys: list[str], stage: int, parallel: Parallel) -> range:
+    """The decoder layers (numbered globally) of pipeline stage `stage`."""
     layer_keys = [k for k in model_keys if k.startswith("decoder.layers.")]
     counts = parallel.stage_layers or ((shapes[layer_keys[0]][0] if layer_keys else 0),)
-    first, last = sum(counts[:stage]), stage == len(counts) - 1
-    whole = lambda keys: [((k, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
+    return range(sum(counts[:stage]), sum(counts[: stage + 1]))
+
+
+def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stage: int, parallel: Parallel,
+                experts: ExpertSplit | None = None) -> list[tuple[tuple, tuple]] | None:
+    """((key, layer, expert), local shape) of pipeline stage `stage`'s parameters in megatron-core's
+    module order (layers numbered globally; expert None but for the routed experts, which this
+    buffer holds only where `experts` says), or None when a key is outside the GPT this order knows."""
+    unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and k.removeprefix("decoder.layers.") not in layer_order
+               and not is_expert_key(k)]  # fmt: skip
+    if unknown:
+        return None
+    last = stage == (len(parallel.stage_layers) or 1) - 1
+    whole = lambda keys: [((k, None, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
     order = whole(BEFORE) if stage == 0 else []
-    stacked = [k for k in (f"decoder.layers.{k}" for k in layer_order) if k in model_keys]
-    for layer in range(first, first + counts[stage]):
-        order += [((k, layer), local_shape(k, shapes[k][1:], parallel.tp)) for k in stacked]
+    for layer in stage_layers(shapes, model_keys, stage, parallel):
+        for name in layer_order:
+            key = f"decoder.layers.{name}"
+            if name == EXPERTS and experts is not None:
+                order += expert_entries(shapes, model_keys, layer, experts)
+            elif key in model_keys:
+                order.append(((key, layer, None), local_shape(key, shapes[key][1:], parallel.tp)))
     if last:
         order += whole(AFTER)
-        if TIED_HEAD not in model_keys and len(counts) > 1:  # the tied head's copy on the last stage
-            order.append(((TIED_HEAD, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
+        if TIED_HEAD not in model_keys and parallel.stage_layers and len(parallel.stage_layers) > 1:  # the tied head's copy
+            order.append(((TIED_HEAD, None, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
     return order
 
 
@@ -170,25 +193,41 @@ def shard_pieces(key: str, shape: tuple[int, ...], prefix: str, start: int, tp: 
     return [Piece(prefix, start + half * math.prod(block), block, at(half)) for half in range(halves)]
 
 
-def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list], parallel: Parallel) -> dict[Param, list[Piece]] | None:
+def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list], parallel: Parallel,
+                expert_module: str = "SequentialMLP", expert_stored: dict[int, list] | None = None) -> dict[Param, list[Piece]] | None:
     """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank ->
-    [(prefix, length)] by bucket), when each rank's buckets fit its parameters in this layer
-    order; else None. A parameter whole on every tp rank is read from tp rank 0's copy."""
+    [(prefix, length)] by bucket; expert_stored: the experts' own buffers, chained_1, by expert
+    model-parallel rank, or None: the dense buffers hold the experts), when each rank's buckets fit
+    its parameters in this order; else None. A parameter whole on every tp rank is read from tp
+    rank 0's copy; a routed expert's tensor is a block of its own at its expert's index."""
     fc1, fc2 = shapes.get(SWIGLU_FC1[0]), shapes.get("decoder.layers.mlp.linear_fc2.weight")
     halves = 2 if fc1 and fc2 and fc1[1] == 2 * fc2[2] else 1
-    pieces: dict[Param, list[Piece]] = {}
+    experts = num_experts(shapes, model_keys)
+    inline = ExpertSplit(range(experts), expert_module) if expert_stored is None else None
+    fits = []  # (order, buckets, tp rank) of every buffer
     for stage in range(len(parallel.stage_layers) or 1):
-        order = stage_order(shapes, model_keys, layer_order, stage, parallel)
+        order = stage_order(shapes, model_keys, layer_order, stage, parallel, inline)
         if order is None:
             return None
-        for rank in range(parallel.tp):
-            places = fit([(param, math.prod(shape)) for param, shape in order], stored[rank + parallel.tp * stage])
-            if places is None:
-                return None
-            for (key, layer), (prefix, start) in places.items():
-                if key in model_keys and (rank == 0 or key in TP_DIM):
-                    shape = shapes[key] if layer is None else shapes[key][1:]
-                    pieces.setdefault((key, layer), []).extend(shard_pieces(key, shape, prefix, start, parallel.tp, rank, halves))
+        fits += [(order, stored[rank + parallel.tp * stage], rank) for rank in range(parallel.tp)]
+    for rank, buckets in sorted((expert_stored or {}).items()):
+        stage, split = rank_split(rank, parallel.ep, experts, expert_module)
+        order = [entry for layer in stage_layers(shapes, model_keys, stage, parallel) for entry in expert_entries(shapes, model_keys, layer, split)]
+        fits.append((order, buckets, 0))
+    pieces: dict[Param, list[Piece]] = {}
+    for order, buckets, rank in fits:
+        places = fit([(param, math.prod(shape)) for param, shape in order], buckets)
+        if places is None:
+            return None
+        for (key, layer, expert), (prefix, start) in places.items():
+            if key not in model_keys or (rank > 0 and key not in TP_DIM):
+                continue  # a tied head's copy; a tp replica
+            shape = shapes[key] if layer is None else shapes[key][1:]
+            if expert is not None:
+                found = [Piece(prefix, start, (1, *shape[1:]), (expert, *(0,) * (len(shape) - 1)))]
+            else:
+                found = shard_pieces(key, shape, prefix, start, parallel.tp, rank, halves)
+            pieces.setdefault((key, layer), []).extend(found)
     return pieces
 
 
@@ -257,26 +296,35 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
                   chunks: dict[str, list[int]] | None = None) -> tuple[BucketLayout | None, str]:
     """The dp_reshardable layout of a checkpoint saved with `parallel` (None: its args are
     unknown; chunks: where each bucket's stored chunks start), or (None, why not)."""
+    model_keys = [k for k in model_keys if k not in BUFFERS]
     buckets = buckets_of(shapes)
-    ranks = sorted({k[0] for k in buckets})
-    buffers = {k[1] for k in buckets}
-    if len(buffers) > 1:
-        kinds = "an MoE model's experts, with their own optimizer" if any(chain for chain, _, _ in buffers) else "parameter dtypes or virtual pipeline stages"
-        return None, f"it holds several grad buffers per model-parallel rank ({kinds}), which dtgpt does not map yet"
+    stored: dict[int, dict[int, list]] = {}  # chained optimizer -> model-parallel rank -> buckets
+    for key in sorted(buckets, key=lambda k: k[2]):
+        stored.setdefault(key[1][0], {}).setdefault(key[0], []).append(buckets[key])
+    experts = num_experts(shapes, model_keys)
+    if len({k[1] for k in buckets}) > len(stored) or not set(stored) <= ({0, 1} if experts else {0}):
+        return None, "it holds several grad buffers per model-parallel rank (parameter dtypes or virtual pipeline stages), which dtgpt does not map yet"
+    ranks = sorted(stored[0]) if 0 in stored else []
     if parallel is None and ranks != [0]:
         return None, f"it was saved by {len(ranks)} model-parallel ranks and the checkpoint's args do not say its tp and pp"
     parallel = parallel or Parallel()
     pp = len(parallel.stage_layers) or 1
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
-    stored: dict[int, list] = {}
-    for key in sorted(buckets, key=lambda k: k[2]):
-        stored.setdefault(key[0], []).append(buckets[key])
+    if experts and parallel.tp > 1:
+        return None, f"it is an MoE model saved at tp {parallel.tp}, whose experts' tp shards dtgpt does not map yet"
+    expert_ranks = sorted(stored.get(1, {}))
+    if 1 in stored and (expert_ranks != list(range(parallel.ep * pp)) or experts % parallel.ep):
+        return None, (f"it holds the experts' buckets of {len(expert_ranks)} model-parallel ranks, but its args say "
+                      f"ep x pp = {parallel.ep} x {pp} (expert tp 1) for {experts} experts")  # fmt: skip
     # the first stage's first layer and the last stage's: in the last buckets of their ranks, which
-    # megatron-core's buffer (reverse module order) fills last
+    # megatron-core's buffer (reverse module order) fills last; of the experts, the first and the last
     checked_layers = {0, sum(parallel.stage_layers[:-1])}
     for spec, layer_order in LAYER_ORDERS.items():
-        pieces = rank_pieces(shapes, model_keys, layer_order, stored, parallel)
-        if pieces and agrees(directory, dtypes, bucket_checks(pieces, checked_layers), chunks):
-            return BucketLayout(pieces), spec
-    return None, "its buckets do not match megatron-core's parameter order for this model (dense GPT, local or Transformer Engine spec)"
+        for module in EXPERT_ORDERS if experts else ("SequentialMLP",):
+            pieces = rank_pieces(shapes, model_keys, layer_order, stored[0], parallel, module, stored.get(1))
+            checks = bucket_checks(pieces, checked_layers) + expert_checks(pieces, checked_layers, {0, experts - 1}) if pieces else []
+            if pieces and agrees(directory, dtypes, checks, chunks):
+                return BucketLayout(pieces, module if experts else ""), spec
+    what = "GPT or MoE GPT, local or Transformer Engine spec, SequentialMLP or TEGroupedMLP experts" if experts else "dense GPT, local or Transformer Engine spec"
+    return None, f"its buckets do not match megatron-core's parameter order for this model ({what})"

@@ -127,7 +127,9 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
         notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
         if in_buckets:
-            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({reader.bucket_layout()[1]} layer order)")
+            buckets, spec = reader.bucket_layout()
+            experts = f", {buckets.experts} experts" if buckets.experts else ""
+            notes.append(f"optimizer state read from the distributed optimizer's dp_reshardable buckets ({spec} layer order{experts})")
     elif stateful:
         why = "common.pt holds no Adam step count"
         if shifted:

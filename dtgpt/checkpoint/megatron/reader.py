@@ -97,9 +97,12 @@ class MegatronReader:
             found = self.torch_dist and any(BUCKET.match(key) for key in self.shapes)
             args, parallel = self.common.get("args"), self._parallel()
             groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+            expert_tp = getattr(args, "expert_tensor_parallel_size", None)
             if found and parallel and groups and groups < parallel.tp:
                 self._buckets = (None, f"each of its tp {parallel.tp} ranks holds a copy of the key/value heads (num_query_groups={groups} "
                                        "< tp), which dtgpt does not map yet")  # fmt: skip
+            elif found and expert_tp not in (None, 1) and getattr(args, "num_experts", None):
+                self._buckets = (None, f"its experts are split over expert_tensor_parallel_size={expert_tp} ranks, which dtgpt does not map yet")
             else:
                 self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys, parallel, self._chunk_starts()) if found else (None, "")
         return self._buckets
@@ -119,10 +122,11 @@ class MegatronReader:
         tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1) or 1
         if not isinstance(tp, int):
             return None
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
         if pp == 1:
-            return Parallel(tp)
+            return Parallel(tp, (), ep)
         split = args_split(args, pp, 1)
-        return None if split is None else Parallel(tp, tuple(split))
+        return None if split is None else Parallel(tp, tuple(split), ep)
 
     def optimizer_common(self):
         """Megatron's optimizer state besides the tensors (its param groups, step included): in
@@ -131,8 +135,9 @@ class MegatronReader:
         if not self.torch_dist:
             step = self._per_rank.optimizer.first[1]
             return None if step is None else {"common_step": step}
-        if self.bucket_layout()[0] is not None:
-            return self._item("optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1")
+        if self.bucket_layout()[0] is not None:  # an MoE model's: the dense optimizer's and the experts' (chained_1)
+            items = [self._item(f"{chain}optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1") for chain in ("", "chained_0.", "chained_1.")]
+            return [item for item in items if item is not None]
         return self.common.get("optimizer")
 
     def holds(self, name: str, slot: str) -> bool:
