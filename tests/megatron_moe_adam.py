@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 BUCKET_SIZE = 6_000
@@ -29,6 +30,7 @@ def save_moe_adam(root: Path, ep: int, build, state: dict) -> None:
 
     for bucket_size, sharding, directory in ((None, "fully_reshardable", root), (BUCKET_SIZE, "dp_reshardable", root / "dp_reshardable")):
         model = build()
+        distinct_experts(model, ep)
         ddp, optimizer = build_optimizer(model, bucket_size=bucket_size)
         # at ep > 1 the experts have an optimizer of their own (chained_1); at ep 1 the dense one holds them
         assert len(optimizer.chained_optimizers) == 1 + (ep > 1)
@@ -38,3 +40,18 @@ def save_moe_adam(root: Path, ep: int, build, state: dict) -> None:
         synthetic_step(model, ddp, optimizer)
         save(model, optimizer, directory, sharding, state)
     dist.barrier()
+
+
+@torch.no_grad()
+def distinct_experts(model, ep: int) -> None:
+    """Each global expert's weights drawn from a seed of its own: megatron-core's CPU init draws
+    the same local experts on every expert-parallel rank (expert 2 = expert 0 at ep 2), which
+    would hide a state read from another rank's buffer."""
+    from megatron.core import parallel_state
+
+    for layer in model.decoder.layers:
+        local = layer.mlp.experts.local_experts
+        for k, expert in enumerate(local):
+            draw = torch.Generator().manual_seed(100 + parallel_state.get_expert_model_parallel_rank() * len(local) + k)
+            for param in expert.parameters():
+                param.copy_(0.02 * torch.randn(param.shape, generator=draw))
