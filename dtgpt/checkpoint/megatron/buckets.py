@@ -21,7 +21,9 @@ is megatron-core's module registration order, which differs between its local an
 Engine layer specs (the input norm before the attention, or fused into linear_qkv after
 linear_proj). Both are tried; the one whose buckets have exactly the stored lengths and whose
 master weights equal the model weights (agrees, on a bounded set of small tensors:
-bucket_checks) is taken. Anything else is no layout: the caller starts fresh.
+bucket_checks) is taken. Anything else is no layout: the caller starts fresh. An MoE model's
+routed experts sit in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1:
+expert_buckets.py.
 """
 
 from __future__ import annotations
