@@ -194,3 +194,48 @@ def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
 
     monkeypatch.setattr(buckets, "read_regions", read_regions)
     assert bucket_layout(None, {**shapes, **saved}, {}, list(shapes), parallel)[1] == "transformer_engine"
+
+
+def moe_gpt(layers: int, experts: int, hidden: int = 16) -> dict[str, tuple[int, ...]]:
+    """An MoE GPT's Megatron shapes: dense_gpt's with a router and SwiGLU routed experts for the MLP."""
+    dense = {k: v for k, v in dense_gpt(layers, hidden).items() if not k.startswith(("decoder.layers.mlp.linear_fc1.w", "decoder.layers.mlp.linear_fc2"))}
+    experts_at = "decoder.layers.mlp.experts.experts."
+    return {**dense, "decoder.layers.mlp.router.weight": (layers, experts, hidden),
+            f"{experts_at}linear_fc1.weight": (layers, experts, 2 * 8, hidden), f"{experts_at}linear_fc2.weight": (layers, experts, hidden, 8)}  # fmt: skip
+
+
+def saved_moe_buckets(shapes: dict, ep: int, module: str = "SequentialMLP") -> dict[str, tuple[int, ...]]:
+    """The param buckets megatron-core saves at tp 1, pp 1 and `ep` > 1 (one bucket a buffer): the
+    dense one (chained_0) and each expert-parallel rank's experts' (chained_1)."""
+    from dtgpt.checkpoint.megatron.expert_buckets import expert_entries, rank_split
+
+    def length(order) -> int:
+        position = 0
+        for _, shape in reversed(order):
+            position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + math.prod(shape)
+        return position
+
+    experts = shapes["decoder.layers.mlp.router.weight"][1]
+    stored = {f"chained_0.{BUCKET.format(0, 0, 0)}.param": (length(stage_order(shapes, list(shapes), LAYER_ORDERS["local"], 0, Parallel())),)}
+    for rank in range(ep):
+        split = rank_split(rank, ep, experts, module)[1]
+        order = [entry for layer in range(shapes["decoder.layers.mlp.router.weight"][0]) for entry in expert_entries(shapes, list(shapes), layer, split)]
+        stored[f"chained_1.{BUCKET.format(rank, 0, 0)}.param"] = (length(order),)
+    return stored
+
+
+@pytest.mark.parametrize("experts,ep", [(4, 2), (64, 8)])
+def test_each_expert_parallel_rank_holds_its_experts_and_the_check_reads_as_much_whatever_e_and_ep(reads, experts, ep):
+    """At ep > 1 expert e's state is in the experts' buffer (chained_1) of expert-parallel rank
+    e // (E / ep), whole; the master-weight check adds the first row of the first and the last
+    expert's two tensors in the checked layer: 4 rows more, whatever the expert count and ep."""
+    shapes = moe_gpt(4, experts)
+    layout, spec = bucket_layout(None, {**shapes, **saved_moe_buckets(shapes, ep)}, {}, list(shapes), Parallel(1, (), ep))
+    assert layout is not None and spec == "local" and layout.experts == "SequentialMLP"
+    fc1 = layout.pieces[("decoder.layers.mlp.experts.experts.linear_fc1.weight", 3)]
+    assert sorted((piece.offsets[0], piece.prefix.split(".")[3]) for piece in fc1) == [(e, f"dp_group_idx_{e // (experts // ep)}") for e in range(experts)]
+    assert all(piece.shape == (1, 16, 16) for piece in fc1)
+    model = [n for key, _, n in reads if not key.endswith(".param")]
+    # the final norm and layer 0's 3 1-D tensors; the first rows of experts 0 and E - 1's fc1 (h) and fc2 (ffn 8)
+    assert sorted(model) == sorted([16] * 4 + [16, 8] * 2)
+
