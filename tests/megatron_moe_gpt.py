@@ -13,7 +13,9 @@ expert biases drawn wide so that routing depends on them, then in one launch:
 - if ROOT/from_dtgpt holds a checkpoint (dtgpt's to-megatron), builds the model again from
   another seed, loads it with dist_checkpointing and writes ROOT/loaded_logits.pt;
 - if ROOT/from_dtgpt_per_rank holds per-rank files (to-megatron --format per-rank --ep N), each
-  rank loads its own with a strict load_state_dict, and ROOT/loaded_per_rank_logits.pt follows.
+  rank loads its own with a strict load_state_dict, and ROOT/loaded_per_rank_logits.pt follows;
+- saves the distributed optimizer's Adam state after one step, at ep 2 and at ep 1, under
+  ROOT/adam_ep2 and ROOT/adam_ep1 (tests/megatron_moe_adam.py).
 
 megatron-core runs with tests/megatron_gpt.py's CPU patches and one more (the MoE layer's
 Transformer Engine GEMM, absent: moe_utils.te_general_gemm = None), and the allgather dispatcher

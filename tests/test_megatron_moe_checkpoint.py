@@ -6,7 +6,8 @@ shared expert and its gate) saves torch_dist (the experts on their global axis) 
 (mp_rank_00_000 and mp_rank_00_001, each with its 2 local_experts), and records its logits; in
 the same launch it loads the checkpoints dtgpt wrote before it (to-megatron torch_dist and
 per-rank at ep 2) into a model from another seed and records those logits. dtgpt must give the
-same logits both ways.
+same logits both ways. The same launch ends with megatron-core's distributed optimizer after one
+step at ep 2 and at ep 1, saved dp_reshardable and in model space (tests/megatron_moe_adam.py).
 """
 
 from __future__ import annotations
