@@ -34,6 +34,7 @@ RAMP = [
     "--training.rampup_batch_size=[2,2,35]",
     f"--training.train_iters={STEPS}",
     f"--optimizer.lr_decay_iters={STEPS}",
+    "--checkpoint.save_optimizer=false",  # the checkpoints are read for the model only
 ]
 BATCHES = [2, 2, 2, 4, 6, 8, 10, 14, 16]
 PP2_DP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.data_parallel_shard_size=2"]
