@@ -625,13 +625,19 @@ def test_optimizer_state_saved_at_tp2_pp2_reads_as_megatron_gathers_it(adam_tp2p
 
 @pytest.mark.slow
 def test_unmapped_distrib_optim_at_pp2_is_one_line_naming_the_file(adam_tp2pp2, tmp_path):
-    """At tp 2 x pp 2: a last stage's distrib_optim.pt of two grad buffers (MoE experts, mixed
-    dtypes) is found before any region is read, and named; virtual pipeline chunks are named."""
-    root = shutil.copytree(adam_tp2pp2 / "gpt" / "distrib_optim", tmp_path / "distrib_optim")
-    last = layout.iteration_dir(root, ITERATION) / "mp_rank_00_001"
+    """At tp 2 x pp 2: master weights that differ from the weights (one element of the first
+    stage's buffer), and a last stage's distrib_optim.pt of two grad buffers (MoE experts, mixed
+    dtypes), are found before any region is read, and the file named; virtual pipeline chunks are named."""
+    directory = layout.iteration_dir(shutil.copytree(adam_tp2pp2 / "gpt" / "distrib_optim", tmp_path / "distrib_optim"), ITERATION)
+    first, last = directory / "mp_rank_00_000", directory / "mp_rank_00_001"
+    state = load_pickle(first / "distrib_optim.pt")
+    state[0][(torch.float32, torch.float32)]["param"][0] += 1.0  # the first element of the last parameter in module order
+    torch.save(state, first / "distrib_optim.pt")
+    why = MegatronReader(directory).per_rank_optimizer_problem()
+    assert why.startswith(f"{first / PER_RANK_FILE} has a distrib_optim.pt of ") and why.endswith("(its master weights differ from the weights)"), why
     state = load_pickle(last / "distrib_optim.pt")
     torch.save({**state, 1: state[0]}, last / "distrib_optim.pt")
-    why = MegatronReader(layout.iteration_dir(root, ITERATION)).per_rank_optimizer_problem()
+    why = MegatronReader(directory).per_rank_optimizer_problem()
     assert why.startswith(f"{last / PER_RANK_FILE} has a distrib_optim.pt of 2 grad buffers or dtypes (MoE experts"), why
     with pytest.raises(Unmapped, match=r"with virtual pipeline chunks \(model0, model1: a grad buffer each"):
         file_state({"optimizer": {"optimizer": {"param_groups": []}}}, last, ["model0", "model1"], 2, 1)
