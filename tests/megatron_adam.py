@@ -171,12 +171,17 @@ def optimizer_states(optimizer, param) -> dict:
 
 def save_per_rank(model, optimizer, root: Path, trainer_state: dict, **args) -> None:
     """Megatron-LM's legacy save (--ckpt-format torch, megatron/training/checkpointing.py, which the
-    pip package lacks), as its generate_state_dict builds it at tp 1, pp 1: model_optim_rng.pt
-    holds the model, `optimizer.state_dict()` (the FP32Optimizer's: torch's AdamW state by
-    parameter index; the distributed optimizer's: its param groups and step alone), the scheduler
-    and args (`args`: what differs from trainer_state's); with the distributed optimizer,
-    save_parameter_state writes distrib_optim.pt beside it (its buffers, buckets coalesced)."""
-    rank_dir = root / f"iter_{trainer_state['iteration']:07d}" / "mp_rank_00"
+    pip package lacks), as its generate_state_dict builds it on each model-parallel rank (dp 1), in
+    mp_rank_TT (pp 1) or mp_rank_TT_PPP: model_optim_rng.pt holds the rank's model,
+    `optimizer.state_dict()` (the FP32Optimizer's: torch's AdamW state by parameter index; the
+    distributed optimizer's: its param groups and step alone), the scheduler and args (`args`:
+    what differs from trainer_state's); with the distributed optimizer, save_parameter_state
+    writes the rank's distrib_optim.pt beside it (its grad buffer, buckets coalesced)."""
+    from megatron.core import parallel_state
+
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    name = f"mp_rank_{tp:02d}" if parallel_state.get_pipeline_model_parallel_world_size() == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    rank_dir = root / f"iter_{trainer_state['iteration']:07d}" / name
     rank_dir.mkdir(parents=True, exist_ok=True)
     saved_args = argparse.Namespace(**{**vars(trainer_state["args"]), **args})
     state = {**trainer_state, "args": saved_args, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
@@ -302,16 +307,29 @@ def synthetic_step(model, ddp, optimizer) -> None:
 
 def run_adam_parallel(model, root: Path, trainer_state: dict, twin) -> None:
     """At tp 2 x pp 2 (dp 1): one synthetic step of the distributed optimizer, saved in model space
-    (fully_reshardable, one bucket: megatron-core gathers each parameter's tp shards) under root,
-    and the same step of a `twin()` cut into PARALLEL_BUCKET_SIZE buckets saved dp_reshardable
-    under root/dp_reshardable: the same state in both layouts (patch_for_optimizer already run)."""
+    (fully_reshardable, one bucket: megatron-core gathers each parameter's tp shards) under root
+    and per rank (each rank's distrib_optim.pt) under root/distrib_optim, and the same step of a
+    `twin()` cut into PARALLEL_BUCKET_SIZE buckets saved dp_reshardable under root/dp_reshardable
+    and per rank under root/distrib_optim_buckets: the same state in four layouts, and each rank's
+    bucket lengths in root/bucket_lengths.pt, {"mp_rank_TT_PPP": [unpadded length per bucket]}
+    (patch_for_optimizer already run)."""
+    from megatron.core import parallel_state
+
     ddp, optimizer = build_optimizer(model)
     synthetic_step(model, ddp, optimizer)
     save(model, optimizer, root, "fully_reshardable", trainer_state)
+    save_per_rank(model, optimizer, root / "distrib_optim", trainer_state, use_distributed_optimizer=True)
     other = twin()
     other_ddp, other_optimizer = build_optimizer(other, bucket_size=PARALLEL_BUCKET_SIZE)
     synthetic_step(other, other_ddp, other_optimizer)
     save(other, other_optimizer, root / "dp_reshardable", "dp_reshardable", trainer_state)
+    save_per_rank(other, other_optimizer, root / "distrib_optim_buckets", trainer_state, use_distributed_optimizer=True,
+                  overlap_grad_reduce=True, ddp_bucket_size=PARALLEL_BUCKET_SIZE, data_parallel_size=1)  # fmt: skip
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    lengths = [None] * dist.get_world_size()
+    dist.all_gather_object(lengths, (f"mp_rank_{tp:02d}_{pp:03d}", [bucket.numel_unpadded for bucket in other_ddp.buffers[0].buckets]))
+    if dist.get_rank() == 0:
+        torch.save(dict(lengths), root / "bucket_lengths.pt")
     dist.barrier()
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from dtgpt.checkpoint.megatron import buckets
 from dtgpt.checkpoint.megatron.buckets import LAYER_ORDERS, PARAM_ALIGNMENT, Parallel, Piece, bucket_layout, fit, rank_pieces, stage_order
+from dtgpt.checkpoint.megatron.distrib_optim import bucket_lengths
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 
@@ -28,6 +29,21 @@ def test_parameters_fill_buckets_in_reverse_order_each_aligned_to_64():
     assert fit(order, [("first", 164), ("second", 138)]) == {
         ("c", None): ("first", 0), ("b", 1): ("first", 64), ("b", 0): ("second", 0), ("a", None): ("second", 128),
     }  # fmt: skip
+
+
+def test_a_parameter_with_a_bucket_of_its_own_closes_the_one_before_at_the_next_aligned_place():
+    """megatron-core's DDP puts a pipeline's tied embedding (shared_embedding) in a bucket of its
+    own: the bucket before it ends where it would have started, aligned; the stored lengths say so."""
+    numels = [10, 100, 5, 70]  # a, b, c, d: reversed d at 0, c at 128 (70 -> 128), b at 192, a at 320
+    assert bucket_lengths(numels, None) == [330]
+    # d alone first; then c at 0, b at 64; a alone: the bucket of c and b closes at 192 (164 aligned)
+    assert bucket_lengths(numels, None, frozenset({0, 3})) == [70, 192, 10]
+    order = [((key, None), n) for key, n in zip("abcd", numels)]
+    assert fit(order, [("d", 70), ("cb", 192), ("a", 10)]) == {
+        ("d", None): ("d", 0), ("c", None): ("cb", 0), ("b", None): ("cb", 64), ("a", None): ("a", 0),
+    }  # fmt: skip
+    # with a bucket size too: c and b reach 100 and close at 164, unaligned, a and d each alone
+    assert bucket_lengths(numels, 100, frozenset({0, 3})) == [70, 164, 10]
 
 
 def test_lengths_that_the_order_cannot_give_are_no_layout():

@@ -165,7 +165,9 @@ def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
 
 def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[Param, tuple[str, int]] | None:
     """Each parameter's (bucket prefix, start) when megatron-core's buffer (the order reversed,
-    each parameter aligned) closes its buckets at exactly the stored lengths; else None."""
+    each parameter aligned) closes its buckets at exactly the stored lengths; else None. A bucket
+    closed before a parameter that takes a bucket of its own (a pipeline's tied embedding) ends
+    where that parameter would have started: at its last parameter's end, aligned."""
     places, index, position = {}, 0, 0
     for param, numel in reversed(order):
         if index == len(buckets):
@@ -176,7 +178,7 @@ def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[
             return None
         places[param] = (prefix, position)
         position += numel
-        if position == length:
+        if length in (position, aligned(position)):
             index, position = index + 1, 0
     return places if index == len(buckets) else None
 

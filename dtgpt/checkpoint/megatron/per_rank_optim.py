@@ -21,9 +21,8 @@ An index names the parameter by position: megatron-core's _get_param_groups puts
 overrides (no weight decay for biases and 1-D tensors; with --decoupled-lr the word embeddings and
 output layer on their own), and torch numbers the groups' parameters in turn. The groups' own
 fields do not say which rule made them, so each group is matched to the one class of parameters
-whose shapes, in order, are the shapes of its state; anything else is not mapped. The
-distributed optimizer's buffer holds the parameters in reverse order, each aligned
-(buckets.fit), its buckets cut where megatron-core's DDP cuts them (bucket_lengths).
+whose shapes, in order, are the shapes of its state; anything else is not mapped. Each file's
+distrib_optim.pt holds that file's parameters (distrib_optim.py), at any tp and pp.
 """
 
 from __future__ import annotations
@@ -35,20 +34,13 @@ from pathlib import Path
 import torch
 
 from dtgpt.checkpoint.layout import CheckpointError
-from dtgpt.checkpoint.megatron.buckets import aligned, fit
-from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
+from dtgpt.checkpoint.megatron.distrib_optim import DISTRIB_OPTIM_FILE, Unmapped, distributed_slots
+from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE
 
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 DECOUPLED = ("embedding.word_embeddings.weight", "output_layer.weight")
 """megatron-core's is_embedding_or_output_parameter: the tensors --decoupled-lr moves to a group of their own."""
-DEFAULT_BUCKET_SIZE = 40_000_000
-"""megatron-core DDP's bucket size with overlap_grad_reduce and no --ddp-bucket-size (at least 1e6 x dp)."""
 
 Slots = dict[str, dict[str, torch.Tensor]]  # slot -> {file key: tensor}
-
-
-class Unmapped(Exception):
-    """The optimizer state of a file that dtgpt does not map: the message says why."""
 
 
 def parameters(model: dict) -> list[tuple[str, torch.Tensor]]:
@@ -62,8 +54,9 @@ def param_class(key: str, value: torch.Tensor, decoupled: bool) -> tuple[bool, b
     return value.dim() == 1 or key.endswith(".bias"), decoupled and key in DECOUPLED
 
 
-def file_state(saved: dict, directory: Path, chunks: list[str], tp: int, pp: int) -> tuple[dict[str, Slots], float]:
-    """{chunk: {slot: {key: tensor}}} and the Adam step of one per-rank file, or Unmapped."""
+def file_state(saved: dict, directory: Path, chunks: list[str], pp: int, pp_rank: int) -> tuple[dict[str, Slots], float]:
+    """{chunk: {slot: {key: tensor}}} and the Adam step of one per-rank file (of pipeline rank
+    `pp_rank` of `pp`), or Unmapped."""
     optimizer = saved.get("optimizer")
     params = [(chunk, key, value) for chunk in chunks for key, value in parameters(saved.get(chunk, {}))]
     if isinstance(optimizer, list):
@@ -74,9 +67,11 @@ def file_state(saved: dict, directory: Path, chunks: list[str], tp: int, pp: int
     if "state" in inner:
         by_index, step = _indexed(inner, optimizer.get("fp32_from_fp16_params"), params)
     elif (directory / DISTRIB_OPTIM_FILE).is_file():
-        if (tp, pp, len(chunks)) != (1, 1, 1):
-            raise Unmapped(f"is the distributed optimizer's {DISTRIB_OPTIM_FILE} at tp {tp}, pp {pp}: dtgpt maps it at tp 1, pp 1 only")
-        by_index, step = _distributed(load_pickle(directory / DISTRIB_OPTIM_FILE, mmap=True), params, saved.get("args"), inner)
+        if len(chunks) > 1:
+            raise Unmapped(f"is the distributed optimizer's with virtual pipeline chunks ({', '.join(chunks)}: a grad buffer each "
+                           f"in its {DISTRIB_OPTIM_FILE}), which dtgpt does not map yet")  # fmt: skip
+        weights = [(key, value) for _, key, value in params]
+        by_index, step = distributed_slots(directory / DISTRIB_OPTIM_FILE, weights, saved.get("args"), pp, pp_rank), _group_step(inner)
     else:
         raise Unmapped(f"is the distributed optimizer's, but {directory / DISTRIB_OPTIM_FILE} is missing")
     out: dict[str, Slots] = {chunk: {} for chunk in chunks}
@@ -129,46 +124,12 @@ def _assign(groups: list[list[int]], saved_groups: list[dict], state: dict, para
     raise Unmapped("has param groups that match megatron-core's grouping of this file's parameters in no way dtgpt knows")
 
 
-def bucket_lengths(numels: list[int], bucket_size: int | None) -> list[int]:
-    """The unpadded length of each bucket of megatron-core's grad buffer (param_and_grad_buffer):
-    the parameters in reverse, each aligned, a bucket closed once it reaches `bucket_size`."""
-    lengths, position = [], 0
-    for numel in reversed(numels):
-        position = aligned(position) + numel
-        if bucket_size is not None and position >= bucket_size:
-            lengths.append(position)
-            position = 0
-    return lengths + ([position] if position else [])
-
-
-def _distributed(state: dict, params: list, args, inner: dict) -> tuple[list[dict[str, torch.Tensor]], float]:
-    """Each parameter's slots from distrib_optim.pt (one grad buffer, one dtype, at tp 1, pp 1)."""
-    buffers = [key for key in state if isinstance(key, int)]
-    if not state.get("buckets_coalesced") or len(buffers) != 1 or len(state[buffers[0]]) != 1:
-        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of several grad buffers, or buckets not coalesced (older Megatron), which dtgpt does not map")
-    flat = next(iter(state[buffers[0]].values()))
-    bucket_size = None
-    if getattr(args, "overlap_grad_reduce", False):
-        bucket_size = getattr(args, "ddp_bucket_size", None) or max(DEFAULT_BUCKET_SIZE, 1_000_000 * getattr(args, "data_parallel_size", 1))
-    numels = [value.numel() for _, _, value in params]
-    lengths = bucket_lengths(numels, bucket_size)
-    places = fit([((p, None), n) for p, n in enumerate(numels)], [(str(b), n) for b, n in enumerate(lengths)])
-    if places is None or sum(lengths) != flat["numel_unpadded"]:
-        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {flat['numel_unpadded']} elements, but the parameters laid out as "
-                       f"megatron-core's buffer (bucket size {bucket_size}) take {sum(lengths)}")  # fmt: skip
-    starts = [sum(lengths[:b]) for b in range(len(lengths))]
-    by_index = []
-    for p, (_, key, value) in enumerate(params):
-        bucket, start = places[(p, None)]
-        at = starts[int(bucket)] + start
-        slots = {slot: flat[slot][at : at + value.numel()].view(value.shape) for slot in ("param", "exp_avg", "exp_avg_sq")}
-        if not torch.equal(slots["param"].flatten()[[0, -1]].to(value.dtype), value.flatten()[[0, -1]]):
-            raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} whose master weights of {key} are not its weights where dtgpt maps them")
-        by_index.append(slots)
+def _group_step(inner: dict) -> float:
+    """The distributed optimizer's Adam step: its param groups' (they hold no per-parameter state)."""
     steps = {float(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
     if len(steps) != 1:
         raise Unmapped(f"holds param-group steps {sorted(steps)} (one step count expected)")
-    return by_index, steps.pop()
+    return steps.pop()
 
 
 class PerRankOptimizer:
@@ -183,16 +144,20 @@ class PerRankOptimizer:
     def _file(self, tp: int, pp: int, ep: int = 0) -> tuple[dict[str, Slots], float]:
         if (tp, pp, ep) not in self._files:
             where = self.model.files[(tp, pp, ep)]
-            self._files[(tp, pp, ep)] = file_state(self.model._load(tp, pp, ep), where, self.model.chunks, self.model.tp, self.model.pp)
+            self._files[(tp, pp, ep)] = file_state(self.model._load(tp, pp, ep), where, self.model.chunks, self.model.pp, pp)
         return self._files[(tp, pp, ep)]
 
     @functools.cached_property
     def first(self) -> tuple[list[str], float | None, str]:
-        """(the slots stored, the Adam step, why not mapped: "" when mapped), from rank 0's file."""
-        try:
-            slots, step = self._file(0, 0, 0)
-        except Unmapped as e:
-            return [], None, f"{self.model.files[(0, 0, 0)] / PER_RANK_FILE} {e}"
+        """(the slots stored, the Adam step, why not mapped: "" when mapped), from rank 0's file
+        and, at pp > 1, the last stage's (its distrib_optim.pt is cut by rules of its own: one
+        bucket past pp rank 0, a tied head's copy in a bucket of its own). Any other file is
+        mapped when a region first reads it."""
+        for pp in dict.fromkeys((self.model.pp - 1, 0)):
+            try:
+                slots, step = self._file(0, pp, 0)
+            except Unmapped as e:
+                return [], None, f"{self.model.files[(0, pp, 0)] / PER_RANK_FILE} {e}"
         return sorted(slots[self.model.chunks[0]]), step, ""
 
     def view(self, slot: str):
