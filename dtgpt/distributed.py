@@ -22,6 +22,7 @@ from dtgpt.determinism import apply_determinism
 from dtgpt.parallel import last_stage_rank, uses_compute_copy
 from dtgpt.parallel.dims import ParallelDims
 from dtgpt.parallel.rng import stage_seed
+from dtgpt.parallel.serial_gloo import serial_gloo
 from dtgpt.run.keys import LAUNCHER_ENV, replacement_number
 
 
@@ -100,10 +101,11 @@ def init_distributed(cfg: Config) -> Runtime:
 
 
 def backend_for(cfg: Config, device: torch.device) -> str:
+    """torch's backend name: NCCL, or gloo with one worker thread per group (dtgpt/parallel/serial_gloo.py: why)."""
     backend = cfg.distributed.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    return backend
+    return serial_gloo() if backend == "gloo" and device.type == "cpu" else backend
 
 
 def init_one_rank_group(cfg: Config, device: torch.device) -> None:
