@@ -3,13 +3,17 @@ group has two worker threads, which run two async collectives of one group at on
 deadlocks or corrupts memory inside gloo now and then (scripts/gloo_stress.py)."""
 
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from dtgpt.config import load_config
 from dtgpt.distributed import backend_for
 from dtgpt.parallel.serial_gloo import serial_gloo
+from tests.runs import REPO
 
 
 def threads() -> set[str]:
@@ -35,3 +39,16 @@ def test_gloo_means_one_worker_thread_per_group():
         assert tensor.tolist() == [1.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_stress_script_runs_both_backends():
+    """scripts/gloo_stress.py, the reproduction docs/faults.md cites, runs and checks its rounds (a
+    few here: the race it shows takes thousands under load)."""
+    for backend in ("gloo", "serial_gloo"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "scripts" / "gloo_stress.py"), f"--backend={backend}", "--rounds=20"]  # fmt: skip
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert all(f"rank {rank} ({backend}): rounds 20/20 ok" in out.stdout for rank in (0, 1)), out.stdout
+        assert "Warning" not in out.stderr, out.stderr
