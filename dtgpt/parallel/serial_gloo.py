@@ -3,16 +3,14 @@ the order they were issued, while the training thread goes on (async collectives
 
 torch builds a gloo group with two worker threads, so two async collectives of one group run at
 once over the same connections: FSDP's reduce-scatter (gloo's ring all-reduce) beside the next
-unit's all-gather, say. Under load that sometimes deadlocks inside gloo's TCP transport: one
-rank's all-reduce has finished but waits forever for its buffer to be released, while its peer
-waits in an all-gather send and an all-reduce receive; no collective timeout fires.
-`scripts/gloo_stress.py` reproduces it with plain torch (an all-gather and two all-reduces in
-flight on one group; it hung 2 runs in 2 at about 5,000 rounds on a loaded 2-core machine,
-docs/faults.md) and shows the one-thread group running clean. Groups still run concurrently
-with each other: each has its own connections and thread.
+unit's all-gather, say. Under load that fails now and then inside gloo's TCP transport: a
+deadlock (no collective timeout fires), or corrupted memory (a crash in a later collective's
+wait). `scripts/gloo_stress.py` reproduces both with plain torch, and runs clean on one thread
+(docs/faults.md, Known limits, has the figures). Groups still run side by side with each other:
+each has its own connections and thread.
 
 Registered with torch as its own backend (torch offers no other way to set a gloo group's thread
-count); dtgpt uses it wherever the config says gloo (dtgpt/distributed.py)."""
+count); dtgpt uses it wherever the config says gloo on CPU (dtgpt/distributed.py)."""
 
 from __future__ import annotations
 
