@@ -28,12 +28,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
-from dtgpt.parallel.collectives import all_gather  # noqa: E402
+from dtgpt.parallel.collectives import all_gather, all_gather_into, reduce_scatter_into  # noqa: E402
 from dtgpt.parallel.serial_gloo import serial_gloo  # noqa: E402
-
-# torch 2.13 renames these two (and warns on every call to the old names); torch 2.11 has only the old ones
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def one_round(i: int, group, world: int) -> None:
