@@ -115,11 +115,13 @@ def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None, 
     distributed = optimizer == "adam" if distributed is None else distributed
     # bucket_size: megatron-core cuts its grad buffer into buckets only with overlap_grad_reduce
     overlap = {"overlap_grad_reduce": True, "bucket_size": bucket_size} if bucket_size else {}
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=distributed, **overlap), model)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, **overlap)
+    # virtual pipeline chunks: a DDP (grad buffer) each, bucketed on the first alone (Megatron-LM's get_model)
+    ddps = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks_of(model))]
     # min_lr as Megatron-LM's --min-lr sets it (default 0; a bare OptimizerConfig has None): megatron-core
     # 0.19 matches a loaded checkpoint's param groups to its own by min_lr, among other keys
     config = OptimizerConfig(optimizer=optimizer, sgd_momentum=SGD_MOMENTUM, use_distributed_optimizer=distributed, min_lr=min_lr, **ADAM)
-    return ddp, get_megatron_optimizer(config, [ddp])
+    return (ddps if isinstance(model, list) else ddps[0]), get_megatron_optimizer(config, ddps)
 
 
 def step(ddp, optimizer, batch: torch.Tensor) -> None:
@@ -184,7 +186,7 @@ def save_per_rank(model, optimizer, root: Path, trainer_state: dict, **args) -> 
     rank_dir = root / f"iter_{trainer_state['iteration']:07d}" / name
     rank_dir.mkdir(parents=True, exist_ok=True)
     saved_args = argparse.Namespace(**{**vars(trainer_state["args"]), **args})
-    state = {**trainer_state, "args": saved_args, "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict()}
+    state = {**trainer_state, "args": saved_args, **model_states(model, lambda chunk: chunk.state_dict_for_save_checkpoint()), "optimizer": optimizer.state_dict()}
     torch.save(state, rank_dir / "model_optim_rng.pt")
     if args.get("use_distributed_optimizer"):
         optimizer.chained_optimizers[0].save_parameter_state(str(rank_dir / "distrib_optim.pt"))
@@ -296,9 +298,10 @@ pipeline stage (megatron-core keeps one on the others, besides a tied head's own
 def synthetic_step(model, ddp, optimizer) -> None:
     """One optimizer step on gradients made from the weights, sin(7 w): equal on every copy of a
     parameter (tp replicas, a tied head's copy on the last stage), with no pipeline schedule."""
-    ddp.zero_grad_buffer()
+    for one in ddp if isinstance(ddp, list) else [ddp]:
+        one.zero_grad_buffer()
     optimizer.zero_grad()
-    for param in model.parameters():
+    for param in (p for chunk in chunks_of(model) for p in chunk.parameters()):
         param.main_grad.copy_(torch.sin(7 * param.detach().float()))
     for group in optimizer.param_groups:  # as step() sets them
         group["lr"], group["weight_decay"] = group["max_lr"], ADAM["weight_decay"] * group["wd_mult"]
@@ -311,7 +314,8 @@ def run_adam_parallel(model, root: Path, trainer_state: dict, twin) -> None:
     and per rank (each rank's distrib_optim.pt) under root/distrib_optim, and the same step of a
     `twin()` cut into PARALLEL_BUCKET_SIZE buckets saved dp_reshardable under root/dp_reshardable
     and per rank under root/distrib_optim_buckets: the same state in four layouts, and each rank's
-    bucket lengths in root/bucket_lengths.pt, {"mp_rank_TT_PPP": [unpadded length per bucket]}
+    bucket lengths in root/bucket_lengths.pt, {"mp_rank_TT_PPP": [[unpadded length per bucket] per grad buffer]}
+    (`model`: a list of virtual pipeline chunks, a grad buffer each)
     (patch_for_optimizer already run)."""
     from megatron.core import parallel_state
 
@@ -327,10 +331,23 @@ def run_adam_parallel(model, root: Path, trainer_state: dict, twin) -> None:
                   overlap_grad_reduce=True, ddp_bucket_size=PARALLEL_BUCKET_SIZE, data_parallel_size=1)  # fmt: skip
     tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     lengths = [None] * dist.get_world_size()
-    dist.all_gather_object(lengths, (f"mp_rank_{tp:02d}_{pp:03d}", [bucket.numel_unpadded for bucket in other_ddp.buffers[0].buckets]))
+    buffers = [one.buffers[0] for one in other_ddp] if isinstance(other_ddp, list) else other_ddp.buffers
+    dist.all_gather_object(lengths, (f"mp_rank_{tp:02d}_{pp:03d}", [[b.numel_unpadded for b in buffer.buckets] for buffer in buffers]))
     if dist.get_rank() == 0:
         torch.save(dict(lengths), root / "bucket_lengths.pt")
     dist.barrier()
+
+
+def chunks_of(model) -> list:
+    """A model's chunks: the virtual pipeline stages of a list, else the model alone."""
+    return model if isinstance(model, list) else [model]
+
+
+def model_states(model, state) -> dict:
+    """Megatron-LM's model entries of a checkpoint: "model", or one "model<i>" per virtual chunk."""
+    if not isinstance(model, list):
+        return {"model": state(model)}
+    return {f"model{i}": state(chunk) for i, chunk in enumerate(model)}
 
 
 def save(model, optimizer, root: Path, sharding: str, trainer_state: dict) -> None:
@@ -339,7 +356,7 @@ def save(model, optimizer, root: Path, sharding: str, trainer_state: dict) -> No
 
     directory = root / f"iter_{trainer_state['iteration']:07d}"
     directory.mkdir(parents=True, exist_ok=True)
-    sharded = model.sharded_state_dict()
-    optimizer_state = optimizer.sharded_state_dict(sharded, metadata={"distrib_optim_sharding_type": sharding})
-    dist_checkpointing.save({"model": sharded, "optimizer": optimizer_state, **trainer_state}, str(directory))
+    models = model_states(model, lambda chunk: chunk.sharded_state_dict())
+    optimizer_state = optimizer.sharded_state_dict(models, metadata={"distrib_optim_sharding_type": sharding})
+    dist_checkpointing.save({**models, "optimizer": optimizer_state, **trainer_state}, str(directory))
     (root / "latest_checkpointed_iteration.txt").write_text(str(trainer_state["iteration"]))

@@ -22,7 +22,7 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
     python tests/megatron_gpt.py sgd DIR                  save the weights, then step its optimizer='sgd'
                                                           three times, write DIR/sgd.pt
     python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
-    python tests/megatron_gpt.py adam-parallel DIR        on 4 ranks (tp 2 x pp 2): one distributed-optimizer
+    python tests/megatron_gpt.py adam-parallel DIR        on 4 ranks (tp 2 x pp 2, and with VIRTUAL_ADAM's virtual stages): one distributed-optimizer
                                                           step of each of PARALLEL_ADAM's models, saved
                                                           model space, dp_reshardable and per rank with each
                                                           rank's distrib_optim.pt (run_adam_parallel)
@@ -50,6 +50,7 @@ import torch.distributed as dist
 VOCAB = 100  # the tokenizer's; Megatron pads it to DIVISIBLE_BY * tp rows
 DIVISIBLE_BY = 16
 LAYERS, HIDDEN, HEADS, SEQ = 2, 64, 4, 32
+VIRTUAL_LAYERS, VIRTUAL_STAGES = 4, 2  # adam-parallel's interleaved save: one layer per virtual stage at pp 2
 ITERATION, CONSUMED, LR_SAMPLES = 7, 56, 48
 CONSUMED_VALID = 24  # Megatron-LM keeps args.consumed_valid_samples in every checkpoint
 
@@ -122,34 +123,45 @@ ARCHS = {
 }  # fmt: skip
 
 
-def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt", pp: int = 1):
+def build(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt", pp: int = 1, vp: int | None = None):
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, pp)
-    return new_model(tp, untied, layers, arch)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
+    return new_model(tp, untied, layers, arch) if vp is None else virtual_chunks(tp, untied, layers, arch)
 
 
-def new_model(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt"):
-    """The GPTModel (this rank's pipeline stage), seeded: every call gives the same weights
-    (model parallelism set up)."""
+def virtual_chunks(tp: int, untied: bool, layers: int, arch: str) -> list:
+    """This pp rank's model chunks under virtual pipelining (Megatron-LM's get_model: one GPTModel
+    per virtual stage, the embedding in chunk 0 of the first pp rank, the head in the last chunk
+    of the last), each seeded apart so that no two chunks hold equal weights."""
+    from megatron.core import parallel_state
+
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    return [new_model(tp, untied, layers, arch, vp_stage=stage) for stage in range(vp)]
+
+
+def new_model(tp: int, untied: bool, layers: int = LAYERS, arch: str = "gpt", vp_stage: int | None = None):
+    """The GPTModel (this rank's pipeline stage; its virtual stage `vp_stage` of several), seeded:
+    every call gives the same weights (model parallelism set up)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     config = TransformerConfig(
-        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_layers=layers, virtual_pipeline_model_parallel_size=vp, hidden_size=HIDDEN, num_attention_heads=HEADS,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(), pipeline_dtype=torch.float32,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.02, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, **ARCHS[arch]["config"],
     )  # fmt: skip
-    torch.manual_seed(1234)
+    torch.manual_seed(1234 + (vp_stage or 0))
     model = GPTModel(config, get_gpt_layer_local_spec(**ARCHS[arch].get("spec", {})), vocab_size=padded_vocab(tp),
                      max_sequence_length=SEQ, share_embeddings_and_output_weights=not untied,
-                     pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-                     **ARCHS[arch]["model"])  # fmt: skip
-    if arch != "gpt":  # the tolerances of the GPT-3 model's tests were derived at Megatron's init
+                     pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage),
+                     post_process=parallel_state.is_pipeline_last_stage(False, vp_stage), vp_stage=vp_stage, **ARCHS[arch]["model"])  # fmt: skip
+    if arch != "gpt" or vp_stage is not None:  # the tolerances of the GPT-3 model's tests were derived at Megatron's init
         with torch.no_grad():  # norms start at one and biases at zero: give them values a mix-up would show
             for name, p in model.named_parameters():
                 if "layernorm" in name or name.endswith("bias"):
@@ -205,6 +217,9 @@ def trainer_state(tp: int, layers: int = LAYERS, arch: str = "gpt", untied: bool
 
 PARALLEL_ADAM = (("gpt", False), ("llama", True))
 """What adam-parallel saves at tp 2 x pp 2, each under ROOT/<arch>: (architecture, untied head)."""
+VIRTUAL_ADAM = ("gpt_vp", VIRTUAL_LAYERS, VIRTUAL_STAGES)
+"""What adam-parallel saves besides, at tp 2 x pp 2 with virtual stages, under ROOT/gpt_vp: (name, layers,
+virtual stages per pp rank) of the tied GPT, its norms and biases drawn (new_model) so that no two chunks match."""
 
 FAMILY = (("rope", "save", False), ("llama", "save", True), ("options", "save", False), ("mqa", "save", False),
           ("llama", "per-rank", True))
@@ -237,6 +252,12 @@ def main(argv: list[str]) -> None:
             model = build(2, untied, LAYERS, arch, pp=2)
             run_adam_parallel(model, root / arch, trainer_state(2, LAYERS, arch, untied, pp=2), twin=lambda: new_model(2, untied, LAYERS, arch))
             parallel_state.destroy_model_parallel()
+        name, layers, vp = VIRTUAL_ADAM
+        chunks = build(2, False, layers, pp=2, vp=vp)
+        state = trainer_state(2, layers, untied=False, pp=2)
+        vars(state["args"]).update(virtual_pipeline_model_parallel_size=vp)  # as Megatron-LM's args name it
+        run_adam_parallel(chunks, root / name, state, twin=lambda: virtual_chunks(2, False, layers, "gpt"))
+        parallel_state.destroy_model_parallel()
     elif args.command == "family":  # several models in one launch: megatron-core's import is paid once
         from megatron.core import parallel_state
 

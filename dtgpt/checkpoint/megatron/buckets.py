@@ -10,7 +10,11 @@ tensor per slot (param: the fp32 master weights, exp_avg, exp_avg_sq):
 generator numbers the tp-pp group with tp fastest); each such rank saves the buckets of its own
 parameters: its pipeline stage's layers (Megatron's split, stages.py), the embedding on the first
 stage, the final norm and head on the last (with a tied head at pp > 1, the last stage's own
-copy of the embedding, in a bucket of its own), each parameter as its tp shard (TP_DIM: rows or
+copy of the embedding, in a bucket of its own). With virtual pipeline stages (interleaved 1F1B)
+a pp rank holds vp model chunks, each wrapped in a DDP of its own: <G> numbers them (one
+parameter dtype each), and chunk c of pp rank r is virtual stage c x pp + r of Megatron's split
+into pp x vp stages (the embedding in chunk 0 of the first pp rank, the head in the last chunk of
+the last), its buffer cut by the rules below as a whole stage's. Each parameter as its tp shard (TP_DIM: rows or
 columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
 whole, replicated). Each tensor is the bucket's unpadded length, and an element sits at its
 offset within the bucket whatever the dp size (each dp rank saves its contiguous share at its own
@@ -91,8 +95,13 @@ class Parallel(NamedTuple):
     """The model parallelism a checkpoint was saved with (from its args)."""
 
     tp: int = 1
-    stage_layers: tuple[int, ...] = ()  # the decoder layers of each pipeline stage; () for pp 1
+    stage_layers: tuple[int, ...] = ()  # the decoder layers of each (virtual) pipeline stage; () for pp 1
     ep: int = 1  # expert parallelism (the experts' tp: 1)
+    vp: int = 1  # virtual stages per pp rank: stage_layers lists pp x vp stages, stage c x pp + r in chunk c of pp rank r
+
+    @property
+    def pp(self) -> int:
+        return len(self.stage_layers) // self.vp or 1
 
 
 class Piece(NamedTuple):
@@ -122,6 +131,25 @@ def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int
             chain, rank, gbuf, dtype, bucket = match.groups()[:5]
             found[(int(rank), (int(chain or 0), int(gbuf), dtype), int(bucket))] = (key[: -len(".param")], shape[0])
     return found
+
+
+def grad_buffers(buckets: dict[tuple, tuple[str, int]], vp: int) -> tuple[dict[int, dict[int, list[list]]], str]:
+    """chained optimizer -> model-parallel rank -> its grad buffers in gbuf order, each its
+    [(prefix, length)] by bucket, when every rank holds one buffer per model chunk (`vp` of the
+    dense optimizer's, one of the experts'); else ({}, why not)."""
+    stored: dict[int, dict[int, dict[int, list]]] = {}
+    for (rank, (chain, gbuf, _), _), bucket in sorted(buckets.items(), key=lambda item: item[0][2]):
+        stored.setdefault(chain, {}).setdefault(rank, {}).setdefault(gbuf, []).append(bucket)
+    dtypes = {(rank, chain, gbuf) for rank, (chain, gbuf, _), _ in buckets}
+    if len({(rank, buffer) for rank, buffer, _ in buckets}) > len(dtypes):
+        return {}, "it holds several parameter dtypes in one grad buffer, which megatron-core does not write"
+    for chain, ranks in stored.items():
+        chunks = vp if chain == 0 else 1
+        for rank, buffers in ranks.items():
+            if sorted(buffers) != list(range(chunks)):
+                return {}, (f"model-parallel rank {rank} holds {len(buffers)} grad buffers where its args give {chunks} model "
+                            f"chunk{'s' if chunks > 1 else ''} (mixed parameter dtypes, or virtual stages its args do not give), which dtgpt does not map yet")  # fmt: skip
+    return {chain: {rank: [buffers[g] for g in sorted(buffers)] for rank, buffers in ranks.items()} for chain, ranks in stored.items()}, ""
 
 
 def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
@@ -158,7 +186,7 @@ def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
                 order.append(((key, layer, None), local_shape(key, shapes[key][1:], parallel.tp)))
     if last:
         order += whole(AFTER)
-        if TIED_HEAD not in model_keys and parallel.stage_layers and len(parallel.stage_layers) > 1:  # the tied head's copy
+        if TIED_HEAD not in model_keys and parallel.pp > 1:  # the tied head's copy
             order.append(((TIED_HEAD, None, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
     return order
 
@@ -197,10 +225,10 @@ def shard_pieces(key: str, shape: tuple[int, ...], prefix: str, start: int, tp: 
     return [Piece(prefix, start + half * math.prod(block), block, at(half)) for half in range(halves)]
 
 
-def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list], parallel: Parallel,
+def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list[list]], parallel: Parallel,
                 expert_module: str = "SequentialMLP", expert_stored: dict[int, list] | None = None) -> dict[Param, list[Piece]] | None:
-    """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank ->
-    [(prefix, length)] by bucket; expert_stored: the experts' own buffers, chained_1, by expert
+    """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank -> its
+    grad buffers, one per model chunk, each [(prefix, length)] by bucket; expert_stored: the experts' own buffers, chained_1, by expert
     model-parallel rank, or None: the dense buffers hold the experts), when each rank's buckets fit
     its parameters in this order; else None. A parameter whole on every tp rank is read from tp
     rank 0's copy; a routed expert's tensor is a block of its own at its expert's index."""
@@ -213,7 +241,8 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
         order = stage_order(shapes, model_keys, layer_order, stage, parallel, inline)
         if order is None:
             return None
-        fits += [(order, stored[rank + parallel.tp * stage], rank) for rank in range(parallel.tp)]
+        pp_rank, chunk = stage % parallel.pp, stage // parallel.pp
+        fits += [(order, stored[rank + parallel.tp * pp_rank][chunk], rank) for rank in range(parallel.tp)]
     for rank, buckets in sorted((expert_stored or {}).items()):
         stage, split = rank_split(rank, parallel.ep, experts, expert_module)
         order = [entry for layer in stage_layers(shapes, model_keys, stage, parallel) for entry in expert_entries(shapes, model_keys, layer, split)]
@@ -301,23 +330,23 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     """The dp_reshardable layout of a checkpoint saved with `parallel` (None: its args are
     unknown; chunks: where each bucket's stored chunks start), or (None, why not)."""
     model_keys = [k for k in model_keys if k not in BUFFERS]
-    buckets = buckets_of(shapes)
-    stored: dict[int, dict[int, list]] = {}  # chained optimizer -> model-parallel rank -> buckets
-    for key in sorted(buckets, key=lambda k: k[2]):
-        stored.setdefault(key[1][0], {}).setdefault(key[0], []).append(buckets[key])
+    stored, why = grad_buffers(buckets_of(shapes), parallel.vp if parallel else 1)
     experts = num_experts(shapes, model_keys)
-    if len({k[1] for k in buckets}) > len(stored) or not set(stored) <= ({0, 1} if experts else {0}):
-        return None, "it holds several grad buffers per model-parallel rank (parameter dtypes or virtual pipeline stages), which dtgpt does not map yet"
+    if why or not set(stored) <= ({0, 1} if experts else {0}):
+        return None, why or "it holds optimizer buckets of chained optimizers other than an MoE model's experts'"
+    if experts and parallel and parallel.vp > 1:
+        return None, f"it is an MoE model saved with {parallel.vp} virtual pipeline stages per pp rank, whose buffers dtgpt does not map yet"
     ranks = sorted(stored[0]) if 0 in stored else []
     if parallel is None and ranks != [0]:
         return None, f"it was saved by {len(ranks)} model-parallel ranks and the checkpoint's args do not say its tp and pp"
     parallel = parallel or Parallel()
-    pp = len(parallel.stage_layers) or 1
+    pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
     if experts and parallel.tp > 1:
         return None, f"it is an MoE model saved at tp {parallel.tp}, whose experts' tp shards dtgpt does not map yet"
-    expert_ranks = sorted(stored.get(1, {}))
+    expert_stored = {rank: buffers[0] for rank, buffers in stored[1].items()} if 1 in stored else None
+    expert_ranks = sorted(expert_stored or {})
     if 1 in stored and (expert_ranks != list(range(parallel.ep * pp)) or experts % parallel.ep):
         return None, (f"it holds the experts' buckets of {len(expert_ranks)} model-parallel ranks, but its args say "
                       f"ep x pp = {parallel.ep} x {pp} (expert tp 1) for {experts} experts")  # fmt: skip
@@ -326,7 +355,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     checked_layers = {0, sum(parallel.stage_layers[:-1])}
     for spec, layer_order in LAYER_ORDERS.items():
         for module in EXPERT_ORDERS if experts else ("SequentialMLP",):
-            pieces = rank_pieces(shapes, model_keys, layer_order, stored[0], parallel, module, stored.get(1))
+            pieces = rank_pieces(shapes, model_keys, layer_order, stored[0], parallel, module, expert_stored)
             checks = bucket_checks(pieces, checked_layers) + expert_checks(pieces, checked_layers, {0, experts - 1}) if pieces else []
             if pieces and agrees(directory, dtypes, checks, chunks):
                 return BucketLayout(pieces, module if experts else ""), spec

@@ -116,8 +116,8 @@ class MegatronReader:
         return starts
 
     def _parallel(self) -> Parallel | None:
-        """The tp size and pipeline split the checkpoint's args say it was saved with (None: no
-        args, or a split they do not give)."""
+        """The tp size and pipeline split (over pp x vp stages with virtual ones) the checkpoint's
+        args say it was saved with (None: no args, or a split they do not give)."""
         args = self.common.get("args")
         tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1) or 1
         if not isinstance(tp, int):
@@ -125,8 +125,9 @@ class MegatronReader:
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         if pp == 1:
             return Parallel(tp, (), ep)
-        split = args_split(args, pp, 1)
-        return None if split is None else Parallel(tp, tuple(split), ep)
+        vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1  # Megatron-LM derives it from its flags
+        split = args_split(args, pp, vp)
+        return None if split is None else Parallel(tp, tuple(split), ep, vp)
 
     def optimizer_common(self):
         """Megatron's optimizer state besides the tensors (its param groups, step included): in
