@@ -3,16 +3,17 @@ parameters of the model_optim_rng.pt beside it.
 
 Megatron-LM's legacy save (megatron/training/checkpointing.py) has every model-parallel rank call
 save_parameter_state into its own mp_rank_* directory: its dp rank 0 gathers the rank's grad
-buffer (get_parameter_state_dp_zero) and writes {"buckets_coalesced": True, <gbuf>: {(param
+buffers (get_parameter_state_dp_zero) and writes {"buckets_coalesced": True, <gbuf>: {(param
 dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded"}}}, the
-buckets back to back without their end padding. The buffer holds exactly the parameters of that
-directory's model state: its pipeline stage's, each as its tp shard (SwiGLU's linear_fc1 as
+buckets back to back without their end padding; one gbuf per model chunk (with virtual pipeline
+stages the file's model0, model1, ... in turn: a DDP each). A buffer holds exactly the parameters
+of its chunk of that directory's model state: its pipeline stage's, each as its tp shard (SwiGLU's linear_fc1 as
 [its gate rows; its up rows], as the weights), in the file's order (megatron-core's module order)
 reversed, each at a multiple of 64 elements within its bucket (buckets.fit). Where a bucket ends
 is not stored; megatron-core's DDP (param_and_grad_buffer) closes one
 
   - once it reaches the bucket size, which it uses only with --overlap-grad-reduce, on pipeline
-    rank 0, and without --overlap-param-gather-with-optimizer-step: --ddp-bucket-size, or the
+    rank 0's first chunk, and without --overlap-param-gather-with-optimizer-step: --ddp-bucket-size, or the
     parameters over --ddp-num-buckets (newer Megatron-LM), or max(40M, 1M x the dp size; the
     current source counts dp x cp);
   - before and after a parameter marked shared_embedding: at pp > 1, the first stage's word
@@ -21,7 +22,7 @@ is not stored; megatron-core's DDP (param_and_grad_buffer) closes one
 
 Each bucket size that can apply is tried; the one whose buckets add up to numel_unpadded and
 whose master weights equal the file's weights (first and last element of each parameter) is
-taken. Several grad buffers (MoE experts, mixed dtypes) and virtual pipeline chunks are not mapped.
+taken. Several grad buffers to a chunk (MoE experts, mixed dtypes) are not mapped.
 """
 
 from __future__ import annotations
@@ -63,11 +64,11 @@ def bucket_lengths(numels: list[int], bucket_size: int | None, own_bucket: froze
     return lengths + ([position] if position else [])
 
 
-def bucket_sizes(args, numel: int, pp_rank: int) -> list[int | None]:
-    """The bucket sizes megatron-core's DDP may have used for a pipeline rank holding `numel`
-    parameters, given Megatron-LM's saved args: None is one bucket."""
+def bucket_sizes(args, numel: int, pp_rank: int, chunk: int = 0) -> list[int | None]:
+    """The bucket sizes megatron-core's DDP may have used for model chunk `chunk` of a pipeline
+    rank, holding `numel` parameters, given Megatron-LM's saved args: None is one bucket."""
     said = lambda name, default=None: getattr(args, name, None) or default  # noqa: E731
-    if not said("overlap_grad_reduce") or pp_rank > 0 or said("overlap_param_gather_with_optimizer_step"):
+    if not said("overlap_grad_reduce") or pp_rank > 0 or chunk > 0 or said("overlap_param_gather_with_optimizer_step"):
         return [None]
     if said("ddp_num_buckets"):
         return [numel // args.ddp_num_buckets]
@@ -85,26 +86,32 @@ def own_buckets(keys: list[str], args, pp: int) -> frozenset[int]:
     return frozenset(i for i, key in enumerate(keys) if pp > 1 and key in shared)
 
 
-def candidate_cuts(params: list[tuple[str, torch.Tensor]], args, pp: int, pp_rank: int) -> list[list[int]]:
-    """The bucket lengths megatron-core's DDP may have cut the buffer of a file holding `params`
-    (key, weight) into: one list per bucket size its args allow."""
+def candidate_cuts(params: list[tuple[str, torch.Tensor]], args, pp: int, pp_rank: int, chunk: int = 0) -> list[list[int]]:
+    """The bucket lengths megatron-core's DDP may have cut the buffer of model chunk `chunk` of a
+    file, holding `params` (key, weight), into: one list per bucket size its args allow."""
     numels = [value.numel() for _, value in params]
     own = own_buckets([key for key, _ in params], args, pp)
-    return [bucket_lengths(numels, size, own) for size in bucket_sizes(args, sum(numels), pp_rank)]
+    return [bucket_lengths(numels, size, own) for size in bucket_sizes(args, sum(numels), pp_rank, chunk)]
 
 
-def distributed_slots(path: Path, params: list[tuple[str, torch.Tensor]], args, pp: int, pp_rank: int) -> list[Slots]:
+def distributed_slots(path: Path, chunks: list[list[tuple[str, torch.Tensor]]], args, pp: int, pp_rank: int) -> list[Slots]:
     """Each parameter's {"param", "exp_avg", "exp_avg_sq"} from the distrib_optim.pt at `path` of
-    a file holding `params` (key, weight) in its order, saved on pipeline rank `pp_rank` of `pp`,
-    or Unmapped."""
+    a file holding `chunks` (each a model chunk's (key, weight) in its order; one without virtual
+    pipeline stages), saved on pipeline rank `pp_rank` of `pp`, in that order, or Unmapped."""
     state = load_pickle(path, mmap=True)
-    buffers = [key for key in state if isinstance(key, int)]
-    if not state.get("buckets_coalesced") or len(buffers) != 1 or len(state[buffers[0]]) != 1:
-        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {len(buffers)} grad buffers or dtypes (MoE experts, mixed parameter dtypes), "
-                       "or buckets not coalesced (older Megatron), which dtgpt does not map")  # fmt: skip
-    flat = next(iter(state[buffers[0]].values()))
+    buffers = sorted(key for key in state if isinstance(key, int))
+    if not state.get("buckets_coalesced") or buffers != list(range(len(chunks))) or any(len(state[b]) != 1 for b in buffers):
+        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {len(buffers)} grad buffers for {len(chunks)} model chunk{'s' if len(chunks) > 1 else ''}, "
+                       "or several dtypes in one (MoE experts, mixed parameter dtypes), or buckets not coalesced (older Megatron), "
+                       "which dtgpt does not map")  # fmt: skip
+    return [slots for b, params in enumerate(chunks) for slots in buffer_slots(next(iter(state[b].values())), params, args, pp, pp_rank, b)]
+
+
+def buffer_slots(flat: dict, params: list[tuple[str, torch.Tensor]], args, pp: int, pp_rank: int, chunk: int) -> list[Slots]:
+    """Each parameter's slots out of one grad buffer's coalesced state `flat`, that of model chunk
+    `chunk` holding `params`, or Unmapped."""
     tried = []
-    for lengths in candidate_cuts(params, args, pp, pp_rank):
+    for lengths in candidate_cuts(params, args, pp, pp_rank, chunk):
         places = fit([((p, None), value.numel()) for p, (_, value) in enumerate(params)], [(str(b), n) for b, n in enumerate(lengths)])
         tried.append(f"{sum(lengths)} in {len(lengths)} bucket{'s' if len(lengths) > 1 else ''}")
         if places is not None and sum(lengths) == flat["numel_unpadded"]:
@@ -113,8 +120,8 @@ def distributed_slots(path: Path, params: list[tuple[str, torch.Tensor]], args, 
             if all(_master_agrees(s["param"], value) for s, (_, value) in zip(slots, params)):
                 return slots
             tried[-1] += " (its master weights differ from the weights)"
-    raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {flat['numel_unpadded']} elements, but the file's parameters laid out as "
-                   f"megatron-core's buffer take {', or '.join(tried)}")  # fmt: skip
+    raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} whose grad buffer {chunk} holds {flat['numel_unpadded']} elements, but the "
+                   f"parameters of model chunk {chunk} laid out as megatron-core's buffer take {', or '.join(tried)}")  # fmt: skip
 
 
 def _slots(flat: dict, at: int, value: torch.Tensor) -> Slots:

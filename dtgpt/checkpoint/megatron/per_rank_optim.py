@@ -22,7 +22,8 @@ overrides (no weight decay for biases and 1-D tensors; with --decoupled-lr the w
 output layer on their own), and torch numbers the groups' parameters in turn. The groups' own
 fields do not say which rule made them, so each group is matched to the one class of parameters
 whose shapes, in order, are the shapes of its state; anything else is not mapped. Each file's
-distrib_optim.pt holds that file's parameters (distrib_optim.py), at any tp and pp.
+distrib_optim.pt holds that file's parameters (distrib_optim.py), at any tp and pp, a grad buffer
+per virtual pipeline chunk.
 """
 
 from __future__ import annotations
@@ -67,10 +68,7 @@ def file_state(saved: dict, directory: Path, chunks: list[str], pp: int, pp_rank
     if "state" in inner:
         by_index, step = _indexed(inner, optimizer.get("fp32_from_fp16_params"), params)
     elif (directory / DISTRIB_OPTIM_FILE).is_file():
-        if len(chunks) > 1:
-            raise Unmapped(f"is the distributed optimizer's with virtual pipeline chunks ({', '.join(chunks)}: a grad buffer each "
-                           f"in its {DISTRIB_OPTIM_FILE}), which dtgpt does not map yet")  # fmt: skip
-        weights = [(key, value) for _, key, value in params]
+        weights = [[(key, value) for of, key, value in params if of == chunk] for chunk in chunks]  # a grad buffer each
         by_index, step = distributed_slots(directory / DISTRIB_OPTIM_FILE, weights, saved.get("args"), pp, pp_rank), _group_step(inner)
     else:
         raise Unmapped(f"is the distributed optimizer's, but {directory / DISTRIB_OPTIM_FILE} is missing")
