@@ -126,3 +126,16 @@ def no_process_group_left_behind():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a process group initialised: call dtgpt.shutdown() (or destroy_process_group) at its end")
+
+
+@pytest.fixture(scope="session")
+def adam_tp2pp2(tmp_path_factory):
+    """megatron-core's distributed optimizer at tp 2 x pp 2 after one step, for each of
+    PARALLEL_ADAM's models (root/<arch>) and, with virtual pipeline stages, VIRTUAL_ADAM's
+    (root/gpt_vp): model space and, under dp_reshardable/, its buckets (tests/megatron_gpt.py
+    adam-parallel). One launch, shared by the test modules that read it."""
+    from tests.megatron_oracle import run_megatron_gpt
+
+    root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
+    run_megatron_gpt("adam-parallel", root, 4)
+    return root

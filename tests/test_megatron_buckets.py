@@ -63,13 +63,18 @@ def test_layouts_it_does_not_map_say_why():
     layout, why = bucket_layout(None, shapes((0, 0, 0), (1, 0, 0), (2, 0, 0)), {}, [], Parallel(2))
     assert layout is None and why == "it holds the buckets of 3 model-parallel ranks, but its args say tp x pp = 2 x 1"
     layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [], Parallel())
-    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (parameter dtypes or virtual")
+    assert layout is None and why.startswith("model-parallel rank 0 holds 2 grad buffers where its args give 1 model chunk (mixed")
+    virtual = Parallel(1, (1, 1, 1, 1), 1, 2)  # pp 2 x 2 virtual stages: two grad buffers on each of two ranks
+    layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0), (1, 0, 0)), {}, [], virtual)
+    assert layout is None and why.startswith("model-parallel rank 1 holds 1 grad buffers where its args give 2 model chunks (mixed")
     experts = {f"chained_{i}.{key}": shape for i in (0, 1) for key, shape in shapes((0, 0, 0)).items()}  # the same keys but for the prefix
     layout, why = bucket_layout(None, experts, {}, [], Parallel())  # an experts' optimizer, but no experts in the model
-    assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (parameter dtypes or virtual")
+    assert layout is None and why == "it holds optimizer buckets of chained optimizers other than an MoE model's experts'"
     moe = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 8, 8)}
     layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 2))  # ep 2, one expert rank's buckets
     assert layout is None and why == "it holds the experts' buckets of 1 model-parallel ranks, but its args say ep x pp = 2 x 1 (expert tp 1) for 4 experts"
+    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)), **moe}, {}, list(moe), virtual)
+    assert layout is None and why == "it is an MoE model saved with 2 virtual pipeline stages per pp rank, whose buffers dtgpt does not map yet"
     layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **moe}, {}, list(moe), Parallel(2))
     assert layout is None and why == "it is an MoE model saved at tp 2, whose experts' tp shards dtgpt does not map yet"
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
@@ -88,7 +93,7 @@ def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
     # local sizes: emb 4x4=16, proj 4x2=8, fc1 6x4=24, fc2 4x3=12, norm 4, the head's copy 16
     # stage 0, reversed: fc2 at 0, fc1 at 64, proj at 128, emb at 192: one bucket of 208
     # stage 1, reversed: the head's copy alone (16), then norm at 0, fc2 at 64, fc1 at 128, proj at 192: 200
-    stored = {0: [("m0", 208)], 1: [("m1", 208)], 2: [("h2", 16), ("m2", 200)], 3: [("h3", 16), ("m3", 200)]}
+    stored = {0: [[("m0", 208)]], 1: [[("m1", 208)]], 2: [[("h2", 16), ("m2", 200)]], 3: [[("h3", 16), ("m3", 200)]]}
     pieces = rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (1, 1)))
     assert pieces == {
         (emb, None): [Piece("m0", 192, (4, 4), (0, 0)), Piece("m1", 192, (4, 4), (4, 0))],
@@ -113,13 +118,32 @@ def test_an_uneven_pipeline_split_places_each_stages_own_layers():
     shapes = {emb: (8, 4), proj: (3, 4, 4), norm: (4,)}
     # stage 0, reversed: layer 0 at 0, emb at 64: 96; stage 1: the head's copy alone (32), then
     # norm at 0, layer 2 at 64, layer 1 at 128: 144
-    stored = {0: [("s0", 96)], 1: [("h1", 32), ("s1", 144)]}
+    stored = {0: [[("s0", 96)]], 1: [[("h1", 32), ("s1", 144)]]}
     assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 2))) == {
         (emb, None): [Piece("s0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("s0", 0, (4, 4), (0, 0))],
         (proj, 1): [Piece("s1", 128, (4, 4), (0, 0))], (proj, 2): [Piece("s1", 64, (4, 4), (0, 0))],
         (norm, None): [Piece("s1", 0, (4,), (0,))],
     }  # fmt: skip
     assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 1))) is None
+
+
+def test_virtual_pipeline_chunks_each_fill_a_grad_buffer_of_their_own():
+    """pp 2 with 2 virtual stages per pp rank, a layer each (tp 1, tied head): chunk c of pp rank
+    r is virtual stage c x 2 + r, in grad buffer c of rank r. Rank 0 holds the embedding and layer
+    0 (chunk 0), layer 2 (chunk 1); rank 1 layer 1 (chunk 0), layer 3, the final norm and the
+    head's copy (chunk 1)."""
+    emb, proj, norm = "embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_proj.weight", "decoder.final_layernorm.weight"
+    shapes = {emb: (8, 4), proj: (4, 4, 4), norm: (4,)}
+    # rank 0: [layer 0 at 0, emb at 64: 96], [layer 2: 16]; rank 1: [layer 1: 16], [the head's
+    # copy alone (32), then norm at 0, layer 3 at 64: 80]
+    stored = {0: [[("a0", 96)], [("a1", 16)]], 1: [[("b0", 16)], [("h", 32), ("b1", 80)]]}
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 1, 1, 1), 1, 2)) == {
+        (emb, None): [Piece("a0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("a0", 0, (4, 4), (0, 0))],
+        (proj, 1): [Piece("b0", 0, (4, 4), (0, 0))], (proj, 2): [Piece("a1", 0, (4, 4), (0, 0))],
+        (proj, 3): [Piece("b1", 64, (4, 4), (0, 0))], (norm, None): [Piece("b1", 0, (4,), (0,))],
+    }  # fmt: skip
+    # another split over the virtual stages is another layout: these lengths do not fit it
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 0, 1, 1), 1, 2)) is None
 
 
 def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:
@@ -193,7 +217,7 @@ def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
     the local order (the input norm moves past linear_proj), so the local order is refused."""
     shapes, parallel = dense_gpt(4), Parallel(2, (2, 2))
     saved = saved_buckets(shapes, parallel, "transformer_engine")
-    stored = {rank: [(BUCKET.format(rank, 0, 0), saved[f"{BUCKET.format(rank, 0, 0)}.param"][0])] for rank in range(4)}
+    stored = {rank: [[(BUCKET.format(rank, 0, 0), saved[f"{BUCKET.format(rank, 0, 0)}.param"][0])]] for rank in range(4)}
     truth = rank_pieces(shapes, list(shapes), LAYER_ORDERS["transformer_engine"], stored, parallel)
     label = {param: i for i, param in enumerate(truth)}
 

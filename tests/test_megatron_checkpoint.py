@@ -25,21 +25,19 @@ import torch
 from dtgpt.api import build_model, build_train_state, forward_backward, init_distributed, load_checkpoint, make_config
 from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.megatron import find, load_megatron_model
-from dtgpt.checkpoint.megatron.distrib_optim import Unmapped, bucket_lengths, candidate_cuts
+from dtgpt.checkpoint.megatron.distrib_optim import bucket_lengths
 from dtgpt.checkpoint.megatron.formats import COMMON_ITEM, PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs, progress_of
 from dtgpt.checkpoint.megatron.keys import full_model_shapes, megatron_name
-from dtgpt.checkpoint.megatron.per_rank_optim import file_state, parameters
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import Batch
 from tests.megatron_adam import ADAM, BUCKET_SIZE, SHIFTED
-from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, PARALLEL_ADAM, SEQ, VOCAB, labels, tokens
+from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, SEQ, VIRTUAL_ADAM, VOCAB, labels, tokens
 from tests.megatron_oracle import run_megatron_gpt
 from tests.runs import TINY, Command, launch_commands, read_metrics, run_train, selected_cases
 from tests.test_checkpoint_convert import load_script
-from tests.test_megatron_family import model_cfg as family_cfg
 
 ROWS = 112  # the padded vocabulary: 100 -> a multiple of 16 (Megatron at tp 1, dtgpt)
 ROWS_TP2 = 128  # Megatron at tp 2: a multiple of 32
@@ -457,6 +455,7 @@ def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
 
 
 ROWS_32 = "--model.make_vocab_size_divisible_by=32"  # Megatron's 128 rows at tp 2
+VP_LAYERS = f"--model.num_layers={VIRTUAL_ADAM[1]}"  # the GPT megatron-core saves with virtual pipeline stages
 ADAM_LAYOUTS = (("one", 1, ITERATION, [], ""), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], ""),
                 ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], ""),
                 ("dp_reshardable_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "dp_reshardable"),
@@ -466,13 +465,16 @@ ADAM_LAYOUTS = (("one", 1, ITERATION, [], ""), ("tp2", 2, ITERATION + 1, ["--par
                 ("saved_tp2pp2_dp_reshardable_tp2", 2, ITERATION + 1, [ROWS_32, "--parallel.tensor_model_parallel_size=2"],
                  "tp2pp2/gpt/dp_reshardable"),
                 ("saved_tp2pp2_distrib_optim_pp2", 2, ITERATION + 1, [ROWS_32, "--parallel.pipeline_model_parallel_size=2"],
-                 "tp2pp2/gpt/distrib_optim_buckets"))  # fmt: skip
+                 "tp2pp2/gpt/distrib_optim_buckets"),
+                ("saved_vp_one", 1, ITERATION + 1, [ROWS_32, VP_LAYERS], f"tp2pp2/{VIRTUAL_ADAM[0]}"),
+                ("saved_vp_dp_reshardable_pp2", 2, ITERATION + 1, [ROWS_32, VP_LAYERS, "--parallel.pipeline_model_parallel_size=2"],
+                 f"tp2pp2/{VIRTUAL_ADAM[0]}/dp_reshardable"))  # fmt: skip
 """(name, ranks, train_iters, mesh, the megatron-core checkpoint: under adam_tp1 (saved at tp 1,
 pp 1), "" its model-space save, dp_reshardable the same state in Megatron-LM's default per-bucket
 layout, per_rank the FP32Optimizer's per-rank files, distrib_optim_buckets the distributed
 optimizer's per-rank files and distrib_optim.pt (of three buckets); under adam_tp2pp2 (tp2pp2/),
 the tied GPT's state saved at tp 2 x pp 2 in both torch_dist layouts and per rank, each rank's
-distrib_optim.pt of its buckets)."""
+distrib_optim.pt of its buckets; saved_vp: the same with 2 virtual stages per pp rank, a grad buffer each)."""
 MASTER_NOTE = "fp32 master weights (param), "
 """What the load log says of the master weights: the FP32Optimizer keeps none (its parameters are fp32)."""
 
@@ -511,6 +513,9 @@ def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_
     model_space = stacked_state(layout.iteration_dir(ckpt["saved_tp2pp2_one"], ITERATION + 1))
     for name in ("saved_tp2pp2_dp_reshardable_tp2", "saved_tp2pp2_distrib_optim_pp2"):
         assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), model_space, 1e-5)
+    # saved with virtual pipeline stages: each model chunk's grad buffer, stepped on at pp 2
+    stepped_vp = stacked_state(layout.iteration_dir(ckpt["saved_vp_dp_reshardable_pp2"], ITERATION + 1))
+    assert_state_close(stepped_vp, stacked_state(layout.iteration_dir(ckpt["saved_vp_one"], ITERATION + 1)), 1e-5)
     stepped = layout.iteration_dir(ckpt["pp2"], ITERATION + 1)
     # and back into megatron-core's distributed optimizer
     out = tmp_path / "megatron"
@@ -576,71 +581,6 @@ def test_unmapped_per_rank_optimizer_state_is_one_line_and_fresh_adam(adam_tp1, 
     imported_loss(root, 16)
     why = f"{rank_dir / PER_RANK_FILE} is the distributed optimizer's, but {rank_dir / 'distrib_optim.pt'} is missing"
     assert f"Megatron checkpoint: optimizer state not read: {why}; fresh AdamW moments" in capsys.readouterr().out
-
-
-@pytest.fixture(scope="module")
-def adam_tp2pp2(tmp_path_factory):
-    """megatron-core's distributed optimizer at tp 2 x pp 2 after one step, for each of
-    PARALLEL_ADAM's models (root/<arch>): model space and, under dp_reshardable/, its buckets."""
-    root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
-    run_megatron_gpt("adam-parallel", root, 4)
-    return root
-
-
-TP2PP2_OPTIMIZER_FILES = ("dp_reshardable", "distrib_optim", "distrib_optim_buckets")
-"""adam_tp2pp2's saves of each model besides megatron-core's model-space one (tests/megatron_adam.py
-run_adam_parallel): torch_dist's dp_reshardable buckets, and the per-rank format with each
-rank's distrib_optim.pt of one bucket and of PARALLEL_BUCKET_SIZE buckets."""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", [arch for arch, _ in PARALLEL_ADAM])
-def test_optimizer_state_saved_at_tp2_pp2_reads_as_megatron_gathers_it(adam_tp2pp2, arch):
-    """Saved by tp 2 x pp 2 ranks, each model-parallel rank's state (its stage, its tp shards:
-    vocabulary rows, QKV rows, SwiGLU's [gate; up] rows, row-parallel columns) reads, tensor by
-    tensor, bit for bit as megatron-core's model-space save of the same state, which gathers the
-    shards itself: from torch_dist's dp_reshardable buckets, and from each per-rank file's
-    distrib_optim.pt (--ckpt-format torch), whose bucket cuts dtgpt recomputes from the file
-    alone as megatron-core's DDP made them (several buckets on the first stage, one on the last;
-    the tied GPT's embedding and its last-stage copy each in a bucket of its own)."""
-    cfg = model_cfg(make_vocab_size_divisible_by=32) if arch == "gpt" else family_cfg(arch)
-    shapes = full_model_shapes(cfg, ROWS_TP2)
-    readers = {source: MegatronReader(layout.iteration_dir(adam_tp2pp2 / arch / source, ITERATION)) for source in TP2PP2_OPTIMIZER_FILES}
-    gathered = MegatronReader(layout.iteration_dir(adam_tp2pp2 / arch, ITERATION))
-    for reader in (*readers.values(), gathered):
-        reader.check(shapes, list(shapes))
-    assert readers["dp_reshardable"].bucket_layout()[1] == "local" and gathered.bucket_layout()[0] is None
-    for source in ("distrib_optim", "distrib_optim_buckets"):
-        assert readers[source].per_rank_optimizer_problem() == "" and readers[source].optimizer_common() == {"common_step": 1.0}
-    made = torch.load(adam_tp2pp2 / arch / "bucket_lengths.pt", weights_only=True)
-    for rank_dir in sorted(readers["distrib_optim_buckets"].directory.glob("mp_rank_*")):
-        saved = load_pickle(rank_dir / PER_RANK_FILE)
-        assert candidate_cuts(parameters(saved["model"]), saved["args"], 2, int(rank_dir.name[-3:])) == made[rank_dir.name]
-    assert len(made["mp_rank_00_000"][0]) > 1
-    for name, shape in shapes.items():
-        for slot in ("param", "exp_avg", "exp_avg_sq"):
-            for source, reader in readers.items():
-                assert torch.equal(reader.tensor(name, shape, slot), gathered.tensor(name, shape, slot)), (source, name, slot)
-
-
-@pytest.mark.slow
-def test_unmapped_distrib_optim_at_pp2_is_one_line_naming_the_file(adam_tp2pp2, tmp_path):
-    """At tp 2 x pp 2: master weights that differ from the weights (one element of the first
-    stage's buffer), and a last stage's distrib_optim.pt of two grad buffers (MoE experts, mixed
-    dtypes), are found before any region is read, and the file named; virtual pipeline chunks are named."""
-    directory = layout.iteration_dir(shutil.copytree(adam_tp2pp2 / "gpt" / "distrib_optim", tmp_path / "distrib_optim"), ITERATION)
-    first, last = directory / "mp_rank_00_000", directory / "mp_rank_00_001"
-    state = load_pickle(first / "distrib_optim.pt")
-    state[0][(torch.float32, torch.float32)]["param"][0] += 1.0  # the first element of the last parameter in module order
-    torch.save(state, first / "distrib_optim.pt")
-    why = MegatronReader(directory).per_rank_optimizer_problem()
-    assert why.startswith(f"{first / PER_RANK_FILE} has a distrib_optim.pt of ") and why.endswith("(its master weights differ from the weights)"), why
-    state = load_pickle(last / "distrib_optim.pt")
-    torch.save({**state, 1: state[0]}, last / "distrib_optim.pt")
-    why = MegatronReader(directory).per_rank_optimizer_problem()
-    assert why.startswith(f"{last / PER_RANK_FILE} has a distrib_optim.pt of 2 grad buffers or dtypes (MoE experts"), why
-    with pytest.raises(Unmapped, match=r"with virtual pipeline chunks \(model0, model1: a grad buffer each"):
-        file_state({"optimizer": {"optimizer": {"param_groups": []}}}, last, ["model0", "model1"], 2, 1)
 
 
 @pytest.mark.slow
