@@ -41,8 +41,9 @@ def assert_reads_as_gathered(root, shapes: dict) -> dict[str, MegatronReader]:
         assert readers[source].per_rank_optimizer_problem() == "" and readers[source].optimizer_common() == {"common_step": 1.0}
     for name, shape in shapes.items():
         for slot in ("param", "exp_avg", "exp_avg_sq"):
+            expected = gathered.tensor(name, shape, slot)
             for source, reader in readers.items():
-                assert torch.equal(reader.tensor(name, shape, slot), gathered.tensor(name, shape, slot)), (source, name, slot)
+                assert torch.equal(reader.tensor(name, shape, slot), expected), (source, name, slot)
     return readers
 
 
