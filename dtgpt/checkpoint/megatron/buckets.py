@@ -25,7 +25,8 @@ is megatron-core's module registration order, which differs between its local an
 Engine layer specs (the input norm before the attention, or fused into linear_qkv after
 linear_proj). Both are tried; the one whose buckets have exactly the stored lengths and whose
 master weights equal the model weights (agrees, on a bounded set of small tensors:
-bucket_checks) is taken. Anything else is no layout: the caller starts fresh. An MoE model's
+bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets
+each rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's
 routed experts sit in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1:
 expert_buckets.py.
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from typing import NamedTuple
 
 import torch
@@ -42,11 +42,9 @@ import torch
 from dtgpt.checkpoint.megatron.expert_buckets import (
     EXPERT_ORDERS, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
 )  # fmt: skip
+from dtgpt.checkpoint.megatron.grad_buffers import buckets_of, grad_buffers
 from dtgpt.checkpoint.megatron.regions import read_regions
 
-BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)$")
-"""A bucket's stored key: (chained optimizer,) model-parallel rank, grad buffer, dtypes, bucket, slot.
-An MoE model's experts have an optimizer of their own (chained_1), with its own buffers."""
 PARAM_ALIGNMENT = 64  # elements: where megatron-core's distributed optimizer starts each parameter
 
 
@@ -119,37 +117,6 @@ class BucketLayout:
     def __init__(self, pieces: dict[Param, list[Piece]], experts: str = ""):
         self.pieces = pieces
         self.experts = experts  # the routed experts' module, whose parameter order they follow ("": no experts)
-
-
-def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int]]:
-    """(model-parallel rank, grad buffer, bucket) -> (stored key prefix, length) of every
-    dp_reshardable bucket; a grad buffer is (chained optimizer, gbuf index, dtypes)."""
-    found = {}
-    for key, shape in shapes.items():
-        match = BUCKET.match(key)
-        if match and match.group(6) == "param":
-            chain, rank, gbuf, dtype, bucket = match.groups()[:5]
-            found[(int(rank), (int(chain or 0), int(gbuf), dtype), int(bucket))] = (key[: -len(".param")], shape[0])
-    return found
-
-
-def grad_buffers(buckets: dict[tuple, tuple[str, int]], vp: int) -> tuple[dict[int, dict[int, list[list]]], str]:
-    """chained optimizer -> model-parallel rank -> its grad buffers in gbuf order, each its
-    [(prefix, length)] by bucket, when every rank holds one buffer per model chunk (`vp` of the
-    dense optimizer's, one of the experts'); else ({}, why not)."""
-    stored: dict[int, dict[int, dict[int, list]]] = {}
-    for (rank, (chain, gbuf, _), _), bucket in sorted(buckets.items(), key=lambda item: item[0][2]):
-        stored.setdefault(chain, {}).setdefault(rank, {}).setdefault(gbuf, []).append(bucket)
-    dtypes = {(rank, chain, gbuf) for rank, (chain, gbuf, _), _ in buckets}
-    if len({(rank, buffer) for rank, buffer, _ in buckets}) > len(dtypes):
-        return {}, "it holds several parameter dtypes in one grad buffer, which megatron-core does not write"
-    for chain, ranks in stored.items():
-        chunks = vp if chain == 0 else 1
-        for rank, buffers in ranks.items():
-            if sorted(buffers) != list(range(chunks)):
-                return {}, (f"model-parallel rank {rank} holds {len(buffers)} grad buffers where its args give {chunks} model "
-                            f"chunk{'s' if chunks > 1 else ''} (mixed parameter dtypes, or virtual stages its args do not give), which dtgpt does not map yet")  # fmt: skip
-    return {chain: {rank: [buffers[g] for g in sorted(buffers)] for rank, buffers in ranks.items()} for chain, ranks in stored.items()}, ""
 
 
 def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from dtgpt.checkpoint import layout
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.architecture import megatron_architecture, require_same
-from dtgpt.checkpoint.megatron.buckets import BUCKET, BucketLayout, Parallel, agrees, bucket_layout
+from dtgpt.checkpoint.megatron.buckets import BucketLayout, Parallel, agrees, bucket_layout
+from dtgpt.checkpoint.megatron.grad_buffers import BUCKET
 from dtgpt.checkpoint.megatron.formats import COMMON_FILE, COMMON_ITEM, is_torch_dist, load_pickle
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, VOCAB_KEYS, half_of, is_mla, megatron_name, stored_alias
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel, args_split
