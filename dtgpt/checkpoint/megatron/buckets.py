@@ -14,8 +14,8 @@ copy of the embedding, in a bucket of its own). With virtual pipeline stages (in
 a pp rank holds vp model chunks, each wrapped in a DDP of its own: <G> numbers them (one
 parameter dtype each), and chunk c of pp rank r is virtual stage c x pp + r of Megatron's split
 into pp x vp stages (the embedding in chunk 0 of the first pp rank, the head in the last chunk of
-the last), its buffer cut by the rules below as a whole stage's. Each parameter as its tp shard (TP_DIM: rows or
-columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
+the last), its buffer cut by the rules below as a whole stage's. Each parameter is its tp
+shard (TP_DIM: rows or columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
 whole, replicated). Each tensor is the bucket's unpadded length, and an element sits at its
 offset within the bucket whatever the dp size (each dp rank saves its contiguous share at its own
 offset; DCP joins the shares). Within the buffer, the parameters follow megatron-core's module
@@ -195,8 +195,9 @@ def shard_pieces(key: str, shape: tuple[int, ...], prefix: str, start: int, tp: 
 def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list[list]], parallel: Parallel,
                 expert_module: str = "SequentialMLP", expert_stored: dict[int, list] | None = None) -> dict[Param, list[Piece]] | None:
     """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank -> its
-    grad buffers, one per model chunk, each [(prefix, length)] by bucket; expert_stored: the experts' own buffers, chained_1, by expert
-    model-parallel rank, or None: the dense buffers hold the experts), when each rank's buckets fit
+    grad buffers, one per model chunk, each [(prefix, length)] by bucket; expert_stored: the
+    experts' own buffers, chained_1, by expert model-parallel rank, or None: the dense buffers
+    hold the experts), when each rank's buckets fit
     its parameters in this order; else None. A parameter whole on every tp rank is read from tp
     rank 0's copy; a routed expert's tensor is a block of its own at its expert's index."""
     fc1, fc2 = shapes.get(SWIGLU_FC1[0]), shapes.get("decoder.layers.mlp.linear_fc2.weight")

@@ -6,15 +6,15 @@ save_parameter_state into its own mp_rank_* directory: its dp rank 0 gathers the
 buffers (get_parameter_state_dp_zero) and writes {"buckets_coalesced": True, <gbuf>: {(param
 dtype, grad dtype): {"param", "exp_avg", "exp_avg_sq": flat fp32, "numel_unpadded"}}}, the
 buckets back to back without their end padding; one gbuf per model chunk (with virtual pipeline
-stages the file's model0, model1, ... in turn: a DDP each). A buffer holds exactly the parameters
-of its chunk of that directory's model state: its pipeline stage's, each as its tp shard (SwiGLU's linear_fc1 as
-[its gate rows; its up rows], as the weights), in the file's order (megatron-core's module order)
+stages the file's model0, model1, ... in turn: a DDP each). A buffer holds exactly the
+parameters of its chunk of that directory's model state: its pipeline stage's, each as its tp
+shard (SwiGLU's linear_fc1 as [its gate rows; its up rows], as the weights), in the file's order (megatron-core's module order)
 reversed, each at a multiple of 64 elements within its bucket (buckets.fit). Where a bucket ends
 is not stored; megatron-core's DDP (param_and_grad_buffer) closes one
 
   - once it reaches the bucket size, which it uses only with --overlap-grad-reduce, on pipeline
-    rank 0's first chunk, and without --overlap-param-gather-with-optimizer-step: --ddp-bucket-size, or the
-    parameters over --ddp-num-buckets (newer Megatron-LM), or max(40M, 1M x the dp size; the
+    rank 0's first chunk, and without --overlap-param-gather-with-optimizer-step:
+    --ddp-bucket-size, or the parameters over --ddp-num-buckets (newer Megatron-LM), or max(40M, 1M x the dp size; the
     current source counts dp x cp);
   - before and after a parameter marked shared_embedding: at pp > 1, the first stage's word
     embedding and the last stage's copy of it (output_layer.weight) when the head is tied (the
@@ -101,7 +101,8 @@ def distributed_slots(path: Path, chunks: list[list[tuple[str, torch.Tensor]]], 
     state = load_pickle(path, mmap=True)
     buffers = sorted(key for key in state if isinstance(key, int))
     if not state.get("buckets_coalesced") or buffers != list(range(len(chunks))) or any(len(state[b]) != 1 for b in buffers):
-        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {len(buffers)} grad buffers for {len(chunks)} model chunk{'s' if len(chunks) > 1 else ''}, "
+        plural = "s" if len(chunks) > 1 else ""
+        raise Unmapped(f"has a {DISTRIB_OPTIM_FILE} of {len(buffers)} grad buffers for {len(chunks)} model chunk{plural}, "
                        "or several dtypes in one (MoE experts, mixed parameter dtypes), or buckets not coalesced (older Megatron), "
                        "which dtgpt does not map")  # fmt: skip
     return [slots for b, params in enumerate(chunks) for slots in buffer_slots(next(iter(state[b].values())), params, args, pp, pp_rank, b)]
