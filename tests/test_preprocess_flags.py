@@ -14,7 +14,7 @@ from dtgpt.data.preprocess_flags import NOTED, REFUSED, TAKEN, preprocess_flags
 from tests.runs import load_script
 
 VALUES = {"tokenizer-type": "ByteTokenizer", "workers": "1", "vocab-size": "10", "json-keys": "text", "log-interval": "1000",
-          "partitions": "1", "max-documents": "10", "tiktoken-num-special-tokens": "1000", "vocab-extra-ids": "0",
+          "partitions": "1", "max-documents": "10", "tiktoken-num-special-tokens": "1000", "vocab-extra-ids": "0", "tiktoken-pattern": "v2",
           "padded-vocab-size": "512", "workers-to-check": "2"}  # fmt: skip
 
 

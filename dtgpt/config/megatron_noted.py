@@ -37,8 +37,6 @@ NOTED = {
     "no-position-embedding": "accepted beside rotary positions (`--position-embedding-type rope` or "
     "`--use-rotary-position-embeddings`), where the model has no learned position table anyway; refused otherwise, "
     "as Megatron refuses it",
-    "tiktoken-pattern": "read by Megatron's TikTokenizer only, which dtgpt does not have (its --tokenizer-type is "
-    "refused): beside another tokenizer (the Llama-3 script's NullTokenizer) it changes nothing",
     "trust-remote-code": "dtgpt's HuggingFaceTokenizer reads tokenizer.json with the `tokenizers` library and never "
     "runs code from the tokenizer's directory",
 }
