@@ -22,7 +22,7 @@ from tests.runs import load_script
 from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
 
 TEXTS = ["", "The quick brown fox jumps over the lazy dog.", "héllo wörld ✓ 日本語 🙂 ünseen",
-         "<s> special </s> tokens <pad> as text <unk><mask>", "  two  spaces,\n\tnewlines\n\n", "0123456789 " * 5]  # fmt: skip
+         "<s> special </s> tokens <pad> as text <unk><mask>", "  two  spaces,\n\tnewlines\n\n", "0123456789 " * 5, "HelloWorld"]  # fmt: skip
 
 TIKTOKEN_CASES = {
     "defaults": {"tiktoken_num_special_tokens": 10},  # Megatron's seven special tokens (and 3 fillers), pattern v2
@@ -76,6 +76,8 @@ def test_tiktokenizer_is_megatrons(files, case):
     assert ours.eod == specials.index("</s>") and ours.tokenize("a</s>b")[1] == ours.eod  # special text is its id
     assert min(ours.tokenize(TEXTS[1])) >= data.get("tiktoken_num_special_tokens", 1000)  # the file's ids follow them
     assert ours.detokenize(ours.tokenize(TEXTS[2])) == TEXTS[2]
+    other = build_tokenizer(DataConfig(**{**data, "tiktoken_pattern": "v2" if data.get("tiktoken_pattern") == "v1" else "v1"}))
+    assert ours.tokenize(" HelloWorld") != other.tokenize(" HelloWorld")  # one word in v1, two in v2: the pattern is read
 
 
 def test_megatron_flags_set_the_tokenizer_keys(files):

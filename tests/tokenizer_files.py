@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 LINES = [
-    f"{i} The quick brown fox jumps over the lazy dog; héllo wörld ✓ and {word} again."
+    f"{i} The quick brown fox jumps over the lazy dog; héllo wörld ✓ and {word} again, HelloWorld."
     for i, word in enumerate(["tokenizer", "sentence", "piece", "merges", "vocabulary", "documents"] * 50)
 ]  # a few hundred lines: the trainers finish in well under a second
 
@@ -33,7 +33,8 @@ def write_tiktoken_vocab(directory: Path, vocab_size: int = 300) -> Path:
 
     from dtgpt.data.tiktoken_tokenizer import PATTERNS
 
-    ranks = bpe_train("\n".join(LINES), vocab_size, PATTERNS["v2"], visualise=None)
+    # trained with the v1 regex, which keeps "HelloWorld" one word: v2 splits it, so the two patterns give other ids
+    ranks = bpe_train("\n".join(LINES) + " HelloWorld" * 200, vocab_size, PATTERNS["v1"], visualise=None)
     entries = [
         {"rank": rank, "token_bytes": base64.b64encode(token).decode("ascii"), "token_str": token.decode("utf-8", "replace")}
         for token, rank in sorted(ranks.items(), key=lambda item: item[1])
