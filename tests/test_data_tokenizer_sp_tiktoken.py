@@ -38,13 +38,19 @@ def files(tmp_path_factory):
 
 
 def megatrons(**data) -> object:
-    """megatron-core's tokenizer for these `[data]` keys, through its own build_tokenizer."""
-    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
+    """megatron-core's tokenizer for these `[data]` keys, through its own build_tokenizer (0.16's
+    module, or the newer one that `make test-oracle` has: the arguments of both are given)."""
+    try:
+        from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
+    except ImportError:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
 
+    special = data.get("tokenizer_special_tokens")
     args = Namespace(tokenizer_type=data["tokenizer_type"], tokenizer_model=data["tokenizer_model"], tokenizer_metadata=None,
-                     tokenizer_sentencepiece_legacy=False, tokenizer_special_tokens=data.get("tokenizer_special_tokens"),
-                     tiktoken_pattern=data.get("tiktoken_pattern"), vocab_size=data.get("vocab_size"),
-                     tiktoken_num_special_tokens=data.get("tiktoken_num_special_tokens", 1000))  # fmt: skip
+                     metadata_path=None, tokenizer_sentencepiece_legacy=False, tokenizer_special_tokens=special,
+                     special_tokens=special, tiktoken_pattern=data.get("tiktoken_pattern"), vocab_size=data.get("vocab_size"),
+                     tiktoken_num_special_tokens=data.get("tiktoken_num_special_tokens", 1000), chat_template=None,
+                     tokenizer_sentencepiece_ignore_extra_whitespaces=True, pad_vocab_size=False)  # fmt: skip
     return megatron_build_tokenizer(args)
 
 

@@ -24,7 +24,8 @@ from tests.tokenizer_files import write_sentencepiece_model
 
 
 TINY_DATA = [("--mock-data", []), ("--tokenizer-type", ["NullTokenizer"]), ("--vocab-size", ["127"]), ("--num-workers", ["0"])]
-"""Each script's tokenizer and data (a tokenizer model or data path) replaced by mock data."""
+"""Each script's tokenizer and data (a tokenizer model or data path) replaced by mock data (Mixtral's keeps its
+Llama2Tokenizer, a SentencePiece model trained in the test, over mock data)."""
 
 
 def _f(text: str) -> list[tuple[str, list[str]]]:
