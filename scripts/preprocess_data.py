@@ -24,7 +24,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from dtgpt.cli import os_error_line, print_error
 from dtgpt.config import DataConfig
-from dtgpt.config.tokenizer_rules import TIKTOKEN_PATTERNS, TOKENIZER_TYPES
+from dtgpt.config.tokenizer_rules import TIKTOKEN_PATTERNS, TOKENIZER_TYPES, check_tokenizer
 from dtgpt.data.preprocess import PreprocessError, preprocess
 from dtgpt.data.preprocess_flags import NOTED, REFUSED, check_legacy_tokenizer, preprocess_flags
 
@@ -41,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "a SentencePiece type: its .model file; TikTokenizer: its vocabulary .json")
     p.add_argument("--tiktoken-pattern", default="", choices=TIKTOKEN_PATTERNS[1:], help="TikTokenizer's regex (default v2)")
     p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer: ids reserved for special tokens")
-    p.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+", default=[],
+    p.add_argument("--tokenizer-special-tokens", nargs="+", default=[],
                    help="TikTokenizer's special tokens (default: <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+    p.add_argument("--tiktoken-special-tokens", nargs="+", default=[], help="Megatron's older --tokenizer-special-tokens")
     p.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
                    help="HuggingFaceTokenizer: add the special tokens its post-processor adds (e.g. a BOS)")
     p.add_argument("--vocab-size", type=int, default=0, help="NullTokenizer: ids below it, eod = vocab_size (Megatron's); TikTokenizer: "
@@ -84,8 +85,9 @@ def main(argv=None) -> int:
                           vocab_size=args.vocab_size, tokenizer_model=args.tokenizer_model,
                           tokenizer_hf_include_special_tokens=args.tokenizer_hf_include_special_tokens,
                           tiktoken_pattern=args.tiktoken_pattern, tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
-                          tokenizer_special_tokens=args.tokenizer_special_tokens)
+                          tokenizer_special_tokens=args.tokenizer_special_tokens or args.tiktoken_special_tokens)
     try:
+        check_tokenizer(data_cfg)  # train.py's rules of these keys: a missing library or a misplaced flag, one line
         stats = preprocess(args.input, args.output_prefix, data_cfg, json_keys=args.json_keys,
                            append_eod=args.append_eod, workers=args.workers, strict=args.strict)
     except (PreprocessError, ValueError, FileNotFoundError, ImportError) as e:

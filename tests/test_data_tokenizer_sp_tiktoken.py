@@ -132,7 +132,8 @@ def test_bad_tokenizer_input_is_one_line(files, tmp_path, capfd):
         (sp + ["--tokenizer-model", str(tmp_path)], "a directory, not a file"),
         (sp + ["--tokenizer-model", str(files["tiktoken"])], "is not a SentencePiece model (Llama2Tokenizer)"),
         (sp + ["--tokenizer-model", str(eosless)], "the SentencePiece model has no eos piece"),
-        (sp + ["--tokenizer-model", str(files["sp"]), "--tokenizer-special-tokens", "<x>"], "is refused for Llama2Tokenizer"),
+        (sp + ["--tokenizer-model", str(files["sp"]), "--tokenizer-special-tokens", "<x>"], "is refused for Llama2Tokenizer: dtgpt reads special tokens for TikTokenizer only"),
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--tokenizer-special-tokens", "<x>"], "is refused for NullTokenizer"),
         (tik10 + ["--tokenizer-model", str(files["sp"])], "TikTokenizer reads a vocabulary .json"),
         (tik10 + ["--tokenizer-model", str(files["tiktoken"]), "--tiktoken-pattern", "v3"], "error: --tiktoken-pattern v3 is not one of Megatron's patterns"),
         (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(files["tiktoken"])],
@@ -157,3 +158,24 @@ def test_a_missing_library_names_the_pip_extra_before_any_process_group(monkeypa
     with pytest.raises(ImportError) as caught:
         import_library(kind)
     assert str(caught.value) == line and is_user_error(caught.value)
+
+
+def test_preprocessing_refuses_what_would_give_other_ids(files, tmp_path, capfd):
+    """Megatron's legacy classes beside the types whose ids they change, special tokens beside a type that
+    does not read them, and a missing model file: one error line each, nothing written."""
+    corpus = tmp_path / "in.jsonl"
+    corpus.write_text(json.dumps({"text": "one document"}) + "\n")
+    base = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out")]
+    cases = [
+        (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(files["sp"]), "--legacy-tokenizer"],
+         "error: --legacy-tokenizer is refused beside --tokenizer-type Llama2Tokenizer"),
+        (["--tokenizer-type", "ByteTokenizer", "--tokenizer-special-tokens", "<x>"], "is refused for ByteTokenizer"),
+        (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", str(tmp_path / "none.json")], "no such file"),
+    ]  # fmt: skip
+    for args, message in cases:
+        assert load_script("preprocess_data").main(base + args) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert not list(tmp_path.glob("out*"))
+    assert load_script("preprocess_data").main(base + ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                                                       str(files["sp"]), "--legacy-tokenizer"]) == 0  # the same ids there

@@ -77,10 +77,11 @@ def check_tokenizer(d) -> None:
     if kind in SENTENCEPIECE_TYPES or kind == "TikTokenizer":  # the types whose library is only an extra
         message = missing_library_message(kind)
         require(message is None, f"data.tokenizer_type={kind!r}: {message}")
-    if kind in SENTENCEPIECE_TYPES:
+    if kind != "TikTokenizer":
+        # Megatron adds them to a SentencePiece model only in its legacy wrapper, and to GPT-2 BPE and Hugging
+        # Face tokenizers as extra tokens: neither is built here
         require(not d.tokenizer_special_tokens, f"data.tokenizer_special_tokens={d.tokenizer_special_tokens} is refused "
-                f"for {kind}: Megatron adds special tokens to a SentencePiece model only in its legacy wrapper "
-                "(--tokenizer-sentencepiece-legacy), which dtgpt does not build; a .model file carries its own")  # fmt: skip
+                f"for {kind}: dtgpt reads special tokens for TikTokenizer only; a tokenizer file carries its own")  # fmt: skip
     if kind == "TikTokenizer":
         try:
             tiktoken_special_tokens(d.tokenizer_special_tokens, d.tiktoken_num_special_tokens,
