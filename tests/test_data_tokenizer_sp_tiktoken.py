@@ -150,8 +150,7 @@ def test_bad_tokenizer_input_is_one_line(files, tmp_path, capfd):
 @pytest.mark.parametrize("kind, library, extra", [("Llama2Tokenizer", "sentencepiece", "sentencepiece"),
                                                   ("TikTokenizer", "tiktoken", "tiktoken")])  # fmt: skip
 def test_a_missing_library_names_the_pip_extra_before_any_process_group(monkeypatch, capfd, files, kind, library, extra):
-    monkeypatch.setitem(sys.modules, library, None)  # as if not installed: importing it raises ImportError
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == library else object())
+    monkeypatch.setitem(sys.modules, library, None)  # as if not installed: no spec, and importing it raises ImportError
     line = f"{kind} needs the '{library}' library: pip install 'dtgpt[{extra}]'"
     with pytest.raises(ConfigError, match=rf"data.tokenizer_type='{kind}': " + line.replace("[", r"\[").replace("]", r"\]")):
         load_config(None, ["--mock-data", "--tokenizer-type", kind, "--tokenizer-model", str(files["sp"])])
