@@ -20,7 +20,8 @@ def data_source(cfg: Config, tokenizer) -> str:
         source = f"data_path {' '.join(d.data_path)} (split {d.split})"
     else:
         source = f"train/valid/test paths {d.train_data_path} / {d.valid_data_path} / {d.test_data_path}"
-    return f"{source}, {type(tokenizer).__name__} ({tokenizer.vocab_size} ids), order {d.order!r}"
+    kind = getattr(tokenizer, "kind", type(tokenizer).__name__)  # the SentencePiece class serves three types
+    return f"{source}, {kind} ({tokenizer.vocab_size} ids), order {d.order!r}"
 
 
 def _samples(dataset) -> str:

@@ -235,19 +235,12 @@ def test_hugging_face_tokenizer_bad_input(tmp_path):
 
 def test_a_missing_tokenizers_library_is_a_user_error(monkeypatch):
     """train.py and the scripts print one line for it (dtgpt.cli.is_user_error), not a traceback."""
-    import builtins
+    import sys
 
     from dtgpt.cli import is_user_error
-    from dtgpt.data.tokenizer import _tokenizers_library
+    from dtgpt.data.libraries import import_library
 
-    real_import = builtins.__import__
-
-    def without_tokenizers(name, *args, **kwargs):
-        if name == "tokenizers":
-            raise ImportError("No module named 'tokenizers'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", without_tokenizers)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed: importing it raises ImportError
     with pytest.raises(ImportError, match=r"GPT2BPETokenizer needs the 'tokenizers' library: pip install 'dtgpt\[gpt2\]'") as e:
-        _tokenizers_library("GPT2BPETokenizer")
+        import_library("GPT2BPETokenizer")
     assert is_user_error(e.value)

@@ -12,7 +12,7 @@ import pytest
 from dtgpt.config import ConfigError, load_config
 from dtgpt.data.gpt_indices import num_epochs_needed
 from dtgpt.data.indexed import IndexedDataset
-from tests.runs import REPO, TINY, Command, launch_commands, read_metrics, run_train, selected_cases
+from tests.runs import REPO, TINY, Command, launch_commands, load_script, read_metrics, run_train, selected_cases
 
 # train.py and torchrun runs; the middle-stage check leaves DataLoader workers behind that torch
 # takes ~10 s to shut down (after a worker's error, each join waits out its 5 s timeout)
@@ -70,6 +70,24 @@ def hf_data(directory) -> list[str]:
             f"--data.tokenizer_model={tokenizer}", "--training.train_iters=4", "--optimizer.lr_warmup_iters=1"]  # fmt: skip
 
 
+def megatron_tokenizer_data(directory, kind: str) -> list[str]:
+    """A corpus preprocessed with Llama2Tokenizer or TikTokenizer (a model trained into directory,
+    Megatron's flags); the args that train on it with the same tokenizer."""
+    from tests.test_data_tokenizer import TEXTS
+    from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
+
+    tik = kind == "TikTokenizer"
+    model = write_tiktoken_vocab(directory / "tok") if tik else write_sentencepiece_model(directory / "tok")
+    (directory / "corpus.jsonl").write_text("".join('{"text": "%d %s"}\n' % (i, t) for i, t in enumerate(TEXTS)))
+    flags = ["--tokenizer-type", kind, "--tokenizer-model", str(model)] + (["--vocab-size", "290", "--tiktoken-num-special-tokens", "10"] if tik else [])
+    argv = ["--input", str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "corpus"), *flags, "--append-eod"]
+    assert load_script("preprocess_data").main(argv) == 0
+    keys = [f"--data.tokenizer_type={kind}", f"--data.tokenizer_model={model}"]  # BASE names the key: the same spelling
+    keys += ["--data.vocab_size=290", "--data.tiktoken_num_special_tokens=10"] if tik else []
+    return [*keys, "--data.data_path=corpus_text_document", "--data.split=1", "--training.train_iters=4",
+            "--optimizer.lr_warmup_iters=1", "--data.reset_position_ids=true", "--data.eod_mask_loss=true"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict:
     """The selected tests' train.py runs, launched together: one launch per rank count
@@ -78,6 +96,8 @@ def runs(request, tmp_path_factory) -> dict:
         test_train_on_preprocessed_data_single_and_dp2: preprocessed_commands,
         test_raising_train_iters_on_resume_continues_the_same_tokens: resume_commands,
         test_train_on_hugging_face_tokenized_data: lambda d: [command("hf", d, hf_data(d))],
+        test_train_on_sentencepiece_and_tiktoken_data: lambda d: [
+            command(kind, d / kind, megatron_tokenizer_data(d / kind, kind)) for kind in ("Llama2Tokenizer", "TikTokenizer")],
     }
     commands = [c for test, plan in plans.items() if selected_cases(request, test) for c in plan(tmp_path_factory.mktemp(test.__name__))]
     finished = launch_commands(commands) if commands else {}
@@ -171,6 +191,16 @@ def test_middle_pipeline_stages_read_no_batches():
     train_iter, _, _ = build_data_iterators(cfg, runtime.dims, datasets, options)
     with pytest.raises(Exception, match="a middle pipeline stage read a sample"):
         next(train_iter)
+
+
+def test_train_on_sentencepiece_and_tiktoken_data(runs):
+    """Corpora preprocessed with Megatron's Llama2Tokenizer and TikTokenizer flags train with the same
+    flags on train.py: the tokenizer's vocabulary is the model's (padded), its eod ends documents."""
+    for kind, ids in (("Llama2Tokenizer", 400), ("TikTokenizer", 290)):
+        losses = losses_of(runs, kind)
+        assert len(losses) == 4 and all(loss == loss for loss in losses) and losses[-1] < losses[0], kind
+        log = runs[kind][0].output
+        assert f"{kind} ({ids} ids)" in log and "Traceback" not in log, log[-2000:]
 
 
 def test_train_on_hugging_face_tokenized_data(runs):

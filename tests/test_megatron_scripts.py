@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import typing
 
 import pytest
@@ -19,10 +20,12 @@ from dtgpt.cli import run_main
 from dtgpt.config import Config, load_config, padded_vocabulary
 from dtgpt.config.loading import _unwrap_optional
 from dtgpt.config.megatron_flags import CHOICES, IGNORED, flag_table
+from tests.tokenizer_files import write_sentencepiece_model
 
 
 TINY_DATA = [("--mock-data", []), ("--tokenizer-type", ["NullTokenizer"]), ("--vocab-size", ["127"]), ("--num-workers", ["0"])]
-"""Each script's tokenizer and data (a tokenizer model or data path) replaced by mock data."""
+"""Each script's tokenizer and data (a tokenizer model or data path) replaced by mock data (Mixtral's keeps its
+Llama2Tokenizer, a SentencePiece model trained in the test, over mock data)."""
 
 
 def _f(text: str) -> list[tuple[str, list[str]]]:
@@ -57,8 +60,8 @@ LLAMA3_8B = _f(
     "--save CKPT --load CKPT --tensorboard-dir TB"
 )
 
-# Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh with WANDB_API_KEY set, mock data:
-# 32 -> 4 layers (pp 4), 4096 -> 64 hidden, ep 8 -> 2.
+# Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh with WANDB_API_KEY set, its own tokenizer flags
+# (a SentencePiece model trained in the test) over mock data: 32 -> 4 layers (pp 4), 4096 -> 64 hidden, ep 8 -> 2.
 MIXTRAL_8X7B = _f(
     "--use-mcore-models --disable-bias-linear --seq-length 32 --max-position-embeddings 256 --num-layers 4 "
     "--hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4 --init-method-std 0.01 --attention-dropout 0.0 "
@@ -72,8 +75,9 @@ MIXTRAL_8X7B = _f(
     "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size 2 "
     "--use-distributed-optimizer --sequence-parallel --log-interval 1 --save-interval 10000 --eval-interval 1000 "
     "--eval-iters 10 --save CKPT --load CKPT --tensorboard-dir TB --no-load-optim --no-load-rng "
-    "--wandb-project Mixtral --wandb-exp-name Mixtral_8x7B"
-) + TINY_DATA
+    "--wandb-project Mixtral --wandb-exp-name Mixtral_8x7B "
+    "--tokenizer-type Llama2Tokenizer --tokenizer-model TOKENIZER_MODEL --mock-data --num-workers 0"
+)
 
 # Megatron-MoE-ModelZoo's Qwen3-30B-A3B model arguments, mock data: 48 -> 2 layers, 128 -> 8 experts;
 # the ModelZoo runner's batch, length and logging flags given small values.
@@ -155,7 +159,9 @@ def _root_logger_level():
 
 def argv(flags: list[tuple[str, list[str]]], tmp_path) -> list[str]:
     """The command line, paths in tmp_path."""
-    paths = {"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb")}
+    paths = {"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb"), "TOKENIZER_MODEL": str(tmp_path / "spm" / "tokenizer.model")}
+    if any("TOKENIZER_MODEL" in values for _, values in flags) and not os.path.exists(paths["TOKENIZER_MODEL"]):
+        write_sentencepiece_model(tmp_path / "spm")
     return [arg for flag, values in flags for arg in (flag, *(paths.get(v, v) for v in values))]
 
 
@@ -233,6 +239,8 @@ def test_example_script_dry_runs_with_megatrons_values(name, tmp_path, capfd):
     assert logging.getLogger().level == (40 if name == "deepseek_v3" else logging.WARNING)  # --logging-level 40
     out, err = capfd.readouterr()
     assert err == "" and f"{cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}" in out, (out, err)
+    if name == "mixtral_8x7b":  # its own Llama2Tokenizer: the SentencePiece model's 400 pieces, padded to 128
+        assert "vocab 400 -> 512 padded" in out, out
 
 
 def test_noted_flags_of_the_scripts_say_what_dtgpt_does(tmp_path, capfd):

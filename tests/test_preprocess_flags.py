@@ -14,7 +14,7 @@ from dtgpt.data.preprocess_flags import NOTED, REFUSED, TAKEN, preprocess_flags
 from tests.runs import load_script
 
 VALUES = {"tokenizer-type": "ByteTokenizer", "workers": "1", "vocab-size": "10", "json-keys": "text", "log-interval": "1000",
-          "partitions": "1", "max-documents": "10", "tiktoken-num-special-tokens": "1000", "vocab-extra-ids": "0",
+          "partitions": "1", "max-documents": "10", "tiktoken-num-special-tokens": "1000", "vocab-extra-ids": "0", "tiktoken-pattern": "v2",
           "padded-vocab-size": "512", "workers-to-check": "2"}  # fmt: skip
 
 
@@ -46,7 +46,8 @@ def test_each_flag_is_taken_noted_or_refused(tmp_path, corpus, capfd, name):
     argv = [a for k, v in base.items() if k != given[0] for a in (k, v)] + (
         [given[0], base[given[0]]] if given[0] in base else given
     )
-    if name in ("vocab-file", "merge-file", "tokenizer-model", "vocab-size", "tokenizer-hf-include-special-tokens"):
+    if name in ("vocab-file", "merge-file", "tokenizer-model", "vocab-size", "tokenizer-hf-include-special-tokens",
+                "tokenizer-special-tokens", "tiktoken-special-tokens"):  # fmt: skip
         assert vars(script.parse_args(argv))[name.replace("-", "_")] not in (None, "", 0, False)  # read, with its meaning
         return  # (each tokenizer's files are tested end to end in tests/test_data_preprocess.py)
     code = script.main(argv)

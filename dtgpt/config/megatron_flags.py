@@ -42,6 +42,7 @@ RENAMED = {
     "deterministic-mode": ("training.deterministic", True),
     "num-distributed-optimizer-instances": ("parallel.data_parallel_replicate_size", None),  # Megatron's HSDP replicas
     "recompute-activations": ("training.recompute_granularity", "selective"),
+    "tiktoken-special-tokens": ("data.tokenizer_special_tokens", None),  # Megatron's older name of the flag
 }
 """flag -> (dtgpt key, the value a flag without a value sets (a bool or a string); None: the flag takes values)."""
 

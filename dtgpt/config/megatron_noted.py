@@ -37,8 +37,6 @@ NOTED = {
     "no-position-embedding": "accepted beside rotary positions (`--position-embedding-type rope` or "
     "`--use-rotary-position-embeddings`), where the model has no learned position table anyway; refused otherwise, "
     "as Megatron refuses it",
-    "tiktoken-pattern": "read by Megatron's TikTokenizer only, which dtgpt does not have (its --tokenizer-type is "
-    "refused): beside another tokenizer (the Llama-3 script's NullTokenizer) it changes nothing",
     "trust-remote-code": "dtgpt's HuggingFaceTokenizer reads tokenizer.json with the `tokenizers` library and never "
     "runs code from the tokenizer's directory",
 }
@@ -49,8 +47,9 @@ EXAMPLE_SCRIPTS = [
     "passes each one's flags, shrunk to a small model, through `--dry-run`): Megatron-LM's",
     "`examples/gpt3/train_gpt3_175b_distributed.sh`, `examples/llama/train_llama3_8b_h100_fp8.sh` (with",
     "`DTYPE=bf16`: dtgpt has no fp8), `examples/mixtral/train_mixtral_8x7b_distributed.sh`, and Megatron-MoE-ModelZoo's",
-    "Qwen3-30B-A3B, DeepSeek-V2-Lite and DeepSeek-V3 benchmark flag sets, every flag of theirs taken. Flags mapped",
-    "for them:",
+    "Qwen3-30B-A3B, DeepSeek-V2-Lite and DeepSeek-V3 benchmark flag sets, every flag of theirs taken (the Mixtral",
+    "script with its own `--tokenizer-type Llama2Tokenizer --tokenizer-model`, a SentencePiece model: docs/data.md,",
+    "\"Tokenizers\"). Flags mapped for them:",
     "",
     "- `--calculate-per-token-loss`: `training.calculate_per_token_loss = true`; without it a launch script gets",
     "  Megatron's `false` (each micro-batch's mean, averaged), and a config file dtgpt's `true` (docs/schedules.md).",

@@ -32,8 +32,8 @@ from dtgpt.config.recompute_rules import apply_moe_layer_recompute, check_recomp
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
 from dtgpt.config.split import parse_split
+from dtgpt.config.tokenizer_rules import TOKENIZER_TYPES, check_tokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer")
 
 _CHOICES = {
     "model.position_embedding_type": ("learned_absolute", "rope"),
@@ -258,10 +258,7 @@ def _check_data(cfg: Config) -> None:
         least = 2 if d.mock_data else 1
         _require(d.vocab_size >= least, f"data.vocab_size={d.vocab_size} must be >= {least} for {d.tokenizer_type}"
                  + (" on mock data (the whole vocabulary, the eod its last id)" if d.mock_data else ""))
-    _require(
-        d.tokenizer_type != "HuggingFaceTokenizer" or bool(d.tokenizer_model),
-        "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model, the directory of its tokenizer.json",
-    )
+    check_tokenizer(d)
     if d.tokenizer_type == "NullTokenizer":
         padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built
     train_weight = parse_split(d.split)[0]

@@ -26,7 +26,8 @@ TOKENIZER_GROUP = ("vocab-size", "trust-remote-code")
 
 TAKEN = (
     "input", "json-keys", "append-eod", "output-prefix", "workers", "vocab-size", "vocab-file", "merge-file",
-    "tokenizer-type", "tokenizer-model", "tokenizer-hf-include-special-tokens",
+    "tokenizer-type", "tokenizer-model", "tokenizer-hf-include-special-tokens", "tiktoken-pattern",
+    "tiktoken-num-special-tokens", "tiktoken-special-tokens", "tokenizer-special-tokens",
 )  # fmt: skip
 """Flags preprocess_data.py reads with Megatron's meaning."""
 
@@ -42,11 +43,8 @@ NOTED = {
     "performance-dir": "only used by --find-optimal-num-workers",
     "padded-vocab-size": "preprocessing writes token ids; padding the vocabulary is the model's (model.make_vocab_size_divisible_by)",
     "vocab-extra-ids": "Megatron's preprocess_data.py resets it to 0 itself",
-    "legacy-tokenizer": "chooses between Megatron's two tokenizer code bases; the tokenizer here is built from the same files",
-    "tiktoken-pattern": "only used by TikTokenizer (not one of --tokenizer-type's choices here)",
-    "tiktoken-num-special-tokens": "only used by TikTokenizer (not one of --tokenizer-type's choices here)",
-    "tiktoken-special-tokens": "only used by TikTokenizer (not one of --tokenizer-type's choices here)",
-    "tokenizer-sentencepiece-legacy": "only used by SentencePiece tokenizers (not one of --tokenizer-type's choices here)",
+    "legacy-tokenizer": "chooses between Megatron's two tokenizer code bases, which give the same ids for this "
+                        "tokenizer type (beside SentencePieceTokenizer, Llama2Tokenizer or TikTokenizer it is refused)",
     "tokenizer-hf-use-fast": "HuggingFaceTokenizer always uses the `tokenizers` library (the fast tokenizer)",
     "trust-remote-code": "a tokenizer.json is data: no tokenizer code is ever run here",
 }  # fmt: skip
@@ -60,10 +58,21 @@ REFUSED = {
                                 "(the last line prints MB/s and tokens/s)",
     "tokenizer-metadata": "configures Megatron's tokenizer library, not built here: give the tokenizer's files "
                           "(--vocab-file/--merge-file or --tokenizer-model)",
-    "tokenizer-special-tokens": "adds special tokens to Megatron's tokenizer library, not built here: a Hugging Face "
-                                "tokenizer.json carries its own",
+    "tokenizer-sentencepiece-legacy": "is Megatron's legacy SentencePiece wrapper (special tokens added by the "
+                                      "wrapper), not built here: a .model file carries its own special tokens",
 }  # fmt: skip
 """Flags whose meaning is not built: refused in one line."""
+
+LEGACY_DIFFERS = ("SentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
+"""The types whose legacy Megatron class (--legacy-tokenizer) encodes otherwise than its tokenizer
+library: its Llama2Tokenizer adds a bos, its SentencePieceTokenizer adds special tokens to the
+vocabulary, its TikTokenizer encodes special-token text as ordinary text. Refused beside them."""
+
+
+def check_legacy_tokenizer(legacy: bool, tokenizer_type: str) -> None:
+    if legacy and tokenizer_type in LEGACY_DIFFERS:
+        raise ValueError(f"--legacy-tokenizer is refused beside --tokenizer-type {tokenizer_type}: Megatron's legacy "
+                         "class for it gives other ids than its tokenizer library, which is built here (leave the flag out)")
 
 
 def preprocess_flags() -> dict[str, Flag]:

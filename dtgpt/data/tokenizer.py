@@ -1,5 +1,5 @@
 """Tokenizers: GPT-2 BPE from vocab.json + merges.txt, Hugging Face tokenizer files, a byte
-tokenizer, and a null tokenizer.
+tokenizer, a null tokenizer, and (in their own files) Megatron's SentencePiece and TikTokenizer.
 
 All share one small interface: `.vocab_size`, `.eod`, `.tokenize(text) -> list[int]`,
 `.detokenize(ids) -> str`. `build_tokenizer(data_cfg)` picks one from the `[data]` section.
@@ -7,14 +7,16 @@ All share one small interface: `.vocab_size`, `.eod`, `.tokenize(text) -> list[i
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Protocol, runtime_checkable
 
 from dtgpt.config import DataConfig
 from dtgpt.config.derived import null_tokenizer_ids
-from dtgpt.config.validation import TOKENIZER_TYPES
+from dtgpt.config.tokenizer_rules import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
+from dtgpt.data.libraries import import_library, json_file
+from dtgpt.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from dtgpt.data.tiktoken_tokenizer import TikTokenizer
 
 EOD_TEXT = "<|endoftext|>"
 TOKENIZER_JSON = "tokenizer.json"
@@ -88,7 +90,7 @@ class GPT2BPETokenizer:
                     f"{key}={path!r}: {'a directory, not a file' if os.path.isdir(path) else 'no such file'} (GPT2BPETokenizer reads GPT-2's vocab.json and merges.txt, which "
                     "dtgpt does not download: docs/data.md; data.tokenizer_type ByteTokenizer or NullTokenizer needs no files)"
                 )
-        tokenizers = _tokenizers_library("GPT2BPETokenizer")
+        tokenizers = import_library("GPT2BPETokenizer")
         try:
             model = tokenizers.models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:
@@ -149,7 +151,7 @@ class HuggingFaceTokenizer:
                 f"{where}: {problem} (HuggingFaceTokenizer reads the tokenizer.json and tokenizer_config.json "
                 "that Hugging Face saves; dtgpt downloads nothing)"
             )
-        tokenizers = _tokenizers_library("HuggingFaceTokenizer")
+        tokenizers = import_library("HuggingFaceTokenizer")
         try:
             tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # the library's parse errors have no common class
@@ -185,19 +187,6 @@ class HuggingFaceTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class MissingLibraryError(DataError, ImportError):
-    """An optional library the config needs is not installed: a user error (one line), and still
-    an ImportError to code that asks for one."""
-
-
-def _tokenizers_library(kind: str):
-    try:
-        import tokenizers
-    except ImportError:
-        raise MissingLibraryError(f"{kind} needs the 'tokenizers' library: pip install 'dtgpt[gpt2]'") from None
-    return tokenizers
-
-
 def _contiguous_vocabulary(tok, where: str, why: str) -> int:
     """The token count, when the ids are 0..count-1: a larger id would index past the embedding."""
     size, largest = tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(with_added_tokens=True).values())
@@ -208,16 +197,7 @@ def _contiguous_vocabulary(tok, where: str, why: str) -> int:
 
 def _json_object(path: str) -> dict:
     """A JSON file's object, {} when the file is absent."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except ValueError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: holds a JSON {type(data).__name__}, not an object")
-    return data
+    return json_file(path, dict, "an object") if os.path.isfile(path) else {}
 
 
 def _special_tokens(directory: str) -> dict[str, str | None]:
@@ -238,7 +218,8 @@ def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
     - Under `mock_data = true` no file is read, and `data.vocab_size` is the whole vocabulary,
       eod its last id: a NullTokenizer of vocab_size - 1 ids. GPT2BPETokenizer with no vocab_file
       becomes one too, of GPT-2's 50257 entries (eod 50256, GPT-2's) when vocab_size is 0.
-    - HuggingFaceTokenizer always reads its files (under mock data too), as Megatron's.
+    - HuggingFaceTokenizer, the SentencePiece types and TikTokenizer always read their files (under
+      mock data too), as Megatron's (dtgpt/data/sentencepiece_tokenizer.py, tiktoken_tokenizer.py).
     """
     kind = data_cfg.tokenizer_type
     if data_cfg.builtin_corpus:
@@ -255,4 +236,9 @@ def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
         return GPT2BPETokenizer(data_cfg.vocab_file, data_cfg.merge_file)
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(data_cfg.tokenizer_model, data_cfg.tokenizer_hf_include_special_tokens)
+    if kind in SENTENCEPIECE_TYPES:
+        return SentencePieceTokenizer(data_cfg.tokenizer_model, kind)
+    if kind == "TikTokenizer":
+        return TikTokenizer(data_cfg.tokenizer_model, data_cfg.tiktoken_pattern, data_cfg.tiktoken_num_special_tokens,
+                            data_cfg.tokenizer_special_tokens, data_cfg.vocab_size)  # fmt: skip
     raise ValueError(f"data.tokenizer_type={kind!r} is not one of: {', '.join(map(repr, TOKENIZER_TYPES))}")

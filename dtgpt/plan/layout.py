@@ -27,7 +27,8 @@ from dtgpt.config import (
     validate,
 )
 from dtgpt.config.derived import null_tokenizer_ids
-from dtgpt.data.tokenizer import HuggingFaceTokenizer
+from dtgpt.config.tokenizer_rules import SENTENCEPIECE_TYPES, TIKTOKEN_DEFAULT_VOCAB
+from dtgpt.data.tokenizer import build_tokenizer
 from dtgpt.model_size import flops_per_token, mtp_flops_per_token, mtp_parameters, num_parameters, router_flops_per_token
 from dtgpt.config.batch_schedule import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims, uses_compute_copy
@@ -60,9 +61,11 @@ def tokenizer_vocab_size(cfg: Config) -> tuple[int, str | None]:
         return 257, None
     if d.tokenizer_type == "NullTokenizer":
         return null_tokenizer_ids(d) + 1, None  # the ids and the eod
-    if d.tokenizer_type == "HuggingFaceTokenizer":
-        try:  # its files hold the count in more than one place (model vocabulary, added tokens)
-            return HuggingFaceTokenizer(d.tokenizer_model).vocab_size, None
+    if d.tokenizer_type == "TikTokenizer":
+        return d.vocab_size or TIKTOKEN_DEFAULT_VOCAB, None  # the whole vocabulary, whatever the file holds
+    if d.tokenizer_type == "HuggingFaceTokenizer" or d.tokenizer_type in SENTENCEPIECE_TYPES:
+        try:  # the count is in the model file (a Hugging Face one holds it in more than one place)
+            return build_tokenizer(d).vocab_size, None
         except (ImportError, OSError, ValueError) as e:
             if d.vocab_size:
                 return d.vocab_size, f"{e}: assuming data.vocab_size={d.vocab_size} tokens"
