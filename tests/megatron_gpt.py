@@ -237,6 +237,9 @@ def main(argv: list[str]) -> None:
             model = build(2, untied, LAYERS, arch, pp=2)
             run_adam_parallel(model, root / arch, trainer_state(2, LAYERS, arch, untied, pp=2), twin=lambda: new_model(2, untied, LAYERS, arch))
             parallel_state.destroy_model_parallel()
+        from tests.megatron_moe_adam import save_moe_adam_tp2
+
+        save_moe_adam_tp2(root / "moe_tp2")  # the MoE model's Adam state at tp 2, in the same launch
     elif args.command == "family":  # several models in one launch: megatron-core's import is paid once
         from megatron.core import parallel_state
 

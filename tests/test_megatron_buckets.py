@@ -69,9 +69,9 @@ def test_layouts_it_does_not_map_say_why():
     assert layout is None and why.startswith("it holds several grad buffers per model-parallel rank (parameter dtypes or virtual")
     moe = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 8, 8)}
     layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 2))  # ep 2, one expert rank's buckets
-    assert layout is None and why == "it holds the experts' buckets of 1 model-parallel ranks, but its args say ep x pp = 2 x 1 (expert tp 1) for 4 experts"
-    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **moe}, {}, list(moe), Parallel(2))
-    assert layout is None and why == "it is an MoE model saved at tp 2, whose experts' tp shards dtgpt does not map yet"
+    assert layout is None and why == "it holds the experts' buckets of 1 model-parallel ranks, but its args say expert tp x ep x pp = 1 x 2 x 1 for 4 experts"
+    layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 1, 2))  # expert tp 2 but tp 1
+    assert layout is None and why == "its experts are split over expert_tensor_parallel_size=2 ranks at tp 1, which dtgpt does not map (only 1 or tp)"
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
