@@ -126,3 +126,16 @@ def no_process_group_left_behind():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a process group initialised: call dtgpt.shutdown() (or destroy_process_group) at its end")
+
+
+@pytest.fixture(scope="session")
+def adam_tp2pp2(tmp_path_factory):
+    """megatron-core's distributed optimizer at tp 2 x pp 2 after one step, for each of
+    PARALLEL_ADAM's models (root/<arch>): model space and, under dp_reshardable/, its buckets; in
+    the same 4-rank launch, the MoE model at tp 2 (root/moe_tp2, tests/megatron_moe_adam.py).
+    Here, not in a test module: test_megatron_checkpoint.py and test_megatron_moe_checkpoint.py share the one launch."""
+    from tests.megatron_oracle import run_megatron_gpt
+
+    root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
+    run_megatron_gpt("adam-parallel", root, 4)
+    return root

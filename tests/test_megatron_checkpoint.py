@@ -578,15 +578,6 @@ def test_unmapped_per_rank_optimizer_state_is_one_line_and_fresh_adam(adam_tp1, 
     assert f"Megatron checkpoint: optimizer state not read: {why}; fresh AdamW moments" in capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def adam_tp2pp2(tmp_path_factory):
-    """megatron-core's distributed optimizer at tp 2 x pp 2 after one step, for each of
-    PARALLEL_ADAM's models (root/<arch>): model space and, under dp_reshardable/, its buckets."""
-    root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
-    run_megatron_gpt("adam-parallel", root, 4)
-    return root
-
-
 TP2PP2_OPTIMIZER_FILES = ("dp_reshardable", "distrib_optim", "distrib_optim_buckets")
 """adam_tp2pp2's saves of each model besides megatron-core's model-space one (tests/megatron_adam.py
 run_adam_parallel): torch_dist's dp_reshardable buckets, and the per-rank format with each

@@ -344,16 +344,22 @@ def test_megatron_moe_dp_reshardable_adam_state_steps_on_as_its_model_space_save
     """One dtgpt step (AdamW, clipped) from the dp_reshardable buckets saved at ep 2 equals one
     from megatron-core's model-space save of the same state: weights and both moments, bit for
     bit; the log says where the state came from."""
+    assert_steps_on_alike(moe_root / "adam_ep2", MODEL, capsys)
+
+
+def assert_steps_on_alike(saved: Path, model: dict, capsys) -> None:
+    """One dtgpt step of `model` ([model]) from saved/dp_reshardable's buckets and one from
+    megatron-core's model-space save under `saved` give the same weights and moments, bit for bit."""
     from dtgpt.checkpoint.megatron.keys import dtgpt_names
 
     stepped = {}
     for source in ("dp_reshardable", "model_space"):
-        cfg = dtgpt.make_config(model=MODEL, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+        cfg = dtgpt.make_config(model=model, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
                                 training=dict(micro_batch_size=2, global_batch_size=2),
                                 optimizer=dict(lr_decay_style="constant", lr_warmup_iters=0, lr=1e-3, clip_grad=1.0))  # fmt: skip
         runtime = dtgpt.init_distributed(cfg)
         state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, VOCAB))
-        root = moe_root / "adam_ep2" / ("dp_reshardable" if source == "dp_reshardable" else "")
+        root = saved / ("dp_reshardable" if source == "dp_reshardable" else "")
         assert dtgpt.load_checkpoint(root, cfg, runtime, state) == ITERATION
         log = capsys.readouterr().out
         assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log, log
