@@ -8,7 +8,9 @@ module order, and builds one optimizer: no chained_ prefix). Each time: one synt
 gradient sin(7 w)) of a model whose grad buffers are one bucket each, saved in model space
 (fully_reshardable: megatron-core gathers each parameter's state itself) under ROOT/adam_ep<N>,
 and the same step of the same model cut into BUCKET_SIZE buckets saved dp_reshardable under
-ROOT/adam_ep<N>/dp_reshardable: the same state in both layouts.
+ROOT/adam_ep<N>/dp_reshardable: the same state in both layouts. The same two saves at tp 2, for
+expert tp 1 and 2 at ep 1 and 2 (save_moe_adam_tp2), end tests/megatron_gpt.py's adam-parallel
+launch (4 gloo ranks).
 """
 
 from __future__ import annotations
