@@ -10,8 +10,8 @@ data-parallel group they are reduced over says:
   megatron-core's expert tp x ep x pp group (its rank generator's 'tp-ep-pp', tp fastest):
   expert tp rank + etp x (ep rank + ep x pp rank). That rank's buffer holds its stage's layers'
   local experts (global expert ep rank x E / ep + k for local k).
-Either way each expert's tensors are whole at expert tp (etp) 1, every tp rank's copy the same
-(tp rank 0's is read), or at etp = tp split as the dense MLP's (EXPERT_TP_DIM: fc1 rows, SwiGLU's
+Either way each expert's tensors are whole at expert tp (etp) 1 (at ep 1 each tp rank's buffer
+keeps a copy: tp rank 0's is read), or at etp = tp split as the dense MLP's (EXPERT_TP_DIM: fc1 rows, SwiGLU's
 as [gate shard; up shard], fc2 columns) over the expert tp ranks. Megatron's default is etp = tp;
 other etp are not mapped. The router and the shared expert's gate are whole on every tp rank, the
 shared expert split as the dense MLP (buckets.TP_DIM).
@@ -19,7 +19,7 @@ Within a layer the experts follow their module's parameter order (EXPERT_ORDERS)
 keeps one MLP per expert (fc1, then fc2), TEGroupedMLP one grouped linear per projection (every
 expert's fc1, then every expert's fc2). Both are tried, as the layer specs are. The stored tensor
 is the same whichever module saved it: (layers, E, rows, cols), so an expert's state is a block
-(1, rows, cols) at (e, 0, 0) of one layer's. GroupedMLP (one stacked, transposed weight per
+(1, rows, cols) at (e, 0, 0) of one layer's, or at etp > 1 its shards' blocks. GroupedMLP (one stacked, transposed weight per
 projection) fits neither: no layout, fresh moments.
 """
 
