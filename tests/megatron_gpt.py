@@ -25,7 +25,9 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
     python tests/megatron_gpt.py adam-parallel DIR        on 4 ranks (tp 2 x pp 2, and with VIRTUAL_ADAM's virtual stages): one distributed-optimizer
                                                           step of each of PARALLEL_ADAM's models, saved
                                                           model space, dp_reshardable and per rank with each
-                                                          rank's distrib_optim.pt (run_adam_parallel)
+                                                          rank's distrib_optim.pt (run_adam_parallel); then the
+                                                          MoE model's at tp 2 under DIR/moe_tp2
+                                                          (tests/megatron_moe_adam.py save_moe_adam_tp2)
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
 no RNG tracker fork (dropout is 0), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a
@@ -258,6 +260,9 @@ def main(argv: list[str]) -> None:
         vars(state["args"]).update(virtual_pipeline_model_parallel_size=vp)  # as Megatron-LM's args name it
         run_adam_parallel(chunks, root / name, state, twin=lambda: virtual_chunks(2, False, layers, "gpt"))
         parallel_state.destroy_model_parallel()
+        from tests.megatron_moe_adam import save_moe_adam_tp2
+
+        save_moe_adam_tp2(root / "moe_tp2")  # the MoE model's Adam state at tp 2, in the same launch
     elif args.command == "family":  # several models in one launch: megatron-core's import is paid once
         from megatron.core import parallel_state
 

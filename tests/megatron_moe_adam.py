@@ -8,7 +8,9 @@ module order, and builds one optimizer: no chained_ prefix). Each time: one synt
 gradient sin(7 w)) of a model whose grad buffers are one bucket each, saved in model space
 (fully_reshardable: megatron-core gathers each parameter's state itself) under ROOT/adam_ep<N>,
 and the same step of the same model cut into BUCKET_SIZE buckets saved dp_reshardable under
-ROOT/adam_ep<N>/dp_reshardable: the same state in both layouts.
+ROOT/adam_ep<N>/dp_reshardable: the same state in both layouts. The same two saves at tp 2, for
+expert tp 1 and 2 at ep 1 and 2 (save_moe_adam_tp2), end tests/megatron_gpt.py's adam-parallel
+launch (4 gloo ranks).
 """
 
 from __future__ import annotations
@@ -51,7 +53,28 @@ def distinct_experts(model, ep: int) -> None:
 
     for layer in model.decoder.layers:
         local = layer.mlp.experts.local_experts
-        for k, expert in enumerate(local):
-            draw = torch.Generator().manual_seed(100 + parallel_state.get_expert_model_parallel_rank() * len(local) + k)
-            for param in expert.parameters():
+        for k, module in enumerate(local):
+            expert = parallel_state.get_expert_model_parallel_rank() * len(local) + k
+            # each expert tp rank's shard a draw of its own too: a shard read from the wrong rank shows
+            draw = torch.Generator().manual_seed(100 + expert + 1000 * parallel_state.get_expert_tensor_parallel_rank())
+            for param in module.parameters():
                 param.copy_(0.02 * torch.randn(param.shape, generator=draw))
+
+
+TP2_LAYOUTS = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""(expert tp, ep) of the saves at tp 2 on 4 ranks (save_moe_adam_tp2): the experts whole on each
+tp rank (expert tp 1, Mixtral's and DeepSeek's usual choice) or split as the dense MLP (expert tp =
+tp, Megatron's default), in the dense buffer (ep 1) or in their own (chained_1, ep 2)."""
+
+
+def save_moe_adam_tp2(root: Path) -> None:
+    """At tp 2 (4 gloo ranks, dense dp 2), for each of TP2_LAYOUTS: the two saves of the module doc
+    under ROOT/etp<E>_ep<N> (patch_for_optimizer already run; the groups are set up here)."""
+    from megatron.core import parallel_state
+
+    from tests.megatron_moe_gpt import build, common
+
+    for etp, ep in TP2_LAYOUTS:
+        parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        save_moe_adam(root / f"etp{etp}_ep{ep}", ep, lambda: build(ep, 1234, 2, etp), common(ep, 2, etp))  # noqa: B023
+        parallel_state.destroy_model_parallel()

@@ -46,22 +46,25 @@ MOE_ARGS = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=E
 """Megatron-LM's args for the MoE part, as its common.pt keeps them."""
 
 
-def build(ep: int, seed: int):
+def build(ep: int, seed: int, tp: int = 1, etp: int | None = None):
+    """The seeded model at expert parallelism `ep`, tp `tp` and expert tp `etp` (None: tp, Megatron's
+    default); the groups are set up here unless they already are."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=0.02, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
         expert_model_parallel_size=ep, **ARCHS["llama"]["config"], **MOE_CONFIG,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=padded_vocab(1),
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=padded_vocab(tp),
                      max_sequence_length=SEQ, share_embeddings_and_output_weights=False, position_embedding_type="rope")  # fmt: skip
     draw_wide(model, seed)
     return model
@@ -87,9 +90,9 @@ def logits(model) -> torch.Tensor:
     return model(*inputs())
 
 
-def common(ep: int) -> dict:
-    state = trainer_state(1, arch="llama", untied=True)
-    vars(state["args"]).update(MOE_ARGS, expert_model_parallel_size=ep)
+def common(ep: int, tp: int = 1, etp: int | None = None) -> dict:
+    state = trainer_state(tp, arch="llama", untied=True)
+    vars(state["args"]).update(MOE_ARGS, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     return state
 
 

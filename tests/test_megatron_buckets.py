@@ -64,7 +64,7 @@ def test_layouts_it_does_not_map_say_why():
     assert layout is None and why == "it holds the buckets of 3 model-parallel ranks, but its args say tp x pp = 2 x 1"
     layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0)), {}, [], Parallel())
     assert layout is None and why.startswith("model-parallel rank 0 holds 2 grad buffers where its args give 1 model chunk (mixed")
-    virtual = Parallel(1, (1, 1, 1, 1), 1, 2)  # pp 2 x 2 virtual stages: two grad buffers on each of two ranks
+    virtual = Parallel(1, (1, 1, 1, 1), 1, vp=2)  # pp 2 x 2 virtual stages: two grad buffers on each of two ranks
     layout, why = bucket_layout(None, shapes((0, 0, 0), (0, 1, 0), (1, 0, 0)), {}, [], virtual)
     assert layout is None and why.startswith("model-parallel rank 1 holds 1 grad buffers where its args give 2 model chunks (mixed")
     experts = {f"chained_{i}.{key}": shape for i in (0, 1) for key, shape in shapes((0, 0, 0)).items()}  # the same keys but for the prefix
@@ -72,11 +72,11 @@ def test_layouts_it_does_not_map_say_why():
     assert layout is None and why == "it holds optimizer buckets of chained optimizers other than an MoE model's experts'"
     moe = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 8, 8)}
     layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 2))  # ep 2, one expert rank's buckets
-    assert layout is None and why == "it holds the experts' buckets of 1 model-parallel ranks, but its args say ep x pp = 2 x 1 (expert tp 1) for 4 experts"
+    assert layout is None and why == "it holds the experts' buckets of 1 model-parallel ranks, but its args say expert tp x ep x pp = 1 x 2 x 1 for 4 experts"
     layout, why = bucket_layout(None, {**shapes((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)), **moe}, {}, list(moe), virtual)
     assert layout is None and why == "it is an MoE model saved with 2 virtual pipeline stages per pp rank, whose buffers dtgpt does not map yet"
-    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **moe}, {}, list(moe), Parallel(2))
-    assert layout is None and why == "it is an MoE model saved at tp 2, whose experts' tp shards dtgpt does not map yet"
+    layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 1, 2))  # expert tp 2 but tp 1
+    assert layout is None and why == "its experts are split over expert_tensor_parallel_size=2 ranks at tp 1, which dtgpt does not map (only 1 or tp)"
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
@@ -137,13 +137,13 @@ def test_virtual_pipeline_chunks_each_fill_a_grad_buffer_of_their_own():
     # rank 0: [layer 0 at 0, emb at 64: 96], [layer 2: 16]; rank 1: [layer 1: 16], [the head's
     # copy alone (32), then norm at 0, layer 3 at 64: 80]
     stored = {0: [[("a0", 96)], [("a1", 16)]], 1: [[("b0", 16)], [("h", 32), ("b1", 80)]]}
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 1, 1, 1), 1, 2)) == {
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 1, 1, 1), 1, vp=2)) == {
         (emb, None): [Piece("a0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("a0", 0, (4, 4), (0, 0))],
         (proj, 1): [Piece("b0", 0, (4, 4), (0, 0))], (proj, 2): [Piece("a1", 0, (4, 4), (0, 0))],
         (proj, 3): [Piece("b1", 64, (4, 4), (0, 0))], (norm, None): [Piece("b1", 0, (4,), (0,))],
     }  # fmt: skip
     # another split over the virtual stages is another layout: these lengths do not fit it
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 0, 1, 1), 1, 2)) is None
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 0, 1, 1), 1, vp=2)) is None
 
 
 def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:

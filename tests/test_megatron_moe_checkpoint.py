@@ -152,22 +152,25 @@ def test_dtgpt_moe_per_rank_files_at_ep2_load_in_megatron_core_with_equal_logits
 
 
 @pytest.mark.slow
-def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_pp2_and_tp2(moe_root):
+def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_pp2_and_tp2(moe_root, adam_tp2pp2):
     """checkpoint.load of Megatron's MoE checkpoints at dtgpt meshes (tests/megatron_family_worker.py):
     the experts split over ep 2 (each rank reads only its experts' region), pp 2, and tp 2 with
     sequence parallelism (the experts, router and expert bias split as dtgpt's tp plan splits them);
-    and the dp_reshardable Adam state saved at ep 2 loads at ep 2, its weights the buckets' masters."""
+    and the dp_reshardable Adam state saved at ep 2 loads at ep 2, and the one saved at tp 2 with
+    expert tp 2 and ep 2 (tests/test_megatron_moe_tp2_adam.py) at ep 2 and at tp 2, its weights the buckets' masters."""
     import json
 
     fields = {k: v for k, v in MODEL.items() if k not in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                                              "hidden_dropout", "attention_dropout")}  # fmt: skip
     adam = moe_root / "adam_ep2" / "dp_reshardable"  # its weights from the buckets' masters, each rank its experts' pieces
+    adam_tp2 = adam_tp2pp2 / "moe_tp2" / "etp2_ep2"
     jobs = [[str(moe_root / "megatron"), fields, ["ep2", "pp2", "tp2"]], [str(moe_root / "megatron_per_rank"), fields, ["ep2"]],
-            [str(adam), fields, ["ep2"]]]  # fmt: skip
+            [str(adam), fields, ["ep2"]], [str(adam_tp2 / "dp_reshardable"), {**fields, "make_vocab_size_divisible_by": 32}, ["ep2", "tp2"]]]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), json.dumps(jobs)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "optimizer state read from the distributed optimizer's dp_reshardable buckets (local layer order, SequentialMLP experts)" in proc.stdout
+    # one line per load of the buckets: at ep 2, and the tp 2 save's at ep 2 and tp 2
+    assert proc.stdout.count("optimizer state read from the distributed optimizer's dp_reshardable buckets (local layer order, SequentialMLP experts)") == 3
     theirs = torch.load(moe_root / "logits.pt", weights_only=True)
     for root, layouts in (("megatron", ("ep2", "pp2", "tp2")), ("megatron_per_rank", ("ep2",))):
         for name in layouts:
@@ -176,6 +179,10 @@ def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_pp2_and_tp2(moe_root):
         stepped = load_megatron_model(find(moe_root / "adam_ep2"), model_cfg(), ROWS).eval()(tokens())
     assert relative_error(torch.load(adam / "ep2_logits.pt", weights_only=True), stepped) < 1e-5
     assert relative_error(stepped, theirs) > 1e-2  # another model than the unstepped one
+    with torch.no_grad():
+        stepped_tp2 = load_megatron_model(find(adam_tp2), model_cfg(make_vocab_size_divisible_by=32), 128).eval()(tokens())
+    for name in ("ep2", "tp2"):
+        assert relative_error(torch.load(adam_tp2 / "dp_reshardable" / f"{name}_logits.pt", weights_only=True), stepped_tp2) < 1e-5, name
 
 
 @pytest.mark.slow
@@ -344,16 +351,22 @@ def test_megatron_moe_dp_reshardable_adam_state_steps_on_as_its_model_space_save
     """One dtgpt step (AdamW, clipped) from the dp_reshardable buckets saved at ep 2 equals one
     from megatron-core's model-space save of the same state: weights and both moments, bit for
     bit; the log says where the state came from."""
+    assert_steps_on_alike(moe_root / "adam_ep2", MODEL, capsys)
+
+
+def assert_steps_on_alike(saved: Path, model: dict, capsys) -> None:
+    """One dtgpt step of `model` ([model]) from saved/dp_reshardable's buckets and one from
+    megatron-core's model-space save under `saved` give the same weights and moments, bit for bit."""
     from dtgpt.checkpoint.megatron.keys import dtgpt_names
 
     stepped = {}
     for source in ("dp_reshardable", "model_space"):
-        cfg = dtgpt.make_config(model=MODEL, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+        cfg = dtgpt.make_config(model=model, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
                                 training=dict(micro_batch_size=2, global_batch_size=2),
                                 optimizer=dict(lr_decay_style="constant", lr_warmup_iters=0, lr=1e-3, clip_grad=1.0))  # fmt: skip
         runtime = dtgpt.init_distributed(cfg)
         state = dtgpt.build_train_state(cfg, dtgpt.build_model(cfg, runtime, VOCAB))
-        root = moe_root / "adam_ep2" / ("dp_reshardable" if source == "dp_reshardable" else "")
+        root = saved / ("dp_reshardable" if source == "dp_reshardable" else "")
         assert dtgpt.load_checkpoint(root, cfg, runtime, state) == ITERATION
         log = capsys.readouterr().out
         assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in log, log

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from dtgpt.checkpoint.megatron.expert_buckets import (
-    EXPERT_ORDERS, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
+    EXPERT_ORDERS, EXPERT_TP_DIM, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.grad_buffers import buckets_of, grad_buffers
 from dtgpt.checkpoint.megatron.regions import read_regions
@@ -81,10 +81,20 @@ TP_DIM = {
     "decoder.layers.self_attention.linear_qkv.weight": 0, "decoder.layers.self_attention.linear_qkv.bias": 0,
     "decoder.layers.mlp.linear_fc1.weight": 0, "decoder.layers.mlp.linear_fc1.bias": 0,  # column-parallel
     "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
+    "decoder.layers.mlp.shared_experts.linear_fc1.weight": 0, "decoder.layers.mlp.shared_experts.linear_fc1.bias": 0,
+    "decoder.layers.mlp.shared_experts.linear_fc2.weight": 1,  # an MoE layer's shared expert, split as the dense MLP
 }  # fmt: skip
 """The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
 QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
-SWIGLU_FC1 = ("decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc1.bias")
+SWIGLU_FC1 = {f"decoder.layers.mlp.{mlp}linear_fc1": f"decoder.layers.mlp.{mlp}linear_fc2.weight"
+              for mlp in ("", "shared_experts.", "experts.experts.")}
+"""Each linear_fc1 (weight and bias) whose rows are SwiGLU's [gate; up] when they are twice its linear_fc2's columns."""
+
+
+def swiglu_keys(shapes: dict) -> set[str]:
+    """The linear_fc1 weights and biases of `shapes` whose rows are [gate; up] (SWIGLU_FC1)."""
+    gated = [fc1 for fc1, fc2 in SWIGLU_FC1.items() if fc2 in shapes and shapes.get(f"{fc1}.weight", (0, 0))[-2] == 2 * shapes[fc2][-1]]
+    return {f"{fc1}.{kind}" for fc1 in gated for kind in ("weight", "bias")}
 
 Param = tuple[str, int | None]  # (Megatron key, layer or None)
 
@@ -94,7 +104,8 @@ class Parallel(NamedTuple):
 
     tp: int = 1
     stage_layers: tuple[int, ...] = ()  # the decoder layers of each (virtual) pipeline stage; () for pp 1
-    ep: int = 1  # expert parallelism (the experts' tp: 1)
+    ep: int = 1  # expert parallelism
+    etp: int = 1  # the experts' tp: 1 (each expert whole on every tp rank) or tp (split as the dense MLP)
     vp: int = 1  # virtual stages per pp rank: stage_layers lists pp x vp stages, stage c x pp + r in chunk c of pp rank r
 
     @property
@@ -178,14 +189,12 @@ def fit(order: list[tuple[Param, int]], buckets: list[tuple[str, int]]) -> dict[
     return places if index == len(buckets) else None
 
 
-def shard_pieces(key: str, shape: tuple[int, ...], prefix: str, start: int, tp: int, rank: int, halves: int) -> list[Piece]:
-    """Tp rank `rank`'s shard of a parameter of global (one layer's) `shape`, stored from `start`
-    of bucket `prefix`, as blocks of the global tensor. With SwiGLU (`halves` 2) linear_fc1's rows
-    are [gate; up] globally and [gate shard; up shard] on each rank: two blocks."""
-    dim = TP_DIM.get(key)
+def shard_pieces(dim: int | None, shape: tuple[int, ...], prefix: str, start: int, tp: int, rank: int, halves: int) -> list[Piece]:
+    """Tp rank `rank`'s shard (split on `dim`; None: whole) of a parameter of global (one layer's)
+    `shape`, stored from `start` of bucket `prefix`, as blocks of the global tensor. With SwiGLU
+    (`halves` 2) linear_fc1's rows are [gate; up] globally and [gate shard; up shard] on each rank: two blocks."""
     if dim is None:
         return [Piece(prefix, start, shape, (0,) * len(shape))]
-    halves = halves if key in SWIGLU_FC1 else 1
     part = shape[dim] // tp // halves
     block = (*shape[:dim], part, *shape[dim + 1:])
     at = lambda half: tuple((half * tp + rank) * part if d == dim else 0 for d in range(len(shape)))  # noqa: E731
@@ -199,11 +208,11 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     experts' own buffers, chained_1, by expert model-parallel rank, or None: the dense buffers
     hold the experts), when each rank's buckets fit
     its parameters in this order; else None. A parameter whole on every tp rank is read from tp
-    rank 0's copy; a routed expert's tensor is a block of its own at its expert's index."""
-    fc1, fc2 = shapes.get(SWIGLU_FC1[0]), shapes.get("decoder.layers.mlp.linear_fc2.weight")
-    halves = 2 if fc1 and fc2 and fc1[1] == 2 * fc2[2] else 1
+    rank 0's copy; a routed expert's tensor is a block of its own at its expert's index, split
+    over the expert tp ranks (parallel.etp) as the dense MLP's (at expert tp 1 a replica on every tp rank)."""
+    gated = swiglu_keys(shapes)
     experts = num_experts(shapes, model_keys)
-    inline = ExpertSplit(range(experts), expert_module) if expert_stored is None else None
+    inline = ExpertSplit(range(experts), expert_module, parallel.etp) if expert_stored is None else None
     fits = []  # (order, buckets, tp rank) of every buffer
     for stage in range(len(parallel.stage_layers) or 1):
         order = stage_order(shapes, model_keys, layer_order, stage, parallel, inline)
@@ -212,22 +221,24 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
         pp_rank, chunk = stage % parallel.pp, stage // parallel.pp
         fits += [(order, stored[rank + parallel.tp * pp_rank][chunk], rank) for rank in range(parallel.tp)]
     for rank, buckets in sorted((expert_stored or {}).items()):
-        stage, split = rank_split(rank, parallel.ep, experts, expert_module)
+        stage, split = rank_split(rank, parallel.ep, experts, expert_module, parallel.etp)
         order = [entry for layer in stage_layers(shapes, model_keys, stage, parallel) for entry in expert_entries(shapes, model_keys, layer, split)]
-        fits.append((order, buckets, 0))
+        fits.append((order, buckets, split.tp_rank))
     pieces: dict[Param, list[Piece]] = {}
     for order, buckets, rank in fits:
         places = fit([(param, math.prod(shape)) for param, shape in order], buckets)
         if places is None:
             return None
         for (key, layer, expert), (prefix, start) in places.items():
-            if key not in model_keys or (rank > 0 and key not in TP_DIM):
+            split_dim = TP_DIM.get(key) if expert is None else EXPERT_TP_DIM.get(key) if parallel.etp > 1 else None
+            if key not in model_keys or (rank > 0 and split_dim is None):
                 continue  # a tied head's copy; a tp replica
             shape = shapes[key] if layer is None else shapes[key][1:]
-            if expert is not None:
-                found = [Piece(prefix, start, (1, *shape[1:]), (expert, *(0,) * (len(shape) - 1)))]
-            else:
-                found = shard_pieces(key, shape, prefix, start, parallel.tp, rank, halves)
+            if expert is None:
+                found = shard_pieces(split_dim, shape, prefix, start, parallel.tp, rank, 1 + (key in gated))
+            else:  # one expert's blocks, at its index on the experts' axis
+                found = shard_pieces(split_dim, shape[1:], prefix, start, parallel.etp, rank, 1 + (key in gated))
+                found = [Piece(p.prefix, p.start, (1, *p.shape), (expert, *p.offsets)) for p in found]
             pieces.setdefault((key, layer), []).extend(found)
     return pieces
 
@@ -311,13 +322,13 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
-    if experts and parallel.tp > 1:
-        return None, f"it is an MoE model saved at tp {parallel.tp}, whose experts' tp shards dtgpt does not map yet"
+    if experts and parallel.etp not in (1, parallel.tp):
+        return None, f"its experts are split over expert_tensor_parallel_size={parallel.etp} ranks at tp {parallel.tp}, which dtgpt does not map (only 1 or tp)"
     expert_stored = {rank: buffers[0] for rank, buffers in stored[1].items()} if 1 in stored else None
     expert_ranks = sorted(expert_stored or {})
-    if 1 in stored and (expert_ranks != list(range(parallel.ep * pp)) or experts % parallel.ep):
+    if 1 in stored and (expert_ranks != list(range(parallel.etp * parallel.ep * pp)) or experts % parallel.ep):
         return None, (f"it holds the experts' buckets of {len(expert_ranks)} model-parallel ranks, but its args say "
-                      f"ep x pp = {parallel.ep} x {pp} (expert tp 1) for {experts} experts")  # fmt: skip
+                      f"expert tp x ep x pp = {parallel.etp} x {parallel.ep} x {pp} for {experts} experts")  # fmt: skip
     # the first stage's first layer and the last stage's: in the last buckets of their ranks, which
     # megatron-core's buffer (reverse module order) fills last; of the experts, the first and the last
     checked_layers = {0, sum(parallel.stage_layers[:-1])}

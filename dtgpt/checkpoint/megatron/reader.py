@@ -98,12 +98,9 @@ class MegatronReader:
             found = self.torch_dist and any(BUCKET.match(key) for key in self.shapes)
             args, parallel = self.common.get("args"), self._parallel()
             groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
-            expert_tp = getattr(args, "expert_tensor_parallel_size", None)
             if found and parallel and groups and groups < parallel.tp:
                 self._buckets = (None, f"each of its tp {parallel.tp} ranks holds a copy of the key/value heads (num_query_groups={groups} "
                                        "< tp), which dtgpt does not map yet")  # fmt: skip
-            elif found and expert_tp not in (None, 1) and getattr(args, "num_experts", None):
-                self._buckets = (None, f"its experts are split over expert_tensor_parallel_size={expert_tp} ranks, which dtgpt does not map yet")
             else:
                 self._buckets = bucket_layout(self.directory, self.shapes, self.dtypes, model_keys, parallel, self._chunk_starts()) if found else (None, "")
         return self._buckets
@@ -124,11 +121,12 @@ class MegatronReader:
         if not isinstance(tp, int):
             return None
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        etp = getattr(args, "expert_tensor_parallel_size", None) or tp  # unset: tp, as Megatron-LM's arguments.py sets it
         if pp == 1:
-            return Parallel(tp, (), ep)
+            return Parallel(tp, (), ep, etp)
         vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1  # Megatron-LM derives it from its flags
         split = args_split(args, pp, vp)
-        return None if split is None else Parallel(tp, tuple(split), ep, vp)
+        return None if split is None else Parallel(tp, tuple(split), ep, etp, vp)
 
     def optimizer_common(self):
         """Megatron's optimizer state besides the tensors (its param groups, step included): in
