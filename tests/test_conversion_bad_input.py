@@ -189,6 +189,19 @@ def test_an_moe_export_names_the_experts(tmp_path, capfd):
     assert not (tmp_path / "hf").exists()
 
 
+def test_an_export_of_a_run_whose_tokenizer_has_no_hugging_face_form_writes_nothing(tmp_path, capfd):
+    """A Llama2Tokenizer run (SentencePiece): refused in one line before the weights are written,
+    so no half-written export is left behind."""
+    pytest.importorskip("sentencepiece")
+    from tests.tokenizer_files import write_sentencepiece_model
+
+    model = write_sentencepiece_model(tmp_path / "sp")
+    checkpoint(tmp_path / "ckpt", extra=("--data.tokenizer_type=Llama2Tokenizer", f"--data.tokenizer_model={model}"))
+    assert load_script().main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
+    assert "the run's Llama2Tokenizer has no Hugging Face tokenizer files dtgpt writes" in one_error(capfd)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_megatron_directory_given_to_a_dtgpt_tool_is_named_so(tmp_path, capfd):
     checkpoint(tmp_path / "ckpt")
     assert load_script().main(["to-megatron", str(tmp_path / "ckpt"), str(tmp_path / "meg")]) == 0

@@ -250,6 +250,7 @@ def to_hf_dir(directory: Path, cfg: Config, out: str | Path) -> tuple[str, list[
     _refuse_model_dir(out)
     hf = hf_layout_for(cfg.model)
     tokenizer = build_tokenizer(cfg.data)
+    hf_tokenizer.check_exportable(tokenizer)
     vocab = model_vocab_size(directory)
     _check_tokenizer_fits(tokenizer.vocab_size, vocab, directory)
     model = hf_files.gamma_from_stored(read_sections(directory, ("model",))["model"], cfg.model)

@@ -11,6 +11,9 @@ dtgpt gave in training:
 - HuggingFaceTokenizer: its own tokenizer.json and tokenizer_config.json (and
   special_tokens_map.json), copied as the run read them.
 
+Megatron's SentencePiece types and TikTokenizer have no Hugging Face form here: an export of such a
+run is refused before anything is written (check_exportable).
+
 dtgpt's own kinds are also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the
 special end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
 tokenizers read the literal text "<|endoftext|>" as ordinary characters, as Megatron's do.
@@ -50,6 +53,18 @@ def _byte_alphabet() -> dict[str, int]:
     return table
 
 
+EXPORTABLE = (GPT2BPETokenizer, ByteTokenizer, NullTokenizer, HuggingFaceTokenizer)
+
+
+def check_exportable(tokenizer: Tokenizer) -> None:
+    """A ValueError when the run's tokenizer has no Hugging Face form here: called before an
+    export writes its first file, so a refused export leaves no half-written directory."""
+    if not isinstance(tokenizer, EXPORTABLE):
+        names = ", ".join(kind.__name__ for kind in EXPORTABLE)
+        raise ValueError(f"the run's {getattr(tokenizer, 'kind', type(tokenizer).__name__)} has no Hugging Face tokenizer "
+                         f"files dtgpt writes (it exports {names} runs)")  # fmt: skip
+
+
 def eod_text(tokenizer: Tokenizer) -> str:
     """The token string of the tokenizer's eod."""
     return str(tokenizer.eod) if isinstance(tokenizer, NullTokenizer) else EOD_TEXT
@@ -69,8 +84,8 @@ def build_backend(tokenizer: Tokenizer):
     elif isinstance(tokenizer, NullTokenizer):
         backend = Backend(models.WordLevel({str(i): i for i in range(tokenizer.eod)}, unk_token=None))  # then the eod
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins with spaces
-    else:
-        raise ValueError(f"no Hugging Face equivalent for a {type(tokenizer).__name__}")
+    else:  # a HuggingFaceTokenizer's files are copied, never rebuilt; the rest: check_exportable
+        raise ValueError(f"no tokenizers backend is built for a {type(tokenizer).__name__}")
     backend.add_special_tokens([AddedToken(eod_text(tokenizer), special=True)])
     if backend.token_to_id(eod_text(tokenizer)) != tokenizer.eod:
         raise ValueError(f"{type(tokenizer).__name__}: {eod_text(tokenizer)!r} is not id {tokenizer.eod}, the eod")
