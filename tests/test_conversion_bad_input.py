@@ -189,16 +189,26 @@ def test_an_moe_export_names_the_experts(tmp_path, capfd):
     assert not (tmp_path / "hf").exists()
 
 
-def test_an_export_of_a_run_whose_tokenizer_has_no_hugging_face_form_writes_nothing(tmp_path, capfd):
-    """A Llama2Tokenizer run (SentencePiece): refused in one line before the weights are written,
-    so no half-written export is left behind."""
-    pytest.importorskip("sentencepiece")
-    from tests.tokenizer_files import write_sentencepiece_model
+@pytest.mark.parametrize("case", ["TikTokenizer", "Unigram SentencePiece"])
+def test_an_export_of_a_run_whose_tokenizer_has_no_hugging_face_form_writes_nothing(tmp_path, capfd, case):
+    """A TikTokenizer run, and a Llama2Tokenizer run over a Unigram SentencePiece model (exported
+    BPE ones: tests/test_hf_export.py): refused in one line before the weights are written, so no
+    half-written export is left behind."""
+    from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
 
-    model = write_sentencepiece_model(tmp_path / "sp")
-    checkpoint(tmp_path / "ckpt", extra=("--data.tokenizer_type=Llama2Tokenizer", f"--data.tokenizer_model={model}"))
+    if case == "TikTokenizer":
+        pytest.importorskip("tiktoken")
+        data = ("--data.tokenizer_type=TikTokenizer", f"--data.tokenizer_model={write_tiktoken_vocab(tmp_path / 'tt')}",
+                "--data.tiktoken_num_special_tokens=10", "--data.vocab_size=290")  # fmt: skip
+        expected = "the run's TikTokenizer has no Hugging Face tokenizer files dtgpt writes"
+    else:
+        pytest.importorskip("sentencepiece")
+        model = write_sentencepiece_model(tmp_path / "sp", vocab_size=330, model_type="unigram")
+        data = ("--data.tokenizer_type=Llama2Tokenizer", f"--data.tokenizer_model={model}")
+        expected = f"data.tokenizer_model={str(model)!r}: the Llama2Tokenizer's SentencePiece model has no Hugging Face form"
+    checkpoint(tmp_path / "ckpt", extra=data)
     assert load_script().main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
-    assert "the run's Llama2Tokenizer has no Hugging Face tokenizer files dtgpt writes" in one_error(capfd)
+    assert expected in one_error(capfd)
     assert not (tmp_path / "hf").exists()
 
 

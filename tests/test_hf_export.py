@@ -32,6 +32,7 @@ from dtgpt.model import GPT
 from tests.runs import REPO
 from tests.test_checkpoint_convert import load_script
 from tests.test_data_tokenizer import write_hf_tokenizer
+from tests.tokenizer_files import write_sentencepiece_model
 
 MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32"]
 BPE_TEXTS = [
@@ -57,6 +58,9 @@ def bpe_dir(tmp_path_factory) -> Path:
 
 
 HF_TOKENIZER = "hf_tokenizer"
+# Megatron's SentencePiece types: a model trained with SentencePiece's defaults (NFKC, extra spaces
+# removed) and one trained as Llama's was (no normalization, every space kept)
+SENTENCEPIECE = {"sp": {}, "sp-llama": {"normalization_rule_name": "identity", "remove_extra_whitespaces": False}}
 
 
 def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
@@ -66,6 +70,12 @@ def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
         return ["--data.tokenizer_type=NullTokenizer", "--data.vocab_size=100"]
     if kind == "hf":
         return ["--data.tokenizer_type=HuggingFaceTokenizer", f"--data.tokenizer_model={bpe_dir / HF_TOKENIZER}"]
+    if kind in SENTENCEPIECE:
+        pytest.importorskip("sentencepiece")
+        model = bpe_dir / kind / "tokenizer.model"
+        if not model.is_file():
+            write_sentencepiece_model(model.parent, **SENTENCEPIECE[kind])
+        return ["--data.tokenizer_type=Llama2Tokenizer", f"--data.tokenizer_model={model}"]
     return ["--data.tokenizer_type=GPT2BPETokenizer", f"--data.vocab_file={bpe_dir / 'vocab.json'}",
             f"--data.merge_file={bpe_dir / 'merges.txt'}"]  # fmt: skip
 
@@ -129,7 +139,8 @@ def sample_texts(kind: str) -> list[str]:
         return fixed + [" ".join(str(rng.randrange(99)) for _ in range(rng.randrange(1, 30))) for _ in range(300)]
     fixed = ["", " ", "Hello, world!", " leading space", "trailing  ", "tabs\tand\nnewlines\r\n",
              "héllo wörld ✓ naïve café", "日本語のテキスト", "emoji 🙂🚀 and ZWJ 👩‍💻", "Ελληνικά и кириллица",
-             "<|endoftext|> is text here", "a<|endoftext|>b", "don't   stop'll 've", "x" * 200]  # fmt: skip
+             "<|endoftext|> is text here", "a<|endoftext|>b", "don't   stop'll 've", "x" * 200,
+             "</s> is text here", "a</s>b<s>", "<unk> <pad>", "\n", "   ", "a    b\n\n\nc"]  # fmt: skip
     pool = "abcdefghij ABC   0123456789.,;:!?'\"()[]{}\n\t-_/é∑ßüñ中文字🙂👍<|>"
     return fixed + ["".join(rng.choice(pool) for _ in range(rng.randrange(1, 60))) for _ in range(300)]
 
@@ -152,7 +163,7 @@ def test_export_loads_silently_with_dtgpt_logits(tmp_path, bpe_dir, tied):
         assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
 
 
-@pytest.mark.parametrize("kind", ["byte", "null", "bpe", "hf"])
+@pytest.mark.parametrize("kind", ["byte", "null", "bpe", "hf", "sp", "sp-llama"])
 def test_autotokenizer_gives_dtgpt_ids(tmp_path, bpe_dir, kind):
     directory, out = export(tmp_path, kind, bpe_dir)
     ours = build_tokenizer(read_config(directory).data)
@@ -167,6 +178,9 @@ def test_autotokenizer_gives_dtgpt_ids(tmp_path, bpe_dir, kind):
         ids = ours.tokenize(text)
         assert theirs(text, add_special_tokens=special)["input_ids"] == ids, text
         assert theirs.decode(ids) == ours.detokenize(ids), text
+        if kind in SENTENCEPIECE:  # bos, pad and eos are special: a decode that skips them drops them, as SentencePiece's
+            with_controls = [ours.bos, *ids, ours.pad, ours.eod]
+            assert theirs.decode(with_controls, skip_special_tokens=True) == ours.detokenize(with_controls), text
     # the run's own files travel with the export, as they are
     names = {"bpe": ("vocab.json", "merges.txt"), "hf": ("tokenizer.json", "tokenizer_config.json")}.get(kind, ())
     source = bpe_dir / HF_TOKENIZER if kind == "hf" else bpe_dir
@@ -235,14 +249,21 @@ def test_files_take_the_process_umask(tmp_path, bpe_dir):
     assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
 
-@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True), ("hf", True)])
+@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True), ("hf", True), ("sp", True)])
 def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     directory, out = export(tmp_path, kind, bpe_dir, tied)
     convert = load_script()
     assert convert.main(["from-hf", str(out), str(tmp_path / "back")]) == 0
     back = layout.iteration_dir(tmp_path / "back", 0)
     original, imported = read_config(directory), read_config(back)
-    assert imported.data.tokenizer_type == original.data.tokenizer_type
+    texts = sample_texts(kind)
+    if kind in SENTENCEPIECE:  # the export holds no .model: its tokenizer.json comes back as a HuggingFaceTokenizer,
+        # whose ids are the model's but for text spelling a control piece ("</s>"), read there as the token
+        assert imported.data.tokenizer_type == "HuggingFaceTokenizer"
+        assert build_tokenizer(imported.data).tokenize("</s>") == [build_tokenizer(original.data).eod]
+        texts = [t for t in texts if not any(control in t for control in ("<s>", "</s>", "<pad>"))]
+    else:
+        assert imported.data.tokenizer_type == original.data.tokenizer_type
     assert imported.model.untie_embeddings_and_output_weights is not tied
     if kind == "null":  # the same ids and eod (the export's config says vocab_size 99 ids, not mock data)
         assert (build_tokenizer(imported.data).eod, build_tokenizer(imported.data).vocab_size) == (99, 100)
@@ -253,7 +274,7 @@ def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
         assert Path(imported.data.tokenizer_model) == back.resolve()
         assert (back / "tokenizer.json").read_bytes() == (bpe_dir / HF_TOKENIZER / "tokenizer.json").read_bytes()
     theirs, ours = build_tokenizer(imported.data), build_tokenizer(original.data)
-    assert [theirs.tokenize(t) for t in sample_texts(kind)] == [ours.tokenize(t) for t in sample_texts(kind)]
+    assert [theirs.tokenize(t) for t in texts] == [ours.tokenize(t) for t in texts]
     stored, reread = read_sections(directory, ("model",))["model"], read_sections(back, ("model",))["model"]
     assert stored.keys() == reread.keys()
     for key in stored:

@@ -13,15 +13,17 @@ LINES = [
 ]  # a few hundred lines: the trainers finish in well under a second
 
 
-def write_sentencepiece_model(directory: Path, vocab_size: int = 400, eos_id: int = 2) -> Path:
-    """A BPE SentencePiece model with unk 0, bos 1, eos 2 (or none: -1) and pad 3; returns its path."""
+def write_sentencepiece_model(directory: Path, vocab_size: int = 400, eos_id: int = 2, **options) -> Path:
+    """A BPE SentencePiece model with unk 0, bos 1, eos 2 (or none: -1) and pad 3, with the
+    trainer's other `options` (its normalization, say); returns its path."""
     import sentencepiece
 
     directory.mkdir(parents=True, exist_ok=True)
     prefix = directory / "tokenizer"
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(LINES), model_prefix=str(prefix), vocab_size=vocab_size, model_type="bpe",
+        sentence_iterator=iter(LINES), model_prefix=str(prefix), vocab_size=vocab_size,
         character_coverage=1.0, byte_fallback=True, unk_id=0, bos_id=1, eos_id=eos_id, pad_id=3, minloglevel=2,
+        **{"model_type": "bpe", **options},
     )  # fmt: skip
     return prefix.with_suffix(".model")
 

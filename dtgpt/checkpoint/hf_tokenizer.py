@@ -10,9 +10,12 @@ dtgpt gave in training:
 - NullTokenizer: a word-level vocabulary "0" ... "n-1" split on whitespace.
 - HuggingFaceTokenizer: its own tokenizer.json and tokenizer_config.json (and
   special_tokens_map.json), copied as the run read them.
+- Megatron's SentencePiece types (SentencePieceTokenizer, GPTSentencePieceTokenizer,
+  Llama2Tokenizer): a tokenizer.json built from the BPE model's pieces (hf_sentencepiece.py), no
+  bos added, eos the model's eos piece, the eod.
 
-Megatron's SentencePiece types and TikTokenizer have no Hugging Face form here: an export of such a
-run is refused before anything is written (check_exportable).
+TikTokenizer has no Hugging Face form here: an export of such a run is refused before anything is
+written (check_exportable), as is a SentencePiece model hf_sentencepiece cannot carry exactly.
 
 dtgpt's own kinds are also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the
 special end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
@@ -25,7 +28,9 @@ import json
 import shutil
 from pathlib import Path
 
+from dtgpt.checkpoint import hf_sentencepiece
 from dtgpt.checkpoint.hf_checks import read_json_object
+from dtgpt.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from dtgpt.data.tokenizer import (
     EOD_TEXT,
     SPECIAL_TOKENS_MAP,
@@ -53,7 +58,7 @@ def _byte_alphabet() -> dict[str, int]:
     return table
 
 
-EXPORTABLE = (GPT2BPETokenizer, ByteTokenizer, NullTokenizer, HuggingFaceTokenizer)
+EXPORTABLE = (GPT2BPETokenizer, ByteTokenizer, NullTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer)
 
 
 def check_exportable(tokenizer: Tokenizer) -> None:
@@ -63,10 +68,14 @@ def check_exportable(tokenizer: Tokenizer) -> None:
         names = ", ".join(kind.__name__ for kind in EXPORTABLE)
         raise ValueError(f"the run's {getattr(tokenizer, 'kind', type(tokenizer).__name__)} has no Hugging Face tokenizer "
                          f"files dtgpt writes (it exports {names} runs)")  # fmt: skip
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        hf_sentencepiece.check_convertible(tokenizer.path, tokenizer.kind)
 
 
 def eod_text(tokenizer: Tokenizer) -> str:
     """The token string of the tokenizer's eod."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return hf_sentencepiece.piece(tokenizer.path, tokenizer.eod)
     return str(tokenizer.eod) if isinstance(tokenizer, NullTokenizer) else EOD_TEXT
 
 
@@ -84,6 +93,8 @@ def build_backend(tokenizer: Tokenizer):
     elif isinstance(tokenizer, NullTokenizer):
         backend = Backend(models.WordLevel({str(i): i for i in range(tokenizer.eod)}, unk_token=None))  # then the eod
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins with spaces
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        backend = hf_sentencepiece.build_backend(tokenizer.path, tokenizer.kind)
     else:  # a HuggingFaceTokenizer's files are copied, never rebuilt; the rest: check_exportable
         raise ValueError(f"no tokenizers backend is built for a {type(tokenizer).__name__}")
     backend.add_special_tokens([AddedToken(eod_text(tokenizer), special=True)])
@@ -103,6 +114,8 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, max_length: int
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
         "model_max_length": max_length, "split_special_tokens": True, "clean_up_tokenization_spaces": False,
     }  # fmt: skip
+    if isinstance(tokenizer, SentencePieceTokenizer):  # its bos and unk named, never added: Megatron adds none
+        settings.update(hf_sentencepiece.named_tokens(tokenizer.path), add_bos_token=False, add_eos_token=False)
     if isinstance(tokenizer, GPT2BPETokenizer):
         shutil.copyfile(tokenizer.vocab_file, directory / VOCAB_JSON)
         shutil.copyfile(tokenizer.merge_file, directory / MERGES_TXT)
