@@ -11,6 +11,7 @@ dtgpt-only tool).
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import struct
@@ -191,16 +192,20 @@ def test_an_moe_export_names_the_experts(tmp_path, capfd):
 
 @pytest.mark.parametrize("case", ["TikTokenizer", "Unigram SentencePiece"])
 def test_an_export_of_a_run_whose_tokenizer_has_no_hugging_face_form_writes_nothing(tmp_path, capfd, case):
-    """A TikTokenizer run, and a Llama2Tokenizer run over a Unigram SentencePiece model (exported
-    BPE ones: tests/test_hf_export.py): refused in one line before the weights are written, so no
-    half-written export is left behind."""
+    """A TikTokenizer whose file spells a special token as an ordinary one, and a Llama2Tokenizer
+    over a Unigram SentencePiece model (exported kinds: tests/test_hf_export.py): refused in one
+    line before the weights are written, so no half-written export is left behind."""
     from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
 
     if case == "TikTokenizer":
         pytest.importorskip("tiktoken")
-        data = ("--data.tokenizer_type=TikTokenizer", f"--data.tokenizer_model={write_tiktoken_vocab(tmp_path / 'tt')}",
+        vocab = write_tiktoken_vocab(tmp_path / "tt")
+        entries = json.loads(vocab.read_text())
+        entries[279]["token_bytes"] = base64.b64encode(b"<pad>").decode()  # the last token the run reads
+        vocab.write_text(json.dumps(entries))
+        data = ("--data.tokenizer_type=TikTokenizer", f"--data.tokenizer_model={vocab}",
                 "--data.tiktoken_num_special_tokens=10", "--data.vocab_size=290")  # fmt: skip
-        expected = "the run's TikTokenizer has no Hugging Face tokenizer files dtgpt writes"
+        expected = "the TikTokenizer's special tokens ['<pad>'] are also ordinary tokens of the file"
     else:
         pytest.importorskip("sentencepiece")
         model = write_sentencepiece_model(tmp_path / "sp", vocab_size=330, model_type="unigram")

@@ -32,7 +32,7 @@ from dtgpt.model import GPT
 from tests.runs import REPO
 from tests.test_checkpoint_convert import load_script
 from tests.test_data_tokenizer import write_hf_tokenizer
-from tests.tokenizer_files import write_sentencepiece_model
+from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
 
 MODEL = ["--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32"]
 BPE_TEXTS = [
@@ -76,6 +76,13 @@ def tokenizer_args(kind: str, bpe_dir: Path) -> list[str]:
         if not model.is_file():
             write_sentencepiece_model(model.parent, **SENTENCEPIECE[kind])
         return ["--data.tokenizer_type=Llama2Tokenizer", f"--data.tokenizer_model={model}"]
+    if kind == "tiktoken":  # Megatron's pattern v1, its seven special tokens and three fillers
+        pytest.importorskip("tiktoken")
+        vocab = bpe_dir / kind / "tokenizer.json"
+        if not vocab.is_file():
+            write_tiktoken_vocab(vocab.parent)
+        return ["--data.tokenizer_type=TikTokenizer", f"--data.tokenizer_model={vocab}", "--data.tiktoken_pattern=v1",
+                "--data.tiktoken_num_special_tokens=10", "--data.vocab_size=290"]  # fmt: skip
     return ["--data.tokenizer_type=GPT2BPETokenizer", f"--data.vocab_file={bpe_dir / 'vocab.json'}",
             f"--data.merge_file={bpe_dir / 'merges.txt'}"]  # fmt: skip
 
@@ -140,7 +147,7 @@ def sample_texts(kind: str) -> list[str]:
     fixed = ["", " ", "Hello, world!", " leading space", "trailing  ", "tabs\tand\nnewlines\r\n",
              "héllo wörld ✓ naïve café", "日本語のテキスト", "emoji 🙂🚀 and ZWJ 👩‍💻", "Ελληνικά и кириллица",
              "<|endoftext|> is text here", "a<|endoftext|>b", "don't   stop'll 've", "x" * 200,
-             "</s> is text here", "a</s>b<s>", "<unk> <pad>", "\n", "   ", "a    b\n\n\nc"]  # fmt: skip
+             "</s> is text here", "a</s>b<s>", "<unk> <pad>", "\n", "   ", "a    b\n\n\nc", "say HelloWorld's 123"]  # fmt: skip
     pool = "abcdefghij ABC   0123456789.,;:!?'\"()[]{}\n\t-_/é∑ßüñ中文字🙂👍<|>"
     return fixed + ["".join(rng.choice(pool) for _ in range(rng.randrange(1, 60))) for _ in range(300)]
 
@@ -163,7 +170,7 @@ def test_export_loads_silently_with_dtgpt_logits(tmp_path, bpe_dir, tied):
         assert not torch.equal(hf_model.lm_head.weight, hf_model.transformer.wte.weight)
 
 
-@pytest.mark.parametrize("kind", ["byte", "null", "bpe", "hf", "sp", "sp-llama"])
+@pytest.mark.parametrize("kind", ["byte", "null", "bpe", "hf", "sp", "sp-llama", "tiktoken"])
 def test_autotokenizer_gives_dtgpt_ids(tmp_path, bpe_dir, kind):
     directory, out = export(tmp_path, kind, bpe_dir)
     ours = build_tokenizer(read_config(directory).data)
@@ -249,7 +256,7 @@ def test_files_take_the_process_umask(tmp_path, bpe_dir):
     assert "model.safetensors" in modes and set(modes.values()) == {oct(0o640)}, modes
 
 
-@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True), ("hf", True), ("sp", True)])
+@pytest.mark.parametrize("kind,tied", [("byte", False), ("null", True), ("bpe", True), ("hf", True), ("sp", True), ("tiktoken", True)])
 def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     directory, out = export(tmp_path, kind, bpe_dir, tied)
     convert = load_script()
@@ -257,7 +264,9 @@ def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     back = layout.iteration_dir(tmp_path / "back", 0)
     original, imported = read_config(directory), read_config(back)
     texts = sample_texts(kind)
-    if kind in SENTENCEPIECE:  # the export holds no .model: its tokenizer.json comes back as a HuggingFaceTokenizer,
+    if kind == "tiktoken":  # its tokenizer.json comes back as a HuggingFaceTokenizer, with the same ids
+        assert imported.data.tokenizer_type == "HuggingFaceTokenizer"
+    elif kind in SENTENCEPIECE:  # the export holds no .model: its tokenizer.json comes back as a HuggingFaceTokenizer,
         # whose ids are the model's but for text spelling a control piece ("</s>"), read there as the token
         assert imported.data.tokenizer_type == "HuggingFaceTokenizer"
         assert build_tokenizer(imported.data).tokenize("</s>") == [build_tokenizer(original.data).eod]

@@ -13,9 +13,11 @@ dtgpt gave in training:
 - Megatron's SentencePiece types (SentencePieceTokenizer, GPTSentencePieceTokenizer,
   Llama2Tokenizer): a tokenizer.json built from the BPE model's pieces (hf_sentencepiece.py), no
   bos added, eos the model's eos piece, the eod.
+- TikTokenizer: a byte-level BPE tokenizer.json built from its ranks, special tokens and
+  pattern (hf_tiktoken.py); special-token text is the token, as TikTokenizer encodes it.
 
-TikTokenizer has no Hugging Face form here: an export of such a run is refused before anything is
-written (check_exportable), as is a SentencePiece model hf_sentencepiece cannot carry exactly.
+A model those two cannot carry exactly (a Unigram SentencePiece model, say) is refused before
+anything is written (check_exportable).
 
 dtgpt's own kinds are also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the
 special end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
@@ -28,9 +30,11 @@ import json
 import shutil
 from pathlib import Path
 
-from dtgpt.checkpoint import hf_sentencepiece
+from dtgpt.checkpoint import hf_sentencepiece, hf_tiktoken
+from dtgpt.checkpoint.byte_alphabet import byte_alphabet
 from dtgpt.checkpoint.hf_checks import read_json_object
 from dtgpt.data.sentencepiece_tokenizer import SentencePieceTokenizer
+from dtgpt.data.tiktoken_tokenizer import TikTokenizer
 from dtgpt.data.tokenizer import (
     EOD_TEXT,
     SPECIAL_TOKENS_MAP,
@@ -48,34 +52,21 @@ VOCAB_JSON = "vocab.json"
 MERGES_TXT = "merges.txt"
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-to-character table, as character -> byte: printable Latin-1 bytes stand for
-    themselves, the other 68 bytes take characters 256, 257, ... in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    table = {chr(b): b for b in printable}
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
-
-
-EXPORTABLE = (GPT2BPETokenizer, ByteTokenizer, NullTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer)
-
-
 def check_exportable(tokenizer: Tokenizer) -> None:
-    """A ValueError when the run's tokenizer has no Hugging Face form here: called before an
+    """A ValueError when the run's tokenizer has no exact Hugging Face form here: called before an
     export writes its first file, so a refused export leaves no half-written directory."""
-    if not isinstance(tokenizer, EXPORTABLE):
-        names = ", ".join(kind.__name__ for kind in EXPORTABLE)
-        raise ValueError(f"the run's {getattr(tokenizer, 'kind', type(tokenizer).__name__)} has no Hugging Face tokenizer "
-                         f"files dtgpt writes (it exports {names} runs)")  # fmt: skip
     if isinstance(tokenizer, SentencePieceTokenizer):
         hf_sentencepiece.check_convertible(tokenizer.path, tokenizer.kind)
+    if isinstance(tokenizer, TikTokenizer):
+        hf_tiktoken.check_convertible(tokenizer)
 
 
 def eod_text(tokenizer: Tokenizer) -> str:
     """The token string of the tokenizer's eod."""
     if isinstance(tokenizer, SentencePieceTokenizer):
         return hf_sentencepiece.piece(tokenizer.path, tokenizer.eod)
+    if isinstance(tokenizer, TikTokenizer):
+        return tokenizer.special_tokens[tokenizer.eod]
     return str(tokenizer.eod) if isinstance(tokenizer, NullTokenizer) else EOD_TEXT
 
 
@@ -86,7 +77,7 @@ def build_backend(tokenizer: Tokenizer):
     if isinstance(tokenizer, GPT2BPETokenizer):
         backend = Backend.from_str(tokenizer.backend.to_str())  # a copy: the run's own pipeline
     elif isinstance(tokenizer, ByteTokenizer):
-        backend = Backend(models.BPE(vocab=_byte_alphabet(), merges=[]))
+        backend = Backend(models.BPE(vocab=byte_alphabet(), merges=[]))
         # use_regex=False: bytes need no word splitting when nothing merges
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
@@ -95,7 +86,9 @@ def build_backend(tokenizer: Tokenizer):
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins with spaces
     elif isinstance(tokenizer, SentencePieceTokenizer):
         backend = hf_sentencepiece.build_backend(tokenizer.path, tokenizer.kind)
-    else:  # a HuggingFaceTokenizer's files are copied, never rebuilt; the rest: check_exportable
+    elif isinstance(tokenizer, TikTokenizer):
+        backend = hf_tiktoken.build_backend(tokenizer)
+    else:  # a HuggingFaceTokenizer's files are copied, never rebuilt
         raise ValueError(f"no tokenizers backend is built for a {type(tokenizer).__name__}")
     backend.add_special_tokens([AddedToken(eod_text(tokenizer), special=True)])
     if backend.token_to_id(eod_text(tokenizer)) != tokenizer.eod:
@@ -116,6 +109,10 @@ def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, max_length: int
     }  # fmt: skip
     if isinstance(tokenizer, SentencePieceTokenizer):  # its bos and unk named, never added: Megatron adds none
         settings.update(hf_sentencepiece.named_tokens(tokenizer.path), add_bos_token=False, add_eos_token=False)
+    if isinstance(tokenizer, TikTokenizer):  # special-token text is the token, as TikTokenizer encodes it
+        named = {"bos_token": tokenizer.bos, "pad_token": tokenizer.pad}
+        settings.update({key: tokenizer.special_tokens[i] for key, i in named.items()}, split_special_tokens=False,
+                        add_bos_token=False, add_eos_token=False)  # fmt: skip
     if isinstance(tokenizer, GPT2BPETokenizer):
         shutil.copyfile(tokenizer.vocab_file, directory / VOCAB_JSON)
         shutil.copyfile(tokenizer.merge_file, directory / MERGES_TXT)
@@ -164,7 +161,7 @@ def recognise(directory: Path, keep_in: Path) -> dict | None:
     if not isinstance(model, dict):
         raise ValueError(f"{directory / TOKENIZER_JSON}: its 'model' is a JSON {type(model).__name__}, not a tokenizer model object")
     vocab = model.get("vocab") or {}
-    if model.get("type") == "BPE" and not model.get("merges") and vocab == _byte_alphabet():
+    if model.get("type") == "BPE" and not model.get("merges") and vocab == byte_alphabet():
         return {**no_files, "tokenizer_type": "ByteTokenizer"}
     if model.get("type") == "WordLevel" and len(vocab) >= 2 and vocab == {str(i): i for i in range(len(vocab))}:
         return {**no_files, "tokenizer_type": "NullTokenizer", "vocab_size": len(vocab)}

@@ -74,6 +74,8 @@ class TikTokenizer:
             special_tokens={token: i for i, token in enumerate(specials)},
         )  # fmt: skip
         self.eod, self.bos, self.pad = (specials.index(t) for t in ("</s>", "<s>", "<pad>"))
+        # what an export rebuilds the encoding from (dtgpt/checkpoint/hf_tiktoken.py)
+        self.path, self.ranks, self.special_tokens, self.pattern = path, ranks, specials, PATTERNS[pattern or "v2"]
         self._args = (path, pattern, num_special_tokens, tuple(special_tokens), vocab_size)
 
     # The encoding is rebuilt from its file in each worker process rather than pickled.
