@@ -21,7 +21,8 @@ anything is written (check_exportable).
 
 dtgpt's own kinds are also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the
 special end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
-tokenizers read the literal text "<|endoftext|>" as ordinary characters, as Megatron's do.
+tokenizers read the literal text "<|endoftext|>" (or "</s>") as ordinary characters, as
+Megatron's do; only TikTokenizer reads special-token text as the token, and so does its export.
 """
 
 from __future__ import annotations
