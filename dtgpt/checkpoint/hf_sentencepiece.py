@@ -50,7 +50,7 @@ def _unsupported(proto) -> str | None:
     return None
 
 
-def check_convertible(path: str, kind: str, proto=None) -> None:
+def check_sentencepiece_convertible(path: str, kind: str, proto=None) -> None:
     """A ValueError naming the file when the model has no faithful tokenizer.json here."""
     problem = _unsupported(proto or read_model(path))
     if problem:
@@ -96,12 +96,12 @@ def _normalizer(spec):
     return normalizers.Sequence(steps)
 
 
-def build_backend(path: str, kind: str):
+def sentencepiece_backend(path: str, kind: str):
     """A `tokenizers.Tokenizer` that encodes and decodes as the SentencePiece model at `path`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     proto = read_model(path)
-    check_convertible(path, kind, proto)
+    check_sentencepiece_convertible(path, kind, proto)
     trainer, spec = proto.trainer_spec, proto.normalizer_spec
     vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
     backend = Tokenizer(models.BPE(vocab, _merges(proto), unk_token=trainer.unk_piece, fuse_unk=True,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dtgpt.checkpoint.byte_alphabet import byte_alphabet
 
 
-def check_convertible(tokenizer) -> None:
+def check_tiktoken_convertible(tokenizer) -> None:
     """A ValueError when a special token's text is also the spelling of an ordinary token."""
     spelled = _spellings(tokenizer)
     clash = sorted(set(tokenizer.special_tokens) & set(spelled))
@@ -46,11 +46,11 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
     return [(left, right) for *_, left, right in sorted(ranked)]
 
 
-def build_backend(tokenizer):
+def tiktoken_backend(tokenizer):
     """A `tokenizers.Tokenizer` that encodes and decodes as the TikTokenizer `tokenizer`."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    check_convertible(tokenizer)
+    check_tiktoken_convertible(tokenizer)
     vocab = {**{token: i for i, token in enumerate(tokenizer.special_tokens)}, **_spellings(tokenizer)}
     backend = Tokenizer(models.BPE(vocab, _merges(tokenizer.ranks), ignore_merges=True))
     backend.pre_tokenizer = pre_tokenizers.Sequence([

@@ -57,9 +57,9 @@ def check_exportable(tokenizer: Tokenizer) -> None:
     """A ValueError when the run's tokenizer has no exact Hugging Face form here: called before an
     export writes its first file, so a refused export leaves no half-written directory."""
     if isinstance(tokenizer, SentencePieceTokenizer):
-        hf_sentencepiece.check_convertible(tokenizer.path, tokenizer.kind)
+        hf_sentencepiece.check_sentencepiece_convertible(tokenizer.path, tokenizer.kind)
     if isinstance(tokenizer, TikTokenizer):
-        hf_tiktoken.check_convertible(tokenizer)
+        hf_tiktoken.check_tiktoken_convertible(tokenizer)
 
 
 def eod_text(tokenizer: Tokenizer) -> str:
@@ -86,9 +86,9 @@ def build_backend(tokenizer: Tokenizer):
         backend = Backend(models.WordLevel({str(i): i for i in range(tokenizer.eod)}, unk_token=None))  # then the eod
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins with spaces
     elif isinstance(tokenizer, SentencePieceTokenizer):
-        backend = hf_sentencepiece.build_backend(tokenizer.path, tokenizer.kind)
+        backend = hf_sentencepiece.sentencepiece_backend(tokenizer.path, tokenizer.kind)
     elif isinstance(tokenizer, TikTokenizer):
-        backend = hf_tiktoken.build_backend(tokenizer)
+        backend = hf_tiktoken.tiktoken_backend(tokenizer)
     else:  # a HuggingFaceTokenizer's files are copied, never rebuilt
         raise ValueError(f"no tokenizers backend is built for a {type(tokenizer).__name__}")
     backend.add_special_tokens([AddedToken(eod_text(tokenizer), special=True)])
