@@ -23,26 +23,27 @@ def check_tiktoken_convertible(tokenizer) -> None:
                          "also ordinary tokens of the file, which one tokenizer.json vocabulary cannot hold apart")  # fmt: skip
 
 
-def _spell(token: bytes, to_char: dict[int, str]) -> str:
-    return "".join(to_char[b] for b in token)
+_BYTE_CHAR = {b: c for c, b in byte_alphabet().items()}  # byte -> its character in the byte alphabet
+
+
+def _spell(token: bytes) -> str:
+    return "".join(_BYTE_CHAR[b] for b in token)
 
 
 def _spellings(tokenizer) -> dict[str, int]:
     """The vocabulary's tokens, spelled in the byte alphabet -> their ids."""
-    to_char = {b: c for c, b in byte_alphabet().items()}
-    return {_spell(token, to_char): i for token, i in tokenizer.ranks.items()}
+    return {_spell(token): i for token, i in tokenizer.ranks.items()}
 
 
 def _merges(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens, the joined token's rank first: tiktoken merges the
     adjacent pair whose join ranks lowest."""
-    to_char = {b: c for c, b in byte_alphabet().items()}
     ranked = []
     for token, rank in ranks.items():
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in ranks and right in ranks:
-                ranked.append((rank, ranks[left], _spell(left, to_char), _spell(right, to_char)))
+                ranked.append((rank, ranks[left], _spell(left), _spell(right)))
     return [(left, right) for *_, left, right in sorted(ranked)]
 
 
