@@ -133,8 +133,9 @@ def adam_tp2pp2(tmp_path_factory):
     """megatron-core's distributed optimizer at tp 2 x pp 2 after one step, for each of
     PARALLEL_ADAM's models (root/<arch>) and, with virtual pipeline stages, VIRTUAL_ADAM's
     (root/gpt_vp): model space and, under dp_reshardable/, its buckets (tests/megatron_gpt.py
-    adam-parallel); in the same 4-rank launch, the MoE model at tp 2 (root/moe_tp2,
-    tests/megatron_moe_adam.py). One launch, shared by the test modules that read it."""
+    adam-parallel); in the same 4-rank launch, the MoE model at tp 2 (root/moe_tp2), at pp 2 with
+    virtual stages (root/moe_vp) and at tp 2 x pp 2 (root/moe_tp2pp2) (tests/megatron_moe_adam.py).
+    One launch, shared by the test modules that read it."""
     from tests.megatron_oracle import run_megatron_gpt
 
     root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")

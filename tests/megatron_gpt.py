@@ -26,8 +26,10 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           step of each of PARALLEL_ADAM's models, saved
                                                           model space, dp_reshardable and per rank with each
                                                           rank's distrib_optim.pt (run_adam_parallel); then the
-                                                          MoE model's at tp 2 under DIR/moe_tp2
-                                                          (tests/megatron_moe_adam.py save_moe_adam_tp2)
+                                                          MoE model's at tp 2 under DIR/moe_tp2, and at pp 2 under
+                                                          DIR/moe_vp (virtual stages) and DIR/moe_tp2pp2
+                                                          (tests/megatron_moe_adam.py save_moe_adam_tp2,
+                                                          save_moe_adam_pipeline)
 
 megatron-core runs on CPU with four patches (what it assumes of CUDA, none of its numerics):
 no RNG tracker fork (dropout is 0), torch.cuda.current_device -> "cpu", torch.cuda.synchronize a
@@ -260,9 +262,10 @@ def main(argv: list[str]) -> None:
         vars(state["args"]).update(virtual_pipeline_model_parallel_size=vp)  # as Megatron-LM's args name it
         run_adam_parallel(chunks, root / name, state, twin=lambda: virtual_chunks(2, False, layers, "gpt"))
         parallel_state.destroy_model_parallel()
-        from tests.megatron_moe_adam import save_moe_adam_tp2
+        from tests.megatron_moe_adam import save_moe_adam_pipeline, save_moe_adam_tp2
 
         save_moe_adam_tp2(root / "moe_tp2")  # the MoE model's Adam state at tp 2, in the same launch
+        save_moe_adam_pipeline(root)  # and at pp 2: with virtual stages, and at tp 2 x pp 2
     elif args.command == "family":  # several models in one launch: megatron-core's import is paid once
         from megatron.core import parallel_state
 

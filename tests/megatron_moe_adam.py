@@ -9,8 +9,8 @@ gradient sin(7 w)) of a model whose grad buffers are one bucket each, saved in m
 (fully_reshardable: megatron-core gathers each parameter's state itself) under ROOT/adam_ep<N>,
 and the same step of the same model cut into BUCKET_SIZE buckets saved dp_reshardable under
 ROOT/adam_ep<N>/dp_reshardable: the same state in both layouts. The same two saves at tp 2, for
-expert tp 1 and 2 at ep 1 and 2 (save_moe_adam_tp2), end tests/megatron_gpt.py's adam-parallel
-launch (4 gloo ranks).
+expert tp 1 and 2 at ep 1 and 2 (save_moe_adam_tp2), and at pp 2, with virtual stages and at
+tp 2 x pp 2 (save_moe_adam_pipeline), end tests/megatron_gpt.py's adam-parallel launch (4 gloo ranks).
 """
 
 from __future__ import annotations
@@ -46,17 +46,20 @@ def save_moe_adam(root: Path, ep: int, build, state: dict) -> None:
 
 @torch.no_grad()
 def distinct_experts(model, ep: int) -> None:
-    """Each global expert's weights drawn from a seed of its own: megatron-core's CPU init draws
-    the same local experts on every expert-parallel rank (expert 2 = expert 0 at ep 2), which
-    would hide a state read from another rank's buffer."""
+    """Each global expert's weights, in each layer, drawn from a seed of its own: megatron-core's CPU
+    init draws the same local experts on every expert-parallel rank (expert 2 = expert 0 at ep 2),
+    and in every layer, which would hide a state read from another rank's buffer or layer."""
     from megatron.core import parallel_state
 
-    for layer in model.decoder.layers:
+    from tests.megatron_adam import chunks_of
+
+    for layer in (layer for chunk in chunks_of(model) for layer in chunk.decoder.layers):
         local = layer.mlp.experts.local_experts
         for k, module in enumerate(local):
             expert = parallel_state.get_expert_model_parallel_rank() * len(local) + k
             # each expert tp rank's shard a draw of its own too: a shard read from the wrong rank shows
-            draw = torch.Generator().manual_seed(100 + expert + 1000 * parallel_state.get_expert_tensor_parallel_rank())
+            seed = 100 + expert + 1000 * parallel_state.get_expert_tensor_parallel_rank() + 10_000 * (layer.layer_number - 1)
+            draw = torch.Generator().manual_seed(seed)
             for param in module.parameters():
                 param.copy_(0.02 * torch.randn(param.shape, generator=draw))
 
@@ -77,4 +80,33 @@ def save_moe_adam_tp2(root: Path) -> None:
     for etp, ep in TP2_LAYOUTS:
         parallel_state.initialize_model_parallel(2, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         save_moe_adam(root / f"etp{etp}_ep{ep}", ep, lambda: build(ep, 1234, 2, etp), common(ep, 2, etp))  # noqa: B023
+        parallel_state.destroy_model_parallel()
+
+
+PIPELINE_LAYOUTS = (("vp", 1, 1, 2, 1), ("vp", 1, 1, 2, 2), ("tp2pp2", 2, 1, None, 2), ("tp2pp2", 2, 2, None, 1))
+"""(name, tp, expert tp, virtual stages per pp rank, ep) of the saves at pp 2 on 4 ranks
+(save_moe_adam_pipeline): with 2 virtual stages (4 layers, one a virtual stage; dense dp 2) at
+ep 1 (the experts in each chunk's dense buffer) and ep 2 (in each chunk's chained_1 buffer), as
+Megatron-MoE-ModelZoo's recipes run; and at tp 2 x pp 2 (2 layers, dp 1) with the experts whole
+(expert tp 1, ep 2: chained_1 rank ep rank + 2 x pp rank) or split as the dense MLP (expert tp 2, ep 1)."""
+
+
+def pipeline_layout_name(name: str, etp: int, ep: int) -> str:
+    return f"moe_{name}/etp{etp}_ep{ep}"
+
+
+def save_moe_adam_pipeline(root: Path) -> None:
+    """At pp 2 (4 gloo ranks), for each of PIPELINE_LAYOUTS: the two saves of the module doc under
+    ROOT/moe_<name>/etp<E>_ep<N> (patch_for_optimizer already run; the groups are set up here)."""
+    from megatron.core import parallel_state
+
+    from tests.megatron_moe_gpt import build, common
+
+    for name, tp, etp, vp, ep in PIPELINE_LAYOUTS:
+        layers = 2 * (vp or 1)
+        parallel_state.initialize_model_parallel(tp, 2, virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp)  # fmt: skip
+        state = common(ep, tp, etp)
+        vars(state["args"]).update(pipeline_model_parallel_size=2, num_layers=layers, virtual_pipeline_model_parallel_size=vp)
+        save_moe_adam(root / pipeline_layout_name(name, etp, ep), ep, lambda: build(ep, 1234, tp, etp, 2, vp, layers), state)  # noqa: B023
         parallel_state.destroy_model_parallel()

@@ -46,27 +46,41 @@ MOE_ARGS = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=E
 """Megatron-LM's args for the MoE part, as its common.pt keeps them."""
 
 
-def build(ep: int, seed: int, tp: int = 1, etp: int | None = None):
-    """The seeded model at expert parallelism `ep`, tp `tp` and expert tp `etp` (None: tp, Megatron's
-    default); the groups are set up here unless they already are."""
+def build(ep: int, seed: int, tp: int = 1, etp: int | None = None, pp: int = 1, vp: int | None = None, layers: int = 2):
+    """The seeded model at expert parallelism `ep`, tp `tp`, expert tp `etp` (None: tp, Megatron's
+    default) and pp `pp` (this rank's stage; with `vp` virtual stages, the list of its model chunks,
+    each seeded apart as tests/megatron_gpt.py's); the groups are set up here unless they already are."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp)  # fmt: skip
+    chunks = [chunk_model(ep, seed, tp, etp, pp, vp, layers, stage) for stage in range(vp or 1)]
+    return chunks if vp else chunks[0]
+
+
+def chunk_model(ep: int, seed: int, tp: int, etp: int | None, pp: int, vp: int | None, layers: int, vp_stage: int):
+    """build's model chunk `vp_stage` of this rank (the whole stage without virtual stages)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True, hidden_dropout=0.0,
+        num_layers=layers, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=0.02, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
+        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32,
         expert_model_parallel_size=ep, **ARCHS["llama"]["config"], **MOE_CONFIG,
     )  # fmt: skip
-    torch.manual_seed(seed)
+    stage = vp_stage if vp else None
+    torch.manual_seed(seed + vp_stage)
     model = GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS), vocab_size=padded_vocab(tp),
-                     max_sequence_length=SEQ, share_embeddings_and_output_weights=False, position_embedding_type="rope")  # fmt: skip
-    draw_wide(model, seed)
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     pre_process=parallel_state.is_pipeline_first_stage(False, stage),
+                     post_process=parallel_state.is_pipeline_last_stage(False, stage), vp_stage=stage)  # fmt: skip
+    draw_wide(model, seed + vp_stage)
     return model
 
 

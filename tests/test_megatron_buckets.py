@@ -73,8 +73,13 @@ def test_layouts_it_does_not_map_say_why():
     moe = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 8, 8)}
     layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 2))  # ep 2, one expert rank's buckets
     assert layout is None and why == "it holds the experts' buckets of 1 model-parallel ranks, but its args say expert tp x ep x pp = 1 x 2 x 1 for 4 experts"
-    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)), **moe}, {}, list(moe), virtual)
-    assert layout is None and why == "it is an MoE model saved with 2 virtual pipeline stages per pp rank, whose buffers dtgpt does not map yet"
+    # with virtual stages the experts' optimizer holds a buffer per model chunk too
+    virtual_experts = {f"chained_{i}.{key}": shape for i in (0, 1) for key, shape in shapes((0, 0, 0), (0, 1, 0), (1, 0, 0)).items()}
+    layout, why = bucket_layout(None, {**virtual_experts, **moe}, {}, list(moe), virtual)
+    assert layout is None and why.startswith("model-parallel rank 1 holds 1 grad buffers where its args give 2 model chunks (mixed")
+    virtual_experts.update({f"chained_0.{BUCKET.format(1, 1, 0)}.{slot}": (128,) for slot in ("param", "exp_avg", "exp_avg_sq")})
+    layout, why = bucket_layout(None, {**virtual_experts, **moe}, {}, list(moe), virtual)
+    assert layout is None and why.startswith("the experts' model-parallel rank 1 holds 1 grad buffers where its args give 2 model chunks (mixed")
     layout, why = bucket_layout(None, {**experts, **moe}, {}, list(moe), Parallel(1, (), 1, 2))  # expert tp 2 but tp 1
     assert layout is None and why == "its experts are split over expert_tensor_parallel_size=2 ranks at tp 1, which dtgpt does not map (only 1 or tp)"
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}

@@ -156,21 +156,26 @@ def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_pp2_and_tp2(moe_root, a
     """checkpoint.load of Megatron's MoE checkpoints at dtgpt meshes (tests/megatron_family_worker.py):
     the experts split over ep 2 (each rank reads only its experts' region), pp 2, and tp 2 with
     sequence parallelism (the experts, router and expert bias split as dtgpt's tp plan splits them);
-    and the dp_reshardable Adam state saved at ep 2 loads at ep 2, and the one saved at tp 2 with
-    expert tp 2 and ep 2 (tests/test_megatron_moe_tp2_adam.py) at ep 2 and at tp 2, its weights the buckets' masters."""
+    and the dp_reshardable Adam state saved at ep 2 loads at ep 2, the one saved at tp 2 with
+    expert tp 2 and ep 2 (tests/test_megatron_moe_tp2_adam.py) at ep 2 and at tp 2, the one saved at
+    pp 2 with virtual stages and ep 2 at ep 2 and pp 2, and the one saved at tp 2 x pp 2 with expert
+    tp 1 and ep 2 at tp 2, its weights the buckets' masters."""
     import json
 
     fields = {k: v for k, v in MODEL.items() if k not in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                                              "hidden_dropout", "attention_dropout")}  # fmt: skip
     adam = moe_root / "adam_ep2" / "dp_reshardable"  # its weights from the buckets' masters, each rank its experts' pieces
     adam_tp2 = adam_tp2pp2 / "moe_tp2" / "etp2_ep2"
+    adam_vp, adam_pp2 = adam_tp2pp2 / "moe_vp" / "etp1_ep2", adam_tp2pp2 / "moe_tp2pp2" / "etp1_ep2"
     jobs = [[str(moe_root / "megatron"), fields, ["ep2", "pp2", "tp2"]], [str(moe_root / "megatron_per_rank"), fields, ["ep2"]],
-            [str(adam), fields, ["ep2"]], [str(adam_tp2 / "dp_reshardable"), {**fields, "make_vocab_size_divisible_by": 32}, ["ep2", "tp2"]]]  # fmt: skip
+            [str(adam), fields, ["ep2"]], [str(adam_tp2 / "dp_reshardable"), {**fields, "make_vocab_size_divisible_by": 32}, ["ep2", "tp2"]],
+            [str(adam_vp / "dp_reshardable"), {**fields, "num_layers": 4}, ["ep2", "pp2"]],
+            [str(adam_pp2 / "dp_reshardable"), {**fields, "make_vocab_size_divisible_by": 32}, ["tp2"]]]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), json.dumps(jobs)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    # one line per load of the buckets: at ep 2, and the tp 2 save's at ep 2 and tp 2
-    assert proc.stdout.count("optimizer state read from the distributed optimizer's dp_reshardable buckets (local layer order, SequentialMLP experts)") == 3
+    # one line per load of the buckets: at ep 2, the tp 2 save's at ep 2 and tp 2, the virtual stages' at ep 2 and pp 2, tp 2 x pp 2's at tp 2
+    assert proc.stdout.count("optimizer state read from the distributed optimizer's dp_reshardable buckets (local layer order, SequentialMLP experts)") == 6
     theirs = torch.load(moe_root / "logits.pt", weights_only=True)
     for root, layouts in (("megatron", ("ep2", "pp2", "tp2")), ("megatron_per_rank", ("ep2",))):
         for name in layouts:
@@ -183,6 +188,12 @@ def test_megatron_moe_checkpoints_load_into_dtgpt_at_ep2_pp2_and_tp2(moe_root, a
         stepped_tp2 = load_megatron_model(find(adam_tp2), model_cfg(make_vocab_size_divisible_by=32), 128).eval()(tokens())
     for name in ("ep2", "tp2"):
         assert relative_error(torch.load(adam_tp2 / "dp_reshardable" / f"{name}_logits.pt", weights_only=True), stepped_tp2) < 1e-5, name
+    with torch.no_grad():  # saved at pp 2: each dtgpt rank its layers', or its experts', pieces of the chunks' buffers
+        stepped_vp = load_megatron_model(find(adam_vp), model_cfg(num_layers=4), ROWS).eval()(tokens())
+        stepped_pp2 = load_megatron_model(find(adam_pp2), model_cfg(make_vocab_size_divisible_by=32), 128).eval()(tokens())
+    for name in ("ep2", "pp2"):
+        assert relative_error(torch.load(adam_vp / "dp_reshardable" / f"{name}_logits.pt", weights_only=True), stepped_vp) < 1e-5, name
+    assert relative_error(torch.load(adam_pp2 / "dp_reshardable" / "tp2_logits.pt", weights_only=True), stepped_pp2) < 1e-5
 
 
 @pytest.mark.slow

@@ -205,8 +205,8 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
                 expert_module: str = "SequentialMLP", expert_stored: dict[int, list] | None = None) -> dict[Param, list[Piece]] | None:
     """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank -> its
     grad buffers, one per model chunk, each [(prefix, length)] by bucket; expert_stored: the
-    experts' own buffers, chained_1, by expert model-parallel rank, or None: the dense buffers
-    hold the experts), when each rank's buckets fit
+    experts' own buffers, chained_1, by expert model-parallel rank, one per model chunk too, or
+    None: the dense buffers hold the experts), when each rank's buckets fit
     its parameters in this order; else None. A parameter whole on every tp rank is read from tp
     rank 0's copy; a routed expert's tensor is a block of its own at its expert's index, split
     over the expert tp ranks (parallel.etp) as the dense MLP's (at expert tp 1 a replica on every tp rank)."""
@@ -220,10 +220,12 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
             return None
         pp_rank, chunk = stage % parallel.pp, stage // parallel.pp
         fits += [(order, stored[rank + parallel.tp * pp_rank][chunk], rank) for rank in range(parallel.tp)]
-    for rank, buckets in sorted((expert_stored or {}).items()):
-        stage, split = rank_split(rank, parallel.ep, experts, expert_module, parallel.etp)
-        order = [entry for layer in stage_layers(shapes, model_keys, stage, parallel) for entry in expert_entries(shapes, model_keys, layer, split)]
-        fits.append((order, buckets, split.tp_rank))
+    for rank, buffers in sorted((expert_stored or {}).items()):
+        pp_rank, split = rank_split(rank, parallel.ep, experts, expert_module, parallel.etp)
+        for chunk, buckets in enumerate(buffers):  # chunk c holds virtual stage c x pp + pp rank, as the dense buffers
+            layers = stage_layers(shapes, model_keys, chunk * parallel.pp + pp_rank, parallel)
+            order = [entry for layer in layers for entry in expert_entries(shapes, model_keys, layer, split)]
+            fits.append((order, buckets, split.tp_rank))
     pieces: dict[Param, list[Piece]] = {}
     for order, buckets, rank in fits:
         places = fit([(param, math.prod(shape)) for param, shape in order], buckets)
@@ -313,8 +315,6 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     experts = num_experts(shapes, model_keys)
     if why or not set(stored) <= ({0, 1} if experts else {0}):
         return None, why or "it holds optimizer buckets of chained optimizers other than an MoE model's experts'"
-    if experts and parallel and parallel.vp > 1:
-        return None, f"it is an MoE model saved with {parallel.vp} virtual pipeline stages per pp rank, whose buffers dtgpt does not map yet"
     ranks = sorted(stored[0]) if 0 in stored else []
     if parallel is None and ranks != [0]:
         return None, f"it was saved by {len(ranks)} model-parallel ranks and the checkpoint's args do not say its tp and pp"
@@ -324,7 +324,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
     if experts and parallel.etp not in (1, parallel.tp):
         return None, f"its experts are split over expert_tensor_parallel_size={parallel.etp} ranks at tp {parallel.tp}, which dtgpt does not map (only 1 or tp)"
-    expert_stored = {rank: buffers[0] for rank, buffers in stored[1].items()} if 1 in stored else None
+    expert_stored = stored.get(1)
     expert_ranks = sorted(expert_stored or {})
     if 1 in stored and (expert_ranks != list(range(parallel.etp * parallel.ep * pp)) or experts % parallel.ep):
         return None, (f"it holds the experts' buckets of {len(expert_ranks)} model-parallel ranks, but its args say "

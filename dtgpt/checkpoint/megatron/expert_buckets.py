@@ -9,7 +9,9 @@ data-parallel group they are reduced over says:
   buffers are `chained_0.`, the experts' `chained_1.`, whose model-parallel rank <M> is the rank in
   megatron-core's expert tp x ep x pp group (its rank generator's 'tp-ep-pp', tp fastest):
   expert tp rank + etp x (ep rank + ep x pp rank). That rank's buffer holds its stage's layers'
-  local experts (global expert ep rank x E / ep + k for local k).
+  local experts (global expert ep rank x E / ep + k for local k); with virtual pipeline stages it
+  holds a buffer per model chunk (gbuf_idx c: virtual stage c x pp + pp rank, as the dense
+  buffers; megatron-core buckets chunk 0 of pp rank 0 alone, the stored lengths say so).
 Either way each expert's tensors are whole at expert tp (etp) 1 (at ep 1 each tp rank's buffer
 keeps a copy: tp rank 0's is read), or at etp = tp split as the dense MLP's (EXPERT_TP_DIM: fc1 rows, SwiGLU's
 as [gate shard; up shard], fc2 columns) over the expert tp ranks. Megatron's default is etp = tp;
@@ -71,11 +73,11 @@ def expert_shape(key: str, shape: tuple[int, ...], etp: int) -> tuple[int, ...]:
 
 
 def rank_split(rank: int, ep: int, experts: int, module: str, etp: int = 1) -> tuple[int, ExpertSplit]:
-    """(pipeline stage, experts) of the experts' buffer of expert model-parallel rank `rank`."""
+    """(pp rank, experts) of the experts' buffers of expert model-parallel rank `rank`."""
     per_rank = experts // ep
     tp_rank, rest = rank % etp, rank // etp
-    stage, ep_rank = divmod(rest, ep)
-    return stage, ExpertSplit(range(ep_rank * per_rank, (ep_rank + 1) * per_rank), module, etp, tp_rank)
+    pp_rank, ep_rank = divmod(rest, ep)
+    return pp_rank, ExpertSplit(range(ep_rank * per_rank, (ep_rank + 1) * per_rank), module, etp, tp_rank)
 
 
 Check = tuple[tuple, tuple]

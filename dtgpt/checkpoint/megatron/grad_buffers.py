@@ -7,7 +7,8 @@ per slot, keyed
 
 <M> a model-parallel rank; <G> counts the rank's buffers: one per model chunk (a DDP each: with
 virtual pipeline stages, vp of them) and, within a chunk, one per parameter dtype; <C> a chained
-optimizer (an MoE model's experts at ep > 1 have one of their own, chained_1). Where each
+optimizer (an MoE model's experts at ep > 1 have one of their own, chained_1, whose <G> counts
+the chunks' expert buffers alike: megatron-core chains each chunk's buffers in chunk order). Where each
 parameter sits in a buffer is buckets.py's concern.
 """
 
@@ -34,18 +35,18 @@ def buckets_of(shapes: dict[str, tuple[int, ...]]) -> dict[tuple, tuple[str, int
 
 def grad_buffers(buckets: dict[tuple, tuple[str, int]], vp: int) -> tuple[dict[int, dict[int, list[list]]], str]:
     """chained optimizer -> model-parallel rank -> its grad buffers in gbuf order, each its
-    [(prefix, length)] by bucket, when every rank holds one buffer per model chunk (`vp` of the
-    dense optimizer's, one of the experts'); else ({}, why not)."""
+    [(prefix, length)] by bucket, when every rank holds one buffer per model chunk (`vp` of them,
+    in the dense optimizer and in the experts'); else ({}, why not)."""
     if len({key[:2] for key in buckets}) > len({(rank, chain, gbuf) for rank, (chain, gbuf, _), _ in buckets}):
         return {}, "it holds two parameter dtypes under one gbuf index, which megatron-core does not write"
     stored: dict[int, dict[int, dict[int, list]]] = {}
     for (rank, (chain, gbuf, _), _), bucket in sorted(buckets.items(), key=lambda item: item[0][2]):
         stored.setdefault(chain, {}).setdefault(rank, {}).setdefault(gbuf, []).append(bucket)
     for chain, ranks in stored.items():
-        chunks = vp if chain == 0 else 1
+        owner = "the experts' " if chain else ""
         for rank, buffers in ranks.items():
-            if sorted(buffers) != list(range(chunks)):
-                return {}, (f"model-parallel rank {rank} holds {len(buffers)} grad buffers where its args give {chunks} model "
-                            f"chunk{'s' if chunks > 1 else ''} (mixed parameter dtypes, or virtual stages its args do not give), "
-                            "which dtgpt does not map yet")  # fmt: skip
+            if sorted(buffers) != list(range(vp)):
+                return {}, (f"{owner}model-parallel rank {rank} holds {len(buffers)} grad buffers where "
+                            f"its args give {vp} model chunk{'s' if vp > 1 else ''} (mixed parameter dtypes, or virtual stages its "
+                            "args do not give), which dtgpt does not map yet")  # fmt: skip
     return {chain: {rank: [buffers[g] for g in sorted(buffers)] for rank, buffers in ranks.items()} for chain, ranks in stored.items()}, ""
