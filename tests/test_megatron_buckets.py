@@ -151,6 +151,29 @@ def test_virtual_pipeline_chunks_each_fill_a_grad_buffer_of_their_own():
     assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 0, 1, 1), 1, vp=2)) is None
 
 
+def test_with_virtual_stages_the_experts_buffers_are_one_per_model_chunk_too():
+    """pp 2 x 2 virtual stages, a layer each, ep 2 (2 experts, tp 1): the experts' optimizer
+    (chained_1) of expert model-parallel rank M = ep rank + 2 x pp rank holds a buffer per model
+    chunk, chunk c holding virtual stage c x 2 + pp rank's layer, of its one local expert: expert
+    e of layer l in buffer l // 2 of rank e + 2 x (l % 2). Each buffer, reversed: fc2 at 0, fc1 at 64."""
+    router, fc1, fc2 = ("decoder.layers.mlp.router.weight", "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                        "decoder.layers.mlp.experts.experts.linear_fc2.weight")  # fmt: skip
+    shapes = {router: (4, 2, 4), fc1: (4, 2, 4, 4), fc2: (4, 2, 4, 4), "output_layer.weight": (8, 4)}
+    # each chunk's layer's router; the last chunk of pp rank 1 the (untied) head too, at 0, its router at 64
+    dense = {0: [[("d0", 8)], [("d2", 8)]], 1: [[("d1", 8)], [("d3", 72)]]}
+    experts = {m: [[(f"m{m}.g{c}", 80)] for c in range(2)] for m in range(4)}
+    pieces = rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], dense, Parallel(1, (1, 1, 1, 1), 2, vp=2), "SequentialMLP", experts)
+    assert pieces[(fc1, 2)] == [Piece("m0.g1", 64, (1, 4, 4), (0, 0, 0)), Piece("m1.g1", 64, (1, 4, 4), (1, 0, 0))]  # pp rank 0, chunk 1
+    assert pieces[(fc2, 1)] == [Piece("m2.g0", 0, (1, 4, 4), (0, 0, 0)), Piece("m3.g0", 0, (1, 4, 4), (1, 0, 0))]  # pp rank 1, chunk 0
+    assert {layer: found for (key, layer), found in pieces.items() if key == router} == {
+        layer: [Piece(f"d{layer}", 64 if layer == 3 else 0, (2, 4), (0, 0))] for layer in range(4)}
+    for layer in range(4):
+        assert [p.prefix for p in pieces[(fc1, layer)]] == [f"m{e + 2 * (layer % 2)}.g{layer // 2}" for e in range(2)]
+    # an expert buffer too short for its chunk's layer: no layout
+    experts[3][1] = [("m3.g1", 64)]
+    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], dense, Parallel(1, (1, 1, 1, 1), 2, vp=2), "SequentialMLP", experts) is None
+
+
 def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:
     """A dense GPT's Megatron shapes (local spec, untied head, biases on the attention output and fc2)."""
     per_layer = {"self_attention.linear_qkv.layer_norm_weight": (hidden,), "self_attention.linear_proj.weight": (hidden, hidden),
