@@ -2,7 +2,6 @@
 downloads), byte and null tokenizers."""
 
 import json
-import pickle
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,6 @@ def test_gpt2_bpe_round_trip(bpe_files):
     text = "the quick brown fox jumps over the lazy dog"
     assert len(tok.tokenize(text)) < len(text.encode()) / 2
     assert tok.detokenize(tok.tokenize("a") + [tok.eod]) == "a<|endoftext|>"
-
-
-def test_gpt2_bpe_pickles(bpe_files):
-    tok = GPT2BPETokenizer(*bpe_files)
-    clone = pickle.loads(pickle.dumps(tok))
-    assert clone.tokenize("the lazy dog") == tok.tokenize("the lazy dog") and clone.eod == tok.eod
 
 
 def test_gpt2_bpe_missing_files(tmp_path, bpe_files):
@@ -195,12 +188,6 @@ def test_hugging_face_eod_is_the_eos_transformers_reads(tmp_path, layout):
     directory = write_hf_tokenizer(tmp_path / "tok", config, special)
     ours = HuggingFaceTokenizer(str(directory))
     assert ours.eod == megatron_hf_tokenizer(directory).eod == ours.tokenize("<|endoftext|>")[0]
-
-
-def test_hugging_face_tokenizer_pickles(tmp_path):
-    tok = HuggingFaceTokenizer(str(write_hf_tokenizer(tmp_path / "tok")), include_special_tokens=True)
-    clone = pickle.loads(pickle.dumps(tok))
-    assert clone.tokenize(HF_TEXTS[0]) == tok.tokenize(HF_TEXTS[0]) and (clone.eod, clone.vocab_size) == (tok.eod, tok.vocab_size)
 
 
 def test_hugging_face_tokenizer_bad_input(tmp_path):

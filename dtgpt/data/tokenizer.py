@@ -14,7 +14,7 @@ from dtgpt.config import DataConfig
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.config.tokenizer_rules import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
-from dtgpt.data.libraries import import_library, json_file
+from dtgpt.data.libraries import PickledAsArguments, import_library, json_file
 from dtgpt.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from dtgpt.data.tiktoken_tokenizer import TikTokenizer
 
@@ -78,7 +78,7 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(PickledAsArguments):
     """GPT-2's byte-level BPE from `vocab.json` + `merges.txt`, run by the `tokenizers` library."""
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -107,18 +107,12 @@ class GPT2BPETokenizer:
         self.vocab_size = _contiguous_vocabulary(tok, f"{vocab_file}: ", "vocab.json is not a GPT-2 vocabulary")
         self.eod = eod
         self.vocab_file, self.merge_file = vocab_file, merge_file
+        self._arguments = (vocab_file, merge_file)
 
     @property
     def backend(self):
         """The `tokenizers.Tokenizer` that encodes (for exporting it, e.g. to Hugging Face)."""
         return self._tok
-
-    # The Rust tokenizer is rebuilt from its files in each worker process rather than pickled.
-    def __getstate__(self) -> dict:
-        return {"vocab_file": self.vocab_file, "merge_file": self.merge_file}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab_file"], state["merge_file"])
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -127,7 +121,7 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(PickledAsArguments):
     """Megatron's HuggingFaceTokenizer: a directory of Hugging Face tokenizer files, run by the
     `tokenizers` library.
 
@@ -173,12 +167,7 @@ class HuggingFaceTokenizer:
         self.eod = eod
         self.eos_text = eos
         self.directory, self.include_special_tokens = directory, include_special_tokens
-
-    def __getstate__(self) -> dict:
-        return {"directory": self.directory, "include_special_tokens": self.include_special_tokens}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], state["include_special_tokens"])
+        self._arguments = (directory, include_special_tokens)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
