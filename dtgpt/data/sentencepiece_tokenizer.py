@@ -32,11 +32,16 @@ class SentencePieceTokenizer(PickledAsArguments):
         self.eod = processor.eos_id()
         self.bos = processor.bos_id()  # -1 when the model has none, as Megatron reports it
         self.pad = processor.pad_id()
+        self.unk = processor.unk_id()
         self.path, self.kind = path, kind
         self._arguments = (path, kind)
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode_as_ids(text)
+
+    def piece(self, token_id: int) -> str:
+        """The model's piece of id `token_id` (e.g. "</s>", the eod's)."""
+        return self._sp.id_to_piece(token_id)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode_ids([int(i) for i in ids])
