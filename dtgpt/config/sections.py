@@ -319,7 +319,11 @@ class CheckpointConfig:
     schedule, loss scale and RNG start fresh."""
     use_checkpoint_args: bool = False
     """Take the model's architecture from the checkpoint to load (its saved config, or a
-    Megatron-LM checkpoint's args) instead of [model]."""
+    Megatron-LM checkpoint's args) instead of [model]; from a Megatron checkpoint also
+    data.tokenizer_type, data.tokenizer_model and data.tiktoken_pattern, as Megatron takes them."""
+    use_tokenizer_model_from_checkpoint_args: bool = True
+    """False (Megatron's --no-use-tokenizer-model-from-checkpoint-args): use_checkpoint_args keeps the
+    config's data.tokenizer_type and data.tokenizer_model."""
     auto_resume: bool = False
     save_interval: int = 0
     async_save: bool = False
