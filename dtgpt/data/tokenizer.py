@@ -130,6 +130,8 @@ class HuggingFaceTokenizer(PickledAsArguments):
     special_tokens_map.json) names, else the sep token, and text is encoded without the special
     tokens the post-processor adds (a BOS, say) unless `include_special_tokens`. Truncation or
     padding stored in tokenizer.json is switched off, as transformers encodes: no document is cut.
+    Special-token text in a document is the token, unless tokenizer_config.json sets
+    split_special_tokens: then it is ordinary text, as transformers reads it.
     """
 
     def __init__(self, directory: str, include_special_tokens: bool = False):
@@ -153,6 +155,7 @@ class HuggingFaceTokenizer(PickledAsArguments):
         tok.no_truncation()
         tok.no_padding()
         special = _special_tokens(directory)
+        tok.encode_special_tokens = special["split_special_tokens"]
         eos = special["eos_token"] or special["sep_token"]
         if not eos:
             raise DataError(
@@ -189,14 +192,15 @@ def _json_object(path: str) -> dict:
     return json_file(path, dict, "an object") if os.path.isfile(path) else {}
 
 
-def _special_tokens(directory: str) -> dict[str, str | None]:
+def _special_tokens(directory: str) -> dict[str, str | bool | None]:
     """The eos and sep tokens' text as transformers reads them: from tokenizer_config.json, where
-    special_tokens_map.json overrides unless the config lists its added tokens (the legacy layout)."""
-    found = _json_object(os.path.join(directory, TOKENIZER_CONFIG))
-    if "added_tokens_decoder" not in found:
-        found = {**found, **_json_object(os.path.join(directory, SPECIAL_TOKENS_MAP))}
+    special_tokens_map.json overrides unless the config lists its added tokens (the legacy layout);
+    and the config's split_special_tokens (special-token text read as ordinary text)."""
+    config = _json_object(os.path.join(directory, TOKENIZER_CONFIG))
+    found = config if "added_tokens_decoder" in config else {**config, **_json_object(os.path.join(directory, SPECIAL_TOKENS_MAP))}
     tokens = {key: found.get(key) for key in ("eos_token", "sep_token")}
-    return {key: token.get("content") if isinstance(token, dict) else token for key, token in tokens.items()}
+    return {key: token.get("content") if isinstance(token, dict) else token for key, token in tokens.items()} | {
+        "split_special_tokens": bool(config.get("split_special_tokens", False))}  # fmt: skip
 
 
 def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:
