@@ -29,7 +29,7 @@ from dtgpt.config.ranges import check_ranges
 from dtgpt.config.recompute_rules import apply_moe_layer_recompute, check_recompute_modules
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
-from dtgpt.config.split import parse_split
+from dtgpt.config.split import check_per_split_paths, parse_split
 from dtgpt.config.tokenizer_rules import TOKENIZER_TYPES, check_tokenizer_config
 
 
@@ -261,6 +261,7 @@ def _check_data(cfg: Config) -> None:
     for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(d, key):
             parse_blend(getattr(d, key), key=f"data.{key}")
+    check_per_split_paths(cfg)
 
 
 def _check_checkpoint_logging_faults(cfg: Config) -> None:
