@@ -190,11 +190,23 @@ def test_an_moe_export_names_the_experts(tmp_path, capfd):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("case", ["TikTokenizer", "Unigram SentencePiece"])
+SENTENCEPIECE_REFUSED = {
+    "Unigram SentencePiece": ({"vocab_size": 330, "model_type": "unigram"}, "it is not a BPE model"),
+    "whitespace as suffix": ({"treat_whitespace_as_suffix": True}, "it treats whitespace as a suffix"),
+    "denormalizer": ({"denormalization_rule_tsv": "denormalize.tsv"}, "it has a denormalizer"),
+    # SentencePiece cuts them out of the text before its dummy prefix and merges; tokenizers' added tokens,
+    # matched before the normalizer, give other ids (e.g. "Hello, world!" with the piece "Hello")
+    "user-defined pieces": ({"user_defined_symbols": ["<foo>", "Hello"]}, "it has user-defined pieces"),
+}
+"""SentencePiece models a Llama2Tokenizer export refuses: the trainer's options, the reason given."""
+
+
+@pytest.mark.parametrize("case", ["TikTokenizer", *SENTENCEPIECE_REFUSED])
 def test_an_export_of_a_run_whose_tokenizer_has_no_hugging_face_form_writes_nothing(tmp_path, capfd, case):
     """A TikTokenizer whose file spells a special token as an ordinary one, and a Llama2Tokenizer
-    over a Unigram SentencePiece model (exported kinds: tests/test_hf_export.py): refused in one
-    line before the weights are written, so no half-written export is left behind."""
+    over a SentencePiece model whose encoding no tokenizer.json here reproduces (exported kinds:
+    tests/test_hf_export.py): refused in one line before the weights are written, so no
+    half-written export is left behind."""
     from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
 
     if case == "TikTokenizer":
@@ -208,9 +220,15 @@ def test_an_export_of_a_run_whose_tokenizer_has_no_hugging_face_form_writes_noth
         expected = "the TikTokenizer's special tokens ['<pad>'] are also ordinary tokens of the file"
     else:
         pytest.importorskip("sentencepiece")
-        model = write_sentencepiece_model(tmp_path / "sp", vocab_size=330, model_type="unigram")
+        options, reason = SENTENCEPIECE_REFUSED[case]
+        if "denormalization_rule_tsv" in options:
+            rules = tmp_path / options["denormalization_rule_tsv"]
+            rules.write_text("61\t41\n")  # a -> A, in code points
+            options = {**options, "denormalization_rule_tsv": str(rules)}
+        model = write_sentencepiece_model(tmp_path / "sp", **options)
         data = ("--data.tokenizer_type=Llama2Tokenizer", f"--data.tokenizer_model={model}")
-        expected = f"data.tokenizer_model={str(model)!r}: the Llama2Tokenizer's SentencePiece model has no Hugging Face form"
+        expected = (f"data.tokenizer_model={str(model)!r}: the Llama2Tokenizer's SentencePiece model has no Hugging Face "
+                    f"form dtgpt writes: {reason}")  # fmt: skip
     checkpoint(tmp_path / "ckpt", extra=data)
     assert load_script().main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
     assert expected in one_error(capfd)

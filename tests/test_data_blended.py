@@ -145,3 +145,27 @@ def test_stable_unweighted_blend_weighs_prefixes_equally(prefixes):
     a, b, cache = prefixes
     train = build_gpt_datasets([a, b], "1", ([], [], []), (400, 0, 0), SEQ, 5, cache, order="stable")[0]
     assert len(train) == 400 and np.bincount(train.dataset_index).tolist() == [200, 200]
+
+
+def test_per_split_paths_without_a_valid_path_train_only_without_evaluation(prefixes, capfd):
+    """Megatron's --train-data-path without --valid-data-path builds no validation set, and then fails
+    at its first evaluation (eval_iters > 0): dtgpt refuses that in one line before the run; with
+    --eval-iters 0 Megatron trains, and so does dtgpt (no validation split, no test one without its path)."""
+    from dtgpt.api import num_samples_needed
+    from dtgpt.cli import run_main
+    from dtgpt.config import load_config
+    from dtgpt.data import build_datasets, build_tokenizer
+
+    a, b, cache = prefixes
+    flags = ["--train-data-path", a, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--data-cache-path", cache,
+             "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+             "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3"]  # fmt: skip
+    for eval_flags in ([], ["--eval-iters", "2", "--test-data-path", b]):
+        assert run_main([*flags, *eval_flags, "--dry-run"], None, None) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("error: --valid-data-path is unset beside --train-data-path, so there is no validation data "
+                              f"for --eval-iters {eval_flags[1] if eval_flags else 10}: set --valid-data-path, or --eval-iters 0")  # fmt: skip
+    cfg = load_config(None, [*flags, "--eval-iters", "0"])
+    train, valid, test = build_datasets(cfg, build_tokenizer(cfg.data), num_samples_needed(cfg))
+    assert len(train) >= 6 and valid is None and test is None

@@ -2,7 +2,6 @@
 downloads), byte and null tokenizers."""
 
 import json
-import pickle
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,6 @@ def test_gpt2_bpe_round_trip(bpe_files):
     text = "the quick brown fox jumps over the lazy dog"
     assert len(tok.tokenize(text)) < len(text.encode()) / 2
     assert tok.detokenize(tok.tokenize("a") + [tok.eod]) == "a<|endoftext|>"
-
-
-def test_gpt2_bpe_pickles(bpe_files):
-    tok = GPT2BPETokenizer(*bpe_files)
-    clone = pickle.loads(pickle.dumps(tok))
-    assert clone.tokenize("the lazy dog") == tok.tokenize("the lazy dog") and clone.eod == tok.eod
 
 
 def test_gpt2_bpe_missing_files(tmp_path, bpe_files):
@@ -158,18 +151,22 @@ def megatron_hf_tokenizer(directory: Path, include_special_tokens: bool = False)
                                              include_special_tokens=include_special_tokens)  # fmt: skip
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["", "split_special_tokens"])
 @pytest.mark.parametrize("include", [False, True], ids=["megatron_default", "include_special_tokens"])
-def test_hugging_face_tokenizer_is_megatrons(tmp_path, include):
+def test_hugging_face_tokenizer_is_megatrons(tmp_path, include, split):
     """megatron-core's HuggingFaceTokenizer (AutoTokenizer underneath) on the same directory gives
-    the same vocabulary, eod and ids; transformers' PreTrainedTokenizerFast on the file too."""
+    the same vocabulary, eod and ids; transformers' PreTrainedTokenizerFast on the file too. With
+    tokenizer_config.json's split_special_tokens, special-token text ("<|endoftext|>", "<pad>") is
+    ordinary text there, and here."""
     import transformers
 
-    directory = write_hf_tokenizer(tmp_path / "tok")
+    directory = write_hf_tokenizer(tmp_path / "tok", {**HF_CONFIG, "split_special_tokens": split})
     ours = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(directory),
                                       tokenizer_hf_include_special_tokens=include))  # fmt: skip
     assert isinstance(ours, HuggingFaceTokenizer)
     theirs = megatron_hf_tokenizer(directory, include)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), eos_token="<|endoftext|>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), eos_token="<|endoftext|>",
+                                                split_special_tokens=split)  # fmt: skip
     assert ours.vocab_size == theirs.vocab_size == len(fast) == 321  # 320 in the BPE model, then the added <pad>
     assert ours.eod == theirs.eod == fast.eos_token_id == fast.convert_tokens_to_ids("<|endoftext|>")
     for text in HF_TEXTS:
@@ -178,6 +175,7 @@ def test_hugging_face_tokenizer_is_megatrons(tmp_path, include):
         assert ours.detokenize(ids) == fast.decode(ids), text
     assert len(ours.tokenize(HF_TEXTS[-1])) > 8  # the stored truncation does not cut documents
     assert (ours.tokenize("the")[0] == fast.convert_tokens_to_ids("<s>")) is include
+    assert (ours.eod in ours.tokenize("a<|endoftext|>b")) is not split
 
 
 @pytest.mark.parametrize("layout", ["config", "map only", "map overrides", "added tokens keep the config", "sep only"])
@@ -195,12 +193,6 @@ def test_hugging_face_eod_is_the_eos_transformers_reads(tmp_path, layout):
     directory = write_hf_tokenizer(tmp_path / "tok", config, special)
     ours = HuggingFaceTokenizer(str(directory))
     assert ours.eod == megatron_hf_tokenizer(directory).eod == ours.tokenize("<|endoftext|>")[0]
-
-
-def test_hugging_face_tokenizer_pickles(tmp_path):
-    tok = HuggingFaceTokenizer(str(write_hf_tokenizer(tmp_path / "tok")), include_special_tokens=True)
-    clone = pickle.loads(pickle.dumps(tok))
-    assert clone.tokenize(HF_TEXTS[0]) == tok.tokenize(HF_TEXTS[0]) and (clone.eod, clone.vocab_size) == (tok.eod, tok.vocab_size)
 
 
 def test_hugging_face_tokenizer_bad_input(tmp_path):

@@ -19,6 +19,7 @@ from dtgpt.data.indexed import IndexedDataset
 from dtgpt.data.libraries import import_library
 from dtgpt.data.tokenizer import build_tokenizer
 from tests.runs import load_script
+from tests.test_data_tokenizer import HF_TEXTS, bpe_files, write_hf_tokenizer  # noqa: F401 (bpe_files: a fixture)
 from tests.tokenizer_files import write_sentencepiece_model, write_tiktoken_vocab
 
 TEXTS = ["", "The quick brown fox jumps over the lazy dog.", "héllo wörld ✓ 日本語 🙂 ünseen",
@@ -60,8 +61,6 @@ def assert_same_as_megatron(ours, theirs) -> None:
         ids = ours.tokenize(text)
         assert ids == theirs.tokenize(text), text
         assert all(0 <= i < ours.vocab_size for i in ids)
-    clone = pickle.loads(pickle.dumps(ours))  # preprocessing's worker processes rebuild it from its file
-    assert clone.tokenize(TEXTS[2]) == ours.tokenize(TEXTS[2])
 
 
 @pytest.mark.parametrize("kind", SENTENCEPIECE_TYPES)
@@ -84,6 +83,30 @@ def test_tiktokenizer_is_megatrons(files, case):
     assert ours.detokenize(ours.tokenize(TEXTS[2])) == TEXTS[2]
     other = build_tokenizer(DataConfig(**{**data, "tiktoken_pattern": "v2" if data.get("tiktoken_pattern") == "v1" else "v1"}))
     assert ours.tokenize(" HelloWorld") != other.tokenize(" HelloWorld")  # one word in v1, two in v2: the pattern is read
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer"])
+def test_file_tokenizers_pickle_as_their_arguments(tmp_path, files, bpe_files, kind):
+    """Each tokenizer read from files pickles as its constructor's arguments (its library object does
+    not pickle) and is rebuilt where it is unpickled: the same ids, eod and vocabulary, non-default
+    arguments kept (a BOS added, Llama2Tokenizer's kind, TikTokenizer's pattern and special tokens)."""
+    data = {
+        "GPT2BPETokenizer": lambda: {"vocab_file": bpe_files[0], "merge_file": bpe_files[1]},
+        "HuggingFaceTokenizer": lambda: {"tokenizer_model": str(write_hf_tokenizer(tmp_path)),
+                                         "tokenizer_hf_include_special_tokens": True},
+        "Llama2Tokenizer": lambda: {"tokenizer_model": str(files["sp"])},
+        "TikTokenizer": lambda: {"tokenizer_model": str(files["tiktoken"]), "tiktoken_pattern": "v1", "vocab_size": 290,
+                                 "tiktoken_num_special_tokens": 8, "tokenizer_special_tokens":
+                                 ["<s>", "</s>", "<unk>", "<mask>", "<pad>", "<cls>", "<sep>", "<extra>"]},
+    }[kind]()  # fmt: skip
+    tok = build_tokenizer(DataConfig(tokenizer_type=kind, **data))
+    pickled = pickle.dumps(tok)
+    assert len(pickled) < 1000  # the arguments, not the vocabulary (the library objects pickle as 5-250 kB here)
+    clone = pickle.loads(pickled)
+    assert type(clone) is type(tok) and (clone.vocab_size, clone.eod) == (tok.vocab_size, tok.eod)
+    for text in [*TEXTS, *HF_TEXTS, "<s> </s> <extra> as text"]:
+        assert clone.tokenize(text) == tok.tokenize(text), text
+    assert vars(clone).keys() == vars(tok).keys() and clone._arguments == tok._arguments
 
 
 def test_megatron_flags_set_the_tokenizer_keys(files):

@@ -267,10 +267,10 @@ def test_export_imports_back_with_its_tokenizer(tmp_path, bpe_dir, kind, tied):
     if kind == "tiktoken":  # its tokenizer.json comes back as a HuggingFaceTokenizer, with the same ids
         assert imported.data.tokenizer_type == "HuggingFaceTokenizer"
     elif kind in SENTENCEPIECE:  # the export holds no .model: its tokenizer.json comes back as a HuggingFaceTokenizer,
-        # whose ids are the model's but for text spelling a control piece ("</s>"), read there as the token
+        # whose ids are the model's, text spelling a control piece ("</s>") included: its tokenizer_config.json's
+        # split_special_tokens reads it as text, as SentencePiece does
         assert imported.data.tokenizer_type == "HuggingFaceTokenizer"
-        assert build_tokenizer(imported.data).tokenize("</s>") == [build_tokenizer(original.data).eod]
-        texts = [t for t in texts if not any(control in t for control in ("<s>", "</s>", "<pad>"))]
+        assert any("</s>" in t for t in texts)
     else:
         assert imported.data.tokenizer_type == original.data.tokenizer_type
     assert imported.model.untie_embeddings_and_output_weights is not tied

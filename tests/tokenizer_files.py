@@ -4,6 +4,7 @@ trainer) and a TikTokenizer vocabulary .json in Megatron's layout (tiktoken's ow
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from pathlib import Path
 
@@ -28,15 +29,21 @@ def write_sentencepiece_model(directory: Path, vocab_size: int = 400, eos_id: in
     return prefix.with_suffix(".model")
 
 
-def write_tiktoken_vocab(directory: Path, vocab_size: int = 300) -> Path:
-    """A byte-level BPE of vocab_size tokens (the 256 bytes first) as Megatron's TikTokenizer reads
-    it: a list of {rank, token_bytes (base64), token_str}; returns its path."""
+@functools.lru_cache(maxsize=None)
+def _tiktoken_ranks(vocab_size: int) -> dict[bytes, int]:
+    """tiktoken's BPE trained on LINES (about a second: trained once per test process)."""
     from tiktoken._educational import bpe_train
 
     from dtgpt.data.tiktoken_tokenizer import PATTERNS
 
     # trained with the v1 regex, which keeps "HelloWorld" one word: v2 splits it, so the two patterns give other ids
-    ranks = bpe_train("\n".join(LINES) + " HelloWorld" * 200, vocab_size, PATTERNS["v1"], visualise=None)
+    return bpe_train("\n".join(LINES) + " HelloWorld" * 200, vocab_size, PATTERNS["v1"], visualise=None)
+
+
+def write_tiktoken_vocab(directory: Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE of vocab_size tokens (the 256 bytes first) as Megatron's TikTokenizer reads
+    it: a list of {rank, token_bytes (base64), token_str}; returns its path."""
+    ranks = _tiktoken_ranks(vocab_size)
     entries = [
         {"rank": rank, "token_bytes": base64.b64encode(token).decode("ascii"), "token_str": token.decode("utf-8", "replace")}
         for token, rank in sorted(ranks.items(), key=lambda item: item[1])

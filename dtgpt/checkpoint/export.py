@@ -250,13 +250,13 @@ def to_hf_dir(directory: Path, cfg: Config, out: str | Path) -> tuple[str, list[
     _refuse_model_dir(out)
     hf = hf_layout_for(cfg.model)
     tokenizer = build_tokenizer(cfg.data)
-    hf_tokenizer.check_exportable(tokenizer)
+    tokenizer_json = hf_tokenizer.exportable_backend(tokenizer)
     vocab = model_vocab_size(directory)
     _check_tokenizer_fits(tokenizer.vocab_size, vocab, directory)
     model = hf_files.gamma_from_stored(read_sections(directory, ("model",))["model"], cfg.model)
     hf_files.write_hf_dir(out, hf.to_hf(model, cfg.model), hf.config(cfg.model, vocab, tokenizer.eod),
                           hf_files.generation_config(tokenizer.eod, tokenizer.vocab_size, vocab))  # fmt: skip
-    written = hf_tokenizer.write_tokenizer_files(out, tokenizer, cfg.model.max_positions)
+    written = hf_tokenizer.write_tokenizer_files(out, tokenizer, tokenizer_json, cfg.model.max_positions)
     return hf.architecture, [hf_files.HF_CONFIG, hf_files.GENERATION_CONFIG, hf_files.SAFETENSORS, *written]
 
 

@@ -50,25 +50,6 @@ def _unsupported(proto) -> str | None:
     return None
 
 
-def check_sentencepiece_convertible(path: str, kind: str, proto=None) -> None:
-    """A ValueError naming the file when the model has no faithful tokenizer.json here."""
-    problem = _unsupported(proto or read_model(path))
-    if problem:
-        raise ValueError(f"data.tokenizer_model={path!r}: the {kind}'s SentencePiece model has no Hugging Face form "
-                         f"dtgpt writes: {problem}")  # fmt: skip
-
-
-def piece(path: str, token_id: int) -> str:
-    return read_model(path).pieces[token_id].piece
-
-
-def named_tokens(path: str) -> dict[str, str]:
-    """tokenizer_config.json's bos_token and unk_token: the model's own, where it has them."""
-    proto = read_model(path)
-    named = {"bos_token": proto.trainer_spec.bos_id, "unk_token": proto.trainer_spec.unk_id}
-    return {key: proto.pieces[i].piece for key, i in named.items() if i >= 0}
-
-
 def _merges(proto) -> list[tuple[str, str]]:
     """SentencePiece's BPE merges the adjacent pair whose joined piece scores highest: as ranked
     merges, every split of a normal piece into two normal pieces, best joined score first."""
@@ -97,11 +78,15 @@ def _normalizer(spec):
 
 
 def sentencepiece_backend(path: str, kind: str):
-    """A `tokenizers.Tokenizer` that encodes and decodes as the SentencePiece model at `path`."""
+    """A `tokenizers.Tokenizer` that encodes and decodes as the SentencePiece model at `path`; a
+    ValueError naming the file when the model has no faithful tokenizer.json here."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     proto = read_model(path)
-    check_sentencepiece_convertible(path, kind, proto)
+    problem = _unsupported(proto)
+    if problem:
+        raise ValueError(f"data.tokenizer_model={path!r}: the {kind}'s SentencePiece model has no Hugging Face form "
+                         f"dtgpt writes: {problem}")  # fmt: skip
     trainer, spec = proto.trainer_spec, proto.normalizer_spec
     vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
     backend = Tokenizer(models.BPE(vocab, _merges(proto), unk_token=trainer.unk_piece, fuse_unk=True,

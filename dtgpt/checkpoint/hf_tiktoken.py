@@ -14,15 +14,6 @@ from __future__ import annotations
 from dtgpt.checkpoint.byte_alphabet import byte_alphabet
 
 
-def check_tiktoken_convertible(tokenizer) -> None:
-    """A ValueError when a special token's text is also the spelling of an ordinary token."""
-    spelled = _spellings(tokenizer)
-    clash = sorted(set(tokenizer.special_tokens) & set(spelled))
-    if clash:
-        raise ValueError(f"data.tokenizer_model={tokenizer.path!r}: the TikTokenizer's special tokens {clash} are "
-                         "also ordinary tokens of the file, which one tokenizer.json vocabulary cannot hold apart")  # fmt: skip
-
-
 _BYTE_CHAR = {b: c for c, b in byte_alphabet().items()}  # byte -> its character in the byte alphabet
 
 
@@ -30,9 +21,15 @@ def _spell(token: bytes) -> str:
     return "".join(_BYTE_CHAR[b] for b in token)
 
 
-def _spellings(tokenizer) -> dict[str, int]:
-    """The vocabulary's tokens, spelled in the byte alphabet -> their ids."""
-    return {_spell(token): i for token, i in tokenizer.ranks.items()}
+def _vocabulary(tokenizer) -> dict[str, int]:
+    """The tokenizer.json vocabulary: the special tokens at their ids, then the file's tokens spelled
+    in the byte alphabet; a ValueError when a special token's text is also an ordinary token's spelling."""
+    spelled = {_spell(token): i for token, i in tokenizer.ranks.items()}
+    clash = sorted(set(tokenizer.special_tokens) & set(spelled))
+    if clash:
+        raise ValueError(f"data.tokenizer_model={tokenizer.path!r}: the TikTokenizer's special tokens {clash} are "
+                         "also ordinary tokens of the file, which one tokenizer.json vocabulary cannot hold apart")  # fmt: skip
+    return {**{token: i for i, token in enumerate(tokenizer.special_tokens)}, **spelled}
 
 
 def _merges(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
@@ -48,12 +45,11 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
 
 
 def tiktoken_backend(tokenizer):
-    """A `tokenizers.Tokenizer` that encodes and decodes as the TikTokenizer `tokenizer`."""
+    """A `tokenizers.Tokenizer` that encodes and decodes as the TikTokenizer `tokenizer`; a ValueError
+    (from _vocabulary) when it has none."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    check_tiktoken_convertible(tokenizer)
-    vocab = {**{token: i for i, token in enumerate(tokenizer.special_tokens)}, **_spellings(tokenizer)}
-    backend = Tokenizer(models.BPE(vocab, _merges(tokenizer.ranks), ignore_merges=True))
+    backend = Tokenizer(models.BPE(_vocabulary(tokenizer), _merges(tokenizer.ranks), ignore_merges=True))
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(tokenizer.pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),

@@ -17,7 +17,7 @@ dtgpt gave in training:
   pattern (hf_tiktoken.py); special-token text is the token, as TikTokenizer encodes it.
 
 A model those two cannot carry exactly (a Unigram SentencePiece model, say) is refused before
-anything is written (check_exportable).
+anything is written (exportable_backend, which builds what is written then).
 
 dtgpt's own kinds are also written as a `tokenizers` JSON (`tokenizer.json`). The eod is the
 special end-of-text token, but text is never searched for it (`split_special_tokens`): dtgpt's
@@ -53,19 +53,18 @@ VOCAB_JSON = "vocab.json"
 MERGES_TXT = "merges.txt"
 
 
-def check_exportable(tokenizer: Tokenizer) -> None:
-    """A ValueError when the run's tokenizer has no exact Hugging Face form here: called before an
-    export writes its first file, so a refused export leaves no half-written directory."""
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        hf_sentencepiece.check_sentencepiece_convertible(tokenizer.path, tokenizer.kind)
-    if isinstance(tokenizer, TikTokenizer):
-        hf_tiktoken.check_tiktoken_convertible(tokenizer)
+def exportable_backend(tokenizer: Tokenizer):
+    """The tokenizer.json an export writes for the run's tokenizer, built (None for a
+    HuggingFaceTokenizer, whose files are copied); a ValueError when it has no exact Hugging Face
+    form here. Called before an export writes its first file, so a refused export leaves no
+    half-written directory."""
+    return None if isinstance(tokenizer, HuggingFaceTokenizer) else build_backend(tokenizer)
 
 
 def eod_text(tokenizer: Tokenizer) -> str:
     """The token string of the tokenizer's eod."""
     if isinstance(tokenizer, SentencePieceTokenizer):
-        return hf_sentencepiece.piece(tokenizer.path, tokenizer.eod)
+        return tokenizer.piece(tokenizer.eod)
     if isinstance(tokenizer, TikTokenizer):
         return tokenizer.special_tokens[tokenizer.eod]
     return str(tokenizer.eod) if isinstance(tokenizer, NullTokenizer) else EOD_TEXT
@@ -91,25 +90,28 @@ def build_backend(tokenizer: Tokenizer):
         backend = hf_tiktoken.tiktoken_backend(tokenizer)
     else:  # a HuggingFaceTokenizer's files are copied, never rebuilt
         raise ValueError(f"no tokenizers backend is built for a {type(tokenizer).__name__}")
-    backend.add_special_tokens([AddedToken(eod_text(tokenizer), special=True)])
-    if backend.token_to_id(eod_text(tokenizer)) != tokenizer.eod:
-        raise ValueError(f"{type(tokenizer).__name__}: {eod_text(tokenizer)!r} is not id {tokenizer.eod}, the eod")
+    eod = eod_text(tokenizer)
+    backend.add_special_tokens([AddedToken(eod, special=True)])
+    if backend.token_to_id(eod) != tokenizer.eod:
+        raise ValueError(f"{type(tokenizer).__name__}: {eod!r} is not id {tokenizer.eod}, the eod")
     return backend
 
 
-def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, max_length: int) -> list[str]:
-    """Write the tokenizer files into `directory`; returns their names."""
+def write_tokenizer_files(directory: Path, tokenizer: Tokenizer, backend, max_length: int) -> list[str]:
+    """Write the tokenizer files into `directory` (`backend`: exportable_backend's); returns their names."""
     if isinstance(tokenizer, HuggingFaceTokenizer):
         return _copy_hf_files(Path(tokenizer.directory), directory, tokenizer.eos_text)
     written = [TOKENIZER_JSON, TOKENIZER_CONFIG]
-    build_backend(tokenizer).save(str(directory / TOKENIZER_JSON))
+    backend.save(str(directory / TOKENIZER_JSON))
     eod = eod_text(tokenizer)
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eod, "eos_token": eod,
         "model_max_length": max_length, "split_special_tokens": True, "clean_up_tokenization_spaces": False,
     }  # fmt: skip
     if isinstance(tokenizer, SentencePieceTokenizer):  # its bos and unk named, never added: Megatron adds none
-        settings.update(hf_sentencepiece.named_tokens(tokenizer.path), add_bos_token=False, add_eos_token=False)
+        named = {"bos_token": tokenizer.bos, "unk_token": tokenizer.unk}
+        settings.update({key: tokenizer.piece(i) for key, i in named.items() if i >= 0}, add_bos_token=False,
+                        add_eos_token=False)  # fmt: skip
     if isinstance(tokenizer, TikTokenizer):  # special-token text is the token, as TikTokenizer encodes it
         named = {"bos_token": tokenizer.bos, "pad_token": tokenizer.pad}
         settings.update({key: tokenizer.special_tokens[i] for key, i in named.items()}, split_special_tokens=False,

@@ -28,6 +28,7 @@ from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_outputs import apply_logs_follow_checkpoint
 from dtgpt.config.precedence import COMMAND_LINE, FILE, resolve_conflicts
 from dtgpt.config.sections import Config, ConfigError
+from dtgpt.config.tokenizer_keys import TokenizerKeys
 from dtgpt.config.validation import validate
 
 
@@ -264,7 +265,7 @@ def _toml_value(value: Any) -> str:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML; unset optional keys appear as comments."""
     lines = []
-    later = {f.name for keys in (MoEKeys, PipelineSplitKeys) for f in dataclasses.fields(keys)}
+    later = {f.name for keys in (MoEKeys, PipelineSplitKeys, TokenizerKeys) for f in dataclasses.fields(keys)}
     for section_field in dataclasses.fields(cfg):
         section = getattr(cfg, section_field.name)
         if section_field.name == "faults":
@@ -272,7 +273,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section_field.name}]")
         # a [model] reads as the model first; its mixture-of-experts keys (a base class, so
         # first among the fields) come after the dense ones, as [parallel]'s uneven-split keys
-        # come after the mesh
+        # come after the mesh, and [data]'s tokenizer keys after its data
         for f in sorted(dataclasses.fields(section), key=lambda f: f.name in later):
             if f.name == "num_experts":
                 lines.append("# mixture of experts (unset num_experts: every block dense)")

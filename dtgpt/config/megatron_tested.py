@@ -87,8 +87,6 @@ NOTED = {
     "exchanges keys and values differently for the same attention; dtgpt's context parallelism all-gathers them "
     "(dtgpt/parallel/context.py)",
     "hierarchical-context-parallel-sizes": "the group sizes of --cp-comm-type a2a+p2p, as that flag",
-    "no-use-tokenizer-model-from-checkpoint-args": "dtgpt never takes the tokenizer from a checkpoint: it is always "
-    "the one the flags name (`--use-checkpoint-args` reads the architecture only)",
     "megatron-fsdp-main-params-dtype": "fp32 is accepted: dtgpt keeps master weights in fp32; bf16, fp16 and auto "
     "are refused",
     "eval-global-batch-size": "accepted equal to `--global-batch-size` (Megatron's default): dtgpt evaluates "

@@ -13,6 +13,7 @@ from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.mtp_keys import MTPKeys
 from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
+from dtgpt.config.tokenizer_keys import TokenizerKeys
 
 
 class ConfigError(ValueError):
@@ -270,7 +271,9 @@ class ParallelConfig(PipelineSplitKeys):
 
 
 @dataclass
-class DataConfig:
+class DataConfig(TokenizerKeys):
+    """[data]: the data keys here, the tokenizer's in TokenizerKeys."""
+
     data_path: list[str] = field(default_factory=list)
     """Megatron's blend list: ["0.3", "prefA", "0.7", "prefB"]; a bare prefix has weight 1."""
     train_data_path: list[str] = field(default_factory=list)
@@ -292,26 +295,6 @@ class DataConfig:
     (Megatron's --reset-attention-mask)."""
     builtin_corpus: str = ""
     """'python-docstrings': text gathered from the installed standard library, no download."""
-    tokenizer_type: str = "GPT2BPETokenizer"
-    """'GPT2BPETokenizer', 'ByteTokenizer', 'NullTokenizer', 'HuggingFaceTokenizer', the SentencePiece
-    types 'SentencePieceTokenizer', 'GPTSentencePieceTokenizer', 'Llama2Tokenizer', or 'TikTokenizer'."""
-    vocab_file: str = ""
-    merge_file: str = ""
-    tokenizer_model: str = ""
-    """Megatron's --tokenizer-model: HuggingFaceTokenizer's directory (tokenizer.json, and
-    tokenizer_config.json naming the eos token), a SentencePiece .model file, or TikTokenizer's .json."""
-    tiktoken_pattern: str = ""
-    """TikTokenizer's pre-tokenizer regex, Megatron's 'v1' or 'v2' (unset: v2)."""
-    tiktoken_num_special_tokens: int = 1000
-    """TikTokenizer: the ids below the vocabulary file's tokens, reserved for special tokens."""
-    tokenizer_special_tokens: list[str] = field(default_factory=list)
-    """TikTokenizer's special tokens, ids 0.. in order (empty: <unk> <s> </s> <mask> <pad> <cls> <sep>)."""
-    tokenizer_hf_include_special_tokens: bool = False
-    """HuggingFaceTokenizer: encode with the special tokens its post-processor adds (e.g. a BOS),
-    as Megatron's --tokenizer-hf-include-special-tokens; off, as Megatron's default."""
-    vocab_size: int = 0
-    """Vocabulary of NullTokenizer (and of mock data when no tokenizer file is given); TikTokenizer's
-    whole vocabulary, special tokens included (0: 2**17, Megatron's)."""
     data_cache_path: str = ""
     """Where index arrays (and the built-in corpus) are cached; default next to the data."""
     num_workers: int = 2
@@ -336,7 +319,11 @@ class CheckpointConfig:
     schedule, loss scale and RNG start fresh."""
     use_checkpoint_args: bool = False
     """Take the model's architecture from the checkpoint to load (its saved config, or a
-    Megatron-LM checkpoint's args) instead of [model]."""
+    Megatron-LM checkpoint's args) instead of [model]; from a Megatron checkpoint also
+    data.tokenizer_type, data.tokenizer_model and data.tiktoken_pattern, as Megatron takes them."""
+    use_tokenizer_model_from_checkpoint_args: bool = True
+    """False (Megatron's --no-use-tokenizer-model-from-checkpoint-args): use_checkpoint_args keeps the
+    config's data.tokenizer_type and data.tokenizer_model."""
     auto_resume: bool = False
     save_interval: int = 0
     async_save: bool = False

@@ -1,4 +1,4 @@
-"""The train/valid/test split rule (`data.split = "949,50,1"`), in one place.
+"""The train/valid/test split rule (`data.split = "949,50,1"`), and the per-split paths' one, in one place.
 
 Validation calls `parse_split` to check the string; the data code calls `split_document_ranges`
 to turn it into document ranges. Both follow Megatron's `parse_and_normalize_split` and split
@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from dtgpt.config.sections import ConfigError
+from dtgpt.config.sections import Config, ConfigError, require
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -43,3 +43,15 @@ def split_document_ranges(split: str, num_documents: int) -> list[Optional[tuple
         ranges.append(None if end <= start else (int(round(start * num_documents)), int(round(end * num_documents))))
         start = end
     return ranges
+
+
+def check_per_split_paths(cfg: Config) -> None:
+    """Per-split paths without data.valid_data_path give no validation set. Megatron then fails at its
+    first evaluation (get_batch asserts a data iterator), so with eval.eval_iters > 0 it is refused
+    here, before anything runs; with eval.eval_iters = 0 it is accepted. Without data.test_data_path
+    there is no test evaluation, as in Megatron."""
+    d, eval_iters = cfg.data, cfg.eval.eval_iters
+    per_split = d.train_data_path or d.valid_data_path or d.test_data_path
+    require(not per_split or bool(d.valid_data_path) or eval_iters == 0,
+            f"data.valid_data_path is unset beside data.train_data_path, so there is no validation data for "
+            f"eval.eval_iters={eval_iters}: set data.valid_data_path, or eval.eval_iters=0 to train without evaluation")  # fmt: skip

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from dtgpt.config.sections import require
+from dtgpt.config.derived import null_tokenizer_ids, padded_vocabulary
+from dtgpt.config.sections import Config, require
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 """Megatron builds all three as one SentencePiece tokenizer (megatron/core/tokenizers)."""
@@ -88,3 +89,17 @@ def check_tokenizer(d) -> None:
                                     d.vocab_size or TIKTOKEN_DEFAULT_VOCAB)  # fmt: skip
         except ValueError as e:
             require(False, str(e))
+
+
+def check_tokenizer_config(cfg: Config) -> None:
+    """The rules of `[data]`'s tokenizer keys in a whole config: check_tokenizer's, and the vocabulary
+    of NullTokenizer and of mock data, known (and padded) before any file is read."""
+    d = cfg.data
+    mock_null = d.mock_data and d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file or d.merge_file) and d.vocab_size
+    if d.tokenizer_type == "NullTokenizer" or mock_null:  # mock data's vocab_size counts the eod: one id needs 2
+        least = 2 if d.mock_data else 1
+        require(d.vocab_size >= least, f"data.vocab_size={d.vocab_size} must be >= {least} for {d.tokenizer_type}"
+                + (" on mock data (the whole vocabulary, the eod its last id)" if d.mock_data else ""))  # fmt: skip
+    check_tokenizer(d)
+    if d.tokenizer_type == "NullTokenizer":
+        padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built

@@ -13,9 +13,7 @@ from dtgpt.config.derived import (
     lr_warmup_length,
     lr_wsd_decay_length,
     mesh_shape,
-    null_tokenizer_ids,
     num_microbatches,
-    padded_vocabulary,
 )
 from dtgpt.config.batch_schedule import STEP_KEY, step_schedule, train_iterations
 from dtgpt.config.blend import parse_blend
@@ -31,8 +29,8 @@ from dtgpt.config.ranges import check_ranges
 from dtgpt.config.recompute_rules import apply_moe_layer_recompute, check_recompute_modules
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
-from dtgpt.config.split import parse_split
-from dtgpt.config.tokenizer_rules import TOKENIZER_TYPES, check_tokenizer
+from dtgpt.config.split import check_per_split_paths, parse_split
+from dtgpt.config.tokenizer_rules import TOKENIZER_TYPES, check_tokenizer_config
 
 
 _CHOICES = {
@@ -253,14 +251,7 @@ def _check_data(cfg: Config) -> None:
         "no training data: set data.data_path (or data.train_data_path), data.builtin_corpus, or data.mock_data=true",
     )
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
-    mock_null = d.mock_data and d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file or d.merge_file) and d.vocab_size
-    if d.tokenizer_type == "NullTokenizer" or mock_null:  # mock data's vocab_size counts the eod: one id needs 2
-        least = 2 if d.mock_data else 1
-        _require(d.vocab_size >= least, f"data.vocab_size={d.vocab_size} must be >= {least} for {d.tokenizer_type}"
-                 + (" on mock data (the whole vocabulary, the eod its last id)" if d.mock_data else ""))
-    check_tokenizer(d)
-    if d.tokenizer_type == "NullTokenizer":
-        padded_vocabulary(cfg, null_tokenizer_ids(d) + 1)  # known now (ids + eod); others once the tokenizer is built
+    check_tokenizer_config(cfg)
     train_weight = parse_split(d.split)[0]
     _require(
         d.mock_data or not (d.data_path or d.builtin_corpus) or train_weight > 0 or cfg.training.train_iters == 0,
@@ -270,6 +261,7 @@ def _check_data(cfg: Config) -> None:
     for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(d, key):
             parse_blend(getattr(d, key), key=f"data.{key}")
+    check_per_split_paths(cfg)
 
 
 def _check_checkpoint_logging_faults(cfg: Config) -> None:

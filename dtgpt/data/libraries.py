@@ -12,6 +12,17 @@ from dtgpt.config.tokenizer_rules import LIBRARIES
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
 
 
+class PickledAsArguments:
+    """A tokenizer whose library object does not pickle: it pickles as its constructor's arguments
+    (`_arguments`, set by its __init__) and is rebuilt from its files where it is unpickled, in each
+    DataLoader or preprocessing worker."""
+
+    _arguments: tuple = ()
+
+    def __reduce__(self):
+        return type(self), self._arguments
+
+
 class MissingLibraryError(DataError, ImportError):
     """An optional library the config needs is not installed: a user error (one line), and still
     an ImportError to code that asks for one."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Iterable
 
 from dtgpt.data.indexed import DataError
-from dtgpt.data.libraries import import_library, model_file
+from dtgpt.data.libraries import PickledAsArguments, import_library, model_file
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(PickledAsArguments):
     def __init__(self, path: str, kind: str = "SentencePieceTokenizer"):
         model_file(kind, path, "a SentencePiece .model file")
         sentencepiece = import_library(kind)
@@ -32,17 +32,16 @@ class SentencePieceTokenizer:
         self.eod = processor.eos_id()
         self.bos = processor.bos_id()  # -1 when the model has none, as Megatron reports it
         self.pad = processor.pad_id()
+        self.unk = processor.unk_id()
         self.path, self.kind = path, kind
-
-    # The processor is rebuilt from its file in each worker process rather than pickled.
-    def __getstate__(self) -> dict:
-        return {"path": self.path, "kind": self.kind}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], state["kind"])
+        self._arguments = (path, kind)
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode_as_ids(text)
+
+    def piece(self, token_id: int) -> str:
+        """The model's piece of id `token_id` (e.g. "</s>", the eod's)."""
+        return self._sp.id_to_piece(token_id)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode_ids([int(i) for i in ids])

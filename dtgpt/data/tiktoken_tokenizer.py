@@ -16,7 +16,7 @@ from typing import Iterable
 
 from dtgpt.config.tokenizer_rules import TIKTOKEN_DEFAULT_VOCAB, tiktoken_special_tokens
 from dtgpt.data.indexed import DataError
-from dtgpt.data.libraries import import_library, json_file, model_file
+from dtgpt.data.libraries import PickledAsArguments, import_library, json_file, model_file
 
 KIND = "TikTokenizer"
 ENTRY_KEYS = {"rank", "token_bytes", "token_str"}
@@ -56,7 +56,7 @@ def read_ranks(path: str, count: int, first_id: int) -> dict[bytes, int]:
     return ranks
 
 
-class TikTokenizer:
+class TikTokenizer(PickledAsArguments):
     def __init__(self, path: str, pattern: str = "", num_special_tokens: int = 1000,
                  special_tokens: Iterable[str] = (), vocab_size: int = 0):  # fmt: skip
         model_file(KIND, path, "a tiktoken vocabulary .json")
@@ -76,14 +76,7 @@ class TikTokenizer:
         self.eod, self.bos, self.pad = (specials.index(t) for t in ("</s>", "<s>", "<pad>"))
         # what an export rebuilds the encoding from (dtgpt/checkpoint/hf_tiktoken.py)
         self.path, self.ranks, self.special_tokens, self.pattern = path, ranks, specials, PATTERNS[pattern or "v2"]
-        self._args = (path, pattern, num_special_tokens, tuple(special_tokens), vocab_size)
-
-    # The encoding is rebuilt from its file in each worker process rather than pickled.
-    def __getstate__(self) -> dict:
-        return {"args": self._args}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(*state["args"])
+        self._arguments = (path, pattern, num_special_tokens, tuple(special_tokens), vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         return self._encoding.encode(text, allowed_special="all")

@@ -14,7 +14,7 @@ from dtgpt.config import DataConfig
 from dtgpt.config.derived import null_tokenizer_ids
 from dtgpt.config.tokenizer_rules import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
 from dtgpt.data.indexed import DataError, DataFileNotFoundError
-from dtgpt.data.libraries import import_library, json_file
+from dtgpt.data.libraries import PickledAsArguments, import_library, json_file
 from dtgpt.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from dtgpt.data.tiktoken_tokenizer import TikTokenizer
 
@@ -78,7 +78,7 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(PickledAsArguments):
     """GPT-2's byte-level BPE from `vocab.json` + `merges.txt`, run by the `tokenizers` library."""
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -107,18 +107,12 @@ class GPT2BPETokenizer:
         self.vocab_size = _contiguous_vocabulary(tok, f"{vocab_file}: ", "vocab.json is not a GPT-2 vocabulary")
         self.eod = eod
         self.vocab_file, self.merge_file = vocab_file, merge_file
+        self._arguments = (vocab_file, merge_file)
 
     @property
     def backend(self):
         """The `tokenizers.Tokenizer` that encodes (for exporting it, e.g. to Hugging Face)."""
         return self._tok
-
-    # The Rust tokenizer is rebuilt from its files in each worker process rather than pickled.
-    def __getstate__(self) -> dict:
-        return {"vocab_file": self.vocab_file, "merge_file": self.merge_file}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["vocab_file"], state["merge_file"])
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -127,7 +121,7 @@ class GPT2BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(PickledAsArguments):
     """Megatron's HuggingFaceTokenizer: a directory of Hugging Face tokenizer files, run by the
     `tokenizers` library.
 
@@ -136,6 +130,8 @@ class HuggingFaceTokenizer:
     special_tokens_map.json) names, else the sep token, and text is encoded without the special
     tokens the post-processor adds (a BOS, say) unless `include_special_tokens`. Truncation or
     padding stored in tokenizer.json is switched off, as transformers encodes: no document is cut.
+    Special-token text in a document is the token, unless tokenizer_config.json sets
+    split_special_tokens: then it is ordinary text, as transformers reads it.
     """
 
     def __init__(self, directory: str, include_special_tokens: bool = False):
@@ -159,6 +155,7 @@ class HuggingFaceTokenizer:
         tok.no_truncation()
         tok.no_padding()
         special = _special_tokens(directory)
+        tok.encode_special_tokens = special["split_special_tokens"]
         eos = special["eos_token"] or special["sep_token"]
         if not eos:
             raise DataError(
@@ -173,12 +170,7 @@ class HuggingFaceTokenizer:
         self.eod = eod
         self.eos_text = eos
         self.directory, self.include_special_tokens = directory, include_special_tokens
-
-    def __getstate__(self) -> dict:
-        return {"directory": self.directory, "include_special_tokens": self.include_special_tokens}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], state["include_special_tokens"])
+        self._arguments = (directory, include_special_tokens)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
@@ -200,14 +192,15 @@ def _json_object(path: str) -> dict:
     return json_file(path, dict, "an object") if os.path.isfile(path) else {}
 
 
-def _special_tokens(directory: str) -> dict[str, str | None]:
+def _special_tokens(directory: str) -> dict[str, str | bool | None]:
     """The eos and sep tokens' text as transformers reads them: from tokenizer_config.json, where
-    special_tokens_map.json overrides unless the config lists its added tokens (the legacy layout)."""
-    found = _json_object(os.path.join(directory, TOKENIZER_CONFIG))
-    if "added_tokens_decoder" not in found:
-        found = {**found, **_json_object(os.path.join(directory, SPECIAL_TOKENS_MAP))}
+    special_tokens_map.json overrides unless the config lists its added tokens (the legacy layout);
+    and the config's split_special_tokens (special-token text read as ordinary text)."""
+    config = _json_object(os.path.join(directory, TOKENIZER_CONFIG))
+    found = config if "added_tokens_decoder" in config else {**config, **_json_object(os.path.join(directory, SPECIAL_TOKENS_MAP))}
     tokens = {key: found.get(key) for key in ("eos_token", "sep_token")}
-    return {key: token.get("content") if isinstance(token, dict) else token for key, token in tokens.items()}
+    return {key: token.get("content") if isinstance(token, dict) else token for key, token in tokens.items()} | {
+        "split_special_tokens": bool(config.get("split_special_tokens", False))}  # fmt: skip
 
 
 def build_tokenizer(data_cfg: DataConfig) -> Tokenizer:

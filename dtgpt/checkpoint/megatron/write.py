@@ -32,6 +32,7 @@ from dtgpt.checkpoint.megatron.keys import (
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.checkpoint.stored import stored_optimizer
+from dtgpt.checkpoint.tokenizer_args import megatron_tokenizer_args
 from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 
@@ -276,6 +277,7 @@ def trainer_common(iteration: int, progress: dict, cfg: Config, tp: int, rows: i
     args = argparse.Namespace(
         consumed_train_samples=consumed, consumed_valid_samples=consumed_valid, padded_vocab_size=rows,
         tensor_model_parallel_size=tp, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, **megatron_args(m),
+        **megatron_tokenizer_args(cfg.data),
     )  # fmt: skip
     common = {"iteration": iteration, "checkpoint_version": 3.0, "args": args}
     if "lr_schedule" in progress:
