@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtgpt.config import OptimizerConfig
+from dtgpt.cli import run_main
+from dtgpt.config import OptimizerConfig, load_config
 from dtgpt.config.muon_rules import COEFFICIENT_TYPES
 from dtgpt.muon import MUON, NEWTON_SCHULZ_COEFFICIENTS, MuonMatrices, MuonWithAdamW
 from tests.muon_oracle import load
@@ -130,3 +131,38 @@ def test_swiglu_gate_and_fc1_step_as_megatrons_one_linear_fc1():
     ours, theirs = train(ours_build, start), train(megatron_core(cfg), start)
     torch.testing.assert_close(ours["linear_fc1"], theirs["linear_fc1"], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ours["fc2"], theirs["fc2"], rtol=1e-6, atol=1e-7)
+
+
+def test_megatron_muon_flags_set_the_keys():
+    """A Megatron Muon launch line: every --muon-* flag lands on its key; dist_muon and
+    --use-distributed-optimizer are muon; core 0.16's --muon-use-nesterov is --muon-nesterov."""
+    line = ("--optimizer dist_muon --use-distributed-optimizer --muon-momentum 0.95 --muon-no-split-qkv --muon-use-nesterov "
+            "--muon-scale-mode shape_scaling --muon-fp32-matmul-prec high --muon-coefficient-type polar_express "
+            "--muon-num-ns-steps 6 --muon-tp-mode distributed --muon-extra-scale-factor 0.2 --muon-scalar-optimizer adam")  # fmt: skip
+    o = load_config(None, ["--mock-data", *line.split()]).optimizer
+    assert o.uses_muon and (o.muon_momentum, o.muon_split_qkv, o.muon_nesterov, o.muon_scale_mode) == (0.95, False, True, "shape_scaling")
+    assert (o.muon_fp32_matmul_prec, o.muon_coefficient_type, o.muon_num_ns_steps, o.muon_tp_mode) == ("high", "polar_express", 6, "distributed")
+    assert o.muon_extra_scale_factor == 0.2 and load_config(None, ["--mock-data", "--muon-nesterov"]).optimizer.muon_nesterov
+    plain = load_config(None, ["--mock-data", "--optimizer", "muon"]).optimizer  # Megatron's defaults
+    assert (plain.muon_momentum, plain.muon_split_qkv, plain.muon_nesterov, plain.muon_fp32_matmul_prec) == (0.9, True, False, "medium")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ("--muon-tp-mode blockwise --tensor-model-parallel-size 2", "error: --muon-tp-mode blockwise is refused at --tensor-model-parallel-size 2: it orthogonalises each tp shard alone"),
+        ("--muon-scalar-optimizer lion", "error: --muon-scalar-optimizer lion is refused: dtgpt trains what Muon does not take"),
+        ("--muon-fp32-matmul-prec low", "error: --muon-fp32-matmul-prec low is refused: torch's float32 matmul precision is 'medium'"),
+        ("--fp16", "error: --optimizer muon is refused with --fp16: Megatron's Muon has no loss scaling"),
+        ("--num-experts 4", "error: --optimizer muon is refused with --num-experts 4: dtgpt stacks the experts' weights"),
+        ("--multi-latent-attention --position-embedding-type rope", "error: --optimizer muon is refused with --multi-latent-attention: Muon on multi-latent"),
+        ("--muon-coefficient-type custom", "error: --muon-coefficient-type custom is not one of: 'simple', 'quintic'"),
+        ("--muon-num-ns-steps 0", "error: --muon-num-ns-steps 0 must be >= 1"),
+        ("--muon-momentum 1.0", "error: --muon-momentum 1.0 must be in [0, 1)"),
+    ],
+    ids=["blockwise-tp2", "lion-scalar", "prec-low", "fp16", "moe", "mla", "custom-coefficients", "ns-steps", "momentum"],
+)  # fmt: skip
+def test_refused_muon_settings_are_one_error_line(capfd, args, message):
+    code = run_main(["--mock-data", "--optimizer", "muon", *args.split()], None, None)
+    err = capfd.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(message) and "Traceback" not in err, err
