@@ -126,6 +126,12 @@ class MuonWithAdamW(torch.optim.AdamW):
         self.muon, self.matrices = muon, matrices
         self.gates = {id(gate) for gate in matrices.gate_of.values()}
 
+    def __setstate__(self, state: dict) -> None:
+        # torch's Adam fixes up each parameter's `step` on load; Muon's matrices keep none
+        groups = state["param_groups"]
+        super().__setstate__({**state, "param_groups": [g for g in groups if not g.get(MUON)]})
+        self.param_groups = groups
+
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MuonWithAdamW.step takes no closure")
