@@ -81,7 +81,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_muon_steps_as_megatron_core(case):
     """Three steps with decoupled weight decay from the same start and gradients: the same
-    parameters as megatron-core's Muon (bitwise: the same operations in the same order)."""
+    parameters as megatron-core's Muon (to 1e-6; they come out bitwise equal, the same operations in the
+    same order)."""
     cfg = OptimizerConfig(optimizer="muon", **CASES[case])
     start = matrices()
     ours, theirs = train(dtgpt(cfg), start), train(megatron_core(cfg), start)
