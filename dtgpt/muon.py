@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.decoupled_lr import is_embedding_or_output
 
 MUON = "muon"
@@ -121,7 +122,7 @@ class MuonWithAdamW(torch.optim.AdamW):
     clipping, checkpoints (state keyed by parameter: Muon's `momentum_buffer`, AdamW's moments)
     and the trainer see no difference. `muon` is the [optimizer] section (its muon_* keys)."""
 
-    def __init__(self, groups: list[dict], *, muon, matrices: MuonMatrices, **adamw):
+    def __init__(self, groups: list[dict], *, muon: MuonKeys, matrices: MuonMatrices, **adamw):
         super().__init__(groups, **adamw)
         self.muon, self.matrices = muon, matrices
         self.gates = {id(gate) for gate in matrices.gate_of.values()}

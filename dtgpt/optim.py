@@ -1,5 +1,5 @@
-"""AdamW, SGD or Muon (dtgpt/muon.py) with weight-decay groups and the learning-rate schedule (the batch-size schedules are
-dtgpt/config/batch_schedule.py).
+"""AdamW, SGD or Muon (dtgpt/muon.py) with weight-decay groups and the learning-rate schedule (the
+batch-size schedules are dtgpt/config/batch_schedule.py).
 
 Every length here is counted in samples, as Megatron's OptimizerParamScheduler counts them when
 it trains by samples: an iteration-denominated key (lr_decay_iters, lr_warmup_iters, ...) is
@@ -36,8 +36,8 @@ def build_optimizer(
     """optimizer.optimizer's torch optimizer (AdamW, SGD or Muon) with up to four groups: matrices decay,
     biases and norm weights do not (`decays`); under optimizer.decoupled_lr a third holds the word
     embedding and the output layer; under muon a fourth, marked MUON, takes the matrices Megatron
-    gives Muon (`matrices`: how they make Megatron's, dtgpt.muon.muon_matrices). Each group carries Megatron's `wd_mult` (1.0 decays, 0.0 does
-    not), which says its role.
+    gives Muon (`matrices`: how they make Megatron's, dtgpt.muon.muon_matrices). Each group carries
+    Megatron's `wd_mult` (1.0 decays, 0.0 does not), which says its role.
 
     Parameters may be DTensors (FSDP2 / TP shards); the optimizers' kernels handle them as they are.
     A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
@@ -80,18 +80,11 @@ def build_optimizer(
         # foreach kernels: DTensor has no sharding rule for torch's fused SGD (torch 2.13), and
         # SGD is one multiply-add per tensor (tests/test_torch_cuda_apis.py)
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, foreach=True)
-    if cfg.uses_muon:
-        adamw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=not fused, fused=fused)
+    adamw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                 foreach=not fused, fused=fused)  # fmt: skip
+    if cfg.uses_muon:  # AdamW for every group but MUON's
         return MuonWithAdamW(groups, muon=cfg, matrices=matrices or MuonMatrices({}, {}), **adamw)
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay,
-        foreach=not fused,
-        fused=fused,
-    )
+    return torch.optim.AdamW(groups, **adamw)
 
 
 WD_MULT = "wd_mult"
