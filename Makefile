@@ -19,6 +19,9 @@ ORACLE_STAMP := $(ORACLE_VENV)/.installed
 # megatron-core 0.16.1 apart from the oracle venv, only for the batch-size ramp-up calculator that
 # 0.17 removed (tests/test_megatron_oracle_schedules.py loads that one module file from here).
 MCORE_0161 := .oracle/mcore-0.16.1
+# emerging-optimizers, the math of megatron-core's Muon (tests/muon_oracle.py): pure Python but
+# Python >= 3.12 only, so installed apart for .venv's 3.11 (tests/test_muon.py)
+EMERGING_OPTIMIZERS := .oracle/emerging-optimizers
 ORACLE_TESTS := tests/test_data_megatron_oracle.py tests/test_data_tokens_oracle.py tests/test_megatron_oracle_schedules.py \
 	tests/test_loss_scaler.py tests/test_megatron_family.py tests/test_moe.py tests/test_megatron_checkpoint.py \
 	tests/test_megatron_moe_checkpoint.py tests/test_megatron_parallel_adam.py tests/test_training_controls.py tests/test_data_tokenizer.py \
@@ -52,6 +55,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(EMERGING_OPTIMIZERS) --python-version 3.12 --only-binary=:all: emerging-optimizers==0.3.0
 	touch $(STAMP)
 
 $(ORACLE_STAMP): pyproject.toml

@@ -1,5 +1,5 @@
-"""AdamW or SGD with weight-decay groups and the learning-rate schedule (the batch-size schedules are
-dtgpt/config/batch_schedule.py).
+"""AdamW, SGD or Muon (dtgpt/muon.py) with weight-decay groups and the learning-rate schedule (the
+batch-size schedules are dtgpt/config/batch_schedule.py).
 
 Every length here is counted in samples, as Megatron's OptimizerParamScheduler counts them when
 it trains by samples: an iteration-denominated key (lr_decay_iters, lr_warmup_iters, ...) is
@@ -20,6 +20,7 @@ from dtgpt.config import Config, OptimizerConfig, get_key
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
 from dtgpt.decoupled_lr import DECOUPLED, decoupled_group, is_embedding_or_output
+from dtgpt.muon import MUON, MuonMatrices, MuonWithAdamW, is_muon_matrix, muon_matrices
 
 # ---------------------------------------------------------------------------------------------
 # AdamW
@@ -30,11 +31,13 @@ def build_optimizer(
     cfg: OptimizerConfig,
     *,
     fused: bool = False,
+    matrices: MuonMatrices | None = None,
 ) -> torch.optim.Optimizer:
-    """optimizer.optimizer's torch optimizer (AdamW or SGD) with up to three groups: matrices decay,
+    """optimizer.optimizer's torch optimizer (AdamW, SGD or Muon) with up to four groups: matrices decay,
     biases and norm weights do not (`decays`); under optimizer.decoupled_lr a third holds the word
-    embedding and the output layer. Each group carries Megatron's `wd_mult` (1.0 decays, 0.0 does
-    not), which says its role.
+    embedding and the output layer; under muon a fourth, marked MUON, takes the matrices Megatron
+    gives Muon (`matrices`: how they make Megatron's, dtgpt.muon.muon_matrices). Each group carries
+    Megatron's `wd_mult` (1.0 decays, 0.0 does not), which says its role.
 
     Parameters may be DTensors (FSDP2 / TP shards); the optimizers' kernels handle them as they are.
     A parameter seen twice (tied embedding and output weight) is kept once, by identity, so it
@@ -46,6 +49,7 @@ def build_optimizer(
     kernel per step; otherwise (and for SGD) the multi-tensor (foreach) kernels.
     """
     seen: set[int] = set()
+    muon: list[nn.Parameter] = []  # under optimizer.optimizer = "muon": its matrices (dtgpt/muon.py)
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     embedding_output: list[nn.Parameter] = []  # their own group under decoupled_lr (dtgpt/decoupled_lr.py)
@@ -53,7 +57,9 @@ def build_optimizer(
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        if cfg.decoupled_lr is not None and is_embedding_or_output(name):
+        if cfg.uses_muon and is_muon_matrix(name, param):
+            muon.append(param)
+        elif cfg.decoupled_lr is not None and is_embedding_or_output(name):
             embedding_output.append(param)
         elif decays(name, param, apply_wd_to_qk_layernorm=cfg.apply_wd_to_qk_layernorm):
             decay.append(param)
@@ -62,6 +68,7 @@ def build_optimizer(
     if not seen:
         raise ValueError("build_optimizer got no trainable parameters")
     groups = [
+        {"params": muon, "weight_decay": cfg.weight_decay, WD_MULT: 1.0, MUON: True},
         {"params": decay, "weight_decay": cfg.weight_decay, WD_MULT: 1.0},
         {"params": no_decay, "weight_decay": 0.0, WD_MULT: 0.0},
         decoupled_group(embedding_output, cfg.weight_decay) | {WD_MULT: 1.0},
@@ -73,15 +80,11 @@ def build_optimizer(
         # foreach kernels: DTensor has no sharding rule for torch's fused SGD (torch 2.13), and
         # SGD is one multiply-add per tensor (tests/test_torch_cuda_apis.py)
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, foreach=True)
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay,
-        foreach=not fused,
-        fused=fused,
-    )
+    adamw = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                 foreach=not fused, fused=fused)  # fmt: skip
+    if cfg.uses_muon:  # AdamW for every group but MUON's
+        return MuonWithAdamW(groups, muon=cfg, matrices=matrices or MuonMatrices({}, {}), **adamw)
+    return torch.optim.AdamW(groups, **adamw)
 
 
 WD_MULT = "wd_mult"
@@ -116,7 +119,7 @@ class PartOptimizers:
     """
 
     def __init__(self, parts: list[nn.Module], cfg: OptimizerConfig, *, fused: bool = False):
-        self.optimizers = [build_optimizer(p.named_parameters(), cfg, fused=fused) for p in parts]
+        self.optimizers = [build_optimizer(p.named_parameters(), cfg, fused=fused, matrices=muon_matrices(p)) for p in parts]
 
     @classmethod
     def wrap(cls, optimizers: list[torch.optim.Optimizer]) -> "PartOptimizers":

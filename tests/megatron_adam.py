@@ -13,7 +13,9 @@ losses compare):
                     each {"weight" | "param" | "exp_avg" | "exp_avg_sq": {Megatron key: stacked}}
     sgd DIR         save the model's weights, then step the optimizer built with optimizer='sgd'
                     (fp32, not distributed) SGD_STEPS times on the mock samples from consumed 56 on;
-                    DIR/sgd.pt: {"weight": {Megatron key: stacked}} after the last step
+                    DIR/sgd.pt: {"weight": {Megatron key: stacked}} after the last step; and the
+                    same with megatron-core's Muon from the same weights (tests/megatron_muon.py),
+                    DIR/muon.pt
     load-adam DIR   build the same, load DIR's checkpoint (model and optimizer),
                     DIR/loaded_adam.pt: the loaded state in the same layout; and DIR/per_rank's
                     per-rank files where there are, into its FP32Optimizer: DIR/loaded_per_rank_adam.pt
@@ -218,6 +220,9 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
         for k in range(SGD_STEPS):  # the batches a dtgpt run resuming at these consumed samples trains on
             step(ddp, optimizer, mock_batch(consumed + k * BATCH))
         torch.save(stacked_state(model, optimizer, slots=()), root / "sgd.pt")
+        from tests.megatron_muon import step_muon
+
+        step_muon(twin(), root, consumed)  # megatron-core's Muon from the same weights, on the same batches
     elif command == "adam":
         # at dp > 1 each rank holds a share of each parameter's state: only the checkpoints are written
         whole = parallel_state.get_data_parallel_world_size() == 1

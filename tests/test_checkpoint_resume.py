@@ -42,6 +42,9 @@ NO_DROPOUT = ["--model.hidden_dropout=0.0", "--model.attention_dropout=0.0"]
 DECOUPLED = ["--decoupled-lr=1e-2", "--decoupled-min-lr=1e-3"]
 DP2_TP2 = ["--parallel.tensor_model_parallel_size=2"]
 PP2 = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]
+# Megatron's --optimizer muon, its Newton-Schulz iteration in fp32: its momentum (sharded as each
+# matrix) beside AdamW's moments, saved by pp2 x cp2 and read by one process (dtgpt/muon.py)
+MUON = ["--optimizer=muon", "--muon-fp32-matmul-prec=high"]
 # the first stage holds the embeddings alone: no bias or norm, so its optimizer has no such group
 EMBEDDING_ALONE = "--pipeline-model-parallel-layout=E|t*2L"
 
@@ -105,8 +108,8 @@ def runs(request, tmp_path_factory) -> dict:
         commands += [uninterrupted(d, "four_layers", FOUR_LAYERS, 1), resume(d, "dualpipev", d / "four_layers_ckpt", FOUR_LAYERS + DUALPIPEV, 2)]
     if selected(test_pp2_cp2_checkpoint_resumes_in_one_process):
         d = directory("pp2cp2")
-        commands += [uninterrupted(d, "pp2cp2", NO_DROPOUT + PP2 + ["--parallel.context_parallel_size=2"], 4),
-                     resume(d, "pp2cp2_one", d / "pp2cp2_ckpt", NO_DROPOUT, 1)]  # fmt: skip
+        commands += [uninterrupted(d, "pp2cp2", NO_DROPOUT + MUON + PP2 + ["--parallel.context_parallel_size=2"], 4),
+                     resume(d, "pp2cp2_one", d / "pp2cp2_ckpt", NO_DROPOUT + MUON, 1)]  # fmt: skip
     finished = launch_commands(sorted(commands, key=lambda c: LAUNCH_ORDER.index(c.nproc)))
     return {c.key: (finished[c.key], c.directory) for c in commands}
 
@@ -278,7 +281,8 @@ def test_one_process_checkpoint_resumes_on_dualpipev(runs):
 
 def test_pp2_cp2_checkpoint_resumes_in_one_process(runs):
     """Saved by two stages (tied copy left out) with FSDP over the two cp ranks, read by one model
-    where the head is the embedding and the sequence is whole."""
+    where the head is the embedding and the sequence is whole; trained with Muon, whose momentum
+    (FSDP shards) is resharded beside AdamW's moments."""
     reference, _ = uninterrupted_run(runs, "pp2cp2")
     resumed, _ = resumed_run(runs, "pp2cp2_one")
     assert_close(reference, resumed, 1e-5)

@@ -83,14 +83,15 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
-OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"]}
+OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"], "muon": ["--optimizer", "muon", "--muon-nesterov"]}
 """optimizer.optimizer -> its flags: Megatron's, as a launch script spells them."""
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_save_load_restores_everything_exactly(tmp_path, optimizer):
     """Saved at iteration 3 and loaded into a fresh trainer, which then steps as the saver does:
-    weights, the optimizer's state (AdamW's moments and step, SGD's momentum), progress, RNG."""
+    weights, the optimizer's state (AdamW's moments and step, SGD's momentum, Muon's momentum
+    beside AdamW's moments), progress, RNG."""
     a = make_trainer(f"--checkpoint.save={tmp_path}", *OPTIMIZERS[optimizer])
     step(a, 3)
     ckpt = checkpointer(a)
@@ -113,7 +114,8 @@ def test_save_load_restores_everything_exactly(tmp_path, optimizer):
     assert "model.embedding.word.weight" in keys and "model.output.weight" not in keys
     assert not any(k.startswith("optimizer.param_groups") for k in keys)
     slots = {k.rsplit(".", 1)[1] for k in keys if k.startswith("optimizer.state.")}
-    assert slots == ({"momentum_buffer"} if optimizer == "sgd" else {"exp_avg", "exp_avg_sq", "step"})
+    adam, sgd = {"exp_avg", "exp_avg_sq", "step"}, {"momentum_buffer"}
+    assert slots == {"adam": adam, "sgd": sgd, "muon": adam | sgd}[optimizer]
     # both continue identically (the same dropout draws: both start from the restored state)
     step(a)
     torch.set_rng_state(rng)
@@ -305,9 +307,9 @@ def test_wrong_model_names_the_key_or_the_tensor(tmp_path, override, named, shap
         checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", override))
 
 
-@pytest.mark.parametrize("saved, resumed", [("adam", "sgd"), ("sgd", "adam")])
+@pytest.mark.parametrize("saved, resumed", [("adam", "sgd"), ("sgd", "adam"), ("muon", "adam")])
 def test_another_optimizers_state_is_one_error_or_a_fresh_start(tmp_path, saved, resumed):
-    """AdamW's moments do not resume SGD (nor the reverse): one line naming the key, both values
+    """AdamW's moments do not resume SGD (nor the reverse, nor Muon's AdamW): one line naming the key, both values
     and the way out; with checkpoint.load_optimizer=false the run starts its optimizer fresh on the
     checkpoint's weights and progress."""
     t = make_trainer(f"--checkpoint.save={tmp_path}", *OPTIMIZERS[saved])

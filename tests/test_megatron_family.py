@@ -163,6 +163,37 @@ def test_llama_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_p
     assert relative_error(ours, torch.load(out / "loaded_logits.pt", weights_only=True)) < 1e-5
 
 
+def test_dtgpt_gives_muon_the_parameters_megatron_cores_builder_gives_it(family):
+    """megatron-core's get_megatron_muon_optimizer on its GPTModel (tests/megatron_muon.py, in the
+    family launch) against dtgpt's build_optimizer on dtgpt's model of the same shape: the same
+    matrices take Muon (names mapped; SwiGLU's gate and fc1 are Megatron's one linear_fc1) and the
+    same are split as QKV."""
+    from dtgpt.checkpoint.megatron.keys import megatron_name
+    from dtgpt.config import OptimizerConfig
+    from dtgpt.model import GPT
+    from dtgpt.muon import MUON, muon_matrices
+    from dtgpt.optim import build_optimizer
+    from tests.megatron_muon import MUON_ARCHS
+
+    found = family / "muon_params.json"
+    if not found.exists():
+        pytest.skip("megatron-core's Muon builder needs emerging-optimizers (make setup) and megatron-core 0.16.1")
+    megatron = json.loads(found.read_text())
+    for arch, untied in MUON_ARCHS:
+        # "gpt": GPT-3 itself, RoPE's model with learned absolute positions
+        cfg = model_cfg(arch, untie_embeddings_and_output_weights=untied) if arch != "gpt" else model_cfg("rope", position_embedding_type="learned_absolute")
+        with torch.device("meta"):
+            model = GPT(cfg, ROWS)
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizer = build_optimizer(model.named_parameters(), OptimizerConfig(optimizer="muon"), matrices=muon_matrices(model))
+        muon = [p for g in optimizer.param_groups if g.get(MUON) for p in g["params"]]
+        ours = {megatron_name(names[id(p)], per_layer=True)[0] for p in muon}  # gate and fc1: linear_fc1
+        qkv = {megatron_name(names[id(p)], per_layer=True)[0] for p in muon if id(p) in muon_matrices(model).qkv_splits}
+        assert sorted(ours) == megatron[arch]["muon"], arch
+        assert sorted(qkv) == megatron[arch]["qkv"], arch
+    assert "embedding.position_embeddings.weight" in megatron["gpt"]["muon"]  # a matrix Megatron does not exempt
+
+
 def test_a_rope_checkpoint_saved_before_rotary_interleaved_keeps_its_convention(tmp_path):
     """dtgpt rotated interleaved pairs before model.rotary_interleaved existed (its default is
     now Megatron's halves). A checkpoint whose saved config lacks the key is read as interleaved:

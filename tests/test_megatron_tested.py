@@ -118,7 +118,7 @@ def test_the_other_functional_test_flags_are_named_in_the_one_note(tmp_path, cap
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--optimizer", "muon"], "error: --optimizer muon is refused: dtgpt builds Megatron's adam (AdamW) and sgd"),
+        (["--optimizer", "lion"], "error: --optimizer lion is refused: dtgpt builds Megatron's adam (AdamW), sgd (SGD with momentum) and muon"),
         (["--megatron-fsdp-main-params-dtype", "bf16"], "error: --megatron-fsdp-main-params-dtype bf16 is refused: "
          "it keeps master weights in bf16"),
         (["--cuda-graph-impl", "all"], "error: --cuda-graph-impl all is not one of Megatron's choices: none, local"),

@@ -14,7 +14,8 @@ and compiled under dp, and with one key/value group for two tp ranks, and a tiny
 tp+SP with a shared expert, pp with recomputation and the expert bias, and expert parallelism
 (ep2 and ep4, beside FSDP, pp, tp + SP and cp), and Megatron's --decoupled-lr (the embedding and
 output layer at their own LR) on pp2 with the tied head on the other stage and on FSDP (dp2), and
-Megatron's --optimizer sgd (momentum 0.8) on dp_shard2 x tp2.
+Megatron's --optimizer sgd (momentum 0.8) on dp_shard2 x tp2, and --optimizer muon (Nesterov) on
+the Llama-style model at dp_shard2 x tp2 + SP and at pp2.
 Every other pipeline schedule runs SHORT
 iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
@@ -92,8 +93,12 @@ DECOUPLED = ["--decoupled-lr=1e-2", "--decoupled-min-lr=1e-3"]
 # Megatron's --optimizer sgd with its momentum, as a launch script spells them (dtgpt/optim.py)
 SGD = ["--optimizer=sgd", "--sgd-momentum=0.8"]
 
+# Megatron's --optimizer muon with Nesterov, its Newton-Schulz iteration in fp32 (the default,
+# bf16, rounds the layouts' fp32 gradient differences up to bf16's): dtgpt/muon.py
+MUON = ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high"]
+
 # overrides that change the model or what it trains on: the reference gets them too
-MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum")
+MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-")
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -237,6 +242,10 @@ LAYOUTS = {
     "decoupled_lr_dp_shard2": (2, [*DECOUPLED, DP_SHARD2]),
     # SGD's momentum buffers as DTensor shards of FSDP2 over tp
     "sgd_dp_shard2_tp2": (4, [*SGD, DP_SHARD2, "--parallel.tensor_model_parallel_size=2"]),
+    # Muon on the Llama-style model: each matrix's update gathered whole (FSDP2 and TP shards, the
+    # QKV split per query group, SwiGLU's gate and fc1 as one), orthogonalised, its shard kept
+    "muon_llama_dp_shard2_tp2_sp": (4, [*MUON, *LLAMA, DP_SHARD2, *TP2_SP]),
+    "muon_llama_pp2_1f1b": (2, [*MUON, *LLAMA, PP2, "--parallel.pipeline_schedule=1F1B"]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
@@ -283,6 +292,8 @@ def runs(request, tmp_path_factory) -> dict:
         variants |= {(), tuple(DECOUPLED)}
     if selected_cases(request, test_sgd_changes_what_is_trained):
         variants |= {(), tuple(SGD)}
+    if selected_cases(request, test_muon_changes_what_is_trained):
+        variants |= {tuple(LLAMA), tuple(MUON + LLAMA)}
     for model_args in sorted(variants):
         batch.append(Run(reference_key(list(model_args)), tmp_path_factory.mktemp("single"), RUN + list(model_args), save_interval=SHORT))
     if selected_cases(request, test_debug_3d_config_matches_single_process):
@@ -319,6 +330,14 @@ def test_sgd_changes_what_is_trained(runs):
     with SGD take the same first iteration (at the warmup's LR 0) and part after it."""
     adam, sgd = reference(runs, []), reference(runs, SGD)
     assert sgd["loss"][0] == adam["loss"][0] and sgd["loss"][-1] != pytest.approx(adam["loss"][-1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_muon_changes_what_is_trained(runs):
+    """--optimizer muon reaches the optimizer through train.py: the one-process runs of the
+    Llama-style model with AdamW and with Muon start alike and part after the first step."""
+    adam, muon = reference(runs, LLAMA), reference(runs, MUON + LLAMA)
+    assert muon["loss"][0] == adam["loss"][0] and muon["loss"][-1] != pytest.approx(adam["loss"][-1], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -276,6 +276,17 @@ def test_sgd_state_is_its_momentum():
     assert [r.memory["adam"] * pm.GIB for r in (adam, sgd, plain)] == pytest.approx([8 * adam.local_params, 4 * adam.local_params, 0])
 
 
+def test_muon_state_is_one_momentum_for_its_matrices_and_adams_for_the_rest():
+    """--optimizer muon: 4 bytes per element of a matrix Muon steps (every 2-D weight but the word
+    embedding and the head: 12 h^2 per block and the position embedding), 8 for the rest."""
+    base = ["--data.mock_data=true", "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4"]
+    cfg = load_config(None, base)
+    adam, muon = (plan_layout(load_config(None, base + extra), 2).ranks[0] for extra in ([], ["--optimizer", "muon"]))
+    matrices = (2 * 12 * 32 * 32 + cfg.model.seq_length * 32) // 2  # positions: seq_length rows; FSDP: half on each rank
+    assert muon.local_params == adam.local_params > 2 * matrices
+    assert muon.memory["adam"] * pm.GIB == pytest.approx(4 * matrices + 8 * (adam.local_params - matrices))
+
+
 @pytest.mark.slow
 def test_planner_counts_match_a_real_cpu_run(tmp_path):
     """The oracle: 8 ranks build the real model (tests/plan_real_counts.py) on CPU."""

@@ -7,6 +7,8 @@ its decoupled LR, gradients clipped to norm 1). dtgpt loads that checkpoint with
 flags `--optimizer sgd --sgd-momentum 0.8` and trains the same three batches: every weight equals
 megatron-core's. The parity of a parallel layout with one process is tests/test_parity.py's
 sgd_dp_shard2_tp2; the save and resume of the momentum, tests/test_checkpoint_unit.py.
+The same launch steps megatron-core's Muon (--optimizer muon) from the same weights: dtgpt's
+Muon trains the same three batches to the same weights (the Muon tests: tests/test_muon.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dtgpt.checkpoint import Checkpointer
 from dtgpt.checkpoint.megatron.keys import megatron_name
 from dtgpt.config import load_config
 from dtgpt.faults.injection import build_faults
+from dtgpt.muon import MUON, MuonWithAdamW
 from tests.megatron_adam import BATCH, SGD_MOMENTUM, SGD_STEPS, mock_batch
 from tests.megatron_gpt import CONSUMED, VOCAB
 from tests.megatron_oracle import run_megatron_gpt
@@ -52,22 +55,50 @@ def update_errors(before: dict, ours: dict, theirs: dict) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.slow
-def test_megatron_sgd_steps_like_megatron_core(tmp_path, capsys):
-    run_megatron_gpt("sgd", tmp_path, 1)
-    theirs = torch.load(tmp_path / "sgd.pt", weights_only=True)["weight"]
-    cfg = load_config(None, [*ADAM_RUN, *SGD_FLAGS, f"--checkpoint.load={tmp_path}"])
-    assert (cfg.optimizer.optimizer, cfg.optimizer.sgd_momentum) == ("sgd", SGD_MOMENTUM)
+@pytest.fixture(scope="module")
+def megatron_steps(tmp_path_factory):
+    """megatron-core's checkpoint, and its weights after three SGD steps (sgd.pt) and after three
+    Muon steps from the same weights (muon.pt, where emerging-optimizers is installed): one launch."""
+    root = tmp_path_factory.mktemp("megatron_sgd")
+    run_megatron_gpt("sgd", root, 1)
+    return root
+
+
+def steps_like_megatron_core(root, flags: list[str], capsys):
+    """dtgpt loads megatron-core's checkpoint with `flags` and trains the three batches it stepped
+    on; returns the optimizer and the update errors (update_errors) against megatron-core's."""
+    theirs = torch.load(root / f"{flags[1]}.pt", weights_only=True)["weight"]
+    cfg = load_config(None, [*ADAM_RUN, *flags, f"--checkpoint.load={root}"])
     runtime = init_distributed(cfg)
     state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
     Checkpointer(state, cfg, runtime, build_faults(cfg.faults, runtime.rank, runtime.restart_count))
     assert state.progress.consumed_samples == CONSUMED
-    assert "optimizer state not read: optimizer.optimizer='sgd'" in capsys.readouterr().out
+    assert f"optimizer state not read: optimizer.optimizer='{flags[1]}'" in capsys.readouterr().out
     before = stacked_weights(state.model)
     for k in range(SGD_STEPS):
         train_step(cfg, state, mock_batch(CONSUMED + k * BATCH))
-    assert type(state.optimizer.optimizers[0]) is torch.optim.SGD
-    errors = update_errors(before, stacked_weights(state.model), theirs)
+    return state.optimizer.optimizers[0], update_errors(before, stacked_weights(state.model), theirs)
+
+
+@pytest.mark.slow
+def test_megatron_sgd_steps_like_megatron_core(megatron_steps, capsys):
+    optimizer, errors = steps_like_megatron_core(megatron_steps, SGD_FLAGS, capsys)
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["momentum"] == SGD_MOMENTUM
+    assert max(errors.values()) <= 1e-4, errors
+
+
+MUON_FLAGS = ["--optimizer", "muon", "--muon-nesterov", "--muon-fp32-matmul-prec", "high"]  # tests/megatron_muon.py MUON
+
+
+@pytest.mark.slow
+def test_megatron_muon_steps_like_megatron_cores_muon_builder(megatron_steps, capsys):
+    """The same with Megatron's --optimizer muon: megatron-core's get_megatron_muon_optimizer (Muon
+    for its matrices, the position embedding among them; Adam for the rest, the word embedding at
+    its decoupled LR) and dtgpt's, three steps from the same weights: every weight equal."""
+    if not (megatron_steps / "muon.pt").exists():
+        pytest.skip("megatron-core's Muon needs emerging-optimizers (make setup) and megatron-core 0.16.1")
+    optimizer, errors = steps_like_megatron_core(megatron_steps, MUON_FLAGS, capsys)
+    assert isinstance(optimizer, MuonWithAdamW) and any(g.get(MUON) for g in optimizer.param_groups)
     assert max(errors.values()) <= 1e-4, errors
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from dtgpt.config.muon_keys import MUON_OPTIMIZERS
 
 
 def flat_keys(section: str, d: dict) -> dict[str, object]:
@@ -77,23 +78,23 @@ def stored_items(request: dict, sections, metadata: Metadata) -> dict:
 
 
 OPTIMIZER_SLOTS = {"exp_avg": "adam", "exp_avg_sq": "adam", "momentum_buffer": "sgd"}
-"""The state each optimizer.optimizer keeps per parameter (its `step` aside), by name."""
+"""The state each optimizer.optimizer keeps per parameter (its `step` aside), by name. Muon keeps
+both kinds: a momentum_buffer for its matrices, AdamW's moments for the rest (dtgpt/muon.py)."""
 
 
 def stored_optimizer(metadata: Metadata) -> str | None:
-    """The optimizer whose state a checkpoint holds ('adam' or 'sgd'); None when it holds none."""
-    for key in metadata.state_dict_metadata:
-        if key.startswith("optimizer.state."):
-            if (kind := OPTIMIZER_SLOTS.get(key.rsplit(".", 1)[1])) is not None:
-                return kind
-    return None
+    """The optimizer whose state a checkpoint holds ('adam', 'sgd' or 'muon'); None when it holds none."""
+    kinds = {OPTIMIZER_SLOTS.get(key.rsplit(".", 1)[1]) for key in metadata.state_dict_metadata if key.startswith("optimizer.state.")}
+    kinds.discard(None)
+    return "muon" if len(kinds) > 1 else next(iter(kinds), None)
 
 
 def optimizer_problem(request: dict[str, object], metadata: Metadata, optimizer: str) -> str | None:
     """The first problem of loading the optimizer state `request` (the optimizer section, flat),
     as one line: the state of another optimizer than `optimizer` (optimizer.optimizer: AdamW's
-    moments are no SGD momentum, nor the reverse), or a requested tensor missing or reshaped."""
+    moments are no SGD momentum, Muon's are both, none resumes another), or a requested tensor missing or reshaped."""
     stored = stored_optimizer(metadata)
+    optimizer = "muon" if optimizer in MUON_OPTIMIZERS else optimizer  # dist_muon is muon
     if stored is None or stored == optimizer:
         return shape_problem(flat_keys("optimizer", request), metadata, "optimizer")
     return (

@@ -23,6 +23,7 @@ from dtgpt.config.megatron_flags import CONFLICT_WORDS, translate
 from dtgpt.config.megatron_launch import apply_megatron_launch_rules
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
 from dtgpt.config.moe_keys import MoEKeys
+from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.config.pipeline_split import apply_virtual_stages
 from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_outputs import apply_logs_follow_checkpoint
@@ -265,7 +266,7 @@ def _toml_value(value: Any) -> str:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML; unset optional keys appear as comments."""
     lines = []
-    later = {f.name for keys in (MoEKeys, PipelineSplitKeys, TokenizerKeys) for f in dataclasses.fields(keys)}
+    later = {f.name for keys in (MoEKeys, MuonKeys, PipelineSplitKeys, TokenizerKeys) for f in dataclasses.fields(keys)}
     for section_field in dataclasses.fields(cfg):
         section = getattr(cfg, section_field.name)
         if section_field.name == "faults":

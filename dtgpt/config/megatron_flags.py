@@ -43,6 +43,7 @@ RENAMED = {
     "num-distributed-optimizer-instances": ("parallel.data_parallel_replicate_size", None),  # Megatron's HSDP replicas
     "recompute-activations": ("training.recompute_granularity", "selective"),
     "tiktoken-special-tokens": ("data.tokenizer_special_tokens", None),  # Megatron's older name of the flag
+    "muon-use-nesterov": ("optimizer.muon_nesterov", True),  # core 0.16's name of --muon-nesterov
 }
 """flag -> (dtgpt key, the value a flag without a value sets (a bool or a string); None: the flag takes values)."""
 

@@ -232,4 +232,5 @@ NEWER_FLAGS = """
     step-batch-size-schedule
     megatron-fsdp-main-grads-dtype
     megatron-fsdp-grad-comm-dtype
+    muon-nesterov! muon-coefficient-type muon-scalar-optimizer
 """

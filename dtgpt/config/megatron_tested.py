@@ -4,7 +4,7 @@
 Those accepted with a note choose Megatron's checkpoint writers, CUDA graphs, kernel fusions,
 overlap schedules, activation offloading, rank placement, process groups, consistency checks or
 logging extras: none changes the model, the data or the arithmetic dtgpt trains with. Where one of
-their values would (an optimizer other than Adam or SGD, Megatron-FSDP master weights in bf16), or where a
+their values would (an optimizer other than Adam, SGD or Muon, Megatron-FSDP master weights in bf16), or where a
 flag asks for what dtgpt does not build (MuP, rerun error injection), it is refused with one line
 saying why. The notes are the "Megatron's functional tests" section of docs/megatron_flags.md.
 """
@@ -17,7 +17,7 @@ from dtgpt.config.sections import Config, ConfigError
 TESTED_SCRIPTS = [
     "The training flags of Megatron-LM's functional tests (the GPT, MoE and Mixtral",
     "`tests/functional_tests/test_cases/*/model_config.yaml`) run too; tests/test_megatron_tested.py passes a few",
-    "of their flag sets through `--dry-run`. Their inference, RL, fp8/fp4, Muon, FIM and linear-attention flags",
+    "of their flag sets through `--dry-run`. Their inference, RL, fp8/fp4, FIM and linear-attention flags",
     "stay refused, as do `--use-mup` (maximal update parametrisation) and a positive `--error-injection-rate`",
     "(faults injected into Megatron's reruns). Flags mapped or built for them:",
     "",
@@ -27,8 +27,11 @@ TESTED_SCRIPTS = [
     "- `--num-distributed-optimizer-instances N`: `parallel.data_parallel_replicate_size = N`: Megatron shards the",
     "  optimizer within each of N data-parallel groups and replicates it across them, as dtgpt's dp_replicate does.",
     "- `--optimizer sgd --sgd-momentum M`: `optimizer.optimizer = \"sgd\"`, `optimizer.sgd_momentum = M`: torch's SGD",
-    "  as megatron-core builds it, on the same groups, schedule and clipping as Adam (docs/schedules.md); muon,",
-    "  dist_muon, lion, soap and adaptive_muon stay refused.",
+    "  as megatron-core builds it, on the same groups, schedule and clipping as Adam (docs/schedules.md).",
+    "- `--optimizer muon` (or `dist_muon`, or with `--use-distributed-optimizer`) and the `--muon-*` flags:",
+    "  `optimizer.optimizer = \"muon\"` and the `optimizer.muon_*` keys: megatron-core's Muon for its matrices, AdamW",
+    "  for the rest, each matrix orthogonalised whole on every layout (docs/schedules.md); lion, soap and",
+    "  adaptive_muon stay refused.",
     "- `--save-retain-interval R`: `checkpoint.save_retain_interval`: after each save the previous checkpoint is",
     "  deleted unless its iteration is a multiple of R; the newest always stays (docs/checkpoints.md).",
     "- `--check-weight-hash-across-dp-replicas-interval N`: every N iterations the dp_replicate replicas compare a",
@@ -57,6 +60,8 @@ NOTED = {
     "apply-query-key-layer-scaling": "Megatron divides the attention scores by the layer number before its fp16 "
     "softmax and multiplies them back inside it (and keeps that softmax in fp32), so the probabilities are the "
     "same up to rounding; dtgpt computes every softmax in fp32 from unscaled scores",
+    "muon-use-syrk": "computes Muon's Gram matrices with a Triton SYRK kernel on some CUDA GPUs (Megatron falls back "
+    "to a matmul elsewhere): the same products; dtgpt uses torch's matmul",
     "use-tp-pp-dp-mapping": "orders ranks tp, pp, dp instead of tp, cp, dp, pp: only which GPU holds which shard "
     "changes; dtgpt's mesh is always pp, dp_replicate, dp_shard, cp, tp (outer to inner)",
     "rerun-mode": "every choice is accepted: Megatron's validate_results re-runs an iteration whose loss is "
@@ -119,7 +124,7 @@ NOTED = {
 NEWER = """
     megatron-fsdp-main-params-dtype cuda-graph-modules* eval-global-batch-size async-ckpt-use-cpu-shm!
     verify-integrity! async-strategy use-transformer-engine-op-fuser!
-    use-mup! mup-base-hidden-size
+    use-mup! mup-base-hidden-size muon-use-syrk!
 """
 """Flags newer than megatron-core 0.16.1 among these, in megatron_names' notation."""
 
@@ -139,7 +144,7 @@ CHOICES = {
     "timing-log-option": dict.fromkeys(("max", "minmax", "all")),
     "outer-dp-sharding-strategy": dict.fromkeys(("no_shard", "optim")),
     "megatron-fsdp-main-params-dtype": {"fp32": None, "bf16": REFUSED, "fp16": REFUSED, "auto": REFUSED},
-    "optimizer": {"adam": None, "sgd": None, **dict.fromkeys(("muon", "dist_muon", "lion", "soap", "adaptive_muon"), REFUSED)},
+    "optimizer": {**dict.fromkeys(("adam", "sgd", "muon", "dist_muon")), **dict.fromkeys(("lion", "soap", "adaptive_muon"), REFUSED)},
     "async-strategy": dict.fromkeys(("nvrx", "mcore")),
     "error-injection-type": dict.fromkeys(("correct_result", "transient_error", "persistent_error")),
     "ckpt-format": dict.fromkeys(("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")),
@@ -163,8 +168,8 @@ WHY_REFUSED = {
     "in fp32, or in bf16 under --bf16; give fp32 or bf16 (fp16 runs: --accumulate-allreduce-grads-in-fp32 chooses)",
     "megatron-fsdp-main-params-dtype": "it keeps master weights in {value} (auto: the parameters' dtype), and dtgpt "
     "keeps them in fp32 (Megatron's mixed-precision regime); drop the flag or give fp32",
-    "optimizer": "dtgpt builds Megatron's adam (AdamW) and sgd (SGD with momentum), not {value}; drop the flag "
-    "or give adam or sgd",
+    "optimizer": "dtgpt builds Megatron's adam (AdamW), sgd (SGD with momentum) and muon (dist_muon), not {value}; "
+    "drop the flag or give adam, sgd or muon",
     "error-injection-rate": "it injects mismatches into the reruns of Megatron's rerun state machine, which dtgpt "
     "does not have (it never reruns an iteration); dtgpt's fault drills are the [faults] keys (docs/faults.md); "
     "drop the flag or give 0",

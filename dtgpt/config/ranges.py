@@ -20,7 +20,7 @@ SAMPLES_LIMIT = 2**48
 SEED_LIMIT = 2**32 - 1
 """numpy's generators (the data order) take seeds below 2**32."""
 
-_UNIT_OPEN = ("optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.sgd_momentum", "model.hidden_dropout", "model.attention_dropout")
+_UNIT_OPEN = ("optimizer.adam_beta1", "optimizer.adam_beta2", "optimizer.sgd_momentum", "optimizer.muon_momentum", "model.hidden_dropout", "model.attention_dropout")
 """Keys in [0, 1)."""
 _POSITIVE_FLOAT = ("optimizer.adam_eps", "model.norm_epsilon", "optimizer.initial_loss_scale", "optimizer.min_loss_scale")
 

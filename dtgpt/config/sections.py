@@ -11,6 +11,7 @@ from typing import Optional
 from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.mtp_keys import MTPKeys
+from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 from dtgpt.config.tokenizer_keys import TokenizerKeys
@@ -185,7 +186,7 @@ class TrainingConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(MuonKeys):
     lr: float = 3e-4
     min_lr: float = 0.0
     decoupled_lr: Optional[float] = None
@@ -214,8 +215,8 @@ class OptimizerConfig:
     """On resume, take lr, min_lr, warmup, decay length and style from the checkpoint. With
     neither key, they must agree with the checkpoint's (as Megatron asserts)."""
     optimizer: str = "adam"
-    """Megatron's --optimizer: 'adam' (torch AdamW, decoupled weight decay) or 'sgd' (torch SGD
-    with momentum sgd_momentum, weight decay added to the gradient): dtgpt.optim.build_optimizer."""
+    """Megatron's --optimizer: 'adam' (torch AdamW), 'sgd' (torch SGD with sgd_momentum, weight decay
+    added to the gradient) or 'muon' / 'dist_muon' (the muon_* keys): dtgpt.optim.build_optimizer."""
     sgd_momentum: float = 0.9
     """Momentum of 'sgd' (Megatron's --sgd-momentum); 0 keeps no momentum buffer."""
     weight_decay: float = 0.01

@@ -21,6 +21,7 @@ from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
 from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
+from dtgpt.config.muon_rules import MUON_OPTIMIZERS, check_muon
 from dtgpt.config.output_paths import check_output_paths
 from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
@@ -41,7 +42,7 @@ _CHOICES = {
     "training.recompute_method": (None, "uniform", "block"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.nan_policy": ("skip", "stop"),
-    "optimizer.optimizer": ("adam", "sgd"),
+    "optimizer.optimizer": ("adam", "sgd", *MUON_OPTIMIZERS),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
     "optimizer.lr_wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
     "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
@@ -338,6 +339,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_learning_rate(cfg)
     check_decoupled_lr(cfg)
     check_apply_wd_to_qk_layernorm(cfg)
+    check_muon(cfg)
     _check_data(cfg)
     _check_checkpoint_logging_faults(cfg)
 

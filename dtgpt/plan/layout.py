@@ -167,7 +167,7 @@ def plan_layout(
             grad_bytes=4 if grads_reduced_in_fp32(cfg) else compute_bytes, fsdp=dims.fsdp_enabled,
             pipelined=dims.pp_enabled, reshard_after_forward=reshard, accumulates=micro > 1,
             compute_copy=uses_compute_copy(cfg, dims),
-            state_per_param=pm.optimizer_bytes(cfg.optimizer.optimizer, cfg.optimizer.sgd_momentum),
+            state_per_param=pm.optimizer_bytes(cfg.optimizer.optimizer, cfg.optimizer.sgd_momentum, b.local_muon / max(b.local, 1)),
         )  # fmt: skip
         in_flight = max(pm.chunks_in_flight(p.pipeline_schedule, dims.pp, pp_rank, len(b.stage_ids), n) for n in counts)
         chunk, working = _activation_bytes(b, shape, m)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtgpt.config import MULTI_STAGE_SCHEDULES, interleaved_round_size
+from dtgpt.config.muon_keys import MUON_OPTIMIZERS
 
 GIB = 2**30
 SECONDS_PER_DAY = 86400.0
@@ -69,15 +70,18 @@ class StateBytes:
     """Compute copies: FSDP's gathered parameters, in the compute dtype."""
     grads: float
     adam: float
-    """The optimizer's state (the term keeps its name when optimizer.optimizer = "sgd"):
+    """The optimizer's state (the term keeps its name when optimizer.optimizer = "sgd" or "muon"):
     optimizer_bytes per parameter it holds."""
 
 
-def optimizer_bytes(optimizer: str, sgd_momentum: float) -> int:
+def optimizer_bytes(optimizer: str, sgd_momentum: float, muon_share: float = 0.0) -> float:
     """fp32 optimizer-state bytes per parameter: Adam's m and v, SGD's momentum buffer (none
-    without momentum)."""
+    without momentum); under Muon, one momentum buffer for the `muon_share` of the parameters
+    that are its matrices and AdamW's m and v for the rest."""
     if optimizer == "sgd":
         return 4 if sgd_momentum else 0
+    if optimizer in MUON_OPTIMIZERS:
+        return 4 * muon_share + 8 * (1 - muon_share)
     return 8
 
 
@@ -93,7 +97,7 @@ def state_bytes(
     reshard_after_forward: bool,
     accumulates: bool = False,
     compute_copy: bool = False,
-    state_per_param: int = 8,
+    state_per_param: float = 8,
 ) -> StateBytes:
     """Bytes of parameters, compute copies, gradients and Adam m, v on one rank.
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dtgpt.config import Config
 from dtgpt.model import GPT
+from dtgpt.muon import is_muon_matrix
 from dtgpt.parallel import ParallelDims, build_meta_parts
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import block_recompute, largest_recompute_group, recompute_group_sizes
@@ -84,11 +85,18 @@ class BuiltRank:
     recompute_groups: int
     """Recomputed groups: each keeps its input."""
     local: int
+    local_muon: int
+    """Of `local`, the elements of the matrices Muon steps (under optimizer.optimizer = "muon")."""
     gathered: int
     largest_unit: int
     stage_params: int
     first: bool
     last: bool
+
+
+def _muon_matrices(parts) -> list:
+    """The parameters Muon would step (dtgpt.muon.is_muon_matrix), each once."""
+    return list({id(p): p for part in parts for name, p in part.named_parameters() if is_muon_matrix(name, p)}.values())
 
 
 def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names: list[str]) -> BuiltRank:
@@ -111,6 +119,7 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
             recompute_group=max(largest_recompute_group(part) for part in parts),
             recompute_groups=sum(len(recompute_group_sizes(part)) for part in parts),
             local=sum(_local_numel(p) for p in params),
+            local_muon=sum(_local_numel(p) for p in _muon_matrices(parts)),
             gathered=sum(_numel_gathered_over_dp(p) for p in params),
             largest_unit=max((sum(_numel_gathered_over_dp(p) for p in _unique_params(u)) for u in units), default=0),
             stage_params=sum(p.numel() for p in params),

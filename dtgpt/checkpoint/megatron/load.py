@@ -27,9 +27,9 @@ The per-rank format's state (each file's optimizer state by parameter index, or 
 optimizer's distrib_optim.pt) is read under the same `optimizer.state.<slot>.<model key>` names
 (per_rank_optim.py).
 
-Under optimizer.optimizer = "sgd" no optimizer state is read (the weights, counts, LR schedule and
-loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts its momentum
-fresh, with a note in the log.
+Under optimizer.optimizer = "sgd" or "muon" no optimizer state is read (the weights, counts, LR
+schedule and loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts
+its momentum fresh, a Muon run its momentum and AdamW moments, with a note in the log.
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
             buckets, unmapped = reader.bucket_layout()
             if buckets is None and unmapped:
                 why = f"its distributed optimizer state is in the dp_reshardable layout, but {unmapped}"
-        notes.append(f"optimizer state not read: {why}; fresh {'AdamW moments' if adam else 'SGD momentum'}")
+        fresh = "AdamW moments" if adam else ("Muon momentum and AdamW moments" if cfg.optimizer.uses_muon else "SGD momentum")
+        notes.append(f"optimizer state not read: {why}; fresh {fresh}")
     if not (stateful or counts):
         return notes
     found = progress_of(reader.common)
