@@ -28,7 +28,7 @@ from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, stored_alias
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, full_model_shapes, is_buffer, stored_alias
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX
@@ -278,9 +278,12 @@ with its optimizer, LR schedule and loss: Megatron-LM's default, the mean of mic
 MTP term divides each depth's token losses by that depth's own token count (T - 1 a sequence at
 depth 1); dtgpt's default per-token loss divides them by the LM loss's (T), 3% less gradient here."""
 ADAM_ON = {"adam_one": (1, [], "megatron_adam"), "adam_pp2": (*TRAINED_ON["pp2"], "megatron_adam"),
-           "adam_tp2": (*TRAINED_ON["tp2"], "megatron_adam"), "adam_chained": (1, [], "megatron_adam_chained")}  # fmt: skip
+           "adam_tp2": (*TRAINED_ON["tp2"], "megatron_adam"), "adam_chained": (1, [], "megatron_adam_chained"),
+           "adam_dp_reshardable": (1, [], "megatron_adam_dp_reshardable")}  # fmt: skip
 """run: (ranks, mesh, the checkpoint it resumes from); megatron_adam_chained: the chained
-optimizers' tensors under the prefixes megatron-core gave them before chained_optim_avoid_prefix."""
+optimizers' tensors under the prefixes megatron-core gave them before chained_optim_avoid_prefix;
+megatron_adam_dp_reshardable: the same state in Megatron-LM's default layout (flat buckets)."""
+BUCKETS_READ = "optimizer state read from the distributed optimizer's dp_reshardable buckets (local layer order, SequentialMLP experts)"
 
 
 def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,12 +379,14 @@ def test_megatron_mla_moe_mtp_adam_state_loads_and_steps_on_as_megatron_core(mla
     """megatron-core's distributed optimizer (dense and expert optimizers chained, dp 2 x ep 2)
     saves the MLA + MoE + MTP model with its Adam state, then takes its next step; train.py
     resumed from the saved checkpoint (one process; tp 2 + SP; pp 2, the MTP block and its copy of the
-    embedding on the last stage; one process from the chained_<i>.-prefixed save) takes the same
+    embedding on the last stage; one process from the chained_<i>.-prefixed save, and from the
+    dp_reshardable buckets of Megatron-LM's default layout) takes the same
     step: its LR from the checkpoint's schedule, the same LM loss, MTP loss and gradient norm, and
     after it the same weights, master weights, Adam moments and expert biases, tensor by tensor
     (to-megatron puts dtgpt's in megatron-core's keys)."""
     output = mla_on_dtgpt_meshes[name].checked()
     assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in output
+    assert (BUCKETS_READ in output) == (name == "adam_dp_reshardable")
     saved = mla_root / ADAM_ON[name][2]
     assert f"loaded Megatron checkpoint {saved}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
     directory = mla_on_dtgpt_meshes["directories"][name]
@@ -401,3 +406,26 @@ def test_megatron_mla_moe_mtp_adam_state_loads_and_steps_on_as_megatron_core(mla
     for key, value in theirs.items():
         error = ((ours[key] - value).norm() / value.norm()).item()
         assert error <= 1e-5, (key, error)
+
+
+@pytest.mark.slow
+def test_megatron_mla_moe_mtp_dp_reshardable_adam_state_reads_as_its_model_space_save(mla_root):
+    """Megatron-LM's default layout (dp_reshardable, without --dist-ckpt-optim-fully-reshardable)
+    of the MLA + MoE + MTP model's Adam state, saved at dp 2 x ep 2 with its grad buffers cut into
+    buckets: every tensor and every slot (master weights, both moments) reads bit for bit as
+    megatron-core's model-space save of the same state (the local spec's MLA layer order; the
+    MTP block between the decoder's final norm and the head; the experts of the decoder's MoE
+    layers and of the MTP block from each expert-parallel rank's own buffers, chained_1)."""
+    shapes = full_model_shapes(model_cfg(), ROWS)
+    buckets, gathered = (MegatronReader(find(mla_root / saved)) for saved in ("megatron_adam_dp_reshardable", "megatron_adam"))
+    for reader in (buckets, gathered):
+        reader.check(shapes, list(shapes))
+    found, spec = buckets.bucket_layout()
+    assert (spec, found.experts) == ("local", "SequentialMLP")
+    stored = {key.split(".bucket_idx_")[0] for key in buckets.shapes if key.endswith(".param") and ".distributed." in key}
+    assert len(stored) == 3 and sum(key.endswith(".param") and ".distributed." in key for key in buckets.shapes) > 2 * len(stored)  # bucketed
+    mtp_experts = found.pieces[("mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight", None)]
+    assert {piece.prefix.split(".gbuf")[0] for piece in mtp_experts} == {f"chained_1.optimizer.distributed.dp_group_idx_{m}" for m in range(2)}
+    for name, shape in shapes.items():
+        for slot in (None, "param", "exp_avg", "exp_avg_sq") if not is_buffer(name) else (None,):
+            assert torch.equal(buckets.tensor(name, shape, slot), gathered.tensor(name, shape, slot)), (name, slot)
