@@ -28,7 +28,8 @@ master weights equal the model weights (agrees, on a bounded set of small tensor
 bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets
 each rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's
 routed experts sit in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1:
-expert_buckets.py.
+expert_buckets.py. A DeepSeek-style model's blocks (its layers kept apart under their own keys,
+its MTP depths between the final norm and the head): bucket_blocks.py.
 """
 
 from __future__ import annotations
@@ -384,6 +385,6 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
             checks = bucket_checks(pieces, checked_layers) + expert_checks(pieces, checked_layers, {0, experts - 1}) if pieces else []
             if pieces and agrees(directory, dtypes, checks, chunks):
                 return BucketLayout(pieces, module if experts else ""), spec
-    what = "GPT or MoE GPT, local or Transformer Engine spec, SequentialMLP or TEGroupedMLP experts" if experts else "dense GPT, local or Transformer Engine spec"
-    what = f"{what}, multi-head or multi-latent attention, MTP depths"
+    what = ("GPT or MoE GPT, local or Transformer Engine spec, SequentialMLP or TEGroupedMLP experts" if experts else
+            "dense GPT, local or Transformer Engine spec") + ", multi-head or multi-latent attention, MTP depths"  # fmt: skip
     return None, f"its buckets do not match megatron-core's parameter order for this model ({what})"
