@@ -15,7 +15,10 @@ rows (make_vocab_size_divisible_by 32). It:
 - steps once more, as Megatron-LM's train_step does (forward-backward, finalize_model_grads with
   its expert-bias update, optimizer step, scheduler step), on the global batch a dtgpt run resumed
   at 56 consumed samples trains on first, and saves that under ROOT/megatron_adam_stepped
-  (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm.
+  (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm;
+- the first step again with the grad buffers cut into buckets, saved in Megatron-LM's default
+  layout (dp_reshardable) under ROOT/megatron_adam_dp_reshardable (save_bucketed); and at tp 2
+  one synthetic step saved in both layouts (save_tp2).
 
 Only the second step is compared, so the first may take any LR: the scheduler stands at 40 samples.
 CPU patches: tests/megatron_adam.py's, and the experts drawn by their global index (every rank
@@ -147,6 +150,30 @@ def save_bucketed(directory: Path, state: dict) -> None:
     save(ddp, optimizer, scheduler, directory, state, sharding="dp_reshardable")
 
 
+def save_tp2(root: Path, state: dict) -> None:
+    """At tp 2 (dp 1, ep 1: the experts in the dense buffer, split over expert tp 2 as the dense
+    MLP's; each expert tp rank's shard drawn apart): one synthetic step (tests/megatron_adam.py),
+    saved in model space under ROOT/megatron_adam_tp2 and dp_reshardable under
+    ROOT/megatron_adam_tp2/dp_reshardable: the same state in both layouts."""
+    from megatron.core import parallel_state
+
+    from tests.megatron_adam import synthetic_step
+
+    parallel_state.initialize_model_parallel(2, 1)
+    model = build(2, 1234, te_names=False)
+    shard = parallel_state.get_expert_tensor_parallel_rank()
+    for block, module in enumerate(m for m in model.modules() if type(m).__name__ == "SequentialMLP"):
+        for expert, mlp in enumerate(module.local_experts):  # each block's, expert's and shard's own draw
+            draw = torch.Generator().manual_seed(100 + expert + 10 * block + 1000 * shard)
+            for param in mlp.parameters():
+                param.data.copy_(0.02 * torch.randn(param.shape, generator=draw))
+    ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
+    synthetic_step(model, ddp, optimizer)
+    for sharding, directory in (("fully_reshardable", root / "megatron_adam_tp2"), ("dp_reshardable", root / "megatron_adam_tp2" / "dp_reshardable")):
+        save(ddp, optimizer, scheduler, directory / f"iter_{ITERATION:07d}", state, sharding=sharding)
+    parallel_state.destroy_model_parallel()
+
+
 def adam_oracle(root: Path, state: dict) -> None:
     """The module doc's two steps and two saves, on the launch's ranks (tp 1, ep = world size)."""
     from megatron.core import parallel_state
@@ -172,4 +199,4 @@ def adam_oracle(root: Path, state: dict) -> None:
         torch.save(step, root / "adam_step.pt")
     dist.barrier()
     parallel_state.destroy_model_parallel()
-
+    save_tp2(root, state)

@@ -33,12 +33,13 @@ class Block(NamedTuple):
 
 
 def generic(key: str) -> str:
-    """A block's key under the stacked decoder name (`decoder.layers.<name>`), which the split
-    tables (buckets.TP_DIM, ...) know; any other key unchanged."""
+    """A block's key under the stacked decoder name (`decoder.layers.<name>`) and an MTP depth's
+    own under `mtp.layers.<name>`, which the split tables (buckets.TP_DIM, ...) know; any other key unchanged."""
     if (found := PER_LAYER.match(key)) is not None:
         return "decoder.layers." + key[found.end():]
-    if (found := MTP_DEPTH.match(key)) is not None and key[found.end():].startswith(MTP_BLOCK):
-        return "decoder.layers." + key[found.end() + len(MTP_BLOCK):]
+    if (found := MTP_DEPTH.match(key)) is not None:
+        rest = key[found.end():]
+        return "decoder.layers." + rest.removeprefix(MTP_BLOCK) if rest.startswith(MTP_BLOCK) else "mtp.layers." + rest
     return key
 
 
@@ -77,4 +78,4 @@ def in_checked_block(key: str, layer: int | None, checked_layers: set[int]) -> b
         return layer in checked_layers
     if (found := PER_LAYER.match(key)) is not None:
         return int(found[1]) in checked_layers
-    return True if generic(key) != key else None
+    return True if key.startswith("mtp.") and generic(key).startswith("decoder.layers.") else None

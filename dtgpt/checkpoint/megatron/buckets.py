@@ -103,6 +103,11 @@ TP_DIM = {
     "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
     "decoder.layers.mlp.shared_experts.linear_fc1.weight": 0, "decoder.layers.mlp.shared_experts.linear_fc1.bias": 0,
     "decoder.layers.mlp.shared_experts.linear_fc2.weight": 1,  # an MoE layer's shared expert, split as the dense MLP
+    # multi-latent attention's projections are column-parallel (the down-projections under the local spec;
+    # Transformer Engine's keeps them whole: not mapped at tp > 1), as is an MTP depth's eh_proj
+    "decoder.layers.self_attention.linear_q_proj.weight": 0, "decoder.layers.self_attention.linear_q_down_proj.weight": 0,
+    "decoder.layers.self_attention.linear_q_up_proj.weight": 0, "decoder.layers.self_attention.linear_kv_down_proj.weight": 0,
+    "decoder.layers.self_attention.linear_kv_up_proj.weight": 0, "mtp.layers.eh_proj.weight": 0,
 }  # fmt: skip
 """The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
 QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
@@ -364,9 +369,9 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
-    mla = any(generic(k).removeprefix("decoder.layers.") in MLA_KEYS for k in model_keys)
-    if mla and parallel.tp > 1:  # the down-projections are column-parallel under the local spec, whole under TE's
-        return None, f"its multi-latent attention was saved at tp {parallel.tp}, whose buckets dtgpt maps at tp 1 only"
+    fused = any(generic(k).removeprefix("decoder.layers.") in _MLA_TE and k.endswith("layer_norm_weight") for k in model_keys)
+    if fused and parallel.tp > 1:  # Transformer Engine's spec keeps the down-projections whole: not measured
+        return None, f"its multi-latent attention was saved under Transformer Engine's names at tp {parallel.tp}, whose buckets dtgpt maps at tp 1 only"
     if mtp_depths(model_keys) and pp > 1:  # the last stage's own embedding copy for the MTP block: not measured
         return None, f"its multi-token prediction block was saved at pp {pp}, whose buckets dtgpt maps at pp 1 only"
     if experts and parallel.etp not in (1, parallel.tp):
