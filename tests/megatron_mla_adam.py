@@ -18,7 +18,7 @@ rows (make_vocab_size_divisible_by 32). It:
   (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm;
 - the first step again with the grad buffers cut into buckets, saved in Megatron-LM's default
   layout (dp_reshardable) under ROOT/megatron_adam_dp_reshardable (save_bucketed); and at tp 2
-  one synthetic step saved in both layouts (save_tp2).
+  and at pp 2 one synthetic step each, saved in both layouts (save_tp2_pp2).
 
 Only the second step is compared, so the first may take any LR: the scheduler stands at 40 samples.
 CPU patches: tests/megatron_adam.py's, and the experts drawn by their global index (every rank
@@ -150,28 +150,33 @@ def save_bucketed(directory: Path, state: dict) -> None:
     save(ddp, optimizer, scheduler, directory, state, sharding="dp_reshardable")
 
 
-def save_tp2(root: Path, state: dict) -> None:
+def save_tp2_pp2(root: Path, state: dict) -> None:
     """At tp 2 (dp 1, ep 1: the experts in the dense buffer, split over expert tp 2 as the dense
-    MLP's; each expert tp rank's shard drawn apart): one synthetic step (tests/megatron_adam.py),
-    saved in model space under ROOT/megatron_adam_tp2 and dp_reshardable under
-    ROOT/megatron_adam_tp2/dp_reshardable: the same state in both layouts."""
+    MLP's; each expert tp rank's shard drawn apart) and at pp 2 (the dense layer first, Megatron's
+    decoder_first_pipeline_num_layers=1; the MTP block and its own copy of the word embedding on
+    the last stage): one synthetic step (tests/megatron_adam.py) each, saved in model space under
+    ROOT/megatron_adam_tp2 (_pp2) and dp_reshardable under ROOT/megatron_adam_tp2/dp_reshardable
+    (_pp2/...): the same state in both layouts."""
     from megatron.core import parallel_state
 
     from tests.megatron_adam import synthetic_step
 
-    parallel_state.initialize_model_parallel(2, 1)
-    model = build(2, 1234, te_names=False)
-    shard = parallel_state.get_expert_tensor_parallel_rank()
-    for block, module in enumerate(m for m in model.modules() if type(m).__name__ == "SequentialMLP"):
-        for expert, mlp in enumerate(module.local_experts):  # each block's, expert's and shard's own draw
-            draw = torch.Generator().manual_seed(100 + expert + 10 * block + 1000 * shard)
-            for param in mlp.parameters():
-                param.data.copy_(0.02 * torch.randn(param.shape, generator=draw))
-    ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
-    synthetic_step(model, ddp, optimizer)
-    for sharding, directory in (("fully_reshardable", root / "megatron_adam_tp2"), ("dp_reshardable", root / "megatron_adam_tp2" / "dp_reshardable")):
-        save(ddp, optimizer, scheduler, directory / f"iter_{ITERATION:07d}", state, sharding=sharding)
-    parallel_state.destroy_model_parallel()
+    for name, tp, pp in (("megatron_adam_tp2", 2, 1), ("megatron_adam_pp2", 1, 2)):
+        parallel_state.initialize_model_parallel(tp, pp)
+        model = build(tp, 1234, te_names=False, pp=pp, vocab=ROWS)
+        shard, stage = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        for block, module in enumerate(m for m in model.modules() if type(m).__name__ == "SequentialMLP"):
+            for expert, mlp in enumerate(module.local_experts):  # each block's, expert's and shard's own draw
+                draw = torch.Generator().manual_seed(100 + expert + 10 * block + 1000 * shard + 10_000 * stage)
+                for param in mlp.parameters():
+                    param.data.copy_(0.02 * torch.randn(param.shape, generator=draw))
+        ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
+        synthetic_step(model, ddp, optimizer)
+        args = dict(vars(state["args"]), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=1,
+                    padded_vocab_size=ROWS, make_vocab_size_divisible_by=DIVISIBLE_BY, use_distributed_optimizer=True)  # fmt: skip
+        for sharding, directory in (("fully_reshardable", root / name), ("dp_reshardable", root / name / "dp_reshardable")):
+            save(ddp, optimizer, scheduler, directory / f"iter_{ITERATION:07d}", {**state, "args": argparse.Namespace(**args)}, sharding=sharding)
+        parallel_state.destroy_model_parallel()
 
 
 def adam_oracle(root: Path, state: dict) -> None:
@@ -199,4 +204,4 @@ def adam_oracle(root: Path, state: dict) -> None:
         torch.save(step, root / "adam_step.pt")
     dist.barrier()
     parallel_state.destroy_model_parallel()
-    save_tp2(root, state)
+    save_tp2_pp2(root, state)

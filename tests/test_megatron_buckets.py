@@ -85,13 +85,13 @@ def test_layouts_it_does_not_map_say_why():
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
-    # Transformer Engine's multi-latent attention at tp 2 (its down-projections whole, not measured); an MTP block at pp 2
+    # Transformer Engine's multi-latent attention at tp 2 (its down-projections whole, not measured); an MTP block at pp 2, tied
     mla = {"decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight": (16,)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **mla}, {}, list(mla), Parallel(2))
     assert layout is None and why == "its multi-latent attention was saved under Transformer Engine's names at tp 2, whose buckets dtgpt maps at tp 1 only"
     mtp = {"mtp.layers.0.eh_proj.weight": (16, 32)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **mtp}, {}, list(mtp), Parallel(1, (1, 1)))
-    assert layout is None and why == "its multi-token prediction block was saved at pp 2, whose buckets dtgpt maps at pp 1 only"
+    assert layout is None and why == "its multi-token prediction block was saved at pp 2 with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
 
 
 def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():

@@ -95,6 +95,7 @@ FINAL_NORM = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
 AFTER = (*FINAL_NORM, "output_layer.weight")  # the MTP depths between the final norm and the head (bucket_blocks.py)
 BUFFERS = ("decoder.layers.mlp.router.expert_bias",)  # saved with the model, outside the optimizer (by generic key)
 TIED_HEAD = "output_layer.weight"  # at pp > 1 the last stage's copy of a tied embedding: never read
+MTP_EMBEDDING_COPY = "mtp embedding copy"  # at pp > 1 the last stage's word embedding for its MTP block: never read
 
 TP_DIM = {
     "embedding.word_embeddings.weight": 0, "output_layer.weight": 0,  # vocabulary-parallel rows
@@ -202,6 +203,8 @@ def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     last = stage == (len(parallel.stage_layers) or 1) - 1
     whole = lambda keys: [((k, None, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
     order = whole(BEFORE) if stage == 0 else []
+    if last and stage > 0 and mtp_depths(model_keys):  # the MTP block's own copy of the word embedding, first in module order
+        order.append(((MTP_EMBEDDING_COPY, None, None), local_shape(BEFORE[0], shapes[BEFORE[0]], parallel.tp)))
     for layer in stage_layers(shapes, model_keys, stage, parallel):
         order += block_order(shapes, model_keys, layer_order, decoder_block(model_keys, layer), parallel.tp, experts)
     if last:
@@ -281,7 +284,7 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
         for (key, layer, expert), (prefix, start) in places.items():
             split_dim = TP_DIM.get(generic(key)) if expert is None else EXPERT_TP_DIM.get(generic(key)) if parallel.etp > 1 else None
             if key not in model_keys or (rank > 0 and split_dim is None):
-                continue  # a tied head's copy; a tp replica
+                continue  # a tied head's or the MTP block's copy; a tp replica
             shape = shapes[key] if layer is None else shapes[key][1:]
             if expert is None:
                 found = shard_pieces(split_dim, shape, prefix, start, parallel.tp, rank, 1 + (key in gated))
@@ -372,8 +375,8 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     fused = any(generic(k).removeprefix("decoder.layers.") in _MLA_TE and k.endswith("layer_norm_weight") for k in model_keys)
     if fused and parallel.tp > 1:  # Transformer Engine's spec keeps the down-projections whole: not measured
         return None, f"its multi-latent attention was saved under Transformer Engine's names at tp {parallel.tp}, whose buckets dtgpt maps at tp 1 only"
-    if mtp_depths(model_keys) and pp > 1:  # the last stage's own embedding copy for the MTP block: not measured
-        return None, f"its multi-token prediction block was saved at pp {pp}, whose buckets dtgpt maps at pp 1 only"
+    if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # the last stage's head and copies: not measured
+        return None, f"its multi-token prediction block was saved at pp {pp} with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
     if experts and parallel.etp not in (1, parallel.tp):
         return None, f"its experts are split over expert_tensor_parallel_size={parallel.etp} ranks at tp {parallel.tp}, which dtgpt does not map (only 1 or tp)"
     expert_stored = stored.get(1)
