@@ -15,7 +15,10 @@ rows (make_vocab_size_divisible_by 32). It:
 - steps once more, as Megatron-LM's train_step does (forward-backward, finalize_model_grads with
   its expert-bias update, optimizer step, scheduler step), on the global batch a dtgpt run resumed
   at 56 consumed samples trains on first, and saves that under ROOT/megatron_adam_stepped
-  (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm.
+  (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm;
+- the first step again with the grad buffers cut into buckets, saved in Megatron-LM's default
+  layout (dp_reshardable) under ROOT/megatron_adam_dp_reshardable (save_bucketed); and at tp 2
+  and at pp 2 one synthetic step each, saved in both layouts (save_tp2_pp2).
 
 Only the second step is compared, so the first may take any LR: the scheduler stands at 40 samples.
 CPU patches: tests/megatron_adam.py's, and the experts drawn by their global index (every rank
@@ -39,6 +42,9 @@ SCHEDULE = dict(min_lr=1e-4, lr_decay_style="cosine", lr_warmup_iters=2, lr_deca
 """The LR schedule both sides run (dtgpt: the same [optimizer] keys; 8 samples an iteration), so
 Megatron's next step takes its LR from the checkpoint's scheduler at 48 samples: cosine decay."""
 GLOBAL_BATCH = 8
+BUCKET_SIZE = 30_000
+"""Elements per grad bucket (--ddp-bucket-size) of the dp_reshardable save: several buckets in the
+dense buffer (115k elements) and in each rank's expert buffer (3 blocks x 4 experts x 6144)."""
 
 
 def draw_experts(model, seed: int) -> None:
@@ -58,10 +64,10 @@ def draw_experts(model, seed: int) -> None:
                 getattr(expert, name).weight.data.copy_(full[rank * local + i])
 
 
-def build_optimizer_and_scheduler(model):
+def build_optimizer_and_scheduler(model, bucket_size: int | None = None):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    ddp, optimizer = build_optimizer(model, min_lr=SCHEDULE["min_lr"])
+    ddp, optimizer = build_optimizer(model, min_lr=SCHEDULE["min_lr"], bucket_size=bucket_size)
     samples = {k: SCHEDULE[f"lr_{k}_iters"] * GLOBAL_BATCH for k in ("warmup", "decay")}
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=ADAM["lr"], min_lr=SCHEDULE["min_lr"],
                                         lr_warmup_steps=samples["warmup"], lr_decay_steps=samples["decay"],
@@ -98,13 +104,14 @@ def train_step(ddp, optimizer, scheduler, batch: torch.Tensor) -> torch.Tensor:
     return torch.cat([losses, torch.tensor([float(grad_norm)])])
 
 
-def save(ddp, optimizer, scheduler, directory: Path, state: dict, avoid_prefix: bool = True) -> None:
+def save(ddp, optimizer, scheduler, directory: Path, state: dict, avoid_prefix: bool = True, sharding: str = "fully_reshardable") -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     # Megatron-LM's content metadata (checkpointing._build_sharded_state_dict_metadata) with
     # --dist-ckpt-optim-fully-reshardable: model-space optimizer tensors, chained ones unprefixed
-    # (avoid_prefix False: chained_<i>.optimizer.state.*, as before Megatron-LM set it)
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False,
+    # (avoid_prefix False: chained_<i>.optimizer.state.*, as before Megatron-LM set it); without
+    # that flag (sharding dp_reshardable, its default) the flat buckets of each grad buffer
+    metadata = {"distrib_optim_sharding_type": sharding, "distrib_optim_fully_reshardable_mem_efficient": False,
                 "singleton_local_shards": False, "chained_optim_avoid_prefix": avoid_prefix,
                 "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}  # fmt: skip
     if dist.get_rank() == 0:
@@ -118,6 +125,60 @@ def save(ddp, optimizer, scheduler, directory: Path, state: dict, avoid_prefix: 
         (directory.parent / "latest_checkpointed_iteration.txt").write_text(str(state["iteration"]))
 
 
+def first_step(ddp, optimizer, scheduler) -> None:
+    """The iteration that ends at the checkpoint, unclipped: the gradient norm's sum order
+    depends on the bucket cuts, so a clipped step of a bucketed buffer would differ from the
+    one-bucket buffer's in the last bit; unclipped, the two states are equal bit for bit."""
+    scheduler.num_steps = LR_SAMPLES - GLOBAL_BATCH
+    scheduler.step(increment=0)
+    for one in optimizer.chained_optimizers:
+        one.config.clip_grad = 0.0
+    train_step(ddp, optimizer, scheduler, mock_batch(0))
+    for one in optimizer.chained_optimizers:
+        one.config.clip_grad = ADAM["clip_grad"]
+
+
+def save_bucketed(directory: Path, state: dict) -> None:
+    """The same first step of the same model, its grad buffers cut into BUCKET_SIZE buckets, saved
+    in Megatron-LM's default layout (dp_reshardable) under `directory`: the one-bucket
+    optimizer's state bit for bit (first_step)."""
+    model = build(1, 1234, te_names=False, vocab=ROWS, ep=dist.get_world_size())
+    draw_experts(model, 5)
+    ddp, optimizer, scheduler = build_optimizer_and_scheduler(model, bucket_size=BUCKET_SIZE)
+    first_step(ddp, optimizer, scheduler)
+    assert len(ddp.buffers[0].buckets) > 1 and len(ddp.expert_parallel_buffers[0].buckets) > 1
+    save(ddp, optimizer, scheduler, directory, state, sharding="dp_reshardable")
+
+
+def save_tp2_pp2(root: Path, state: dict) -> None:
+    """At tp 2 (dp 1, ep 1: the experts in the dense buffer, split over expert tp 2 as the dense
+    MLP's; each expert tp rank's shard drawn apart) and at pp 2 (the dense layer first, Megatron's
+    decoder_first_pipeline_num_layers=1; the MTP block and its own copy of the word embedding on
+    the last stage): one synthetic step (tests/megatron_adam.py) each, saved in model space under
+    ROOT/megatron_adam_tp2 (_pp2) and dp_reshardable under ROOT/megatron_adam_tp2/dp_reshardable
+    (_pp2/...): the same state in both layouts."""
+    from megatron.core import parallel_state
+
+    from tests.megatron_adam import synthetic_step
+
+    for name, tp, pp in (("megatron_adam_tp2", 2, 1), ("megatron_adam_pp2", 1, 2)):
+        parallel_state.initialize_model_parallel(tp, pp)
+        model = build(tp, 1234, te_names=False, pp=pp, vocab=ROWS)
+        shard, stage = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        for block, module in enumerate(m for m in model.modules() if type(m).__name__ == "SequentialMLP"):
+            for expert, mlp in enumerate(module.local_experts):  # each block's, expert's and shard's own draw
+                draw = torch.Generator().manual_seed(100 + expert + 10 * block + 1000 * shard + 10_000 * stage)
+                for param in mlp.parameters():
+                    param.data.copy_(0.02 * torch.randn(param.shape, generator=draw))
+        ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
+        synthetic_step(model, ddp, optimizer)
+        args = dict(vars(state["args"]), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=1,
+                    padded_vocab_size=ROWS, make_vocab_size_divisible_by=DIVISIBLE_BY, use_distributed_optimizer=True)  # fmt: skip
+        for sharding, directory in (("fully_reshardable", root / name), ("dp_reshardable", root / name / "dp_reshardable")):
+            save(ddp, optimizer, scheduler, directory / f"iter_{ITERATION:07d}", {**state, "args": argparse.Namespace(**args)}, sharding=sharding)
+        parallel_state.destroy_model_parallel()
+
+
 def adam_oracle(root: Path, state: dict) -> None:
     """The module doc's two steps and two saves, on the launch's ranks (tp 1, ep = world size)."""
     from megatron.core import parallel_state
@@ -128,13 +189,13 @@ def adam_oracle(root: Path, state: dict) -> None:
     model = build(1, 1234, te_names=False, vocab=ROWS, ep=ep)
     draw_experts(model, 5)
     ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
-    scheduler.num_steps = LR_SAMPLES - GLOBAL_BATCH
-    scheduler.step(increment=0)
-    train_step(ddp, optimizer, scheduler, mock_batch(0))
+    first_step(ddp, optimizer, scheduler)
     args = dict(vars(state["args"]), expert_model_parallel_size=ep, tensor_model_parallel_size=1, padded_vocab_size=ROWS,
                 make_vocab_size_divisible_by=DIVISIBLE_BY, use_distributed_optimizer=True)  # fmt: skip
+    saved = {**state, "args": argparse.Namespace(**args)}
     for name, avoid_prefix in (("megatron_adam", True), ("megatron_adam_chained", False)):
-        save(ddp, optimizer, scheduler, root / name / f"iter_{ITERATION:07d}", {**state, "args": argparse.Namespace(**args)}, avoid_prefix)
+        save(ddp, optimizer, scheduler, root / name / f"iter_{ITERATION:07d}", saved, avoid_prefix)
+    save_bucketed(root / "megatron_adam_dp_reshardable" / f"iter_{ITERATION:07d}", saved)
     step = train_step(ddp, optimizer, scheduler, mock_batch(CONSUMED))
     args["consumed_train_samples"] = CONSUMED + GLOBAL_BATCH
     stepped = {**state, "iteration": ITERATION + 1, "args": argparse.Namespace(**args)}
@@ -143,4 +204,4 @@ def adam_oracle(root: Path, state: dict) -> None:
         torch.save(step, root / "adam_step.pt")
     dist.barrier()
     parallel_state.destroy_model_parallel()
-
+    save_tp2_pp2(root, state)

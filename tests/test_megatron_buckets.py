@@ -85,6 +85,13 @@ def test_layouts_it_does_not_map_say_why():
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
+    # Transformer Engine's multi-latent attention at tp 2 (its down-projections whole, not measured); an MTP block at pp 2, tied
+    mla = {"decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight": (16,)}
+    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **mla}, {}, list(mla), Parallel(2))
+    assert layout is None and why == "its multi-latent attention was saved under Transformer Engine's names at tp 2, whose buckets dtgpt maps at tp 1 only"
+    mtp = {"mtp.layers.0.eh_proj.weight": (16, 32)}
+    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **mtp}, {}, list(mtp), Parallel(1, (1, 1)))
+    assert layout is None and why == "its multi-token prediction block was saved at pp 2 with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
 
 
 def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
@@ -275,6 +282,7 @@ def moe_gpt(layers: int, experts: int, hidden: int = 16) -> dict[str, tuple[int,
 def saved_moe_buckets(shapes: dict, ep: int, module: str = "SequentialMLP") -> dict[str, tuple[int, ...]]:
     """The param buckets megatron-core saves at tp 1, pp 1 and `ep` > 1 (one bucket a buffer): the
     dense one (chained_0) and each expert-parallel rank's experts' (chained_1)."""
+    from dtgpt.checkpoint.megatron.bucket_blocks import Block
     from dtgpt.checkpoint.megatron.expert_buckets import expert_entries, rank_split
 
     def length(order) -> int:
@@ -287,7 +295,7 @@ def saved_moe_buckets(shapes: dict, ep: int, module: str = "SequentialMLP") -> d
     stored = {f"chained_0.{BUCKET.format(0, 0, 0)}.param": (length(stage_order(shapes, list(shapes), LAYER_ORDERS["local"], 0, Parallel())),)}
     for rank in range(ep):
         split = rank_split(rank, ep, experts, module)[1]
-        order = [entry for layer in range(shapes["decoder.layers.mlp.router.weight"][0]) for entry in expert_entries(shapes, list(shapes), layer, split)]
+        order = [entry for layer in range(shapes["decoder.layers.mlp.router.weight"][0]) for entry in expert_entries(shapes, list(shapes), Block("decoder.layers.", layer), split)]
         stored[f"chained_1.{BUCKET.format(rank, 0, 0)}.param"] = (length(order),)
     return stored
 

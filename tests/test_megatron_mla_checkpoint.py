@@ -28,7 +28,7 @@ from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, stored_alias
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, full_model_shapes, is_buffer, stored_alias
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import ModelConfig
 from dtgpt.data.batch import IGNORE_INDEX
@@ -278,9 +278,12 @@ with its optimizer, LR schedule and loss: Megatron-LM's default, the mean of mic
 MTP term divides each depth's token losses by that depth's own token count (T - 1 a sequence at
 depth 1); dtgpt's default per-token loss divides them by the LM loss's (T), 3% less gradient here."""
 ADAM_ON = {"adam_one": (1, [], "megatron_adam"), "adam_pp2": (*TRAINED_ON["pp2"], "megatron_adam"),
-           "adam_tp2": (*TRAINED_ON["tp2"], "megatron_adam"), "adam_chained": (1, [], "megatron_adam_chained")}  # fmt: skip
+           "adam_tp2": (*TRAINED_ON["tp2"], "megatron_adam"), "adam_chained": (1, [], "megatron_adam_chained"),
+           "adam_dp_reshardable": (1, [], "megatron_adam_dp_reshardable")}  # fmt: skip
 """run: (ranks, mesh, the checkpoint it resumes from); megatron_adam_chained: the chained
-optimizers' tensors under the prefixes megatron-core gave them before chained_optim_avoid_prefix."""
+optimizers' tensors under the prefixes megatron-core gave them before chained_optim_avoid_prefix;
+megatron_adam_dp_reshardable: the same state in Megatron-LM's default layout (flat buckets)."""
+BUCKETS_READ = "optimizer state read from the distributed optimizer's dp_reshardable buckets (local layer order, SequentialMLP experts)"
 
 
 def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,18 +379,20 @@ def test_megatron_mla_moe_mtp_adam_state_loads_and_steps_on_as_megatron_core(mla
     """megatron-core's distributed optimizer (dense and expert optimizers chained, dp 2 x ep 2)
     saves the MLA + MoE + MTP model with its Adam state, then takes its next step; train.py
     resumed from the saved checkpoint (one process; tp 2 + SP; pp 2, the MTP block and its copy of the
-    embedding on the last stage; one process from the chained_<i>.-prefixed save) takes the same
+    embedding on the last stage; one process from the chained_<i>.-prefixed save, and from the
+    dp_reshardable buckets of Megatron-LM's default layout) takes the same
     step: its LR from the checkpoint's schedule, the same LM loss, MTP loss and gradient norm, and
     after it the same weights, master weights, Adam moments and expert biases, tensor by tensor
     (to-megatron puts dtgpt's in megatron-core's keys)."""
     output = mla_on_dtgpt_meshes[name].checked()
     assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in output
+    assert (BUCKETS_READ in output) == (name == "adam_dp_reshardable")
     saved = mla_root / ADAM_ON[name][2]
     assert f"loaded Megatron checkpoint {saved}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
     directory = mla_on_dtgpt_meshes["directories"][name]
     run = read_run(directory, name)
     assert run["iteration"] == [ITERATION + 1] and run["consumed_samples"] == [CONSUMED + 8]
-    groups = MegatronReader(find(saved)).common["optimizer"][0]["optimizer"]["param_groups"]
+    groups = MegatronReader(find(mla_root / "megatron_adam")).common["optimizer"][0]["optimizer"]["param_groups"]  # every save's
     assert run["lr"][0] == pytest.approx(groups[0]["lr"], rel=1e-12)  # cosine decay at 48 samples: 5.5e-4
     loss, mtp_loss, grad_norm = torch.load(mla_root / "adam_step.pt", weights_only=True).tolist()
     assert run["loss"][0] == pytest.approx(loss, rel=1e-6) and run["mtp_1 loss"][0] == pytest.approx(mtp_loss, rel=1e-6)
@@ -401,3 +406,42 @@ def test_megatron_mla_moe_mtp_adam_state_loads_and_steps_on_as_megatron_core(mla
     for key, value in theirs.items():
         error = ((ours[key] - value).norm() / value.norm()).item()
         assert error <= 1e-5, (key, error)
+
+
+BUCKETED = {"ep2": ("megatron_adam_dp_reshardable", "megatron_adam", 4 + 3 + 3, ("chained_1.optimizer.distributed.dp_group_idx_0",
+                                                                                   "chained_1.optimizer.distributed.dp_group_idx_1")),
+            "tp2": ("megatron_adam_tp2/dp_reshardable", "megatron_adam_tp2", 2, ("optimizer.distributed.dp_group_idx_0",
+                                                                                 "optimizer.distributed.dp_group_idx_1")),
+            "pp2": ("megatron_adam_pp2/dp_reshardable", "megatron_adam_pp2", 4, ("optimizer.distributed.dp_group_idx_1",))}  # fmt: skip
+"""(dp_reshardable save, model-space save of the same state, buckets of its grad buffers, those
+that hold the MTP block's experts) by layout (tests/megatron_mla_adam.py): dp 2 x ep 2 (the dense
+buffer and each expert-parallel rank's, cut into buckets); tp 2 (dp 1, ep 1: the experts in each
+tp rank's one bucket, split over expert tp 2); pp 2 (the embedding in a bucket of its own on the
+first stage, and on the last its copy for the MTP block, never read)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout_name", list(BUCKETED))
+def test_megatron_mla_moe_mtp_dp_reshardable_adam_state_reads_as_its_model_space_save(mla_root, layout_name):
+    """Megatron-LM's default layout (dp_reshardable, without --dist-ckpt-optim-fully-reshardable)
+    of the MLA + MoE + MTP model's Adam state: every tensor and every slot (master weights, both
+    moments) reads bit for bit as megatron-core's model-space save of the same state (the local
+    spec's MLA layer order; the MTP block between the decoder's final norm and the head; at ep 2
+    the experts of the decoder's MoE layers and of the MTP block from each expert-parallel rank's
+    own buffers, chained_1; at tp 2 each rank's shards of MLA's projections, rows, and eh_proj's;
+    at pp 2 the MTP block's embedding copy on the last stage left unread)."""
+    saved, model_space, bucket_count, mtp_buffers = BUCKETED[layout_name]
+    shapes = full_model_shapes(model_cfg(), ROWS)
+    buckets, gathered = (MegatronReader(find(mla_root / name)) for name in (saved, model_space))
+    for reader in (buckets, gathered):
+        reader.check(shapes, list(shapes))
+    found, spec = buckets.bucket_layout()
+    assert (spec, found.experts) == ("local", "SequentialMLP")
+    assert sum(key.endswith(".param") and ".distributed." in key for key in buckets.shapes) == bucket_count
+    mtp_experts = found.pieces[("mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight", None)]
+    assert {piece.prefix.split(".gbuf")[0] for piece in mtp_experts} == set(mtp_buffers)
+    for slot in (None, "param", "exp_avg", "exp_avg_sq"):  # one read of every tensor a slot
+        wanted = {name: (name, slot, (0,) * len(shape), shape) for name, shape in shapes.items() if slot is None or not is_buffer(name)}
+        ours, theirs = buckets.regions(wanted), gathered.regions(wanted)
+        for name in wanted:
+            assert torch.equal(ours[name], theirs[name]), (name, slot)

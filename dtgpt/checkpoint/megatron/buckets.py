@@ -28,7 +28,8 @@ master weights equal the model weights (agrees, on a bounded set of small tensor
 bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets
 each rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's
 routed experts sit in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1:
-expert_buckets.py.
+expert_buckets.py. A DeepSeek-style model's blocks (its layers kept apart under their own keys,
+its MTP depths between the final norm and the head): bucket_blocks.py.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from typing import NamedTuple
 
 import torch
 
+from dtgpt.checkpoint.megatron.bucket_blocks import (
+    MTP_AFTER, MTP_BEFORE, MTP_BLOCK, Block, decoder_block, decoder_layers, generic, in_checked_block, is_mtp_own, mtp_block, mtp_depths,
+)  # fmt: skip
 from dtgpt.checkpoint.megatron.expert_buckets import (
     EXPERT_ORDERS, EXPERT_TP_DIM, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
 )  # fmt: skip
@@ -54,10 +58,22 @@ def aligned(position: int) -> int:
 
 _ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
 _INPUT_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
+_MLA_INPUT_NORM = ("input_layernorm.weight", "input_layernorm.bias")  # a module of its own before MLA, under either spec
+_MLA_LOCAL = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
+              "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight")  # fmt: skip
+_MLA_TE = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+           "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.layer_norm_bias",
+           "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
+           "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.layer_norm_bias",
+           "self_attention.linear_kv_up_proj.weight")  # fmt: skip
+"""Multi-latent attention's projections after linear_proj (q_proj with no q_lora_rank, else q down
+and up), by spec: the local spec's compressed-vector norms are modules after them (in _REST),
+Transformer Engine's fused into the up-projections (each norm registered before its weight)."""
 _REST = (
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias",  # MLA's, local spec
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",  # an MoE layer's, under the Transformer Engine spec
     "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
@@ -67,14 +83,19 @@ _REST = (
     "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.bias",
 )  # fmt: skip
 LAYER_ORDERS = {
-    "local": (*_INPUT_NORM, *_ATTENTION, *_REST),
-    "transformer_engine": (*_ATTENTION, *_INPUT_NORM, *_REST),
+    "local": (*_INPUT_NORM, *_MLA_INPUT_NORM, *_ATTENTION, *_MLA_LOCAL, *_REST),
+    "transformer_engine": (*_MLA_INPUT_NORM, *_ATTENTION, *_INPUT_NORM, *_MLA_TE, *_REST),
 }
-"""A GPT layer's parameters in megatron-core's module order, by layer spec."""
+"""A GPT layer's parameters in megatron-core's module order, by layer spec, with multi-head or
+multi-latent attention (MLA's local order measured on megatron-core 0.16.1; a layer holds one
+attention's keys, the others are absent)."""
+MLA_KEYS = frozenset(_MLA_INPUT_NORM + _MLA_LOCAL + _MLA_TE + ("self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias"))
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
-AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
-BUFFERS = ("decoder.layers.mlp.router.expert_bias",)  # saved with the model, outside the optimizer
+FINAL_NORM = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
+AFTER = (*FINAL_NORM, "output_layer.weight")  # the MTP depths between the final norm and the head (bucket_blocks.py)
+BUFFERS = ("decoder.layers.mlp.router.expert_bias",)  # saved with the model, outside the optimizer (by generic key)
 TIED_HEAD = "output_layer.weight"  # at pp > 1 the last stage's copy of a tied embedding: never read
+MTP_EMBEDDING_COPY = "mtp embedding copy"  # at pp > 1 the last stage's word embedding for its MTP block: never read
 
 TP_DIM = {
     "embedding.word_embeddings.weight": 0, "output_layer.weight": 0,  # vocabulary-parallel rows
@@ -83,6 +104,11 @@ TP_DIM = {
     "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
     "decoder.layers.mlp.shared_experts.linear_fc1.weight": 0, "decoder.layers.mlp.shared_experts.linear_fc1.bias": 0,
     "decoder.layers.mlp.shared_experts.linear_fc2.weight": 1,  # an MoE layer's shared expert, split as the dense MLP
+    # multi-latent attention's projections are column-parallel (the down-projections under the local spec;
+    # Transformer Engine's keeps them whole: not mapped at tp > 1), as is an MTP depth's eh_proj
+    "decoder.layers.self_attention.linear_q_proj.weight": 0, "decoder.layers.self_attention.linear_q_down_proj.weight": 0,
+    "decoder.layers.self_attention.linear_q_up_proj.weight": 0, "decoder.layers.self_attention.linear_kv_down_proj.weight": 0,
+    "decoder.layers.self_attention.linear_kv_up_proj.weight": 0, "mtp.layers.eh_proj.weight": 0,
 }  # fmt: skip
 """The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
 QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
@@ -92,8 +118,9 @@ SWIGLU_FC1 = {f"decoder.layers.mlp.{mlp}linear_fc1": f"decoder.layers.mlp.{mlp}l
 
 
 def swiglu_keys(shapes: dict) -> set[str]:
-    """The linear_fc1 weights and biases of `shapes` whose rows are [gate; up] (SWIGLU_FC1)."""
-    gated = [fc1 for fc1, fc2 in SWIGLU_FC1.items() if fc2 in shapes and shapes.get(f"{fc1}.weight", (0, 0))[-2] == 2 * shapes[fc2][-1]]
+    """The linear_fc1 weights and biases of `shapes` whose rows are [gate; up] (SWIGLU_FC1), of any block."""
+    fc1s = [key.removesuffix(".weight") for key in shapes if generic(key).removesuffix(".weight") in SWIGLU_FC1]
+    gated = [fc1 for fc1 in fc1s if shapes[f"{fc1}.weight"][-2] == 2 * shapes.get(fc1.removesuffix("fc1") + "fc2.weight", (0,))[-1]]
     return {f"{fc1}.{kind}" for fc1 in gated for kind in ("weight", "bias")}
 
 Param = tuple[str, int | None]  # (Megatron key, layer or None)
@@ -132,15 +159,36 @@ class BucketLayout:
 
 def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """A parameter's shape on one tp rank (one layer's `shape` for a layer's)."""
-    dim = TP_DIM.get(key)
+    dim = TP_DIM.get(generic(key))
     return shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
 
 
 def stage_layers(shapes: dict, model_keys: list[str], stage: int, parallel: Parallel) -> range:
     """The decoder layers (numbered globally) of pipeline stage `stage`."""
-    layer_keys = [k for k in model_keys if k.startswith("decoder.layers.")]
-    counts = parallel.stage_layers or ((shapes[layer_keys[0]][0] if layer_keys else 0),)
+    counts = parallel.stage_layers or (decoder_layers(shapes, model_keys),)
     return range(sum(counts[:stage]), sum(counts[: stage + 1]))
+
+
+def stage_blocks(shapes: dict, model_keys: list[str], stage: int, parallel: Parallel) -> list[Block]:
+    """The transformer blocks of pipeline stage `stage` in module order: its decoder layers, and on
+    the last stage each MTP depth's block (after the final norm)."""
+    blocks = [decoder_block(model_keys, layer) for layer in stage_layers(shapes, model_keys, stage, parallel)]
+    if stage == (len(parallel.stage_layers) or 1) - 1:
+        blocks += [mtp_block(depth) for depth in mtp_depths(model_keys)]
+    return blocks
+
+
+def block_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], block: Block, tp: int,
+                experts: ExpertSplit | None) -> list[tuple[tuple, tuple]]:
+    """((key, layer, expert), local shape) of one block's parameters in `layer_order`."""
+    order = []
+    for name in layer_order:
+        key = block.prefix + name
+        if name == EXPERTS and experts is not None:
+            order += expert_entries(shapes, model_keys, block, experts)
+        elif key in model_keys:
+            order.append(((key, block.layer, None), local_shape(key, shapes[key][block.layer is not None:], tp)))
+    return order
 
 
 def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stage: int, parallel: Parallel,
@@ -148,22 +196,24 @@ def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     """((key, layer, expert), local shape) of pipeline stage `stage`'s parameters in megatron-core's
     module order (layers numbered globally; expert None but for the routed experts, which this
     buffer holds only where `experts` says), or None when a key is outside the GPT this order knows."""
-    unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and k.removeprefix("decoder.layers.") not in layer_order
-               and not is_expert_key(k)]  # fmt: skip
+    unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and generic(k).removeprefix("decoder.layers.") not in layer_order
+               and not is_expert_key(k) and not is_mtp_own(k)]  # fmt: skip
     if unknown:
         return None
     last = stage == (len(parallel.stage_layers) or 1) - 1
     whole = lambda keys: [((k, None, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
     order = whole(BEFORE) if stage == 0 else []
+    if last and stage > 0 and mtp_depths(model_keys):  # the MTP block's own copy of the word embedding, first in module order
+        order.append(((MTP_EMBEDDING_COPY, None, None), local_shape(BEFORE[0], shapes[BEFORE[0]], parallel.tp)))
     for layer in stage_layers(shapes, model_keys, stage, parallel):
-        for name in layer_order:
-            key = f"decoder.layers.{name}"
-            if name == EXPERTS and experts is not None:
-                order += expert_entries(shapes, model_keys, layer, experts)
-            elif key in model_keys:
-                order.append(((key, layer, None), local_shape(key, shapes[key][1:], parallel.tp)))
+        order += block_order(shapes, model_keys, layer_order, decoder_block(model_keys, layer), parallel.tp, experts)
     if last:
-        order += whole(AFTER)
+        order += whole(FINAL_NORM)
+        for depth in mtp_depths(model_keys):  # between the decoder's final norm and the head
+            block = mtp_block(depth)
+            own = lambda names: whole([block.prefix.removesuffix(MTP_BLOCK) + name for name in names])  # noqa: E731
+            order += own(MTP_BEFORE) + block_order(shapes, model_keys, layer_order, block, parallel.tp, experts) + own(MTP_AFTER)
+        order += whole(AFTER[2:])
         if TIED_HEAD not in model_keys and parallel.pp > 1:  # the tied head's copy
             order.append(((TIED_HEAD, None, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
     return order
@@ -223,8 +273,8 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     for rank, buffers in sorted((expert_stored or {}).items()):
         pp_rank, split = rank_split(rank, parallel.ep, experts, expert_module, parallel.etp)
         for chunk, buckets in enumerate(buffers):  # chunk c holds virtual stage c x pp + pp rank, as the dense buffers
-            layers = stage_layers(shapes, model_keys, chunk * parallel.pp + pp_rank, parallel)
-            order = [entry for layer in layers for entry in expert_entries(shapes, model_keys, layer, split)]
+            blocks = stage_blocks(shapes, model_keys, chunk * parallel.pp + pp_rank, parallel)
+            order = [entry for block in blocks for entry in expert_entries(shapes, model_keys, block, split)]
             fits.append((order, buckets, split.tp_rank))
     pieces: dict[Param, list[Piece]] = {}
     for order, buckets, rank in fits:
@@ -232,9 +282,9 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
         if places is None:
             return None
         for (key, layer, expert), (prefix, start) in places.items():
-            split_dim = TP_DIM.get(key) if expert is None else EXPERT_TP_DIM.get(key) if parallel.etp > 1 else None
+            split_dim = TP_DIM.get(generic(key)) if expert is None else EXPERT_TP_DIM.get(generic(key)) if parallel.etp > 1 else None
             if key not in model_keys or (rank > 0 and split_dim is None):
-                continue  # a tied head's copy; a tp replica
+                continue  # a tied head's or the MTP block's copy; a tp replica
             shape = shapes[key] if layer is None else shapes[key][1:]
             if expert is None:
                 found = shard_pieces(split_dim, shape, prefix, start, parallel.tp, rank, 1 + (key in gated))
@@ -294,12 +344,12 @@ def bucket_checks(pieces: dict[Param, list[Piece]], checked_layers: set[int]) ->
     The bound: a model weight region is one layer's 1-D tensor (its stored chunk is that small), a
     master region one contiguous run of a bucket (agrees reads each stored chunk it touches, a dp
     share of a bucket, once), and there are at most 2 + 10 x len(checked_layers) checks (the final
-    norm's and each layer's 1-D tensors), whatever the layer count, tp, pp and dp. It still catches what the check
+    norm's and each layer's 1-D tensors) and 14 an MTP depth (its norms and its block's), whatever the layer count, tp, pp and dp. It still catches what the check
     is for: the 1-D tensors sit between the matrices in the buffer, so a wrong start or a wrong
     layer order (the input norm before or after linear_proj) moves them onto other elements."""
     checks = []
     for (key, layer), found in pieces.items():
-        if (layer is not None and layer not in checked_layers) or key in TP_DIM or len(found[0].shape) != 1:
+        if in_checked_block(key, layer, checked_layers) is False or generic(key) in TP_DIM or len(found[0].shape) != 1:
             continue
         (prefix, start, (numel,), _), at = found[0], () if layer is None else (layer,)
         checks.append(((key, (*at, 0), (*(1,) * len(at), numel)), (f"{prefix}.param", (start,), (numel,))))
@@ -310,7 +360,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
                   chunks: dict[str, list[int]] | None = None) -> tuple[BucketLayout | None, str]:
     """The dp_reshardable layout of a checkpoint saved with `parallel` (None: its args are
     unknown; chunks: where each bucket's stored chunks start), or (None, why not)."""
-    model_keys = [k for k in model_keys if k not in BUFFERS]
+    model_keys = [k for k in model_keys if generic(k) not in BUFFERS]
     stored, why = grad_buffers(buckets_of(shapes), parallel.vp if parallel else 1)
     experts = num_experts(shapes, model_keys)
     if why or not set(stored) <= ({0, 1} if experts else {0}):
@@ -322,6 +372,11 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
+    fused = any(generic(k).removeprefix("decoder.layers.") in _MLA_TE and k.endswith("layer_norm_weight") for k in model_keys)
+    if fused and parallel.tp > 1:  # Transformer Engine's spec keeps the down-projections whole: not measured
+        return None, f"its multi-latent attention was saved under Transformer Engine's names at tp {parallel.tp}, whose buckets dtgpt maps at tp 1 only"
+    if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # the last stage's head and copies: not measured
+        return None, f"its multi-token prediction block was saved at pp {pp} with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
     if experts and parallel.etp not in (1, parallel.tp):
         return None, f"its experts are split over expert_tensor_parallel_size={parallel.etp} ranks at tp {parallel.tp}, which dtgpt does not map (only 1 or tp)"
     expert_stored = stored.get(1)
@@ -338,5 +393,6 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
             checks = bucket_checks(pieces, checked_layers) + expert_checks(pieces, checked_layers, {0, experts - 1}) if pieces else []
             if pieces and agrees(directory, dtypes, checks, chunks):
                 return BucketLayout(pieces, module if experts else ""), spec
-    what = "GPT or MoE GPT, local or Transformer Engine spec, SequentialMLP or TEGroupedMLP experts" if experts else "dense GPT, local or Transformer Engine spec"
+    what = ("GPT or MoE GPT, local or Transformer Engine spec, SequentialMLP or TEGroupedMLP experts" if experts else
+            "dense GPT, local or Transformer Engine spec") + ", multi-head or multi-latent attention, MTP depths"  # fmt: skip
     return None, f"its buckets do not match megatron-core's parameter order for this model ({what})"

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from dtgpt.checkpoint.megatron.bucket_blocks import Block, generic, in_checked_block
+
 EXPERTS = "mlp.experts.experts"
 """Where a layer order (buckets.LAYER_ORDERS) places the layer's routed experts."""
 EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."
@@ -52,23 +54,25 @@ class ExpertSplit(NamedTuple):
 
 
 def is_expert_key(key: str) -> bool:
-    return key.startswith(EXPERT_PREFIX)
+    """A routed expert's tensor, of a stacked or a lone block (bucket_blocks.py)."""
+    return generic(key).startswith(EXPERT_PREFIX)
 
 
 def num_experts(shapes: dict, model_keys: list[str]) -> int:
-    """The routed experts per layer (0: not an MoE checkpoint, or one keeping its layers apart)."""
-    return next((shapes[k][1] for k in model_keys if is_expert_key(k)), 0)
+    """The routed experts per layer (0: not an MoE checkpoint): (L, E, ...) stacked, (E, ...) alone."""
+    return next((shapes[k][1 if k.startswith(EXPERT_PREFIX) else 0] for k in model_keys if is_expert_key(k)), 0)
 
 
-def expert_entries(shapes: dict, model_keys: list[str], layer: int, split: ExpertSplit) -> list[tuple[tuple, tuple[int, ...]]]:
-    """((key, layer, expert), one expert's shape) of layer `layer`'s experts in `split`, in order."""
-    keys = [(EXPERT_PREFIX + name, e) for name, e in EXPERT_ORDERS[split.module](split.experts)]
-    return [((key, layer, e), expert_shape(key, shapes[key][2:], split.tp)) for key, e in keys if key in model_keys]
+def expert_entries(shapes: dict, model_keys: list[str], block: Block, split: ExpertSplit) -> list[tuple[tuple, tuple[int, ...]]]:
+    """((key, layer, expert), one expert's shape) of `block`'s experts in `split`, in order."""
+    keys = [(block.prefix + EXPERTS + "." + name, e) for name, e in EXPERT_ORDERS[split.module](split.experts)]
+    skip = 2 if block.layer is not None else 1  # the layer and expert axes
+    return [((key, block.layer, e), expert_shape(key, shapes[key][skip:], split.tp)) for key, e in keys if key in model_keys]
 
 
 def expert_shape(key: str, shape: tuple[int, ...], etp: int) -> tuple[int, ...]:
     """One expert's tensor of global `shape` on one of `etp` expert tp ranks."""
-    dim = EXPERT_TP_DIM.get(key) if etp > 1 else None
+    dim = EXPERT_TP_DIM.get(generic(key)) if etp > 1 else None
     return shape if dim is None else tuple(n // etp if d == dim else n for d, n in enumerate(shape))
 
 
@@ -87,16 +91,17 @@ def expert_checks(pieces: dict, checked_layers: set[int], checked_experts: set[i
     """The first row of each block (a tp shard, a SwiGLU half) of each expert tensor of
     `checked_experts` in `checked_layers`, each against its run of its bucket (buckets.agrees).
     Bounded whatever E, ep and the layer count: at most 4 x 2 etp x len(checked_experts) x
-    len(checked_layers) rows. The first and the last expert lie in
+    (len(checked_layers) + MTP depths) rows. The first and the last expert lie in
     other buffers at ep > 1 and far apart at ep 1, so a wrong start, expert order or expert
     numbering moves a checked row onto other elements."""
     checks = []
     for (key, layer), found in pieces.items():
-        if not is_expert_key(key) or layer not in checked_layers:
+        if not is_expert_key(key) or not in_checked_block(key, layer, checked_layers):
             continue
+        at = () if layer is None else (layer,)
         for piece in found:
             if piece.offsets[0] in checked_experts:
                 row = piece.shape[-1]
-                weight = (key, (layer, *piece.offsets), (1, *(1,) * (len(piece.shape) - 1), row))
+                weight = (key, (*at, *piece.offsets), (*(1,) * len(at), *(1,) * (len(piece.shape) - 1), row))
                 checks.append((weight, (f"{piece.prefix}.param", (piece.start,), (row,))))
     return checks

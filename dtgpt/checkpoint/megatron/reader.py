@@ -144,7 +144,7 @@ class MegatronReader:
         """Whether the checkpoint stores optimizer state `slot` of dtgpt tensor `name`."""
         layout = self.bucket_layout()[0]
         if layout is not None:
-            return slot in ("param", "exp_avg", "exp_avg_sq") and self._name(name) in layout.pieces
+            return slot in ("param", "exp_avg", "exp_avg_sq") and self._bucket_param(name) in layout.pieces
         return self.stored_key(name, slot) in self.shapes
 
     def per_rank_optimizer_problem(self) -> str:
@@ -305,8 +305,7 @@ class MegatronReader:
         dp_reshardable buckets: for each stored piece it overlaps, the flat run of the piece's rows
         it spans (stored key, offset, destination), the overlap within those rows, and where the
         overlap goes in the region."""
-        key, layer = self._name(name)
-        for piece in self.bucket_layout()[0].pieces[(key, layer)]:
+        for piece in self.bucket_layout()[0].pieces[self._bucket_param(name)]:
             lows = [max(o, p) for o, p in zip(offsets, piece.offsets)]
             highs = [min(o + n, p + m) for o, n, p, m in zip(offsets, sizes, piece.offsets, piece.shape)]
             if any(low >= high for low, high in zip(lows, highs)):
@@ -317,6 +316,10 @@ class MegatronReader:
             within = (slice(None), *(slice(low - p, high - p) for low, high, p in zip(lows[1:], highs[1:], piece.offsets[1:])))
             into = tuple(slice(low - o, high - o) for low, high, o in zip(lows, highs, offsets))
             yield bucket, (at,), rows, within, into
+
+    def _bucket_param(self, name: str) -> tuple[str, int | None]:
+        """dtgpt FQN -> its (stored key, layer) in the bucket layout (the name this checkpoint's spec gives it)."""
+        return self.stored_key(name), self._name(name)[1]
 
     def tensor(self, name: str, shape: tuple[int, ...], slot: str | None = None) -> torch.Tensor:
         """dtgpt tensor `name` (or its optimizer state `slot`), full (`shape`)."""
