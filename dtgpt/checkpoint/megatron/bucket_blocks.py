@@ -24,7 +24,7 @@ MTP_AFTER = ("final_layernorm.weight", "final_layernorm.bias")
 """An MTP depth's own tensors, before and after its block, in module order."""
 
 
-class Block(NamedTuple):
+class KeyBlock(NamedTuple):
     """One transformer block's keys: `prefix` + a layer order's name; with `layer` set, a stacked
     tensor whose leading index `layer` is the block's."""
 
@@ -58,13 +58,13 @@ def decoder_layers(shapes: dict, model_keys: list[str]) -> int:
     return shapes[stacked[0]][0] if stacked else 0
 
 
-def decoder_block(model_keys: list[str], layer: int) -> Block:
+def decoder_block(model_keys: list[str], layer: int) -> KeyBlock:
     apart = any(k.startswith(f"decoder.layers.{layer}.") for k in model_keys)
-    return Block(f"decoder.layers.{layer}.") if apart else Block("decoder.layers.", layer)
+    return KeyBlock(f"decoder.layers.{layer}.") if apart else KeyBlock("decoder.layers.", layer)
 
 
-def mtp_block(depth: int) -> Block:
-    return Block(f"mtp.layers.{depth}.{MTP_BLOCK}")
+def mtp_block(depth: int) -> KeyBlock:
+    return KeyBlock(f"mtp.layers.{depth}.{MTP_BLOCK}")
 
 
 def mtp_depths(model_keys: list[str]) -> list[int]:

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from dtgpt.checkpoint.megatron.bucket_blocks import (
-    MTP_AFTER, MTP_BEFORE, MTP_BLOCK, Block, decoder_block, decoder_layers, generic, in_checked_block, is_mtp_own, mtp_block, mtp_depths,
+    MTP_AFTER, MTP_BEFORE, MTP_BLOCK, KeyBlock, decoder_block, decoder_layers, generic, in_checked_block, is_mtp_own, mtp_block, mtp_depths,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.expert_buckets import (
     EXPERT_ORDERS, EXPERT_TP_DIM, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
@@ -169,7 +169,7 @@ def stage_layers(shapes: dict, model_keys: list[str], stage: int, parallel: Para
     return range(sum(counts[:stage]), sum(counts[: stage + 1]))
 
 
-def stage_blocks(shapes: dict, model_keys: list[str], stage: int, parallel: Parallel) -> list[Block]:
+def stage_key_blocks(shapes: dict, model_keys: list[str], stage: int, parallel: Parallel) -> list[KeyBlock]:
     """The transformer blocks of pipeline stage `stage` in module order: its decoder layers, and on
     the last stage each MTP depth's block (after the final norm)."""
     blocks = [decoder_block(model_keys, layer) for layer in stage_layers(shapes, model_keys, stage, parallel)]
@@ -178,7 +178,7 @@ def stage_blocks(shapes: dict, model_keys: list[str], stage: int, parallel: Para
     return blocks
 
 
-def block_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], block: Block, tp: int,
+def block_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], block: KeyBlock, tp: int,
                 experts: ExpertSplit | None) -> list[tuple[tuple, tuple]]:
     """((key, layer, expert), local shape) of one block's parameters in `layer_order`."""
     order = []
@@ -273,7 +273,7 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     for rank, buffers in sorted((expert_stored or {}).items()):
         pp_rank, split = rank_split(rank, parallel.ep, experts, expert_module, parallel.etp)
         for chunk, buckets in enumerate(buffers):  # chunk c holds virtual stage c x pp + pp rank, as the dense buffers
-            blocks = stage_blocks(shapes, model_keys, chunk * parallel.pp + pp_rank, parallel)
+            blocks = stage_key_blocks(shapes, model_keys, chunk * parallel.pp + pp_rank, parallel)
             order = [entry for block in blocks for entry in expert_entries(shapes, model_keys, block, split)]
             fits.append((order, buckets, split.tp_rank))
     pieces: dict[Param, list[Piece]] = {}

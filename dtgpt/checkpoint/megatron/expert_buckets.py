@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from dtgpt.checkpoint.megatron.bucket_blocks import Block, generic, in_checked_block
+from dtgpt.checkpoint.megatron.bucket_blocks import KeyBlock, generic, in_checked_block
 
 EXPERTS = "mlp.experts.experts"
 """Where a layer order (buckets.LAYER_ORDERS) places the layer's routed experts."""
@@ -63,7 +63,7 @@ def num_experts(shapes: dict, model_keys: list[str]) -> int:
     return next((shapes[k][1 if k.startswith(EXPERT_PREFIX) else 0] for k in model_keys if is_expert_key(k)), 0)
 
 
-def expert_entries(shapes: dict, model_keys: list[str], block: Block, split: ExpertSplit) -> list[tuple[tuple, tuple[int, ...]]]:
+def expert_entries(shapes: dict, model_keys: list[str], block: KeyBlock, split: ExpertSplit) -> list[tuple[tuple, tuple[int, ...]]]:
     """((key, layer, expert), one expert's shape) of `block`'s experts in `split`, in order."""
     keys = [(block.prefix + EXPERTS + "." + name, e) for name, e in EXPERT_ORDERS[split.module](split.experts)]
     skip = 2 if block.layer is not None else 1  # the layer and expert axes
