@@ -282,7 +282,7 @@ def moe_gpt(layers: int, experts: int, hidden: int = 16) -> dict[str, tuple[int,
 def saved_moe_buckets(shapes: dict, ep: int, module: str = "SequentialMLP") -> dict[str, tuple[int, ...]]:
     """The param buckets megatron-core saves at tp 1, pp 1 and `ep` > 1 (one bucket a buffer): the
     dense one (chained_0) and each expert-parallel rank's experts' (chained_1)."""
-    from dtgpt.checkpoint.megatron.bucket_blocks import Block
+    from dtgpt.checkpoint.megatron.bucket_blocks import KeyBlock
     from dtgpt.checkpoint.megatron.expert_buckets import expert_entries, rank_split
 
     def length(order) -> int:
@@ -295,7 +295,7 @@ def saved_moe_buckets(shapes: dict, ep: int, module: str = "SequentialMLP") -> d
     stored = {f"chained_0.{BUCKET.format(0, 0, 0)}.param": (length(stage_order(shapes, list(shapes), LAYER_ORDERS["local"], 0, Parallel())),)}
     for rank in range(ep):
         split = rank_split(rank, ep, experts, module)[1]
-        order = [entry for layer in range(shapes["decoder.layers.mlp.router.weight"][0]) for entry in expert_entries(shapes, list(shapes), Block("decoder.layers.", layer), split)]
+        order = [entry for layer in range(shapes["decoder.layers.mlp.router.weight"][0]) for entry in expert_entries(shapes, list(shapes), KeyBlock("decoder.layers.", layer), split)]
         stored[f"chained_1.{BUCKET.format(rank, 0, 0)}.param"] = (length(order),)
     return stored
 
