@@ -33,7 +33,7 @@ LAUNCHES = {
         "tp2_sp_full", "drop_tp2_full2", "mla_tp2_sp_up_mlp_ln", "moe_ep2_moe_act", "shared_tp2_sp_moe_act"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
         "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp", "moe_dp2_tp2_sp",
-        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp"],
+        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp", "muon_llama_dp2_tp2_sp"],
 }  # fmt: skip
 # Megatron's regime (issue: half the bytes on every link): in these, every collective of at least
 # LARGE elements moves the compute dtype, except FSDP's gradient reductions (fp32 by design).
