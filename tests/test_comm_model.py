@@ -104,3 +104,19 @@ def test_mixtral_moves_no_more_than_megatron_but_in_scalars():
     a2a = [(ours, theirs) for _, name, ours, theirs in rows if name == "ep all-to-all"]
     assert len(a2a) == 4 and all(0.99 < ours / theirs <= 1 for ours, theirs in a2a), a2a
     assert all(ours <= theirs for _, name, ours, theirs in rows if name != "scalars"), rows
+
+
+def test_muon_moves_no_more_than_megatron_but_in_scalars():
+    """--optimizer muon on the twin (dp2 x tp2 x pp2) and the 175B layout at 1024 GPUs (dp 8), bf16
+    (Megatron's Muon refuses fp16): against Megatron's dist_muon (plain DDP's all-reduce, the
+    layer-wise all-gather, every tp rank gathering every matrix), dtgpt's reduce-scatter plus its
+    two all_to_alls of the matrices' rows move less than the all-reduce, and its busiest owner
+    gathers over tp at most 1/dp of the matrices plus one (dtgpt/muon_owners.py); the scalars as
+    in the Mixtral test."""
+    script = load_script("comm_vs_megatron")
+    muon = ["--optimizer.optimizer=muon", "--training.fp16=false", "--training.bf16=true"]
+    for config, world, dp in (("gpt3_175b_twin.toml", 8, 2), ("gpt3_175b.toml", 1024, 8)):
+        rows = script.compare(load_config(str(REPO / "configs" / config), muon, check=False), world)
+        assert all(ours <= theirs for _, name, ours, theirs in rows if name != "scalars"), [r for r in rows if r[2] > r[3]]
+        tp = [(ours, theirs) for _, name, ours, theirs in rows if name == "tp muon gathers" and theirs]
+        assert tp and all(ours <= theirs / dp * 1.2 for ours, theirs in tp), tp

@@ -36,7 +36,7 @@ below counts the rank's s/cp tokens):
   recomputation  a recomputed forward's collectives again: dtgpt.plan.comm_recompute.
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
-  Muon           the optimizer step's gathers of its matrices' updates: dtgpt.plan.comm_muon.
+  Muon           its matrices' updates to their owner and back, and over tp: dtgpt.plan.comm_muon.
   MoE, MTP       the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
                  units that fold tp in: dtgpt.plan.comm_moe; multi-token prediction: comm_mtp.
   per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the first
@@ -363,8 +363,9 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
     return out
 
 
-def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collective]:
-    """Every collective a rank at pipeline coordinate pp_rank runs in one iteration."""
+def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int, shard_rank: int | None = None) -> list[Collective]:
+    """Every collective a rank at pipeline coordinate pp_rank runs in one iteration (Muon's
+    depend on its FSDP shard coordinate too: without one, the busiest's)."""
     stages = rank_stages(c, pp_rank)
     return (
         fsdp_collectives(c, stages, n_micro)
@@ -374,7 +375,7 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
         + comm_recompute.tp_replay_collectives(c, stages, n_micro, Collective)
         + comm_moe.all_to_all_collectives(c, stages, n_micro, comm_recompute.rerun_moe_layers(c, stages), Collective)
         + comm_moe.sequence_collectives(c, stages, n_micro, comm_recompute.rerun_moe_layers(c, stages), Collective)
-        + comm_muon.muon_collectives(c, stages, block_shapes, Collective)
+        + comm_muon.muon_collectives(c, stages, block_shapes, Collective, shard_rank)
         + step_collectives(c, stages)
     )
 

@@ -1,53 +1,85 @@
-"""Muon's optimizer step (--optimizer muon, dtgpt/muon.py): the collectives that bring each
-matrix's update together for Newton-Schulz.
+"""Muon's optimizer step (--optimizer muon, dtgpt/muon.py and dtgpt/muon_owners.py): what brings
+each matrix's update together for Newton-Schulz, per rank and iteration.
 
-Muon's matrices on a stage: every block's 2-D weights (QKV, projection, fc1 and SwiGLU's gate, fc2;
-all tensor-parallel), the learned position embedding on the first stage (replicated over tp), and
-the prediction modules' (their eh_proj and block) on the last. Updates are fp32 (the momentum is
-sharded as the fp32 parameter). Per matrix and iteration, its update's full_tensor(): 1 all-gather
-over FSDP's shard ranks of the tp-local matrix (dim 0 padded to a multiple of them), then, when
-tp shards it, 1 all-gather of the whole matrix over tp.
+Muon's matrices on a rank's stages: every block's QKV, projection, fc1 (with SwiGLU's gate: one
+matrix [gate; fc1] of two parameters) and fc2, all tensor-parallel; the learned position embedding
+on the first stage (replicated over tp); the prediction modules' eh_proj and block on the last.
+Updates are fp32 (the momentum is sharded as the fp32 parameter). With f = FSDP's shard ranks
+(dp_shard x cp), each matrix has an owner among them (dtgpt.muon_owners.owners, by size), and a
+rank at shard coordinate r, owning the matrices O(r):
+
+  FSDP        1 all_to_all over the f ranks of every matrix's rows: Σ ceil(rows/f)·cols·4 over all
+              parameters (rows padded as FSDP pads them), and 1 back of Σ f·ceil(rows/f)·cols·4
+              over O(r)'s; f = 1 moves nothing.
+  tp          under FSDP 1 all-gather of O(r)'s tp-sharded matrices, whole: Σ rows·cols·4 (whole
+              shapes); without FSDP 1 all-gather per tp-sharded parameter of its whole matrix
+              (Megatron's duplicated mode, one collective per matrix as Megatron's).
+
+The planner's rank (no shard coordinate given) is the one that owns the most.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from dtgpt.muon_owners import matrix_key, owners
 from dtgpt.plan import comm_moe, comm_mtp
 
 FP32 = 4
 
 
-class MuonMatrix(NamedTuple):
-    shape: tuple[int, int]
-    """tp-local (rows, cols)"""
+class Piece(NamedTuple):
+    rows: int  # tp-local
+    cols: int  # tp-local
     tp_sharded: bool
 
 
-def muon_matrices(c, stages: list[int], block_shapes) -> list[MuonMatrix]:
-    """Every Muon parameter the stages hold (block_shapes: dtgpt.plan.comm's)."""
+def muon_units(c, stages: list[int], block_shapes) -> list[list[Piece]]:
+    """Every Muon matrix the stages hold, as its parameters' tp-local pieces (block_shapes:
+    dtgpt.plan.comm's: a block's 2-D shapes are QKV, projection, fc1, SwiGLU's gate, fc2)."""
     sharded = c.tp > 1
+    matrices = [Piece(*s, sharded) for s in block_shapes(c) if len(s) == 2]
+    block = [[m] for m in matrices[:2]] + ([matrices[2:4]] if c.swiglu else [[matrices[2]]]) + [[matrices[-1]]]
     out = []
     for stage in stages:
-        blocks = len(comm_moe.stage_blocks(c, stage)) + comm_mtp.mtp_blocks(c, [stage])
-        out += [MuonMatrix(s, sharded) for s in block_shapes(c) if len(s) == 2] * blocks
+        out += block * (len(comm_moe.stage_blocks(c, stage)) + comm_mtp.mtp_blocks(c, [stage]))
         if stage == 0 and c.positions:
-            out.append(MuonMatrix((c.positions, c.hidden), False))
+            out.append([Piece(c.positions, c.hidden, False)])
         if stage == c.num_stages - 1 and c.mtp:
-            out += [MuonMatrix((c.hidden // c.tp, 2 * c.hidden), sharded)] * c.mtp  # eh_proj
+            out += [[Piece(c.hidden // c.tp, 2 * c.hidden, sharded)]] * c.mtp  # eh_proj
     return out
 
 
-def muon_collectives(c, stages: list[int], block_shapes, collective) -> list:
+def whole(p: Piece, tp: int) -> int:
+    return p.rows * p.cols * (tp if p.tp_sharded else 1)
+
+
+def ownership_key(unit: list[Piece], tp: int) -> tuple[int, ...]:
+    return matrix_key([(p.rows, p.cols, tp if p.tp_sharded else 1) for p in unit])
+
+
+def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank: int | None = None) -> list:
     if not c.muon:
         return []
+    units = muon_units(c, stages, block_shapes)
+    if not c.fsdp_applied:
+        return [collective("all_gather", "tp", "muon update over tp", 1, whole(p, c.tp) * FP32) for u in units for p in u if p.tp_sharded]
+    f = c.shard
+    keys = [ownership_key(u, c.tp) for u in units]
+    owner = owners(keys, f)
+    if shard_rank is None:  # the busiest owner
+        shard_rank = max(range(f), key=lambda r: sum(k[0] for k, o in zip(keys, owner) if o == r))
+    mine = [u for u, o in zip(units, owner) if o == shard_rank]
+
+    def moved(us: list[list[Piece]], times: int) -> int:
+        return sum(times * -(-p.rows // f) * p.cols * FP32 for u in us for p in u)
+
     out = []
-    dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
-    for m in muon_matrices(c, stages, block_shapes):
-        rows, cols = m.shape
-        if c.fsdp and c.shard > 1:
-            padded = -(-rows // c.shard) * c.shard
-            out.append(collective("all_gather", dim, "muon update shards", 1, padded * cols * FP32))
-        if m.tp_sharded:
-            out.append(collective("all_gather", "tp", "muon update over tp", 1, rows * cols * c.tp * FP32))
+    if f > 1:
+        dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
+        out += [collective("all_to_all", dim, "muon update rows to their owners", 1, moved(units, 1)),
+                collective("all_to_all", dim, "muon orthogonal rows back", 1, moved(mine, f))]  # fmt: skip
+    gathered = sum(whole(p, c.tp) * FP32 for u in mine for p in u if p.tp_sharded)
+    if gathered:
+        out.append(collective("all_gather", "tp", "muon owned updates over tp", 1, gathered))
     return out
