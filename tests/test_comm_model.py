@@ -120,3 +120,17 @@ def test_muon_moves_no_more_than_megatron_but_in_scalars():
         assert all(ours <= theirs for _, name, ours, theirs in rows if name != "scalars"), [r for r in rows if r[2] > r[3]]
         tp = [(ours, theirs) for _, name, ours, theirs in rows if name == "tp muon gathers" and theirs]
         assert tp and all(ours <= theirs / dp * 1.2 for ours, theirs in tp), tp
+
+
+def test_the_plan_counts_muons_step_beyond_the_activations():
+    """The twin (bf16, short sequences) planned with Muon: every rank's muon_step term is at least what Newton-Schulz
+    holds for the largest matrix (fc1, 4h x h whole in fp32, four times), less the activations that
+    backward freed before the step; Adam's plan has no such term."""
+    bf16 = ["--training.fp16=false", "--training.bf16=true", "--model.seq_length=8", "--training.micro_batch_size=1"]
+    twin = str(REPO / "configs" / "gpt3_175b_twin.toml")
+    adam, muon = (plan_layout(load_config(twin, bf16 + extra, check=False), 8) for extra in ([], ["--optimizer.optimizer=muon"]))
+    h = load_config(twin, []).model.hidden_size
+    assert all(r.memory["muon_step"] == 0 for r in adam.ranks)
+    for r in muon.ranks:
+        nesting = 4 * 4 * (4 * h * h) / 2**30 - r.memory["activations"] - r.memory["pipeline"]
+        assert r.memory["muon_step"] >= nesting > 0, r.memory

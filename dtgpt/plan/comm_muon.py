@@ -16,6 +16,12 @@ rank at shard coordinate r, owning the matrices O(r):
               (Megatron's duplicated mode, one collective per matrix as Megatron's).
 
 The planner's rank (no shard coordinate given) is the one that owns the most.
+
+Memory at the step (dtgpt.plan.layout's muon_step term, what it holds beyond the activations
+that backward has freed): 4·(O_tp + O_whole + 2·R + 4·W) bytes, with O_tp and O_whole the owned
+matrices tp-local and whole (received, then gathered over tp), R a rank's padded rows of every
+matrix (the two all_to_all buffers), W the largest owned whole matrix (Newton-Schulz's iterate,
+its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W.
 """
 
 from __future__ import annotations
@@ -58,6 +64,30 @@ def ownership_key(unit: list[Piece], tp: int) -> tuple[int, ...]:
     return matrix_key([(p.rows, p.cols, tp if p.tp_sharded else 1) for p in unit])
 
 
+def owned_units(c, stages: list[int], block_shapes, shard_rank: int | None) -> tuple[list[list[Piece]], list[list[Piece]]]:
+    """(all matrices, those the rank at FSDP shard coordinate shard_rank owns; None: the busiest)."""
+    units, f = muon_units(c, stages, block_shapes), c.shard
+    keys = [ownership_key(u, c.tp) for u in units]
+    owner = owners(keys, f)
+    if shard_rank is None:
+        shard_rank = max(range(f), key=lambda r: sum(k[0] for k, o in zip(keys, owner) if o == r))
+    return units, [u for u, o in zip(units, owner) if o == shard_rank]
+
+
+def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None) -> int:
+    """The Muon step's transient bytes (module doc)."""
+    if not c.muon:
+        return 0
+    units, mine = owned_units(c, stages, block_shapes, shard_rank)
+    wholes = [sum(whole(p, c.tp) for p in u) for u in (mine if c.fsdp_applied else units)]
+    largest = max(wholes, default=0)
+    if not c.fsdp_applied:
+        return FP32 * 5 * largest
+    owned_tp = sum(p.rows * p.cols for u in mine for p in u)
+    rows = sum(-(-p.rows // c.shard) * p.cols for u in units for p in u)
+    return FP32 * (owned_tp + sum(wholes) + 2 * rows + 4 * largest)
+
+
 def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank: int | None = None) -> list:
     if not c.muon:
         return []
@@ -65,11 +95,7 @@ def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank:
     if not c.fsdp_applied:
         return [collective("all_gather", "tp", "muon update over tp", 1, whole(p, c.tp) * FP32) for u in units for p in u if p.tp_sharded]
     f = c.shard
-    keys = [ownership_key(u, c.tp) for u in units]
-    owner = owners(keys, f)
-    if shard_rank is None:  # the busiest owner
-        shard_rank = max(range(f), key=lambda r: sum(k[0] for k, o in zip(keys, owner) if o == r))
-    mine = [u for u, o in zip(units, owner) if o == shard_rank]
+    units, mine = owned_units(c, stages, block_shapes, shard_rank)
 
     def moved(us: list[list[Piece]], times: int) -> int:
         return sum(times * -(-p.rows // f) * p.cols * FP32 for u in us for p in u)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 RAMPUP_BUBBLE_WARNING = 0.2
 """Warn when the first ramp-up iterations idle more than this fraction of the time."""
 
-MEMORY_TERMS = ("params", "copies", "grads", "adam", "activations")
+MEMORY_TERMS = ("params", "copies", "grads", "adam", "activations", "muon_step")
 
 
 def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
