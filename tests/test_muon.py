@@ -172,6 +172,6 @@ def test_refused_muon_settings_are_one_error_line(capfd, args, message):
 
 def test_owners_balance_the_matrices_by_size():
     """dtgpt/muon_owners.py: the largest first, each to the least-loaded shard rank; equal keys spread."""
-    assert owners([(8,), (4,), (4,), (2,), (2,)], 2) == [0, 1, 1, 0, 0]
+    assert owners([(8,), (4,), (4,), (2,), (2,)], 2) == [0, 1, 1, 0, 1]  # 10 elements each
     assert owners([(1,)] * 6, 4) == [0, 1, 2, 3, 0, 1]
     assert owners([(5,), (3,)], 4) == [0, 1]
