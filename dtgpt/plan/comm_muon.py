@@ -34,37 +34,37 @@ from dtgpt.plan import comm_moe, comm_mtp
 FP32 = 4
 
 
-class Piece(NamedTuple):
+class PieceShape(NamedTuple):
     rows: int  # tp-local
     cols: int  # tp-local
     tp_sharded: bool
 
 
-def muon_units(c, stages: list[int], block_shapes) -> list[list[Piece]]:
+def muon_units(c, stages: list[int], block_shapes) -> list[list[PieceShape]]:
     """Every Muon matrix the stages hold, as its parameters' tp-local pieces (block_shapes:
     dtgpt.plan.comm's: a block's 2-D shapes are QKV, projection, fc1, SwiGLU's gate, fc2)."""
     sharded = c.tp > 1
-    matrices = [Piece(*s, sharded) for s in block_shapes(c) if len(s) == 2]
+    matrices = [PieceShape(*s, sharded) for s in block_shapes(c) if len(s) == 2]
     block = [[m] for m in matrices[:2]] + ([matrices[2:4]] if c.swiglu else [[matrices[2]]]) + [[matrices[-1]]]
     out = []
     for stage in stages:
         out += block * (len(comm_moe.stage_blocks(c, stage)) + comm_mtp.mtp_blocks(c, [stage]))
         if stage == 0 and c.positions:
-            out.append([Piece(c.positions, c.hidden, False)])
+            out.append([PieceShape(c.positions, c.hidden, False)])
         if stage == c.num_stages - 1 and c.mtp:
-            out += [[Piece(c.hidden // c.tp, 2 * c.hidden, sharded)]] * c.mtp  # eh_proj
+            out += [[PieceShape(c.hidden // c.tp, 2 * c.hidden, sharded)]] * c.mtp  # eh_proj
     return out
 
 
-def whole(p: Piece, tp: int) -> int:
+def whole(p: PieceShape, tp: int) -> int:
     return p.rows * p.cols * (tp if p.tp_sharded else 1)
 
 
-def ownership_key(unit: list[Piece], tp: int) -> tuple[int, ...]:
+def ownership_key(unit: list[PieceShape], tp: int) -> tuple[int, ...]:
     return matrix_key([(p.rows, p.cols, tp if p.tp_sharded else 1) for p in unit])
 
 
-def owned_units(c, stages: list[int], block_shapes, shard_rank: int | None) -> tuple[list[list[Piece]], list[list[Piece]]]:
+def owned_units(c, stages: list[int], block_shapes, shard_rank: int | None) -> tuple[list[list[PieceShape]], list[list[PieceShape]]]:
     """(all matrices, those the rank at FSDP shard coordinate shard_rank owns; None: the busiest)."""
     units, f = muon_units(c, stages, block_shapes), c.shard
     keys = [ownership_key(u, c.tp) for u in units]
@@ -97,7 +97,7 @@ def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank:
     f = c.shard
     units, mine = owned_units(c, stages, block_shapes, shard_rank)
 
-    def moved(us: list[list[Piece]], times: int) -> int:
+    def moved(us: list[list[PieceShape]], times: int) -> int:
         return sum(times * -(-p.rows // f) * p.cols * FP32 for u in us for p in u)
 
     out = []
