@@ -14,10 +14,11 @@ orientation. The matrices are Megatron's: with muon_split_qkv the fused QKV weig
 rows, value rows; SwiGLU's gate and fc1, two weights in dtgpt, are one, Megatron's linear_fc1
 [gate; fc1].
 
-Layouts: NS needs the whole matrix. A sharded parameter (FSDP2's Shard(0), TP's Shard(0) or
-Shard(1), both) gathers its update with full_tensor(), every rank orthogonalises the whole
-matrix and keeps its own shard: Megatron's 'duplicated' result whatever the mesh. The momentum
-buffer is sharded as the parameter.
+Layouts: NS needs the whole matrix. Under FSDP each matrix has one owner among the shard ranks:
+its rows travel there, the owner orthogonalises it and sends each rank its rows back, in one
+all_to_all each way for all matrices (dtgpt/muon_owners.py). Over tp (alone, or on the owner)
+every tp rank gathers the whole matrix and orthogonalises it: Megatron's 'duplicated' mode. The
+result is the whole matrix's whatever the mesh. The momentum buffer is sharded as the parameter.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.decoupled_lr import is_embedding_or_output
+from dtgpt.muon_owners import orthogonalise_owned, shard_mesh_dim
 
 MUON = "muon"
 """The param-group key that marks Muon's group (its matrices); the other groups step as AdamW."""
@@ -161,23 +163,38 @@ class MuonWithAdamW(torch.optim.AdamW):
                     p.add_(p, alpha=-wd * lr)
                 buf.lerp_(p.grad, 1 - m)
                 updates[id(p)] = p.grad.lerp(buf, m) if self.muon.muon_nesterov else buf
-            for p in group["params"]:
-                if id(p) in updates and id(p) not in self.gates:  # a gate steps with its fc1
-                    gate = self.matrices.gate_of.get(id(p))
-                    stacked = [gate, p] if gate is not None else [p]
-                    for q, orth in zip(stacked, self._orthogonalised(p, [updates[id(q)] for q in stacked])):
-                        q.add_(orth, alpha=-lr)
+            units = [p for p in group["params"] if id(p) in updates and id(p) not in self.gates]  # a gate steps with its fc1
+            stacks = [self._stack(p) for p in units]
+            owned = [i for i, p in enumerate(units) if shard_mesh_dim(updates[id(p)]) is not None]
+            if owned:  # FSDP-sharded: each matrix orthogonalised once, by its owner (dtgpt/muon_owners.py)
+                local = orthogonalise_owned([[updates[id(q)] for q in stacks[i]] for i in owned],
+                                            lambda k, wholes: self._orthogonal_whole(units[owned[k]], wholes))  # fmt: skip
+                for i, orths in zip(owned, local):
+                    for q, orth in zip(stacks[i], orths):
+                        q.to_local().add_(orth, alpha=-lr)
+            for i in sorted(set(range(len(units))) - set(owned)):
+                for q, orth in zip(stacks[i], self._orthogonalised(units[i], [updates[id(q)] for q in stacks[i]])):
+                    q.add_(orth, alpha=-lr)
+
+    def _stack(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters whose rows make p's matrix: [gate, fc1] for SwiGLU's fc1, else [p]."""
+        gate = self.matrices.gate_of.get(id(p))
+        return [gate, p] if gate is not None else [p]
 
     def _orthogonalised(self, p: torch.Tensor, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """The scaled orthogonal update of the matrix whose rows `updates` are (one parameter's, or
-        [gate; fc1]'s), whole-matrix, each piece sharded as its parameter."""
+        [gate; fc1]'s), gathered whole on every rank (tp only: Megatron's duplicated mode), each
+        piece sharded as its parameter."""
         full = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
+        return [_sharded_as(u, piece) for u, piece in zip(updates, self._orthogonal_whole(p, full))]
+
+    def _orthogonal_whole(self, p: torch.Tensor, full: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The scaled orthogonal update of the whole matrix whose row blocks are `full`, split back."""
         with float32_matmul_precision(self.muon.muon_fp32_matmul_prec):
             split = self.matrices.qkv_splits.get(id(p)) if self.muon.muon_split_qkv else None
             whole = torch.cat(full) if len(full) > 1 else full[0]
             orth = self._scaled(whole) if split is None else self._split_qkv(whole, split)
-        pieces = torch.split(orth, [f.size(0) for f in full])
-        return [_sharded_as(u, piece) for u, piece in zip(updates, pieces)]
+        return list(torch.split(orth, [f.size(0) for f in full]))
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         o = self.muon

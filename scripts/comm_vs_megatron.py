@@ -28,6 +28,14 @@ runs the same config (fp16/bf16 model, distributed optimizer, SP as configured):
        optimizer shards the experts over the expert data-parallel ranks (dp·cp/ep) and the rest
        over dp·cp. Under tp Megatron folds the tp ranks into the experts' data-parallel group:
        that layout is not compared here (tp 1 only for MoE).
+  Muon (--optimizer muon with its distributed optimizer, dist_muon: megatron-core's layer-wise
+       optimizer) DP: plain DDP's all-reduce of the gradients (g bytes), each rank updating the
+       whole parameters it owns, then 1 all-gather of the updated parameters (e bytes); TP
+       ('duplicated'): 1 all-gather per tp-sharded matrix of its whole fp32 update (QKV's three
+       parts under muon_split_qkv, the same bytes), on every rank. dtgpt's all_to_alls of the
+       matrices' rows to their owner and back count with the dp gradient reductions (both are
+       how a gradient reaches the rank that updates it), its owner's all-gather over tp with
+       Megatron's tp gathers.
   tied the embedding gradient, all-reduced between the first and last stage (g bytes).
   scalars  the gradient norm (1 fp32), the loss and its token count (2 fp32 over dp), the fp16
        overflow flag (1 fp32).
@@ -56,17 +64,20 @@ from dtgpt.plan.comm import (  # noqa: E402
     rank_collectives,
     rank_stages,
 )
+from dtgpt.plan import comm_muon  # noqa: E402
 from dtgpt.plan.comm_recompute import recomputed_blocks, rerun_moe_layers  # noqa: E402
 from dtgpt.plan.comm_moe import expert_shapes, is_moe_block, moe_layers_held, routed_rows, stage_blocks  # noqa: E402
 from dtgpt.plan.layout import tokenizer_vocab_size  # noqa: E402
 from dtgpt.plan.links import group_size, link_bytes  # noqa: E402
 
 CLASSES = ("tp activations", "tp norm-weight grads", "tp loss", "pp activations", "dp param gathers",
-           "dp grad reductions", "tied embedding grads", "ep all-to-all", "scalars")  # fmt: skip
+           "dp grad reductions", "tied embedding grads", "ep all-to-all", "tp muon gathers", "scalars")  # fmt: skip
 
 
 def collective_class(col: Collective) -> str:
     """The class of one of dtgpt's (or the Megatron model's) collectives."""
+    if col.what.startswith("muon"):
+        return "tp muon gathers" if col.dim == "tp" else "dp grad reductions"
     if col.dim == "tp":
         if "norm weight" in col.what:
             return "tp norm-weight grads"
@@ -137,7 +148,11 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
             # the last stage's copy of a tied embedding is a parameter of its own there too
             params += gathered_numel(head_shapes(c, with_output=not (c.tied and s == 0)), 1) if s == c.num_stages - 1 else 0
         dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
-        out += [Collective("reduce_scatter", dim, "dp grads", 1, params * g), Collective("all_gather", dim, "dp params", 1, params * e)]
+        reduction = "all_reduce" if c.muon else "reduce_scatter"  # Muon's layer-wise optimizer: plain DDP
+        out += [Collective(reduction, dim, "dp grads", 1, params * g), Collective("all_gather", dim, "dp params", 1, params * e)]
+    if c.muon and c.tp > 1:
+        whole = [comm_muon.whole(p, c.tp) * FP32 for u in comm_muon.muon_units(c, stages, block_shapes) for p in u if p.tp_sharded]
+        out += [Collective("all_gather", "tp", "muon update over tp", 1, size) for size in whole]
     if c.pp > 1 and c.tied and first != last:
         out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, c.vocab // c.tp * c.hidden * g))
     out.append(Collective("all_reduce", "world", "grad norm", 1, FP32))

@@ -117,7 +117,14 @@ DROP_MODEL = {**MODEL, "hidden_dropout": 0.1}
 SHARED_MODEL = {**MOE_MODEL, "moe_shared_expert_intermediate_size": 16}
 
 
+# A layout name may start with "muon_" (before the model's prefix): Megatron's --optimizer muon, whose
+# optimizer step moves the matrices' update shards (dtgpt.plan.comm_muon).
+MUON = "muon_"
+MUON_OPTIMIZER = {"optimizer": "muon", "muon_nesterov": True}
+
+
 def _model(name: str, precision: str | None) -> dict:
+    name = name.removeprefix(MUON)
     for prefix, model in ((DROP, DROP_MODEL), (SHARED, SHARED_MODEL), (LLAMA, LLAMA_MODEL), (MQA, MQA_MODEL), (MOE, MOE_MODEL),
                           (MLA, MLA_MODEL), (MTP_MOE, MTP_MOE_MODEL), (MTP, MTP_MODEL)):  # fmt: skip
         if name.startswith(prefix):
@@ -128,7 +135,7 @@ def _model(name: str, precision: str | None) -> dict:
 def split_name(name: str) -> tuple[str, str | None]:
     """("tp2_sp", "bf16") for "tp2_sp_bf16"; (name, None) without a precision suffix (and
     without a model prefix: "llama_", "mqa_", "moe_", ...)."""
-    bare = name
+    bare = name.removeprefix(MUON)
     for prefix in (DROP, SHARED, LLAMA, MQA, MOE, MLA, MTP_MOE, MTP):
         bare = bare.removeprefix(prefix)
     base, _, suffix = bare.rpartition("_")
@@ -148,6 +155,7 @@ def layout_config(name: str, world_size: int, micro_per_rank: int):
         data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=100),
         training=dict(micro_batch_size=1, global_batch_size=dp * micro_per_rank, **PRECISIONS.get(precision, {}), **recompute),
         parallel=parallel,
+        optimizer=MUON_OPTIMIZER if name.startswith(MUON) else {},
     )
 
 # op name -> (kind, which recorded input holds the full message)

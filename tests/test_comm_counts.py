@@ -1,6 +1,6 @@
 """The collectives of one training iteration, counted on real gloo ranks, equal the formula.
 
-Two torchrun launches (2 and 4 ranks) each build several layouts in turn through the library
+Two torchrun launches (2 and 4 ranks) each build several layouts (Muon's optimizer step too) in turn through the library
 API (tests/comm_counts.py); every rank's counts and message bytes per collective kind must
 equal dtgpt.plan.comm's, for 1 and 4 micro-batches per rank (pipelines: 2 and 4, a schedule
 needs at least pp). Gradients and all-gathers are once per iteration: FSDP's counts do not
@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+
+from dataclasses import replace
 
 import pytest
 
@@ -33,7 +35,7 @@ LAUNCHES = {
         "tp2_sp_full", "drop_tp2_full2", "mla_tp2_sp_up_mlp_ln", "moe_ep2_moe_act", "shared_tp2_sp_moe_act"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
         "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp", "moe_dp2_tp2_sp",
-        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp"],
+        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp", "muon_llama_dp2_tp2_sp", "muon_dp2"],
 }  # fmt: skip
 # Megatron's regime (issue: half the bytes on every link): in these, every collective of at least
 # LARGE elements moves the compute dtype, except FSDP's gradient reductions (fp32 by design).
@@ -57,7 +59,7 @@ def expected(name: str, world: int, rank: int, micro: int) -> dict[str, list[int
     cfg = layout_config(name, world, micro)
     layout = CommLayout.from_config(cfg, world, padded_vocabulary(cfg, 100))
     pp_rank = rank // (world // layout.pp)
-    return totals(rank_collectives(layout, pp_rank, micro))
+    return totals(rank_collectives(layout, pp_rank, micro, shard_rank=rank // layout.tp % layout.shard))
 
 
 def test_counts_equal_the_formula(counted):
@@ -122,6 +124,21 @@ def test_tp_sums_router_and_expert_grads_in_one_bucket(counted):
         assert [(c.what, c.count) for c in bucket] == [("pending tp grad sums, one bucket", 1)]
         measured, want = ranks[0]["counts"]["moe_tp2_sp"]["1"], totals(rank_collectives(layout, 0, 1))
         assert measured["all_reduce"] == want["all_reduce"]
+
+
+def test_muon_moves_each_matrix_once(counted):
+    """--optimizer muon under FSDP (dp2 x tp2 + SP, Llama; dp 4, GPT with its learned position
+    embedding): the optimizer step adds 2 all_to_alls (the rows to their owner and back) and at
+    most 1 all-gather (the owner's matrices over tp), not one collective per matrix; the bytes
+    are the formula's (test_counts_equal_the_formula)."""
+    world, ranks = counted
+    if world != 4:
+        pytest.skip("the Muon layouts run in the 4-rank launch")
+    for name, gathers in (("muon_llama_dp2_tp2_sp", 1), ("muon_dp2", 0)):
+        adam = totals(rank_collectives(replace(_layout(name, 4), muon=False), 0, 1))
+        for counts in ranks:
+            measured = counts["counts"][name]["1"]
+            assert measured["all_to_all"][0] == 2 and measured["all_gather"][0] == adam["all_gather"][0] + gathers, (name, measured)
 
 
 def _layout(name: str, world: int) -> CommLayout:

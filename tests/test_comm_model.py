@@ -104,3 +104,33 @@ def test_mixtral_moves_no_more_than_megatron_but_in_scalars():
     a2a = [(ours, theirs) for _, name, ours, theirs in rows if name == "ep all-to-all"]
     assert len(a2a) == 4 and all(0.99 < ours / theirs <= 1 for ours, theirs in a2a), a2a
     assert all(ours <= theirs for _, name, ours, theirs in rows if name != "scalars"), rows
+
+
+def test_muon_moves_no_more_than_megatron_but_in_scalars():
+    """--optimizer muon on the twin (dp2 x tp2 x pp2) and the 175B layout at 1024 GPUs (dp 8), bf16
+    (Megatron's Muon refuses fp16): against Megatron's dist_muon (plain DDP's all-reduce, the
+    layer-wise all-gather, every tp rank gathering every matrix), dtgpt's reduce-scatter plus its
+    two all_to_alls of the matrices' rows move less than the all-reduce, and its busiest owner
+    gathers over tp at most 1/dp of the matrices plus one (dtgpt/muon_owners.py); the scalars as
+    in the Mixtral test."""
+    script = load_script("comm_vs_megatron")
+    muon = ["--optimizer.optimizer=muon", "--training.fp16=false", "--training.bf16=true"]
+    for config, world, dp in (("gpt3_175b_twin.toml", 8, 2), ("gpt3_175b.toml", 1024, 8)):
+        rows = script.compare(load_config(str(REPO / "configs" / config), muon, check=False), world)
+        assert all(ours <= theirs for _, name, ours, theirs in rows if name != "scalars"), [r for r in rows if r[2] > r[3]]
+        tp = [(ours, theirs) for _, name, ours, theirs in rows if name == "tp muon gathers" and theirs]
+        assert tp and all(ours <= theirs / dp * 1.2 for ours, theirs in tp), tp
+
+
+def test_the_plan_counts_muons_step_beyond_the_activations():
+    """The twin (bf16, short sequences) planned with Muon: every rank's muon_step term is at least what Newton-Schulz
+    holds for the largest matrix (fc1, 4h x h whole in fp32, four times), less the activations that
+    backward freed before the step; Adam's plan has no such term."""
+    bf16 = ["--training.fp16=false", "--training.bf16=true", "--model.seq_length=8", "--training.micro_batch_size=1"]
+    twin = str(REPO / "configs" / "gpt3_175b_twin.toml")
+    adam, muon = (plan_layout(load_config(twin, bf16 + extra, check=False), 8) for extra in ([], ["--optimizer.optimizer=muon"]))
+    h = load_config(twin, []).model.hidden_size
+    assert all(r.memory["muon_step"] == 0 for r in adam.ranks)
+    for r in muon.ranks:
+        nesting = 4 * 4 * (4 * h * h) / 2**30 - r.memory["activations"] - r.memory["pipeline"]
+        assert r.memory["muon_step"] >= nesting > 0, r.memory

@@ -14,6 +14,7 @@ from dtgpt.cli import run_main
 from dtgpt.config import OptimizerConfig, load_config
 from dtgpt.config.muon_rules import COEFFICIENT_TYPES
 from dtgpt.muon import MUON, NEWTON_SCHULZ_COEFFICIENTS, MuonMatrices, MuonWithAdamW
+from dtgpt.muon_owners import owners
 from tests.muon_oracle import load
 
 GROUPS, QUERIES, HEAD = 2, 2, 4  # 2 query groups of 2 query heads, head_dim 4
@@ -167,3 +168,10 @@ def test_refused_muon_settings_are_one_error_line(capfd, args, message):
     code = run_main(["--mock-data", "--optimizer", "muon", *args.split()], None, None)
     err = capfd.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(message) and "Traceback" not in err, err
+
+
+def test_owners_balance_the_matrices_by_size():
+    """dtgpt/muon_owners.py: the largest first, each to the least-loaded shard rank; equal keys spread."""
+    assert owners([(8,), (4,), (4,), (2,), (2,)], 2) == [0, 1, 1, 0, 1]  # 10 elements each
+    assert owners([(1,)] * 6, 4) == [0, 1, 2, 3, 0, 1]
+    assert owners([(5,), (3,)], 4) == [0, 1]

@@ -36,6 +36,7 @@ below counts the rank's s/cp tokens):
   recomputation  a recomputed forward's collectives again: dtgpt.plan.comm_recompute.
   PP  per micro-batch and held stage: 1 send and 1 recv of b·(s/tp under SP)·h·e forward (fp32
                  with fp32_residual_connection), the same backward, except at either end.
+  Muon           its matrices' updates to their owner and back, and over tp: dtgpt.plan.comm_muon.
   MoE, MTP       the experts' all-to-all over ep, their FSDP units over efsdp, and under tp the
                  units that fold tp in: dtgpt.plan.comm_moe; multi-token prediction: comm_mtp.
   per iteration  the split tied embedding: 1 all-reduce of its local gradient (g bytes) on the first
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.config.recompute_rules import selective_modules
-from dtgpt.plan import comm_embedding, comm_mla, comm_moe, comm_mtp, comm_recompute, comm_tp_grads
+from dtgpt.plan import comm_embedding, comm_mla, comm_moe, comm_mtp, comm_muon, comm_recompute, comm_tp_grads
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "recv")
 FP32 = 4
@@ -132,6 +133,7 @@ class CommLayout:
     latent: "comm_mla.Latent | None" = None
     """Multi-latent attention's widths (dtgpt.plan.comm_mla), None for (grouped-query) attention."""
     mtp: int = 0  # multi-token prediction modules on the last stage (dtgpt.plan.comm_mtp)
+    muon: bool = False  # Muon's optimizer step gathers its matrices' updates (dtgpt.plan.comm_muon)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, vocab: int) -> "CommLayout":
@@ -157,7 +159,7 @@ class CommLayout:
             expert_ffn=m.expert_ffn_size, shared_ffn=m.moe_shared_expert_intermediate_size or 0, shared_gate=m.moe_shared_expert_gate,
             ep=p.expert_model_parallel_size, capacity_factor=m.moe_expert_capacity_factor, per_layer_logging=m.moe_per_layer_logging,
             pad_to_capacity=m.moe_pad_expert_input_to_capacity, load_balancing=m.moe_router_load_balancing_type,
-            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None,
+            aux_loss_coeff=m.moe_aux_loss_coeff, z_loss=m.moe_z_loss_coeff is not None, muon=cfg.optimizer.uses_muon,
         )  # fmt: skip
 
     @property
@@ -361,8 +363,9 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
     return out
 
 
-def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collective]:
-    """Every collective a rank at pipeline coordinate pp_rank runs in one iteration."""
+def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int, shard_rank: int | None = None) -> list[Collective]:
+    """Every collective a rank at pipeline coordinate pp_rank runs in one iteration (Muon's
+    depend on its FSDP shard coordinate too: without one, the busiest's)."""
     stages = rank_stages(c, pp_rank)
     return (
         fsdp_collectives(c, stages, n_micro)
@@ -372,6 +375,7 @@ def rank_collectives(c: CommLayout, pp_rank: int, n_micro: int) -> list[Collecti
         + comm_recompute.tp_replay_collectives(c, stages, n_micro, Collective)
         + comm_moe.all_to_all_collectives(c, stages, n_micro, comm_recompute.rerun_moe_layers(c, stages), Collective)
         + comm_moe.sequence_collectives(c, stages, n_micro, comm_recompute.rerun_moe_layers(c, stages), Collective)
+        + comm_muon.muon_collectives(c, stages, block_shapes, Collective, shard_rank)
         + step_collectives(c, stages)
     )
 

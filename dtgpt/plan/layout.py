@@ -32,7 +32,7 @@ from dtgpt.data.tokenizer import build_tokenizer
 from dtgpt.model_size import flops_per_token, mtp_flops_per_token, mtp_parameters, num_parameters, router_flops_per_token
 from dtgpt.config.batch_schedule import BatchSizeSchedule
 from dtgpt.parallel import ParallelDims, uses_compute_copy
-from dtgpt.plan import comm, links
+from dtgpt.plan import comm, comm_muon, links
 from dtgpt.plan import memory as pm
 from dtgpt.plan.activations import (
     ActivationShape,
@@ -160,6 +160,7 @@ def plan_layout(
     shape = ActivationShape.for_config(cfg, padded, dims.tp, dims.cp, scores_kept=not fused_attention)
 
     built_ranks, builds = build_ranks(cfg, world_size, padded, dp_ranks=dp_ranks, all_ranks=all_ranks)
+    layout = comm.CommLayout.from_config(cfg, world_size, padded)
     ranks = []
     for rank, (pp_rank, dp_rank, tp_rank), b, built_as in built_ranks:
         states = pm.state_bytes(
@@ -174,6 +175,10 @@ def plan_layout(
         boundary = shape.sbh / shape.sp_divisor * (shape.residual_bytes or shape.compute_bytes)
         pipeline = pm.pipeline_buffers(b.stage_ids, num_pipeline_stages(cfg)) * boundary
         memory = {**asdict(states), "activations": in_flight * chunk + working, "pipeline": pipeline}
+        # Muon's step, after backward freed the activations: what it holds beyond them (dtgpt.plan.comm_muon)
+        shard_rank = dp_rank % dims.dp_shard * dims.cp
+        muon = comm_muon.step_bytes(layout, b.stage_ids, comm.block_shapes, shard_rank)
+        memory["muon_step"] = max(0.0, muon - memory["activations"] - pipeline)
         memory = {k: val / pm.GIB for k, val in memory.items()}
         memory["total"] = sum(memory.values())
         ranks.append(RankPlan(
@@ -207,7 +212,6 @@ def plan_layout(
         est_days=pm.training_seconds(tokens, hw_fpt, world_size, tflops) / pm.SECONDS_PER_DAY,
         tflops=tflops, tokens=tokens, gpu_memory_gib=gpu_memory_gib, ranks=ranks, builds=builds,
     )  # fmt: skip
-    layout = comm.CommLayout.from_config(cfg, world_size, padded)
     plan.comm = [links.rank_traffic(layout, r, micro, nvlink_gbps, ib_gbps) for r in range(dims.pp)]
     plan.est_comm_s = max(t.seconds for t in plan.comm)
     plan.all_to_all_bytes = [

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 RAMPUP_BUBBLE_WARNING = 0.2
 """Warn when the first ramp-up iterations idle more than this fraction of the time."""
 
-MEMORY_TERMS = ("params", "copies", "grads", "adam", "activations")
+MEMORY_TERMS = ("params", "copies", "grads", "adam", "activations", "muon_step")
 
 
 def _knobs(cfg: Config, dims: "ParallelDims", term: str) -> list[str]:
@@ -197,6 +197,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     m, t, p = cfg.model, cfg.training, cfg.parallel
     mesh = plan.mesh
     precision = "fp16" if t.fp16 else "bf16" if t.bf16 else "fp32"
+    muon = cfg.optimizer.uses_muon
     lines = [
         f"model      {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
         f"vocab {plan.vocab_size} -> {plan.padded_vocab_size} padded: {plan.total_params:,} parameters"
@@ -217,9 +218,9 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         *_comm_lines(plan),
         "",
         f"memory per GPU in GiB (limit {plan.gpu_memory_gib:g}); 'acts': activations of N micro-batches in flight; "
-        "'pipe': the pipeline's receive buffers",
+        "'pipe': the pipeline's receive buffers" + ("; 'muon': Muon's step beyond the activations" if muon else ""),
         f"{'pp':>3} {'dp':>3} {'tp':>5} {'stage':>6} {'layers':>7} {'local params':>15} {'params':>7} {'copies':>7} "
-        f"{'grads':>7} {'adam':>7} {'acts':>7} {'(xN)':>5} {'pipe':>6} {'total':>7}",
+        f"{'grads':>7} {'adam':>7} {'acts':>7} {'(xN)':>5} {'pipe':>6} " + (f"{'muon':>6} " if muon else "") + f"{'total':>7}",
     ]
     for group, r in _merged(plan.ranks):
         mem = r.memory
@@ -229,7 +230,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
             f"{','.join(map(str, r.stage_ids)):>6} "
             f"{_layers(r.layer_ids):>7} {r.local_params:>15,} {mem['params']:>7.2f} {mem['copies']:>7.2f} "
             f"{mem['grads']:>7.2f} {mem['adam']:>7.2f} {mem['activations']:>7.2f} {'x' + str(r.in_flight):>5} {mem.get('pipeline', 0.0):>6.2f} "
-            f"{r.memory_gib:>7.2f}{flag}"
+            + (f"{mem['muon_step']:>6.2f} " if muon else "") + f"{r.memory_gib:>7.2f}{flag}"
         )
     lines.append(f"({plan.builds} distinct ranks built on the fake process group; rows equal but for tp are merged)")
     lines += [f"note: {n}" for n in plan.notes]
