@@ -36,7 +36,7 @@ def owners(sizes: list[tuple[int, ...]], ranks: int) -> list[int]:
     return out
 
 
-class Piece(NamedTuple):
+class UpdateShard(NamedTuple):
     """One parameter's update as FSDP shards it: the local rows of its tp-local matrix."""
 
     local: torch.Tensor
@@ -57,12 +57,12 @@ def _shards(placement) -> bool:
     return not (placement.is_replicate() or placement.is_partial())
 
 
-def piece(u: DTensor) -> Piece:
+def update_shard(u: DTensor) -> UpdateShard:
     names = u.device_mesh.mesh_dim_names
     tp = next((p for n, p in zip(names, u.placements) if n == "tp" and p.is_shard()), None)
     tp_size = u.device_mesh.size(names.index("tp")) if tp is not None else 1
     rows = u.shape[0] // tp_size if tp is not None and tp.dim == 0 else u.shape[0]
-    return Piece(u.to_local(), rows, tp.dim if tp is not None else None)
+    return UpdateShard(u.to_local(), rows, tp.dim if tp is not None else None)
 
 
 def _rows_of(rows: int, n: int, rank: int) -> int:
@@ -90,7 +90,7 @@ def orthogonalise_owned(
     first = units[0][0]
     mesh, f = first.device_mesh, shard_mesh_dim(first)
     tp_group, tp, tp_rank = _tp_of([u for unit in units for u in unit])
-    pieces = [[piece(u) for u in unit] for unit in units]
+    pieces = [[update_shard(u) for u in unit] for unit in units]
     owner = owners([matrix_key([(p.rows, p.local.size(1), tp if p.tp_dim is not None else 1) for p in ps]) for ps in pieces], mesh.size(f))
     x = _Exchange(pieces, owner, mesh.get_group(f), mesh.get_local_rank(f))
     mine = x.owned_by(x.me)
@@ -106,14 +106,14 @@ class _Exchange:
     """The matrices' rows between the n shard ranks (`pieces` per matrix, `owner` per matrix): in
     each message every piece's rows padded to ceil(rows / n), ordered by owner then matrix."""
 
-    def __init__(self, pieces: list[list[Piece]], owner: list[int], group, me: int):
+    def __init__(self, pieces: list[list[UpdateShard]], owner: list[int], group, me: int):
         self.pieces, self.owner, self.group, self.me = pieces, owner, group, me
         self.n = dist.get_world_size(group)
 
     def owned_by(self, rank: int) -> list[int]:
         return [i for i, o in enumerate(self.owner) if o == rank]
 
-    def pad(self, p: Piece) -> int:
+    def pad(self, p: UpdateShard) -> int:
         return -(-p.rows // self.n)
 
     def size(self, matrices: list[int]) -> int:
@@ -170,7 +170,7 @@ def _all_to_all(x: torch.Tensor, send_sizes: list[int], receive_sizes: list[int]
     return out
 
 
-def _gathered_over_tp(tp_local: dict, pieces: list[list[Piece]], tp: int, group) -> dict:
+def _gathered_over_tp(tp_local: dict, pieces: list[list[UpdateShard]], tp: int, group) -> dict:
     """The tp-local matrices whole: one all-gather over tp of those tp shards (Megatron's
     duplicated mode, coalesced), the rest as they are."""
     sharded = [key for key in tp_local if pieces[key[0]][key[1]].tp_dim is not None]

@@ -13,7 +13,8 @@ import math
 import pytest
 
 from dtgpt.checkpoint.megatron import buckets
-from dtgpt.checkpoint.megatron.buckets import LAYER_ORDERS, PARAM_ALIGNMENT, Parallel, Piece, bucket_layout, fit, rank_pieces, stage_order
+from dtgpt.checkpoint.megatron.buckets import PARAM_ALIGNMENT, Parallel, Piece, bucket_layout, fit, rank_pieces, stage_order
+from dtgpt.checkpoint.megatron.layer_orders import LAYER_ORDERS
 from dtgpt.checkpoint.megatron.distrib_optim import bucket_lengths
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX
 from dtgpt.checkpoint.megatron.reader import MegatronReader

@@ -1,6 +1,6 @@
 """The transformer blocks of megatron-core's grad buffer, whatever their keys (buckets.py's layers).
 
-A block's parameters sit in the buffer in its layer spec's order (buckets.LAYER_ORDERS) under one
+A block's parameters sit in the buffer in its layer spec's order (layer_orders.LAYER_ORDERS) under one
 of three kinds of stored key:
 - `decoder.layers.<name>`: the decoder layers stacked on a leading axis (every layer alike);
 - `decoder.layers.<i>.<name>`: each layer apart (megatron-core keeps them so when the layers
@@ -34,7 +34,7 @@ class KeyBlock(NamedTuple):
 
 def generic(key: str) -> str:
     """A block's key under the stacked decoder name (`decoder.layers.<name>`) and an MTP depth's
-    own under `mtp.layers.<name>`, which the split tables (buckets.TP_DIM, ...) know; any other key unchanged."""
+    own under `mtp.layers.<name>`, which the split tables (layer_orders.TP_DIM, ...) know; any other key unchanged."""
     if (found := PER_LAYER.match(key)) is not None:
         return "decoder.layers." + key[found.end():]
     if (found := MTP_DEPTH.match(key)) is not None:

@@ -47,6 +47,9 @@ from dtgpt.checkpoint.megatron.expert_buckets import (
     EXPERT_ORDERS, EXPERT_TP_DIM, EXPERTS, ExpertSplit, expert_checks, expert_entries, is_expert_key, num_experts, rank_split,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.grad_buffers import buckets_of, grad_buffers
+from dtgpt.checkpoint.megatron.layer_orders import (
+    AFTER, BEFORE, BUFFERS, FINAL_NORM, LAYER_ORDERS, MLA_TE, MTP_EMBEDDING_COPY, TIED_HEAD, TP_DIM, swiglu_keys,
+)  # fmt: skip
 from dtgpt.checkpoint.megatron.regions import read_regions
 
 PARAM_ALIGNMENT = 64  # elements: where megatron-core's distributed optimizer starts each parameter
@@ -55,73 +58,6 @@ PARAM_ALIGNMENT = 64  # elements: where megatron-core's distributed optimizer st
 def aligned(position: int) -> int:
     """The first place at or after `position` where megatron-core's grad buffer starts a parameter."""
     return -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
-
-_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
-_INPUT_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
-_MLA_INPUT_NORM = ("input_layernorm.weight", "input_layernorm.bias")  # a module of its own before MLA, under either spec
-_MLA_LOCAL = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
-              "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight")  # fmt: skip
-_MLA_TE = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
-           "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.layer_norm_bias",
-           "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
-           "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.layer_norm_bias",
-           "self_attention.linear_kv_up_proj.weight")  # fmt: skip
-"""Multi-latent attention's projections after linear_proj (q_proj with no q_lora_rank, else q down
-and up), by spec: the local spec's compressed-vector norms are modules after them (in _REST),
-Transformer Engine's fused into the up-projections (each norm registered before its weight)."""
-_REST = (
-    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-    "self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias",  # MLA's, local spec
-    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",  # an MoE layer's, under the Transformer Engine spec
-    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
-    "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
-    # an MoE layer's MLP: the router, the routed experts (EXPERTS: expert_buckets.py), the shared expert
-    "mlp.router.weight", "mlp.router.bias", EXPERTS,
-    "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.bias",
-    "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.bias",
-)  # fmt: skip
-LAYER_ORDERS = {
-    "local": (*_INPUT_NORM, *_MLA_INPUT_NORM, *_ATTENTION, *_MLA_LOCAL, *_REST),
-    "transformer_engine": (*_MLA_INPUT_NORM, *_ATTENTION, *_INPUT_NORM, *_MLA_TE, *_REST),
-}
-"""A GPT layer's parameters in megatron-core's module order, by layer spec, with multi-head or
-multi-latent attention (MLA's local order measured on megatron-core 0.16.1; a layer holds one
-attention's keys, the others are absent)."""
-MLA_KEYS = frozenset(_MLA_INPUT_NORM + _MLA_LOCAL + _MLA_TE + ("self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias"))
-BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
-FINAL_NORM = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
-AFTER = (*FINAL_NORM, "output_layer.weight")  # the MTP depths between the final norm and the head (bucket_blocks.py)
-BUFFERS = ("decoder.layers.mlp.router.expert_bias",)  # saved with the model, outside the optimizer (by generic key)
-TIED_HEAD = "output_layer.weight"  # at pp > 1 the last stage's copy of a tied embedding: never read
-MTP_EMBEDDING_COPY = "mtp embedding copy"  # at pp > 1 the last stage's word embedding for its MTP block: never read
-
-TP_DIM = {
-    "embedding.word_embeddings.weight": 0, "output_layer.weight": 0,  # vocabulary-parallel rows
-    "decoder.layers.self_attention.linear_qkv.weight": 0, "decoder.layers.self_attention.linear_qkv.bias": 0,
-    "decoder.layers.mlp.linear_fc1.weight": 0, "decoder.layers.mlp.linear_fc1.bias": 0,  # column-parallel
-    "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
-    "decoder.layers.mlp.shared_experts.linear_fc1.weight": 0, "decoder.layers.mlp.shared_experts.linear_fc1.bias": 0,
-    "decoder.layers.mlp.shared_experts.linear_fc2.weight": 1,  # an MoE layer's shared expert, split as the dense MLP
-    # multi-latent attention's projections are column-parallel (the down-projections under the local spec;
-    # Transformer Engine's keeps them whole: not mapped at tp > 1), as is an MTP depth's eh_proj
-    "decoder.layers.self_attention.linear_q_proj.weight": 0, "decoder.layers.self_attention.linear_q_down_proj.weight": 0,
-    "decoder.layers.self_attention.linear_q_up_proj.weight": 0, "decoder.layers.self_attention.linear_kv_down_proj.weight": 0,
-    "decoder.layers.self_attention.linear_kv_up_proj.weight": 0, "mtp.layers.eh_proj.weight": 0,
-}  # fmt: skip
-"""The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
-QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
-SWIGLU_FC1 = {f"decoder.layers.mlp.{mlp}linear_fc1": f"decoder.layers.mlp.{mlp}linear_fc2.weight"
-              for mlp in ("", "shared_experts.", "experts.experts.")}
-"""Each linear_fc1 (weight and bias) whose rows are SwiGLU's [gate; up] when they are twice its linear_fc2's columns."""
-
-
-def swiglu_keys(shapes: dict) -> set[str]:
-    """The linear_fc1 weights and biases of `shapes` whose rows are [gate; up] (SWIGLU_FC1), of any block."""
-    fc1s = [key.removesuffix(".weight") for key in shapes if generic(key).removesuffix(".weight") in SWIGLU_FC1]
-    gated = [fc1 for fc1 in fc1s if shapes[f"{fc1}.weight"][-2] == 2 * shapes.get(fc1.removesuffix("fc1") + "fc2.weight", (0,))[-1]]
-    return {f"{fc1}.{kind}" for fc1 in gated for kind in ("weight", "bias")}
 
 Param = tuple[str, int | None]  # (Megatron key, layer or None)
 
@@ -372,7 +308,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
-    fused = any(generic(k).removeprefix("decoder.layers.") in _MLA_TE and k.endswith("layer_norm_weight") for k in model_keys)
+    fused = any(generic(k).removeprefix("decoder.layers.") in MLA_TE and k.endswith("layer_norm_weight") for k in model_keys)
     if fused and parallel.tp > 1:  # Transformer Engine's spec keeps the down-projections whole: not measured
         return None, f"its multi-latent attention was saved under Transformer Engine's names at tp {parallel.tp}, whose buckets dtgpt maps at tp 1 only"
     if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # the last stage's head and copies: not measured

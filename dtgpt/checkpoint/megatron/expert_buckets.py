@@ -16,7 +16,7 @@ Either way each expert's tensors are whole at expert tp (etp) 1 (at ep 1 each tp
 keeps a copy: tp rank 0's is read), or at etp = tp split as the dense MLP's (EXPERT_TP_DIM: fc1 rows, SwiGLU's
 as [gate shard; up shard], fc2 columns) over the expert tp ranks. Megatron's default is etp = tp;
 other etp are not mapped. The router and the shared expert's gate are whole on every tp rank, the
-shared expert split as the dense MLP (buckets.TP_DIM).
+shared expert split as the dense MLP (layer_orders.TP_DIM).
 Within a layer the experts follow their module's parameter order (EXPERT_ORDERS): SequentialMLP
 keeps one MLP per expert (fc1, then fc2), TEGroupedMLP one grouped linear per projection (every
 expert's fc1, then every expert's fc2). Both are tried, as the layer specs are. The stored tensor
@@ -32,7 +32,7 @@ from typing import NamedTuple
 from dtgpt.checkpoint.megatron.bucket_blocks import KeyBlock, generic, in_checked_block
 
 EXPERTS = "mlp.experts.experts"
-"""Where a layer order (buckets.LAYER_ORDERS) places the layer's routed experts."""
+"""Where a layer order (layer_orders.LAYER_ORDERS) places the layer's routed experts."""
 EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."
 _PROJECTIONS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 EXPERT_ORDERS = {

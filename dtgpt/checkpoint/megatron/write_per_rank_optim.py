@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from dtgpt.checkpoint.megatron.buckets import AFTER, BEFORE, LAYER_ORDERS, MLA_KEYS
+from dtgpt.checkpoint.megatron.layer_orders import AFTER, BEFORE, LAYER_ORDERS, MLA_KEYS
 from dtgpt.checkpoint.megatron.keys import LOCAL_NORM_NAMES
 from dtgpt.checkpoint.megatron.per_rank_optim import param_class, parameters
 from dtgpt.config import Config
