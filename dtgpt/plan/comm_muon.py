@@ -30,11 +30,14 @@ Memory at the step (dtgpt.plan.layout's muon_step term, what it holds beyond the
 that backward has freed): 4·(O_tp + O_whole + 2·R + 4·W) bytes, with O_tp and O_whole the owned
 matrices tp-local and whole (received, then gathered over tp), R a rank's padded rows of every
 matrix (the two all_to_all buffers), W the largest owned whole matrix (Newton-Schulz's iterate,
-its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W.
+its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W. An
+MoE layer's experts step first, one stacked weight at a time: 4·5·S for the largest stack S
+(E/ep experts whole, and the batched iteration's working set), if more than the above.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from dtgpt.muon_owners import matrix_key, owners
@@ -136,11 +139,13 @@ def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None
     units, mine = owned_units(c, stages, block_shapes, shard_rank)
     wholes = [sum(whole(p, c.tp) for p in u) for u in (mine if c.fsdp_applied else units)]
     largest = max(wholes, default=0)
+    stacks = [math.prod(s) for s in comm_moe.expert_shapes(c)[:2]] if comm_moe.moe_layers_held(c, stages) else []
+    experts = FP32 * 5 * max(stacks, default=0)  # one stacked weight at a time, before the rest
     if not c.fsdp_applied:
-        return FP32 * 5 * largest
+        return max(experts, FP32 * 5 * largest)
     owned_tp = sum(p.rows * p.cols for u in mine for p in u)
     rows = sum(-(-p.rows // c.shard) * p.cols for u in units for p in u)
-    return FP32 * (owned_tp + sum(wholes) + 2 * rows + 4 * largest)
+    return max(experts, FP32 * (owned_tp + sum(wholes) + 2 * rows + 4 * largest))
 
 
 def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank: int | None = None) -> list:
