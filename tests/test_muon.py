@@ -1,8 +1,10 @@
 """Megatron's --optimizer muon (dtgpt/muon.py) against megatron-core 0.16.1's TensorParallelMuon on
 emerging-optimizers 0.3.0 (tests/muon_oracle.py), one process: the same matrices and gradients,
-a few steps, the same final parameters. Which parameters take Muon is compared with megatron-core's
-builder on its GPTModel in tests/test_megatron_family.py; every layout against one process in
-tests/test_parity.py; the refusals in tests/test_muon_config.py.
+a few steps, the same final parameters (an MoE layer's stacked experts against megatron-core's
+matrix per expert too). Which parameters take Muon is compared with megatron-core's builder on
+its GPTModel in tests/test_megatron_family.py and on its MLA + MoE model in
+tests/test_megatron_mla_checkpoint.py; every layout against one process in tests/test_parity.py
+and tests/test_parity_deepseek.py; the refusals below.
 """
 
 from __future__ import annotations

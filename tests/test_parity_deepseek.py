@@ -6,7 +6,7 @@ multi-latent attention (compressed query, norms, YaRN), one dense block then thr
 (configs/deepseek_v3_twin.toml itself, whose model is this one), on pp2 with full recomputation,
 and on cp2 (FSDP over the cp ranks; the prediction module's shifted tokens and labels cross the
 cp chunks) with selective recomputation; and the attention alone with its query projected in one, on tp2 without sequence
-parallelism and on tp2 + SP with 2 sequences per micro-batch: the loss, the gradient norm
+parallelism (also under Megatron's Muon) and on tp2 + SP with 2 sequences per micro-batch: the loss, the gradient norm
 and the router's loss of every iteration, the tokens per expert, and every parameter after the
 last (tests/parity_oracle.py, relative 1e-5). Its checkpoints are mesh-free: the pp2 run's of
 iteration 3 continues on tp2 + SP x ep2 as the one-process run does. One launch per rank count
