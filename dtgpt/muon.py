@@ -14,11 +14,23 @@ orientation. The matrices are Megatron's: with muon_split_qkv the fused QKV weig
 rows, value rows; SwiGLU's gate and fc1, two weights in dtgpt, are one, Megatron's linear_fc1
 [gate; fc1].
 
+An MoE layer's experts (dtgpt.moe.experts: fc1_weight (E, rows, h), fc2_weight (E, h, ffn)) are
+E matrices each, megatron-core's per-expert linear_fc1 and linear_fc2 (SwiGLU's [gate; fc1] is
+already one): Newton-Schulz runs batched over the expert axis, each slice normalised alone and
+scaled by one expert's shape; the experts' biases keep AdamW. The router's weight (E, h) and the
+shared expert's are plain matrices. Multi-latent attention's projections (linear_q_proj, or
+linear_q_down_proj and linear_q_up_proj; linear_kv_down_proj, linear_kv_up_proj, linear_proj)
+are plain matrices too, none split: megatron-core splits only linear_qkv.
+
 Layouts: NS needs the whole matrix. Under FSDP each matrix has one owner among the shard ranks:
 its rows travel there, the owner orthogonalises it and sends each rank its rows back, in one
 all_to_all each way for all matrices (dtgpt/muon_owners.py). Over tp (alone, or on the owner)
 every tp rank gathers the whole matrix and orthogonalises it: Megatron's 'duplicated' mode. The
 result is the whole matrix's whatever the mesh. The momentum buffer is sharded as the parameter.
+The experts are sharded whole (over ep, or by FSDP without ep) except where FSDP splits each
+expert's rows (over efsdp under ep): there every rank gathers its ep rank's experts whole and
+orthogonalises them (megatron-core's layout: each expert-data-parallel rank holds and
+orthogonalises its ep rank's experts whole), and keeps its rows.
 """
 
 from __future__ import annotations
@@ -57,9 +69,18 @@ REPEAT_LAST = ("polar_express", "cans", "deepseekv4")
 NORM_EPS = 1e-7
 
 
+EXPERT_MATRICES = ("experts.fc1_weight", "experts.fc2_weight")
+"""An MoE layer's stacked expert weights (dtgpt.moe.experts): E matrices each, one per expert."""
+EXPERT_BIASES = ("experts.fc1_bias", "experts.fc2_bias")
+"""Their biases, 2-D only as stacks of E vectors."""
+
+
 def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
-    """megatron-core's rule: a 2-D weight that is neither the word embedding nor the output layer."""
-    return param.ndim == 2 and not is_embedding_or_output(name)
+    """megatron-core's rule: a 2-D weight that is neither the word embedding nor the output layer;
+    each expert's weight is one (stacked: 3-D), each expert's bias is not (stacked: 2-D)."""
+    if name.endswith(EXPERT_MATRICES):
+        return True
+    return param.ndim == 2 and not is_embedding_or_output(name) and not name.endswith(EXPERT_BIASES)
 
 
 class MuonMatrices(NamedTuple):
@@ -86,17 +107,19 @@ def coefficients(kind: str, steps: int) -> Iterator[tuple[float, float, float]]:
 
 
 def newton_schulz(x: torch.Tensor, steps: int, kind: str) -> torch.Tensor:
-    """The orthogonalisation of the fp32 matrix x (about U V^T of its SVD). Under torch's 'medium'
-    float32 matmul precision the iteration runs in bf16, as emerging-optimizers runs it."""
+    """The orthogonalisation of the fp32 matrix x (about U V^T of its SVD), or of each matrix of a
+    stack x (E, rows, cols) alone. Under torch's 'medium' float32 matmul precision the iteration
+    runs in bf16, as emerging-optimizers runs it."""
     transpose = x.size(-2) > x.size(-1)  # iterate on the smaller Gram matrix
     x = x.mT if transpose else x
-    X = F.normalize(x, p=2, dim=(-2, -1), eps=NORM_EPS)
+    X = F.normalize(x, p=2, dim=(-2, -1), eps=NORM_EPS)  # each matrix by its own Frobenius norm
     if torch.get_float32_matmul_precision() == "medium":
         X = X.to(torch.bfloat16)
+    add_product = torch.addmm if X.ndim == 2 else torch.baddbmm
     for a, b, c in coefficients(kind, steps):
         A = X @ X.mT
-        B = torch.addmm(A, A, A, alpha=c, beta=b)
-        X = torch.addmm(X, B, X, alpha=1.0, beta=a)
+        B = add_product(A, A, A, alpha=c, beta=b)
+        X = add_product(X, B, X, alpha=1.0, beta=a)
     X = X.to(torch.float32)
     return X.mT if transpose else X
 
@@ -164,12 +187,18 @@ class MuonWithAdamW(torch.optim.AdamW):
                 buf.lerp_(p.grad, 1 - m)
                 updates[id(p)] = p.grad.lerp(buf, m) if self.muon.muon_nesterov else buf
             units = [p for p in group["params"] if id(p) in updates and id(p) not in self.gates]  # a gate steps with its fc1
+            for p in (p for p in units if p.ndim == 3):  # an MoE layer's experts, a matrix each
+                p.add_(self._orthogonal_experts(updates[id(p)]), alpha=-lr)
+            units = [p for p in units if p.ndim == 2]
             stacks = [self._stack(p) for p in units]
             owned = [i for i, p in enumerate(units) if shard_mesh_dim(updates[id(p)]) is not None]
-            if owned:  # FSDP-sharded: each matrix orthogonalised once, by its owner (dtgpt/muon_owners.py)
-                local = orthogonalise_owned([[updates[id(q)] for q in stacks[i]] for i in owned],
-                                            lambda k, wholes: self._orthogonal_whole(units[owned[k]], wholes))  # fmt: skip
-                for i, orths in zip(owned, local):
+            # FSDP-sharded: each matrix orthogonalised once, by its owner (dtgpt/muon_owners.py), the
+            # owners chosen among the ranks of its mesh (an MoE layer's router may have its own)
+            for mesh in dict.fromkeys(updates[id(units[i])].device_mesh for i in owned):  # in one order on every rank
+                on_mesh = [i for i in owned if updates[id(units[i])].device_mesh == mesh]
+                local = orthogonalise_owned([[updates[id(q)] for q in stacks[i]] for i in on_mesh],
+                                            lambda k, wholes, on_mesh=on_mesh: self._orthogonal_whole(units[on_mesh[k]], wholes))  # fmt: skip
+                for i, orths in zip(on_mesh, local):
                     for q, orth in zip(stacks[i], orths):
                         q.to_local().add_(orth, alpha=-lr)
             for i in sorted(set(range(len(units))) - set(owned)):
@@ -195,6 +224,19 @@ class MuonWithAdamW(torch.optim.AdamW):
             whole = torch.cat(full) if len(full) > 1 else full[0]
             orth = self._scaled(whole) if split is None else self._split_qkv(whole, split)
         return list(torch.split(orth, [f.size(0) for f in full]))
+
+    def _orthogonal_experts(self, u: torch.Tensor) -> torch.Tensor:
+        """The scaled orthogonal update of each expert's matrix in the stack u (E, rows, cols),
+        sharded as u: experts whole where they are split (Shard(0): ep, or FSDP without ep), each
+        expert's rows gathered where FSDP splits them (module doc)."""
+        with float32_matmul_precision(self.muon.muon_fp32_matmul_prec):
+            if not isinstance(u, DTensor):
+                return self._scaled(u)
+            mesh = u.device_mesh
+            whole_experts = [p if p.is_shard(0) else Replicate() for p in u.placements]
+            orth = self._scaled(u.redistribute(mesh, whole_experts).to_local())
+            whole = DTensor.from_local(orth, mesh, whole_experts, run_check=False, shape=u.shape, stride=u.stride())
+            return whole.redistribute(mesh, u.placements)  # this rank's rows: no communication
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         o = self.muon

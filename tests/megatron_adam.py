@@ -60,6 +60,9 @@ BATCH = 8
 
 
 def patch_for_optimizer() -> None:
+    if getattr(torch.Tensor.type, "patched_for_optimizer", False):  # once per process: the patches wrap
+        return
+
     def on_cpu(factory):
         @functools.wraps(factory)
         def make(*args, **kwargs):
@@ -76,6 +79,7 @@ def patch_for_optimizer() -> None:
     def cuda_type(self, *args, **kwargs):
         return tensor_type(self, *args, **kwargs) if args or kwargs else tensor_type(self).replace("torch.", "torch.cuda.", 1)
 
+    cuda_type.patched_for_optimizer = True
     torch.Tensor.type = cuda_type
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     # megatron-core 0.19's grad sync asks for the current CUDA stream to wait on CUDA-graph

@@ -28,6 +28,7 @@ block, as the last layer), its router weights, expert biases and norms drawn wid
   rank loads its own with a strict load_state_dict and writes ROOT/loaded_per_rank_*.pt likewise;
 - at pp 2, its stages' per-rank files (pipeline_stages below), and given ROOT/from_dtgpt_tied_pp2
   (dtgpt's model with a tied head, to-megatron --pp 2) its tied stages' logits (tied_stages);
+- which parameters megatron-core's Muon builder gives Muon, ROOT/muon_params.json (tests/megatron_muon.py);
 - with its distributed optimizer at ep 2, a checkpoint carrying Adam state and the next step's
   (ROOT/megatron_adam, ROOT/megatron_adam_stepped: tests/megatron_mla_adam.py).
 
@@ -220,6 +221,7 @@ def main(root: Path) -> None:
     from megatron.core.transformer.moe import moe_utils
 
     from tests.megatron_mla_adam import adam_oracle  # it builds on this module's model
+    from tests.megatron_muon import write_mla_moe_muon_params
 
     patch_megatron()
     moe_utils.te_general_gemm = None
@@ -256,6 +258,7 @@ def main(root: Path) -> None:
         own = iteration_dir(per_rank) / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
         other.load_state_dict(torch.load(own, weights_only=False)["model"], strict=True)
         record(other, root, "loaded_per_rank_")
+    write_mla_moe_muon_params(build(tp, 7, te_names=False), root / "muon_params.json")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     pipeline_stages(root, state)

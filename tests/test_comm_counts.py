@@ -31,11 +31,12 @@ LAUNCHES = {
     2: ["dp2", "dp2_zero3", "tp2", "tp2_sp", "pp2_1f1b", "pp2_interleaved", "cp2",
         "dp2_bf16", "dp2_bf16r", "tp2_sp_bf16", "pp2_1f1b_bf16", "cp2_bf16", "dp2_fp16", "tp2_sp_fp32", "pp2_1f1b_fp32", "llama_tp2",
         "mqa_tp2", "moe_ep2", "moe_ep2_full", "moe_tp2_sp", "mla_tp2_sp", "mla_cp2", "mtp_dp2", "mtp_cp2", "mtp_pp2_1f1b",
-        "mtp_tp2", "mtp_tp2_sp", "mtp_moe_ep2", "mtp_moe_tp2_sp",
+        "mtp_tp2", "mtp_tp2_sp", "mtp_moe_ep2", "mtp_moe_tp2_sp", "muon_mla_tp2_sp",
         "tp2_sp_full", "drop_tp2_full2", "mla_tp2_sp_up_mlp_ln", "moe_ep2_moe_act", "shared_tp2_sp_moe_act"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
         "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp", "moe_dp2_tp2_sp",
-        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp", "muon_llama_dp2_tp2_sp", "muon_dp2"],
+        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp", "muon_llama_dp2_tp2_sp", "muon_dp2",
+        "muon_shared_ep2_tp2_sp"],
 }  # fmt: skip
 # Megatron's regime (issue: half the bytes on every link): in these, every collective of at least
 # LARGE elements moves the compute dtype, except FSDP's gradient reductions (fp32 by design).

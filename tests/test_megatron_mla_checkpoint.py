@@ -28,11 +28,14 @@ from dtgpt.checkpoint import CheckpointError, layout
 from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
-from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, full_model_shapes, is_buffer, stored_alias
+from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX, full_model_shapes, is_buffer, megatron_name, stored_alias
 from dtgpt.checkpoint.megatron.reader import MegatronReader
-from dtgpt.config import ModelConfig
+from dtgpt.config import ModelConfig, OptimizerConfig
 from dtgpt.data.batch import IGNORE_INDEX
+from dtgpt.model import GPT
 from dtgpt.mtp import depth_labels
+from dtgpt.muon import MUON, muon_matrices
+from dtgpt.optim import build_optimizer
 from tests.megatron_adam import ADAM
 from tests.megatron_gpt import CONSUMED, ITERATION, VOCAB, labels, tokens
 from tests.megatron_mla_adam import SCHEDULE
@@ -106,6 +109,29 @@ def mla_root(tmp_path_factory) -> Path:
     torch.save(first_batch(), root / "batch.pt")  # megatron-core's losses on it: batch_losses.pt
     launch(SCRIPT, root)
     return root
+
+
+@pytest.mark.slow
+def test_dtgpt_gives_muon_the_matrices_megatron_cores_builder_gives_it_on_mla_and_moe(mla_root):
+    """megatron-core's get_megatron_muon_optimizer on its MLA + MoE model (tests/megatron_muon.py, in
+    this launch) against dtgpt's build_optimizer on the same model: the same matrices take Muon (the
+    latent attention's projections, none split as QKV; the router; the shared expert; the
+    prediction module's), and each stacked expert weight is as many matrices as megatron-core's
+    SequentialMLP has experts."""
+    found = mla_root / "muon_params.json"
+    if not found.exists():
+        pytest.skip("megatron-core's Muon builder needs emerging-optimizers (make setup) and megatron-core 0.16.1")
+    megatron = json.loads(found.read_text())
+    with torch.device("meta"):
+        model = GPT(model_cfg(), ROWS)
+    names = {id(p): name for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model.named_parameters(), OptimizerConfig(optimizer="muon"), matrices=muon_matrices(model))
+    muon = [p for g in optimizer.param_groups if g.get(MUON) for p in g["params"]]
+    ours = {megatron_name(names[id(p)], mla=True, per_layer=True)[0]: p for p in muon}  # gate and fc1: linear_fc1
+    assert sorted(ours) == sorted(set(megatron["muon"])) and megatron["qkv"] == []
+    assert {name: ours[name].shape[0] for name in ours if ours[name].ndim == 3} == megatron["experts"]
+    assert set(megatron["experts"].values()) == {EXPERTS} and "decoder.layers.1.mlp.router.weight" in ours
+    assert "decoder.layers.1.self_attention.linear_kv_down_proj.weight" in ours
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
 """Megatron's --optimizer muon (dtgpt/muon.py) against megatron-core 0.16.1's TensorParallelMuon on
 emerging-optimizers 0.3.0 (tests/muon_oracle.py), one process: the same matrices and gradients,
-a few steps, the same final parameters. Which parameters take Muon is compared with megatron-core's
-builder on its GPTModel in tests/test_megatron_family.py; every layout against one process in
-tests/test_parity.py; the refusals in tests/test_muon_config.py.
+a few steps, the same final parameters (an MoE layer's stacked experts against megatron-core's
+matrix per expert too). Which parameters take Muon is compared with megatron-core's builder on
+its GPTModel in tests/test_megatron_family.py and on its MLA + MoE model in
+tests/test_megatron_mla_checkpoint.py; every layout against one process in tests/test_parity.py
+and tests/test_parity_deepseek.py; the refusals below.
 """
 
 from __future__ import annotations
@@ -135,6 +137,43 @@ def test_swiglu_gate_and_fc1_step_as_megatrons_one_linear_fc1():
     torch.testing.assert_close(ours["fc2"], theirs["fc2"], rtol=1e-6, atol=1e-7)
 
 
+EXPERTS = 4
+
+
+@pytest.mark.parametrize("case", ["defaults", "options_fp32"])
+def test_stacked_experts_step_as_megatron_cores_one_matrix_per_expert(case):
+    """dtgpt stacks an MoE layer's experts (fc1 (E, 2 ffn, h) with SwiGLU's [gate; fc1], fc2
+    (E, h, ffn)); megatron-core's SequentialMLP holds each expert's linear_fc1 and linear_fc2 as
+    matrices of their own. Three steps: each expert's slice is megatron-core's matrix (scaled by
+    one expert's shape, normalised alone), batched Newton-Schulz against one matrix at a time."""
+    cfg = OptimizerConfig(optimizer="muon", **CASES[case])
+    g = torch.Generator().manual_seed(1)
+    stacks = {"fc1": torch.randn(EXPERTS, 2 * 12, HIDDEN, generator=g), "fc2": torch.randn(EXPERTS, HIDDEN, 12, generator=g)}
+    stacks["fc2"][1] *= 50  # an expert far from the others: normalised alone, not by the stack's norm
+    per_expert = {f"{name}.{e}": stack[e] for name, stack in stacks.items() for e in range(EXPERTS)}
+
+    def ours_build(params):
+        mine = {name: torch.nn.Parameter(stack.clone()) for name, stack in stacks.items()}
+        inner = MuonWithAdamW([{"params": list(mine.values()), "weight_decay": WD, MUON: True}], muon=cfg,
+                              matrices=MuonMatrices({}, {}), lr=LR, weight_decay=WD)  # fmt: skip
+
+        class Stacked:  # the experts' gradients stacked in, each expert's slice handed back out
+            def step(self):
+                for name, p in mine.items():
+                    p.grad = torch.stack([params[f"{name}.{e}"].grad for e in range(EXPERTS)])
+                inner.step()
+                for key, param in params.items():
+                    name, e = key.split(".")
+                    param.data = mine[name].detach()[int(e)].clone()
+
+        return Stacked()
+
+    ours, theirs = train(ours_build, per_expert), train(megatron_core(cfg), per_expert)
+    for key in per_expert:
+        assert not torch.equal(theirs[key], per_expert[key])
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-6, atol=1e-6, msg=f"{case}: {key}")
+
+
 def test_megatron_muon_flags_set_the_keys():
     """A Megatron Muon launch line: every --muon-* flag lands on its key; dist_muon and
     --use-distributed-optimizer are muon; core 0.16's --muon-use-nesterov is --muon-nesterov."""
@@ -156,13 +195,11 @@ def test_megatron_muon_flags_set_the_keys():
         ("--muon-scalar-optimizer lion", "error: --muon-scalar-optimizer lion is refused: dtgpt trains what Muon does not take"),
         ("--muon-fp32-matmul-prec low", "error: --muon-fp32-matmul-prec low is refused: torch's float32 matmul precision is 'medium'"),
         ("--fp16", "error: --optimizer muon is refused with --fp16: Megatron's Muon has no loss scaling"),
-        ("--num-experts 4", "error: --optimizer muon is refused with --num-experts 4: dtgpt stacks the experts' weights"),
-        ("--multi-latent-attention --position-embedding-type rope", "error: --optimizer muon is refused with --multi-latent-attention: Muon on multi-latent"),
         ("--muon-coefficient-type custom", "error: --muon-coefficient-type custom is not one of: 'simple', 'quintic'"),
         ("--muon-num-ns-steps 0", "error: --muon-num-ns-steps 0 must be >= 1"),
         ("--muon-momentum 1.0", "error: --muon-momentum 1.0 must be in [0, 1)"),
     ],
-    ids=["blockwise-tp2", "lion-scalar", "prec-low", "fp16", "moe", "mla", "custom-coefficients", "ns-steps", "momentum"],
+    ids=["blockwise-tp2", "lion-scalar", "prec-low", "fp16", "custom-coefficients", "ns-steps", "momentum"],
 )  # fmt: skip
 def test_refused_muon_settings_are_one_error_line(capfd, args, message):
     code = run_main(["--mock-data", "--optimizer", "muon", *args.split()], None, None)

@@ -6,7 +6,7 @@ multi-latent attention (compressed query, norms, YaRN), one dense block then thr
 (configs/deepseek_v3_twin.toml itself, whose model is this one), on pp2 with full recomputation,
 and on cp2 (FSDP over the cp ranks; the prediction module's shifted tokens and labels cross the
 cp chunks) with selective recomputation; and the attention alone with its query projected in one, on tp2 without sequence
-parallelism and on tp2 + SP with 2 sequences per micro-batch: the loss, the gradient norm
+parallelism (also under Megatron's Muon) and on tp2 + SP with 2 sequences per micro-batch: the loss, the gradient norm
 and the router's loss of every iteration, the tokens per expert, and every parameter after the
 last (tests/parity_oracle.py, relative 1e-5). Its checkpoints are mesh-free: the pp2 run's of
 iteration 3 continues on tp2 + SP x ep2 as the one-process run does. One launch per rank count
@@ -41,6 +41,8 @@ DENSE_MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim"
              "--v-head-dim", "12", "--position-embedding-type", "rope", "--rotary-scaling-factor", "40",
              "--mscale-all-dim", "1.0"]  # fmt: skip
 TP2 = ["--parallel.tensor_model_parallel_size=2"]
+# with Megatron's Muon (Nesterov, its Newton-Schulz iteration in fp32, as tests/test_parity.py's)
+MUON_DENSE_MLA = DENSE_MLA + ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high"]
 
 
 def selective(*modules: str) -> list[str]:
@@ -61,6 +63,8 @@ LAYOUTS = {
         + selective("core_attn", "mla_up_proj", "shared_experts", "moe_act", "layernorm"), TINY,
     ),
     "dense_mla_tp2": (2, DENSE_MLA + TP2, TINY),
+    # Megatron's Muon on the latent attention's projections, their rows and columns split over tp
+    "muon_dense_mla_tp2": (2, MUON_DENSE_MLA + TP2, TINY),
     # the same modules on tp ranks' heads (no SP: the norms' outputs are plain tensors, released)
     "dense_mla_tp2_recompute_up_proj_layernorm": (2, DENSE_MLA + TP2 + selective("mla_up_proj", "layernorm"), TINY),
     "dense_mla_dp2_up_proj": (2, DENSE_MLA + selective("mla_up_proj"), TINY),
@@ -73,8 +77,8 @@ LAYOUTS = {
 }  # fmt: skip
 # a layout that starts from another's checkpoint: (the run that saved it, its iteration)
 RESUMES = {"twin_from_pp2_at_3": ("pp2_full_recompute", 3)}
-REFERENCE = {name: DENSE_MLA if name.startswith("dense") else DEEPSEEK_MTP for name in LAYOUTS}
-SINGLE = {"single": DEEPSEEK_MTP, "single_dense": DENSE_MLA}
+REFERENCE = {name: MUON_DENSE_MLA if name.startswith("muon") else DENSE_MLA if name.startswith("dense") else DEEPSEEK_MTP for name in LAYOUTS}
+SINGLE = {"single": DEEPSEEK_MTP, "single_dense": DENSE_MLA, "single_muon_dense": MUON_DENSE_MLA}
 
 
 def test_twin_is_the_flags_model():

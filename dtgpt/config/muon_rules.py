@@ -20,7 +20,7 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def check_muon(cfg: Config) -> None:
-    o, m = cfg.optimizer, cfg.model
+    o = cfg.optimizer
     if not o.uses_muon:
         return
     _choice("muon_scale_mode", o.muon_scale_mode, SCALE_MODES)
@@ -47,14 +47,4 @@ def check_muon(cfg: Config) -> None:
         not cfg.training.fp16,
         f"optimizer.optimizer={o.optimizer!r} is refused with training.fp16=true: Megatron's Muon has no loss "
         "scaling (it refuses fp16); use training.bf16",
-    )
-    _require(
-        m.num_experts is None,
-        f"optimizer.optimizer={o.optimizer!r} is refused with model.num_experts={m.num_experts}: dtgpt stacks the "
-        "experts' weights in one 3-D tensor, and Muon per expert is not built",
-    )
-    _require(
-        not m.multi_latent_attention,
-        f"optimizer.optimizer={o.optimizer!r} is refused with model.multi_latent_attention=true: Muon on "
-        "multi-latent attention's projections is not built",
     )

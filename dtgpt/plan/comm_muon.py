@@ -2,7 +2,8 @@
 each matrix's update together for Newton-Schulz, per rank and iteration.
 
 Muon's matrices on a rank's stages: every block's QKV, projection, fc1 (with SwiGLU's gate: one
-matrix [gate; fc1] of two parameters) and fc2, all tensor-parallel; the learned position embedding
+matrix [gate; fc1] of two parameters) and fc2, all tensor-parallel (an MoE block: its router,
+shared expert and each expert's fc1 and fc2); the learned position embedding
 on the first stage (replicated over tp); the prediction modules' eh_proj and block on the last.
 Updates are fp32 (the momentum is sharded as the fp32 parameter). With f = FSDP's shard ranks
 (dp_shard x cp), each matrix has an owner among them (dtgpt.muon_owners.owners, by size), and a
@@ -14,6 +15,14 @@ rank at shard coordinate r, owning the matrices O(r):
   tp          under FSDP 1 all-gather of O(r)'s tp-sharded matrices, whole: Σ rows·cols·4 (whole
               shapes); without FSDP 1 all-gather per tp-sharded parameter of its whole matrix
               (Megatron's duplicated mode, one collective per matrix as Megatron's).
+  experts     whole on their rank (ep, or FSDP's expert axis without ep): nothing; where FSDP
+              splits each expert's rows (ep with efsdp, times tp where it folds in, > 1), 1
+              all-gather per stacked weight (fc1, fc2) and MoE layer of E/ep experts whole.
+  router      where tp folds into its MoE layer's FSDP unit (a mesh of its own), 1 all-gather
+              over dp x tp per matrix (the router's weight, the shared expert's gate), whole;
+              elsewhere an owned matrix like the rest.
+Multi-latent attention's down-projections are replicated over tp, its up-projections and output
+projection tp-sharded: each is one matrix.
 
 The planner's rank (no shard coordinate given) is the one that owns the most.
 
@@ -21,11 +30,14 @@ Memory at the step (dtgpt.plan.layout's muon_step term, what it holds beyond the
 that backward has freed): 4·(O_tp + O_whole + 2·R + 4·W) bytes, with O_tp and O_whole the owned
 matrices tp-local and whole (received, then gathered over tp), R a rank's padded rows of every
 matrix (the two all_to_all buffers), W the largest owned whole matrix (Newton-Schulz's iterate,
-its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W.
+its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W. An
+MoE layer's experts step first, one stacked weight at a time: 4·5·S for the largest stack S
+(E/ep experts whole, and the batched iteration's working set), if more than the above.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from dtgpt.muon_owners import matrix_key, owners
@@ -41,18 +53,64 @@ class PieceShape(NamedTuple):
 
 
 def muon_units(c, stages: list[int], block_shapes) -> list[list[PieceShape]]:
-    """Every Muon matrix the stages hold, as its parameters' tp-local pieces (block_shapes:
-    dtgpt.plan.comm's: a block's 2-D shapes are QKV, projection, fc1, SwiGLU's gate, fc2)."""
-    sharded = c.tp > 1
-    matrices = [PieceShape(*s, sharded) for s in block_shapes(c) if len(s) == 2]
-    block = [[m] for m in matrices[:2]] + ([matrices[2:4]] if c.swiglu else [[matrices[2]]]) + [[matrices[-1]]]
+    """Every Muon matrix on the FSDP mesh of the stages' blocks, as its parameters' tp-local pieces
+    (block_shapes: dtgpt.plan.comm's: a dense block's 2-D shapes are QKV, projection, fc1,
+    SwiGLU's gate, fc2); an MoE layer's router where its unit spans tp, and the experts, apart."""
     out = []
     for stage in stages:
-        out += block * (len(comm_moe.stage_blocks(c, stage)) + comm_mtp.mtp_blocks(c, [stage]))
+        blocks = comm_moe.stage_blocks(c, stage)
+        kinds = [comm_moe.is_moe_block(c, i) for i in blocks] + [comm_moe.is_moe_block(c, c.num_layers - 1)] * comm_mtp.mtp_blocks(c, [stage])
+        for moe in kinds:
+            out += attention_units(c, block_shapes) + (moe_units(c) if moe else mlp_units(c, c.ffn))
         if stage == 0 and c.positions:
             out.append([PieceShape(c.positions, c.hidden, False)])
         if stage == c.num_stages - 1 and c.mtp:
-            out += [[PieceShape(c.hidden // c.tp, 2 * c.hidden, sharded)]] * c.mtp  # eh_proj
+            out += [[PieceShape(c.hidden // c.tp, 2 * c.hidden, c.tp > 1)]] * c.mtp  # eh_proj
+    return out
+
+
+def attention_units(c, block_shapes) -> list[list[PieceShape]]:
+    """QKV and the projection; multi-latent attention's projections, the down ones replicated."""
+    lat, sharded = c.latent, c.tp > 1
+    if lat is None:
+        return [[PieceShape(*s, sharded)] for s in block_shapes(c) if len(s) == 2][:2]
+    h, heads = c.hidden, c.heads // c.tp
+    up = PieceShape(heads * (lat.qk + lat.pos), lat.q_lora or h, sharded)
+    query = [PieceShape(lat.q_lora, h, False), up] if lat.q_lora else [up]
+    kv = [PieceShape(lat.kv_lora + lat.pos, h, False), PieceShape(heads * (lat.qk + lat.v), lat.kv_lora, sharded)]
+    return [[p] for p in query + kv + [PieceShape(h, heads * lat.v, sharded)]]
+
+
+def mlp_units(c, width: int) -> list[list[PieceShape]]:
+    """A tensor-parallel MLP's fc1 (one matrix with SwiGLU's gate) and fc2."""
+    fc1, *rest = [PieceShape(*s, c.tp > 1) for s in comm_moe.mlp_shapes(c, width) if len(s) == 2]
+    return [[fc1, *rest[:-1]], [rest[-1]]]
+
+
+def router_units(c) -> list[list[PieceShape]]:
+    """The router's weight and the shared expert's gate (replicated over tp)."""
+    return [[PieceShape(*s, False)] for s in comm_moe.router_shapes(c) if len(s) == 2]
+
+
+def moe_units(c) -> list[list[PieceShape]]:
+    """An MoE layer's matrices in its block's unit: the router (unless tp folds it into a unit of
+    its own, dtgpt.plan.comm_moe.tp_folds_in) and the shared expert."""
+    return ([] if comm_moe.tp_folds_in(c) else router_units(c)) + (mlp_units(c, c.shared_ffn) if c.shared_ffn else [])
+
+
+def expert_collectives(c, stages: list[int], collective) -> list:
+    """The experts: whole on their rank (no communication) unless FSDP splits each expert's rows
+    (ep with efsdp x tp > 1): then each stacked weight is gathered whole over those ranks; and
+    the router where its unit spans dp x tp, gathered whole over it."""
+    layers = comm_moe.moe_layers_held(c, stages)
+    out = []
+    if c.ep > 1 and comm_moe.expert_shards(c) > 1:
+        shards, shapes = comm_moe.expert_shards(c), comm_moe.expert_shapes(c)[:2]  # fc1, fc2 (not the biases)
+        dim = "efsdp_tp" if comm_moe.tp_folds_in(c) else "efsdp"
+        out += [collective("all_gather", dim, "muon experts whole", layers, comm_moe.padded_numel([s], shards, dim=1) * FP32) for s in shapes]
+    if comm_moe.tp_folds_in(c) and c.shard * c.tp > 1:
+        out += [collective("all_gather", "moe_fsdp", "muon router whole", layers, comm_moe.padded_numel([(p.rows, p.cols)], c.shard * c.tp) * FP32)
+                for [p] in router_units(c)]  # fmt: skip
     return out
 
 
@@ -81,26 +139,28 @@ def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None
     units, mine = owned_units(c, stages, block_shapes, shard_rank)
     wholes = [sum(whole(p, c.tp) for p in u) for u in (mine if c.fsdp_applied else units)]
     largest = max(wholes, default=0)
+    stacks = [math.prod(s) for s in comm_moe.expert_shapes(c)[:2]] if comm_moe.moe_layers_held(c, stages) else []
+    experts = FP32 * 5 * max(stacks, default=0)  # one stacked weight at a time, before the rest
     if not c.fsdp_applied:
-        return FP32 * 5 * largest
+        return max(experts, FP32 * 5 * largest)
     owned_tp = sum(p.rows * p.cols for u in mine for p in u)
     rows = sum(-(-p.rows // c.shard) * p.cols for u in units for p in u)
-    return FP32 * (owned_tp + sum(wholes) + 2 * rows + 4 * largest)
+    return max(experts, FP32 * (owned_tp + sum(wholes) + 2 * rows + 4 * largest))
 
 
 def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank: int | None = None) -> list:
     if not c.muon:
         return []
-    units = muon_units(c, stages, block_shapes)
+    units, experts = muon_units(c, stages, block_shapes), expert_collectives(c, stages, collective)
     if not c.fsdp_applied:
-        return [collective("all_gather", "tp", "muon update over tp", 1, whole(p, c.tp) * FP32) for u in units for p in u if p.tp_sharded]
+        return experts + [collective("all_gather", "tp", "muon update over tp", 1, whole(p, c.tp) * FP32) for u in units for p in u if p.tp_sharded]
     f = c.shard
     units, mine = owned_units(c, stages, block_shapes, shard_rank)
 
     def moved(us: list[list[PieceShape]], times: int) -> int:
         return sum(times * -(-p.rows // f) * p.cols * FP32 for u in us for p in u)
 
-    out = []
+    out = experts
     if f > 1:
         dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
         out += [collective("all_to_all", dim, "muon update rows to their owners", 1, moved(units, 1)),
