@@ -151,8 +151,9 @@ def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None
 def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank: int | None = None) -> list:
     if not c.muon:
         return []
-    units, experts = muon_units(c, stages, block_shapes), expert_collectives(c, stages, collective)
+    experts = expert_collectives(c, stages, collective)
     if not c.fsdp_applied:
+        units = muon_units(c, stages, block_shapes)
         return experts + [collective("all_gather", "tp", "muon update over tp", 1, whole(p, c.tp) * FP32) for u in units for p in u if p.tp_sharded]
     f = c.shard
     units, mine = owned_units(c, stages, block_shapes, shard_rank)

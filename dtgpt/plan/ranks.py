@@ -94,11 +94,6 @@ class BuiltRank:
     last: bool
 
 
-def _muon_matrices(parts) -> list:
-    """The parameters Muon would step (dtgpt.muon.is_muon_matrix), each once."""
-    return list({id(p): p for part in parts for name, p in part.named_parameters() if is_muon_matrix(name, p)}.values())
-
-
 def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names: list[str]) -> BuiltRank:
     """Build `rank`'s parts under the fake process group through the training code path."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -108,7 +103,10 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
         dims = ParallelDims.from_config(cfg, world_size)
         dims.build_mesh("cpu")
         parts, stage_ids, num_stages = build_meta_parts(cfg, dims, _trimmed(whole, layer_names))
-        params = list({id(p): p for part in parts for p in part.parameters()}.values())
+        named: dict[int, tuple[str, torch.Tensor]] = {}  # each parameter once, by its first name (as build_optimizer)
+        for name, p in (item for part in parts for item in part.named_parameters()):
+            named.setdefault(id(p), (name, p))
+        params = [p for _, p in named.values()]
         units = [b for part in parts for b in part.layers.values()]
         units += [m for part in parts for m in (part.embedding, part.output) if m is not None]
         blocks = [(int(n), b) for part in parts for n, b in part.layers.items()]
@@ -119,7 +117,7 @@ def _build_rank(cfg: Config, world_size: int, rank: int, whole: GPT, layer_names
             recompute_group=max(largest_recompute_group(part) for part in parts),
             recompute_groups=sum(len(recompute_group_sizes(part)) for part in parts),
             local=sum(_local_numel(p) for p in params),
-            local_muon=sum(_local_numel(p) for p in _muon_matrices(parts)),
+            local_muon=sum(_local_numel(p) for name, p in named.values() if is_muon_matrix(name, p)),  # dtgpt.muon's matrices
             gathered=sum(_numel_gathered_over_dp(p) for p in params),
             largest_unit=max((sum(_numel_gathered_over_dp(p) for p in _unique_params(u)) for u in units), default=0),
             stage_params=sum(p.numel() for p in params),
