@@ -107,6 +107,7 @@ class Faults(FaultHooks):
     def __init__(self, cfg: FaultsConfig, rank: int, restart_count: int):
         self.cfg, self.rank = cfg, rank
         self.armed = restart_count == 0
+        self.killed_by_save = False  # a save's writer will kill this rank (from a background thread when async)
 
     def _hits(self, at_iteration: int, rank: int, iteration: int) -> bool:
         return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
@@ -134,6 +135,10 @@ class Faults(FaultHooks):
     def in_iteration(self, iteration: int) -> None:
         """Kill, signal or hang at the start of `iteration`, before its batch is read."""
         c = self.cfg
+        while self.killed_by_save:
+            # An async save's thread has yet to kill this rank: the main thread waits for it here, so
+            # the death falls in the iteration after the save however slowly the thread writes.
+            time.sleep(0.1)
         if self._killed(iteration) and not (c.kill_during_save or c.kill_during_step or c.kill_after_step or c.kill_during_eval):
             _kill(self.rank, f"in iteration {iteration}")
         if self._hits(c.kill_again_at_iteration, c.kill_again_rank, iteration):
@@ -150,7 +155,7 @@ class Faults(FaultHooks):
         """A DCP writer that fails as configured in the save of `iteration`; None for DCP's own."""
         c = self.cfg
         if self._killed(iteration) and c.kill_during_save:
-            action = "kill"
+            action, self.killed_by_save = "kill", True
         elif self._hits(c.disk_full_at_iteration, c.disk_full_rank, iteration):
             action = "disk_full"
         elif self._hits(c.signal_at_iteration, c.signal_rank, iteration):

@@ -32,7 +32,6 @@ KILL = [f"--faults.kill_at_iteration={AT}", f"--faults.kill_rank={KILLED}"]
 FALLBACK = "in-process recovery: none (a rank failed during the {}, which is not redone); last words follow"
 RECOVERED = "in-process recovery: rank(s) [0] replaced, the others kept their state; iteration {} is redone"
 LAST = [f"--faults.kill_at_iteration={ITERS}"]  # (a later setting overrides KILL's)
-ANY = r"\d+"  # a save's background thread dies while the main thread trains on, at an iteration load decides
 PHASES = {  # name -> (its faults and settings, the line it prints (a regular expression), recovered in-process)
     "stop-decision": (["--faults.kill_after_step=true"], re.escape(RECOVERED.format(AT + 1)), True),
     "evaluation": (["--faults.kill_during_eval=true", "--eval.eval_iters=1", "--eval.eval_interval=2"],
@@ -41,7 +40,7 @@ PHASES = {  # name -> (its faults and settings, the line it prints (a regular ex
                re.escape(FALLBACK.format("timers' reduction")), False),  # fmt: skip
     "sync-save": (["--faults.kill_during_save=true"], re.escape(FALLBACK.format("checkpoint save")), False),
     "async-save": (["--faults.kill_during_save=true", "--checkpoint.async_save=true"],
-                   re.escape(RECOVERED.format("@")).replace("@", ANY), True),  # fmt: skip
+                   re.escape(RECOVERED.format(AT + 1)), True),  # fmt: skip
     # after the last iteration: the final save (no regular save falls on ITERS) and the final
     # validation (no regular evaluation falls on ITERS); the restart has nothing to train and does them
     "final-save": ([*LAST, "--faults.kill_during_save=true", f"--checkpoint.save_interval={ITERS - 1}"],

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -67,8 +68,22 @@ def test_faults_fire_once_on_the_chosen_rank_and_iteration(tmp_path):
     assert restarted.storage_writer(tmp_path, 4) is None  # torchrun restarted the group: run clean
     assert Faults(cfg, rank=0, restart_count=0).storage_writer(tmp_path, 6).action == "disk_full"
     assert Faults(cfg, rank=1, restart_count=0).storage_writer(tmp_path, 6) is None
-    first.in_iteration(4)  # kill_during_save: nothing happens in the iteration itself
+    Faults(cfg, rank=1, restart_count=0).in_iteration(4)  # kill_during_save: nothing happens in the iteration itself
     Faults(FaultsConfig(kill_at_iteration=4, kill_during_step=True), rank=0, restart_count=0).in_iteration(4)  # nor here
+
+
+def test_after_a_killing_save_the_next_iteration_waits_for_the_kill(tmp_path):
+    """An async save's writer kills the rank from a background thread: the main thread must not
+    train on meanwhile, or where the death falls would depend on how fast the machine writes."""
+    faults = Faults(FaultsConfig(kill_at_iteration=4, kill_during_save=True), rank=0, restart_count=0)
+    faults.storage_writer(tmp_path, 4)
+    main = threading.Thread(target=faults.in_iteration, args=(5,), daemon=True)
+    main.start()
+    main.join(timeout=0.5)
+    assert main.is_alive()  # still waiting: only the kill (here: lifting the flag) ends it
+    faults.killed_by_save = False
+    main.join(timeout=60)
+    assert not main.is_alive()
 
 
 def test_fault_hooks_are_no_ops_unless_faults_are_set_and_nan_poisons_only_its_iteration():
