@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dtgpt import varlen_kernel
+from dtgpt.chunks import chunk_rows
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -95,7 +96,7 @@ class DocumentBounds:
 
     def chunk(self, n: int) -> list["DocumentBounds"]:
         """The bounds of n micro-batches of rows, cut as torch.chunk cuts the batch's tensors."""
-        size = -(-self.rows // n)
+        size = chunk_rows(self.rows, n)
         parts = []
         for r0 in range(0, self.rows, size):
             r1 = min(r0 + size, self.rows)

@@ -8,7 +8,7 @@ the shard ranks now split the matrices between them, balanced by size (`owners`)
      mode: one all-gather over tp of every matrix the owner holds, and each tp rank runs
      Newton-Schulz on the whole matrix;
   3. one all_to_all sends each rank its rows of the orthogonalised matrices back.
-Rows travel padded to ceil(rows / shard ranks), as FSDP pads them, so that a message's size is
+Rows travel padded to ceil(rows / shard ranks), as FSDP pads them (dtgpt.chunks), so that a message's size is
 the same on every rank. The data is only moved, never summed: the result is bitwise the one the
 full_tensor() path gives. The bytes are dtgpt.plan.comm_muon's formula.
 """
@@ -20,6 +20,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from dtgpt.chunks import chunk_rows, rows_of
 
 SHARD_DIMS = ("dp_shard", "dp_shard_cp")
 """The mesh dimensions FSDP shards over (dtgpt.parallel.dims)."""
@@ -65,12 +67,6 @@ def update_shard(u: DTensor) -> UpdateShard:
     return UpdateShard(u.to_local(), rows, tp.dim if tp is not None else None)
 
 
-def _rows_of(rows: int, n: int, rank: int) -> int:
-    """FSDP's (torch.chunk's) rows of `rank` among n."""
-    per = -(-rows // n)
-    return max(0, min(per, rows - rank * per))
-
-
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.size(0), *x.shape[1:])]) if x.size(0) < rows else x
 
@@ -114,7 +110,7 @@ class _Exchange:
         return [i for i, o in enumerate(self.owner) if o == rank]
 
     def pad(self, p: UpdateShard) -> int:
-        return -(-p.rows // self.n)
+        return chunk_rows(p.rows, self.n)
 
     def size(self, matrices: list[int]) -> int:
         """Elements of one rank's padded rows of these matrices."""
@@ -131,14 +127,14 @@ class _Exchange:
         for i in mine:
             for k, p in enumerate(self.pieces[i]):
                 chunks = received[:, at : at + self.pad(p) * p.local.size(1)].reshape(n, self.pad(p), -1)
-                out[i, k] = torch.cat([chunks[s, : _rows_of(p.rows, n, s)] for s in range(n)])
+                out[i, k] = torch.cat([chunks[s, : rows_of(p.rows, n, s)] for s in range(n)])
                 at += chunks[0].numel()
         return out
 
     def back(self, orth: dict[tuple[int, int], torch.Tensor]) -> list[list[torch.Tensor]]:
         """3. Each rank's rows of the orthogonalised tp-local matrices (`orth`, this rank's) back."""
         n, mine = self.n, self.owned_by(self.me)
-        send = [_padded(orth[i, k][s * self.pad(p) :][: _rows_of(p.rows, n, s)], self.pad(p)).flatten()
+        send = [_padded(orth[i, k][s * self.pad(p) :][: rows_of(p.rows, n, s)], self.pad(p)).flatten()
                 for s in range(n) for i in mine for k, p in enumerate(self.pieces[i])]  # fmt: skip
         from_owner = [self.size(self.owned_by(s)) for s in range(n)]
         empty = self.pieces[0][0].local.new_zeros(0)

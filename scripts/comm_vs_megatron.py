@@ -59,11 +59,11 @@ from dtgpt.plan.comm import (  # noqa: E402
     CommLayout,
     block_shapes,
     embedding_shapes,
-    gathered_numel,
     head_shapes,
     rank_collectives,
     rank_stages,
 )
+from dtgpt.chunks import padded_numel  # noqa: E402
 from dtgpt.plan import comm_muon  # noqa: E402
 from dtgpt.plan.comm_recompute import recomputed_blocks, rerun_moe_layers  # noqa: E402
 from dtgpt.plan.comm_moe import expert_shapes, is_moe_block, moe_layers_held, routed_rows, stage_blocks  # noqa: E402
@@ -137,16 +137,16 @@ def megatron_collectives(c: CommLayout, pp_rank: int, n: int) -> list[Collective
         out += [Collective("all_to_all", "ep", "dispatch + combine", (4 * held + 2 * rerun) * n, rows),
                 Collective("all_gather", "ep", "tokens per expert", (held + rerun) * n, c.ep * c.experts * 8)]  # fmt: skip
     if c.efsdp > 1 and moe:
-        experts = len(moe) * gathered_numel(expert_shapes(c), 1)
+        experts = len(moe) * padded_numel(expert_shapes(c), 1)
         out += [Collective("reduce_scatter", "efsdp", "dp expert grads", 1, experts * g),
                 Collective("all_gather", "efsdp", "dp expert params", 1, experts * e)]  # fmt: skip
     if c.dp * c.cp > 1:
         params = 0
         for s in stages:
-            params += sum(gathered_numel(block_shapes(c, is_moe_block(c, i)), 1) for i in stage_blocks(c, s))
-            params += gathered_numel(embedding_shapes(c), 1) if s == 0 else 0
+            params += sum(padded_numel(block_shapes(c, is_moe_block(c, i)), 1) for i in stage_blocks(c, s))
+            params += padded_numel(embedding_shapes(c), 1) if s == 0 else 0
             # the last stage's copy of a tied embedding is a parameter of its own there too
-            params += gathered_numel(head_shapes(c, with_output=not (c.tied and s == 0)), 1) if s == c.num_stages - 1 else 0
+            params += padded_numel(head_shapes(c, with_output=not (c.tied and s == 0)), 1) if s == c.num_stages - 1 else 0
         dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
         reduction = "all_reduce" if c.muon else "reduce_scatter"  # Muon's layer-wise optimizer: plain DDP
         out += [Collective(reduction, dim, "dp grads", 1, params * g), Collective("all_gather", dim, "dp params", 1, params * e)]

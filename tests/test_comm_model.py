@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import torch
 
+from dtgpt.chunks import padded_numel
 from dtgpt.config import load_config
 from dtgpt.model import GPT
 from dtgpt.plan import plan_layout
-from dtgpt.plan.comm import Collective, CommLayout, block_shapes, gathered_numel, rank_collectives, totals
+from dtgpt.plan.comm import Collective, CommLayout, block_shapes, rank_collectives, totals
 from dtgpt.plan.links import link_bytes, rank_traffic
 from dtgpt.plan.report import format_plan
 from tests.runs import REPO, load_script
@@ -90,7 +91,7 @@ def test_the_family_gathers_its_own_parameters():
         with torch.device("meta"):
             block = GPT(replace(cfg.model, num_layers=1), 128).layers["0"]
         c = CommLayout.from_config(cfg, 1, 128)
-        assert gathered_numel(block_shapes(c), 1) == sum(p.numel() for p in block.parameters()), path
+        assert padded_numel(block_shapes(c), 1) == sum(p.numel() for p in block.parameters()), path
 
 
 def test_mixtral_moves_no_more_than_megatron_but_in_scalars():
@@ -134,3 +135,20 @@ def test_the_plan_counts_muons_step_beyond_the_activations():
     for r in muon.ranks:
         nesting = 4 * 4 * (4 * h * h) / 2**30 - r.memory["activations"] - r.memory["pipeline"]
         assert r.memory["muon_step"] >= nesting > 0, r.memory
+
+
+def test_padded_rows_are_torch_chunks():
+    """dtgpt/chunks.py, the one spelling of FSDP's padded rows that Muon's exchange
+    (dtgpt/muon_owners.py) and the planner share: each rank's rows are torch.chunk's (as
+    DTensor's Shard and FSDP2 split), padded to the first chunk's; none past the last."""
+    import torch
+
+    from dtgpt.chunks import chunk_rows, rows_of
+
+    for rows in range(0, 12):
+        for ranks in range(1, 6):
+            chunks = [c.size(0) for c in torch.arange(rows).chunk(ranks)] if rows else []
+            assert [rows_of(rows, ranks, r) for r in range(ranks)] == chunks + [0] * (ranks - len(chunks)), (rows, ranks)
+            assert chunk_rows(rows, ranks) == max(chunks, default=0)
+            assert padded_numel([(rows, 3)], ranks) == ranks * chunk_rows(rows, ranks) * 3
+    assert padded_numel([(4, 5, 7)], 2, dim=1) == 4 * 6 * 7

@@ -139,7 +139,8 @@ def test_the_shared_expert_gate_is_counted_with_the_router():
     among them, and the parameter count is the built model's."""
     from dataclasses import replace
 
-    from dtgpt.plan.comm import CommLayout, block_shapes, gathered_numel
+    from dtgpt.chunks import padded_numel
+    from dtgpt.plan.comm import CommLayout, block_shapes
 
     cfg = dtgpt.make_config(model={**TINY, "moe_shared_expert_gate": True}, data=DATA)
     with torch.device("meta"):
@@ -147,7 +148,7 @@ def test_the_shared_expert_gate_is_counted_with_the_router():
     block = model.layers["0"]
     assert block.mlp.shared_expert_gate is not None
     c = CommLayout.from_config(cfg, 1, 64)
-    assert gathered_numel(block_shapes(c, moe=True), 1) == sum(p.numel() for p in block.parameters())
+    assert padded_numel(block_shapes(c, moe=True), 1) == sum(p.numel() for p in block.parameters())
     assert num_parameters(cfg.model, 64) == sum(p.numel() for p in model.parameters())
     ungated = CommLayout.from_config(replace(cfg, model=replace(cfg.model, moe_shared_expert_gate=False)), 1, 64)
-    assert gathered_numel(block_shapes(c, moe=True), 1) - gathered_numel(block_shapes(ungated, moe=True), 1) == 32
+    assert padded_numel(block_shapes(c, moe=True), 1) - padded_numel(block_shapes(ungated, moe=True), 1) == 32

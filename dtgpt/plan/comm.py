@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from dtgpt.chunks import chunk_rows, padded_numel
 from dtgpt.config import Config, fsdp_reshards_after_forward, grads_reduced_in_fp32, low_precision, mesh_shape
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.config.recompute_rules import selective_modules
@@ -221,18 +222,6 @@ def head_shapes(c: CommLayout, *, with_output: bool) -> list[tuple[int, ...]]:
     return [(c.hidden,)] * c.norm_params + ([(c.vocab // c.tp, c.hidden)] if with_output else [])
 
 
-def gathered_numel(shapes: list[tuple[int, ...]], dp_shard: int) -> int:
-    """Elements FSDP gathers: each tensor's dim 0 padded up to a multiple of dp_shard."""
-    total = 0
-    for shape in shapes:
-        rows = -(-shape[0] // dp_shard) * dp_shard
-        rest = 1
-        for d in shape[1:]:
-            rest *= d
-        total += rows * rest
-    return total
-
-
 def fsdp_units(c: CommLayout, stage: int) -> list[tuple[str, list[tuple[int, ...]], bool]]:
     """(name, tp-local shapes, is root) of each FSDP unit of one stage, as apply_fsdp builds them."""
     first, last = stage == 0, stage == c.num_stages - 1
@@ -262,7 +251,7 @@ def fsdp_collectives(c: CommLayout, stages: list[int], n_micro: int) -> list[Col
     dim = "dp_shard_cp" if c.cp > 1 else "dp_shard"
     for stage in stages:
         for name, shapes, root in fsdp_units(c, stage):
-            numel = gathered_numel(shapes, c.shard)
+            numel = padded_numel(shapes, c.shard)
             gathers = 1
             if c.reshard_every_micro_batch and c.pp == 1:
                 gathers = n_micro if root else 2 * n_micro
@@ -354,7 +343,7 @@ def step_collectives(c: CommLayout, stages: list[int]) -> list[Collective]:
     first, last = 0 in stages, c.num_stages - 1 in stages
     out = []
     if c.pp > 1 and (c.tied or c.mtp) and first != last:
-        rows = -(-(c.vocab // c.tp) // c.shard) if c.fsdp else c.vocab // c.tp
+        rows = chunk_rows(c.vocab // c.tp, c.shard) if c.fsdp else c.vocab // c.tp
         out.append(Collective("all_reduce", "tied", "tied embedding grads", 1, rows * c.hidden * c.grad_bytes))
     if last and c.dp * c.cp > 1:
         out.append(Collective("all_reduce", "dp_cp", "loss tokens", 1, FP32))

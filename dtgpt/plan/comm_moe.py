@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 
+from dtgpt.chunks import padded_numel
 from dtgpt.config.layer_freq import moe_layer_pattern
 
 # `c` below is a dtgpt.plan.comm.CommLayout and `collective` its Collective class, passed in:
@@ -86,11 +87,6 @@ def moe_layers_held(c, stages: list[int]) -> int:
 
 def mtp_moe_layers(c, stages: list[int]) -> int:
     return c.mtp if c.num_stages - 1 in stages and is_moe_block(c, c.num_layers - 1) else 0
-
-
-def padded_numel(shapes: list[tuple[int, ...]], shards: int, dim: int = 0) -> int:
-    """Elements FSDP gathers: each tensor's dimension `dim` padded up to a multiple of `shards`."""
-    return sum(math.prod((*s[:dim], -(-s[dim] // shards) * shards, *s[dim + 1 :])) for s in shapes)
 
 
 def moe_unit_collectives(c, stages: list[int], n_micro: int, collective) -> list:

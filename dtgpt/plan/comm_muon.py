@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from dtgpt.chunks import chunk_rows, padded_numel
 from dtgpt.muon_owners import matrix_key, owners
 from dtgpt.plan import comm_moe, comm_mtp
 
@@ -107,9 +108,9 @@ def expert_collectives(c, stages: list[int], collective) -> list:
     if c.ep > 1 and comm_moe.expert_shards(c) > 1:
         shards, shapes = comm_moe.expert_shards(c), comm_moe.expert_shapes(c)[:2]  # fc1, fc2 (not the biases)
         dim = "efsdp_tp" if comm_moe.tp_folds_in(c) else "efsdp"
-        out += [collective("all_gather", dim, "muon experts whole", layers, comm_moe.padded_numel([s], shards, dim=1) * FP32) for s in shapes]
+        out += [collective("all_gather", dim, "muon experts whole", layers, padded_numel([s], shards, dim=1) * FP32) for s in shapes]
     if comm_moe.tp_folds_in(c) and c.shard * c.tp > 1:
-        out += [collective("all_gather", "moe_fsdp", "muon router whole", layers, comm_moe.padded_numel([(p.rows, p.cols)], c.shard * c.tp) * FP32)
+        out += [collective("all_gather", "moe_fsdp", "muon router whole", layers, padded_numel([(p.rows, p.cols)], c.shard * c.tp) * FP32)
                 for [p] in router_units(c)]  # fmt: skip
     return out
 
@@ -144,7 +145,7 @@ def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None
     if not c.fsdp_applied:
         return max(experts, FP32 * 5 * largest)
     owned_tp = sum(p.rows * p.cols for u in mine for p in u)
-    rows = sum(-(-p.rows // c.shard) * p.cols for u in units for p in u)
+    rows = sum(chunk_rows(p.rows, c.shard) * p.cols for u in units for p in u)
     return max(experts, FP32 * (owned_tp + sum(wholes) + 2 * rows + 4 * largest))
 
 
@@ -159,7 +160,7 @@ def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank:
     units, mine = owned_units(c, stages, block_shapes, shard_rank)
 
     def moved(us: list[list[PieceShape]], times: int) -> int:
-        return sum(times * -(-p.rows // f) * p.cols * FP32 for u in us for p in u)
+        return sum(times * chunk_rows(p.rows, f) * p.cols * FP32 for u in us for p in u)
 
     out = experts
     if f > 1:

@@ -17,18 +17,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from dtgpt.chunks import rows_of
 from dtgpt.config import Config
 from dtgpt.model import GPT
 from dtgpt.muon import is_muon_matrix
 from dtgpt.parallel import ParallelDims, build_meta_parts
 from dtgpt.parallel.pipeline import stage_ids_on_rank, stage_layer_counts
 from dtgpt.parallel.recompute import block_recompute, largest_recompute_group, recompute_group_sizes
-
-
-def _chunk(n: int, k: int, i: int) -> int:
-    """Size of chunk i of n split k ways as torch.chunk (and DTensor's Shard) split it."""
-    c = -(-n // k)
-    return max(0, min(c, n - i * c))
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -48,7 +43,7 @@ def _numel_gathered_over_dp(p: torch.Tensor) -> int:
     mesh, coord = p.device_mesh, p.device_mesh.get_coordinate()
     for i, placement in enumerate(p.placements):
         if isinstance(placement, Shard) and not mesh.mesh_dim_names[i].startswith(_FSDP_DIMS):
-            shape[placement.dim] = _chunk(shape[placement.dim], mesh.size(i), coord[i])
+            shape[placement.dim] = rows_of(shape[placement.dim], mesh.size(i), coord[i])
     return math.prod(shape)
 
 
