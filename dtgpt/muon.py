@@ -248,8 +248,19 @@ class MuonWithAdamW(torch.optim.AdamW):
         rows, cols = x.shape
         groups = rows // sum(split)
         parts = torch.split(x.view(groups, sum(split), cols), split, dim=1)  # each (groups, rows of q/k/v, cols)
-        parts = [self._scaled(part.reshape(-1, cols)).view(groups, -1, cols) for part in parts]
+        parts = [orth.view(groups, -1, cols) for orth in self._scaled_each([part.reshape(-1, cols) for part in parts])]
         return torch.cat(parts, dim=1).view(rows, cols)
+
+    def _scaled_each(self, matrices: list[torch.Tensor]) -> list[torch.Tensor]:
+        """_scaled of each matrix, those of one shape in one batched iteration (K and V; Q too
+        with a query per group): a GPU launches one iteration's kernels, not one per matrix."""
+        out: list[torch.Tensor | None] = [None] * len(matrices)
+        for shape in dict.fromkeys(m.shape for m in matrices):
+            same = [i for i, m in enumerate(matrices) if m.shape == shape]
+            orth = self._scaled(torch.stack([matrices[i] for i in same])) if len(same) > 1 else self._scaled(matrices[same[0]])[None]
+            for i, o in zip(same, orth):
+                out[i] = o
+        return out
 
 
 def _sharded_as(like: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
