@@ -141,3 +141,16 @@ def adam_tp2pp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
     run_megatron_gpt("adam-parallel", root, 4)
     return root
+
+
+@pytest.fixture(scope="session")
+def megatron_steps(tmp_path_factory):
+    """megatron-core's checkpoint, and its weights after three SGD steps (sgd.pt) and after three
+    Muon steps from the same weights (muon.pt, where emerging-optimizers is installed), its Muon
+    chain saved after the first of them under muon_ckpt/ (tests/megatron_muon.py step_muon): one
+    launch, shared by tests/test_sgd.py and tests/test_megatron_muon_checkpoint.py."""
+    from tests.megatron_oracle import run_megatron_gpt
+
+    root = tmp_path_factory.mktemp("megatron_sgd")
+    run_megatron_gpt("sgd", root, 1)
+    return root

@@ -35,10 +35,19 @@ def available() -> bool:
     return EMERGING_OPTIMIZERS.is_dir() and __version__ == "0.16.1"  # the builder's signature is 0.16's
 
 
-def step_muon(model, root: Path, consumed: int) -> None:
-    """root/muon.pt: {"weight": {Megatron key: stacked}} after SGD_STEPS steps of the Muon that
-    get_megatron_muon_optimizer builds (fp32, the ADAM and MUON keys, the word embedding at its
-    decoupled LR) on the mock samples from `consumed` on: what the sgd command does with SGD."""
+MUON_SAVED = "muon_ckpt"
+"""Where step_muon saves megatron-core's Muon after its first step, as Megatron-LM's torch_dist does."""
+MUON_SLOTS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+"""The state of megatron-core's Muon: its matrices' momentum, Adam's moments of the rest."""
+
+
+def step_muon(model, root: Path, trainer_state: dict) -> None:
+    """SGD_STEPS steps of the Muon that get_megatron_muon_optimizer builds (fp32, the ADAM and
+    MUON keys, the word embedding at its decoupled LR) on the mock samples from the consumed ones
+    of `trainer_state` on: what the sgd command does with SGD. After the first step it saves
+    model and optimizer as Megatron-LM does (save_muon) under root/MUON_SAVED. root/muon.pt:
+    {"weight": {Megatron key: stacked}} after the last step, "saved": the weights and MUON_SLOTS
+    as saved, "losses" and "grad_norms": each step's loss and gradient norm."""
     if not available():
         return
     muon = load_muon()
@@ -47,11 +56,47 @@ def step_muon(model, root: Path, consumed: int) -> None:
 
     from tests.megatron_adam import ADAM, BATCH, SGD_STEPS, mock_batch, stacked_state, step
 
+    consumed = trainer_state["args"].consumed_train_samples
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     optimizer = muon.get_megatron_muon_optimizer(OptimizerConfig(optimizer="muon", min_lr=0.0, **ADAM, **MUON), [ddp])
+    losses, grad_norms = [], []
     for k in range(SGD_STEPS):
-        step(ddp, optimizer, mock_batch(consumed + k * BATCH))
-    torch.save(stacked_state(model, optimizer, slots=()), root / "muon.pt")
+        loss, grad_norm = step(ddp, optimizer, mock_batch(consumed + k * BATCH))
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        if k == 0:
+            save_muon(model, optimizer, root / MUON_SAVED, trainer_state, BATCH)
+            saved = stacked_state(model, optimizer, MUON_SLOTS, chained_states)
+    torch.save({**stacked_state(model, optimizer, slots=()), "saved": saved, "losses": losses, "grad_norms": grad_norms}, root / "muon.pt")
+
+
+def chained_states(optimizer, param) -> dict:
+    """`param`'s state in megatron-core's Muon chain (FP32Optimizers: the parameter is its own master)."""
+    for inner in optimizer.chained_optimizers:
+        if param in inner.optimizer.state:
+            return dict(inner.optimizer.state[param])
+    return {}
+
+
+def save_muon(model, optimizer, root: Path, trainer_state: dict, samples: int) -> None:
+    """Model and Muon chain saved as Megatron-LM's torch_dist save writes them (its
+    _build_sharded_state_dict_metadata: no distributed optimizer, chained_optim_avoid_prefix, so
+    each chained optimizer's tensors under the model-space `optimizer.state.<slot>.<key>`), one
+    iteration and `samples` samples after `trainer_state`, and the pointer."""
+    import argparse
+
+    from megatron.core import dist_checkpointing
+
+    args = argparse.Namespace(**{**vars(trainer_state["args"]), "consumed_train_samples": trainer_state["args"].consumed_train_samples + samples})
+    iteration = trainer_state["iteration"] + 1
+    state = {**trainer_state, "iteration": iteration, "args": args,
+             "opt_param_scheduler": {**trainer_state["opt_param_scheduler"], "num_steps": args.consumed_train_samples}}  # fmt: skip
+    directory = root / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    model_state = model.sharded_state_dict()
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    dist_checkpointing.save({"model": model_state, "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata), **state}, str(directory))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
 def write_muon_params(path: Path) -> None:
