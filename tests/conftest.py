@@ -147,10 +147,14 @@ def adam_tp2pp2(tmp_path_factory):
 def megatron_steps(tmp_path_factory):
     """megatron-core's checkpoint, and its weights after three SGD steps (sgd.pt) and after three
     Muon steps from the same weights (muon.pt, where emerging-optimizers is installed), its Muon
-    chain saved after the first of them under muon_ckpt/ (tests/megatron_muon.py step_muon): one
-    launch, shared by tests/test_sgd.py and tests/test_megatron_muon_checkpoint.py."""
+    chain saved after the first of them under muon_ckpt/ (tests/megatron_muon.py step_muon); and
+    dtgpt's own Muon checkpoint (dtgpt/), written as Megatron's (from_dtgpt/) before the launch and
+    loaded into megatron-core's Muon chain by it (loaded_muon.pt): one launch, shared by
+    tests/test_sgd.py and tests/test_megatron_muon_checkpoint.py."""
+    from tests.megatron_muon import write_dtgpt_muon
     from tests.megatron_oracle import run_megatron_gpt
 
     root = tmp_path_factory.mktemp("megatron_sgd")
+    write_dtgpt_muon(root)
     run_megatron_gpt("sgd", root, 1)
     return root

@@ -230,9 +230,11 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
         for k in range(SGD_STEPS):  # the batches a dtgpt run resuming at these consumed samples trains on
             step(ddp, optimizer, mock_batch(consumed + k * BATCH))
         torch.save(stacked_state(model, optimizer, slots=()), root / "sgd.pt")
-        from tests.megatron_muon import step_muon
+        from tests.megatron_muon import FROM_DTGPT, load_muon, step_muon
 
         step_muon(twin(), root, trainer_state)  # megatron-core's Muon from the same weights, on the same batches
+        if (root / FROM_DTGPT).is_dir():  # and dtgpt's Muon state written as Megatron's, loaded into its chain
+            load_muon(twin(), root / FROM_DTGPT)
     elif command == "adam":
         # at dp > 1 each rank holds a share of each parameter's state: only the checkpoints are written
         whole = parallel_state.get_data_parallel_world_size() == 1

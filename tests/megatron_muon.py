@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.muon_oracle import load as load_muon
+from tests.muon_oracle import load as load_muon_module
 
 MUON_ARCHS = (("gpt", False), ("rope", False), ("llama", True), ("options", False))
 """(architecture of tests/megatron_gpt.py, untied head): learned positions, tied and untied heads, grouped-query
@@ -50,7 +50,7 @@ def step_muon(model, root: Path, trainer_state: dict) -> None:
     as saved, "losses" and "grad_norms": each step's loss and gradient norm."""
     if not available():
         return
-    muon = load_muon()
+    muon = load_muon_module()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -68,6 +68,61 @@ def step_muon(model, root: Path, trainer_state: dict) -> None:
             save_muon(model, optimizer, root / MUON_SAVED, trainer_state, BATCH)
             saved = stacked_state(model, optimizer, MUON_SLOTS, chained_states)
     torch.save({**stacked_state(model, optimizer, slots=()), "saved": saved, "losses": losses, "grad_norms": grad_norms}, root / "muon.pt")
+
+
+FROM_DTGPT = "from_dtgpt"
+"""Where write_dtgpt_muon puts dtgpt's Muon checkpoint written as Megatron's (to-megatron), for
+the sgd launch to load into megatron-core's Muon chain (load_muon)."""
+
+
+def write_dtgpt_muon(root: Path) -> Path:
+    """root/dtgpt: a dtgpt Muon run of the sgd launch's model after one step on mock samples 0-7
+    (tests/test_sgd.py's flags), saved; root/FROM_DTGPT: it written by to_megatron. Returns the
+    dtgpt checkpoint's iteration directory. Runs in the test process, before the launch."""
+    from dtgpt.api import build_model, build_train_state, init_distributed, shutdown, train_step
+    from dtgpt.checkpoint import Checkpointer, layout, megatron
+    from dtgpt.config import load_config
+    from dtgpt.faults.injection import build_faults
+    from tests.megatron_adam import mock_batch
+    from tests.megatron_gpt import VOCAB
+    from tests.test_megatron_checkpoint import ADAM_RUN
+    from tests.test_sgd import MUON_FLAGS
+
+    cfg = load_config(None, [*ADAM_RUN, *MUON_FLAGS, f"--checkpoint.save={root / 'dtgpt'}"])
+    runtime = init_distributed(cfg)
+    state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
+    train_step(cfg, state, mock_batch(0))
+    Checkpointer(state, cfg, runtime, build_faults(cfg.faults, runtime.rank, runtime.restart_count)).save(1)
+    shutdown()
+    saved = layout.iteration_dir(root / "dtgpt", 1)
+    megatron.to_megatron(saved, cfg, root / FROM_DTGPT)
+    return saved
+
+
+def load_muon(model, root: Path) -> None:
+    """root's Megatron checkpoint loaded into megatron-core's Muon chain as Megatron-LM's torch_dist
+    load does (model, then optimizer.load_state_dict); root/loaded_muon.pt: the weights and
+    MUON_SLOTS it then holds, and "step": Adam's."""
+    if not available():
+        return
+    muon = load_muon_module()
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from tests.megatron_adam import ADAM, stacked_state
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = muon.get_megatron_muon_optimizer(OptimizerConfig(optimizer="muon", min_lr=0.0, **ADAM, **MUON), [ddp])
+    directory = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    sharded = model.sharded_state_dict()
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    loaded = dist_checkpointing.load({"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)},
+                                     str(directory))  # fmt: skip
+    model.load_state_dict(loaded["model"], strict=False)
+    optimizer.load_state_dict(loaded["optimizer"])
+    steps = {float(s["step"]) for inner in optimizer.chained_optimizers for s in inner.optimizer.state.values() if "step" in s}
+    torch.save({**stacked_state(model, optimizer, MUON_SLOTS, chained_states), "step": steps}, root / "loaded_muon.pt")
 
 
 def chained_states(optimizer, param) -> dict:
@@ -123,7 +178,7 @@ def muon_params(model) -> dict[str, list[str]]:
     get_megatron_muon_optimizer gives Muon on `model` (its TensorParallelMuon optimizers, the
     experts' one included), Megatron's parameter names; each SequentialMLP expert's weight is a
     matrix of its own, counted under its torch_dist name (local_experts.<i>. -> experts.)."""
-    muon = load_muon()
+    muon = load_muon_module()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 

@@ -28,7 +28,7 @@ from dtgpt.config import load_config
 from dtgpt.faults.injection import build_faults
 from tests.megatron_adam import BATCH, SGD_STEPS, mock_batch
 from tests.megatron_gpt import CONSUMED, ITERATION, VOCAB
-from tests.megatron_muon import MUON_SAVED
+from tests.megatron_muon import FROM_DTGPT, MUON_SAVED
 from tests.runs import Command, launch_commands, read_metrics
 from tests.test_megatron_checkpoint import ADAM_RUN, ROWS, model_cfg, without_key_bias
 from tests.test_sgd import MUON_FLAGS, stacked_by_key, stacked_weights
@@ -133,3 +133,26 @@ def test_megatron_muon_checkpoint_steps_on_as_megatron_core_on_two_ranks(resumed
         assert record["loss"] == pytest.approx(loss, rel=1e-5) and record["grad_norm"] == pytest.approx(norm, rel=1e-5), record
     errors = weight_errors(weights, oracle["weight"])
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_dtgpt_muon_checkpoint_goes_to_megatron_core_with_its_state(megatron_steps, oracle):
+    """to-megatron writes a dtgpt Muon run's momentum and Adam moments where megatron-core's Muon
+    chain keeps them (tests/megatron_muon.py write_dtgpt_muon, before the launch): megatron-core
+    loads it (load_muon) and then holds dtgpt's weights, momentum, moments and step bit for bit;
+    and dtgpt reads the written state back as it was."""
+    saved = read_sections(layout.iteration_dir(megatron_steps / "dtgpt", 1), ("model", "optimizer"))
+    loaded = torch.load(megatron_steps / FROM_DTGPT / "loaded_muon.pt", weights_only=True)
+    ours = {"weight": stacked_by_key(saved["model"])}
+    for slot in (MOMENTUM, *MOMENTS):
+        ours[slot] = stacked_by_key({k[len("state."):-len(slot) - 1]: v for k, v in saved["optimizer"].items() if k.endswith(f".{slot}")})
+    assert ours.keys() <= loaded.keys() and loaded["step"] == {1.0}
+    for slot, keys in ours.items():
+        assert keys.keys() == loaded[slot].keys(), slot
+        for key, value in keys.items():
+            assert torch.equal(value, loaded[slot][key]), (slot, key)
+    reader = MegatronReader(find(megatron_steps / FROM_DTGPT))
+    shapes = full_model_shapes(model_cfg(), ROWS)
+    reader.check(shapes, list(shapes))
+    for name, shape in shapes.items():
+        for slot in state_slots(name, shape, muon=True):
+            assert torch.equal(reader.tensor(name, shape, slot), saved["optimizer"][f"state.{name}.{slot}"]), (name, slot)
