@@ -158,3 +158,16 @@ def megatron_steps(tmp_path_factory):
     write_dtgpt_muon(root)
     run_megatron_gpt("sgd", root, 1)
     return root
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    """Each architecture saved by megatron-core at tp 2 as torch_dist, with its logits, and the
+    Llama-style one in the per-rank format too (tests/megatron_gpt.py FAMILY), and its Muon
+    chain's state at tp 2 under llama_muon/ (tests/megatron_muon.py save_muon_tp2), in one launch,
+    shared by tests/test_megatron_family.py and tests/test_megatron_muon_checkpoint.py."""
+    from tests.megatron_oracle import run_megatron_gpt
+
+    root = tmp_path_factory.mktemp("megatron_family")
+    run_megatron_gpt("family", root, 2)
+    return root

@@ -272,9 +272,10 @@ def main(argv: list[str]) -> None:
         for arch, command, untied in FAMILY:
             run(command, root / (arch if command == "save" else f"{arch}_{command.replace('-', '_')}"), untied, args.layers, arch, args.sharding, args.dp)
             parallel_state.destroy_model_parallel()
-        from tests.megatron_muon import write_muon_params
+        from tests.megatron_muon import save_muon_tp2, write_muon_params
 
         write_muon_params(root / "muon_params.json")  # the parameters its Muon builder takes (tests/megatron_muon.py)
+        save_muon_tp2(root / "llama_muon")  # and its Muon chain's state saved at tp 2
     else:
         run(args.command, root, args.untied, args.layers, args.arch, args.sharding, args.dp, args.per_rank)
     dist.destroy_process_group()

@@ -154,6 +154,66 @@ def save_muon(model, optimizer, root: Path, trainer_state: dict, samples: int) -
     (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
 
+TP2_ARCH = "llama"
+"""The model save_muon_tp2 steps and saves at tp 2: SwiGLU (linear_fc1 is [gate; fc1] of each
+tp rank, put together by megatron-core's factory), grouped-query attention, untied head."""
+
+
+def save_muon_tp2(root: Path) -> None:
+    """In the family launch (tp 2): TP2_ARCH's Muon chain after one synthetic step (gradients
+    sin(7 w), tests/megatron_adam.py), saved under root as save_muon does; root/held.pt: the
+    weights and MUON_SLOTS it holds, each tensor whole (held_whole)."""
+    if not available():
+        return
+    muon = load_muon_module()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from tests.megatron_adam import ADAM, patch_for_optimizer, synthetic_step
+    from tests.megatron_gpt import LAYERS, build, trainer_state
+
+    patch_for_optimizer()
+    tp = dist.get_world_size()
+    model = build(tp, True, LAYERS, TP2_ARCH)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = muon.get_megatron_muon_optimizer(OptimizerConfig(optimizer="muon", min_lr=0.0, **ADAM, **MUON), [ddp])
+    synthetic_step(model, ddp, optimizer)
+    save_muon(model, optimizer, root, trainer_state(tp, LAYERS, TP2_ARCH, untied=True), 0)
+    held = held_whole(model, optimizer)
+    if dist.get_rank() == 0:
+        torch.save(held, root / "held.pt")
+    parallel_state.destroy_model_parallel()
+
+
+def held_whole(model, optimizer) -> dict:
+    """{"weight", *MUON_SLOTS} -> {Megatron key: the whole tensor, layers stacked}: each rank puts
+    its shards where its sharded state dict says they go (a factory's, linear_fc1's, as it
+    builds them), replicas once, and the ranks sum."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    out: dict[str, dict] = {}
+    for sharded in model.sharded_state_dict().values():
+        if not isinstance(getattr(sharded, "data", None), torch.nn.Parameter):
+            continue  # _extra_state
+        states = chained_states(optimizer, sharded.data)
+        for slot, value in {"weight": sharded.data, **{k: states[k] for k in MUON_SLOTS if k in states}}.items():
+            if hasattr(sharded, "build_fn"):  # a factory: its pieces hold views of the value given
+                pieces = [(piece, piece.data) for piece in nested_values(sharded.build_fn(sharded.key, value, sharded.replica_id, None))]
+            else:
+                pieces = [(sharded, value)]
+            for piece, data in pieces:
+                whole = out.setdefault(slot, {}).setdefault(piece.key, torch.zeros(piece.global_shape))
+                replica = piece.replica_id if isinstance(piece.replica_id, tuple) else (piece.replica_id,)
+                if not any(replica):
+                    sizes = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
+                    whole[tuple(slice(o, o + n) for o, n in zip(piece.global_offset, sizes))] = data.detach().reshape(sizes)
+    for keys in out.values():
+        for whole in keys.values():
+            dist.all_reduce(whole)
+    return out
+
+
 def write_muon_params(path: Path) -> None:
     """path: {arch: {"muon": [names], "qkv": [names split by QKV]}}, Megatron's parameter names;
     nothing when emerging-optimizers (the builder's dependency) is not installed, or on another

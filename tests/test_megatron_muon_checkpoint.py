@@ -21,7 +21,7 @@ from dtgpt.api import build_model, build_train_state, init_distributed, train_st
 from dtgpt.checkpoint import Checkpointer, layout
 from dtgpt.checkpoint.export import read_sections
 from dtgpt.checkpoint.megatron import find
-from dtgpt.checkpoint.megatron.keys import full_model_shapes, megatron_name
+from dtgpt.checkpoint.megatron.keys import full_model_shapes, half_of, megatron_name
 from dtgpt.checkpoint.megatron.load import MOMENTS, MOMENTUM, state_slots
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import load_config
@@ -156,3 +156,32 @@ def test_dtgpt_muon_checkpoint_goes_to_megatron_core_with_its_state(megatron_ste
     for name, shape in shapes.items():
         for slot in state_slots(name, shape, muon=True):
             assert torch.equal(reader.tensor(name, shape, slot), saved["optimizer"][f"state.{name}.{slot}"]), (name, slot)
+
+
+def test_megatron_muon_state_saved_at_tp2_reads_whole(family):
+    """megatron-core's Muon chain saved at tp 2 (tests/megatron_muon.py save_muon_tp2, in the family
+    launch: the Llama-style model, SwiGLU and grouped-query attention): each parameter's weight
+    and state reads as the whole tensor megatron-core's ranks held, bit for bit; SwiGLU's gate and
+    fc1 momentum as the two halves of linear_fc1's, which megatron-core puts together from each
+    tp rank's [gate; fc1] rows."""
+    from tests.megatron_muon import TP2_ARCH
+    from tests.test_megatron_family import ROWS as ROWS_TP2
+    from tests.test_megatron_family import model_cfg as family_cfg
+
+    root = family / "llama_muon"
+    if not (root / "held.pt").exists():
+        pytest.skip("megatron-core's Muon needs emerging-optimizers (make setup) and megatron-core 0.16.1")
+    held = torch.load(root / "held.pt", weights_only=True)
+    reader = MegatronReader(find(root))
+    shapes = full_model_shapes(family_cfg(TP2_ARCH), ROWS_TP2)
+    reader.check(shapes, list(shapes))
+    halves = 0
+    for name, shape in shapes.items():
+        key, layer = megatron_name(name)
+        half = half_of(name, shapes)
+        for slot in (None, *state_slots(name, shape, muon=True)):
+            theirs = held[slot or "weight"][key] if layer is None else held[slot or "weight"][key][layer]
+            if half is not None:
+                theirs, halves = theirs.chunk(2)[half], halves + 1
+            assert torch.equal(reader.tensor(name, shape, slot), theirs), (name, slot)
+    assert halves == 2 * 2 * 2  # gate and fc1, weight and momentum, two layers
