@@ -37,6 +37,8 @@ def available() -> bool:
 
 MUON_SAVED = "muon_ckpt"
 """Where step_muon saves megatron-core's Muon after its first step, as Megatron-LM's torch_dist does."""
+MUON_PER_RANK = "muon_per_rank"
+"""Where step_muon saves the same in Megatron-LM's per-rank format (--ckpt-format torch)."""
 MUON_SLOTS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 """The state of megatron-core's Muon: its matrices' momentum, Adam's moments of the rest."""
 
@@ -54,7 +56,7 @@ def step_muon(model, root: Path, trainer_state: dict) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from tests.megatron_adam import ADAM, BATCH, SGD_STEPS, mock_batch, stacked_state, step
+    from tests.megatron_adam import ADAM, BATCH, SGD_STEPS, mock_batch, save_per_rank, stacked_state, step
 
     consumed = trainer_state["args"].consumed_train_samples
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
@@ -66,6 +68,7 @@ def step_muon(model, root: Path, trainer_state: dict) -> None:
         grad_norms.append(grad_norm)
         if k == 0:
             save_muon(model, optimizer, root / MUON_SAVED, trainer_state, BATCH)
+            save_per_rank(model, optimizer, root / MUON_PER_RANK, one_step_on(trainer_state, BATCH))  # its optimizer entry: the chain's list
             saved = stacked_state(model, optimizer, MUON_SLOTS, chained_states)
     torch.save({**stacked_state(model, optimizer, slots=()), "saved": saved, "losses": losses, "grad_norms": grad_norms}, root / "muon.pt")
 
@@ -133,19 +136,24 @@ def chained_states(optimizer, param) -> dict:
     return {}
 
 
+def one_step_on(trainer_state: dict, samples: int) -> dict:
+    """`trainer_state` one iteration and `samples` samples later."""
+    import argparse
+
+    args = argparse.Namespace(**{**vars(trainer_state["args"]), "consumed_train_samples": trainer_state["args"].consumed_train_samples + samples})
+    return {**trainer_state, "iteration": trainer_state["iteration"] + 1, "args": args,
+            "opt_param_scheduler": {**trainer_state["opt_param_scheduler"], "num_steps": args.consumed_train_samples}}  # fmt: skip
+
+
 def save_muon(model, optimizer, root: Path, trainer_state: dict, samples: int) -> None:
     """Model and Muon chain saved as Megatron-LM's torch_dist save writes them (its
     _build_sharded_state_dict_metadata: no distributed optimizer, chained_optim_avoid_prefix, so
     each chained optimizer's tensors under the model-space `optimizer.state.<slot>.<key>`), one
     iteration and `samples` samples after `trainer_state`, and the pointer."""
-    import argparse
-
     from megatron.core import dist_checkpointing
 
-    args = argparse.Namespace(**{**vars(trainer_state["args"]), "consumed_train_samples": trainer_state["args"].consumed_train_samples + samples})
-    iteration = trainer_state["iteration"] + 1
-    state = {**trainer_state, "iteration": iteration, "args": args,
-             "opt_param_scheduler": {**trainer_state["opt_param_scheduler"], "num_steps": args.consumed_train_samples}}  # fmt: skip
+    state = one_step_on(trainer_state, samples)
+    iteration = state["iteration"]
     directory = root / f"iter_{iteration:07d}"
     directory.mkdir(parents=True, exist_ok=True)
     model_state = model.sharded_state_dict()

@@ -28,7 +28,7 @@ from dtgpt.config import load_config
 from dtgpt.faults.injection import build_faults
 from tests.megatron_adam import BATCH, SGD_STEPS, mock_batch
 from tests.megatron_gpt import CONSUMED, ITERATION, VOCAB
-from tests.megatron_muon import FROM_DTGPT, MUON_SAVED
+from tests.megatron_muon import FROM_DTGPT, MUON_PER_RANK, MUON_SAVED
 from tests.runs import Command, launch_commands, read_metrics
 from tests.test_megatron_checkpoint import ADAM_RUN, ROWS, model_cfg, without_key_bias
 from tests.test_sgd import MUON_FLAGS, stacked_by_key, stacked_weights
@@ -74,9 +74,10 @@ def test_megatron_muon_state_reads_as_megatron_core_held_it(megatron_steps, orac
     assert {(key, MOMENTUM) for key in held[MOMENTUM]} | {(key, m) for m in MOMENTS for key in held[m]} == slots_read
 
 
-def resume(root, flags: list[str], capsys):
-    """dtgpt's train state after loading megatron-core's Muon checkpoint with `flags` (one process), and the load log."""
-    cfg = load_config(None, [*ADAM_RUN, *flags, f"--checkpoint.load={root / MUON_SAVED}"])
+def resume(root, flags: list[str], capsys, saved: str = MUON_SAVED):
+    """dtgpt's train state after loading megatron-core's Muon checkpoint (root/`saved`) with
+    `flags` (one process), and the load log."""
+    cfg = load_config(None, [*ADAM_RUN, *flags, f"--checkpoint.load={root / saved}"])
     runtime = init_distributed(cfg)
     state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
     Checkpointer(state, cfg, runtime, build_faults(cfg.faults, runtime.rank, runtime.restart_count))
@@ -102,6 +103,16 @@ def test_a_megatron_muon_checkpoint_into_adamw_starts_fresh_and_says_why(megatro
     _, _, log = resume(megatron_steps, [], capsys)
     assert ("optimizer state not read: the checkpoint holds no optimizer.state.exp_avg.embedding.position_embeddings.weight, "
             "which dtgpt's AdamW needs (it holds Muon or SGD state: saved with another --optimizer?); fresh AdamW moments") in log
+
+
+def test_megatron_muon_per_rank_state_is_one_line_and_fresh(megatron_steps, capsys):
+    """The per-rank format (--ckpt-format torch) keeps the chain's state as a list of two torch
+    state dicts by parameter index, which dtgpt does not map: the weights load, Muon and AdamW
+    start fresh, and the log says why in one line naming the file."""
+    _, _, log = resume(megatron_steps, MUON_FLAGS, capsys, MUON_PER_RANK)
+    file = layout.iteration_dir(megatron_steps / MUON_PER_RANK, SAVED_AT) / "mp_rank_00" / "model_optim_rng.pt"
+    assert (f"optimizer state not read: {file} holds several chained optimizers (MoE experts, or Muon and its Adam), "
+            "which dtgpt does not map yet; fresh Muon momentum and AdamW moments") in log
 
 
 @pytest.fixture(scope="module")
