@@ -15,7 +15,9 @@ losses compare):
                     (fp32, not distributed) SGD_STEPS times on the mock samples from consumed 56 on;
                     DIR/sgd.pt: {"weight": {Megatron key: stacked}} after the last step; and the
                     same with megatron-core's Muon from the same weights (tests/megatron_muon.py),
-                    DIR/muon.pt
+                    DIR/muon.pt, its chain saved after the first step (DIR/muon_ckpt, torch_dist;
+                    DIR/muon_per_rank); and DIR/from_dtgpt, where there is one, loaded into its
+                    Muon chain (DIR/from_dtgpt/loaded_muon.pt)
     load-adam DIR   build the same, load DIR's checkpoint (model and optimizer),
                     DIR/loaded_adam.pt: the loaded state in the same layout; and DIR/per_rank's
                     per-rank files where there are, into its FP32Optimizer: DIR/loaded_per_rank_adam.pt

@@ -20,8 +20,10 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           under DIR/dp_reshardable; load-adam loads the first;
                                                           --dp 2 on 2 ranks: tp 1, dp 2, checkpoints only)
     python tests/megatron_gpt.py sgd DIR                  save the weights, then step its optimizer='sgd'
-                                                          three times, write DIR/sgd.pt
-    python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
+                                                          three times, write DIR/sgd.pt; the same with its
+                                                          Muon, saved after one step (tests/megatron_muon.py)
+    python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>, and
+                                                          the Llama-style one's Muon state (DIR/llama_muon)
     python tests/megatron_gpt.py adam-parallel DIR        on 4 ranks (tp 2 x pp 2, and with VIRTUAL_ADAM's virtual stages): one distributed-optimizer
                                                           step of each of PARALLEL_ADAM's models, saved
                                                           model space, dp_reshardable and per rank with each
