@@ -164,8 +164,8 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     """Write dtgpt checkpoint `src` as Megatron-LM's torch_dist iteration under out_root, its
     vocabulary padded as Megatron pads for tensor parallel size `tp`, with its Adam state (when
     it has one) as megatron-core's distributed optimizer stores it in model space, a Muon run's as
-    megatron-core's Muon chain does (write_muon.py; an SGD run's momentum is left out: megatron-core's
-    distributed optimizer refuses SGD). Returns the directory."""
+    megatron-core's Muon chain does (write_muon.py); an SGD run's momentum is not written yet.
+    Returns the directory."""
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
