@@ -87,8 +87,8 @@ def to_megatron(args) -> None:
     if args.ep != 1:
         raise ValueError("--ep names the per-rank format's expert-parallel files: torch_dist is the same at any ep (add --format per-rank)")
     written = megatron.to_megatron(directory, cfg, args.dst, args.tp)
-    stored = {"sgd": "SGD momentum", "muon": "Muon state"}.get(stored_optimizer(layout.read_metadata(directory)) or "")
-    left_out = f"; its {stored} is left out (Megatron's model-space optimizer layout holds Adam's state only)" if stored else ""
+    sgd = stored_optimizer(layout.read_metadata(directory)) == "sgd"
+    left_out = "; its SGD momentum is left out (to-megatron writes Adam's and Muon's state)" if sgd else ""
     print(f"wrote {written} (Megatron-LM torch_dist, vocabulary padded for tp {args.tp}) from {directory}{left_out}")
 
 

@@ -141,3 +141,33 @@ def adam_tp2pp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_adam_tp2pp2")
     run_megatron_gpt("adam-parallel", root, 4)
     return root
+
+
+@pytest.fixture(scope="session")
+def megatron_steps(tmp_path_factory):
+    """megatron-core's checkpoint, and its weights after three SGD steps (sgd.pt) and after three
+    Muon steps from the same weights (muon.pt, where emerging-optimizers is installed), its Muon
+    chain saved after the first of them under muon_ckpt/ (tests/megatron_muon.py step_muon); and
+    dtgpt's own Muon checkpoint (dtgpt/), written as Megatron's (from_dtgpt/) before the launch and
+    loaded into megatron-core's Muon chain by it (loaded_muon.pt): one launch, shared by
+    tests/test_sgd.py and tests/test_megatron_muon_checkpoint.py."""
+    from tests.megatron_muon import write_dtgpt_muon
+    from tests.megatron_oracle import run_megatron_gpt
+
+    root = tmp_path_factory.mktemp("megatron_sgd")
+    write_dtgpt_muon(root)
+    run_megatron_gpt("sgd", root, 1)
+    return root
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory):
+    """Each architecture saved by megatron-core at tp 2 as torch_dist, with its logits, and the
+    Llama-style one in the per-rank format too (tests/megatron_gpt.py FAMILY), and its Muon
+    chain's state at tp 2 under llama_muon/ (tests/megatron_muon.py save_muon_tp2), in one launch,
+    shared by tests/test_megatron_family.py and tests/test_megatron_muon_checkpoint.py."""
+    from tests.megatron_oracle import run_megatron_gpt
+
+    root = tmp_path_factory.mktemp("megatron_family")
+    run_megatron_gpt("family", root, 2)
+    return root

@@ -15,7 +15,9 @@ losses compare):
                     (fp32, not distributed) SGD_STEPS times on the mock samples from consumed 56 on;
                     DIR/sgd.pt: {"weight": {Megatron key: stacked}} after the last step; and the
                     same with megatron-core's Muon from the same weights (tests/megatron_muon.py),
-                    DIR/muon.pt
+                    DIR/muon.pt, its chain saved after the first step (DIR/muon_ckpt, torch_dist;
+                    DIR/muon_per_rank); and DIR/from_dtgpt, where there is one, loaded into its
+                    Muon chain (DIR/from_dtgpt/loaded_muon.pt)
     load-adam DIR   build the same, load DIR's checkpoint (model and optimizer),
                     DIR/loaded_adam.pt: the loaded state in the same layout; and DIR/per_rank's
                     per-rank files where there are, into its FP32Optimizer: DIR/loaded_per_rank_adam.pt
@@ -130,32 +132,38 @@ def build_optimizer(model, min_lr: float = 0.0, bucket_size: int | None = None, 
     return (ddps if isinstance(model, list) else ddps[0]), get_megatron_optimizer(config, ddps)
 
 
-def step(ddp, optimizer, batch: torch.Tensor) -> None:
-    """One training iteration: the mean token loss of the batch, as Megatron-LM's loss_func."""
+def step(ddp, optimizer, batch: torch.Tensor) -> tuple[float, float]:
+    """One training iteration: the mean token loss of the batch, as Megatron-LM's loss_func.
+    Returns (that loss, the gradient norm before clipping), as Megatron-LM logs them."""
     ids, labels = batch[:, :-1], batch[:, 1:]
     T = ids.shape[1]
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     loss = ddp(ids, torch.arange(T).expand_as(ids), mask, labels=labels)
-    (loss.sum() / loss.numel()).backward()
+    mean = loss.sum() / loss.numel()
+    mean.backward()
     ddp.finish_grad_sync()
     for group in optimizer.param_groups:  # what OptimizerParamScheduler sets every iteration (constant LR)
         group["lr"], group["weight_decay"] = group["max_lr"], ADAM["weight_decay"] * group["wd_mult"]
     assert sorted(g["max_lr"] for g in optimizer.param_groups) == [ADAM["lr"], ADAM["lr"], ADAM["decoupled_lr"]]
-    assert optimizer.step()[0], "megatron-core skipped the step"
+    stepped, grad_norm, _ = optimizer.step()
+    assert stepped, "megatron-core skipped the step"
+    return mean.item(), float(grad_norm)
 
 
-def stacked_state(model, optimizer, slots: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")) -> dict:
+def stacked_state(model, optimizer, slots: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq"), states_of=None) -> dict:
     """{"weight", *slots} -> {Megatron key: tensor, layers stacked}; the slots are the optimizer's
-    (none for the weights alone)."""
+    (none for the weights alone), read by `states_of(optimizer, param)` (default optimizer_states);
+    a parameter without a slot (Muon's matrices have no Adam moments) is left out of it."""
+    states_of = states_of or optimizer_states
     out: dict[str, dict] = {slot: {} for slot in ("weight", *slots)}
     layers: dict[str, dict] = {}
     for sharded in model.sharded_state_dict().values():
         if not isinstance(getattr(sharded, "data", None), torch.nn.Parameter):
             continue  # _extra_state
-        states = optimizer_states(optimizer, sharded.data) if slots else {}
-        values = {"weight": sharded.data, **{k: states[k] for k in slots}}
+        states = states_of(optimizer, sharded.data) if slots else {}
+        values = {"weight": sharded.data, **{k: states[k] for k in slots if k in states}}
         for slot, value in values.items():
             value = value.detach().reshape(sharded.data.shape).clone()
             if sharded.prepend_axis_num:
@@ -224,9 +232,11 @@ def run_adam(command: str, model, root: Path, trainer_state: dict, shardings: tu
         for k in range(SGD_STEPS):  # the batches a dtgpt run resuming at these consumed samples trains on
             step(ddp, optimizer, mock_batch(consumed + k * BATCH))
         torch.save(stacked_state(model, optimizer, slots=()), root / "sgd.pt")
-        from tests.megatron_muon import step_muon
+        from tests.megatron_muon import FROM_DTGPT, load_muon, step_muon
 
-        step_muon(twin(), root, consumed)  # megatron-core's Muon from the same weights, on the same batches
+        step_muon(twin(), root, trainer_state)  # megatron-core's Muon from the same weights, on the same batches
+        if (root / FROM_DTGPT).is_dir():  # and dtgpt's Muon state written as Megatron's, loaded into its chain
+            load_muon(twin(), root / FROM_DTGPT)
     elif command == "adam":
         # at dp > 1 each rank holds a share of each parameter's state: only the checkpoints are written
         whole = parallel_state.get_data_parallel_world_size() == 1

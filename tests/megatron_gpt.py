@@ -20,8 +20,10 @@ Run as a script, one process or under torchrun (gloo, one rank per TP rank):
                                                           under DIR/dp_reshardable; load-adam loads the first;
                                                           --dp 2 on 2 ranks: tp 1, dp 2, checkpoints only)
     python tests/megatron_gpt.py sgd DIR                  save the weights, then step its optimizer='sgd'
-                                                          three times, write DIR/sgd.pt
-    python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>
+                                                          three times, write DIR/sgd.pt; the same with its
+                                                          Muon, saved after one step (tests/megatron_muon.py)
+    python tests/megatron_gpt.py family DIR               save each of FAMILY's models under DIR/<arch>, and
+                                                          the Llama-style one's Muon state (DIR/llama_muon)
     python tests/megatron_gpt.py adam-parallel DIR        on 4 ranks (tp 2 x pp 2, and with VIRTUAL_ADAM's virtual stages): one distributed-optimizer
                                                           step of each of PARALLEL_ADAM's models, saved
                                                           model space, dp_reshardable and per rank with each
@@ -272,9 +274,10 @@ def main(argv: list[str]) -> None:
         for arch, command, untied in FAMILY:
             run(command, root / (arch if command == "save" else f"{arch}_{command.replace('-', '_')}"), untied, args.layers, arch, args.sharding, args.dp)
             parallel_state.destroy_model_parallel()
-        from tests.megatron_muon import write_muon_params
+        from tests.megatron_muon import save_muon_tp2, write_muon_params
 
         write_muon_params(root / "muon_params.json")  # the parameters its Muon builder takes (tests/megatron_muon.py)
+        save_muon_tp2(root / "llama_muon")  # and its Muon chain's state saved at tp 2
     else:
         run(args.command, root, args.untied, args.layers, args.arch, args.sharding, args.dp, args.per_rank)
     dist.destroy_process_group()

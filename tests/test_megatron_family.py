@@ -63,15 +63,6 @@ def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory) -> Path:
-    """Each architecture saved by megatron-core at tp 2 as torch_dist, with its logits, and the
-    Llama-style one in the per-rank format too (tests/megatron_gpt.py FAMILY), in one launch."""
-    root = tmp_path_factory.mktemp("megatron_family")
-    run_megatron_gpt("family", root, 2)
-    return root
-
-
-@pytest.fixture(scope="module")
 def saved(family) -> dict[str, Path]:
     return {arch: family / arch for arch in ARCHS}
 

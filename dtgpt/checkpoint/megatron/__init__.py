@@ -8,6 +8,7 @@
     regions.py  DCP reads of sub-regions of stored tensors (a rank reads only what it holds)
     load.py     a Megatron checkpoint into a TrainState at any mesh, or into a one-device GPT
     write.py    streaming conversion dtgpt <-> Megatron torch_dist
+    write_muon.py  a Muon run's state as megatron-core's Muon chain saves it (torch_dist)
     write_per_rank.py  dtgpt -> Megatron's per-rank files at tp x ep
 """
 

@@ -27,9 +27,24 @@ The per-rank format's state (each file's optimizer state by parameter index, or 
 optimizer's distrib_optim.pt) is read under the same `optimizer.state.<slot>.<model key>` names
 (per_rank_optim.py).
 
-Under optimizer.optimizer = "sgd" or "muon" no optimizer state is read (the weights, counts, LR
-schedule and loss scale are): megatron-core's layouts name Adam's slots only, so an SGD run starts
-its momentum fresh, a Muon run its momentum and AdamW moments, with a note in the log.
+Under optimizer.optimizer = "muon" the state is megatron-core's Muon chain's (muon.py's
+get_megatron_muon_optimizer: a ChainedOptimizer of its TensorParallelMuon and its Adam, each an
+FP32Optimizer, or Float16OptimizerWithFloat16Params under bf16; Megatron-LM refuses its
+distributed optimizer with muon, and dist_muon's LayerWiseDistributedOptimizer saves the same
+keys). Megatron-LM saves it with chained_optim_avoid_prefix, so each chained optimizer's tensors
+are in model space under the same names as Adam's, the two disjoint:
+
+    momentum_buffer          Muon's momentum of each of its matrices (a fused QKV weight whole,
+                             SwiGLU's [gate; fc1] as linear_fc1, as the weights): dtgpt's
+                             MuonWithAdamW keeps it under the same name, sharded as the parameter
+    exp_avg, exp_avg_sq      AdamW's moments of the rest (embedding, output layer, biases, norms)
+    fp32_param               (bf16) the master weights of both
+    step                     the Adam half's common_step (Muon keeps none)
+
+Which parameters are Muon's is dtgpt.muon's rule, megatron-core's: a checkpoint whose state does
+not follow it (a Muon checkpoint into AdamW, or the reverse) starts fresh with a note naming the
+first missing tensor. Under optimizer.optimizer = "sgd" no optimizer state is read (the weights,
+counts, LR schedule and loss scale are), with a note in the log.
 """
 
 from __future__ import annotations
@@ -46,10 +61,13 @@ from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, is_bu
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT
+from dtgpt.muon import is_muon_matrix
 from dtgpt.parallel.regions import local_region
 from dtgpt.state import FLAT_OPTIM, TrainState, tied_source
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTUM = "momentum_buffer"
+"""Muon's slot (megatron-core's TensorParallelMuon and dtgpt's MuonWithAdamW name it alike)."""
 MASTER_SLOTS = ("fp32_param", "param")
 """Megatron's names for the master weights: Float16Optimizer and fully_sharded_model_space say
 fp32_param, the distributed optimizer's fully_reshardable says param."""
@@ -93,12 +111,23 @@ def adam_step(optimizer_common) -> float | None:
     return found[0] if found and len(set(found)) == 1 else None
 
 
-def optimizer_slots(reader: MegatronReader, names: list[str]) -> tuple[bool, str | None]:
-    """(whether every parameter's Adam moments are stored, the master-weight slot or None)."""
-    def stored(slot: str) -> bool:
-        return all(reader.holds(name, slot) for name in names if not is_buffer(name))
+def state_slots(name: str, shape: tuple[int, ...], muon: bool) -> tuple[str, ...]:
+    """The optimizer slots besides the step that dtgpt's optimizer keeps for parameter `name`:
+    Muon's momentum for the matrices Muon takes (under `muon`), else AdamW's moments."""
+    return (MOMENTUM,) if muon and is_muon_matrix(name, torch.empty(shape, device="meta")) else MOMENTS
 
-    return all(stored(m) for m in MOMENTS), next((s for s in MASTER_SLOTS if stored(s)), None)
+
+def optimizer_slots(reader: MegatronReader, shapes: dict[str, tuple[int, ...]], muon: bool) -> tuple[str | None, str | None]:
+    """(the stored key of the first optimizer state dtgpt's optimizer needs that the checkpoint
+    lacks, or None when it has all; the master-weight slot or None)."""
+    params = [name for name in shapes if not is_buffer(name)]
+
+    def stored(slot: str) -> bool:
+        return all(reader.holds(name, slot) for name in params)
+
+    wanted = ((name, slot) for name in params for slot in state_slots(name, shapes[name], muon))
+    missing = next((reader.stored_key(name, slot) for name, slot in wanted if not reader.holds(name, slot)), None)
+    return missing, next((s for s in MASTER_SLOTS if stored(s)), None)
 
 
 def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: bool, counts: bool = False) -> list[str]:
@@ -110,22 +139,24 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     reader.check_architecture(cfg.model)
     full = full_model_shapes(cfg.model, state.model.parts[0].vocab_size)
     reader.check(full, list(full))  # the whole model on every rank: every rank fails alike
-    adam = cfg.optimizer.optimizer == "adam"  # Megatron's optimizer state is Adam's
-    has_moments, master = optimizer_slots(reader, list(full)) if stateful and adam else (False, None)
+    adam, muon = cfg.optimizer.optimizer == "adam", cfg.optimizer.uses_muon  # the state read: Adam's, or Muon's and Adam's
+    missing, master = optimizer_slots(reader, full, muon) if stateful and (adam or muon) else ("", None)
+    has_moments = missing is None
     step = adam_step(reader.optimizer_common()) if has_moments else None
     in_buckets = has_moments and reader.bucket_layout()[0] is not None
     shifted = has_moments and step is not None and master is not None and not in_buckets and not reader.masters_agree(master)
-    use_adam = has_moments and step is not None and not shifted
-    weights_slot = master if use_adam else None
+    use_state = has_moments and step is not None and not shifted
+    weights_slot = master if use_state else None
     for part in state.model.parts:
         live = get_model_state_dict(part)
         read_into(reader, {name: (_source(state, name), None if is_buffer(name) else weights_slot, value)
                            for name, value in live.items()})  # fmt: skip
     notes = []
-    if use_adam:
-        _load_adam(state, reader, step)
+    if use_state:
+        _load_optimizer_state(state, reader, step)
         master_note = f"fp32 master weights ({weights_slot}), " if weights_slot else ""
-        notes.append(f"optimizer state loaded: {master_note}Adam moments, step {step:g}")
+        momentum_note = "Muon momentum, " if muon else ""
+        notes.append(f"optimizer state loaded: {master_note}{momentum_note}Adam moments, step {step:g}")
         if in_buckets:
             buckets, spec = reader.bucket_layout()
             experts = f", {buckets.experts} experts" if buckets.experts else ""
@@ -136,9 +167,13 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
             why = (f"its fp32 master weights (optimizer.state.{master}.*) differ from the model weights, so its Adam state is not "
                    "where it belongs (megatron-core 0.16.1's fully_reshardable save of a grad buffer in several buckets shifts it)")
         if not has_moments:
-            why = "the checkpoint holds no Adam state in model space (optimizer.state.exp_avg.*)"
-        if not adam:
-            why = f"optimizer.optimizer={cfg.optimizer.optimizer!r}, and only Adam moments are read from Megatron"
+            why = "the checkpoint holds no optimizer state in model space (optimizer.state.*)"
+            if reader.holds_slot("exp_avg") or reader.holds_slot(MOMENTUM):
+                why = f"the checkpoint holds no {missing}, which dtgpt's {'Muon' if muon else 'AdamW'} needs"
+                if reader.holds_slot(MOMENTUM) != muon:  # Megatron's Adam keeps no momentum_buffer, its Muon and SGD do
+                    why += f" (it holds {'Adam' if muon else 'Muon or SGD'} state: saved with another --optimizer?)"
+        if not (adam or muon):
+            why = f"optimizer.optimizer={cfg.optimizer.optimizer!r}, and only Adam's and Muon's state is read from Megatron"
         elif reader.per_rank_optimizer_problem():
             why = reader.per_rank_optimizer_problem()
         else:
@@ -176,7 +211,9 @@ def _source(state: TrainState, name: str) -> str:
     return (tied_source(name) if state.tied else None) or name
 
 
-def _load_adam(state: TrainState, reader: MegatronReader, step: float) -> None:
+def _load_optimizer_state(state: TrainState, reader: MegatronReader, step: float) -> None:
+    """Every slot of the live optimizer state (AdamW's moments, Muon's momentum) from the
+    checkpoint, and AdamW's step."""
     for part, optimizer in zip(state.model.parts, state.optimizer.optimizers):
         # On an optimizer without state this first creates it (torch's zero-lr step).
         live = get_optimizer_state_dict(part, optimizer, options=FLAT_OPTIM)

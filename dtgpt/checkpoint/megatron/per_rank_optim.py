@@ -61,7 +61,7 @@ def file_state(saved: dict, directory: Path, chunks: list[str], pp: int, pp_rank
     optimizer = saved.get("optimizer")
     params = [(chunk, key, value) for chunk in chunks for key, value in parameters(saved.get(chunk, {}))]
     if isinstance(optimizer, list):
-        raise Unmapped("holds several chained optimizers (MoE experts), which dtgpt does not map yet")
+        raise Unmapped("holds several chained optimizers (MoE experts, or Muon and its Adam), which dtgpt does not map yet")
     if not isinstance(optimizer, dict):
         raise Unmapped("holds no optimizer state (saved with --no-save-optim)")
     inner = optimizer.get("optimizer", optimizer)

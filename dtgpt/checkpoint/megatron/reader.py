@@ -147,6 +147,10 @@ class MegatronReader:
             return slot in ("param", "exp_avg", "exp_avg_sq") and self._bucket_param(name) in layout.pieces
         return self.stored_key(name, slot) in self.shapes
 
+    def holds_slot(self, slot: str) -> bool:
+        """Whether the checkpoint stores optimizer state `slot` of any tensor in model space."""
+        return any(unchained(key).startswith(f"{OPTIMIZER_PREFIX}{slot}.") for key in self.shapes)
+
     def per_rank_optimizer_problem(self) -> str:
         """Why the per-rank files' optimizer state is not mapped ("" when it is, or for torch_dist)."""
         return "" if self.torch_dist else self._per_rank.optimizer.first[2]

@@ -31,6 +31,7 @@ from dtgpt.checkpoint.megatron.keys import (
     resize_vocab, stored_alias, stores_per_layer,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.checkpoint.megatron.write_muon import megatron_muon_common, muon_sources
 from dtgpt.checkpoint.stored import stored_optimizer
 from dtgpt.checkpoint.tokenizer_args import megatron_tokenizer_args
 from dtgpt.config import Config, ModelConfig, OptimizerConfig, padded_vocab_size, to_toml
@@ -162,14 +163,17 @@ def _read_stacked(directory: Path, keys: list[str], metadata) -> torch.Tensor:
 def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Path:
     """Write dtgpt checkpoint `src` as Megatron-LM's torch_dist iteration under out_root, its
     vocabulary padded as Megatron pads for tensor parallel size `tp`, with its Adam state (when
-    it has one) as megatron-core's distributed optimizer stores it in model space (an SGD run's
-    momentum is left out: that layout has no slot for it). Returns the directory."""
+    it has one) as megatron-core's distributed optimizer stores it in model space, a Muon run's as
+    megatron-core's Muon chain does (write_muon.py); an SGD run's momentum is not written yet.
+    Returns the directory."""
     metadata = layout.read_metadata(src)
     marker = layout.read_marker(src) if (src / layout.MARKER).is_file() else {}
     iteration = int(marker.get("iteration", 0))
     export.refuse_run_root(out_root)  # never replace a save or move a run's pointer
     rows = padded_vocab_size(export.model_vocab_size(src), cfg.model.make_vocab_size_divisible_by * tp)
-    adam = stored_optimizer(metadata) == "adam"  # SGD momentum has no slot in Megatron's model-space layout
+    kind = stored_optimizer(metadata)
+    adam, muon = kind == "adam", kind == "muon"  # SGD momentum is left out (the docstring)
+    stored = set(metadata.state_dict_metadata)
     # Megatron key -> per layer (one entry if not stacked), the dtgpt keys its rows concatenate
     # (two for SwiGLU's linear_fc1, [gate; fc1]; else one)
     sources: dict[str, dict[int | None, list[str]]] = {}
@@ -178,8 +182,9 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     for name in sorted(names, key=lambda n: half_of(n, names) or 0):  # a gate before its fc1
         mkey, layer = written_name(name, cfg.model)
         slots = {mkey: f"model.{name}"}
-        if adam and not is_buffer(name):  # the fp32 master weights are dtgpt's parameters
-            slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in _adam_sources(name).items()}
+        if (adam or muon) and not is_buffer(name):  # the fp32 master weights are dtgpt's parameters
+            sources_of = muon_sources(name, stored, cfg.training.bf16) if muon else _adam_sources(name)
+            slots |= {f"{OPTIMIZER_PREFIX}{slot}.{mkey}": key for slot, key in sources_of.items()}
         for key, dtgpt_key in slots.items():
             if dtgpt_key not in metadata.state_dict_metadata:
                 raise CheckpointError(f"{src} has no {dtgpt_key}, which the config's model has")
@@ -209,8 +214,8 @@ def to_megatron(src: Path, cfg: Config, out_root: str | Path, tp: int = 1) -> Pa
     _save_streaming(state, directory, produce, stacked)
     progress = export.read_sections(src, ("train_state", "lr_schedule")) if _has(metadata, "train_state") else {}
     common = trainer_common(iteration, progress, cfg, tp, rows)
-    if adam:
-        common |= megatron_optimizer_common(cfg.optimizer, stored_adam_step(src, metadata))
+    if adam or muon:
+        common |= (megatron_muon_common if muon else megatron_optimizer_common)(cfg.optimizer, stored_adam_step(src, metadata))
     torch.save(common, directory / COMMON_FILE)
     (directory / BACKEND_FILE).write_text(json.dumps(BACKEND))
     layout.write_pointer(out_root, iteration)
