@@ -107,7 +107,7 @@ def test_sgd_checkpoint_goes_to_megatron_without_its_momentum(tmp_path):
     optimizer layout has no slot for SGD's momentum, so none is written (the script says so)."""
     from dtgpt.checkpoint import layout, megatron
     from dtgpt.checkpoint.megatron.reader import MegatronReader
-    from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+    from tests.checkpoints import checkpointer, make_trainer, step
 
     t = make_trainer(f"--checkpoint.save={tmp_path / 'ckpt'}", *SGD_FLAGS)
     step(t, 2)
