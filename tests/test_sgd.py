@@ -25,7 +25,7 @@ from dtgpt.muon import MUON, MuonWithAdamW
 from tests.megatron_adam import BATCH, SGD_MOMENTUM, SGD_STEPS, mock_batch
 from tests.megatron_gpt import CONSUMED, VOCAB
 from tests.megatron_oracle import run_megatron_gpt
-from tests.test_megatron_checkpoint import ADAM_RUN, without_key_bias
+from tests.megatron_checkpoints import ADAM_RUN, without_key_bias
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
