@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dtgpt.checkpoint import CheckpointError, layout
+from dtgpt.checkpoint.stored import optimizer_problem, stored_optimizer
 from dtgpt.config import load_config
 from tests.checkpoints import assert_same, checkpointer, flat_state, make_trainer, step
 
@@ -18,15 +19,20 @@ from tests.checkpoints import assert_same, checkpointer, flat_state, make_traine
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"], "muon": ["--optimizer", "muon", "--muon-nesterov"]}
-"""optimizer.optimizer -> its flags: Megatron's, as a launch script spells them."""
+OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"], "muon": ["--optimizer", "muon", "--muon-nesterov"],
+              "plain_sgd": ["--optimizer", "sgd", "--sgd-momentum", "0"]}  # fmt: skip
+"""A run's optimizer -> its flags: Megatron's, as a launch script spells them."""
+STORED = {"adam": "adam", "sgd": "sgd", "muon": "muon", "plain_sgd": None}
+"""Whose optimizer state each run's checkpoint holds: SGD without momentum keeps none."""
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_save_load_restores_everything_exactly(tmp_path, optimizer):
     """Saved at iteration 3 and loaded into a fresh trainer, which then steps as the saver does:
     weights, the optimizer's state (AdamW's moments and step, SGD's momentum, Muon's momentum
-    beside AdamW's moments), progress, RNG."""
+    beside AdamW's moments; none for SGD without momentum), progress, RNG. The checkpoint is named
+    by its state, so every other optimizer (dist_muon is muon) refuses it and a stateless one
+    resumes under any."""
     a = make_trainer(f"--checkpoint.save={tmp_path}", *OPTIMIZERS[optimizer])
     step(a, 3)
     ckpt = checkpointer(a)
@@ -50,7 +56,12 @@ def test_save_load_restores_everything_exactly(tmp_path, optimizer):
     assert not any(k.startswith("optimizer.param_groups") for k in keys)
     slots = {k.rsplit(".", 1)[1] for k in keys if k.startswith("optimizer.state.")}
     adam, sgd = {"exp_avg", "exp_avg_sq", "step"}, {"momentum_buffer"}
-    assert slots == {"adam": adam, "sgd": sgd, "muon": adam | sgd}[optimizer]
+    assert slots == {"adam": adam, "sgd": sgd, "muon": adam | sgd, "plain_sgd": set()}[optimizer]
+    metadata = layout.read_metadata(layout.iteration_dir(tmp_path, 3))
+    assert stored_optimizer(metadata) == STORED[optimizer]
+    for resumed in ("adam", "sgd", "muon", "dist_muon"):
+        takes = STORED[optimizer] in (None, "muon" if resumed == "dist_muon" else resumed)
+        assert (optimizer_problem({}, metadata, resumed) is None) == takes, resumed
     # both continue identically (the same dropout draws: both start from the restored state)
     step(a)
     torch.set_rng_state(rng)
