@@ -23,7 +23,7 @@ MCORE_0161 := .oracle/mcore-0.16.1
 # Python >= 3.12 only, so installed apart for .venv's 3.11 (tests/test_muon.py)
 EMERGING_OPTIMIZERS := .oracle/emerging-optimizers
 ORACLE_TESTS := tests/test_data_megatron_oracle.py tests/test_data_tokens_oracle.py tests/test_megatron_oracle_schedules.py \
-	tests/test_loss_scaler.py tests/test_megatron_family.py tests/test_moe.py tests/test_megatron_checkpoint.py \
+	tests/test_loss_scaler.py tests/test_megatron_family.py tests/test_moe.py tests/test_megatron_checkpoint.py tests/test_megatron_checkpoint_resume.py \
 	tests/test_megatron_moe_checkpoint.py tests/test_megatron_parallel_adam.py tests/test_training_controls.py tests/test_data_tokenizer.py \
 	tests/test_data_tokenizer_sp_tiktoken.py
 
@@ -34,7 +34,7 @@ ORACLE_TESTS := tests/test_data_megatron_oracle.py tests/test_data_tokens_oracle
 FLOOR_TORCH := 2.11.0
 FLOOR_VENV := .venv-torch$(basename $(FLOOR_TORCH))
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
-FLOOR_TESTS := tests/test_config.py tests/test_model.py tests/test_library.py tests/test_checkpoint_unit.py \
+FLOOR_TESTS := tests/test_config.py tests/test_model.py tests/test_library.py tests/test_checkpoint_unit.py tests/test_checkpoint_writes.py \
 	tests/test_staging.py tests/test_devices.py tests/test_optim.py tests/test_precision.py \
 	tests/test_pipeline_schedules.py tests/test_train.py tests/test_trajectory.py tests/test_rng.py tests/test_parity.py \
 	tests/test_torch_cuda_apis.py tests/test_gpu_check.py tests/test_pipeline_buffers.py

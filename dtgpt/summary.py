@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dtgpt.config import Config
+from dtgpt.config.split import no_test_note
 from dtgpt.parallel import ParallelDims
 from dtgpt.parallel.pipeline import stage_layer_counts
 
@@ -63,6 +64,7 @@ def startup_summary(cfg: Config, dims: ParallelDims, n_params: int, vocab_size: 
     counts = stage_layer_counts(cfg) if dims.pp > 1 else []
     if len(set(counts)) > 1:  # an uneven split, shown as the stages build it
         schedule += f", blocks per stage {' '.join(map(str, counts))}"
+    note = no_test_note(cfg)
     return "\n".join([
         f"> data: {data_source(cfg, tokenizer)}",
         f"> samples (seq_length {cfg.model.seq_length}): {split_sizes(datasets)}",
@@ -70,4 +72,5 @@ def startup_summary(cfg: Config, dims: ParallelDims, n_params: int, vocab_size: 
         f"({dims.world_size} rank{'s' if dims.world_size > 1 else ''}){schedule}{expert_mesh(cfg, dims)}",
         f"> model: {n_params:,} parameters on rank 0, padded vocabulary {vocab_size}",
         f"> output: {outputs(cfg)}",
+        *([note] if note else []),
     ])  # fmt: skip

@@ -88,7 +88,7 @@ def write_dtgpt_muon(root: Path) -> Path:
     from dtgpt.faults.injection import build_faults
     from tests.megatron_adam import mock_batch
     from tests.megatron_gpt import VOCAB
-    from tests.test_megatron_checkpoint import ADAM_RUN
+    from tests.megatron_checkpoints import ADAM_RUN
     from tests.test_sgd import MUON_FLAGS
 
     cfg = load_config(None, [*ADAM_RUN, *MUON_FLAGS, f"--checkpoint.save={root / 'dtgpt'}"])

@@ -3,7 +3,7 @@ rank 0, one JSON list of {rank, pp_rank, dp_rank, tp_rank, local_params} for eve
 
     torchrun --nproc-per-node 8 tests/plan_real_counts.py --config F [--section.key=value ...]
 
-tests/test_plan.py compares these counts with the planner's, which never allocates a weight.
+tests/test_plan_ranks.py compares these counts with the planner's, which never allocates a weight.
 """
 
 import json

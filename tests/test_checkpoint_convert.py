@@ -16,7 +16,7 @@ from dtgpt.checkpoint import CheckpointError, gpt2, hf_files, layout
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from tests import runs
 from tests.test_checkpoint_resume import assert_same_tensors
-from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.checkpoints import checkpointer, make_trainer, step
 
 
 def load_script():

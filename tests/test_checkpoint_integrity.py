@@ -8,7 +8,7 @@ import threading
 
 from dtgpt.checkpoint import integrity, layout
 from tests.test_checkpoint_safety import saved_checkpoint
-from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.checkpoints import checkpointer, make_trainer, step
 
 
 def test_the_writer_checksums_off_the_training_thread_and_the_marker_keeps_every_item(tmp_path, monkeypatch):

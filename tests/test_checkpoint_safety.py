@@ -26,7 +26,7 @@ from dtgpt.config import ConfigError, load_config
 from dtgpt.training import SkippedTooOftenError, check_skipped
 from dtgpt.state import RunHealth
 from tests.runs import TINY, TRAIN, load_script, read_metrics, run_train
-from tests.test_checkpoint_unit import SMALL, checkpointer, make_trainer, step
+from tests.checkpoints import SMALL, checkpointer, make_trainer, step
 
 
 def _text(s: str) -> bytes:

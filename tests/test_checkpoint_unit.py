@@ -1,97 +1,38 @@
-"""The Checkpointer in one process (no torchrun): exact restore, async == sync, atomicity,
-partial and truncated checkpoints, shape errors, keep_last, starting fresh, weights only."""
+"""The Checkpointer's loads in one process (no torchrun): exact restore of every optimizer's
+state, weights only, the load directory's choices, and the wrong model or optimizer refused in one
+line. Its saves (async, failed, truncated, pruned): tests/test_checkpoint_writes.py."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import time
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_fs
 
-from dtgpt.checkpoint import CheckpointError, Checkpointer, layout
-from dtgpt.checkpoint.export import read_sections
+from dtgpt.checkpoint import CheckpointError, layout
+from dtgpt.checkpoint.stored import optimizer_problem, stored_optimizer
 from dtgpt.config import load_config
-from dtgpt.api import build_model, build_train_state, init_distributed, train_step
-from dtgpt.config import Config
-from dtgpt.distributed import Runtime
-from dtgpt.faults.injection import FaultHooks, build_faults
-from dtgpt.state import TrainState
+from tests.checkpoints import assert_same, checkpointer, flat_state, make_trainer, step
 
 # One process and no process group: DCP notes that it saves as a single process.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-VOCAB = 128
-SMALL = [
-    "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
-    "--model.hidden_dropout=0.1", "--model.attention_dropout=0.0", "--training.micro_batch_size=2",
-    "--training.global_batch_size=4", "--training.train_iters=10", "--data.mock_data=true",
-    "--data.tokenizer_type=NullTokenizer", f"--data.vocab_size={VOCAB}", "--data.num_workers=0",
-]  # fmt: skip
 
-
-@dataclass
-class Trainer:
-    """What a run of train.py holds: its config, its runtime and its train state."""
-
-    cfg: Config
-    runtime: Runtime
-    state: TrainState
-    faults: FaultHooks
-
-
-def make_trainer(*overrides: str) -> Trainer:
-    cfg = load_config(None, SMALL + list(overrides))
-    runtime = init_distributed(cfg)
-    state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
-    return Trainer(cfg, runtime, state, build_faults(cfg.faults, runtime.rank, runtime.restart_count))
-
-
-def checkpointer(trainer: Trainer) -> Checkpointer:
-    """The Checkpointer of the trainer's state, as train.py builds it."""
-    return Checkpointer(trainer.state, trainer.cfg, trainer.runtime, trainer.faults)
-
-
-def step(trainer: Trainer, n: int = 1) -> None:
-    """n training iterations on random tokens, advancing the state as the trainer does."""
-    gbs = trainer.cfg.training.global_batch_size
-    for _ in range(n):
-        g = torch.Generator().manual_seed(trainer.state.progress.iteration)  # the same data in every trainer
-        train_step(trainer.cfg, trainer.state, torch.randint(0, VOCAB, (gbs, trainer.cfg.model.seq_length + 1), generator=g))
-
-
-def flat_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    part, opt = trainer.state.model.parts[0], trainer.state.optimizer.optimizers[0]
-    out = {f"p.{k}": v.detach().clone() for k, v in part.state_dict().items()}
-    names = {id(p): n for n, p in part.named_parameters()}
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            out[f"o.{names[id(p)]}.{k}"] = v.clone()
-    return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
-
-
-OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"], "muon": ["--optimizer", "muon", "--muon-nesterov"]}
-"""optimizer.optimizer -> its flags: Megatron's, as a launch script spells them."""
+OPTIMIZERS = {"adam": [], "sgd": ["--optimizer", "sgd", "--sgd-momentum", "0.8"], "muon": ["--optimizer", "muon", "--muon-nesterov"],
+              "plain_sgd": ["--optimizer", "sgd", "--sgd-momentum", "0"]}  # fmt: skip
+"""A run's optimizer -> its flags: Megatron's, as a launch script spells them."""
+STORED = {"adam": "adam", "sgd": "sgd", "muon": "muon", "plain_sgd": None}
+"""Whose optimizer state each run's checkpoint holds: SGD without momentum keeps none."""
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_save_load_restores_everything_exactly(tmp_path, optimizer):
     """Saved at iteration 3 and loaded into a fresh trainer, which then steps as the saver does:
     weights, the optimizer's state (AdamW's moments and step, SGD's momentum, Muon's momentum
-    beside AdamW's moments), progress, RNG."""
+    beside AdamW's moments; none for SGD without momentum), progress, RNG. The checkpoint is named
+    by its state, so every other optimizer (dist_muon is muon) refuses it and a stateless one
+    resumes under any."""
     a = make_trainer(f"--checkpoint.save={tmp_path}", *OPTIMIZERS[optimizer])
     step(a, 3)
     ckpt = checkpointer(a)
@@ -115,7 +56,12 @@ def test_save_load_restores_everything_exactly(tmp_path, optimizer):
     assert not any(k.startswith("optimizer.param_groups") for k in keys)
     slots = {k.rsplit(".", 1)[1] for k in keys if k.startswith("optimizer.state.")}
     adam, sgd = {"exp_avg", "exp_avg_sq", "step"}, {"momentum_buffer"}
-    assert slots == {"adam": adam, "sgd": sgd, "muon": adam | sgd}[optimizer]
+    assert slots == {"adam": adam, "sgd": sgd, "muon": adam | sgd, "plain_sgd": set()}[optimizer]
+    metadata = layout.read_metadata(layout.iteration_dir(tmp_path, 3))
+    assert stored_optimizer(metadata) == STORED[optimizer]
+    for resumed in ("adam", "sgd", "muon", "dist_muon"):
+        takes = STORED[optimizer] in (None, "muon" if resumed == "dist_muon" else resumed)
+        assert (optimizer_problem({}, metadata, resumed) is None) == takes, resumed
     # both continue identically (the same dropout draws: both start from the restored state)
     step(a)
     torch.set_rng_state(rng)
@@ -162,118 +108,6 @@ def test_a_checkpoint_from_before_consumed_valid_samples_loads(tmp_path, monkeyp
     assert resumed_valid_samples(b.cfg, p) == (5 // 2) * 3 * 4
     p.consumed_valid_samples = 8  # a stored count is taken as it is
     assert resumed_valid_samples(b.cfg, p) == 8
-
-
-def slow_writes(monkeypatch, seconds: float) -> None:
-    """Make DCP's file writes slow, so a save is still in flight while training goes on."""
-    original = dcp_fs._FileSystemWriter.write_data
-
-    def write_data(self, plan, planner):
-        time.sleep(seconds)
-        return original(self, plan, planner)
-
-    monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", write_data)
-
-
-def test_async_save_equals_sync_save_while_training_mutates(tmp_path, monkeypatch):
-    sync_root, async_root = tmp_path / "sync", tmp_path / "async"
-    t = make_trainer(f"--checkpoint.save={sync_root}")
-    step(t, 2)
-    checkpointer(t).save(2)
-    t.cfg.checkpoint.save, t.cfg.checkpoint.async_save = str(async_root), True
-    ckpt = checkpointer(t)
-    slow_writes(monkeypatch, 0.5)
-    ckpt.save(2)
-    assert ckpt.blocked_s[-1] < 0.5  # training was not held for the write
-    step(t, 2)  # mutates parameters, exp_avg, step counters while the write is in flight
-    assert layout.read_pointer(async_root) is None, "pointer moved before the write completed"
-    assert not (layout.iteration_dir(async_root, 2) / layout.MARKER).exists()
-    ckpt.finalize()
-    assert layout.read_pointer(async_root) == 2
-    a = read_sections(layout.iteration_dir(sync_root, 2))
-    b = read_sections(layout.iteration_dir(async_root, 2))
-    assert a.keys() == b.keys() == {"model", "optimizer", "train_state", "lr_schedule", "loss_scaler", "rng"}
-    for section in a:
-        assert_same(a[section], b[section])
-
-
-def test_async_saves_one_in_flight_and_pointer_follows(tmp_path, monkeypatch):
-    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.async_save=true", "--checkpoint.keep_last=2")
-    ckpt = checkpointer(t)
-    slow_writes(monkeypatch, 0.2)
-    for i in range(1, 5):
-        step(t)
-        ckpt.save(i)  # waits for the previous one, which then completes and moves the pointer
-        assert layout.read_pointer(tmp_path) == (i - 1 if i > 1 else None)
-    ckpt.finalize()
-    assert layout.read_pointer(tmp_path) == 4
-    assert layout.list_iterations(tmp_path) == [3, 4]  # keep_last=2 pruned 1 and 2
-
-
-def fail_finish(monkeypatch):
-    """DCP writes the data files, then fails before its .metadata: a partial directory."""
-
-    def finish(self, metadata, results):
-        raise OSError("disk full (injected)")
-
-    monkeypatch.setattr(dcp_fs._FileSystemWriter, "finish", finish)
-
-
-def test_failed_save_keeps_pointer_and_is_skipped_on_load(tmp_path, monkeypatch, capsys):
-    t = make_trainer(f"--checkpoint.save={tmp_path}")
-    step(t)
-    ckpt = checkpointer(t)
-    ckpt.save(1)
-    step(t)
-    with monkeypatch.context() as m:
-        fail_finish(m)
-        with pytest.raises(Exception, match="disk full"):
-            ckpt.save(2)
-    assert layout.read_pointer(tmp_path) == 1
-    assert layout.problem(layout.iteration_dir(tmp_path, 2)) == "no such directory"  # only its staging copy
-    assert "no .metadata" in layout.problem(layout.staging_dir(layout.iteration_dir(tmp_path, 2)))
-    # a pointer that names the missing directory (e.g. written by hand) falls back to iteration 1
-    layout.write_pointer(tmp_path, 2)
-    b = make_trainer(f"--checkpoint.load={tmp_path}")
-    checkpointer(b)
-    assert b.state.progress.iteration == 1
-    out = capsys.readouterr().out
-    assert "iter_0000002 is not usable" in out and "falling back to" in out
-
-
-def test_failed_async_save_keeps_pointer_and_finalize_raises(tmp_path, monkeypatch):
-    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.async_save=true")
-    ckpt = checkpointer(t)
-    step(t)
-    ckpt.save(1)
-    ckpt.finalize()
-    step(t)
-    fail_finish(monkeypatch)
-    ckpt.save(2)
-    with pytest.raises(CheckpointError, match="disk full"):
-        ckpt.finalize()
-    assert layout.read_pointer(tmp_path) == 1
-    assert not (layout.iteration_dir(tmp_path, 2) / layout.MARKER).exists()
-
-
-def test_truncated_checkpoint_is_detected(tmp_path, capsys):
-    t = make_trainer(f"--checkpoint.save={tmp_path}")
-    ckpt = checkpointer(t)
-    for i in (1, 2):
-        step(t)
-        ckpt.save(i)
-    data = layout.iteration_dir(tmp_path, 2) / "__0_0.distcp"
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=r"load_iteration=2: .* truncated"):
-        checkpointer(make_trainer(f"--checkpoint.load={tmp_path}", "--checkpoint.load_iteration=2"))
-    b = make_trainer(f"--checkpoint.load={tmp_path}")
-    checkpointer(b)
-    assert b.state.progress.iteration == 1
-    assert "truncated" in capsys.readouterr().out
-    # with no complete checkpoint left, a load is an error (starting fresh would replace them)
-    (layout.iteration_dir(tmp_path, 1) / layout.MARKER).unlink()
-    with pytest.raises(CheckpointError, match=r"none of its completed checkpoints \(iterations \[2\]\) loads now"):
-        checkpointer(make_trainer(f"--checkpoint.load={tmp_path}"))
 
 
 WRONG_MODELS = [
@@ -360,24 +194,6 @@ def test_weights_only_load(tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_keep_last_never_deletes_pointed_or_newer(tmp_path):
-    t = make_trainer(f"--checkpoint.save={tmp_path}", "--checkpoint.keep_last=2")
-    ckpt = checkpointer(t)
-    for i in range(1, 5):
-        step(t)
-        ckpt.save(i)
-    assert layout.list_iterations(tmp_path) == [3, 4] and layout.read_pointer(tmp_path) == 4
-    # an older run's newer checkpoint (iteration 9) is left alone; a stale partial older one goes
-    (tmp_path / "iter_0000009").mkdir()
-    (tmp_path / "iter_0000002").mkdir()
-    step(t)
-    ckpt.save(5)
-    assert layout.list_iterations(tmp_path) == [4, 5, 9]
-    marker = json.loads((layout.iteration_dir(tmp_path, 5) / layout.MARKER).read_text())
-    assert marker["iteration"] == 5 and marker["mesh"]["world_size"] == 1
-    assert (layout.iteration_dir(tmp_path, 5) / layout.CONFIG).read_text().startswith("[model]")
-
-
 def test_load_naming_an_iteration_directory_loads_it(tmp_path, capsys):
     """checkpoint.load=<root>/iter_0000001 means that checkpoint, not "no checkpoint here"."""
     t = make_trainer(f"--checkpoint.save={tmp_path}")
@@ -417,18 +233,6 @@ def test_a_resume_that_changes_the_lr_schedule_says_so(tmp_path, capsys):
     assert f"the LR after 8 samples is {b.state.lr_schedule.current_lr:.3e} (the checkpoint's schedule: {t.state.lr_schedule.current_lr:.3e})" in out
 
 
-def test_a_pointer_that_is_a_directory_is_one_clear_error(tmp_path):
-    t = make_trainer(f"--checkpoint.save={tmp_path}")
-    ckpt = checkpointer(t)
-    step(t)
-    ckpt.save(1)
-    (tmp_path / layout.POINTER).unlink()
-    (tmp_path / layout.POINTER).mkdir()
-    step(t)
-    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is a directory, so the pointer to iteration 2"):
-        ckpt.save(2)
-
-
 @pytest.mark.parametrize(
     "common, named",
     [({"iteration": "four"}, "iteration='four'"), ({"args": argparse.Namespace(consumed_train_samples=-16)}, "args.consumed_train_samples=-16")],
@@ -440,13 +244,6 @@ def test_megatron_counts_that_are_no_counts_are_one_clear_error(common, named):
 
     with pytest.raises(CheckpointError, match=re.escape(f"common.pt holds {named}: not a count")):
         progress_of(common)
-
-
-def test_a_short_write_is_named_for_what_it_usually_is():
-    """torch's zip writer reports a full disk as "unexpected pos"; the save error says what that means."""
-    error = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
-    assert layout.describe(error).endswith("(the file came out shorter than written: usually no space left on the device)")
-    assert layout.describe(OSError(28, "No space left on device")) == "OSError: [Errno 28] No space left on device"
 
 
 def test_saved_rng_states_apply_only_where_each_stage_holds_the_same_blocks():

@@ -8,7 +8,7 @@ import torch
 
 import dtgpt
 from dtgpt.checkpoint import layout
-from tests.test_checkpoint_unit import assert_same, checkpointer, flat_state, make_trainer, step
+from tests.checkpoints import assert_same, checkpointer, flat_state, make_trainer, step
 
 pytestmark = pytest.mark.cuda
 ON_CUDA = "--training.device=cuda"

@@ -11,7 +11,7 @@ both sides of Megatron's 80 % separate-final-epoch rule.
 import numpy as np
 import pytest
 
-from dtgpt.config.split import SPLIT_NAMES, split_document_ranges
+from dtgpt.config.split import SPLIT_NAMES, parse_split, split_document_ranges
 from dtgpt.data.builder import build_gpt_datasets
 from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.gpt_indices import num_epochs_needed, separate_final_epoch
@@ -34,16 +34,19 @@ def train_tokens(prefix: str) -> int:
 
 def assert_same_samples(ours, theirs) -> None:
     for name, o, m in zip(SPLIT_NAMES, ours, theirs):
+        assert (o is None) == (m is None), name
+        if o is None:
+            continue
         assert type(o).__name__ == type(m).__name__ and len(o) == len(m), name
         n = min(len(o), FIRST)
         differ = [i for i in range(n) if not np.array_equal(o[i], megatron_sample(m, i))]
         assert not differ, f"{name}: {len(differ)} of {n} samples differ from Megatron's, the first at {differ[0]}"
 
 
-def compare(tmp_path, sizes, **paths):
-    ours = build_gpt_datasets(paths.get("data_path", []), SPLIT, paths.get("per_split_paths", ([], [], [])),
+def compare(tmp_path, sizes, split=SPLIT, **paths):
+    ours = build_gpt_datasets(paths.get("data_path", []), split, paths.get("per_split_paths", ([], [], [])),
                               sizes, SEQ, SEED, str(tmp_path / "dtgpt"))
-    theirs = megatron_datasets(str(tmp_path), sizes, SEQ, SEED, split=SPLIT if "data_path" in paths else None, **paths)
+    theirs = megatron_datasets(str(tmp_path), sizes, SEQ, SEED, split=split if "data_path" in paths else None, **paths)
     assert_same_samples(ours, theirs)
     return ours, theirs
 
@@ -89,6 +92,21 @@ def test_per_split_blends(tmp_path, prefixes):
     a, b, c = prefixes
     per_split = (["0.6", a, "0.4", b], ["1", c], [a, b, c])
     compare(tmp_path, (FIRST, FIRST, 800), per_split_paths=per_split)
+
+
+@pytest.mark.parametrize("split", ["100,0,0", "99,1,0"])
+def test_a_split_of_weight_0_has_no_dataset_as_in_megatron(tmp_path, prefixes, split):
+    """A split of weight 0 in data.split, of one prefix or of a blend, and a per-split path left
+    unset: no dataset on either side (the rest sample for sample). With eval.eval_iters > 0 Megatron
+    then fails at its first evaluation, so dtgpt refuses a validation split of weight 0 before the
+    run and notes a missing test split (tests/test_config_evaluation_data.py)."""
+    a, b, _ = prefixes
+    sizes = (500, 200, 200)
+    for data_path in ([a], ["0.3", a, "0.7", b]):
+        ours, _ = compare(tmp_path, sizes, split, data_path=data_path)
+        assert [d is None for d in ours] == [w == 0 for w in parse_split(split)]
+    ours, _ = compare(tmp_path, sizes, per_split_paths=([a], ["1", b] if split == "99,1,0" else [], []))
+    assert [d is None for d in ours] == [False, split == "100,0,0", True]
 
 
 def test_sample_index_is_megatrons_helper():

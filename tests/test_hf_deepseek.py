@@ -29,7 +29,7 @@ from dtgpt.config import ModelConfig, load_config
 from dtgpt.mtp import shift_left
 from tests.test_checkpoint_convert import load_script
 from tests.runs import REPO
-from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.checkpoints import checkpointer, make_trainer, step
 from tests.test_hf_export import MODEL, make_checkpoint
 from tests.test_hf_llama import NO_FILES, ids, logits_of, refused_line
 from tests.test_parity_deepseek import DEEPSEEK_MTP

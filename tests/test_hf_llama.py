@@ -22,7 +22,7 @@ from dtgpt.checkpoint.architecture import architecture
 from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from tests.runs import read_metrics, run_train
 from tests.test_checkpoint_convert import load_script
-from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.checkpoints import checkpointer, make_trainer, step
 from tests.test_hf_export import export, make_checkpoint, no_transformers_warnings
 
 NO_FILES = Path("no-tokenizer-files")  # ByteTokenizer and NullTokenizer read none

@@ -13,7 +13,7 @@ import torch
 
 from dtgpt.checkpoint import CheckpointError, layout
 from tests.test_checkpoint_convert import load_script
-from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.checkpoints import checkpointer, make_trainer, step
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Megatron's dp_reshardable bucket layout (dtgpt/checkpoint/megatron/buckets.py) on made-up shapes.
 
-megatron-core's own checkpoints of this layout are read in tests/test_megatron_checkpoint.py;
+megatron-core's own checkpoints of this layout are read in tests/test_megatron_checkpoint_resume.py;
 its tiny model's tensors are all multiples of 64 elements and its parameters fill the buckets
 exactly, so the alignment, each model-parallel rank's stage and tp shards (on shapes small enough
 to count by hand) and the layouts dtgpt must refuse are shown here, without a launch.

@@ -1,11 +1,13 @@
 """Megatron-LM checkpoints in and out, with megatron-core's own GPTModel as the oracle.
 
-megatron-core builds a 2-layer GPT on CPU at tp 1 (tied head) and tp 2 (untied, on 2 gloo ranks),
-saves Megatron-LM's torch_dist iteration (or the per-rank format) and records its logits and its
-own loss; dtgpt loads it (one process, and training on at pp2) and must give the same logits and
-loss. Megatron pads the vocabulary to 16 x tp rows, dtgpt to make_vocab_size_divisible_by: a model
-loads a checkpoint only with its rows (tp 2: divisible by 32), and only the 100 real tokens'
-logits are compared.
+megatron-core builds a 2-layer GPT on CPU at tp 1 (tied head), saves Megatron-LM's torch_dist
+iteration and records its logits (fp32 and bf16) and its own loss; dtgpt loads it in one process
+and must give the same logits and loss, or refuse a model that does not fit in one line. Megatron
+pads the vocabulary to 16 x tp rows, dtgpt to make_vocab_size_divisible_by: a model loads a
+checkpoint only with its rows, and only the 100 real tokens' logits are compared. The per-rank
+format (tp 2, cut into pipeline stages) and the way out (to-megatron at tp 2, read by
+megatron-core) are here too; megatron-core's tp 2 save trained on and its optimizer state:
+tests/test_megatron_checkpoint_resume.py.
 
 Each megatron-core run takes tens of seconds on a CPU: `make test-fast` keeps one round trip
 (dtgpt -> Megatron tp 2 -> megatron-core's logits -> dtgpt) and the checks that run none; the
@@ -17,45 +19,22 @@ from __future__ import annotations
 import argparse
 import pickle
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from dtgpt.api import build_model, build_train_state, forward_backward, init_distributed, load_checkpoint, make_config
 from dtgpt.checkpoint import CheckpointError, layout
+from dtgpt.checkpoint.export import load_model, read_config
 from dtgpt.checkpoint.megatron import find, load_megatron_model
-from dtgpt.checkpoint.megatron.distrib_optim import bucket_lengths
 from dtgpt.checkpoint.megatron.formats import COMMON_ITEM, PER_RANK_FILE, is_torch_dist, load_pickle, per_rank_dirs, progress_of
-from dtgpt.checkpoint.megatron.keys import full_model_shapes, megatron_name
-from dtgpt.checkpoint.megatron.per_rank_optim import parameters
+from dtgpt.checkpoint.megatron.keys import full_model_shapes
 from dtgpt.checkpoint.megatron.reader import MegatronReader
-from dtgpt.checkpoint.export import load_model, read_config, read_sections
 from dtgpt.checkpoint.safe import SafeReader
-from dtgpt.config import ModelConfig
-from dtgpt.data.batch import Batch
-from tests.megatron_adam import ADAM, BUCKET_SIZE, SHIFTED
-from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, HEADS, ITERATION, LR_SAMPLES, SEQ, VIRTUAL_ADAM, VOCAB, labels, tokens
+from tests.megatron_checkpoints import MEGATRON_RUN, ROWS, ROWS_TP2, assert_same_logits, imported_loss, model_cfg, write_stages
+from tests.megatron_gpt import CONSUMED, CONSUMED_VALID, ITERATION, VOCAB, tokens
 from tests.megatron_oracle import run_megatron_gpt
-from tests.runs import TINY, Command, launch_commands, read_metrics, run_train, selected_cases
+from tests.runs import run_train
 from tests.test_checkpoint_convert import load_script
-
-ROWS = 112  # the padded vocabulary: 100 -> a multiple of 16 (Megatron at tp 1, dtgpt)
-ROWS_TP2 = 128  # Megatron at tp 2: a multiple of 32
-
-
-def model_cfg(**overrides) -> ModelConfig:
-    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
-                  attention_dropout=0.0, make_vocab_size_divisible_by=16)  # fmt: skip
-    return ModelConfig(**{**fields, **overrides})
-
-
-def assert_same_logits(root, directory, cfg: ModelConfig, name: str = "logits.pt", rows: int = ROWS) -> None:
-    model = load_megatron_model(directory, cfg, rows).eval()
-    with torch.no_grad():
-        ours = model(tokens())[..., :VOCAB]
-    theirs = torch.load(root / name, weights_only=True)[..., :VOCAB]
-    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +42,6 @@ def tp1_tied(tmp_path_factory):
     """Saved by megatron-core, with its fp32 logits and its bf16 (Float16Module) ones."""
     root = tmp_path_factory.mktemp("megatron_tp1")
     run_megatron_gpt("bf16", root, 1)
-    return root
-
-
-@pytest.fixture(scope="module")
-def tp2_untied(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_tp2")
-    run_megatron_gpt("save", root, 2, "--untied")
     return root
 
 
@@ -94,21 +66,6 @@ def test_tp1_torch_dist_gives_megatron_logits(tp1_tied):
     directory = find(tp1_tied)
     assert directory == tp1_tied / f"iter_{ITERATION:07d}" and is_torch_dist(directory)
     assert_same_logits(tp1_tied, directory, model_cfg())
-
-
-def imported_loss(root, divisible_by: int) -> float:
-    """dtgpt's loss of tokens() -> labels() (the library's forward) after loading the Megatron
-    checkpoint under root into a model padded to a multiple of `divisible_by`."""
-    cfg = make_config(
-        model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
-                   attention_dropout=0.0, make_vocab_size_divisible_by=divisible_by),
-        data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
-        training=dict(micro_batch_size=2, global_batch_size=2),
-    )  # fmt: skip
-    runtime = init_distributed(cfg)
-    state = build_train_state(cfg, build_model(cfg, runtime, VOCAB))
-    load_checkpoint(root, cfg, runtime, state)
-    return forward_backward(state.model, Batch(tokens(), labels()), 1, forward_only=True)
 
 
 @pytest.mark.slow
@@ -184,26 +141,6 @@ def test_a_rank_reads_only_the_stored_chunks_of_its_region(tp1_tied, monkeypatch
     assert len(bytes_read) == 1 and layer_bytes <= bytes_read[0] < 1.1 * layer_bytes  # a chunk: the layer and its header
 
 
-@pytest.mark.slow
-def test_tp2_untied_torch_dist_gives_megatron_logits(tp2_untied):
-    directory = find(tp2_untied)
-    assert MegatronReader(directory).shapes["embedding.word_embeddings.weight"] == (ROWS_TP2, 64)  # 16 x tp 2
-    assert_same_logits(tp2_untied, directory, model_cfg(untie_embeddings_and_output_weights=True), rows=ROWS_TP2)
-
-
-def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
-    scaler = {"scale": torch.tensor(1024.0), "growth_tracker": 3, "hysteresis_tracker": 2}
-    for optimizer in ({"grad_scaler": scaler}, [{"grad_scaler": scaler, "optimizer": {}}]):
-        assert progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
-
-
-@pytest.mark.slow
-def test_trainer_state_is_read(tp2_untied):
-    common = MegatronReader(find(tp2_untied)).common
-    assert progress_of(common) == {"iteration": ITERATION, "consumed_samples": CONSUMED, "consumed_valid_samples": CONSUMED_VALID,
-                                   "lr_num_samples": LR_SAMPLES}
-
-
 @pytest.fixture(scope="module")
 def tp1_args_free(tp1_tied, tmp_path_factory):
     """tp1_tied with common.pt's args holding no architecture (as older Megatron versions store
@@ -252,32 +189,18 @@ def test_without_architecture_args_the_shapes_name_key_and_shapes(tp1_args_free,
 
 
 @pytest.mark.slow
-def test_an_untied_checkpoint_into_a_tied_model_is_refused(tp2_untied):
-    with pytest.raises(CheckpointError, match="model.untie_embeddings_and_output_weights: the checkpoint has true but the config has false"):
-        load_megatron_model(find(tp2_untied), model_cfg(), ROWS_TP2)
+def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1_tied, tmp_path):
+    proc = run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--model.ffn_hidden_size=128",
+                                f"--checkpoint.load={tp1_tied}"], check=False)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and "model.ffn_hidden_size: the checkpoint has 256 but the config has 128" in lines[0]
 
 
-def write_stages(saved: dict, out, tp: int, pp: int, chunks: list[str], layers: int, counts: list[int] | None = None) -> None:
-    """One tp rank's whole per-rank model (`saved`, layers numbered 0..layers-1) as Megatron-LM
-    saves it cut into pp ranks, each holding `chunks` (["model"], or with virtual pipelining
-    ["model0", "model1", ...]; chunk v of pp rank r is stage v * pp + r), layers numbered within
-    their chunk (`counts` per stage, else even), the embedding on the first stage, the final norm,
-    head and multi-token prediction modules on the last."""
-    stages = pp * len(chunks)
-    counts = counts or [layers // stages] * stages
-    first = [sum(counts[:stage]) for stage in range(stages)]
-    files = [{**{k: v for k, v in saved.items() if k != "model"}, **{c: {} for c in chunks}} for _ in range(pp)]
-    for key, value in saved["model"].items():
-        if key.startswith("decoder.layers."):
-            layer, rest = key[len("decoder.layers."):].split(".", 1)
-            stage = max(s for s in range(stages) if first[s] <= int(layer))
-            key = f"decoder.layers.{int(layer) - first[stage]}.{rest}"
-        else:
-            stage = stages - 1 if key.startswith(("decoder.final", "output_layer", "mtp.")) else 0
-        files[stage % pp][chunks[stage // pp]][key] = value
-    for r, content in enumerate(files):
-        (out / f"mp_rank_{tp:02d}_{r:03d}").mkdir(parents=True, exist_ok=True)
-        torch.save(content, out / f"mp_rank_{tp:02d}_{r:03d}" / PER_RANK_FILE)
+def test_loss_scale_is_found_where_megatron_optimizers_keep_it():
+    scaler = {"scale": torch.tensor(1024.0), "growth_tracker": 3, "hysteresis_tracker": 2}
+    for optimizer in ({"grad_scaler": scaler}, [{"grad_scaler": scaler, "optimizer": {}}]):
+        assert progress_of({"iteration": 5, "optimizer": optimizer}) == {"iteration": 5, "loss_scale": scaler}
 
 
 @pytest.mark.slow
@@ -303,67 +226,6 @@ def test_per_rank_format_tp2_gives_megatron_logits_at_any_pipeline_layout(tmp_pa
     torch.save({k: v for k, v in load_pickle(damaged).items() if k != "model1"}, damaged)
     with pytest.raises(CheckpointError, match=rf"{damaged} has no 'model1' \(rank 0's file has \['model0', 'model1'\]\)"):
         load_megatron_model(tmp_path / "pp2_vpp2", cfg, ROWS_TP2)
-
-
-MEGATRON_RUN = [
-    *TINY, "--model.num_layers=2", "--model.make_vocab_size_divisible_by=16", "--data.vocab_size=100",
-    "--model.untie_embeddings_and_output_weights=true", f"--training.train_iters={ITERATION + 5}",
-    "--logging.log_interval=1",
-]  # fmt: skip
-
-
-PP2_FROM_TP2 = (("one", 1, []), ("pp2", 2, ["--parallel.pipeline_model_parallel_size=2"]))
-
-
-@pytest.fixture(scope="module")
-def trained_on(request, tmp_path_factory) -> dict:
-    """train.py's runs from megatron-core's checkpoints that the selected tests read, launched
-    together: one launch per rank count (tests/runs.py launch_commands). {key: (Finished, its directory)}."""
-    commands = []
-
-    def add(key: str, nproc: int, args: list[str], save: bool = False) -> None:
-        directory = tmp_path_factory.mktemp(key)
-        saves = [f"--checkpoint.save={directory}/ckpt"] if save else []
-        commands.append(Command(key, directory, [*args, *saves, f"--logging.metrics_file={directory}/m.jsonl"], nproc))
-
-    if selected_cases(request, test_megatron_tp2_checkpoint_trains_on_at_pp2):
-        tp2_untied = request.getfixturevalue("tp2_untied")
-        for name, nproc, mesh in PP2_FROM_TP2:
-            add(f"tp2_{name}", nproc, [*MEGATRON_RUN, "--model.make_vocab_size_divisible_by=32", *mesh, f"--checkpoint.load={tp2_untied}"])
-    if selected_cases(request, test_megatron_adam_state_loads_and_steps_on_like_megatron):
-        for name, nproc, iters, mesh, source in ADAM_LAYOUTS:
-            add(f"adam_{name}", nproc, [*ADAM_RUN, *mesh, f"--training.train_iters={iters}", f"--checkpoint.load={adam_source(request, source)}"], save=True)
-    if selected_cases(request, test_load_optimizer_false_leaves_adam_fresh):
-        adam_tp1 = request.getfixturevalue("adam_tp1")
-        add("adam_fresh", 1, [*ADAM_RUN, f"--checkpoint.load={adam_tp1}", "--checkpoint.load_optimizer=false",
-                                "--training.train_iters=" + str(ITERATION + 1)], save=True)  # fmt: skip
-    if selected_cases(request, test_shifted_model_space_adam_state_is_not_taken):
-        adam_tp1 = request.getfixturevalue("adam_tp1")
-        add("adam_shifted", 1, [*ADAM_RUN, f"--checkpoint.load={adam_tp1 / SHIFTED}", f"--training.train_iters={ITERATION + 1}"], save=True)
-    finished = launch_commands(sorted(commands, key=lambda c: c.nproc))
-    return {c.key: (finished[c.key], c.directory) for c in commands}
-
-
-def trained(trained_on: dict, key: str) -> tuple[str, Path]:
-    """(output, directory) of a run that finished; one that failed fails the test with its log."""
-    finished, directory = trained_on[key]
-    return finished.checked(), directory
-
-
-@pytest.mark.slow
-def test_megatron_tp2_checkpoint_trains_on_at_pp2(tp2_untied, trained_on):
-    """Iteration and consumed samples come from Megatron's common.pt; pp2 trains on exactly as
-    one process. The vocabulary is the checkpoint's own: 128 rows, Megatron's 16 x tp 2."""
-    runs = {}
-    for name, _, _ in PP2_FROM_TP2:
-        output, directory = trained(trained_on, f"tp2_{name}")
-        assert f"loaded Megatron checkpoint {tp2_untied}/iter_{ITERATION:07d}: iteration {ITERATION}, consumed samples {CONSUMED}" in output
-        runs[name] = read_metrics(directory / "m.jsonl")
-    one, pp2 = runs["one"], runs["pp2"]
-    assert [m["iteration"] for m in one] == list(range(ITERATION + 1, ITERATION + 6))
-    assert one[0]["consumed_samples"] == CONSUMED + 8
-    for a, b in zip(one, pp2):
-        assert b["iteration"] == a["iteration"] and abs(b["loss"] - a["loss"]) <= 1e-5 * abs(a["loss"])
 
 
 def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
@@ -396,211 +258,3 @@ def test_dtgpt_checkpoint_converts_to_megatron_tp2_with_equal_logits(tmp_path):
         assert torch.equal(p, q), name
 
 
-@pytest.mark.slow
-def test_train_py_refuses_a_megatron_checkpoint_of_another_shape_in_one_line(tp1_tied, tmp_path):
-    proc = run_train(tmp_path, [*MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--model.ffn_hidden_size=128",
-                                f"--checkpoint.load={tp1_tied}"], check=False)  # fmt: skip
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert len(lines) == 1 and "model.ffn_hidden_size: the checkpoint has 256 but the config has 128" in lines[0]
-
-
-# -- optimizer state ---------------------------------------------------------------------------
-
-ADAM_RUN = [
-    *MEGATRON_RUN, "--model.untie_embeddings_and_output_weights=false", "--optimizer.lr_decay_style=constant",
-    "--optimizer.lr_warmup_iters=0", *(f"--optimizer.{key}={value}" for key, value in ADAM.items()),
-]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def adam_tp1(tmp_path_factory):
-    """megatron-core's distributed optimizer after one step, saved (model space, and the same state
-    under dp_reshardable/ in Megatron-LM's default layout; in the per-rank format with its
-    distrib_optim.pt under distrib_optim/, and from three buckets under distrib_optim_buckets/);
-    its FP32Optimizer's under per_rank/; adam.pt holds their states then and after one more step
-    on the batch dtgpt trains on next."""
-    root = tmp_path_factory.mktemp("megatron_adam")
-    run_megatron_gpt("adam", root, 1, "--sharding", "fully_reshardable", "dp_reshardable", "--per-rank")
-    return root
-
-
-def stacked_state(directory) -> dict:
-    """A dtgpt checkpoint's weights and Adam moments in the layout of tests/megatron_adam.py."""
-    sections = read_sections(directory, ("model", "optimizer"))
-    layers: dict = {}
-    for name, weight in sections["model"].items():
-        key, layer = megatron_name(name)
-        for slot in ("weight", "exp_avg", "exp_avg_sq"):
-            value = weight if slot == "weight" else sections["optimizer"][f"state.{name}.{slot}"]
-            layers.setdefault(slot, {}).setdefault(key, {})[layer] = value
-    return {slot: {key: (torch.stack([v[i] for i in sorted(v)]) if None not in v else v[None]) for key, v in keys.items()}
-            for slot, keys in layers.items()}  # fmt: skip
-
-
-def without_key_bias(key: str, value: torch.Tensor) -> torch.Tensor:
-    """The QKV bias without its key rows: their gradient is zero (softmax ignores a shift of the
-    scores), so Adam divides rounding noise by its own size there and both sides step by noise."""
-    if key != "decoder.layers.self_attention.linear_qkv.bias":
-        return value
-    return value.view(value.shape[0], HEADS, 3, -1)[:, :, [0, 2]]  # per head: [q | k | v]
-
-
-def assert_state_close(ours: dict, theirs: dict, rtol: float) -> None:
-    for slot in ("weight", "exp_avg", "exp_avg_sq"):
-        assert ours[slot].keys() == theirs[slot].keys()
-        for key, value in ours[slot].items():
-            value, reference = without_key_bias(key, value), without_key_bias(key, theirs[slot][key])
-            error = ((value - reference).norm() / reference.norm()).item()
-            assert error <= rtol, (slot, key, error)
-
-
-ROWS_32 = "--model.make_vocab_size_divisible_by=32"  # Megatron's 128 rows at tp 2
-VP_LAYERS = f"--model.num_layers={VIRTUAL_ADAM[1]}"  # the GPT megatron-core saves with virtual pipeline stages
-ADAM_LAYOUTS = (("one", 1, ITERATION, [], ""), ("tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], ""),
-                ("pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], ""),
-                ("dp_reshardable_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "dp_reshardable"),
-                ("per_rank_tp2", 2, ITERATION + 1, ["--parallel.tensor_model_parallel_size=2"], "per_rank"),
-                ("distrib_optim_pp2", 2, ITERATION + 1, ["--parallel.pipeline_model_parallel_size=2"], "distrib_optim_buckets"),
-                ("saved_tp2pp2_one", 1, ITERATION + 1, [ROWS_32], "tp2pp2/gpt"),
-                ("saved_tp2pp2_dp_reshardable_tp2", 2, ITERATION + 1, [ROWS_32, "--parallel.tensor_model_parallel_size=2"],
-                 "tp2pp2/gpt/dp_reshardable"),
-                ("saved_tp2pp2_distrib_optim_pp2", 2, ITERATION + 1, [ROWS_32, "--parallel.pipeline_model_parallel_size=2"],
-                 "tp2pp2/gpt/distrib_optim_buckets"),
-                ("saved_vp_one", 1, ITERATION + 1, [ROWS_32, VP_LAYERS], f"tp2pp2/{VIRTUAL_ADAM[0]}"),
-                ("saved_vp_dp_reshardable_pp2", 2, ITERATION + 1, [ROWS_32, VP_LAYERS, "--parallel.pipeline_model_parallel_size=2"],
-                 f"tp2pp2/{VIRTUAL_ADAM[0]}/dp_reshardable"))  # fmt: skip
-"""(name, ranks, train_iters, mesh, the megatron-core checkpoint: under adam_tp1 (saved at tp 1,
-pp 1), "" its model-space save, dp_reshardable the same state in Megatron-LM's default per-bucket
-layout, per_rank the FP32Optimizer's per-rank files, distrib_optim_buckets the distributed
-optimizer's per-rank files and distrib_optim.pt (of three buckets); under adam_tp2pp2 (tp2pp2/),
-the tied GPT's state saved at tp 2 x pp 2 in both torch_dist layouts and per rank, each rank's
-distrib_optim.pt of its buckets; saved_vp: the same with 2 virtual stages per pp rank, a grad buffer each)."""
-MASTER_NOTE = "fp32 master weights (param), "
-"""What the load log says of the master weights: the FP32Optimizer keeps none (its parameters are fp32)."""
-
-
-def adam_source(request, source: str) -> Path:
-    """An ADAM_LAYOUTS source: a directory of the adam_tp1 or (tp2pp2/) the adam_tp2pp2 fixture."""
-    if source.startswith("tp2pp2/"):
-        return request.getfixturevalue("adam_tp2pp2") / source.removeprefix("tp2pp2/")
-    return request.getfixturevalue("adam_tp1") / source
-
-
-@pytest.mark.slow
-def test_megatron_adam_state_loads_and_steps_on_like_megatron(adam_tp1, trained_on, tmp_path):
-    """Adam moments and master weights of megatron-core's distributed optimizer load at any mesh:
-    equal as saved (one process), and one more step at tp2 or pp2 equals megatron-core's next step,
-    from its default dp_reshardable layout too (tp2: each rank reads its shards out of the buckets),
-    and from the per-rank format (--ckpt-format torch): its FP32Optimizer's state by parameter
-    index (tp2) and its distributed optimizer's distrib_optim.pt (pp2) step on as megatron-core's.
-    The stepped checkpoint then goes back (to-megatron) into megatron-core's optimizer, equal: its
-    distributed optimizer from torch_dist, its FP32Optimizer from the per-rank format."""
-    oracle = torch.load(adam_tp1 / "adam.pt", weights_only=True)
-    ckpt = {}
-    for name, *_, source in ADAM_LAYOUTS:
-        log, directory = trained(trained_on, f"adam_{name}")
-        master = "" if source == "per_rank" else MASTER_NOTE
-        assert f"optimizer state loaded: {master}Adam moments, step 1" in log and "fresh AdamW" not in log
-        ckpt[name] = directory / "ckpt"
-    assert_state_close(stacked_state(layout.iteration_dir(ckpt["one"], ITERATION)), oracle["saved"], 1e-7)
-    assert "dp_reshardable buckets (local layer order)" in trained(trained_on, "adam_dp_reshardable_tp2")[0]
-    for name, stepped in (("tp2", "stepped"), ("pp2", "stepped"), ("dp_reshardable_tp2", "stepped"), ("per_rank_tp2", "stepped_per_rank"),
-                          ("distrib_optim_pp2", "stepped")):  # tp2: DTensor shards of weights and moments
-        assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), oracle[stepped], 1e-5)
-    # saved at tp 2 x pp 2: its buckets (each rank's tp shards), torch_dist's or each per-rank
-    # file's distrib_optim.pt, step on as megatron-core's own gathering of them
-    assert "dp_reshardable buckets (local layer order)" in trained(trained_on, "adam_saved_tp2pp2_dp_reshardable_tp2")[0]
-    model_space = stacked_state(layout.iteration_dir(ckpt["saved_tp2pp2_one"], ITERATION + 1))
-    for name in ("saved_tp2pp2_dp_reshardable_tp2", "saved_tp2pp2_distrib_optim_pp2"):
-        assert_state_close(stacked_state(layout.iteration_dir(ckpt[name], ITERATION + 1)), model_space, 1e-5)
-    # saved with virtual pipeline stages: each model chunk's grad buffer, stepped on at pp 2
-    stepped_vp = stacked_state(layout.iteration_dir(ckpt["saved_vp_dp_reshardable_pp2"], ITERATION + 1))
-    assert_state_close(stepped_vp, stacked_state(layout.iteration_dir(ckpt["saved_vp_one"], ITERATION + 1)), 1e-5)
-    stepped = layout.iteration_dir(ckpt["pp2"], ITERATION + 1)
-    # and back into megatron-core's distributed optimizer
-    out = tmp_path / "megatron"
-    assert load_script().main(["to-megatron", str(stepped), str(out), "--tp", "1"]) == 0
-    # and per rank: each file's optimizer entry as megatron-core's FP32Optimizer saves it
-    assert load_script().main(["to-megatron", str(stepped), str(out / "per_rank"), "--format", "per-rank"]) == 0
-    run_megatron_gpt("load-adam", out, 1)
-    for name in ("loaded_adam.pt", "loaded_per_rank_adam.pt"):
-        loaded = torch.load(out / name, weights_only=True)
-        assert_state_close(stacked_state(stepped), {**loaded, "weight": loaded["param"]}, 0.0)
-        assert_state_close(stacked_state(stepped), loaded, 0.0)
-    # and the per-rank files read back into dtgpt as written
-    reader, optimizer = MegatronReader(find(out / "per_rank")), read_sections(stepped, ("optimizer",))["optimizer"]
-    shapes = full_model_shapes(model_cfg(), ROWS)
-    reader.check(shapes, list(shapes))
-    for name, shape in shapes.items():
-        for slot in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(reader.tensor(name, shape, slot), optimizer[f"state.{name}.{slot}"]), (name, slot)
-
-
-MEGATRON_OPTIMIZER_FILES = (("dp_reshardable", "saved_dp_reshardable", "param"), ("per_rank", "saved_per_rank", None),
-                            ("distrib_optim", "saved", "param"), ("distrib_optim_buckets", "saved_dp_reshardable", "param"))  # fmt: skip
-"""(directory under adam_tp1, its state in adam.pt, the slot of its master weights: None for the
-FP32Optimizer, whose fp32 parameters are the weights)."""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("source, held_as, master", MEGATRON_OPTIMIZER_FILES)
-def test_megatron_optimizer_state_reads_as_megatron_holds_it(adam_tp1, source, held_as, master):
-    """Megatron-LM's optimizer state reads, parameter by parameter, as megatron-core's optimizer
-    held it when it saved, master weights and both moments bit for bit: from the distributed
-    optimizer's default torch_dist layout (dp_reshardable: flat per-bucket buffers, three buckets
-    here), and from the per-rank format: the FP32Optimizer's state by parameter index in three
-    param groups (--decoupled-lr's among them), the distributed optimizer's distrib_optim.pt of one
-    bucket and of three (coalesced)."""
-    reader = MegatronReader(layout.iteration_dir(adam_tp1 / source, ITERATION))
-    held = torch.load(adam_tp1 / "adam.pt", weights_only=True)[held_as]
-    shapes = full_model_shapes(model_cfg(), ROWS)
-    reader.check(shapes, list(shapes))
-    if source == "dp_reshardable":
-        found, spec = reader.bucket_layout()
-        assert spec == "local" and len({piece.prefix for pieces in found.pieces.values() for piece in pieces}) == 3
-    else:
-        assert reader.per_rank_optimizer_problem() == "" and reader.optimizer_common() == {"common_step": 1.0}
-    if source == "distrib_optim_buckets":  # coalesced: where megatron-core's DDP cut its buckets is recomputed
-        saved = load_pickle(next(reader.directory.glob("mp_rank_00")) / PER_RANK_FILE)
-        numels = [value.numel() for _, value in parameters(saved["model"])]
-        assert bucket_lengths(numels, BUCKET_SIZE) == torch.load(adam_tp1 / "adam.pt", weights_only=True)["bucket_lengths"]
-    for name, shape in shapes.items():
-        key, layer = megatron_name(name)
-        for slot, stored in (("param", master), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-            theirs = held[slot][key] if layer is None else held[slot][key][layer]
-            assert torch.equal(reader.tensor(name, shape, stored), theirs), (name, slot)
-
-
-@pytest.mark.slow
-def test_unmapped_per_rank_optimizer_state_is_one_line_and_fresh_adam(adam_tp1, tmp_path, capsys):
-    """The distributed optimizer's per-rank files without their distrib_optim.pt: the weights load,
-    Adam starts fresh, and the log says why in one line naming the file."""
-    root = shutil.copytree(adam_tp1 / "distrib_optim", tmp_path / "distrib_optim")
-    rank_dir = layout.iteration_dir(root, ITERATION) / "mp_rank_00"
-    (rank_dir / "distrib_optim.pt").unlink()
-    imported_loss(root, 16)
-    why = f"{rank_dir / PER_RANK_FILE} is the distributed optimizer's, but {rank_dir / 'distrib_optim.pt'} is missing"
-    assert f"Megatron checkpoint: optimizer state not read: {why}; fresh AdamW moments" in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_shifted_model_space_adam_state_is_not_taken(adam_tp1, trained_on):
-    """megatron-core 0.16.1's model-space (fully_reshardable) save of a grad buffer in three
-    buckets writes the later buckets' state 64 elements off: its master weights differ from the
-    model weights, so the run says why and starts AdamW fresh; the unshifted save agrees."""
-    assert MegatronReader(layout.iteration_dir(adam_tp1, ITERATION)).masters_agree("param")
-    assert not MegatronReader(layout.iteration_dir(adam_tp1 / SHIFTED, ITERATION)).masters_agree("param")
-    log, directory = trained(trained_on, "adam_shifted")
-    assert "optimizer state not read: its fp32 master weights (optimizer.state.param.*) differ from the model weights" in log
-    steps = read_sections(layout.iteration_dir(directory / "ckpt", ITERATION + 1), ("optimizer",))["optimizer"]
-    assert {float(v) for k, v in steps.items() if k.endswith(".step")} == {1.0}  # fresh AdamW, one step
-
-
-@pytest.mark.slow
-def test_load_optimizer_false_leaves_adam_fresh(trained_on):
-    """Megatron's --no-load-optim: a fresh AdamW, but the iteration goes on from the checkpoint's."""
-    log, directory = trained(trained_on, "adam_fresh")
-    assert "optimizer state loaded" not in log
-    steps = read_sections(layout.iteration_dir(directory / "ckpt", ITERATION + 1), ("optimizer",))["optimizer"]
-    assert {float(v) for k, v in steps.items() if k.endswith(".step")} == {1.0}  # fresh AdamW, one step

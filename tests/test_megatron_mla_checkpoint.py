@@ -43,7 +43,7 @@ from tests.megatron_mla_gpt import DENSE, EXPERTS, HEADS, HIDDEN, LATENT, LAYERS
 from tests.parity_oracle import assert_same_figures, assert_same_training
 from tests.runs import Command, launch_commands, read_run, run_args
 from tests.test_checkpoint_convert import load_script
-from tests.test_megatron_checkpoint import write_stages
+from tests.megatron_checkpoints import write_stages
 from tests.test_megatron_moe_checkpoint import assert_converts_back, launch, save_dtgpt
 
 PP2 = ["--format", "per-rank", "--pp", "2", "--decoder-first-pipeline-num-layers", "1"]

@@ -30,7 +30,7 @@ from tests.megatron_adam import BATCH, SGD_STEPS, mock_batch
 from tests.megatron_gpt import CONSUMED, ITERATION, VOCAB
 from tests.megatron_muon import FROM_DTGPT, MUON_PER_RANK, MUON_SAVED
 from tests.runs import Command, launch_commands, read_metrics
-from tests.test_megatron_checkpoint import ADAM_RUN, ROWS, model_cfg, without_key_bias
+from tests.megatron_checkpoints import ADAM_RUN, ROWS, model_cfg, without_key_bias
 from tests.test_sgd import MUON_FLAGS, stacked_by_key, stacked_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

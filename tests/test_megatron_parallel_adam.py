@@ -2,7 +2,7 @@
 conftest.py), read by dtgpt tensor by tensor against megatron-core's own model-space gathering:
 its dp_reshardable buckets and each per-rank file's distrib_optim.pt, without and with virtual
 pipeline stages (interleaved 1F1B: a grad buffer per model chunk). The runs that train on from
-these saves are test_megatron_checkpoint.py's ADAM_LAYOUTS rows."""
+these saves are test_megatron_checkpoint_resume.py's ADAM_LAYOUTS rows."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dtgpt.checkpoint.megatron.keys import full_model_shapes
 from dtgpt.checkpoint.megatron.per_rank_optim import parameters
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from tests.megatron_gpt import ITERATION, PARALLEL_ADAM, VIRTUAL_ADAM
-from tests.test_megatron_checkpoint import ROWS_TP2, model_cfg
+from tests.megatron_checkpoints import ROWS_TP2, model_cfg
 from tests.test_megatron_family import model_cfg as family_cfg
 
 pytestmark = pytest.mark.slow

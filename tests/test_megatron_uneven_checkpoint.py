@@ -13,7 +13,7 @@ from dtgpt.checkpoint.export import load_model
 from dtgpt.checkpoint.megatron import find, load_megatron_model, to_megatron_per_rank
 from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle, per_rank_dirs
 from dtgpt.checkpoint.megatron.per_rank import PerRankModel
-from tests.test_megatron_checkpoint import write_stages
+from tests.megatron_checkpoints import write_stages
 from tests.test_megatron_per_rank_reads import save_tiny
 from tests.test_pipeline_split import megatron_counts, megatron_ranks  # noqa: F401 (a fixture)
 

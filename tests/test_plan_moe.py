@@ -19,7 +19,7 @@ from dtgpt.model import GPT
 from dtgpt.model_size import flops_per_token, layer_flops_per_token, num_parameters, router_flops_per_token
 from dtgpt.plan import memory as pm
 from dtgpt.plan import plan_layout
-from tests.test_plan import ENV, REPO
+from tests.plans import ENV, REPO
 
 MIXTRAL = str(REPO / "configs" / "mixtral_8x7b.toml")
 

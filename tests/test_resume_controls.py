@@ -10,7 +10,7 @@ import torch
 
 from dtgpt.checkpoint import CheckpointError
 from dtgpt.config import ConfigError
-from tests.test_checkpoint_unit import Trainer, checkpointer, make_trainer, step
+from tests.checkpoints import Trainer, checkpointer, make_trainer, step
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from dtgpt.faults.injection import build_faults
 from dtgpt.muon import MUON, MuonWithAdamW
 from tests.megatron_adam import BATCH, SGD_MOMENTUM, SGD_STEPS, mock_batch
 from tests.megatron_gpt import CONSUMED, VOCAB
-from tests.test_megatron_checkpoint import ADAM_RUN, without_key_bias
+from tests.megatron_checkpoints import ADAM_RUN, without_key_bias
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -103,7 +103,7 @@ def test_sgd_checkpoint_goes_to_megatron_without_its_momentum(tmp_path):
     optimizer layout has no slot for SGD's momentum, so none is written (the script says so)."""
     from dtgpt.checkpoint import layout, megatron
     from dtgpt.checkpoint.megatron.reader import MegatronReader
-    from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+    from tests.checkpoints import checkpointer, make_trainer, step
 
     t = make_trainer(f"--checkpoint.save={tmp_path / 'ckpt'}", *SGD_FLAGS)
     step(t, 2)

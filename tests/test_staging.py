@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from dtgpt import shutdown
 from dtgpt.checkpoint.staging import build_stager, stager_for_next_save
-from tests.test_checkpoint_unit import make_trainer, step
+from tests.checkpoints import make_trainer, step
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from dtgpt.config.ranges import check_ranges
 from dtgpt.config.recompute_rules import apply_moe_layer_recompute, check_recompute_modules
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
-from dtgpt.config.split import check_per_split_paths, parse_split
+from dtgpt.config.split import check_validation_data, parse_split, uses_split
 from dtgpt.config.tokenizer_rules import TOKENIZER_TYPES, check_tokenizer_config
 
 
@@ -255,14 +255,14 @@ def _check_data(cfg: Config) -> None:
     check_tokenizer_config(cfg)
     train_weight = parse_split(d.split)[0]
     _require(
-        d.mock_data or not (d.data_path or d.builtin_corpus) or train_weight > 0 or cfg.training.train_iters == 0,
+        not uses_split(cfg) or train_weight > 0 or cfg.training.train_iters == 0,
         f'data.split="{d.split}" gives the train split weight 0: training.train_iters={cfg.training.train_iters} '
         "needs a positive first weight",
     )
     for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(d, key):
             parse_blend(getattr(d, key), key=f"data.{key}")
-    check_per_split_paths(cfg)
+    check_validation_data(cfg)
 
 
 def _check_checkpoint_logging_faults(cfg: Config) -> None:

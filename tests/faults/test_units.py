@@ -24,7 +24,7 @@ from dtgpt.data.loader import build_data_loader
 from dtgpt.faults.signals import SignalFlag, signal_handler_enabled
 from dtgpt.faults.faulty_writer import FaultyWriter
 from dtgpt.faults.injection import NO_FAULTS, Faults, build_faults
-from tests.test_checkpoint_unit import checkpointer, make_trainer, step
+from tests.checkpoints import checkpointer, make_trainer, step
 
 
 def test_signal_handler_is_on_by_default_exactly_when_saving():
