@@ -14,23 +14,24 @@ copy of the embedding, in a bucket of its own). With virtual pipeline stages (in
 a pp rank holds vp model chunks, each wrapped in a DDP of its own: <G> numbers them (one
 parameter dtype each), and chunk c of pp rank r is virtual stage c x pp + r of Megatron's split
 into pp x vp stages (the embedding in chunk 0 of the first pp rank, the head in the last chunk of
-the last), its buffer cut by the rules below as a whole stage's. Each parameter is its tp
-shard (TP_DIM: rows or columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
-whole, replicated; LayerSpec.whole: what a spec keeps whole that TP_DIM splits). Each tensor is the bucket's unpadded length, and an element sits at its
-offset within the bucket whatever the dp size (each dp rank saves its contiguous share at its own
-offset; DCP joins the shares). Within the buffer, the parameters follow megatron-core's module
-order *reversed*, each starting at a multiple of 64 elements, and a bucket closes once it
-reaches its size (so the stored lengths tell where the buckets end). The order is not stored: it
-is megatron-core's module registration order, which differs between its local and Transformer
-Engine layer specs (the input norm before the attention, or fused into linear_qkv after
-linear_proj; multi-latent attention's down-projections split by rows, or whole on every tp rank,
-its compressed vectors' norms after the up-projections, or fused into them). Both are tried; the one whose buckets have exactly the stored lengths and whose
-master weights equal the model weights (agrees, on a bounded set of small tensors:
-bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets
-each rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's
-routed experts sit in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1:
-expert_buckets.py. A DeepSeek-style model's blocks (its layers kept apart under their own keys,
-its MTP depths between the final norm and the head): bucket_blocks.py.
+the last), its buffer cut by the rules below as a whole stage's. Each parameter is its tp shard
+(TP_DIM: rows or columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up
+rows]; the rest whole, replicated; LayerSpec.whole: what a spec keeps whole that TP_DIM splits).
+Each tensor is the bucket's unpadded length, and an element sits at its offset within the bucket
+whatever the dp size (each dp rank saves its contiguous share at its own offset; DCP joins the
+shares). Within the buffer, the parameters follow megatron-core's module order *reversed*, each
+starting at a multiple of 64 elements, and a bucket closes once it reaches its size (so the stored
+lengths tell where the buckets end). The order is not stored: it is megatron-core's module
+registration order, which differs between its local and Transformer Engine layer specs (the input
+norm before the attention, or fused into linear_qkv after linear_proj; multi-latent attention's
+down-projections split by rows, or whole on every tp rank, its compressed vectors' norms after the
+up-projections, or fused into them). Both are tried; the one whose buckets have exactly the stored
+lengths and whose master weights equal the model weights (agrees, on a bounded set of small tensors:
+bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets each
+rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's routed experts sit
+in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1: expert_buckets.py. A
+DeepSeek-style model's blocks (its layers kept apart under their own keys, its MTP depths between
+the final norm and the head): bucket_blocks.py.
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
-    if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # the last stage's head and copies: not measured
+    if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # megatron-core 0.16.1 saves none: unmeasured
         return None, f"its multi-token prediction block was saved at pp {pp} with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
     if experts and parallel.etp not in (1, parallel.tp):
         return None, f"its experts are split over expert_tensor_parallel_size={parallel.etp} ranks at tp {parallel.tp}, which dtgpt does not map (only 1 or tp)"
