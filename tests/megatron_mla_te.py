@@ -10,10 +10,12 @@ builds MLASelfAttention with
   norm weight, `layer_norm_weight` (RMSNorm: no bias), Transformer Engine's LayerNormLinear
   registers before its column-parallel `weight` (rows split over tp), and q_layernorm,
   kv_layernorm IdentityOp;
-every module in the local spec's place (linear_proj, then the q projections, then the kv ones).
+every module in the local spec's place (linear_proj, then the q projections, then the kv ones);
+and a dense layer's linear_fc1 a TELayerNormColumnParallelLinear too, holding the pre-MLP norm
+(pre_mlp_layernorm IdentityOp; an MoE layer's stays a module, TENorm).
 to_transformer_engine_placement turns a local-spec model into that layout in place: each
 down-projection's row shards gathered into one whole weight, each compressed vector's norm moved
-into its up-projection, before its weight. megatron-core's own DDP and distributed optimizer then
+into its up-projection and a dense layer's pre-MLP norm into its linear_fc1, before the weight. megatron-core's own DDP and distributed optimizer then
 lay out the buffers and save them as they would a Transformer Engine model's. No forward runs
 (tests/megatron_adam.py's synthetic_step makes the gradients).
 """
@@ -59,10 +61,12 @@ def gathered_rows(shard: torch.Tensor) -> torch.Tensor:
 
 
 def to_transformer_engine_placement(model) -> None:
-    """Every MLASelfAttention of `model` (decoder layers and MTP blocks) as the Transformer
-    Engine spec holds its parameters (the module doc); the weights' values are unchanged."""
+    """Every MLASelfAttention and dense MLP of `model` (decoder layers and MTP blocks) as the
+    Transformer Engine spec holds their parameters (the module doc); the weights' values are unchanged."""
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     for attention in [m for m in model.modules() if isinstance(m, MLASelfAttention)]:
         for vector in ("q", "kv"):  # assigned in place: each module keeps its place in registration order
@@ -71,3 +75,6 @@ def to_transformer_engine_placement(model) -> None:
             norm, up = getattr(attention, f"{vector}_layernorm"), getattr(attention, f"linear_{vector}_up_proj")
             setattr(attention, f"linear_{vector}_up_proj", LayerNormColumnParallelLinear(norm.weight, up.weight))
             setattr(attention, f"{vector}_layernorm", IdentityOp())
+    for layer in [m for m in model.modules() if isinstance(m, TransformerLayer) and type(m.mlp) is MLP]:
+        layer.mlp.linear_fc1 = LayerNormColumnParallelLinear(layer.pre_mlp_layernorm.weight, layer.mlp.linear_fc1.weight)
+        layer.pre_mlp_layernorm = IdentityOp()

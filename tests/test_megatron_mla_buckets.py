@@ -65,11 +65,14 @@ def test_megatron_mla_moe_mtp_dp_reshardable_adam_state_reads_as_its_model_space
             assert torch.equal(ours[name], theirs[name]), (name, slot)
 
 
+RESUMED_BATCH = 2
+
+
 def resumed(directory: Path) -> tuple[Config, TrainState, list[str]]:
     """One process's train state (ADAM_RUN's config, without the LR warmup: the synthetic step's
-    schedule stands at 0 samples) loaded from a Megatron checkpoint, as train.py's checkpoint.load
-    reads it; the notes it logs."""
-    cfg = load_config(None, [*ADAM_RUN, "--optimizer.lr_warmup_iters=0"])
+    schedule stands at 0 samples; 2 samples a step, to keep it short) loaded from a Megatron
+    checkpoint, as train.py's checkpoint.load reads it; the notes it logs."""
+    cfg = load_config(None, [*ADAM_RUN, "--optimizer.lr_warmup_iters=0", f"--training.global_batch_size={RESUMED_BATCH}"])
     state = build_train_state(cfg, build_model(cfg, init_distributed(cfg), VOCAB))
     return cfg, state, load_into_state(state, find(directory), cfg, stateful=True)
 
@@ -89,7 +92,7 @@ def test_transformer_engines_mla_buckets_at_tp2_resume_bit_for_bit_as_the_local_
     resumed from each loads the same fp32 master weights, moments and step bit for bit, each in
     its own layer order, and its next step on one batch leaves the same weights and moments."""
     runs = {spec: resumed(mla_root / BUCKETED[name][0]) for spec, name in (("local", "tp2"), ("transformer_engine", "tp2_te"))}
-    batch = torch.randint(0, VOCAB, (8, MODEL["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(0, VOCAB, (RESUMED_BATCH, MODEL["seq_length"] + 1), generator=torch.Generator().manual_seed(0))
     tensors = {}
     for spec, (cfg, state, notes) in runs.items():
         assert "optimizer state loaded: fp32 master weights (param), Adam moments, step 1" in notes
