@@ -171,3 +171,16 @@ def family(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_family")
     run_megatron_gpt("family", root, 2)
     return root
+
+
+@pytest.fixture(scope="session")
+def mla_root(tmp_path_factory):
+    """dtgpt's checkpoints of the multi-latent attention + MoE + MTP model converted to Megatron's
+    formats, and megatron-core's launch at tp 2 that saves its own, loads dtgpt's and records its
+    logits, losses and Adam steps (tests/megatron_mla_oracle.py). One launch, shared by the test
+    modules that read it."""
+    from tests.megatron_mla_oracle import launch_mla_oracle
+
+    root = tmp_path_factory.mktemp("megatron_mla")
+    launch_mla_oracle(root)
+    return root

@@ -18,7 +18,8 @@ rows (make_vocab_size_divisible_by 32). It:
   (iteration 8); ROOT/adam_step.pt: that step's LM loss, MTP loss and gradient norm;
 - the first step again with the grad buffers cut into buckets, saved in Megatron-LM's default
   layout (dp_reshardable) under ROOT/megatron_adam_dp_reshardable (save_bucketed); and at tp 2
-  and at pp 2 one synthetic step each, saved in both layouts (save_tp2_pp2).
+  (under the local spec and as Transformer Engine's holds multi-latent attention) and at pp 2
+  one synthetic step each, saved in both layouts (save_tp2_pp2).
 
 Only the second step is compared, so the first may take any LR: the scheduler stands at 40 samples.
 CPU patches: tests/megatron_adam.py's, and the experts drawn by their global index (every rank
@@ -28,6 +29,7 @@ draws the same (E, ...) tensors and keeps its own experts), so no two experts ar
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -125,17 +127,25 @@ def save(ddp, optimizer, scheduler, directory: Path, state: dict, avoid_prefix: 
         (directory.parent / "latest_checkpointed_iteration.txt").write_text(str(state["iteration"]))
 
 
+@contextmanager
+def unclipped(optimizer):
+    """megatron-core's optimizer steps without gradient clipping, then clips again."""
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    for one in optimizers:
+        one.config.clip_grad = 0.0
+    yield
+    for one in optimizers:
+        one.config.clip_grad = ADAM["clip_grad"]
+
+
 def first_step(ddp, optimizer, scheduler) -> None:
     """The iteration that ends at the checkpoint, unclipped: the gradient norm's sum order
     depends on the bucket cuts, so a clipped step of a bucketed buffer would differ from the
     one-bucket buffer's in the last bit; unclipped, the two states are equal bit for bit."""
     scheduler.num_steps = LR_SAMPLES - GLOBAL_BATCH
     scheduler.step(increment=0)
-    for one in optimizer.chained_optimizers:
-        one.config.clip_grad = 0.0
-    train_step(ddp, optimizer, scheduler, mock_batch(0))
-    for one in optimizer.chained_optimizers:
-        one.config.clip_grad = ADAM["clip_grad"]
+    with unclipped(optimizer):
+        train_step(ddp, optimizer, scheduler, mock_batch(0))
 
 
 def save_bucketed(directory: Path, state: dict) -> None:
@@ -150,28 +160,47 @@ def save_bucketed(directory: Path, state: dict) -> None:
     save(ddp, optimizer, scheduler, directory, state, sharding="dp_reshardable")
 
 
+SYNTHETIC = (("megatron_adam_tp2", 2, 1, False), ("megatron_adam_tp2_te", 2, 1, True), ("megatron_adam_pp2", 1, 2, False))
+"""(directory, tp, pp, multi-latent attention held as Transformer Engine's spec holds it) of
+save_tp2_pp2's synthetic steps: the tp 2 two from equal weights (tests/megatron_mla_te.py)."""
+
+
+def draw_expert_shards(model) -> None:
+    """Each MoE block's, expert's, expert tp shard's and pipeline stage's own weights."""
+    from megatron.core import parallel_state
+
+    shard, stage = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    for block, module in enumerate(m for m in model.modules() if type(m).__name__ == "SequentialMLP"):
+        for expert, mlp in enumerate(module.local_experts):
+            draw = torch.Generator().manual_seed(100 + expert + 10 * block + 1000 * shard + 10_000 * stage)
+            for param in mlp.parameters():
+                param.data.copy_(0.02 * torch.randn(param.shape, generator=draw))
+
+
 def save_tp2_pp2(root: Path, state: dict) -> None:
     """At tp 2 (dp 1, ep 1: the experts in the dense buffer, split over expert tp 2 as the dense
-    MLP's; each expert tp rank's shard drawn apart) and at pp 2 (the dense layer first, Megatron's
-    decoder_first_pipeline_num_layers=1; the MTP block and its own copy of the word embedding on
-    the last stage): one synthetic step (tests/megatron_adam.py) each, saved in model space under
-    ROOT/megatron_adam_tp2 (_pp2) and dp_reshardable under ROOT/megatron_adam_tp2/dp_reshardable
-    (_pp2/...): the same state in both layouts."""
+    MLP's; each expert tp shard drawn apart), the same weights under the local spec and as
+    Transformer Engine's spec holds multi-latent attention (its down-projections whole on each tp
+    rank, the compressed vectors' norms fused into the up-projections), and at pp 2 (the dense
+    layer first, Megatron's decoder_first_pipeline_num_layers=1; the MTP block and its own copy of
+    the word embedding on the last stage): one synthetic step (tests/megatron_adam.py) each,
+    unclipped (the gradient norm's sum order differs between the specs; unclipped, their states
+    are equal bit for bit), saved in model space under ROOT/<SYNTHETIC's directory> and
+    dp_reshardable under ROOT/<directory>/dp_reshardable: the same state in both layouts."""
     from megatron.core import parallel_state
 
     from tests.megatron_adam import synthetic_step
+    from tests.megatron_mla_te import to_transformer_engine_placement
 
-    for name, tp, pp in (("megatron_adam_tp2", 2, 1), ("megatron_adam_pp2", 1, 2)):
+    for name, tp, pp, transformer_engine in SYNTHETIC:
         parallel_state.initialize_model_parallel(tp, pp)
         model = build(tp, 1234, te_names=False, pp=pp, vocab=ROWS)
-        shard, stage = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        for block, module in enumerate(m for m in model.modules() if type(m).__name__ == "SequentialMLP"):
-            for expert, mlp in enumerate(module.local_experts):  # each block's, expert's and shard's own draw
-                draw = torch.Generator().manual_seed(100 + expert + 10 * block + 1000 * shard + 10_000 * stage)
-                for param in mlp.parameters():
-                    param.data.copy_(0.02 * torch.randn(param.shape, generator=draw))
+        draw_expert_shards(model)
+        if transformer_engine:
+            to_transformer_engine_placement(model)
         ddp, optimizer, scheduler = build_optimizer_and_scheduler(model)
-        synthetic_step(model, ddp, optimizer)
+        with unclipped(optimizer):
+            synthetic_step(model, ddp, optimizer)
         args = dict(vars(state["args"]), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, decoder_first_pipeline_num_layers=1,
                     padded_vocab_size=ROWS, make_vocab_size_divisible_by=DIVISIBLE_BY, use_distributed_optimizer=True)  # fmt: skip
         for sharding, directory in (("fully_reshardable", root / name), ("dp_reshardable", root / name / "dp_reshardable")):

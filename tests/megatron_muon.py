@@ -2,7 +2,7 @@
 launches of tests/megatron_gpt.py: which parameters it gives Muon (the `family` launch, tp 2; read
 by tests/test_megatron_family.py) and three of its steps (the `sgd` launch; read by tests/test_sgd.py);
 and which it gives Muon on the MLA + MoE model of tests/megatron_mla_gpt.py's launch (tp 2; read by
-tests/test_megatron_mla_checkpoint.py)."""
+tests/test_megatron_mla_muon.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 
 from dtgpt.checkpoint.megatron import buckets
 from dtgpt.checkpoint.megatron.buckets import PARAM_ALIGNMENT, Parallel, Piece, bucket_layout, fit, rank_pieces, stage_order
-from dtgpt.checkpoint.megatron.layer_orders import LAYER_ORDERS
+from dtgpt.checkpoint.megatron.layer_orders import LAYER_SPECS
 from dtgpt.checkpoint.megatron.distrib_optim import bucket_lengths
 from dtgpt.checkpoint.megatron.keys import OPTIMIZER_PREFIX
 from dtgpt.checkpoint.megatron.reader import MegatronReader
@@ -86,10 +86,7 @@ def test_layouts_it_does_not_map_say_why():
     model = {"embedding.word_embeddings.weight": (4, 16), "decoder.layers.self_attention.linear_v.weight": (2, 8, 8)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0)), **model}, {}, list(model), Parallel())
     assert layout is None and why.startswith("its buckets do not match megatron-core's parameter order")
-    # Transformer Engine's multi-latent attention at tp 2 (its down-projections whole, not measured); an MTP block at pp 2, tied
-    mla = {"decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight": (16,)}
-    layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **mla}, {}, list(mla), Parallel(2))
-    assert layout is None and why == "its multi-latent attention was saved under Transformer Engine's names at tp 2, whose buckets dtgpt maps at tp 1 only"
+    # an MTP block at pp 2 with a tied head (megatron-core 0.16.1 saves none in torch_dist)
     mtp = {"mtp.layers.0.eh_proj.weight": (16, 32)}
     layout, why = bucket_layout(None, {**shapes((0, 0, 0), (1, 0, 0)), **mtp}, {}, list(mtp), Parallel(1, (1, 1)))
     assert layout is None and why == "its multi-token prediction block was saved at pp 2 with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
@@ -107,7 +104,7 @@ def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
     # stage 0, reversed: fc2 at 0, fc1 at 64, proj at 128, emb at 192: one bucket of 208
     # stage 1, reversed: the head's copy alone (16), then norm at 0, fc2 at 64, fc1 at 128, proj at 192: 200
     stored = {0: [[("m0", 208)]], 1: [[("m1", 208)]], 2: [[("h2", 16), ("m2", 200)]], 3: [[("h3", 16), ("m3", 200)]]}
-    pieces = rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (1, 1)))
+    pieces = rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(2, (1, 1)))
     assert pieces == {
         (emb, None): [Piece("m0", 192, (4, 4), (0, 0)), Piece("m1", 192, (4, 4), (4, 0))],
         (proj, 0): [Piece("m0", 128, (4, 2), (0, 0)), Piece("m1", 128, (4, 2), (0, 2))],
@@ -121,7 +118,55 @@ def test_each_model_parallel_rank_holds_its_stage_and_its_tp_shards():
         (norm, None): [Piece("m2", 0, (4,), (0,))],  # whole on each tp rank: tp rank 0's copy
     }  # fmt: skip
     # an uneven split (the first stage without a layer) is another layout: these lengths do not fit it
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(2, (0, 2))) is None
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(2, (0, 2))) is None
+
+
+def mla_gpt(norms: bool) -> dict[str, tuple[int, ...]]:
+    """One multi-latent attention layer (hidden 16, q_lora_rank 6, kv_lora_rank 4 + 2 rope dims,
+    heads x head dims 8), untied head; with `norms` the compressed vectors' norms under Transformer
+    Engine's names (fused into the up-projections)."""
+    attention = {"linear_proj.weight": (16, 8), "linear_q_down_proj.weight": (6, 16), "linear_q_up_proj.weight": (8, 6),
+                 "linear_kv_down_proj.weight": (6, 16), "linear_kv_up_proj.weight": (8, 4)}  # fmt: skip
+    if norms:
+        attention |= {"linear_q_up_proj.layer_norm_weight": (6,), "linear_kv_up_proj.layer_norm_weight": (4,)}
+    layer = {"input_layernorm.weight": (16,), **{f"self_attention.{k}": v for k, v in attention.items()}}
+    return {"embedding.word_embeddings.weight": (8, 16), **{f"decoder.layers.{k}": (1, *v) for k, v in layer.items()},
+            "decoder.final_layernorm.weight": (16,), "output_layer.weight": (8, 16)}  # fmt: skip
+
+
+def test_transformer_engines_multi_latent_attention_keeps_its_down_projections_whole_on_every_tp_rank():
+    """At tp 2 under Transformer Engine's spec (megatron-core 0.16.1: TELinear 'duplicated') each tp
+    rank's buffer holds MLA's down-projections whole, read from tp rank 0's copy, and the norms
+    fused into the up-projections whole before their row shards; the local spec splits the
+    down-projections by rows. Local sizes: vocabulary rows 4 x 16 = 64, linear_proj 16 x 4,
+    q_down and kv_down 6 x 16 = 96 (48 split), q_up 4 x 6, kv_up 4 x 4, norms 16, 6, 4."""
+    shapes = mla_gpt(norms=True)
+    # reversed, each at a multiple of 64: head 0, final norm 64, kv_up 128, its norm 192, kv_down 256,
+    # q_up 384, its norm 448, q_down 512, linear_proj 640, input norm 704, embedding 768: 832
+    stored = {0: [[("m0", 832)]], 1: [[("m1", 832)]]}
+    pieces = rank_pieces(shapes, list(shapes), LAYER_SPECS["transformer_engine"], stored, Parallel(2))
+    at = "decoder.layers.self_attention."
+    assert pieces[(at + "linear_q_down_proj.weight", 0)] == [Piece("m0", 512, (6, 16), (0, 0))]
+    assert pieces[(at + "linear_kv_down_proj.weight", 0)] == [Piece("m0", 256, (6, 16), (0, 0))]
+    assert pieces[(at + "linear_q_up_proj.layer_norm_weight", 0)] == [Piece("m0", 448, (6,), (0,))]
+    assert pieces[(at + "linear_kv_up_proj.layer_norm_weight", 0)] == [Piece("m0", 192, (4,), (0,))]
+    assert pieces[(at + "linear_q_up_proj.weight", 0)] == [Piece("m0", 384, (4, 6), (0, 0)), Piece("m1", 384, (4, 6), (4, 0))]
+    assert pieces[(at + "linear_kv_up_proj.weight", 0)] == [Piece("m0", 128, (4, 4), (0, 0)), Piece("m1", 128, (4, 4), (4, 0))]
+    assert pieces[(at + "linear_proj.weight", 0)] == [Piece("m0", 640, (16, 4), (0, 0)), Piece("m1", 640, (16, 4), (0, 4))]
+    assert pieces[("decoder.layers.input_layernorm.weight", 0)] == [Piece("m0", 704, (16,), (0,))]
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(2)) is None  # the fused norms' names: no local layer
+
+
+@pytest.mark.parametrize("length,spec,q_down", [(704, "transformer_engine", (6, 16)), (576, "local", (3, 16))])
+def test_without_the_fused_norms_the_stored_lengths_tell_the_specs_down_projections_apart(reads, length, spec, q_down):
+    """Without qk_layernorm both specs name MLA's parameters alike and register them in one order;
+    at tp 2 the down-projections whole (Transformer Engine's: 704 elements a rank) or split (the
+    local spec's: 576) tell them apart, whose tp rank 0 holds q_down's first rows."""
+    shapes = mla_gpt(norms=False)
+    stored = {f"{BUCKET.format(rank, 0, 0)}.{slot}": (length,) for rank in range(2) for slot in ("param", "exp_avg", "exp_avg_sq")}
+    layout, found = bucket_layout(None, {**shapes, **stored}, {}, list(shapes), Parallel(2))
+    assert found == spec
+    assert [piece.shape for piece in layout.pieces[("decoder.layers.self_attention.linear_q_down_proj.weight", 0)]][0] == q_down
 
 
 def test_an_uneven_pipeline_split_places_each_stages_own_layers():
@@ -132,12 +177,12 @@ def test_an_uneven_pipeline_split_places_each_stages_own_layers():
     # stage 0, reversed: layer 0 at 0, emb at 64: 96; stage 1: the head's copy alone (32), then
     # norm at 0, layer 2 at 64, layer 1 at 128: 144
     stored = {0: [[("s0", 96)]], 1: [[("h1", 32), ("s1", 144)]]}
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 2))) == {
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(1, (1, 2))) == {
         (emb, None): [Piece("s0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("s0", 0, (4, 4), (0, 0))],
         (proj, 1): [Piece("s1", 128, (4, 4), (0, 0))], (proj, 2): [Piece("s1", 64, (4, 4), (0, 0))],
         (norm, None): [Piece("s1", 0, (4,), (0,))],
     }  # fmt: skip
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 1))) is None
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(1, (2, 1))) is None
 
 
 def test_virtual_pipeline_chunks_each_fill_a_grad_buffer_of_their_own():
@@ -150,13 +195,13 @@ def test_virtual_pipeline_chunks_each_fill_a_grad_buffer_of_their_own():
     # rank 0: [layer 0 at 0, emb at 64: 96], [layer 2: 16]; rank 1: [layer 1: 16], [the head's
     # copy alone (32), then norm at 0, layer 3 at 64: 80]
     stored = {0: [[("a0", 96)], [("a1", 16)]], 1: [[("b0", 16)], [("h", 32), ("b1", 80)]]}
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (1, 1, 1, 1), 1, vp=2)) == {
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(1, (1, 1, 1, 1), 1, vp=2)) == {
         (emb, None): [Piece("a0", 64, (8, 4), (0, 0))], (proj, 0): [Piece("a0", 0, (4, 4), (0, 0))],
         (proj, 1): [Piece("b0", 0, (4, 4), (0, 0))], (proj, 2): [Piece("a1", 0, (4, 4), (0, 0))],
         (proj, 3): [Piece("b1", 64, (4, 4), (0, 0))], (norm, None): [Piece("b1", 0, (4,), (0,))],
     }  # fmt: skip
     # another split over the virtual stages is another layout: these lengths do not fit it
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], stored, Parallel(1, (2, 0, 1, 1), 1, vp=2)) is None
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], stored, Parallel(1, (2, 0, 1, 1), 1, vp=2)) is None
 
 
 def test_with_virtual_stages_the_experts_buffers_are_one_per_model_chunk_too():
@@ -170,7 +215,7 @@ def test_with_virtual_stages_the_experts_buffers_are_one_per_model_chunk_too():
     # each chunk's layer's router; the last chunk of pp rank 1 the (untied) head too, at 0, its router at 64
     dense = {0: [[("d0", 8)], [("d2", 8)]], 1: [[("d1", 8)], [("d3", 72)]]}
     experts = {m: [[(f"m{m}.g{c}", 80)] for c in range(2)] for m in range(4)}
-    pieces = rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], dense, Parallel(1, (1, 1, 1, 1), 2, vp=2), "SequentialMLP", experts)
+    pieces = rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], dense, Parallel(1, (1, 1, 1, 1), 2, vp=2), "SequentialMLP", experts)
     assert pieces[(fc1, 2)] == [Piece("m0.g1", 64, (1, 4, 4), (0, 0, 0)), Piece("m1.g1", 64, (1, 4, 4), (1, 0, 0))]  # pp rank 0, chunk 1
     assert pieces[(fc2, 1)] == [Piece("m2.g0", 0, (1, 4, 4), (0, 0, 0)), Piece("m3.g0", 0, (1, 4, 4), (1, 0, 0))]  # pp rank 1, chunk 0
     assert {layer: found for (key, layer), found in pieces.items() if key == router} == {
@@ -179,7 +224,7 @@ def test_with_virtual_stages_the_experts_buffers_are_one_per_model_chunk_too():
         assert [p.prefix for p in pieces[(fc1, layer)]] == [f"m{e + 2 * (layer % 2)}.g{layer // 2}" for e in range(2)]
     # an expert buffer too short for its chunk's layer: no layout
     experts[3][1] = [("m3.g1", 64)]
-    assert rank_pieces(shapes, list(shapes), LAYER_ORDERS["local"], dense, Parallel(1, (1, 1, 1, 1), 2, vp=2), "SequentialMLP", experts) is None
+    assert rank_pieces(shapes, list(shapes), LAYER_SPECS["local"], dense, Parallel(1, (1, 1, 1, 1), 2, vp=2), "SequentialMLP", experts) is None
 
 
 def dense_gpt(layers: int, hidden: int = 64) -> dict[str, tuple[int, ...]]:
@@ -197,7 +242,7 @@ def saved_buckets(shapes: dict, parallel: Parallel, spec: str = "local") -> dict
     stored = {}
     for stage in range(len(parallel.stage_layers) or 1):
         position = 0
-        for _, shape in reversed(stage_order(shapes, list(shapes), LAYER_ORDERS[spec], stage, parallel)):
+        for _, shape in reversed(stage_order(shapes, list(shapes), LAYER_SPECS[spec], stage, parallel)):
             position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT + math.prod(shape)
         for rank in range(parallel.tp):
             stored[f"{BUCKET.format(rank + parallel.tp * stage, 0, 0)}.param"] = (position,)
@@ -254,7 +299,7 @@ def test_the_bounded_check_still_tells_the_layer_orders_apart(monkeypatch):
     shapes, parallel = dense_gpt(4), Parallel(2, (2, 2))
     saved = saved_buckets(shapes, parallel, "transformer_engine")
     stored = {rank: [[(BUCKET.format(rank, 0, 0), saved[f"{BUCKET.format(rank, 0, 0)}.param"][0])]] for rank in range(4)}
-    truth = rank_pieces(shapes, list(shapes), LAYER_ORDERS["transformer_engine"], stored, parallel)
+    truth = rank_pieces(shapes, list(shapes), LAYER_SPECS["transformer_engine"], stored, parallel)
     label = {param: i for i, param in enumerate(truth)}
 
     def read_regions(directory, requests):  # each element valued by the parameter that holds it
@@ -293,7 +338,7 @@ def saved_moe_buckets(shapes: dict, ep: int, module: str = "SequentialMLP") -> d
         return position
 
     experts = shapes["decoder.layers.mlp.router.weight"][1]
-    stored = {f"chained_0.{BUCKET.format(0, 0, 0)}.param": (length(stage_order(shapes, list(shapes), LAYER_ORDERS["local"], 0, Parallel())),)}
+    stored = {f"chained_0.{BUCKET.format(0, 0, 0)}.param": (length(stage_order(shapes, list(shapes), LAYER_SPECS["local"], 0, Parallel())),)}
     for rank in range(ep):
         split = rank_split(rank, ep, experts, module)[1]
         order = [entry for layer in range(shapes["decoder.layers.mlp.router.weight"][0]) for entry in expert_entries(shapes, list(shapes), KeyBlock("decoder.layers.", layer), split)]

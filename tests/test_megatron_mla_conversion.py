@@ -18,7 +18,7 @@ from dtgpt.checkpoint.megatron.formats import PER_RANK_FILE, load_pickle
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from tests.megatron_mla_gpt import HIDDEN
 from tests.test_checkpoint_convert import load_script
-from tests.test_megatron_mla_checkpoint import MODEL, PP2, ROWS, model_cfg
+from tests.megatron_mla_oracle import MODEL, PP2, ROWS, model_cfg
 from tests.test_megatron_moe_checkpoint import assert_converts_back, save_dtgpt
 
 

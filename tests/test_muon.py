@@ -3,7 +3,7 @@ emerging-optimizers 0.3.0 (tests/muon_oracle.py), one process: the same matrices
 a few steps, the same final parameters (an MoE layer's stacked experts against megatron-core's
 matrix per expert too). Which parameters take Muon is compared with megatron-core's builder on
 its GPTModel in tests/test_megatron_family.py and on its MLA + MoE model in
-tests/test_megatron_mla_checkpoint.py; every layout against one process in tests/test_parity.py
+tests/test_megatron_mla_muon.py; every layout against one process in tests/test_parity.py
 and tests/test_parity_deepseek.py; the refusals below.
 """
 

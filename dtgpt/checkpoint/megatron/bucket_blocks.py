@@ -1,6 +1,6 @@
 """The transformer blocks of megatron-core's grad buffer, whatever their keys (buckets.py's layers).
 
-A block's parameters sit in the buffer in its layer spec's order (layer_orders.LAYER_ORDERS) under one
+A block's parameters sit in the buffer in its layer spec's order (layer_orders.LAYER_SPECS) under one
 of three kinds of stored key:
 - `decoder.layers.<name>`: the decoder layers stacked on a leading axis (every layer alike);
 - `decoder.layers.<i>.<name>`: each layer apart (megatron-core keeps them so when the layers

@@ -14,22 +14,24 @@ copy of the embedding, in a bucket of its own). With virtual pipeline stages (in
 a pp rank holds vp model chunks, each wrapped in a DDP of its own: <G> numbers them (one
 parameter dtype each), and chunk c of pp rank r is virtual stage c x pp + r of Megatron's split
 into pp x vp stages (the embedding in chunk 0 of the first pp rank, the head in the last chunk of
-the last), its buffer cut by the rules below as a whole stage's. Each parameter is its tp
-shard (TP_DIM: rows or columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up rows]; the rest
-whole, replicated). Each tensor is the bucket's unpadded length, and an element sits at its
-offset within the bucket whatever the dp size (each dp rank saves its contiguous share at its own
-offset; DCP joins the shares). Within the buffer, the parameters follow megatron-core's module
-order *reversed*, each starting at a multiple of 64 elements, and a bucket closes once it
-reaches its size (so the stored lengths tell where the buckets end). The order is not stored: it
-is megatron-core's module registration order, which differs between its local and Transformer
-Engine layer specs (the input norm before the attention, or fused into linear_qkv after
-linear_proj). Both are tried; the one whose buckets have exactly the stored lengths and whose
-master weights equal the model weights (agrees, on a bounded set of small tensors:
-bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets
-each rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's
-routed experts sit in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1:
-expert_buckets.py. A DeepSeek-style model's blocks (its layers kept apart under their own keys,
-its MTP depths between the final norm and the head): bucket_blocks.py.
+the last), its buffer cut by the rules below as a whole stage's. Each parameter is its tp shard
+(TP_DIM: rows or columns of the global tensor; SwiGLU's linear_fc1 shard is [its gate rows; its up
+rows]; the rest whole, replicated; LayerSpec.whole: what a spec keeps whole that TP_DIM splits).
+Each tensor is the bucket's unpadded length, and an element sits at its offset within the bucket
+whatever the dp size (each dp rank saves its contiguous share at its own offset; DCP joins the
+shares). Within the buffer, the parameters follow megatron-core's module order *reversed*, each
+starting at a multiple of 64 elements, and a bucket closes once it reaches its size (so the stored
+lengths tell where the buckets end). The order is not stored: it is megatron-core's module
+registration order, which differs between its local and Transformer Engine layer specs (the input
+norm before the attention, or fused into linear_qkv after linear_proj; multi-latent attention's
+down-projections split by rows, or whole on every tp rank, its compressed vectors' norms after the
+up-projections, or fused into them). Both are tried; the one whose buckets have exactly the stored
+lengths and whose master weights equal the model weights (agrees, on a bounded set of small tensors:
+bucket_checks) is taken. Anything else is no layout: the caller starts fresh. Which buckets each
+rank's grad buffers hold, from the stored keys: grad_buffers.py. An MoE model's routed experts sit
+in the dense buffer at ep 1 and in buffers of their own (chained_1) at ep > 1: expert_buckets.py. A
+DeepSeek-style model's blocks (its layers kept apart under their own keys, its MTP depths between
+the final norm and the head): bucket_blocks.py.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from dtgpt.checkpoint.megatron.expert_buckets import (
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.grad_buffers import buckets_of, grad_buffers
 from dtgpt.checkpoint.megatron.layer_orders import (
-    AFTER, BEFORE, BUFFERS, FINAL_NORM, LAYER_ORDERS, MLA_TE, MTP_EMBEDDING_COPY, TIED_HEAD, TP_DIM, swiglu_keys,
+    AFTER, BEFORE, BUFFERS, FINAL_NORM, LAYER_SPECS, MTP_EMBEDDING_COPY, TIED_HEAD, TP_DIM, LayerSpec, swiglu_keys,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.regions import read_regions
 
@@ -93,9 +95,9 @@ class BucketLayout:
         self.experts = experts  # the routed experts' module, whose parameter order they follow ("": no experts)
 
 
-def local_shape(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """A parameter's shape on one tp rank (one layer's `shape` for a layer's)."""
-    dim = TP_DIM.get(generic(key))
+def local_shape(key: str, shape: tuple[int, ...], tp: int, spec: LayerSpec) -> tuple[int, ...]:
+    """A parameter's shape on one tp rank under `spec` (one layer's `shape` for a layer's)."""
+    dim = spec.tp_dim(key)
     return shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
 
 
@@ -114,44 +116,44 @@ def stage_key_blocks(shapes: dict, model_keys: list[str], stage: int, parallel: 
     return blocks
 
 
-def block_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], block: KeyBlock, tp: int,
+def block_order(shapes: dict, model_keys: list[str], spec: LayerSpec, block: KeyBlock, tp: int,
                 experts: ExpertSplit | None) -> list[tuple[tuple, tuple]]:
-    """((key, layer, expert), local shape) of one block's parameters in `layer_order`."""
+    """((key, layer, expert), local shape) of one block's parameters in `spec`'s order."""
     order = []
-    for name in layer_order:
+    for name in spec.order:
         key = block.prefix + name
         if name == EXPERTS and experts is not None:
             order += expert_entries(shapes, model_keys, block, experts)
         elif key in model_keys:
-            order.append(((key, block.layer, None), local_shape(key, shapes[key][block.layer is not None:], tp)))
+            order.append(((key, block.layer, None), local_shape(key, shapes[key][block.layer is not None:], tp, spec)))
     return order
 
 
-def stage_order(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stage: int, parallel: Parallel,
+def stage_order(shapes: dict, model_keys: list[str], spec: LayerSpec, stage: int, parallel: Parallel,
                 experts: ExpertSplit | None = None) -> list[tuple[tuple, tuple]] | None:
     """((key, layer, expert), local shape) of pipeline stage `stage`'s parameters in megatron-core's
     module order (layers numbered globally; expert None but for the routed experts, which this
     buffer holds only where `experts` says), or None when a key is outside the GPT this order knows."""
-    unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and generic(k).removeprefix("decoder.layers.") not in layer_order
+    unknown = [k for k in model_keys if k not in (*BEFORE, *AFTER) and generic(k).removeprefix("decoder.layers.") not in spec.order
                and not is_expert_key(k) and not is_mtp_own(k)]  # fmt: skip
     if unknown:
         return None
     last = stage == (len(parallel.stage_layers) or 1) - 1
-    whole = lambda keys: [((k, None, None), local_shape(k, shapes[k], parallel.tp)) for k in keys if k in model_keys]  # noqa: E731
+    whole = lambda keys: [((k, None, None), local_shape(k, shapes[k], parallel.tp, spec)) for k in keys if k in model_keys]  # noqa: E731
     order = whole(BEFORE) if stage == 0 else []
     if last and stage > 0 and mtp_depths(model_keys):  # the MTP block's own copy of the word embedding, first in module order
-        order.append(((MTP_EMBEDDING_COPY, None, None), local_shape(BEFORE[0], shapes[BEFORE[0]], parallel.tp)))
+        order.append(((MTP_EMBEDDING_COPY, None, None), local_shape(BEFORE[0], shapes[BEFORE[0]], parallel.tp, spec)))
     for layer in stage_layers(shapes, model_keys, stage, parallel):
-        order += block_order(shapes, model_keys, layer_order, decoder_block(model_keys, layer), parallel.tp, experts)
+        order += block_order(shapes, model_keys, spec, decoder_block(model_keys, layer), parallel.tp, experts)
     if last:
         order += whole(FINAL_NORM)
         for depth in mtp_depths(model_keys):  # between the decoder's final norm and the head
             block = mtp_block(depth)
             own = lambda names: whole([block.prefix.removesuffix(MTP_BLOCK) + name for name in names])  # noqa: E731
-            order += own(MTP_BEFORE) + block_order(shapes, model_keys, layer_order, block, parallel.tp, experts) + own(MTP_AFTER)
+            order += own(MTP_BEFORE) + block_order(shapes, model_keys, spec, block, parallel.tp, experts) + own(MTP_AFTER)
         order += whole(AFTER[2:])
         if TIED_HEAD not in model_keys and parallel.pp > 1:  # the tied head's copy
-            order.append(((TIED_HEAD, None, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp)))
+            order.append(((TIED_HEAD, None, None), local_shape(TIED_HEAD, shapes[BEFORE[0]], parallel.tp, spec)))
     return order
 
 
@@ -187,13 +189,13 @@ def shard_pieces(dim: int | None, shape: tuple[int, ...], prefix: str, start: in
     return [Piece(prefix, start + half * math.prod(block), block, at(half)) for half in range(halves)]
 
 
-def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...], stored: dict[int, list[list]], parallel: Parallel,
+def rank_pieces(shapes: dict, model_keys: list[str], spec: LayerSpec, stored: dict[int, list[list]], parallel: Parallel,
                 expert_module: str = "SequentialMLP", expert_stored: dict[int, list] | None = None) -> dict[Param, list[Piece]] | None:
     """Every parameter's pieces, from the buckets of each model-parallel rank (stored: rank -> its
     grad buffers, one per model chunk, each [(prefix, length)] by bucket; expert_stored: the
     experts' own buffers, chained_1, by expert model-parallel rank, one per model chunk too, or
     None: the dense buffers hold the experts), when each rank's buckets fit
-    its parameters in this order; else None. A parameter whole on every tp rank is read from tp
+    its parameters in `spec`'s order; else None. A parameter whole on every tp rank is read from tp
     rank 0's copy; a routed expert's tensor is a block of its own at its expert's index, split
     over the expert tp ranks (parallel.etp) as the dense MLP's (at expert tp 1 a replica on every tp rank)."""
     gated = swiglu_keys(shapes)
@@ -201,7 +203,7 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
     inline = ExpertSplit(range(experts), expert_module, parallel.etp) if expert_stored is None else None
     fits = []  # (order, buckets, tp rank) of every buffer
     for stage in range(len(parallel.stage_layers) or 1):
-        order = stage_order(shapes, model_keys, layer_order, stage, parallel, inline)
+        order = stage_order(shapes, model_keys, spec, stage, parallel, inline)
         if order is None:
             return None
         pp_rank, chunk = stage % parallel.pp, stage // parallel.pp
@@ -218,7 +220,7 @@ def rank_pieces(shapes: dict, model_keys: list[str], layer_order: tuple[str, ...
         if places is None:
             return None
         for (key, layer, expert), (prefix, start) in places.items():
-            split_dim = TP_DIM.get(generic(key)) if expert is None else EXPERT_TP_DIM.get(generic(key)) if parallel.etp > 1 else None
+            split_dim = spec.tp_dim(key) if expert is None else EXPERT_TP_DIM.get(generic(key)) if parallel.etp > 1 else None
             if key not in model_keys or (rank > 0 and split_dim is None):
                 continue  # a tied head's or the MTP block's copy; a tp replica
             shape = shapes[key] if layer is None else shapes[key][1:]
@@ -308,10 +310,7 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     pp = parallel.pp
     if ranks != list(range(parallel.tp * pp)):
         return None, f"it holds the buckets of {len(ranks)} model-parallel ranks, but its args say tp x pp = {parallel.tp} x {pp}"
-    fused = any(generic(k).removeprefix("decoder.layers.") in MLA_TE and k.endswith("layer_norm_weight") for k in model_keys)
-    if fused and parallel.tp > 1:  # Transformer Engine's spec keeps the down-projections whole: not measured
-        return None, f"its multi-latent attention was saved under Transformer Engine's names at tp {parallel.tp}, whose buckets dtgpt maps at tp 1 only"
-    if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # the last stage's head and copies: not measured
+    if mtp_depths(model_keys) and pp > 1 and TIED_HEAD not in model_keys:  # megatron-core 0.16.1 saves none: unmeasured
         return None, f"its multi-token prediction block was saved at pp {pp} with a tied head, whose buckets dtgpt maps at pp 1 or untied only"
     if experts and parallel.etp not in (1, parallel.tp):
         return None, f"its experts are split over expert_tensor_parallel_size={parallel.etp} ranks at tp {parallel.tp}, which dtgpt does not map (only 1 or tp)"
@@ -323,12 +322,12 @@ def bucket_layout(directory, shapes: dict, dtypes: dict, model_keys: list[str], 
     # the first stage's first layer and the last stage's: in the last buckets of their ranks, which
     # megatron-core's buffer (reverse module order) fills last; of the experts, the first and the last
     checked_layers = {0, sum(parallel.stage_layers[:-1])}
-    for spec, layer_order in LAYER_ORDERS.items():
+    for name, spec in LAYER_SPECS.items():
         for module in EXPERT_ORDERS if experts else ("SequentialMLP",):
-            pieces = rank_pieces(shapes, model_keys, layer_order, stored[0], parallel, module, expert_stored)
+            pieces = rank_pieces(shapes, model_keys, spec, stored[0], parallel, module, expert_stored)
             checks = bucket_checks(pieces, checked_layers) + expert_checks(pieces, checked_layers, {0, experts - 1}) if pieces else []
             if pieces and agrees(directory, dtypes, checks, chunks):
-                return BucketLayout(pieces, module if experts else ""), spec
+                return BucketLayout(pieces, module if experts else ""), name
     what = ("GPT or MoE GPT, local or Transformer Engine spec, SequentialMLP or TEGroupedMLP experts" if experts else
             "dense GPT, local or Transformer Engine spec") + ", multi-head or multi-latent attention, MTP depths"  # fmt: skip
     return None, f"its buckets do not match megatron-core's parameter order for this model ({what})"

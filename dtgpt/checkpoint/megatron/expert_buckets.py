@@ -32,7 +32,7 @@ from typing import NamedTuple
 from dtgpt.checkpoint.megatron.bucket_blocks import KeyBlock, generic, in_checked_block
 
 EXPERTS = "mlp.experts.experts"
-"""Where a layer order (layer_orders.LAYER_ORDERS) places the layer's routed experts."""
+"""Where a layer spec's order (layer_orders.LAYER_SPECS) places the layer's routed experts."""
 EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."
 _PROJECTIONS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 EXPERT_ORDERS = {

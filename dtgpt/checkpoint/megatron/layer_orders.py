@@ -1,10 +1,12 @@
 """megatron-core's grad-buffer facts by parameter key: the order a GPT layer registers its
-parameters in (by layer spec, multi-head or multi-latent attention), the model's parameters before
-and after the layers, and the dimension each is split over tp ranks. buckets.py places them in the
-buffer; write_per_rank_optim.py writes them.
+parameters in and the ones it keeps whole on every tp rank (by layer spec, multi-head or
+multi-latent attention), the model's parameters before and after the layers, and the dimension
+each is split over tp ranks. buckets.py places them in the buffer; write_per_rank_optim.py writes them.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from dtgpt.checkpoint.megatron.bucket_blocks import generic
 from dtgpt.checkpoint.megatron.expert_buckets import EXPERTS
@@ -35,13 +37,25 @@ _REST = (
     "mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.bias",
     "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.bias",
 )  # fmt: skip
-LAYER_ORDERS = {
-    "local": (*_INPUT_NORM, *_MLA_INPUT_NORM, *_ATTENTION, *_MLA_LOCAL, *_REST),
-    "transformer_engine": (*_MLA_INPUT_NORM, *_ATTENTION, *_INPUT_NORM, *MLA_TE, *_REST),
-}
-"""A GPT layer's parameters in megatron-core's module order, by layer spec, with multi-head or
-multi-latent attention (MLA's local order measured on megatron-core 0.16.1; a layer holds one
-attention's keys, the others are absent)."""
+MLA_DOWN_PROJECTIONS = frozenset({"decoder.layers.self_attention.linear_q_down_proj.weight",
+                                  "decoder.layers.self_attention.linear_kv_down_proj.weight"})  # fmt: skip
+"""Multi-latent attention's down-projections: column-parallel under the local spec (TP_DIM), a
+TELinear in 'duplicated' mode under Transformer Engine's (megatron-core 0.16.1's MLASelfAttention):
+whole on every tp rank, as the norms fused into the up-projections are."""
+
+
+class LayerSpec(NamedTuple):
+    """How a layer spec lays a GPT layer into the grad buffer: its parameters in megatron-core's
+    module order, and the ones TP_DIM splits that this spec keeps whole on every tp rank."""
+
+    order: tuple[str, ...]
+    whole: frozenset[str] = frozenset()
+
+    def tp_dim(self, key: str) -> int | None:
+        """The dimension this spec splits parameter `key` over tp ranks, or None: whole on each."""
+        return None if generic(key) in self.whole else TP_DIM.get(generic(key))
+
+
 MLA_KEYS = frozenset(_MLA_INPUT_NORM + _MLA_LOCAL + MLA_TE + ("self_attention.kv_layernorm.weight", "self_attention.kv_layernorm.bias"))
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 FINAL_NORM = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")
@@ -58,13 +72,20 @@ TP_DIM = {
     "decoder.layers.mlp.shared_experts.linear_fc1.weight": 0, "decoder.layers.mlp.shared_experts.linear_fc1.bias": 0,
     "decoder.layers.mlp.shared_experts.linear_fc2.weight": 1,  # an MoE layer's shared expert, split as the dense MLP
     # multi-latent attention's projections are column-parallel (the down-projections under the local spec;
-    # Transformer Engine's keeps them whole: not mapped at tp > 1), as is an MTP depth's eh_proj
+    # Transformer Engine's keeps them whole: LayerSpec.whole), as is an MTP depth's eh_proj
     "decoder.layers.self_attention.linear_q_proj.weight": 0, "decoder.layers.self_attention.linear_q_down_proj.weight": 0,
     "decoder.layers.self_attention.linear_q_up_proj.weight": 0, "decoder.layers.self_attention.linear_kv_down_proj.weight": 0,
     "decoder.layers.self_attention.linear_kv_up_proj.weight": 0, "mtp.layers.eh_proj.weight": 0,
 }  # fmt: skip
 """The dimension megatron-core splits over tp ranks; every other parameter is whole on each. The
 QKV rows need no more: whole query groups sit on each tp rank, in the global (interleaved) order."""
+LAYER_SPECS = {
+    "local": LayerSpec((*_INPUT_NORM, *_MLA_INPUT_NORM, *_ATTENTION, *_MLA_LOCAL, *_REST)),
+    "transformer_engine": LayerSpec((*_MLA_INPUT_NORM, *_ATTENTION, *_INPUT_NORM, *MLA_TE, *_REST), MLA_DOWN_PROJECTIONS),
+}
+"""A GPT layer in megatron-core's grad buffer, by layer spec, with multi-head or multi-latent
+attention (MLA's local order measured on megatron-core 0.16.1; a layer holds one attention's keys,
+the others are absent)."""
 SWIGLU_FC1 = {f"decoder.layers.mlp.{mlp}linear_fc1": f"decoder.layers.mlp.{mlp}linear_fc2.weight"
               for mlp in ("", "shared_experts.", "experts.experts.")}
 """Each linear_fc1 (weight and bias) whose rows are SwiGLU's [gate; up] when they are twice its linear_fc2's columns."""

@@ -18,12 +18,12 @@ import re
 
 import torch
 
-from dtgpt.checkpoint.megatron.layer_orders import AFTER, BEFORE, LAYER_ORDERS, MLA_KEYS
+from dtgpt.checkpoint.megatron.layer_orders import AFTER, BEFORE, LAYER_SPECS, MLA_KEYS
 from dtgpt.checkpoint.megatron.keys import LOCAL_NORM_NAMES
 from dtgpt.checkpoint.megatron.per_rank_optim import param_class, parameters
 from dtgpt.config import Config
 
-LOCAL_LAYER_ORDER = [LOCAL_NORM_NAMES.get(key, key) for key in LAYER_ORDERS["local"] if key not in MLA_KEYS]
+LOCAL_LAYER_ORDER = [LOCAL_NORM_NAMES.get(key, key) for key in LAYER_SPECS["local"].order if key not in MLA_KEYS]
 """A dense layer's parameters in megatron-core's module order under the local spec, by the names
 the per-rank files give them."""
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
