@@ -42,6 +42,10 @@ store as a plain torchrun command leaves it (dtgpt/faults/attempt_store.py)."""
 SHUTDOWN_TIMEOUT = 10
 """torchrun's grace period between forwarding a signal and SIGKILL (default 30 s) on 2 ranks,
 where no rank has last words to say; None leaves torchrun's default."""
+STOP_GRACE = 120
+"""The grace period of a job the drill stops with a signal: the workers finish their iteration and
+save in it, which a loaded machine stretches past SHUTDOWN_TIMEOUT; they exit as soon as they have
+saved, so it costs nothing."""
 
 
 OUR_CODE = (Path(layout.__file__).resolve().parents[1], REPO / "train.py")
@@ -240,15 +244,18 @@ class Runner:
         self.launcher = launcher
         self._reference: dict[int, float] | None = None
 
-    def command(self, restarts: int) -> list[str]:
-        grace = [] if self.grace is None or not torchrun_takes_shutdown_timeout() else [f"--shutdown-timeout={self.grace}"]
+    def command(self, restarts: int, grace: int | None) -> list[str]:
+        grace = [] if grace is None or not torchrun_takes_shutdown_timeout() else [f"--shutdown-timeout={grace}"]
         return [sys.executable, "-m", self.launcher, "--standalone", f"--nproc-per-node={self.nproc}",
                 f"--max-restarts={restarts}", *grace, str(REPO / "train.py")]  # fmt: skip
 
-    def launch(self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300) -> Run:
-        """torchrun train.py BASE + args in `where`; `on_line(line, proc)` sees every output line."""
+    def launch(
+        self, where: Path, name: str, args: list[str], restarts: int = 1, on_line=None, timeout: float = 300, stopped: bool = False
+    ) -> Run:
+        """torchrun train.py BASE + args in `where`; `on_line(line, proc)` sees every output line.
+        `stopped`: the drill stops it with a signal (torchrun's grace is then STOP_GRACE)."""
         where.mkdir(parents=True, exist_ok=True)
-        cmd = self.command(restarts) + BASE + [f"--training.train_iters={self.iters}"] + self.layout + args
+        cmd = self.command(restarts, STOP_GRACE if stopped else self.grace) + BASE + [f"--training.train_iters={self.iters}"] + self.layout + args
         start = time.monotonic()
         env = plain_env()
         if self.launcher != "torch.distributed.run":  # a launcher module of this checkout, run from `where`

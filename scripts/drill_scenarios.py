@@ -31,6 +31,10 @@ REPLICATED = {
                  "--parallel.data_parallel_shard_size=1"],  # fmt: skip
 }
 """The 4-rank layouts with a replica of every shard, where a dead rank can be replaced in-process."""
+HANG_LIMITS = ["--distributed.timeout_minutes=0.25", "--distributed.heartbeat_factor=0.01", "--distributed.heartbeat_min_seconds=1"]
+"""A hang's peers time out after 15 s, and a heartbeat is due after 1 s whatever the median iteration
+(factor 0.01): on a loaded machine a 6 s timeout also caught a healthy peer still starting up, and
+a heartbeat due at twice a slow median came after the timeout."""
 
 
 class Drill(Runner):
@@ -148,7 +152,7 @@ class Drill(Runner):
                 (os.killpg if whole_group else os.kill)(proc.pid, getattr(signal, sig))
                 sent.append(time.monotonic())
 
-        first = self.launch(where, "stopped", self.job(where, []), restarts=0, on_line=on_line)
+        first = self.launch(where, "stopped", self.job(where, []), restarts=0, on_line=on_line, stopped=True)
         stopped = layout.read_pointer(where / "ckpt")
         agreed = first.log.count("> training stopped: exit signal received") == 1
         second = self.launch(where, "resumed", self.job(where, []), restarts=0)
@@ -179,8 +183,7 @@ class Drill(Runner):
         lines appear before that, and torchrun's restart resumes."""
         name = f"hang-r{rank}-i{iteration}"
         name, where = self.place(name)
-        faults = [f"--faults.hang_at_iteration={iteration}", f"--faults.hang_rank={rank}", "--distributed.timeout_minutes=0.1",
-                  "--distributed.heartbeat_factor=2", "--distributed.heartbeat_min_seconds=1"]  # fmt: skip
+        faults = [f"--faults.hang_at_iteration={iteration}", f"--faults.hang_rank={rank}", *HANG_LIMITS]
         run = self.launch(where, "run", self.job(where, faults))
         named = re.search(rf"rank \d+: train-step of iteration {iteration} failed", run.log) is not None
         beat = f"in 'train-step' of iteration {iteration}" in run.log

@@ -27,10 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # drill_scenarios, also when loaded by path
 from drill_runs import HEADER, ITERS, OPT_OUT, SAVE_INTERVAL, Result, our_traceback_frames, plain_env  # noqa: E402
 from drill_scenarios import (  # noqa: E402
-    HSDP, NO_REPLICAS, Drill, in_process_scenarios, last_words_scenarios, scenarios,
+    HANG_LIMITS, HSDP, NO_REPLICAS, Drill, in_process_scenarios, last_words_scenarios, scenarios,
 )
 
-__all__ = ["Drill", "HSDP", "ITERS", "OPT_OUT", "our_traceback_frames", "plain_env", "scenarios"]
+__all__ = ["Drill", "HANG_LIMITS", "HSDP", "ITERS", "OPT_OUT", "our_traceback_frames", "plain_env", "scenarios"]
 
 IN_PROCESS_HEADER = [
     "| scenario | outcome | recovered | survivors' PIDs unchanged | iterations recomputed | losses equal | "

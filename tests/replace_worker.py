@@ -27,7 +27,9 @@ from torch.distributed import TCPStore
 from dtgpt.run.keys import no_replacement_key, replacement_number, replacing_key, started_key
 
 VICTIM = 3
-WAIT_S = 120
+WAIT_S = 240
+"""How long a survivor waits for what the launcher does next (a replacement, or SIGTERM): a safety
+net under the test's 300 s, far beyond two worker start-ups (importing torch) on a loaded machine."""
 
 
 def main() -> None:

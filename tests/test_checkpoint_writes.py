@@ -5,6 +5,7 @@ pointer that is a directory or a short write. Its loads: tests/test_checkpoint_u
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -29,6 +30,22 @@ def slow_writes(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", write_data)
 
 
+def held_writes(monkeypatch) -> tuple[threading.Event, list[bool]]:
+    """DCP's file writes wait until the returned event is set (at most 120 s), so a save stays in
+    flight while training goes on however fast or slow the machine; the list gets True once a
+    write has gone through."""
+    original, release, written = dcp_fs._FileSystemWriter.write_data, threading.Event(), []
+
+    def write_data(self, plan, planner):
+        release.wait(timeout=120)  # a save that held training would hold it this long
+        future = original(self, plan, planner)
+        written.append(True)
+        return future
+
+    monkeypatch.setattr(dcp_fs._FileSystemWriter, "write_data", write_data)
+    return release, written
+
+
 def test_async_save_equals_sync_save_while_training_mutates(tmp_path, monkeypatch):
     sync_root, async_root = tmp_path / "sync", tmp_path / "async"
     t = make_trainer(f"--checkpoint.save={sync_root}")
@@ -36,12 +53,15 @@ def test_async_save_equals_sync_save_while_training_mutates(tmp_path, monkeypatc
     checkpointer(t).save(2)
     t.cfg.checkpoint.save, t.cfg.checkpoint.async_save = str(async_root), True
     ckpt = checkpointer(t)
-    slow_writes(monkeypatch, 0.5)
-    ckpt.save(2)
-    assert ckpt.blocked_s[-1] < 0.5  # training was not held for the write
-    step(t, 2)  # mutates parameters, exp_avg, step counters while the write is in flight
-    assert layout.read_pointer(async_root) is None, "pointer moved before the write completed"
-    assert not (layout.iteration_dir(async_root, 2) / layout.MARKER).exists()
+    release, written = held_writes(monkeypatch)
+    try:
+        ckpt.save(2)
+        assert not written, "training was held until the write went through"
+        step(t, 2)  # mutates parameters, exp_avg, step counters while the write is in flight
+        assert layout.read_pointer(async_root) is None, "pointer moved before the write completed"
+        assert not (layout.iteration_dir(async_root, 2) / layout.MARKER).exists()
+    finally:
+        release.set()
     ckpt.finalize()
     assert layout.read_pointer(async_root) == 2
     a = read_sections(layout.iteration_dir(sync_root, 2))

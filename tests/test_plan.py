@@ -11,7 +11,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,12 +22,15 @@ from tests.plans import ENV, GPT3_175B, REPO, SMALL, run_plan
 
 @pytest.fixture(scope="module")
 def plan_175b() -> tuple[dict, float]:
-    """The CLI's JSON plan of configs/gpt3_175b.toml (128 GPUs), and how long it took."""
-    start = time.perf_counter()
+    """The CLI's JSON plan of configs/gpt3_175b.toml (128 GPUs), and the CPU seconds it took
+    (user + system: what the planner costs, which a loaded machine does not stretch as it does
+    the wall clock)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = run_plan("--config", GPT3_175B, "--json")
-    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout), elapsed
+    return json.loads(proc.stdout), cpu_s
 
 
 def test_planning_175b_allocates_no_parameter_memory(plan_175b):
@@ -100,9 +102,8 @@ def test_175b_warns_about_the_rampup_bubble(plan_175b):
 
 
 def test_cli_finishes_in_seconds(plan_175b):
-    _, elapsed = plan_175b
-    # Seconds of CPU on an idle machine; generous here because tests share the CPU with others.
-    assert elapsed < 90
+    _, cpu_s = plan_175b
+    assert cpu_s < 60  # about 5 s of CPU; its wall time under CI's load can be ten times that
 
 
 @pytest.mark.slow

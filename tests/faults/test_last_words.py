@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from dtgpt.faults.last_words import Report, decide, roll_call
+from dtgpt.faults.last_words import PREFIX, Report, decide, roll_call
 from tests.faults.test_recovery import explain, fault_drill
 
 REPLICAS = [[0, 1], [2, 3]]
@@ -33,21 +33,25 @@ def test_no_last_words_inside_the_optimizer_step_or_without_a_whole_replica():
 
 
 def test_the_roll_call_gives_every_survivor_the_same_list():
-    """Rank 3 is dead (never answers); rank 2 answers after the window: it is left out, and the
-    others agree on [0, 1] whatever order they close the roll in."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    """Rank 3 is dead (never answers); rank 2 answers once the roll is closed: it is left out, and
+    the others agree on [0, 1] whatever order they close the roll in. Rank 2 waits for the closed
+    roll rather than for a time, and ranks 0 and 1 answer at once into a window far longer than
+    the few store requests between their answers, so a loaded machine cannot reorder them."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    clients = {r: dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60)) for r in range(3)}
     rolls: dict[int, object] = {}
 
-    def survivor(rank: int, delay: float) -> None:
-        threading.Event().wait(delay)
-        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=20))
-        rolls[rank] = roll_call(client, rank, 4, Report(7, False), seconds=0.5)
+    def survivor(rank: int) -> None:
+        late = rank == 2
+        if late:
+            clients[rank].wait([f"{PREFIX}/roll"])  # the roll is closed
+        rolls[rank] = roll_call(clients[rank], rank, 4, Report(7, False), seconds=0.1 if late else 3.0)
 
-    threads = [threading.Thread(target=survivor, args=(r, d)) for r, d in ((0, 0.0), (1, 0.1), (2, 1.5))]
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in range(3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=60)
     assert sorted(rolls[0]) == sorted(rolls[1]) == [0, 1]
     assert rolls[2] is None  # too late: it saves nothing
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
-import time
 
 import pytest
 
@@ -86,13 +85,12 @@ def test_sigterm_to_torchrun_is_forwarded_and_every_rank_saves(drill):
 @pytest.mark.slow
 def test_hang_times_out_naming_rank_phase_iteration_with_heartbeats(drill, tmp_path):
     """Rank 1 sleeps forever in iteration 4. Rank 0 prints heartbeat lines, then its collective
-    times out after distributed.timeout_minutes (6 s): the error names rank 0, the phase and the
-    iteration, and the job ends in bounded time instead of hanging."""
-    args = ["--faults.hang_at_iteration=4", "--faults.hang_rank=1", "--distributed.timeout_minutes=0.1",
-            "--distributed.heartbeat_factor=2", "--distributed.heartbeat_min_seconds=1"]  # fmt: skip
-    start = time.monotonic()
-    run = drill.launch(tmp_path, "hang", args, restarts=0, timeout=180)
-    assert time.monotonic() - start < 120, run.log[-3000:]
+    times out after distributed.timeout_minutes (15 s): the error names rank 0, the phase and the
+    iteration, and the job ends by itself instead of hanging (the drill kills a job that outlives
+    its launch's timeout, and says so in the log)."""
+    args = ["--faults.hang_at_iteration=4", "--faults.hang_rank=1", *fault_drill.HANG_LIMITS]
+    run = drill.launch(tmp_path, "hang", args, restarts=0, timeout=300)
+    assert "fault drill: killed after" not in run.log, run.log[-3000:]
     assert run.rc != 0
     assert "fault: rank 1 hangs in iteration 4" in run.log
     assert re.search(r"heartbeat: rank 0 has been in 'train-step' of iteration 4 for \d+ s", run.log), run.log[-3000:]
