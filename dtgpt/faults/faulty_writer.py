@@ -6,6 +6,7 @@ import errno
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 from dtgpt.checkpoint.integrity import ChecksummingWriter
 from dtgpt.faults.injection import _announce, _kill
@@ -17,9 +18,10 @@ class FaultyWriter(ChecksummingWriter):
     It checksums as every rank's writer does, so whichever rank coordinates takes every rank's
     records off the results before DCP writes `.metadata`."""
 
-    def __init__(self, path: Path, action: str, rank: int, iteration: int):
+    def __init__(self, path: Path, action: str, rank: int, iteration: int, failed: Callable[[], None] = lambda: None):
         super().__init__(str(path))
         self.action, self.fault_rank, self.iteration = action, rank, iteration
+        self.failed = failed  # called when the write fails before the fault acts (the rank then lives on)
 
     def write_data(self, plan, planner):
         where = f"while saving the checkpoint of iteration {self.iteration}"
@@ -28,8 +30,12 @@ class FaultyWriter(ChecksummingWriter):
             for sig in (signal.SIGTERM, signal.SIGINT):
                 _announce(f"{sig.name} to rank {self.fault_rank} {where}")
                 os.kill(os.getpid(), sig)
-        future = super().write_data(plan, planner)
-        future.wait()
+        try:
+            future = super().write_data(plan, planner)
+            future.wait()
+        except BaseException:
+            self.failed()
+            raise
         if self.action == "kill":
             _kill(self.fault_rank, where)
         if self.action == "disk_full":

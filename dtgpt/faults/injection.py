@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,9 @@ from typing import Iterator
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dtgpt.config import FaultsConfig
+
+
+SAVE_KILL_WAIT_S = 600  # longest a rank waits at the next iteration for its async save's thread to kill it
 
 
 def _announce(message: str) -> None:
@@ -107,7 +111,7 @@ class Faults(FaultHooks):
     def __init__(self, cfg: FaultsConfig, rank: int, restart_count: int):
         self.cfg, self.rank = cfg, rank
         self.armed = restart_count == 0
-        self.killed_by_save = False  # a save's writer will kill this rank (from a background thread when async)
+        self.killed_by_save = threading.Event()  # set while a save's writer is due to kill this rank (async: from its thread)
 
     def _hits(self, at_iteration: int, rank: int, iteration: int) -> bool:
         return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
@@ -135,10 +139,17 @@ class Faults(FaultHooks):
     def in_iteration(self, iteration: int) -> None:
         """Kill, signal or hang at the start of `iteration`, before its batch is read."""
         c = self.cfg
-        while self.killed_by_save:
+        if self.killed_by_save.is_set():
             # An async save's thread has yet to kill this rank: the main thread waits for it here, so
-            # the death falls in the iteration after the save however slowly the thread writes.
-            time.sleep(0.1)
+            # the death falls in the iteration after the save however slowly the thread writes. The
+            # writer clears the event if its write fails first; the bound keeps a save that never
+            # reaches the writer (a peer's failure) from hanging the rank.
+            deadline = time.monotonic() + SAVE_KILL_WAIT_S
+            while self.killed_by_save.is_set() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self.killed_by_save.is_set():
+                _announce(f"rank {self.rank} was not killed by its save within {SAVE_KILL_WAIT_S} s; training on")
+            self.killed_by_save.clear()
         if self._killed(iteration) and not (c.kill_during_save or c.kill_during_step or c.kill_after_step or c.kill_during_eval):
             _kill(self.rank, f"in iteration {iteration}")
         if self._hits(c.kill_again_at_iteration, c.kill_again_rank, iteration):
@@ -155,7 +166,8 @@ class Faults(FaultHooks):
         """A DCP writer that fails as configured in the save of `iteration`; None for DCP's own."""
         c = self.cfg
         if self._killed(iteration) and c.kill_during_save:
-            action, self.killed_by_save = "kill", True
+            action = "kill"
+            self.killed_by_save.set()
         elif self._hits(c.disk_full_at_iteration, c.disk_full_rank, iteration):
             action = "disk_full"
         elif self._hits(c.signal_at_iteration, c.signal_rank, iteration):
@@ -164,4 +176,4 @@ class Faults(FaultHooks):
             return None
         from dtgpt.faults.faulty_writer import FaultyWriter  # here: dtgpt.checkpoint imports this module
 
-        return FaultyWriter(directory, action=action, rank=self.rank, iteration=iteration)
+        return FaultyWriter(directory, action=action, rank=self.rank, iteration=iteration, failed=self.killed_by_save.clear)

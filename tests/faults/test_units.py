@@ -22,6 +22,7 @@ from dtgpt.data.gpt_dataset import GPTDataset
 from dtgpt.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, check_token_ids
 from dtgpt.data.loader import build_data_loader
 from dtgpt.faults.signals import SignalFlag, signal_handler_enabled
+from dtgpt.checkpoint.integrity import ChecksummingWriter
 from dtgpt.faults.faulty_writer import FaultyWriter
 from dtgpt.faults.injection import NO_FAULTS, Faults, build_faults
 from tests.checkpoints import checkpointer, make_trainer, step
@@ -72,16 +73,23 @@ def test_faults_fire_once_on_the_chosen_rank_and_iteration(tmp_path):
     Faults(FaultsConfig(kill_at_iteration=4, kill_during_step=True), rank=0, restart_count=0).in_iteration(4)  # nor here
 
 
-def test_after_a_killing_save_the_next_iteration_waits_for_the_kill(tmp_path):
+def test_after_a_killing_save_the_next_iteration_waits_for_the_kill(tmp_path, monkeypatch):
     """An async save's writer kills the rank from a background thread: the main thread must not
-    train on meanwhile, or where the death falls would depend on how fast the machine writes."""
+    train on meanwhile, or where the death falls would depend on how fast the machine writes. A
+    write that fails before the kill releases it (the rank lives on), rather than hanging it."""
     faults = Faults(FaultsConfig(kill_at_iteration=4, kill_during_save=True), rank=0, restart_count=0)
-    faults.storage_writer(tmp_path, 4)
+    writer = faults.storage_writer(tmp_path, 4)
     main = threading.Thread(target=faults.in_iteration, args=(5,), daemon=True)
     main.start()
     main.join(timeout=0.5)
-    assert main.is_alive()  # still waiting: only the kill (here: lifting the flag) ends it
-    faults.killed_by_save = False
+    assert main.is_alive()  # still waiting: only the kill, or a failed write, ends it
+
+    def full_disk(self, plan, planner):
+        raise OSError("no space left")
+
+    monkeypatch.setattr(ChecksummingWriter, "write_data", full_disk)
+    with pytest.raises(OSError, match="no space left"):
+        writer.write_data(None, None)
     main.join(timeout=60)
     assert not main.is_alive()
 
