@@ -1,11 +1,15 @@
 """Count the collectives of one training iteration per rank, for several layouts in one launch.
 
-    torchrun --nproc-per-node N tests/comm_counts.py LAYOUT[,LAYOUT...] --micro 1,4 --out counts.json
+    torchrun --nproc-per-node N tests/comm_counts.py LAYOUT[,LAYOUT...] --micro 1,2 --out counts.json
     torchrun --nproc-per-node 8 tests/comm_counts.py twin --config configs/gpt3_175b_twin.toml --out counts.json
 
-Each layout's model is built in turn on the same process group through the library API, trained
-for one untimed iteration (pipeline stages infer their shapes on the first), then profiled for
-one more. Rank r writes {"counts": {layout: {micro: {kind: [count, bytes]}}}, "large_fp32":
+Each layout's model is built in turn on the same process group through the library API and one
+iteration profiled: the first, whose collectives are those of any later one (measured: the counts
+and bytes of the first and second were equal on every layout, an MoE's all-to-all bytes summed
+over the ranks, as each rank's follow its routing), except under a pipeline, whose first
+iteration also infers the stages' shapes: a pipeline trains one untimed iteration, then is
+profiled for one more. --micro counts micro-batches per rank, times pp under a pipeline. Rank r
+writes {"counts": {layout: {micro: {kind: [count, bytes]}}}, "large_fp32":
 {layout: {micro: [[op, elements], ...]}}} to OUT with '.r' appended: the second lists every fp32
 collective of LARGE elements or more other than FSDP's gradient reduce-scatters.
 
@@ -279,12 +283,14 @@ def rank_batch(cfg, model, n_micro: int, vocab: int) -> torch.Tensor | None:
 
 
 def count_layout(cfg, runtime, n_micro: int, vocab: int) -> tuple[dict[str, list[int]], list]:
-    """Build cfg's model on the runtime's ranks, train one iteration, count the next (cfg's global
-    batch makes n_micro micro-batches per data-parallel rank)."""
+    """Build cfg's model on the runtime's ranks and count its first iteration (a pipeline's
+    second: its first infers the stages' shapes); cfg's global batch makes n_micro micro-batches
+    per data-parallel rank."""
     model = dtgpt.build_model(cfg, runtime, vocab_size=vocab)
     state = dtgpt.build_train_state(cfg, model)
     batch = rank_batch(cfg, model, n_micro, vocab)
-    dtgpt.train_step(cfg, state, batch)
+    if model.dims.pp > 1:
+        dtgpt.train_step(cfg, state, batch)
     return profile_iteration(cfg, state, batch)
 
 
@@ -300,15 +306,15 @@ def count_config_file(path: str, overrides: list[str]) -> tuple:
 
 
 def micro_counts(name: str, spec: str) -> list[int]:
-    """The micro-batch counts asked for; a pipeline schedule needs at least pp of them."""
+    """The micro-batch counts asked for, per pipeline stage: a schedule needs at least pp of them."""
     pp = LAYOUTS[split_name(name)[0]].get("pipeline_model_parallel_size", 1)
-    return [max(int(m), pp) for m in spec.split(",")]
+    return [int(m) * pp for m in spec.split(",")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("layouts")
-    parser.add_argument("--micro", default="1,4")
+    parser.add_argument("--micro", default="1,2")
     parser.add_argument("--out", required=True)
     parser.add_argument("--config", help="count this config file's layout instead; the positional argument names it")
     args, overrides = parser.parse_known_args()
