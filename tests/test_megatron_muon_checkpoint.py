@@ -22,7 +22,8 @@ from dtgpt.checkpoint import Checkpointer, layout
 from dtgpt.checkpoint.export import read_sections
 from dtgpt.checkpoint.megatron import find
 from dtgpt.checkpoint.megatron.keys import full_model_shapes, half_of, megatron_name
-from dtgpt.checkpoint.megatron.load import MOMENTS, MOMENTUM, state_slots
+from dtgpt.checkpoint.megatron.keys import MOMENTS, MOMENTUM
+from dtgpt.checkpoint.megatron.load import state_slots
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import load_config
 from dtgpt.faults.injection import build_faults

@@ -21,6 +21,10 @@ from dtgpt.model import GPT
 
 OPTIMIZER_PREFIX = "optimizer.state."
 """Megatron's model-space optimizer state: `optimizer.state.<slot>.<model key>`, shaped as the model key."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's slots (megatron-core's and torch's AdamW name them alike)."""
+MOMENTUM = "momentum_buffer"
+"""Muon's slot (megatron-core's TensorParallelMuon and dtgpt's MuonWithAdamW name it alike)."""
 
 GLOBAL_KEYS = {
     "embedding.word.weight": "embedding.word_embeddings.weight",

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 
 from dtgpt.checkpoint.megatron.formats import progress_of
-from dtgpt.checkpoint.megatron.keys import dtgpt_names, full_model_shapes, is_buffer, megatron_name
+from dtgpt.checkpoint.megatron.keys import MOMENTS, MOMENTUM, dtgpt_names, full_model_shapes, is_buffer, megatron_name
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig
 from dtgpt.model import GPT
@@ -65,9 +65,6 @@ from dtgpt.muon import is_muon_matrix
 from dtgpt.parallel.regions import local_region
 from dtgpt.state import FLAT_OPTIM, TrainState, tied_source
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MOMENTUM = "momentum_buffer"
-"""Muon's slot (megatron-core's TensorParallelMuon and dtgpt's MuonWithAdamW name it alike)."""
 MASTER_SLOTS = ("fp32_param", "param")
 """Megatron's names for the master weights: Float16Optimizer and fully_sharded_model_space say
 fp32_param, the distributed optimizer's fully_reshardable says param."""

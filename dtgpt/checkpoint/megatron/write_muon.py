@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import torch
 
+from dtgpt.checkpoint.megatron.keys import MOMENTS, MOMENTUM
 from dtgpt.config import OptimizerConfig
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 
-MUON_SLOTS = ("momentum_buffer",)
-ADAM_SLOTS = ("exp_avg", "exp_avg_sq")
 
 
 def muon_sources(name: str, stored: set[str], bf16: bool) -> dict[str, str]:
     """Megatron optimizer slot -> the dtgpt checkpoint key it is written from, for parameter
     `name` of a Muon run whose checkpoint holds the keys `stored`."""
-    muon = f"optimizer.state.{name}.momentum_buffer" in stored
-    sources = {slot: f"optimizer.state.{name}.{slot}" for slot in (MUON_SLOTS if muon else ADAM_SLOTS)}
+    muon = f"optimizer.state.{name}.{MOMENTUM}" in stored
+    sources = {slot: f"optimizer.state.{name}.{slot}" for slot in ((MOMENTUM,) if muon else MOMENTS)}
     return sources | ({"fp32_param": f"model.{name}"} if bf16 else {})
 
 
