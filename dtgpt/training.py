@@ -276,7 +276,7 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         state = builder.build_state()
         # A replacement's state comes from its replica twin, in the survivors' order of collectives.
         joined = join(state, runtime) if runtime.replacement else None
-        faults = build_faults(cfg.faults, runtime.rank, runtime.restart_count + runtime.replacement)
+        faults = build_faults(cfg.faults, runtime.rank, runtime.restart_count + runtime.replacement, runtime.store)
         checkpointer = build_checkpointer(cfg, runtime, state, faults, joining=joined is not None)
         progress = state.progress  # a resumed run starts from the checkpoint's counts
         progress.consumed_valid_samples = resumed_valid_samples(cfg, progress)

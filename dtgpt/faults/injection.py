@@ -58,9 +58,10 @@ class FaultHooks:
 NO_FAULTS = FaultHooks()
 
 
-def build_faults(cfg: FaultsConfig, rank: int, restart_count: int) -> FaultHooks:
-    """The hooks of `[faults]` for this rank: NO_FAULTS when the section is left at its defaults."""
-    return NO_FAULTS if cfg == FaultsConfig() else Faults(cfg, rank, restart_count)
+def build_faults(cfg: FaultsConfig, rank: int, restart_count: int, store=None) -> FaultHooks:
+    """The hooks of `[faults]` for this rank: NO_FAULTS when the section is left at its defaults.
+    `store`: this attempt's (Runtime.store), where ranks killed together meet first."""
+    return NO_FAULTS if cfg == FaultsConfig() else Faults(cfg, rank, restart_count, store)
 
 
 @contextlib.contextmanager
@@ -78,18 +79,18 @@ def _non_finite_outputs(modules: list) -> contextlib.AbstractContextManager:
     return _hooks_held([m.register_forward_hook(lambda _m, _args, out: out * float("nan")) for m in modules])
 
 
-def _killed_in_step(optimizers: list, rank: int, iteration: int) -> contextlib.AbstractContextManager:
-    """SIGKILL once the first of `optimizers` has stepped: parameters changed, the iteration unrecorded."""
-    kill = lambda *_: _kill(rank, f"inside the optimizer step of iteration {iteration}")  # noqa: E731
+def _killed_in_step(optimizers: list, die, iteration: int) -> contextlib.AbstractContextManager:
+    """`die` once the first of `optimizers` has stepped: parameters changed, the iteration unrecorded."""
+    kill = lambda *_: die(f"inside the optimizer step of iteration {iteration}")  # noqa: E731
     return _hooks_held([optimizer.register_step_post_hook(kill) for optimizer in optimizers])
 
 
-def _kill_in_evaluation(modules: list, rank: int, iteration: int) -> None:
-    """SIGKILL at the first forward in eval mode (the evaluation after `iteration`)."""
+def _kill_in_evaluation(modules: list, die, iteration: int) -> None:
+    """`die` at the first forward in eval mode (the evaluation after `iteration`)."""
 
     def kill(module, _args):
         if not module.training:
-            _kill(rank, f"in the evaluation after iteration {iteration}")
+            die(f"in the evaluation after iteration {iteration}")
 
     for module in modules:
         module.register_forward_pre_hook(kill)
@@ -108,13 +109,29 @@ def _raising(modules: list, iteration: int) -> contextlib.AbstractContextManager
 class Faults(FaultHooks):
     """The faults of `cfg` that apply to this rank, on this attempt."""
 
-    def __init__(self, cfg: FaultsConfig, rank: int, restart_count: int):
-        self.cfg, self.rank = cfg, rank
+    def __init__(self, cfg: FaultsConfig, rank: int, restart_count: int, store=None):
+        self.cfg, self.rank, self.store = cfg, rank, store
         self.armed = restart_count == 0
         self.killed_by_save = threading.Event()  # set while a save's writer is due to kill this rank (async: from its thread)
 
     def _hits(self, at_iteration: int, rank: int, iteration: int) -> bool:
         return self.armed and at_iteration > 0 and at_iteration == iteration and rank == self.rank
+
+    def _die(self, where: str) -> None:
+        """SIGKILL this rank as kill_at_iteration says, once every rank it kills is here too."""
+        self._meet(f"dtgpt/faults/killed/{self.cfg.kill_at_iteration}")
+        _kill(self.rank, where)
+
+    def _meet(self, key: str) -> None:
+        """A store barrier of the ranks one fault kills together (kill_rank and kill_also_ranks):
+        they then die within milliseconds of each other, whatever the machine's load, so the
+        launcher sees one event (its settle time is 1 s) and the survivors recover once."""
+        together = {self.cfg.kill_rank, *self.cfg.kill_also_ranks}
+        if len(together) < 2 or self.store is None:
+            return
+        if self.store.add(key, 1) == len(together):
+            self.store.set(f"{key}/met", "1")
+        self.store.wait([f"{key}/met"])
 
     def _killed(self, iteration: int) -> bool:
         c = self.cfg
@@ -129,12 +146,12 @@ class Faults(FaultHooks):
         c = self.cfg
         in_step = optimizers[:1] if self._killed(iteration) and c.kill_during_step else []
         raising = model_parts[:1] if c.raise_at_iteration and iteration >= c.raise_at_iteration and self.rank == c.raise_rank else []
-        with _non_finite_outputs(poisoned), _killed_in_step(in_step, self.rank, iteration), _raising(raising, iteration):
+        with _non_finite_outputs(poisoned), _killed_in_step(in_step, self._die, iteration), _raising(raising, iteration):
             yield
         if self._killed(iteration) and c.kill_after_step:
-            _kill(self.rank, f"after the step of iteration {iteration}")
+            self._die(f"after the step of iteration {iteration}")
         if self._killed(iteration) and c.kill_during_eval:
-            _kill_in_evaluation(model_parts[:1], self.rank, iteration)
+            _kill_in_evaluation(model_parts[:1], self._die, iteration)
 
     def in_iteration(self, iteration: int) -> None:
         """Kill, signal or hang at the start of `iteration`, before its batch is read."""
@@ -151,7 +168,7 @@ class Faults(FaultHooks):
                 _announce(f"rank {self.rank} was not killed by its save within {SAVE_KILL_WAIT_S} s; training on")
             self.killed_by_save.clear()
         if self._killed(iteration) and not (c.kill_during_save or c.kill_during_step or c.kill_after_step or c.kill_during_eval):
-            _kill(self.rank, f"in iteration {iteration}")
+            self._die(f"in iteration {iteration}")
         if self._hits(c.kill_again_at_iteration, c.kill_again_rank, iteration):
             _kill(self.rank, f"in iteration {iteration}")
         if self._hits(c.signal_at_iteration, c.signal_rank, iteration):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,27 @@ def test_fault_hooks_are_no_ops_unless_faults_are_set_and_nan_poisons_only_its_i
             y = model(x)
         assert bool(torch.isfinite(y).all()) == finite, iteration
     assert torch.isfinite(model(x)).all()  # the hook is gone after its iteration
+
+
+def test_ranks_killed_together_meet_at_a_store_barrier_before_dying(monkeypatch):
+    """kill_rank and kill_also_ranks die only once all of them reached the kill, so the launcher
+    sees one event however far apart the machine's load puts their arrivals (SETTLE_S is 1 s)."""
+    from dtgpt.faults import injection
+
+    killed: list[int] = []
+    monkeypatch.setattr(injection, "_kill", lambda rank, where: killed.append(rank))
+    store = torch.distributed.HashStore()
+    cfg = FaultsConfig(kill_at_iteration=10, kill_rank=2, kill_also_ranks=[3])
+    first = threading.Thread(target=Faults(cfg, rank=2, restart_count=0, store=store).in_iteration, args=(10,))
+    first.start()
+    store.wait(["dtgpt/faults/killed/10"], timedelta(seconds=60))  # rank 2 has arrived...
+    assert killed == []  # ...and waits for rank 3
+    Faults(cfg, rank=3, restart_count=0, store=store).in_iteration(10)
+    first.join(timeout=60)
+    assert not first.is_alive() and sorted(killed) == [2, 3]
+    alone = torch.distributed.HashStore()  # one rank killed: it waits for nobody
+    Faults(FaultsConfig(kill_at_iteration=10, kill_rank=1), rank=1, restart_count=0, store=alone).in_iteration(10)
+    assert killed[-1] == 1 and not alone.check(["dtgpt/faults/killed/10"])
 
 
 def test_fault_ranks_are_validated():
