@@ -133,6 +133,34 @@ def metrics_json_line(record: Mapping[str, Any], times: Optional[Mapping[str, tu
     return json.dumps(line, allow_nan=False)
 
 
+def last_recorded_iteration(path: str) -> int:
+    """The iteration of the last record in the metrics file at `path` (0: none). Reads the tail
+    only (a long run's file is large), widening it until it holds the last whole line."""
+    try:
+        with open(path, "rb") as f:
+            size, window = f.seek(0, os.SEEK_END), 1 << 16
+            while True:
+                f.seek(max(0, size - window))
+                lines = f.read().rstrip(b"\n").split(b"\n")
+                if len(lines) > 1 or window >= size:
+                    break
+                window *= 2
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):  # the last whole record: a death mid-write may have cut the last line short
+        try:
+            return int(json.loads(line)["iteration"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+def _checked(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record, its keys checked, its values plain JSON."""
+    check_record(record)
+    return {k: _json_value(v) for k, v in record.items()}
+
+
 def check_record(record: Mapping[str, Any]) -> None:
     """Reject a record with a missing or misspelled key now, not as a silently empty chart."""
     missing = [k for k in RECORD_KEYS if k not in record]
@@ -213,14 +241,19 @@ class MetricsLogger:
         self.cfg = cfg
         self.total_iters = total_iters
         self.active = is_logging_rank
+        # Kept on every rank: the timers' reduction needs the count everywhere, and a replacement of
+        # the logging rank goes on from its twin's (`take_over`).
         self._interval: list[dict[str, Any]] = []
-        self._interval_iters = 0  # counted on every rank: the timers' reduction needs it everywhere
+        self._interval_iters = 0
         # Counts at the end of the last printed interval: those the run started with (a resumed
         # run's records carry the checkpoint's cumulative counts).
         self._skipped_before = skipped_before
         self._nan_before = nan_before
         self._file = None
         self.writer = None
+        self.kept: Optional[dict[str, Any]] = None
+        """The logger before the last record, and that record: what a replacement's logger
+        takes over (`take_over`); None before the first."""
         if not self.active:
             return
         if cfg.metrics_file:
@@ -240,7 +273,11 @@ class MetricsLogger:
         """Record one iteration. When iteration % log_interval == 0, print the averaged line and,
         with `timers`, their per-iteration (min, max) over ranks, also written to TensorBoard as
         `<phase>-time` and to the metrics file. Call it on every rank: closing an interval reduces
-        the timers over ranks."""
+        the timers over ranks, and every rank keeps the interval (`kept`)."""
+        self.kept = {
+            "record": dict(record), "interval": list(self._interval), "interval_iters": self._interval_iters,
+            "skipped_before": self._skipped_before, "nan_before": self._nan_before,
+        }  # fmt: skip
         self._interval_iters += 1
         closes = record["iteration"] % self.cfg.log_interval == 0
         try:
@@ -248,29 +285,47 @@ class MetricsLogger:
         except Exception:
             # A peer died in the reduction after this iteration completed: last words save it and a
             # restart resumes after it, so its record is written here (without the times) or never.
-            self._write_record(record, {})
+            if self._file is not None:
+                self._write_line(_checked(record), {})
             raise
+        self._add(record, times, write=self.active)
+
+    def take_over(self, kept: Optional[Mapping[str, Any]]) -> None:
+        """A replacement's logger goes on from its replica twin's `kept` (handed over with the train
+        state, docs/faults.md): the same open interval and counts, then the twin's last record,
+        also written here when the metrics file lacks it (the logging rank died after that
+        iteration's step, before its line). The file is the witness: a record it holds is not
+        written twice, and without a metrics file none is written."""
+        if kept is None:
+            return
+        self._interval, self._interval_iters = list(kept["interval"]), kept["interval_iters"] + 1
+        self._skipped_before, self._nan_before = kept["skipped_before"], kept["nan_before"]
+        record = kept["record"]
+        missing = self._file is not None and last_recorded_iteration(self.cfg.metrics_file) < record["iteration"]
+        self._add(record, {}, write=self.active and missing)
+
+    def _add(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]], write: bool) -> None:
+        """Count the record into the interval (on every rank), write it where `write` (file and
+        TensorBoard), and close the interval at log_interval (the line printed where `write`)."""
+        closes = record["iteration"] % self.cfg.log_interval == 0
         if closes:
             self._interval_iters = 0
-        record = self._write_record(record, times)
-        if record is None:
-            return
-        if self.writer is not None:
-            self._write_scalars(record, times)
+        record = _checked(record)
+        if write:
+            self._write_line(record, times)
+            if self.writer is not None:
+                self._write_scalars(record, times)
         self._interval.append(record)
         if closes:
-            self._print_interval(record["iteration"], times)
+            if write:
+                self._print_interval(record["iteration"], times)
+            self._skipped_before, self._nan_before = record["skipped"], record["nan"]
+            self._interval = []
 
-    def _write_record(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]]) -> dict | None:
-        """The record checked and written to the metrics file (None off the logging rank)."""
-        if not self.active:
-            return None
-        check_record(record)
-        record = {k: _json_value(v) for k, v in record.items()}
+    def _write_line(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]]) -> None:
         if self._file is not None:
             self._file.write(metrics_json_line(record, times) + "\n")
             self._file.flush()
-        return record
 
     def _write_scalars(self, record: Mapping[str, Any], times: Mapping[str, tuple[float, float]]) -> None:
         step = record["iteration"]
@@ -293,9 +348,6 @@ class MetricsLogger:
         print(format_log_line(iteration=iteration, train_iters=self.total_iters, **summary), flush=True)
         if times:
             print(format_times(times), flush=True)
-        self._skipped_before = self._interval[-1]["skipped"]
-        self._nan_before = self._interval[-1]["nan"]
-        self._interval = []
 
     def log_eval(
         self, iteration: int, split_name: str, loss: float, consumed_samples: Optional[int] = None

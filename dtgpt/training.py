@@ -207,7 +207,7 @@ def train(
                     batch = next(train_iter)
                 result = train_step(cfg, state, batch)
             if getattr(last_words, "pending", None) is not None:  # recovered in-process: redo the iteration
-                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer)
+                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer, metrics)
                 guard = IterationGuard(phase, faults, last_words, state)
                 continue
             elapsed = time.perf_counter() - start
@@ -226,7 +226,7 @@ def train(
                 check_weight_hash(state.model, cfg.training.check_weight_hash_across_dp_replicas_interval, progress.iteration)
                 stop = exits.reason(progress.iteration)
             if getattr(last_words, "pending", None) is not None:  # the next iteration starts afresh
-                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer)
+                train_iter, valid_iter, last_words = _recovered(last_words, state, builder, checkpointer, metrics)
                 guard = IterationGuard(phase, faults, last_words, state)
                 continue
             if checkpointer is not None and (stop or checkpointer.due(progress.iteration)):
@@ -248,11 +248,11 @@ def train(
     return reason
 
 
-def _recovered(watch, state: TrainState, builder: Builder, checkpointer) -> tuple:
+def _recovered(watch, state: TrainState, builder: Builder, checkpointer, metrics: MetricsLogger) -> tuple:
     """Carry out the in-process recovery `watch` decided; (train iterator, validation iterator, new watch)."""
     pending, watch.pending = watch.pending, None
     watch.close()
-    train_iter, valid_iter = recover(pending, state, builder, checkpointer)
+    train_iter, valid_iter = recover(pending, state, builder, checkpointer, metrics.kept)
     return train_iter, valid_iter, build_failure_watch(builder.cfg, builder.runtime, state, checkpointer, after=watch)
 
 
@@ -295,6 +295,8 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
             # a restarted attempt or a replacement continues the file
             resumed=progress.iteration > 0 or runtime.restart_count > 0 or runtime.replacement > 0,
         )  # fmt: skip
+        if joined is not None:  # its twin's last record: written here if the logging rank died before it was
+            metrics.take_over(joined["metrics"])
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
         exits = ExitConditions(cfg.checkpoint, runtime.device, announce=runtime.is_main)
         try:

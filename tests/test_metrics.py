@@ -15,6 +15,7 @@ from dtgpt.metrics import (
     DEVICE_PEAK_TFLOPS,
     METRICS_KEYS,
     MetricsLogger,
+    last_recorded_iteration,
     lookup_peak_tflops,
     memory_stats,
     peak_tflops,
@@ -324,3 +325,47 @@ def test_a_failed_timers_reduction_still_records_the_iteration(tmp_path):
     logger.close()
     (line,) = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert line["iteration"] == 4 and "timers_ms" not in line
+
+
+def test_a_replacement_of_the_logging_rank_writes_its_twins_last_record_once(tmp_path, capsys):
+    """In-process recovery hands a replacement its twin's `kept`: the last iteration's record and
+    the open interval. The logging rank died after the step of iteration 3, before its line: the
+    replacement writes it (file and log line); had it died after the line, nothing is written
+    twice. Either way the file and the next line equal an uninterrupted logger's."""
+    losses = {1: 1.0, 2: 2.0, 3: 3.0, 4: 5.0}
+    reference = MetricsLogger(LoggingConfig(log_interval=2, metrics_file=str(tmp_path / "ref.jsonl")), 4, True)
+    for it, loss in losses.items():
+        reference.log(_record(it, loss=loss))
+    reference.close()
+    want_line = capsys.readouterr().out.splitlines()[-1]
+    cfg = LoggingConfig(log_interval=2, metrics_file=str(tmp_path / "m.jsonl"))
+    logging_rank, twin = MetricsLogger(cfg, 4, True), MetricsLogger(cfg, 4, False)
+    for it in (1, 2, 3):
+        twin.log(_record(it, loss=losses[it]))
+        if it < 3:
+            logging_rank.log(_record(it, loss=losses[it]))
+    logging_rank.close()  # killed after the step of 3
+    replacement = MetricsLogger(cfg, 4, True, resumed=True)
+    replacement.take_over(twin.kept)
+    assert last_recorded_iteration(cfg.metrics_file) == 3
+    again = MetricsLogger(cfg, 4, True, resumed=True)  # the same replacement, had the line been written
+    again.take_over(twin.kept)
+    again.close()
+    replacement.log(_record(4, loss=losses[4]))
+    replacement.close()
+    assert (tmp_path / "m.jsonl").read_text() == (tmp_path / "ref.jsonl").read_text()
+    got_line = capsys.readouterr().out.splitlines()[-1]
+    assert "iteration        4/       4" in got_line and _field(got_line, "lm loss") == _field(want_line, "lm loss")
+    MetricsLogger(cfg, 4, True, resumed=True).take_over(None)  # a death before any record: nothing to write
+
+
+def test_the_last_recorded_iteration_is_read_from_the_files_tail(tmp_path):
+    path = tmp_path / "m.jsonl"
+    assert last_recorded_iteration(str(path)) == 0  # no file yet
+    path.write_text("")
+    assert last_recorded_iteration(str(path)) == 0
+    long = json.dumps({"iteration": 7, "tokens_per_expert": [[1] * 1000] * 60})  # a line past the first window
+    path.write_text(json.dumps({"iteration": 6}) + "\n" + long + "\n")
+    assert last_recorded_iteration(str(path)) == 7
+    path.write_text(json.dumps({"iteration": 6}) + "\n" + '{"iteration": 7, "lo')  # cut short by a death
+    assert last_recorded_iteration(str(path)) == 6

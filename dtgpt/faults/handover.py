@@ -9,8 +9,10 @@ model the same way:
 - per model part, per parameter in its optimizer's order: the parameter's local shard, then its
   optimizer state (AdamW: step, exp_avg, exp_avg_sq) by key;
 - per model part, its buffers' local values;
-- as objects: progress, LR schedule, loss scale, run health and the RNG states at the start of
-  the iteration to be redone.
+- as objects: progress, LR schedule, loss scale, run health, the RNG states at the start of
+  the iteration to be redone, and the metrics logger's `kept` (the last iteration's record and
+  the open log interval): a replacement of the logging rank writes that record when the logging
+  rank died before it did (docs/faults.md, "The record of the last iteration").
 
 The optimizer's parameters are FSDP's sharded ones, never the unsharded copies that a forward
 interrupted mid-way left on the modules; they did not change in the interrupted iteration (the
@@ -119,27 +121,28 @@ def broadcast_tensors(tensors_: list[torch.Tensor], src: int, group: dist.Proces
 def hand_over(state: TrainState, twins: list[int], newcomers: set[int], own: dict | None) -> dict:
     """Collective over the new world: fill `state` (rebuilt on the new mesh) and return the
     scalars and RNG states this rank resumes with. `twins`: this rank's replica-twin group
-    (global ranks); `own`: a survivor's {"tensors", "layout", "scalars", "rng"} from its old
-    objects, None on a replacement. The first survivor of a group with a newcomer sends."""
+    (global ranks); `own`: a survivor's {"tensors", "layout", "scalars", "rng", "metrics"} from
+    its old objects, None on a replacement. The first survivor of a group with a newcomer sends."""
     if own is not None:
         allocate(state, own["layout"])
         copy_tensors(own["tensors"], tensors(state))
     if not newcomers & set(twins):
-        return {"scalars": own["scalars"], "rng": own["rng"]}
+        return {"scalars": own["scalars"], "rng": own["rng"], "metrics": own["metrics"]}
     source = min(r for r in twins if r not in newcomers)
     group = state.model.dims.sub("dp_replicate").get_group()
-    box = [{"layout": own["layout"], "scalars": own["scalars"], "rng": own["rng"]} if own is not None else None]
+    box = [{key: own[key] for key in ("layout", "scalars", "rng", "metrics")} if own is not None else None]
     dist.broadcast_object_list(box, src=source, group=group)
     received = box[0]
     if own is None:
         allocate(state, received["layout"])
     broadcast_tensors(tensors(state), source, group, state.model.device)
-    return {"scalars": received["scalars"], "rng": received["rng"]}
+    return {"scalars": received["scalars"], "rng": received["rng"], "metrics": received["metrics"]}
 
 
-def keep(state: TrainState, rng: dict) -> dict:
-    """A survivor's `own` for hand_over, from its old objects (read before their groups go).
-    Device tensors are copied to the host, so that the old objects can be freed before the new
-    ones are built: the device never holds two copies of the model and optimizer."""
+def keep(state: TrainState, rng: dict, metrics: dict | None) -> dict:
+    """A survivor's `own` for hand_over, from its old objects (read before their groups go);
+    `metrics`: its metrics logger's `kept`. Device tensors are copied to the host, so that the
+    old objects can be freed before the new ones are built: the device never holds two copies
+    of the model and optimizer."""
     kept = [t.detach().to("cpu", copy=True) if t.device.type != "cpu" else t.detach() for t in tensors(state)]
-    return {"tensors": kept, "layout": optimizer_layout(state), "scalars": scalars(state), "rng": rng}
+    return {"tensors": kept, "layout": optimizer_layout(state), "scalars": scalars(state), "rng": rng, "metrics": metrics}

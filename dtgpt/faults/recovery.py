@@ -24,8 +24,8 @@ The launcher respawns the dead worker alone, with the same rank and `DTGPT_REPLA
 4. **Hand over** (handover.py): survivors rebuild model and optimizer on the new mesh (FSDP,
    DTensor and pipeline stages hold the old groups) and copy their own shards in; the
    replacement, having built the same objects as at start-up, receives its shards, the optimizer
-   state, progress, LR schedule, loss scale and the RNG states from its twin over their
-   dp_replicate group.
+   state, progress, LR schedule, loss scale, the RNG states and the metrics logger's last record
+   and open interval from its twin over their dp_replicate group.
 5. **Redo** the interrupted iteration from its start: gradients are gone with the old objects,
    every rank rebuilds its data iterators at the consumed-samples count, and the RNG states are
    those at the iteration's start (snapshotted at each start: dp_replicate twins hold equal
@@ -318,9 +318,10 @@ def join(state: TrainState, runtime) -> dict:
     return received
 
 
-def recover(pending: Pending, state: TrainState, builder, checkpointer) -> tuple:
-    """A survivor, after `Recovery` decided: rejoin, rebuild, hand over; returns the train and
-    validation iterators at the start of the iteration to redo (RNG states set to its start)."""
+def recover(pending: Pending, state: TrainState, builder, checkpointer, metrics) -> tuple:
+    """A survivor, after `Recovery` decided: rejoin, rebuild, hand over (with `metrics`, the
+    logger's `kept`); returns the train and validation iterators at the start of the iteration
+    to redo (RNG states set to its start)."""
     from dtgpt.faults.handover import keep
     from dtgpt.state import set_rng_state
 
@@ -328,7 +329,7 @@ def recover(pending: Pending, state: TrainState, builder, checkpointer) -> tuple
     runtime = builder.runtime
     if checkpointer is not None:
         checkpointer.wait()  # a background save in flight ends first (it fails, or it completes)
-    own = keep(state, pending.rng)
+    own = keep(state, pending.rng, metrics)
     state.model = state.optimizer = None  # the old objects go (their groups are left): memory for the new ones
     gc.collect()
     if runtime.device.type == "cuda":

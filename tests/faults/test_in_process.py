@@ -209,8 +209,9 @@ def references(request, tmp_path_factory) -> dict[str, tuple[Finished, Path]]:
     return {name: (finished[name], root / name) for name in names}
 
 
-def records(path: Path) -> list[tuple[int, float]]:
-    return [(r["iteration"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
+def records(path: Path) -> list[tuple[int, float, float]]:
+    """(iteration, loss, gradient norm) of each line of a metrics file."""
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
 def final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -248,8 +249,8 @@ def test_sigkill_of_rank_3_is_recovered_in_process_bitwise(tmp_path, name, refer
     dead = [rank for ranks in replaced.values() for rank in ranks]
     assert all(len(pids[r]) == 1 + dead.count(r) for r in range(4)), pids  # the others kept their processes
     got, want = records(tmp_path / "killed" / "metrics.jsonl"), records(reference_dir / "metrics.jsonl")
-    assert [i for i, _ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
-    assert got == want  # bitwise: float equality of every loss
+    assert [i for i, *_ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
+    assert got == want  # bitwise: float equality of every loss and gradient norm
     weights, reference_weights = final_weights(tmp_path / "killed" / "ckpt"), final_weights(reference_dir / "ckpt")
     assert weights.keys() == reference_weights.keys()
     assert all(torch.equal(weights[k], reference_weights[k]) for k in weights)

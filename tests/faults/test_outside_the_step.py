@@ -26,21 +26,25 @@ from tests.runs import REPO, selected_cases
 pytestmark = pytest.mark.slow  # eight 2-rank jobs under dtgpt.run
 
 ITERS, AT, KILLED = 8, 4, 0  # rank 1, the logging rank, survives to record the iteration of the kill
+LOGGING_RANK = 1
 SAVE_INTERVAL = AT  # the async save of AT has the iterations up to the next save to die in
 REPLICAS = ["--parallel.data_parallel_replicate_size=2", "--parallel.data_parallel_shard_size=1"]
 KILL = [f"--faults.kill_at_iteration={AT}", f"--faults.kill_rank={KILLED}"]
 FALLBACK = "in-process recovery: none (a rank failed during the {}, which is not redone); last words follow"
-RECOVERED = "in-process recovery: rank(s) [0] replaced, the others kept their state; iteration {} is redone"
+RECOVERED = "in-process recovery: rank(s) [{}] replaced, the others kept their state; iteration {} is redone"
 LAST = [f"--faults.kill_at_iteration={ITERS}"]  # (a later setting overrides KILL's)
 PHASES = {  # name -> (its faults and settings, the line it prints (a regular expression), recovered in-process)
-    "stop-decision": (["--faults.kill_after_step=true"], re.escape(RECOVERED.format(AT + 1)), True),
+    "stop-decision": (["--faults.kill_after_step=true"], re.escape(RECOVERED.format(KILLED, AT + 1)), True),
+    # the logging rank, after the step of AT and before its line: its replacement writes AT's record, once
+    "logging-rank-after-step": (["--faults.kill_after_step=true", f"--faults.kill_rank={LOGGING_RANK}"],
+                                re.escape(RECOVERED.format(LOGGING_RANK, AT + 1)), True),  # fmt: skip
     "evaluation": (["--faults.kill_during_eval=true", "--eval.eval_iters=1", "--eval.eval_interval=2"],
                    re.escape(FALLBACK.format("evaluation")), False),  # fmt: skip
     "timers": (["--faults.kill_after_step=true", "--logging.timers_log_level=1"],
                re.escape(FALLBACK.format("timers' reduction")), False),  # fmt: skip
     "sync-save": (["--faults.kill_during_save=true"], re.escape(FALLBACK.format("checkpoint save")), False),
     "async-save": (["--faults.kill_during_save=true", "--checkpoint.async_save=true"],
-                   re.escape(RECOVERED.format(AT + 1)), True),  # fmt: skip
+                   re.escape(RECOVERED.format(KILLED, AT + 1)), True),  # fmt: skip
     # after the last iteration: the final save (no regular save falls on ITERS) and the final
     # validation (no regular evaluation falls on ITERS); the restart has nothing to train and does them
     "final-save": ([*LAST, "--faults.kill_during_save=true", f"--checkpoint.save_interval={ITERS - 1}"],
@@ -104,15 +108,18 @@ def jobs(request, tmp_path_factory) -> dict[str, tuple[int, str, dict[int, set[i
 def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, name):
     settings, line, in_process = PHASES[name]
     at = ITERS if LAST[0] in settings else AT
+    killed = LOGGING_RANK if f"--faults.kill_rank={LOGGING_RANK}" in settings else KILLED
     rc, log, pids, where = jobs[name]
     assert rc == 0, log[-6000:]
-    assert "fault: SIGKILL to rank 0" in log, log[-6000:]
+    assert f"fault: SIGKILL to rank {killed}" in log, log[-6000:]
     assert len(re.findall(line, log)) == 1, log[-6000:]
     assert log.count("in-process recovery: none") + log.count("is redone") == 1, log[-6000:]
     assert "Traceback" not in log, log[-6000:]  # the survivor leaves on the one line (and last words)
     if in_process:
         assert "last words" not in log and "loaded checkpoint" not in log, log[-6000:]
-        assert len(pids[1]) == 1 and len(pids[0]) == 2, pids  # the survivor kept its process
+        assert len(pids[1 - killed]) == 1 and len(pids[killed]) == 2, pids  # the survivor kept its process
+        printed = [len(re.findall(rf"\] iteration +{i}/ +{ITERS} \|", log)) for i in range(1, ITERS + 1)]
+        assert printed == [1] * ITERS, log[-6000:]  # each iteration's log line once, the killed logging rank's too
     else:
         # last words save the completed iteration, but not twice: the final save had it already
         said = f"iteration {at} is saved already" if name == "final-evaluation" else f"saved iteration {at} to"
@@ -122,8 +129,8 @@ def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, n
     reference_rc, reference_log, _, reference_dir = jobs["reference"]
     assert reference_rc == 0, reference_log[-6000:]
     got, want = records(where / "metrics.jsonl"), records(reference_dir / "metrics.jsonl")
-    assert [i for i, _ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
-    assert got == want  # bitwise
+    assert [i for i, *_ in got] == list(range(1, ITERS + 1))  # every iteration recorded once
+    assert got == want  # bitwise: loss and gradient norm
     if at == ITERS:  # the restart did what was interrupted: the final save is whole, the final validation logged once
         assert (where / "ckpt" / f"iter_{ITERS:07d}").is_dir() and "nothing to train" in log, log[-6000:]
         assert log.count(FINAL_VALIDATION) == ("--eval.eval_iters=1" in settings), log[-6000:]
