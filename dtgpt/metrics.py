@@ -298,6 +298,7 @@ class MetricsLogger:
         written twice, and without a metrics file none is written."""
         if kept is None:
             return
+        self.kept = dict(kept)  # what it hands over in turn, should its twin die before it logs
         self._interval, self._interval_iters = list(kept["interval"]), kept["interval_iters"] + 1
         self._skipped_before, self._nan_before = kept["skipped_before"], kept["nan_before"]
         record = kept["record"]

@@ -347,7 +347,7 @@ def test_a_replacement_of_the_logging_rank_writes_its_twins_last_record_once(tmp
     logging_rank.close()  # killed after the step of 3
     replacement = MetricsLogger(cfg, 4, True, resumed=True)
     replacement.take_over(twin.kept)
-    assert last_recorded_iteration(cfg.metrics_file) == 3
+    assert last_recorded_iteration(cfg.metrics_file) == 3 and replacement.kept == twin.kept  # (its own to hand over)
     again = MetricsLogger(cfg, 4, True, resumed=True)  # the same replacement, had the line been written
     again.take_over(twin.kept)
     again.close()

@@ -35,8 +35,10 @@ RECOVERED = "in-process recovery: rank(s) [{}] replaced, the others kept their s
 LAST = [f"--faults.kill_at_iteration={ITERS}"]  # (a later setting overrides KILL's)
 PHASES = {  # name -> (its faults and settings, the line it prints (a regular expression), recovered in-process)
     "stop-decision": (["--faults.kill_after_step=true"], re.escape(RECOVERED.format(KILLED, AT + 1)), True),
-    # the logging rank, after the step of AT and before its line: its replacement writes AT's record, once
-    "logging-rank-after-step": (["--faults.kill_after_step=true", f"--faults.kill_rank={LOGGING_RANK}"],
+    # the logging rank, after the step of AT and before its line: its replacement writes AT's record,
+    # once; then rank 0 in AT + 2, seconds later: a second recovery, the first replacement the source
+    "logging-rank-after-step": (["--faults.kill_after_step=true", f"--faults.kill_rank={LOGGING_RANK}",
+                                 f"--faults.kill_again_at_iteration={AT + 2}", f"--faults.kill_again_rank={KILLED}"],
                                 re.escape(RECOVERED.format(LOGGING_RANK, AT + 1)), True),  # fmt: skip
     "evaluation": (["--faults.kill_during_eval=true", "--eval.eval_iters=1", "--eval.eval_interval=2"],
                    re.escape(FALLBACK.format("evaluation")), False),  # fmt: skip
@@ -109,15 +111,17 @@ def test_a_death_outside_the_step_is_recovered_or_falls_back_in_one_line(jobs, n
     settings, line, in_process = PHASES[name]
     at = ITERS if LAST[0] in settings else AT
     killed = LOGGING_RANK if f"--faults.kill_rank={LOGGING_RANK}" in settings else KILLED
+    again = f"--faults.kill_again_at_iteration={AT + 2}" in settings  # a second death, after the first recovery
     rc, log, pids, where = jobs[name]
     assert rc == 0, log[-6000:]
     assert f"fault: SIGKILL to rank {killed}" in log, log[-6000:]
     assert len(re.findall(line, log)) == 1, log[-6000:]
-    assert log.count("in-process recovery: none") + log.count("is redone") == 1, log[-6000:]
+    assert log.count("in-process recovery: none") + log.count("is redone") == 1 + again, log[-6000:]
     assert "Traceback" not in log, log[-6000:]  # the survivor leaves on the one line (and last words)
     if in_process:
         assert "last words" not in log and "loaded checkpoint" not in log, log[-6000:]
-        assert len(pids[1 - killed]) == 1 and len(pids[killed]) == 2, pids  # the survivor kept its process
+        assert len(pids[1 - killed]) == 1 + again and len(pids[killed]) == 2, pids  # the survivor kept its process
+        assert not again or RECOVERED.format(KILLED, AT + 2) in log, log[-6000:]
         printed = [len(re.findall(rf"\] iteration +{i}/ +{ITERS} \|", log)) for i in range(1, ITERS + 1)]
         assert printed == [1] * ITERS, log[-6000:]  # each iteration's log line once, the killed logging rank's too
     else:
