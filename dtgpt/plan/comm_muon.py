@@ -107,7 +107,8 @@ def expert_units(c, stages: list[int]) -> list[PieceShape]:
     """Every expert matrix of the rank's MoE layers, as the step takes them: layer by layer,
     each stacked weight (fc1, fc2), expert by expert (E/ep a stack)."""
     shapes = comm_moe.expert_shapes(c)[:2]  # fc1, fc2 (not the biases)
-    return [PieceShape(rows, cols, False) for _ in range(comm_moe.moe_layers_held(c, stages)) for local, rows, cols in shapes for _ in range(local)]
+    layers = comm_moe.moe_layers_held(c, stages)
+    return [PieceShape(rows, cols, False) for _ in range(layers) for local, rows, cols in shapes for _ in range(local)]
 
 
 def experts_split(c) -> bool:
