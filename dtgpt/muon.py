@@ -28,9 +28,10 @@ all_to_all each way for all matrices (dtgpt/muon_owners.py). Over tp (alone, or 
 every tp rank gathers the whole matrix and orthogonalises it: Megatron's 'duplicated' mode. The
 result is the whole matrix's whatever the mesh. The momentum buffer is sharded as the parameter.
 The experts are sharded whole (over ep, or by FSDP without ep) except where FSDP splits each
-expert's rows (over efsdp under ep): there every rank gathers its ep rank's experts whole and
-orthogonalises them (megatron-core's layout: each expert-data-parallel rank holds and
-orthogonalises its ep rank's experts whole), and keeps its rows.
+expert's rows (over efsdp, or efsdp x tp where tp folds in, under ep): there each expert's
+matrix has an owner among those ranks, as the dense matrices do (megatron-core holds an ep rank's
+experts whole on each expert-data-parallel rank and orthogonalises them all there; the owners
+give the same matrices, each orthogonalised once).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.decoupled_lr import is_embedding_or_output
-from dtgpt.muon_owners import orthogonalise_owned, shard_mesh_dim
+from dtgpt.muon_owners import expert_rows_mesh_dim, orthogonalise_owned, orthogonalise_owned_experts, shard_mesh_dim
 
 MUON = "muon"
 """The param-group key that marks Muon's group (its matrices); the other groups step as AdamW."""
@@ -187,8 +188,7 @@ class MuonWithAdamW(torch.optim.AdamW):
                 buf.lerp_(p.grad, 1 - m)
                 updates[id(p)] = p.grad.lerp(buf, m) if self.muon.muon_nesterov else buf
             units = [p for p in group["params"] if id(p) in updates and id(p) not in self.gates]  # a gate steps with its fc1
-            for p in (p for p in units if p.ndim == 3):  # an MoE layer's experts, a matrix each
-                p.add_(self._orthogonal_experts(updates[id(p)]), alpha=-lr)
+            self._step_experts([p for p in units if p.ndim == 3], updates, lr)
             units = [p for p in units if p.ndim == 2]
             stacks = [self._stack(p) for p in units]
             owned = [i for i, p in enumerate(units) if shard_mesh_dim(updates[id(p)]) is not None]
@@ -225,18 +225,24 @@ class MuonWithAdamW(torch.optim.AdamW):
             orth = self._scaled(whole) if split is None else self._split_qkv(whole, split)
         return list(torch.split(orth, [f.size(0) for f in full]))
 
-    def _orthogonal_experts(self, u: torch.Tensor) -> torch.Tensor:
-        """The scaled orthogonal update of each expert's matrix in the stack u (E, rows, cols),
-        sharded as u: experts whole where they are split (Shard(0): ep, or FSDP without ep), each
-        expert's rows gathered where FSDP splits them (module doc)."""
+    def _step_experts(self, stacks: list[torch.Tensor], updates: dict, lr: float) -> None:
+        """MoE layers' experts, a matrix each: whole on their rank, each stack in one batched
+        iteration; where FSDP splits each expert's rows, each expert by its owner among those
+        ranks (dtgpt/muon_owners.py), the stacks of a mesh in one exchange (module doc)."""
+        split = [p for p in stacks if expert_rows_mesh_dim(updates[id(p)]) is not None]
+        for p in (p for p in stacks if expert_rows_mesh_dim(updates[id(p)]) is None):
+            u = updates[id(p)]
+            mine, u = (p.to_local(), u.to_local()) if isinstance(u, DTensor) else (p, u)  # whole experts: no communication
+            mine.add_(self._scaled_experts(u), alpha=-lr)
+        for mesh in dict.fromkeys(updates[id(p)].device_mesh for p in split):  # in one order on every rank
+            on_mesh = [p for p in split if updates[id(p)].device_mesh == mesh]
+            for p, orth in zip(on_mesh, orthogonalise_owned_experts([updates[id(p)] for p in on_mesh], self._scaled_experts)):
+                p.to_local().add_(orth, alpha=-lr)
+
+    def _scaled_experts(self, experts: torch.Tensor) -> torch.Tensor:
+        """_scaled of each whole matrix of the stack (E, rows, cols), in Muon's matmul precision."""
         with float32_matmul_precision(self.muon.muon_fp32_matmul_prec):
-            if not isinstance(u, DTensor):
-                return self._scaled(u)
-            mesh = u.device_mesh
-            whole_experts = [p if p.is_shard(0) else Replicate() for p in u.placements]
-            orth = self._scaled(u.redistribute(mesh, whole_experts).to_local())
-            whole = DTensor.from_local(orth, mesh, whole_experts, run_check=False, shape=u.shape, stride=u.stride())
-            return whole.redistribute(mesh, u.placements)  # this rank's rows: no communication
+            return self._scaled(experts)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         o = self.muon

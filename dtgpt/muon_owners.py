@@ -11,6 +11,12 @@ the shard ranks now split the matrices between them, balanced by size (`owners`)
 Rows travel padded to ceil(rows / shard ranks), as FSDP pads them (dtgpt.chunks), so that a message's size is
 the same on every rank. The data is only moved, never summed: the result is bitwise the one the
 full_tensor() path gives. The bytes are dtgpt.plan.comm_muon's formula.
+
+An MoE layer's experts under ep with FSDP over the expert-data-parallel ranks (efsdp, or efsdp x
+tp where tp folds in: one mesh dimension either way) are stacks (E/ep, rows, cols) whose every
+expert's rows FSDP splits (Shard(1)). Each expert's slice is a matrix with an owner among those
+ranks, chosen as above (`orthogonalise_owned_experts`): the same two all_to_alls for all the
+stacks of a mesh, and each owner runs one batched iteration per stack over the experts it owns.
 """
 
 from __future__ import annotations
@@ -59,6 +65,14 @@ def _shards(placement) -> bool:
     return not (placement.is_replicate() or placement.is_partial())
 
 
+def expert_rows_mesh_dim(u: torch.Tensor) -> int | None:
+    """The mesh dimension FSDP splits each expert's rows over in the stack `u` (E, rows, cols),
+    None where every expert is whole on its rank (ep alone, or FSDP over the expert axis)."""
+    if not isinstance(u, DTensor):
+        return None
+    return next((i for i, p in enumerate(u.placements) if p.is_shard(1)), None)
+
+
 def update_shard(u: DTensor) -> UpdateShard:
     names = u.device_mesh.mesh_dim_names
     tp = next((p for n, p in zip(names, u.placements) if n == "tp" and p.is_shard()), None)
@@ -96,6 +110,24 @@ def orthogonalise_owned(
         for k, (p, o) in enumerate(zip(x.pieces[i], orthogonalise(i, [wholes[i, k] for k in range(len(x.pieces[i]))]))):
             orth[i, k] = o.chunk(tp, dim=p.tp_dim)[tp_rank] if p.tp_dim is not None else o
     return x.back(orth)
+
+
+def orthogonalise_owned_experts(stacks: list[DTensor], orthogonalise: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """Each expert of the stacks (on one mesh, each expert's rows split over one of its
+    dimensions) orthogonalised by its owner: `orthogonalise(experts)` gives a stack of whole
+    matrices' orthogonal updates; returned: this rank's local rows of each stack's, as FSDP holds them."""
+    mesh, f = stacks[0].device_mesh, expert_rows_mesh_dim(stacks[0])
+    experts = [(s, e) for s, u in enumerate(stacks) for e in range(u.to_local().size(0))]
+    pieces = [[UpdateShard(stacks[s].to_local()[e], stacks[s].shape[1], None)] for s, e in experts]
+    owner = owners([matrix_key([(stacks[s].shape[1], stacks[s].shape[2], 1)]) for s, _ in experts], mesh.size(f))
+    x = _Exchange(pieces, owner, mesh.get_group(f), mesh.get_local_rank(f))
+    wholes, mine, orth = x.to_owners(), x.owned_by(x.me), {}
+    for s in range(len(stacks)):  # one batched iteration per stack, over the experts this rank owns
+        owned = [i for i in mine if experts[i][0] == s]
+        if owned:
+            orth.update({(i, 0): o for i, o in zip(owned, orthogonalise(torch.stack([wholes.pop((i, 0)) for i in owned])))})
+    local = [piece for [piece] in x.back(orth)]
+    return [torch.stack([local[i] for i, (t, _) in enumerate(experts) if t == s]) for s in range(len(stacks))]
 
 
 class _Exchange:

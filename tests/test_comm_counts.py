@@ -36,7 +36,7 @@ LAUNCHES = {
         "tp2_sp_full", "drop_tp2_full2", "mla_tp2_sp_up_mlp_ln", "moe_ep2_moe_act", "shared_tp2_sp_moe_act"],
     4: ["hsdp2x2", "dp2_tp2", "dp2_tp2_sp", "pp2_dp2", "pp2_tp2", "pp2_tp2_sp", "cp2_tp2_sp", "pp2_tp2_sp_bf16",
         "llama_cp2_tp2_sp", "moe_ep2", "moe_pp2_ep2", "moe_ep2_tp2_sp", "moe_dp2_tp2_sp",
-        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp", "muon_dp2", "muon_shared_ep2_tp2_sp"],
+        "mtp_pp2_tp2_sp", "mtp_moe_dp2_tp2_sp", "muon_dp2", "muon_shared_ep2_tp2_sp", "muon_moe_ep2"],
 }  # fmt: skip
 # Megatron's regime (issue: half the bytes on every link): in these, every collective of at least
 # LARGE elements moves the compute dtype, except FSDP's gradient reductions (fp32 by design).
@@ -130,19 +130,22 @@ def test_tp_sums_router_and_expert_grads_in_one_bucket(counted):
 def test_muon_moves_each_matrix_once(counted):
     """--optimizer muon under FSDP (dp 4, GPT with its learned position embedding; ep2 x tp2 + SP,
     the MoE with a shared expert: Llama's attention and SwiGLU's [gate; fc1] matrices sharded over
-    dp2 x tp2, as dp2 x tp2 + SP shards a dense Llama's): the optimizer step adds 2 all_to_alls
-    (the rows to their owner and back) and at most 1 all-gather of the dense matrices (the owner's
-    over tp), not one collective per matrix, besides 3 per MoE layer (its experts' fc1 and fc2 and
-    its router, each gathered whole); the bytes are the formula's (test_counts_equal_the_formula)."""
+    dp2 x tp2, as dp2 x tp2 + SP shards a dense Llama's; the MoE at dp 4 x ep2): the optimizer step
+    adds 2 all_to_alls (the rows to their owner and back) and at most 1 all-gather of the dense
+    matrices (the owner's over tp), not one collective per matrix; under ep 2 all_to_alls more
+    for every expert's rows (each expert's matrix has an owner among the ranks FSDP splits its
+    rows over: efsdp 2, or efsdp 1 x tp 2), and where tp folds in 1 all-gather per MoE layer of
+    its router whole; the bytes are the formula's (test_counts_equal_the_formula)."""
     world, ranks = counted
     if world != 4:
         pytest.skip("the Muon layouts under FSDP run in the 4-rank launch")
-    for name, gathers in (("muon_shared_ep2_tp2_sp", 1 + 3 * MODEL["num_layers"]), ("muon_dp2", 0)):
+    layers = MODEL["num_layers"]
+    for name, all_to_alls, gathers in (("muon_shared_ep2_tp2_sp", 4, 1 + layers), ("muon_dp2", 2, 0), ("muon_moe_ep2", 4, 0)):
         adam = totals(rank_collectives(replace(_layout(name, 4), muon=False), 0, 1))
         exchanges = adam.get("all_to_all", [0, 0])[0]  # the MoE layers' tokens
         for counts in ranks:
             measured = counts["counts"][name]["1"]
-            assert measured["all_to_all"][0] == exchanges + 2 and measured["all_gather"][0] == adam["all_gather"][0] + gathers, (name, measured)
+            assert measured["all_to_all"][0] == exchanges + all_to_alls and measured["all_gather"][0] == adam["all_gather"][0] + gathers, (name, measured)
 
 
 def _layout(name: str, world: int) -> CommLayout:

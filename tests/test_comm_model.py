@@ -152,3 +152,17 @@ def test_padded_rows_are_torch_chunks():
             assert chunk_rows(rows, ranks) == max(chunks, default=0)
             assert padded_numel([(rows, 3)], ranks) == ranks * chunk_rows(rows, ranks) * 3
     assert padded_numel([(4, 5, 7)], 2, dim=1) == 4 * 6 * 7
+
+
+def test_mixtral_experts_have_owners_under_muon():
+    """Mixtral 8x7B with Muon at 256 ranks (pp 4, ep 8, efsdp 8: one expert per ep rank, 8 MoE
+    layers a stage): each of the 16 expert matrices of a rank's stage has an owner among the 8
+    efsdp ranks (one fc1 and one fc2 each), so a rank sends its rows of all of them, 1/8 of the
+    stacks, and its two owned matrices' rows back, no stack whole (docs/schedules.md's figures)."""
+    cfg = load_config(str(REPO / "configs" / "mixtral_8x7b.toml"), ["--optimizer.optimizer=muon"], check=False)
+    c = CommLayout.from_config(cfg, 256, 32000)
+    stacks = 8 * (28672 * 4096 + 4096 * 14336) * 4  # fp32, whole, 8 MoE layers
+    for shard_rank in (0, 9, None):
+        muon = [col for col in rank_collectives(c, 1, 1, shard_rank) if col.what.startswith("muon")]
+        experts = [(col.kind, col.dim, col.count, col.message_bytes) for col in muon if "expert" in col.what]
+        assert experts == [("all_to_all", "efsdp", 1, stacks // 8)] * 2, experts

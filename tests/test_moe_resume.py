@@ -5,9 +5,11 @@ The tiny fp32 GPT of tests/runs.py with every block's MLP an MoE layer: dropless
 experts (grouped GEMM, the load-balancing loss on). A run saved at ep2 x tp2 + SP (4 ranks: the
 experts split over ep, FSDP-sharded over the ranks left times tp, the routers over all 4, tp
 folded in) resumes at ep1 on one process, and one saved at ep1 resumes at ep2. Megatron's Muon
-(dtgpt/muon.py) on the model with a dense SwiGLU block first: saved at ep2 x efsdp2 (4 ranks:
-each expert's rows FSDP-split, the dense matrices owned over 4 shard ranks), resumed at dp_shard2
-without ep (2 ranks, whole experts each); its checkpoint holds the momentum of the stacked
+(dtgpt/muon.py) on the model with a dense SwiGLU block first: saved at ep2 x tp2 + SP (4 ranks,
+tp folded in: each expert's rows FSDP-split over efsdp 1 x tp 2, each expert's matrix owned by one
+of them; the dense matrices owned over 2 shard ranks and gathered over tp), resumed at dp_shard2
+without ep (2 ranks, whole experts each; ep2 x efsdp2 is held to one process in
+tests/test_parity.py); its checkpoint holds the momentum of the stacked
 experts, of the split QKV and of SwiGLU's [gate; fc1] beside AdamW's moments of the rest. Each
 resumed run matches the uninterrupted one as the parity oracle holds a layout to one process
 (tests/parity_oracle.py: loss, gradient norm, routing figures each iteration and every final
@@ -49,13 +51,13 @@ LAYOUTS = {
     "ep1": ([], 1),
     "ep2": (LAYOUT_EP2, 2),
     "ep2_tp2_sp": ([*LAYOUT_EP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], 4),
-    "muon_ep2_efsdp2": ([*MUON, "--parallel.data_parallel_shard_size=4", ep(2)], 4),
+    "muon_ep2_tp2_sp": ([*MUON, *LAYOUT_EP2, "--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"], 4),
     "muon_dp_shard2": ([*MUON, "--parallel.data_parallel_shard_size=2"], 2),
 }
 CASES = {  # case: (saved at, resumed at)
     "ep2_tp2_sp_to_ep1": ("ep2_tp2_sp", "ep1"),
     "ep1_to_ep2": ("ep1", "ep2"),
-    "muon_ep2_efsdp2_to_dp_shard2": ("muon_ep2_efsdp2", "muon_dp_shard2"),
+    "muon_ep2_tp2_sp_to_dp_shard2": ("muon_ep2_tp2_sp", "muon_dp_shard2"),
 }
 
 

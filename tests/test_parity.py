@@ -248,8 +248,10 @@ LAYOUTS = {
     "muon_llama_dp_shard2_tp2_sp": (4, [*MUON, *LLAMA, DP_SHARD2, *TP2_SP]),
     "muon_llama_pp2_1f1b": (2, [*MUON, *LLAMA, PP2, "--parallel.pipeline_schedule=1F1B"]),
     # Muon on each expert's matrix (SwiGLU's [gate; fc1] one): experts whole over ep, each expert's
-    # rows split over efsdp 2 (gathered for Newton-Schulz). (ep2 x tp2 + SP, whose router has an
-    # FSDP unit of its own, costs 20 s more here; its collectives are counted in tests/test_comm_counts.py.)
+    # rows split over efsdp 2, each expert's matrix orthogonalised by its owner among them. (ep2 x
+    # tp2 + SP, whose router has an FSDP unit of its own and whose experts' owners span efsdp x tp,
+    # costs 30 s more here: it runs in tests/test_moe_resume.py; its collectives are counted in
+    # tests/test_comm_counts.py.)
     "muon_moe_ep2_dp_shard4": (4, [*MUON, *MOE_GROUPED, "--model.swiglu=true", "--parallel.data_parallel_shard_size=4", ep(2)]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }

@@ -16,8 +16,10 @@ rank at shard coordinate r, owning the matrices O(r):
               shapes); without FSDP 1 all-gather per tp-sharded parameter of its whole matrix
               (Megatron's duplicated mode, one collective per matrix as Megatron's).
   experts     whole on their rank (ep, or FSDP's expert axis without ep): nothing; where FSDP
-              splits each expert's rows (ep with efsdp, times tp where it folds in, > 1), 1
-              all-gather per stacked weight (fc1, fc2) and MoE layer of E/ep experts whole.
+              splits each expert's rows over n ranks (ep with efsdp, times tp where it folds in,
+              > 1), each expert's matrix has an owner among them: 1 all_to_all of
+              Σ ceil(rows/n)·cols·4 over every expert matrix, 1 back of Σ n·ceil(rows/n)·cols·4
+              over the owned ones.
   router      where tp folds into its MoE layer's FSDP unit (a mesh of its own), 1 all-gather
               over dp x tp per matrix (the router's weight, the shared expert's gate), whole;
               elsewhere an owned matrix like the rest.
@@ -30,9 +32,11 @@ Memory at the step (dtgpt.plan.layout's muon_step term, what it holds beyond the
 that backward has freed): 4·(O_tp + O_whole + 2·R + 4·W) bytes, with O_tp and O_whole the owned
 matrices tp-local and whole (received, then gathered over tp), R a rank's padded rows of every
 matrix (the two all_to_all buffers), W the largest owned whole matrix (Newton-Schulz's iterate,
-its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W. An
-MoE layer's experts step first, one stacked weight at a time: 4·5·S for the largest stack S
-(E/ep experts whole, and the batched iteration's working set), if more than the above.
+its products and the scaled result). Without FSDP a matrix is gathered at a time: O = W. The
+MoE layers' experts step first, if more than the above: whole on their rank, one stacked weight
+at a time, 4·5·S for the largest stack S (the batched iteration's working set); owned,
+4·(R_e + 2·O_e + 5·B) with R_e the rank's padded rows of every expert matrix, O_e its owned ones
+whole (received, then orthogonalised) and B the largest batch (its owned experts of one stack).
 """
 
 from __future__ import annotations
@@ -99,20 +103,62 @@ def moe_units(c) -> list[list[PieceShape]]:
     return ([] if comm_moe.tp_folds_in(c) else router_units(c)) + (mlp_units(c, c.shared_ffn) if c.shared_ffn else [])
 
 
-def expert_collectives(c, stages: list[int], collective) -> list:
-    """The experts: whole on their rank (no communication) unless FSDP splits each expert's rows
-    (ep with efsdp x tp > 1): then each stacked weight is gathered whole over those ranks; and
-    the router where its unit spans dp x tp, gathered whole over it."""
+def expert_units(c, stages: list[int]) -> list[PieceShape]:
+    """Every expert matrix of the rank's MoE layers, as the step takes them: layer by layer,
+    each stacked weight (fc1, fc2), expert by expert (E/ep a stack)."""
+    shapes = comm_moe.expert_shapes(c)[:2]  # fc1, fc2 (not the biases)
     layers = comm_moe.moe_layers_held(c, stages)
+    return [PieceShape(rows, cols, False) for _ in range(layers) for local, rows, cols in shapes for _ in range(local)]
+
+
+def experts_split(c) -> bool:
+    """Whether FSDP splits each expert's rows (ep with efsdp x tp > 1, dtgpt.muon_owners)."""
+    return c.ep > 1 and comm_moe.expert_shards(c) > 1
+
+
+def owned_experts(c, stages: list[int], shard_rank: int | None) -> tuple[list[PieceShape], list[int]]:
+    """(every expert matrix, the indices of those owned by the rank at FSDP shard coordinate
+    shard_rank among the experts' FSDP ranks; None: the busiest). Its expert coordinate is
+    shard_rank // ep (ep is innermost, dtgpt.parallel.dims); where tp folds in, the busiest of
+    its tp ranks (the planner's rank carries no tp coordinate)."""
+    units, n = expert_units(c, stages), comm_moe.expert_shards(c)
+    keys = [ownership_key([u], 1) for u in units]
+    owner = owners(keys, n)
+    fold = n // c.efsdp
+    candidates = range(n) if shard_rank is None else [shard_rank // c.ep % c.efsdp * fold + t for t in range(fold)]
+    rank = max(candidates, key=lambda r: sum(k[0] for k, o in zip(keys, owner) if o == r))
+    return units, [i for i, o in enumerate(owner) if o == rank]
+
+
+def expert_collectives(c, stages: list[int], collective, shard_rank: int | None) -> list:
+    """The experts: whole on their rank (no communication) unless FSDP splits each expert's rows
+    (ep with efsdp x tp > 1): then every expert's rows to its owner and back, 2 all_to_alls for
+    all of them; and the router where its unit spans dp x tp, gathered whole over it."""
     out = []
-    if c.ep > 1 and comm_moe.expert_shards(c) > 1:
-        shards, shapes = comm_moe.expert_shards(c), comm_moe.expert_shapes(c)[:2]  # fc1, fc2 (not the biases)
+    if experts_split(c) and comm_moe.moe_layers_held(c, stages):
+        n, (units, mine) = comm_moe.expert_shards(c), owned_experts(c, stages, shard_rank)
         dim = "efsdp_tp" if comm_moe.tp_folds_in(c) else "efsdp"
-        out += [collective("all_gather", dim, "muon experts whole", layers, padded_numel([s], shards, dim=1) * FP32) for s in shapes]
+        rows = [chunk_rows(u.rows, n) * u.cols * FP32 for u in units]
+        out += [collective("all_to_all", dim, "muon expert rows to their owners", 1, sum(rows)),
+                collective("all_to_all", dim, "muon orthogonal expert rows back", 1, n * sum(rows[i] for i in mine))]  # fmt: skip
     if comm_moe.tp_folds_in(c) and c.shard * c.tp > 1:
-        out += [collective("all_gather", "moe_fsdp", "muon router whole", layers, padded_numel([(p.rows, p.cols)], c.shard * c.tp) * FP32)
-                for [p] in router_units(c)]  # fmt: skip
+        out += [collective("all_gather", "moe_fsdp", "muon router whole", comm_moe.moe_layers_held(c, stages),
+                           padded_numel([(p.rows, p.cols)], c.shard * c.tp) * FP32) for [p] in router_units(c)]  # fmt: skip
     return out
+
+
+def expert_step_bytes(c, stages: list[int], shard_rank: int | None) -> int:
+    """The experts' step (module doc): whole experts, 5 of the largest stack; owned ones, the
+    rows sent, the owned matrices twice (received, orthogonalised) and 5 of the largest batch."""
+    if not comm_moe.moe_layers_held(c, stages):
+        return 0
+    if not experts_split(c):
+        return FP32 * 5 * max(math.prod(s) for s in comm_moe.expert_shapes(c)[:2])
+    n, (units, mine) = comm_moe.expert_shards(c), owned_experts(c, stages, shard_rank)
+    stack = len(units) // comm_moe.moe_layers_held(c, stages) // 2  # E/ep: the experts of one stacked weight
+    batches = [sum(units[i].rows * units[i].cols for i in mine if i // stack == s) for s in range(len(units) // stack)]
+    owned = sum(units[i].rows * units[i].cols for i in mine)
+    return FP32 * (sum(chunk_rows(u.rows, n) * u.cols for u in units) + 2 * owned + 5 * max(batches))
 
 
 def whole(p: PieceShape, tp: int) -> int:
@@ -140,8 +186,7 @@ def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None
     units, mine = owned_units(c, stages, block_shapes, shard_rank)
     wholes = [sum(whole(p, c.tp) for p in u) for u in (mine if c.fsdp_applied else units)]
     largest = max(wholes, default=0)
-    stacks = [math.prod(s) for s in comm_moe.expert_shapes(c)[:2]] if comm_moe.moe_layers_held(c, stages) else []
-    experts = FP32 * 5 * max(stacks, default=0)  # one stacked weight at a time, before the rest
+    experts = expert_step_bytes(c, stages, shard_rank)  # before the rest
     if not c.fsdp_applied:
         return max(experts, FP32 * 5 * largest)
     owned_tp = sum(p.rows * p.cols for u in mine for p in u)
@@ -152,7 +197,7 @@ def step_bytes(c, stages: list[int], block_shapes, shard_rank: int | None = None
 def muon_collectives(c, stages: list[int], block_shapes, collective, shard_rank: int | None = None) -> list:
     if not c.muon:
         return []
-    experts = expert_collectives(c, stages, collective)
+    experts = expert_collectives(c, stages, collective, shard_rank)
     if not c.fsdp_applied:
         units = muon_units(c, stages, block_shapes)
         return experts + [collective("all_gather", "tp", "muon update over tp", 1, whole(p, c.tp) * FP32) for u in units for p in u if p.tp_sharded]
