@@ -15,6 +15,7 @@ from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 from dtgpt.config.tokenizer_keys import TokenizerKeys
+from dtgpt.config.weight_decay_keys import WeightDecayKeys
 
 
 class ConfigError(ValueError):
@@ -186,7 +187,7 @@ class TrainingConfig:
 
 
 @dataclass
-class OptimizerConfig(MuonKeys):
+class OptimizerConfig(MuonKeys, WeightDecayKeys):
     lr: float = 3e-4
     min_lr: float = 0.0
     decoupled_lr: Optional[float] = None
@@ -220,6 +221,8 @@ class OptimizerConfig(MuonKeys):
     sgd_momentum: float = 0.9
     """Momentum of 'sgd' (Megatron's --sgd-momentum); 0 keeps no momentum buffer."""
     weight_decay: float = 0.01
+    """The decoupled weight decay of the matrices (Megatron's --weight-decay); a 'linear' or
+    'cosine' weight_decay_incr_style replaces it with its schedule (WeightDecayKeys)."""
     apply_wd_to_qk_layernorm: bool = False
     """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm; other
     biases and norm weights never decay): dtgpt.optim.decays."""
