@@ -20,6 +20,7 @@ from dtgpt.config.blend import parse_blend
 from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
 from dtgpt.config.weight_decay_keys import WEIGHT_DECAY_INCR_STYLES
 from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm, check_weight_decay_schedule
+from dtgpt.config.init_rules import check_init
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
 from dtgpt.config.muon_rules import MUON_OPTIMIZERS, check_muon
@@ -135,7 +136,7 @@ def _check_model(cfg: Config) -> None:
         f"model.squared_relu=true with model.num_experts={m.num_experts}: dtgpt's experts are GeLU or SwiGLU; "
         "squared ReLU is for dense MLPs",
     )
-    _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
+    check_init(cfg)
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")
 
