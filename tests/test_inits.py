@@ -6,6 +6,7 @@ TransformerConfig, which resolves them."""
 from __future__ import annotations
 
 import random
+import re
 import warnings
 
 import pytest
@@ -113,3 +114,18 @@ def test_xavier_bound_and_a_layers_statistics():
     model = materialise(tiny(init_method_xavier_uniform=True), 64, seed=3)
     w, bound = model.layers["0"].mlp.fc1.weight.detach(), xavier_bound(48, 192)
     assert w.abs().max() <= bound and w.abs().max() > 0.99 * bound and float(w.std()) == pytest.approx(bound / 3**0.5, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(embedding_init_method_std=0.0), "model.embedding_init_method_std=0.0 must be > 0 (unset: model.init_method_std)"),
+        (dict(init_method_xavier_uniform=True, num_experts=4), "model.init_method_xavier_uniform=true with model.num_experts=4: "
+                                                               "xavier_uniform is built for dense models only"),
+    ],
+)  # fmt: skip
+def test_init_keys_rules(keys, message):
+    from dtgpt.config import Config, ConfigError, DataConfig, validate
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(Config(model=ModelConfig(**keys), data=DataConfig(mock_data=True)))
