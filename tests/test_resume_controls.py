@@ -177,7 +177,7 @@ def group_wds(trainer: Trainer) -> list[float]:
     return [group["weight_decay"] for group in optimizer.param_groups]
 
 
-def test_weight_decay_schedule_resumes_and_follows_the_schedule_keys(tmp_path):
+def test_weight_decay_schedule_resumes_and_follows_the_schedule_keys(tmp_path, capsys):
     """A run with Megatron's linear weight-decay increment (0 -> 0.2 over 40 samples) resumes at
     its weight decay; a changed end is refused as Megatron's scheduler refuses it, followed under
     override_opt_param_scheduler, and the checkpoint's schedule comes back under
@@ -193,5 +193,6 @@ def test_weight_decay_schedule_resumes_and_follows_the_schedule_keys(tmp_path):
         loaded(tmp_path)
     ours = loaded(tmp_path, *WD_SCHEDULE, END_03, "--optimizer.override_opt_param_scheduler=true")
     assert group_wds(ours) == pytest.approx([0.3 * 8 / 40, 0.0])
+    assert "the weight decay is 6.000e-02 (the checkpoint's schedule: 4.000e-02)" in capsys.readouterr().out
     theirs = loaded(tmp_path, "--optimizer.use_checkpoint_opt_param_scheduler=true")
     assert group_wds(theirs) == pytest.approx(group_wds(t))
