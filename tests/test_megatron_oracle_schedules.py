@@ -1,5 +1,5 @@
-"""megatron-core's own schedule objects as the oracle: the fp16 loss scale, the learning rate and
-the batch-size ramp-up, compared step by step with dtgpt's.
+"""megatron-core's own schedule objects as the oracle: the fp16 loss scale, the learning rate, the
+weight decay and the batch-size ramp-up, compared step by step with dtgpt's.
 
 Each Megatron object is built directly, in this process, without a process group:
 DynamicGradScaler (megatron.core.optimizer.grad_scaler), OptimizerParamScheduler
