@@ -129,3 +129,22 @@ def test_init_keys_rules(keys, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(Config(model=ModelConfig(**keys), data=DataConfig(mock_data=True)))
+
+
+def test_a_shard_draws_its_region_of_the_full_xavier_weights():
+    """init_weights with each rank's `local` region (here the second half of each parameter's
+    rows, as a row split over tp would hold): the same values as the one full model, so the
+    xavier fans are the full matrix's whatever the layout."""
+    cfg = tiny(init_method_xavier_uniform=True, swiglu=True, embedding_init_method_std=0.5)
+    full = materialise(cfg, 64, seed=3)
+    shard = materialise(cfg, 64, seed=4)  # other values first, so that an unwritten region shows
+
+    def second_half(param):
+        rows = param.shape[0] // 2
+        return param[rows:], (rows, *[0] * (param.dim() - 1))
+
+    with torch.no_grad():
+        shard.init_weights(3, local=second_half)
+    for (name, a), b in zip(full.named_parameters(), shard.parameters()):
+        rows = a.shape[0] // 2
+        assert torch.equal(a[rows:], b[rows:]), name
