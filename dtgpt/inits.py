@@ -7,9 +7,12 @@ import enum
 import itertools
 import math
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+
+from dtgpt.config import ModelConfig
 
 
 class Init(enum.Enum):
@@ -17,6 +20,9 @@ class Init(enum.Enum):
 
     NORMAL = "normal"
     """N(0, init_method_std): Megatron's init_method."""
+    EMBEDDING = "embedding"
+    """Megatron's embedding_init_method (word and position embeddings, and a tied output layer):
+    N(0, embedding_init_method_std), which defaults to init_method_std (initial_draw)."""
     SCALED_NORMAL = "scaled_normal"
     """N(0, init_method_std / sqrt(2 * num_layers)): Megatron's output_layer_init_method, for the
     projections that write into the residual stream."""
@@ -35,33 +41,81 @@ def linear_inits(linear: nn.Linear, weight: Init) -> DeclaredInits:
     return inits
 
 
-def named_normal(name: str, shape, std: float, seed: int, device: torch.device) -> torch.Tensor:
-    """N(0, std) of `shape`, drawn from a generator seeded by (seed, name) alone: a parameter's
-    initial value never depends on which other parameters a rank holds or the order of the draws."""
+class Draw(NamedTuple):
+    """A random initialisation: N(0, scale) or, `uniform`, U(-scale, scale) (xavier_uniform's)."""
+
+    scale: float
+    uniform: bool = False
+
+    def sample(self, size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        out = torch.empty(size, device=device)
+        if self.uniform:
+            return out.uniform_(-self.scale, self.scale, generator=generator)
+        return out.normal_(0.0, self.scale, generator=generator)
+
+    @property
+    def align(self) -> int:
+        """torch's CPU normal_ turns its uniforms into normals 16 at a time and redraws the last 16
+        of a size not a multiple of 16: draws of multiples of 16, then one of at least 16 that ends
+        the tensor, consume the generator as one whole draw does and give the same values. uniform_
+        draws element by element: any split does (test_inits.py checks both)."""
+        return 1 if self.uniform else 16
+
+
+def xavier_bound(fan_in: int, fan_out: int) -> float:
+    """torch.nn.init.xavier_uniform_'s bound (gain 1): U(-a, a), a = sqrt(6 / (fan_in + fan_out))."""
+    return math.sqrt(6.0 / (fan_in + fan_out))
+
+
+def initial_draw(cfg: ModelConfig, kind: Init, fans: tuple[int, int]) -> Draw:
+    """Megatron's draw for a weight of `kind` with (fan_in, fan_out) `fans`, as its
+    TransformerConfig resolves init_method, output_layer_init_method and embedding_init_method:
+    under init_method_xavier_uniform the first two are xavier_uniform; the embeddings are
+    N(0, embedding_init_method_std) where that std differs from init_method_std (or no init_method
+    was given), else init_method's draw."""
+    embedding_std = cfg.init_method_std if cfg.embedding_init_method_std is None else cfg.embedding_init_method_std
+    if cfg.init_method_xavier_uniform and (kind is not Init.EMBEDDING or embedding_std == cfg.init_method_std):
+        return Draw(xavier_bound(*fans), uniform=True)
+    if kind is Init.EMBEDDING:
+        return Draw(embedding_std)
+    if kind is Init.SCALED_NORMAL:
+        return Draw(cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+    return Draw(cfg.init_method_std)
+
+
+def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+    """A generator seeded by (seed, name) alone: a parameter's initial value never depends on
+    which other parameters a rank holds or the order of the draws."""
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+    return generator
+
+
+def named_draw(name: str, shape, draw: Draw, seed: int, device: torch.device) -> torch.Tensor:
+    """`draw` of `shape` from the generator of (seed, name)."""
+    return draw.sample(shape, _generator(name, seed, device), device)
+
+
+def named_normal(name: str, shape, std: float, seed: int, device: torch.device) -> torch.Tensor:
+    """N(0, std) of `shape` from the generator of (seed, name)."""
+    return named_draw(name, shape, Draw(std), seed, device)
 
 
 WORK_CHUNK = 1 << 16
-"""Elements drawn at a time by fill_normal: its working memory whatever the parameter's size."""
-_BLOCK_ALIGN = 16
-"""torch's CPU normal_ turns its uniforms into normals 16 at a time and redraws the last 16 of a
-size not a multiple of 16: draws of multiples of 16, then one of at least 16 that ends the
-tensor, consume the generator as one whole draw does and give the same values (test_inits.py)."""
+"""Elements drawn at a time by fill_draw: its working memory whatever the parameter's size."""
 
 
-class _NormalStream:
-    """The values of one `normal_` draw of `total` elements, produced WORK_CHUNK at a time."""
+class _DrawStream:
+    """The values of one draw of `total` elements, produced WORK_CHUNK at a time."""
 
-    def __init__(self, generator: torch.Generator, total: int, std: float, device: torch.device, chunk: int):
-        self.generator, self.left, self.std, self.device = generator, total, std, device
-        self.chunk = max(_BLOCK_ALIGN, chunk - chunk % _BLOCK_ALIGN)
+    def __init__(self, generator: torch.Generator, total: int, draw: Draw, device: torch.device, chunk: int):
+        self.generator, self.left, self.draw, self.device = generator, total, draw, device
+        self.chunk = max(draw.align, chunk - chunk % draw.align)
         self.buffer, self.pos = torch.empty(0, device=device), 0
 
     def _refill(self) -> None:
-        size = self.left if self.left < self.chunk + _BLOCK_ALIGN else self.chunk
-        self.buffer = torch.empty(size, device=self.device).normal_(0.0, self.std, generator=self.generator)
+        size = self.left if self.left < self.chunk + self.draw.align else self.chunk
+        self.buffer = self.draw.sample(size, self.generator, self.device)
         self.pos, self.left = 0, self.left - size
 
     def take(self, n: int, keep: bool = True) -> torch.Tensor | None:
@@ -79,10 +133,8 @@ class _NormalStream:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def fill_normal(
-    out: torch.Tensor, name: str, shape, offsets, std: float, seed: int, chunk: int = WORK_CHUNK
-) -> None:
-    """Write into `out` its region (at `offsets`, of out's shape) of named_normal(name, shape, std,
+def fill_draw(out: torch.Tensor, name: str, shape, offsets, draw: Draw, seed: int, chunk: int = WORK_CHUNK) -> None:
+    """Write into `out` its region (at `offsets`, of out's shape) of named_draw(name, shape, draw,
     seed), without creating the full tensor: the full draw is replayed a chunk at a time, up to
     the region's last element, so a shard costs one chunk of memory and every layout gets the
     values of the one full draw (bitwise on CPU; on CUDA, whose generator draws per call, the
@@ -90,14 +142,12 @@ def fill_normal(
     shape, offsets, sizes = tuple(shape), tuple(offsets), tuple(out.shape)
     total = math.prod(shape)
     if total <= chunk:  # small: the plain draw
-        full = named_normal(name, shape, std, seed, out.device)
+        full = named_draw(name, shape, draw, seed, out.device)
         out.copy_(full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
         return
     if out.numel() == 0:
         return
-    generator = torch.Generator(device=out.device)
-    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    stream = _NormalStream(generator, total, std, out.device, chunk)
+    stream = _DrawStream(_generator(name, seed, out.device), total, draw, out.device, chunk)
     # Split the dims: the trailing ones (`inner`, at most a chunk) are taken whole, dim k - 1 in
     # groups of rows, the leading ones one index at a time.
     k = next(k for k in range(1, len(shape) + 1) if math.prod(shape[k:]) <= chunk)

@@ -11,7 +11,7 @@ core is a module of its own, and `block_runs` may group blocks (see dtgpt/parall
 
 Each module declares the initialisation of its own parameters (`declared_inits`); `init_weights`
 draws every value from a generator seeded by (seed, parameter name) on the full shape, each rank
-only its own region of it (dtgpt.inits.fill_normal).
+only its own region of it (dtgpt.inits.fill_draw).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dtgpt import varlen_kernel
 from dtgpt.attention_varlen import Documents, documents_attention
 from dtgpt.config import ModelConfig
 from dtgpt.discard import normed_sublayer
-from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
+from dtgpt.inits import DeclaredInits, Draw, Init, fill_draw, initial_draw, linear_inits
 from dtgpt.mla import MLASelfAttention
 from dtgpt.mlp import MLP
 from dtgpt.moe.layer import MoELayer
@@ -86,9 +86,9 @@ class Embedding(nn.Module):
         self.fp32_residual = False
 
     def declared_inits(self) -> DeclaredInits:
-        inits = [(self.word.weight, Init.NORMAL)]
+        inits = [(self.word.weight, Init.EMBEDDING)]
         if self.position is not None:
-            inits.append((self.position.weight, Init.NORMAL))
+            inits.append((self.position.weight, Init.EMBEDDING))
         return inits
 
     def forward(
@@ -318,8 +318,8 @@ class GPT(nn.Module):
 
     def declared_inits(self) -> DeclaredInits:
         inits = norm_inits(self.norm) if self.norm is not None else []
-        if self.output is not None:
-            inits.append((self.output.weight, Init.NORMAL))
+        if self.output is not None:  # tied, it is the word embedding (or, on a last stage, its copy)
+            inits.append((self.output.weight, Init.EMBEDDING if self.tied else Init.NORMAL))
         return inits
 
     def init_kinds(self) -> dict[str, Init]:
@@ -340,14 +340,14 @@ class GPT(nn.Module):
             kinds[name] = declared[id(param)]
         return kinds
 
-    def initial_std(self, name: str, kind: Init) -> tuple[str, float]:
-        """(the name whose generator draws parameter `name`, the std of its normal init)."""
-        std = self.cfg.init_method_std
-        if kind is Init.SCALED_NORMAL:
-            std = std / math.sqrt(2.0 * self.cfg.num_layers)
+    def initial_draw(self, name: str, kind: Init, shape: torch.Size) -> tuple[str, Draw]:
+        """(the name whose generator draws parameter `name`, its random init: dtgpt.inits.initial_draw)."""
         if name == OUTPUT_WEIGHT and self.tied:
             name = WORD_EMBEDDING  # the last pipeline stage's copy of the tied weight starts equal
-        return name, std
+        fan_out, fan_in = shape[0], shape[-1]
+        if self.cfg.swiglu and name.endswith((".mlp.fc1.weight", ".mlp.gate.weight")):
+            fan_out *= 2  # Megatron's fc1 holds [gate; fc1] in one matrix: its xavier fan is theirs together
+        return name, initial_draw(self.cfg, kind, (fan_in, fan_out))
 
     @torch.no_grad()
     def init_weights(
@@ -361,7 +361,7 @@ class GPT(nn.Module):
         draws from its own generator seeded by its name, so the value does not depend on which
         other parameters a rank holds or in which order they are visited. `local(param)` gives
         the tensor a rank holds of a (maybe sharded) parameter and its offsets in the full one
-        (default: the whole); only that region is drawn (dtgpt.inits.fill_normal), so no rank
+        (default: the whole); only that region is drawn (dtgpt.inits.fill_draw), so no rank
         creates a whole parameter.
         """
         for module in self.modules():
@@ -376,5 +376,5 @@ class GPT(nn.Module):
             elif kind is Init.ONES:
                 held.fill_(1.0)
             else:
-                drawn, std = self.initial_std(name, kind)
-                fill_normal(held, drawn, param.shape, offsets, std, seed)
+                drawn, draw = self.initial_draw(name, kind, param.shape)
+                fill_draw(held, drawn, param.shape, offsets, draw, seed)

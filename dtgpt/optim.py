@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from dtgpt.config import Config, OptimizerConfig, get_key
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
-from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length
+from dtgpt.config.derived import lr_decay_length, lr_warmup_length, lr_wsd_decay_length, wd_incr_length, weight_decay_bounds
 from dtgpt.decoupled_lr import DECOUPLED, decoupled_group, is_embedding_or_output
 from dtgpt.muon import MUON, MuonMatrices, MuonWithAdamW, is_muon_matrix, muon_matrices
 
@@ -153,12 +153,13 @@ _WSD_COEFF = {
 
 
 class LRSchedule(Stateful):
-    """Megatron's learning-rate schedule over samples consumed by successful iterations.
+    """Megatron's learning-rate and weight-decay schedule (its OptimizerParamScheduler) over
+    samples consumed by successful iterations.
 
     Its only state is that sample count: the lengths come from the config, so a resumed run
     may change them (as Megatron's --override-opt_param-scheduler would), and the count alone
-    resumes the same lr on any mesh. Skipped iterations (fp16 overflow, non-finite loss) do not
-    advance it, as in Megatron.
+    resumes the same lr and weight decay on any mesh. Skipped iterations (fp16 overflow,
+    non-finite loss) do not advance it, as in Megatron.
     """
 
     def __init__(self, cfg: Config):
@@ -170,6 +171,8 @@ class LRSchedule(Stateful):
         self.decay_steps = lr_decay_length(cfg).samples
         self.warmup_steps = lr_warmup_length(cfg).samples
         self.wsd_decay_steps = lr_wsd_decay_length(cfg).samples if self.style == "WSD" else 0
+        self.start_wd, self.end_wd = weight_decay_bounds(cfg)
+        self.wd_incr_style, self.wd_incr_steps = o.weight_decay_incr_style, wd_incr_length(cfg).samples
         self.num_samples = 0
 
     def lr_at(self, num_samples: float, bounds: tuple[float, float] | None = None) -> float:
@@ -197,9 +200,22 @@ class LRSchedule(Stateful):
             coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
 
+    def wd_at(self, num_samples: float) -> float:
+        """The weight decay after `num_samples` samples (of the groups that decay, WD_MULT 1):
+        from start_wd up to end_wd over the run, then end_wd."""
+        if num_samples > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = num_samples / self.wd_incr_steps
+        coeff = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
     @property
     def current_lr(self) -> float:
         return self.lr_at(self.num_samples)
+
+    @property
+    def current_wd(self) -> float:
+        return self.wd_at(self.num_samples)
 
     def step(self, increment_samples: int) -> None:
         """Count the samples of one successful iteration."""
@@ -208,11 +224,15 @@ class LRSchedule(Stateful):
         self.num_samples += increment_samples
 
     def apply(self, optimizer: torch.optim.Optimizer) -> float:
-        """Set every group's lr (call before optimizer.step); returns current_lr, the LR of every
-        group but the embedding-and-output one of decoupled_lr."""
-        lr = self.current_lr
+        """Set every group's lr, and the weight decay of each group marked WD_MULT (all of
+        build_optimizer's) to current_wd x WD_MULT, as Megatron's scheduler sets them (call before
+        optimizer.step); returns current_lr, the LR of every group but the embedding-and-output
+        one of decoupled_lr. A library user's own groups keep their weight decay."""
+        lr, wd = self.current_lr, self.current_wd
         decoupled = self.lr_at(self.num_samples, self.decoupled) if self.decoupled is not None else lr
         for group in optimizer.param_groups:
+            if WD_MULT in group:
+                group["weight_decay"] = wd * group[WD_MULT]
             group_lr = decoupled if group.get(DECOUPLED) else lr
             if isinstance(group["lr"], torch.Tensor):  # a tensor lr (capturable / compiled step) stays one
                 group["lr"].fill_(group_lr)
@@ -232,9 +252,10 @@ SCHEDULE_KEYS = (
     "optimizer.lr_decay_samples", "optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters",
     "optimizer.lr_warmup_samples", "optimizer.lr_warmup_init", "optimizer.lr_wsd_decay_style",
     "optimizer.lr_wsd_decay_iters", "optimizer.lr_wsd_decay_samples", "training.train_iters",
-    "training.train_samples", "training.global_batch_size",
+    "training.train_samples", "training.global_batch_size", "optimizer.weight_decay", "optimizer.start_weight_decay",
+    "optimizer.end_weight_decay", "optimizer.weight_decay_incr_style",
 )  # fmt: skip
-"""The keys the LR schedule is made of (its lengths count samples of the final global batch)."""
+"""The keys the LR and weight-decay schedule is made of (its lengths count samples of the final global batch)."""
 
 
 def schedule_change(saved: Config | None, cfg: Config, num_samples: int) -> str | None:
@@ -246,9 +267,12 @@ def schedule_change(saved: Config | None, cfg: Config, num_samples: int) -> str 
     changed = [f"{key} {get_key(saved, key)} -> {get_key(cfg, key)}" for key in SCHEDULE_KEYS if get_key(saved, key) != get_key(cfg, key)]
     if not changed:
         return None
-    before, now = LRSchedule(saved).lr_at(num_samples), LRSchedule(cfg).lr_at(num_samples)
+    before, now = LRSchedule(saved), LRSchedule(cfg)
+    wd = "" if before.wd_at(num_samples) == now.wd_at(num_samples) else (
+        f"; the weight decay is {now.wd_at(num_samples):.3e} (the checkpoint's schedule: {before.wd_at(num_samples):.3e})")
     return (
         f"the LR schedule differs from the checkpoint's ({', '.join(changed)}): this run follows its config's, so "
-        f"the LR after {num_samples} samples is {now:.3e} (the checkpoint's schedule: {before:.3e})"
+        f"the LR after {num_samples} samples is {now.lr_at(num_samples):.3e} (the checkpoint's schedule: "
+        f"{before.lr_at(num_samples):.3e}){wd}"
     )
 

@@ -57,6 +57,9 @@ LATER_KEYS = {  # keys of Megatron's training controls, mapped once their config
     "--calculate-per-token-loss": "training.calculate_per_token_loss", "--finetune": "checkpoint.finetune",
     "--no-load-rng": "checkpoint.load_rng", "--override-opt_param-scheduler": "optimizer.override_opt_param_scheduler",
     "--use-checkpoint-opt_param-scheduler": "optimizer.use_checkpoint_opt_param_scheduler",
+    "--start-weight-decay": "optimizer.start_weight_decay", "--end-weight-decay": "optimizer.end_weight_decay",
+    "--weight-decay-incr-style": "optimizer.weight_decay_incr_style",
+    "--init-method-xavier-uniform": "model.init_method_xavier_uniform", "--embedding-init-method-std": "model.embedding_init_method_std",
 }  # fmt: skip
 
 

@@ -1,5 +1,5 @@
-"""megatron-core's own schedule objects as the oracle: the fp16 loss scale, the learning rate and
-the batch-size ramp-up, compared step by step with dtgpt's.
+"""megatron-core's own schedule objects as the oracle: the fp16 loss scale, the learning rate, the
+weight decay and the batch-size ramp-up, compared step by step with dtgpt's.
 
 Each Megatron object is built directly, in this process, without a process group:
 DynamicGradScaler (megatron.core.optimizer.grad_scaler), OptimizerParamScheduler
@@ -35,7 +35,7 @@ with warnings.catch_warnings():
 from dtgpt.config import Config, OptimizerConfig, TrainingConfig, num_microbatches
 from dtgpt.loss_scaler import BACKOFF_FACTOR, GROWTH_FACTOR, LossScaler
 from dtgpt.config.batch_schedule import BatchSizeSchedule
-from dtgpt.optim import LRSchedule
+from dtgpt.optim import WD_MULT, LRSchedule, build_optimizer
 
 # -- loss scale --------------------------------------------------------------------------------
 
@@ -132,6 +132,83 @@ def test_learning_rate_follows_megatron_optimizer_param_scheduler(name):
         theirs.step(increment)
         assert ours.current_lr == pytest.approx(holder.param_groups[0]["lr"], rel=1e-12, abs=0), (step, ours.num_samples)
     assert ours.num_samples > megatron_lengths(cfg)["lr_decay_steps"]
+
+
+# -- weight decay ------------------------------------------------------------------------------
+
+
+def megatron_weight_decay(cfg: Config) -> dict:
+    """The scheduler's weight-decay arguments as Megatron-LM gives them: arguments.py sets start
+    and end to --weight-decay under 'constant'; get_optimizer_param_scheduler increments over
+    the whole run (train_samples, or train_iters x global_batch_size)."""
+    o, t = cfg.optimizer, cfg.training
+    constant = o.weight_decay_incr_style == "constant"
+    return dict(
+        start_wd=o.weight_decay if constant else o.start_weight_decay, end_wd=o.weight_decay if constant else o.end_weight_decay,
+        wd_incr_steps=t.train_samples or t.train_iters * t.global_batch_size, wd_incr_style=o.weight_decay_incr_style,
+    )  # fmt: skip
+
+
+def megatron_scheduler(cfg: Config, groups: list[dict]):
+    o = cfg.optimizer
+    return optimizer_param_scheduler.OptimizerParamScheduler(
+        types.SimpleNamespace(param_groups=groups), init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        lr_decay_style=o.lr_decay_style, lr_wsd_decay_style=o.lr_wsd_decay_style, **megatron_lengths(cfg),
+        **megatron_weight_decay(cfg),
+    )  # fmt: skip
+
+
+class _Decaying(torch.nn.Module):
+    """A word embedding (decoupled_lr's group), a matrix (decays) and a bias (never decays)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Module()
+        self.embedding.word = torch.nn.Embedding(8, 4)
+        self.proj = torch.nn.Linear(4, 4)
+
+
+WD_SCHEDULES = {
+    "constant": dict(weight_decay=0.05),
+    "linear": dict(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1),
+    "cosine": dict(weight_decay_incr_style="cosine", start_weight_decay=0.01, end_weight_decay=0.2),
+}
+RAMPUP = dict(global_batch_size=16, rampup_batch_size=[4, 4, 300], train_samples=900, train_iters=None)
+
+
+@pytest.mark.parametrize("rampup", [False, True], ids=["iters", "rampup"])
+@pytest.mark.parametrize("name", sorted(WD_SCHEDULES))
+def test_weight_decay_follows_megatron_optimizer_param_scheduler(name, rampup):
+    """Each group of build_optimizer (decaying, not decaying, decoupled_lr's) gets the weight
+    decay Megatron's scheduler gives a group of its wd_mult, at every step: over and past the
+    increment, after a resume from the state dicts (both rebuilt), and with the batch growing."""
+    training = TrainingConfig(**RAMPUP) if rampup else TrainingConfig(global_batch_size=8, train_iters=120)
+    cfg = Config(training=training, optimizer=OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_warmup_samples=64, lr_decay_samples=800,
+                                                              decoupled_lr=1e-3, **WD_SCHEDULES[name]))  # fmt: skip
+    optimizer = build_optimizer(_Decaying().named_parameters(), cfg.optimizer)
+    assert sorted(g[WD_MULT] for g in optimizer.param_groups) == [0.0, 1.0, 1.0]
+    ours = LRSchedule(cfg)
+    mirror = [{"wd_mult": g[WD_MULT]} for g in optimizer.param_groups]  # Megatron's groups carry their wd_mult
+    theirs = megatron_scheduler(cfg, mirror)
+    batches = BatchSizeSchedule(cfg.training).global_batch_size if rampup else lambda _: next(uneven)
+    uneven = itertools.cycle((8, 8, 7, 16, 1, 8))
+    seen = set()
+    for step in range(160):
+        if step == 80:  # resume: fresh schedules that load the saved ones
+            ours, saved = LRSchedule(cfg), ours.state_dict()
+            ours.load_state_dict(saved)
+            resumed = megatron_scheduler(cfg, mirror)
+            resumed.load_state_dict(theirs.state_dict())
+            theirs = resumed
+        ours.apply(optimizer)
+        for group, megatron_group in zip(optimizer.param_groups, mirror):
+            assert group["weight_decay"] == pytest.approx(megatron_group["weight_decay"], rel=1e-12, abs=0), (step, ours.num_samples)
+        seen.add(round(ours.current_wd, 12))
+        increment = batches(ours.num_samples)
+        ours.step(increment)
+        theirs.step(increment)
+    assert ours.num_samples > ours.wd_incr_steps
+    assert len(seen) == 1 if name == "constant" else len(seen) > 20
 
 
 # -- batch-size ramp-up ------------------------------------------------------------------------

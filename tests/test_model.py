@@ -73,10 +73,10 @@ def test_init_statistics():
 
 def _expected_inits(num_layers: int, layer_norm: bool, positions: bool, untied: bool) -> dict[str, Init]:
     """Megatron's GPT init, parameter by parameter: a rename or a changed kind fails the test."""
-    N, S, Z, O = Init.NORMAL, Init.SCALED_NORMAL, Init.ZEROS, Init.ONES
-    table = {"embedding.word.weight": N}
+    N, S, Z, O, E = Init.NORMAL, Init.SCALED_NORMAL, Init.ZEROS, Init.ONES, Init.EMBEDDING
+    table = {"embedding.word.weight": E}
     if positions:
-        table["embedding.position.weight"] = N
+        table["embedding.position.weight"] = E
     for i in range(num_layers):
         b = f"layers.{i}."
         table.update({b + "input_norm.weight": O, b + "attention.qkv.weight": N, b + "attention.qkv.bias": Z,
@@ -99,7 +99,7 @@ def test_modules_declare_megatrons_init(untie, rope, norm):
     expected = _expected_inits(cfg.num_layers, norm == "LayerNorm", not rope, untie)
     assert model.init_kinds() == expected
     # The values are what the seeded draws always gave (the parity references depend on them).
-    std = {Init.NORMAL: cfg.init_method_std, Init.SCALED_NORMAL: cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
+    std = {Init.NORMAL: cfg.init_method_std, Init.EMBEDDING: cfg.init_method_std, Init.SCALED_NORMAL: cfg.init_method_std / math.sqrt(2 * cfg.num_layers)}
     for name, param in model.named_parameters():
         kind = expected[name]
         if kind in std:

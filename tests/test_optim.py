@@ -1,6 +1,7 @@
 """AdamW groups, the batch-size ramp-up and the LR schedule against hand-computed values."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -269,3 +270,63 @@ def test_no_bias_and_no_norm_weight_decays_by_megatrons_rule():
         checked.add(name.split(".", 2)[-1])
     assert {"mlp.experts.fc1_bias", "mlp.router.weight", "attention.q_norm.weight", "mlp.fc1.bias"} <= checked
     assert not decays("layers.0.mlp.experts.fc2_bias", torch.empty(4, 16))  # 2-D, still a bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-decay schedule (Megatron's --start-weight-decay, --end-weight-decay, --weight-decay-incr-style)
+
+
+def test_weight_decay_increments_over_the_whole_run_not_the_lr_decay():
+    """1000 samples of training (100 iterations of 10), the LR decaying over 200 of them: the
+    weight decay goes from start to end over all 1000, then stays at end."""
+    linear = LRSchedule(_cfg(lr_decay_iters=20, weight_decay_incr_style="linear", start_weight_decay=0.1, end_weight_decay=0.3))
+    assert linear.wd_incr_steps == 1000
+    assert [linear.wd_at(n) for n in (0, 250, 1000, 5000)] == pytest.approx([0.1, 0.15, 0.3, 0.3])
+    cosine = LRSchedule(_cfg(weight_decay_incr_style="cosine", start_weight_decay=0.0, end_weight_decay=0.2))
+    assert [cosine.wd_at(n) for n in (0, 500, 1000)] == pytest.approx([0.0, 0.1, 0.2])
+    assert cosine.wd_at(250) == pytest.approx(0.1 * (1 - math.cos(math.pi / 4)))  # slow start: 0.0293
+    by_samples = LRSchedule(Config(training=TrainingConfig(train_samples=640, train_iters=None, global_batch_size=8),
+                                   optimizer=OptimizerConfig(weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.1)))  # fmt: skip
+    assert by_samples.wd_incr_steps == 640 and by_samples.wd_at(320) == pytest.approx(0.05)
+    constant = LRSchedule(_cfg(weight_decay=0.07))
+    assert (constant.start_wd, constant.end_wd, constant.wd_at(0), constant.wd_at(10**6)) == (0.07, 0.07, 0.07, 0.07)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_apply_sets_each_groups_weight_decay_by_its_wd_mult(kind):
+    """Matrices get the schedule's weight decay, biases and norms 0; the torch optimizer then
+    decays by it (a zero gradient: the step is the decay alone)."""
+    cfg = _cfg(lr=0.5, lr_decay_style="constant", optimizer=kind, sgd_momentum=0.0,
+               weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.2)  # fmt: skip
+    matrix, bias = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2))
+    opt, s = build_optimizer([("w", matrix), ("b", bias)], cfg.optimizer), LRSchedule(cfg)
+    s.step(500)
+    s.apply(opt)
+    assert sorted(g["weight_decay"] for g in opt.param_groups) == pytest.approx([0.0, 0.1])
+    for p in (matrix, bias):
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.allclose(matrix, torch.full((2, 2), 1 - 0.5 * 0.1)) and torch.equal(bias, torch.ones(2))
+    mine = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], weight_decay=0.3)  # a library user's own group
+    s.apply(mine)
+    assert mine.param_groups[0]["weight_decay"] == 0.3
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(start_weight_decay=0.1), "optimizer.start_weight_decay=0.1 is set but optimizer.weight_decay_incr_style='constant'"),
+        (dict(weight_decay_incr_style="linear", end_weight_decay=0.1), "'linear' needs optimizer.start_weight_decay"),
+        (dict(weight_decay_incr_style="cosine", start_weight_decay=-0.1, end_weight_decay=0.1), "start_weight_decay=-0.1 must be >= 0"),
+        (dict(weight_decay_incr_style="linear", start_weight_decay=0.2, end_weight_decay=0.1),
+         "optimizer.end_weight_decay=0.1 must be >= optimizer.start_weight_decay=0.2"),
+        (dict(weight_decay_incr_style="exponential"), "optimizer.weight_decay_incr_style='exponential' is not one of"),
+        (dict(weight_decay=-0.01), "optimizer.weight_decay=-0.01 must be >= 0"),
+    ],
+)  # fmt: skip
+def test_weight_decay_schedule_rules(keys, message):
+    from dtgpt.config import ConfigError, DataConfig, validate
+
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        validate(Config(data=DataConfig(mock_data=True), optimizer=OptimizerConfig(**keys)))
+    assert "\n" not in str(error.value)

@@ -1,6 +1,6 @@
 """No rank creates or reads more than its share (DESIGN invariant 11), on 4 dp_shard gloo ranks
 (tests/rank_share_worker.py): building the model creates no whole parameter, only shards
-(dtgpt.inits.fill_normal), and saving or loading a checkpoint reads on rank 0 about what it
+(dtgpt.inits.fill_draw), and saving or loading a checkpoint reads on rank 0 about what it
 reads on the others (each rank checksums the bytes it writes and verifies those it reads)."""
 
 from __future__ import annotations

@@ -164,3 +164,35 @@ def test_no_save_optim_saves_without_it_and_a_resume_starts_it_fresh(tmp_path):
     assert not b.state.optimizer.optimizers[0].state and same_weights(t, b)
     assert torch.equal(torch.get_rng_state(), rng)
     assert loaded(tmp_path, "--optimizer.lr=0.002").state.lr_schedule.max_lr == 0.002  # no schedule to check against
+
+
+WD_SCHEDULE = ("--weight-decay-incr-style=linear", "--start-weight-decay=0.0")
+END_02, END_03 = "--end-weight-decay=0.2", "--end-weight-decay=0.3"
+
+
+def group_wds(trainer: Trainer) -> list[float]:
+    """Each AdamW group's weight decay as the next step would set it."""
+    optimizer = trainer.state.optimizer.optimizers[0]
+    trainer.state.lr_schedule.apply(optimizer)
+    return [group["weight_decay"] for group in optimizer.param_groups]
+
+
+def test_weight_decay_schedule_resumes_and_follows_the_schedule_keys(tmp_path, capsys):
+    """A run with Megatron's linear weight-decay increment (0 -> 0.2 over 40 samples) resumes at
+    its weight decay; a changed end is refused as Megatron's scheduler refuses it, followed under
+    override_opt_param_scheduler, and the checkpoint's schedule comes back under
+    use_checkpoint_opt_param_scheduler, also with a constant decay here."""
+    t = make_trainer(f"--checkpoint.save={tmp_path}", *WD_SCHEDULE, END_02)
+    step(t, 2)
+    checkpointer(t).save(2)
+    assert group_wds(t) == pytest.approx([0.2 * 8 / 40, 0.0])
+    assert group_wds(loaded(tmp_path, *WD_SCHEDULE, END_02)) == pytest.approx(group_wds(t))
+    with pytest.raises(CheckpointError, match=r"end weight decay is 0.3 here \(optimizer.end_weight_decay\) but 0.2 in the checkpoint"):
+        loaded(tmp_path, *WD_SCHEDULE, END_03)
+    with pytest.raises(CheckpointError, match=r"start weight decay is 0.01 here \(optimizer.weight_decay\) but 0.0 in the checkpoint \(optimizer.start_weight_decay\)"):
+        loaded(tmp_path)
+    ours = loaded(tmp_path, *WD_SCHEDULE, END_03, "--optimizer.override_opt_param_scheduler=true")
+    assert group_wds(ours) == pytest.approx([0.3 * 8 / 40, 0.0])
+    assert "the weight decay is 6.000e-02 (the checkpoint's schedule: 4.000e-02)" in capsys.readouterr().out
+    theirs = loaded(tmp_path, "--optimizer.use_checkpoint_opt_param_scheduler=true")
+    assert group_wds(theirs) == pytest.approx(group_wds(t))

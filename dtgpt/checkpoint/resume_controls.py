@@ -11,7 +11,8 @@ LR schedule or loss scale: a resume from it is planned as with checkpoint.load_o
 
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
 minimum LR (and the embedding and output layer's, optimizer.decoupled_lr), warmup and decay
-lengths (samples), decay style and weight decay must equal the config's, unless
+lengths (samples), decay style and weight-decay schedule (start, end, increment style and
+length) must equal the config's, unless
 optimizer.override_opt_param_scheduler (the config's are used) or
 optimizer.use_checkpoint_opt_param_scheduler (the checkpoint's are used).
 """
@@ -23,7 +24,7 @@ from typing import NamedTuple
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.config import CheckpointConfig, Config
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
-from dtgpt.config.derived import lr_decay_length, lr_warmup_length
+from dtgpt.config.derived import lr_decay_length, lr_warmup_length, wd_incr_length
 from dtgpt.optim import WD_MULT, LRSchedule, schedule_change
 from dtgpt.state import TrainState
 
@@ -69,7 +70,21 @@ def scheduler_values(cfg: Config) -> list[tuple[str, str, object]]:
         ("learning rate decay style", "optimizer.lr_decay_style", schedule.style),
         # Megatron keeps these in its optimizer's param groups; the effective values are compared
         ("embedding and output layer's peak and minimum learning rate", "optimizer.decoupled_lr", embedding_output_bounds(o)),
-        ("weight decay", "optimizer.weight_decay", o.weight_decay),
+        *weight_decay_values(cfg, schedule),
+    ]
+
+
+def weight_decay_values(cfg: Config, schedule: LRSchedule) -> list[tuple[str, str, object]]:
+    """Megatron's checked weight-decay values: start and end, increment style and length (the
+    length only where the decay changes: under 'constant' it changes nothing, so a longer run
+    keeps a constant decay without override_opt_param_scheduler)."""
+    constant = schedule.wd_incr_style == "constant"
+    start_key, end_key = ("optimizer.weight_decay",) * 2 if constant else ("optimizer.start_weight_decay", "optimizer.end_weight_decay")
+    return [
+        ("start weight decay", start_key, schedule.start_wd),
+        ("end weight decay", end_key, schedule.end_wd),
+        ("weight decay increment style", "optimizer.weight_decay_incr_style", schedule.wd_incr_style),
+        ("weight decay increment samples", wd_incr_length(cfg).key, None if constant else schedule.wd_incr_steps),
     ]
 
 
@@ -107,8 +122,10 @@ def _take_checkpoint_schedule(saved: Config, state: TrainState) -> str:
     ours.decoupled = theirs.decoupled
     if ours.style == "WSD" and not ours.wsd_decay_steps:
         ours.wsd_decay_steps = theirs.wsd_decay_steps
+    ours.start_wd, ours.end_wd = theirs.start_wd, theirs.end_wd
+    ours.wd_incr_style, ours.wd_incr_steps = theirs.wd_incr_style, theirs.wd_incr_steps
     for optimizer in state.optimizer.optimizers:
         for group in optimizer.param_groups:  # a library user's own groups decay where they have weight decay
-            group["weight_decay"] = saved.optimizer.weight_decay * group.get(WD_MULT, float(group["weight_decay"] != 0))
+            group["weight_decay"] = ours.current_wd * group.get(WD_MULT, float(group["weight_decay"] != 0))
     values = ", ".join(f"{what} {value}" for what, _, value in scheduler_values(saved))
     return f"LR schedule from the checkpoint (optimizer.use_checkpoint_opt_param_scheduler): {values}"

@@ -179,3 +179,22 @@ def lr_wsd_decay_length(cfg: Config) -> Length | None:
         samples = o.lr_wsd_decay_iters * cfg.training.global_batch_size
         return Length(samples, "optimizer.lr_wsd_decay_iters", o.lr_wsd_decay_iters)
     return None
+
+
+def wd_incr_length(cfg: Config) -> Length:
+    """The weight decay's increment length: the whole run, as Megatron-LM's
+    get_optimizer_param_scheduler sets wd_incr_steps (train_samples, or train_iters x the final
+    global_batch_size), whatever the LR decay length."""
+    t = cfg.training
+    if t.train_samples is not None:
+        return Length(t.train_samples, "training.train_samples", t.train_samples)
+    return Length(t.train_iters * t.global_batch_size, "training.train_iters", t.train_iters)
+
+
+def weight_decay_bounds(cfg: Config) -> tuple[float, float]:
+    """(start, end) weight decay: optimizer.weight_decay twice under the 'constant' style (as
+    Megatron sets --start-weight-decay and --end-weight-decay from --weight-decay), else the keys."""
+    o = cfg.optimizer
+    if o.weight_decay_incr_style == "constant":
+        return o.weight_decay, o.weight_decay
+    return o.start_weight_decay, o.end_weight_decay

@@ -15,6 +15,7 @@ from dtgpt.config.muon_keys import MuonKeys
 from dtgpt.config.pipeline_split_keys import PipelineSplitKeys
 from dtgpt.config.run_keys import DistributedConfig, FaultsConfig, ProfilingConfig
 from dtgpt.config.tokenizer_keys import TokenizerKeys
+from dtgpt.config.weight_decay_keys import WeightDecayKeys
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,11 @@ class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
     max_position_embeddings: int = 0
     """Rows of the learned position table; 0 means seq_length."""
     init_method_std: float = 0.02
+    embedding_init_method_std: Optional[float] = None
+    """Std of the word and position embeddings' normal init (unset: init_method_std): dtgpt.inits.Init.EMBEDDING."""
+    init_method_xavier_uniform: bool = False
+    """Every weight drawn from N(0, init_method_std) or its scaled output form draws from xavier_uniform
+    instead (embeddings too, unless embedding_init_method_std differs from init_method_std)."""
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' (GPT-3) or 'rope'."""
     rotary_base: int = 10000
@@ -186,7 +192,7 @@ class TrainingConfig:
 
 
 @dataclass
-class OptimizerConfig(MuonKeys):
+class OptimizerConfig(MuonKeys, WeightDecayKeys):
     lr: float = 3e-4
     min_lr: float = 0.0
     decoupled_lr: Optional[float] = None
@@ -220,6 +226,8 @@ class OptimizerConfig(MuonKeys):
     sgd_momentum: float = 0.9
     """Momentum of 'sgd' (Megatron's --sgd-momentum); 0 keeps no momentum buffer."""
     weight_decay: float = 0.01
+    """The decoupled weight decay of the matrices (Megatron's --weight-decay); a 'linear' or
+    'cosine' weight_decay_incr_style replaces it with its schedule (WeightDecayKeys)."""
     apply_wd_to_qk_layernorm: bool = False
     """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm; other
     biases and norm weights never decay): dtgpt.optim.decays."""

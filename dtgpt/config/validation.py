@@ -18,7 +18,9 @@ from dtgpt.config.derived import (
 from dtgpt.config.batch_schedule import STEP_KEY, step_schedule, train_iterations
 from dtgpt.config.blend import parse_blend
 from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
-from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm
+from dtgpt.config.weight_decay_keys import WEIGHT_DECAY_INCR_STYLES
+from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm, check_weight_decay_schedule
+from dtgpt.config.init_rules import check_init
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
 from dtgpt.config.muon_rules import MUON_OPTIMIZERS, check_muon
@@ -45,6 +47,7 @@ _CHOICES = {
     "optimizer.optimizer": ("adam", "sgd", *MUON_OPTIMIZERS),
     "optimizer.lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
     "optimizer.lr_wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
+    "optimizer.weight_decay_incr_style": WEIGHT_DECAY_INCR_STYLES,
     "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
     "parallel.fsdp_reshard_after_forward": ("default", "always", "never"),
     "data.tokenizer_type": TOKENIZER_TYPES,
@@ -133,7 +136,7 @@ def _check_model(cfg: Config) -> None:
         f"model.squared_relu=true with model.num_experts={m.num_experts}: dtgpt's experts are GeLU or SwiGLU; "
         "squared ReLU is for dense MLPs",
     )
-    _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
+    check_init(cfg)
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         _require(0.0 <= get_key(cfg, key) < 1.0, f"{key}={get_key(cfg, key)} must be in [0, 1)")
 
@@ -217,7 +220,6 @@ def _check_learning_rate(cfg: Config) -> None:
     _require(o.lr >= 0 and o.min_lr >= 0, f"optimizer.lr={o.lr} and optimizer.min_lr={o.min_lr} must be >= 0")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr={o.min_lr} must be <= optimizer.lr={o.lr}")
     _require(o.clip_grad >= 0, f"optimizer.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
-    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
     for key in ("optimizer.lr_warmup_iters", "optimizer.lr_warmup_samples"):
         _require(get_key(cfg, key) >= 0, f"{key}={get_key(cfg, key)} must be >= 0")
     decay, warmup = lr_decay_length(cfg), lr_warmup_length(cfg)
@@ -339,6 +341,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_learning_rate(cfg)
     check_decoupled_lr(cfg)
     check_apply_wd_to_qk_layernorm(cfg)
+    check_weight_decay_schedule(cfg)
     check_muon(cfg)
     _check_data(cfg)
     _check_checkpoint_logging_faults(cfg)

@@ -2,7 +2,7 @@
 
 The one door to torch's private `compute_local_shape_and_global_offset` (torch 2.11-2.13): DCP's
 own planner asks a DTensor the same, and no public API gives the offsets. Initialisation
-(dtgpt.inits.fill_normal) and the Megatron import (dtgpt/checkpoint/megatron/load.py) use it.
+(dtgpt.inits.fill_draw) and the Megatron import (dtgpt/checkpoint/megatron/load.py) use it.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 
 from dtgpt.checkpoint.megatron.formats import progress_of
+from dtgpt.checkpoint.megatron.scheduler import follow_weight_decay
 from dtgpt.checkpoint.megatron.keys import MOMENTS, MOMENTUM, dtgpt_names, full_model_shapes, is_buffer, megatron_name
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from dtgpt.config import Config, ModelConfig
@@ -194,6 +195,8 @@ def load_into_state(state: TrainState, directory: Path, cfg: Config, stateful: b
     state.lr_schedule.num_samples = found.get("lr_num_samples", progress.consumed_samples)
     if "lr_num_samples" not in found:
         notes.append("no opt_param_scheduler: the LR schedule resumes at the consumed samples")
+    if note := follow_weight_decay(reader.common.get("opt_param_scheduler") or {}, cfg, state.lr_schedule):
+        notes.append(note)
     scaler = found.get("loss_scale")
     if scaler:
         state.scaler.load_state_dict({

@@ -31,6 +31,7 @@ from dtgpt.checkpoint.megatron.keys import (
     resize_vocab, stored_alias, stores_per_layer,
 )  # fmt: skip
 from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.checkpoint.megatron.scheduler import scheduler_state
 from dtgpt.checkpoint.megatron.write_muon import megatron_muon_common, muon_sources
 from dtgpt.checkpoint.stored import stored_optimizer
 from dtgpt.checkpoint.tokenizer_args import megatron_tokenizer_args
@@ -286,7 +287,7 @@ def trainer_common(iteration: int, progress: dict, cfg: Config, tp: int, rows: i
     )  # fmt: skip
     common = {"iteration": iteration, "checkpoint_version": 3.0, "args": args}
     if "lr_schedule" in progress:
-        common["opt_param_scheduler"] = {"num_steps": int(progress["lr_schedule"]["num_samples"])}
+        common["opt_param_scheduler"] = scheduler_state(cfg, int(progress["lr_schedule"]["num_samples"]))
     return common
 
 
