@@ -1,0 +1,166 @@
+"""Megatron's flags that steer a run (dtgpt/config/megatron_flags.py): the blend read from a file
+(--data-args-path, --per-split-data-args-path), --exit-on-missing-checkpoint, --no-save-rng,
+--skip-train, --iterations-to-skip and --exit-signal. Each sets its key, a bad value is one error
+line before anything starts, and each does what Megatron does on a tiny one-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from dtgpt.api import num_samples_needed, resumed_valid_samples
+from dtgpt.cli import run_main
+from dtgpt.config import CheckpointConfig, load_config
+from dtgpt.config.megatron_flags import translate
+from dtgpt.faults.signals import ExitConditions
+from dtgpt.state import Progress
+from tests.runs import read_metrics
+
+
+def test_run_control_flags_set_their_keys():
+    cfg = load_config(None, ["--mock-data", "--no-save-rng", "--exit-on-missing-checkpoint", "--skip-train",
+                             "--iterations-to-skip", "3", "5", "--exit-signal", "SIGUSR1"])  # fmt: skip
+    c = cfg.checkpoint
+    assert (c.save_rng, c.exit_on_missing_checkpoint, c.exit_signal) == (False, True, "SIGUSR1")
+    assert cfg.eval.skip_train and cfg.training.iterations_to_skip == [3, 5]
+    assert not c.load_optimizer  # Megatron turns on --no-load-optim under --skip-train
+    defaults = load_config(None, ["--mock-data"])
+    assert defaults.checkpoint.save_rng and defaults.checkpoint.load_optimizer and not defaults.eval.skip_train
+
+
+def test_deprecated_checkpoint_flags_and_logging_extras_are_noted():
+    """Megatron itself says --use-dist-ckpt and --dist-ckpt-format have no effect; the logging extras
+    change nothing that is trained."""
+    flags = ["--use-dist-ckpt", "--dist-ckpt-format", "torch_dist", "--log-memory-interval", "10",
+             "--disable-log-loss-scale-to-tensorboard", "--log-world-size-to-tensorboard"]  # fmt: skip
+    said = translate(flags)
+    assert said.overrides == [] and said.ignored == ["--use-dist-ckpt", "--dist-ckpt-format torch_dist",
+                                                     "--log-memory-interval 10", *flags[5:]]  # fmt: skip
+
+
+def test_data_args_files_become_the_data_keys(tmp_path):
+    blend = tmp_path / "blend.txt"
+    blend.write_text("0.3 /data/a_text_document\n0.7 /data/b,c_text_document\n")
+    per_split = tmp_path / "splits.json"
+    per_split.write_text(json.dumps({"train": "1 /d/t1 2 /d/t2", "valid": ["/d/v"], "test": ["0.5 /d/x", "0.5 /d/y"]}))
+    d = load_config(None, ["--data-args-path", str(blend)], check=False).data
+    assert d.data_path == ["0.3", "/data/a_text_document", "0.7", "/data/b,c_text_document"]  # a comma stays in its path
+    d = load_config(None, ["--per-split-data-args-path", str(per_split)], check=False).data
+    assert d.train_data_path == ["1", "/d/t1", "2", "/d/t2"] and d.valid_data_path == ["/d/v"]
+    assert d.test_data_path == ["0.5", "/d/x", "0.5", "/d/y"] and d.data_path == []
+
+
+BAD = [
+    (["--data-args-path", "{tmp}/none.txt"], "error: --data-args-path {tmp}/none.txt: no such file"),
+    (["--data-args-path", "{tmp}"], "error: --data-args-path {tmp}: cannot be read (Is a directory)"),
+    (["--data-args-path", "{tmp}/empty.txt"], "error: --data-args-path {tmp}/empty.txt: the file holds no blend"),
+    (["--per-split-data-args-path", "{tmp}/bad.json"],
+     "error: --per-split-data-args-path {tmp}/bad.json: malformed JSON (Expecting ',' delimiter, line 1 column 17); "
+     'Megatron reads {{"train": [...], "valid": [...], "test": [...]}}'),
+    (["--per-split-data-args-path", "{tmp}/no_test.json"], "error: --per-split-data-args-path {tmp}/no_test.json: no 'test' in it"),
+    (["--per-split-data-args-path", "{tmp}/number.json"],
+     "error: --per-split-data-args-path {tmp}/number.json: 'valid' is 3; it must be a list of weights and paths"),
+    (["--exit-signal", "SIGKILL"], "error: --exit-signal=SIGKILL is not one of Megatron's values: SIGTERM, SIGINT, SIGUSR1, SIGUSR2"),
+    (["--checkpoint.exit_signal=HUP"], "error: checkpoint.exit_signal='HUP' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2"),
+    (["--iterations-to-skip", "0", "4"], "error: --iterations-to-skip 0 4: iterations count from 1, 0 is none"),
+    (["--model-parallel-size", "2"], "error: --model-parallel-size is refused: Megatron-LM refuses it too"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=["missing", "directory", "empty", "json", "split", "value", "signal",
+                                                    "signal-key", "iteration", "model-parallel"])  # fmt: skip
+def test_bad_values_are_one_error_line_before_anything_starts(tmp_path, capfd, argv, message):
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "bad.json").write_text('{"train": ["a"] "valid": []}')
+    (tmp_path / "no_test.json").write_text('{"train": ["a"], "valid": ["b"]}')
+    (tmp_path / "number.json").write_text('{"train": ["a"], "valid": 3, "test": []}')
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    for mode in (["--print-config"], []):  # the print path reads the flags too: both before any process group
+        assert run_main([*mode, "--mock-data", *argv], None, None) == 2
+        out, err = capfd.readouterr()
+        assert err.count("\n") == 1 and err.startswith(message.format(tmp=tmp_path)) and "Traceback" not in err, err
+
+
+def test_exit_signal_is_the_one_signal_the_handler_catches():
+    """Megatron's --exit-signal SIGUSR1 (Slurm's early warning): SIGUSR1 stops the run after the
+    iteration; SIGTERM keeps its own handler (dtgpt's default catches SIGTERM and SIGINT)."""
+    term_before = signal.getsignal(signal.SIGTERM)
+    exits = ExitConditions(CheckpointConfig(save="ckpt", exit_signal="SIGUSR1"), torch.device("cpu"), announce=False)
+    try:
+        assert signal.getsignal(signal.SIGTERM) is term_before and exits.reason(1) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert exits.signals.received == signal.SIGUSR1 and exits.reason(2) == "exit signal received"
+    finally:
+        exits.close()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_skip_train_evaluates_from_the_first_validation_sample():
+    """Megatron's --skip-train asks for one evaluation's validation samples and reads them from 0,
+    whatever the checkpoint's consumed_valid_samples."""
+    flags = ["--mock-data", "--train-iters", "100", "--eval-interval", "10", "--eval-iters", "2", "--global-batch-size", "8"]
+    training, evaluating = load_config(None, flags), load_config(None, [*flags, "--skip-train"])
+    assert num_samples_needed(training)[1:] == (11 * 2 * 8, 2 * 8) and num_samples_needed(evaluating)[1:] == (2 * 8, 2 * 8)
+    progress = Progress(iteration=60, consumed_valid_samples=96)
+    assert resumed_valid_samples(training, progress) == 96 and resumed_valid_samples(evaluating, progress) == 0
+
+
+TINY = [
+    "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=16",
+    "--model.hidden_dropout=0.0", "--model.attention_dropout=0.0", "--model.make_vocab_size_divisible_by=64",
+    "--training.micro_batch_size=1", "--training.global_batch_size=4", "--training.train_iters=6", "--optimizer.lr=3e-3",
+    "--optimizer.lr_warmup_iters=2", "--optimizer.lr_decay_style=cosine", "--data.mock_data=true",
+    "--data.tokenizer_type=NullTokenizer", "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0",
+    "--logging.log_interval=1", "--training.calculate_per_token_loss=true",  # the same loss with or without Megatron's flags
+]  # fmt: skip
+
+
+def _train(capfd, tmp_path, name: str, *args: str) -> tuple[int, str, list[dict]]:
+    """An in-process one-process run of train.py's providers: (exit code, its output, its metrics)."""
+    import train
+
+    metrics = tmp_path / f"{name}.jsonl"
+    code = run_main([*TINY, *args, f"--logging.metrics_file={metrics}"], train.model_provider, train.datasets_provider)
+    out, err = capfd.readouterr()
+    return code, out + err, read_metrics(metrics) if metrics.exists() else []
+
+
+@pytest.mark.slow  # five in-process runs of a 2-layer model, about 6 s
+def test_run_control_flags_on_a_tiny_run(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, plain = _train(capfd, tmp_path, "plain")
+    assert code == 0, out
+    # --iterations-to-skip 3: iteration 3's batch is read and counted, nothing else moves
+    code, out, left_out = _train(capfd, tmp_path, "left_out", "--iterations-to-skip", "3", "--no-save-rng",
+                                 "--save", "ckpt", "--save-interval", "4")  # fmt: skip
+    assert code == 0 and "iteration 3: left out (training.iterations_to_skip), its 4 samples consumed" in out, out
+    assert [(r["iteration"], r["consumed_samples"]) for r in left_out] == [(1, 4), (2, 8), (4, 16), (5, 20), (6, 24)]
+    assert [r["loss"] for r in left_out[:2]] == [r["loss"] for r in plain[:2]]
+    assert left_out[2]["lr"] == plain[2]["lr"] and left_out[3]["lr"] == plain[3]["lr"]  # the LR schedule did not step
+    assert left_out[2]["loss"] not in (plain[2]["loss"], plain[3]["loss"])  # weights of 2 updates, on batch 4
+    # --no-save-rng: the checkpoint holds no generator state, and a resume from it says so
+    stored = FileSystemReader(str(tmp_path / "ckpt" / "iter_0000004")).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.") for k in stored) and not any(k.startswith("rng.") for k in stored)
+    # a resume from iteration 4 reads batch 5 next: the left-out batch was consumed from the stream
+    code, out, resumed = _train(capfd, tmp_path, "resumed", "--iterations-to-skip", "3", "--load", "ckpt",
+                                "--ckpt-step", "4", "--exit-on-missing-checkpoint")  # fmt: skip
+    assert code == 0 and "saved without its generator states (checkpoint.save_rng=false)" in out, out
+    assert [(r["iteration"], r["loss"]) for r in resumed] == [(r["iteration"], r["loss"]) for r in left_out[3:]]
+    # --skip-train: validation and test of the loaded iteration, no training, no save
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    code, out, records = _train(capfd, tmp_path, "evaluated", "--skip-train", "--load", "ckpt", "--save", "ckpt",
+                                "--eval.eval_iters=2")  # fmt: skip
+    assert code == 0 and records == [] and "saved checkpoint" not in out, out
+    assert "validation loss at iteration 6 |" in out and "validation loss at iteration 6 on test set" in out, out
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
+    # --exit-on-missing-checkpoint: a save directory with no checkpoint yet is an error, not a fresh start
+    code, out, _ = _train(capfd, tmp_path, "missing", "--load", "fresh", "--save", "fresh", "--exit-on-missing-checkpoint")
+    assert code == 2 and "error: --load fresh holds no complete checkpoint" in out, out
+    assert "--exit-on-missing-checkpoint refuses to start from scratch" in out and "Traceback" not in out
+    assert _train(capfd, tmp_path, "fresh", "--load", "fresh2", "--save", "fresh2")[0] == 0  # without it: from scratch
