@@ -273,13 +273,16 @@ def _recovered(watch, state: TrainState, builder: Builder, checkpointer) -> tupl
 
 
 def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults: FaultHooks, joining: bool = False):
-    """The checkpoint manager when saving or loading is configured (it loads on construction,
-    unless `joining`: a replacement's state came from its replica twin)."""
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+    """The checkpoint manager when saving or loading is configured (it loads on construction, from
+    checkpoint.pretrained_checkpoint while the load directory holds none; not when `joining`: a
+    replacement's state came from its replica twin)."""
+    c = cfg.checkpoint
+    if not (c.save or c.load or c.pretrained_checkpoint):
         return None
     from dtgpt.checkpoint import Checkpointer
+    from dtgpt.checkpoint.resume_controls import pretrained_start
 
-    return Checkpointer(state, cfg, runtime, faults, joining=joining)
+    return Checkpointer(state, pretrained_start(cfg), runtime, faults, joining=joining)
 
 
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:

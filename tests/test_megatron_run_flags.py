@@ -1,6 +1,6 @@
 """Megatron's flags that steer a run (dtgpt/config/megatron_flags.py): the blend read from a file
 (--data-args-path, --per-split-data-args-path), --exit-on-missing-checkpoint, --no-save-rng,
---skip-train, --iterations-to-skip and --exit-signal. Each sets its key, a bad value is one error
+--pretrained-checkpoint, --skip-train, --iterations-to-skip and --exit-signal. Each sets its key, a bad value is one error
 line before anything starts, and each does what Megatron does on a tiny one-process run.
 """
 
@@ -131,7 +131,7 @@ def _train(capfd, tmp_path, name: str, *args: str) -> tuple[int, str, list[dict]
     return code, out + err, read_metrics(metrics) if metrics.exists() else []
 
 
-@pytest.mark.slow  # five in-process runs of a 2-layer model, about 6 s
+@pytest.mark.slow  # eight in-process runs of a 2-layer model (about 3 s of CPU)
 def test_run_control_flags_on_a_tiny_run(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, plain = _train(capfd, tmp_path, "plain")
@@ -152,6 +152,15 @@ def test_run_control_flags_on_a_tiny_run(tmp_path, capfd, monkeypatch):
                                 "--ckpt-step", "4", "--exit-on-missing-checkpoint")  # fmt: skip
     assert code == 0 and "saved without its generator states (checkpoint.save_rng=false)" in out, out
     assert [(r["iteration"], r["loss"]) for r in resumed] == [(r["iteration"], r["loss"]) for r in left_out[3:]]
+    # --pretrained-checkpoint: while the load directory is empty, the run fine-tunes from it as --finetune does
+    code, out, finetuned = _train(capfd, tmp_path, "finetuned", "--load", "ckpt", "--finetune", "--training.train_iters=3")
+    assert code == 0, out
+    start = ["--pretrained-checkpoint", "ckpt", "--load", "tuned", "--save", "tuned", "--training.train_iters=3"]
+    code, out, pretrained = _train(capfd, tmp_path, "pretrained", *start)
+    assert code == 0 and "loaded checkpoint ckpt/iter_0000006" in out and "checkpoint.finetune: weights only" in out, out
+    assert [(r["iteration"], r["loss"]) for r in pretrained] == [(r["iteration"], r["loss"]) for r in finetuned]
+    code, out, again = _train(capfd, tmp_path, "again", *start)  # the load directory holds one now: resumed from it
+    assert code == 0 and "loaded checkpoint tuned/iter_0000003" in out and again == [], out
     # --skip-train: validation and test of the loaded iteration, no training, no save
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     code, out, records = _train(capfd, tmp_path, "evaluated", "--skip-train", "--load", "ckpt", "--save", "ckpt",

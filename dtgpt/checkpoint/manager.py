@@ -32,7 +32,7 @@ from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
 from dtgpt.checkpoint.integrity import ChecksummingWriter, CorruptCheckpoint, read_problem
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
-from dtgpt.checkpoint.resume_controls import fit_to_checkpoint, fresh_note, load_plan, resume_schedule, start_from_scratch
+from dtgpt.checkpoint.resume_controls import fit_to_checkpoint, fresh_note, load_plan, resume_root, resume_schedule, start_from_scratch
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.rejoin import Rejoining
 from dtgpt.checkpoint.retain import retire_previous
@@ -124,7 +124,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
     def _load(self) -> str:
         """Load per the config; returns the root loaded from ("" when none)."""
         c = self.cfg
-        root = c.load or (c.save if c.auto_resume else "")
+        root = resume_root(c)
         if not root:
             return ""
         if c.trust_pickles:

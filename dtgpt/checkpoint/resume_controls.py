@@ -11,6 +11,8 @@ LR schedule or loss scale: a resume from it is planned as with checkpoint.load_o
 saved with checkpoint.save_rng=false (--no-save-rng) holds no generator states: as checkpoint.load_rng=false.
 With checkpoint.exit_on_missing_checkpoint (--exit-on-missing-checkpoint), a load directory holding no
 checkpoint is an error even where the run would otherwise start from scratch (it is the save directory).
+With checkpoint.pretrained_checkpoint (--pretrained-checkpoint), a load directory holding none yet makes
+the run fine-tune from that checkpoint instead.
 
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
 minimum LR (and the embedding and output layer's, optimizer.decoupled_lr), warmup and decay
@@ -21,11 +23,13 @@ optimizer.use_checkpoint_opt_param_scheduler (the checkpoint's are used).
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import NamedTuple
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dtgpt.checkpoint.layout import CheckpointError
+from dtgpt.checkpoint.layout import POINTER, CheckpointError
 from dtgpt.checkpoint.stored import has_section
 from dtgpt.config import CheckpointConfig, Config
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
@@ -66,6 +70,23 @@ def fit_to_checkpoint(plan: LoadPlan, metadata: Metadata) -> tuple[LoadPlan, lis
         notes.append("the checkpoint was saved without its generator states (checkpoint.save_rng=false): they keep "
                      "their fresh seeding, as checkpoint.load_rng=false")  # fmt: skip
     return plan, notes
+
+
+def resume_root(c: CheckpointConfig) -> str:
+    """The directory a run resumes from: checkpoint.load, or under auto_resume checkpoint.save ("": none)."""
+    return c.load or (c.save if c.auto_resume else "")
+
+
+def pretrained_start(cfg: Config) -> Config:
+    """Megatron's --pretrained-checkpoint: while the directory the run resumes from holds no
+    checkpoint (no latest_checkpointed_iteration.txt), the config of a fine-tuning start from
+    checkpoint.pretrained_checkpoint (weights only, as checkpoint.finetune); otherwise `cfg`."""
+    c = cfg.checkpoint
+    root = resume_root(c)
+    if not c.pretrained_checkpoint or (root and (Path(root) / POINTER).exists()):
+        return cfg
+    start = dataclasses.replace(c, load=c.pretrained_checkpoint, finetune=True, auto_resume=False)
+    return dataclasses.replace(cfg, checkpoint=start)
 
 
 def start_from_scratch(c: CheckpointConfig, note: str) -> str:

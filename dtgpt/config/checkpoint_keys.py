@@ -1,5 +1,5 @@
-"""[checkpoint]'s keys for what a save keeps, when a load may start from nothing, and which signal
-stops a run cleanly (Megatron's --no-save-rng, --exit-on-missing-checkpoint, --exit-signal).
+"""[checkpoint]'s keys for what a save keeps, where a load may start from, and which signal stops a
+run cleanly (Megatron's --no-save-rng, --exit-on-missing-checkpoint, --pretrained-checkpoint, --exit-signal).
 
 Kept apart from dtgpt/config/sections.py, which holds the save and load basics.
 """
@@ -20,6 +20,10 @@ class CheckpointKeys:
     exit_on_missing_checkpoint: bool = False
     """With checkpoint.load set, finding no checkpoint there is an error instead of a start from
     scratch (Megatron's --exit-on-missing-checkpoint: a typo in the path stops the run)."""
+    pretrained_checkpoint: str = ""
+    """Megatron's --pretrained-checkpoint: where the load directory holds no checkpoint yet, the run
+    fine-tunes from this one (its weights only, as checkpoint.finetune); once the load directory
+    holds one, the run resumes from it."""
     exit_signal: str = ""
     """The one signal the exit-signal handler catches (Megatron's --exit-signal: one of EXIT_SIGNALS);
     empty: SIGTERM and SIGINT (docs/faults.md)."""
