@@ -60,6 +60,7 @@ BAD = [
     (["--data-args-path", "{tmp}/none.txt"], "error: --data-args-path {tmp}/none.txt: no such file"),
     (["--data-args-path", "{tmp}"], "error: --data-args-path {tmp}: cannot be read (Is a directory)"),
     (["--data-args-path", "{tmp}/empty.txt"], "error: --data-args-path {tmp}/empty.txt: the file holds no blend"),
+    (["--data-args-path", "{tmp}/odd.txt"], "error: data.data_path=['0.3', 'a', 'b'] (read from --data-args-path {tmp}/odd.txt) must be"),
     (["--per-split-data-args-path", "{tmp}/bad.json"],
      "error: --per-split-data-args-path {tmp}/bad.json: malformed JSON (Expecting ',' delimiter, line 1 column 17); "
      'Megatron reads {{"train": [...], "valid": [...], "test": [...]}}'),
@@ -70,19 +71,22 @@ BAD = [
     (["--checkpoint.exit_signal=HUP"], "error: checkpoint.exit_signal='HUP' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2"),
     (["--iterations-to-skip", "0", "4"], "error: --iterations-to-skip 0 4: iterations count from 1, 0 is none"),
     (["--model-parallel-size", "2"], "error: --model-parallel-size is refused: Megatron-LM refuses it too"),
+    (["--full-validation"], "error: --full-validation is refused: dtgpt evaluates --eval-iters global batches"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("argv, message", BAD, ids=["missing", "directory", "empty", "json", "split", "value", "signal",
-                                                    "signal-key", "iteration", "model-parallel"])  # fmt: skip
+@pytest.mark.parametrize("argv, message", BAD, ids=["missing", "directory", "empty", "blend", "json", "split", "value",
+                                                    "signal", "signal-key", "iteration", "model-parallel", "full-validation"])  # fmt: skip
 def test_bad_values_are_one_error_line_before_anything_starts(tmp_path, capfd, argv, message):
     (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "odd.txt").write_text("0.3 a b")
     (tmp_path / "bad.json").write_text('{"train": ["a"] "valid": []}')
     (tmp_path / "no_test.json").write_text('{"train": ["a"], "valid": ["b"]}')
     (tmp_path / "number.json").write_text('{"train": ["a"], "valid": 3, "test": []}')
     argv = [arg.format(tmp=tmp_path) for arg in argv]
+    data = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128"] if "data-args-path" in argv[0] else ["--mock-data"]
     for mode in (["--print-config"], []):  # the print path reads the flags too: both before any process group
-        assert run_main([*mode, "--mock-data", *argv], None, None) == 2
+        assert run_main([*mode, *data, *argv], None, None) == 2
         out, err = capfd.readouterr()
         assert err.count("\n") == 1 and err.startswith(message.format(tmp=tmp_path)) and "Traceback" not in err, err
 

@@ -66,6 +66,10 @@ FROM_FILE = (DATA_ARGS_PATH, PER_SPLIT_DATA_ARGS_PATH)
 
 WHY_REFUSED = {
     "model-parallel-size": "Megatron-LM refuses it too (its old name of the tensor-parallel size): give --tensor-model-parallel-size",
+    "full-validation": "dtgpt evaluates --eval-iters global batches of the validation split, not the whole split; "
+    "give --eval-iters",
+    "multiple-validation-sets": "dtgpt evaluates one validation set (one blend of the --valid-data-path datasets); "
+    "give one blend",
 }
 """flag -> why it is refused, where a reason says more than "not implemented"."""
 
