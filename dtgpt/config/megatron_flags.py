@@ -290,6 +290,10 @@ def markdown_table() -> str:
             continue
         arity = {"0": m.value if isinstance(m.value, str) else str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
+    lines += ["", f"Read from a file (docs/data.md): `--{DATA_ARGS_PATH}` sets `data.data_path` to the file's words, "
+              f"`--{PER_SPLIT_DATA_ARGS_PATH}` sets `data.train_data_path`, `data.valid_data_path` and "
+              "`data.test_data_path` from its JSON object's \"train\", \"valid\" and \"test\"."]  # fmt: skip
+    lines += ["", "Refused, with the reason:", "", *(f"- `--{name}`: {why}." for name, why in WHY_REFUSED.items())]
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
     lines += ["## Megatron's example scripts", "", *EXAMPLE_SCRIPTS, "", *noted_section(), ""]
     lines += ["## Megatron's functional tests", "", *TESTED_SCRIPTS, "", *tested_section(), ""]
