@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from dtgpt.api import num_samples_needed, resumed_valid_samples
+from dtgpt.checkpoint.checkpoint_args import with_checkpoint_architecture
 from dtgpt.cli import run_main
 from dtgpt.config import CheckpointConfig, load_config
 from dtgpt.config.megatron_flags import translate
@@ -165,6 +166,8 @@ def test_run_control_flags_on_a_tiny_run(tmp_path, capfd, monkeypatch):
     assert [(r["iteration"], r["loss"]) for r in pretrained] == [(r["iteration"], r["loss"]) for r in finetuned]
     code, out, again = _train(capfd, tmp_path, "again", *start)  # the load directory holds one now: resumed from it
     assert code == 0 and "loaded checkpoint tuned/iter_0000003" in out and again == [], out
+    cfg = load_config(None, [*TINY, "--model.num_layers=3", "--pretrained-checkpoint", "ckpt", "--load", "none", "--use-checkpoint-args"])
+    assert with_checkpoint_architecture(cfg)[0].model.num_layers == 2  # the architecture comes from it too
     # --skip-train: validation and test of the loaded iteration, no training, no save
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     code, out, records = _train(capfd, tmp_path, "evaluated", "--skip-train", "--load", "ckpt", "--save", "ckpt",
