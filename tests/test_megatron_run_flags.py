@@ -171,8 +171,9 @@ def test_run_control_flags_on_a_tiny_run(tmp_path, capfd, monkeypatch):
     # --skip-train: validation and test of the loaded iteration, no training, no save
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     code, out, records = _train(capfd, tmp_path, "evaluated", "--skip-train", "--load", "ckpt", "--save", "ckpt",
-                                "--eval.eval_iters=2")  # fmt: skip
+                                "--eval.eval_iters=2", "--training.train_iters=8")  # 2 iterations it does not train  # fmt: skip
     assert code == 0 and records == [] and "saved checkpoint" not in out, out
+    assert "> skipping training (eval.skip_train): evaluating iteration 6" in out
     assert "validation loss at iteration 6 |" in out and "validation loss at iteration 6 on test set" in out, out
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
     # --exit-on-missing-checkpoint: a save directory with no checkpoint yet is an error, not a fresh start
