@@ -71,13 +71,14 @@ BAD = [
     (["--exit-signal", "SIGKILL"], "error: --exit-signal=SIGKILL is not one of Megatron's values: SIGTERM, SIGINT, SIGUSR1, SIGUSR2"),
     (["--checkpoint.exit_signal=HUP"], "error: checkpoint.exit_signal='HUP' is not one of SIGTERM, SIGINT, SIGUSR1, SIGUSR2"),
     (["--iterations-to-skip", "0", "4"], "error: --iterations-to-skip 0 4: iterations count from 1, 0 is none"),
+    (["--data-arg-path", "blend.txt"], "error: unexpected argument '--data-arg-path'; did you mean '--data-args-path'?"),
     (["--model-parallel-size", "2"], "error: --model-parallel-size is refused: Megatron-LM refuses it too"),
     (["--full-validation"], "error: --full-validation is refused: dtgpt evaluates --eval-iters global batches"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("argv, message", BAD, ids=["missing", "directory", "empty", "blend", "json", "split", "value",
-                                                    "signal", "signal-key", "iteration", "model-parallel", "full-validation"])  # fmt: skip
+                                                    "signal", "signal-key", "iteration", "typo", "model-parallel", "full-validation"])  # fmt: skip
 def test_bad_values_are_one_error_line_before_anything_starts(tmp_path, capfd, argv, message):
     (tmp_path / "empty.txt").write_text(" \n")
     (tmp_path / "odd.txt").write_text("0.3 a b")

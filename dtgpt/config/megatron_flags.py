@@ -245,7 +245,7 @@ def _key_type(dotted: str):
 def _unknown(arg: str) -> str:
     if not arg.startswith("--"):
         return f"unexpected argument {arg!r}; overrides look like --section.key=value"
-    known = [*DTGPT_OPTIONS, *("--" + n for n in flag_table()), *("--" + n for n in IGNORED)]
+    known = [*DTGPT_OPTIONS, *("--" + n for n in (*flag_table(), *IGNORED, *FROM_FILE))]
     match = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.6)
     hint = f"did you mean '{match[0]}'?" if match else "overrides look like --section.key=value, or Megatron-LM's flags"
     return f"unexpected argument {arg!r}; {hint}"
