@@ -10,6 +10,7 @@ import json
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -19,9 +20,11 @@ from dtgpt.checkpoint.checkpoint_args import with_checkpoint_architecture
 from dtgpt.cli import run_main
 from dtgpt.config import CheckpointConfig, load_config
 from dtgpt.config.megatron_flags import translate
+from dtgpt.data import build_datasets, build_tokenizer
 from dtgpt.faults.signals import ExitConditions
 from dtgpt.state import Progress
 from tests.runs import read_metrics
+from tests.test_data_blended import make_prefix
 
 
 def test_run_control_flags_set_their_keys():
@@ -55,6 +58,32 @@ def test_data_args_files_become_the_data_keys(tmp_path):
     d = load_config(None, ["--per-split-data-args-path", str(per_split)], check=False).data
     assert d.train_data_path == ["1", "/d/t1", "2", "/d/t2"] and d.valid_data_path == ["/d/v"]
     assert d.test_data_path == ["0.5", "/d/x", "0.5", "/d/y"] and d.data_path == []
+
+
+def test_a_blend_from_a_file_is_the_data_typed_on_the_command_line(tmp_path):
+    """The datasets built from --data-args-path / --per-split-data-args-path are, sample for sample, those of
+    --data-path / --train-data-path ... with the file's words."""
+    a, b = make_prefix(tmp_path / "a", 0, 500, seed=1), make_prefix(tmp_path / "b", 500, 1000, seed=2)
+    (tmp_path / "blend.txt").write_text(f"0.4 {a}\n0.6 {b}\n")
+    (tmp_path / "splits.json").write_text(json.dumps({"train": f"0.4 {a} 0.6 {b}", "valid": [b], "test": [a]}))
+    base = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "16", "--max-position-embeddings", "16",
+            "--global-batch-size", "4", "--train-iters", "5", "--eval-iters", "1", "--data-cache-path", str(tmp_path / "cache")]  # fmt: skip
+    pairs = [
+        (["--data-args-path", str(tmp_path / "blend.txt")], ["--data-path", "0.4", a, "0.6", b]),
+        (["--per-split-data-args-path", str(tmp_path / "splits.json")],
+         ["--train-data-path", "0.4", a, "0.6", b, "--valid-data-path", b, "--test-data-path", a]),
+    ]  # fmt: skip
+    for from_file, typed in pairs:
+        built = []
+        for flags in (from_file, typed):
+            cfg = load_config(None, [*base, *flags])
+            built.append(build_datasets(cfg, build_tokenizer(cfg.data), num_samples_needed(cfg)))
+        assert built[0][0] is not None and len(built[0][0]) >= 20
+        for split_from_file, split_typed in zip(*built):  # a split without documents is None in both
+            assert (split_from_file is None) == (split_typed is None)
+            if split_typed is not None:
+                assert len(split_from_file) == len(split_typed)
+                assert all(np.array_equal(split_from_file[i], split_typed[i]) for i in range(len(split_typed)))
 
 
 BAD = [
