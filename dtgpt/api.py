@@ -92,14 +92,17 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int, model_provider: 
 def num_samples_needed(cfg: Config) -> tuple[int, int, int]:
     """Samples of train, valid and test that the run will read (Megatron's accounting)."""
     t, e = cfg.training, cfg.eval
-    evals = train_iterations(t, cfg.model.seq_length) // e.eval_interval + 1
+    evals = 1 if e.skip_train else train_iterations(t, cfg.model.seq_length) // e.eval_interval + 1
     return total_train_samples(t, cfg.model.seq_length), evals * e.eval_iters * t.global_batch_size, e.eval_iters * t.global_batch_size
 
 
 def resumed_valid_samples(cfg: Config, progress: Progress) -> int:
     """Where the validation stream stands at `progress`: its consumed_valid_samples, or, for a
     checkpoint that holds none (older dtgpt, or 0 in a Megatron one), Megatron's backward-compatible
-    count: one evaluation of eval_iters global batches every eval_interval iterations so far."""
+    count: one evaluation of eval_iters global batches every eval_interval iterations so far. Under
+    eval.skip_train validation reads from its first sample, as Megatron's does then."""
+    if cfg.eval.skip_train:
+        return 0
     if progress.consumed_valid_samples or not progress.iteration:
         return progress.consumed_valid_samples
     return progress.iteration // cfg.eval.eval_interval * cfg.eval.eval_iters * cfg.training.global_batch_size

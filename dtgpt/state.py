@@ -234,14 +234,16 @@ class TrainState(Stateful):
         # Steps are skipped on every rank together, so either all optimizers have state or none.
         return all(opt.state for opt in self.optimizer.optimizers)
 
-    def state_dict(self, optimizer: bool = True) -> dict:
+    def state_dict(self, optimizer: bool = True, rng: bool = True) -> dict:
         """The nested dict handed to dcp.save / dcp.async_save (values alias live tensors);
-        without `optimizer`, no AdamW state, LR schedule or loss scale (Megatron's --no-save-optim)."""
+        without `optimizer`, no AdamW state, LR schedule or loss scale (Megatron's --no-save-optim);
+        without `rng`, no generator states (--no-save-rng)."""
         state = {"model": self._merge(self._model_dicts(), lambda k: True, into_copy=False)}
         for section, attr in self.STATEFUL.items() if self.resumable else ():
             if optimizer or section == "train_state":
                 state[section] = scalars_to_tensors(getattr(self, attr).state_dict())
-        state["rng"] = rng_state(self.model)
+        if rng:
+            state["rng"] = rng_state(self.model)
         if optimizer and self.has_optimizer_state():
             state["optimizer"] = self._merge(self._optimizer_dicts(), _is_state_key, into_copy=False)
         return state
@@ -292,6 +294,12 @@ class TrainState(Stateful):
         self.health.record(skipped, loss_finite and not nan)
         if not skipped:
             self.lr_schedule.step(global_batch_size)
+
+    def pass_over(self, global_batch_size: int) -> None:
+        """Advance past an iteration left out (training.iterations_to_skip, as Megatron leaves it
+        out): its samples are consumed; no update, no LR schedule step, no skipped-iteration count."""
+        self.progress.iteration += 1
+        self.progress.consumed_samples += global_batch_size
 
     @torch.no_grad()
     def weights_finite(self, group: dist.ProcessGroup | None = None) -> bool:

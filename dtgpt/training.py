@@ -28,7 +28,7 @@ from dtgpt.api import (
     train_step,
 )
 from dtgpt.config import Config, padded_vocabulary, to_toml
-from dtgpt.config.batch_schedule import train_iterations
+from dtgpt.config.batch_schedule import BatchSizeSchedule, train_iterations
 from dtgpt.data import build_tokenizer
 from dtgpt.data.batch import TokenOptions
 from dtgpt.distributed import Runtime
@@ -45,6 +45,8 @@ from dtgpt.step import StepResult
 from dtgpt.summary import startup_summary
 
 DatasetsProvider = Callable[[Config, object, tuple[int, int, int]], tuple]
+
+TRAIN_ITERS_REACHED, SKIP_TRAIN = "train_iters reached", "eval.skip_train: no training"
 
 
 class SkippedTooOftenError(RuntimeError):
@@ -191,7 +193,8 @@ def train(
     guard = IterationGuard(phase, faults, last_words, state)
     peak = peak_tflops(runtime.device, cfg.logging.peak_tflops)
     flops = flops_per_token(cfg.model, state.model.parts[0].vocab_size)
-    reason, skipped_in_a_row = "train_iters reached", 0
+    reason, skipped_in_a_row = TRAIN_ITERS_REACHED, 0
+    left_out = set(cfg.training.iterations_to_skip)
     end = train_iterations(cfg.training, cfg.model.seq_length)
     if progress.iteration >= end:
         log0(runtime, f"> nothing to train: the run is at iteration {progress.iteration} and {run_length(cfg, end)}; "
@@ -200,6 +203,9 @@ def train(
     state.model.train(True)
     try:
         while progress.iteration < end:
+            if progress.iteration + 1 in left_out:  # Megatron's --iterations-to-skip
+                leave_out(cfg, runtime, state, train_iter)
+                continue
             profiler.step(progress.iteration + 1)
             start = time.perf_counter()
             with guard(progress.iteration + 1):
@@ -248,6 +254,16 @@ def train(
     return reason
 
 
+def leave_out(cfg: Config, runtime: Runtime, state: TrainState, train_iter: Iterator) -> None:
+    """Read the next iteration's batch and count its samples as consumed, with no forward,
+    backward or update: Megatron's --iterations-to-skip (a batch known to break the run)."""
+    size = BatchSizeSchedule(cfg.training, cfg.model.seq_length).global_batch_size(state.progress.consumed_samples)
+    with state.timers("batch-generator"):
+        next(train_iter)
+    state.pass_over(size)
+    log0(runtime, f"iteration {state.progress.iteration}: left out (training.iterations_to_skip), its {size} samples consumed")
+
+
 def _recovered(watch, state: TrainState, builder: Builder, checkpointer, metrics: MetricsLogger) -> tuple:
     """Carry out the in-process recovery `watch` decided; (train iterator, validation iterator, new watch)."""
     pending, watch.pending = watch.pending, None
@@ -257,13 +273,16 @@ def _recovered(watch, state: TrainState, builder: Builder, checkpointer, metrics
 
 
 def build_checkpointer(cfg: Config, runtime: Runtime, state: TrainState, faults: FaultHooks, joining: bool = False):
-    """The checkpoint manager when saving or loading is configured (it loads on construction,
-    unless `joining`: a replacement's state came from its replica twin)."""
-    if not (cfg.checkpoint.save or cfg.checkpoint.load):
+    """The checkpoint manager when saving or loading is configured (it loads on construction, from
+    checkpoint.pretrained_checkpoint while the load directory holds none; not when `joining`: a
+    replacement's state came from its replica twin)."""
+    c = cfg.checkpoint
+    if not (c.save or c.load or c.pretrained_checkpoint):
         return None
     from dtgpt.checkpoint import Checkpointer
+    from dtgpt.checkpoint.resume_controls import pretrained_start
 
-    return Checkpointer(state, cfg, runtime, faults, joining=joining)
+    return Checkpointer(state, pretrained_start(cfg), runtime, faults, joining=joining)
 
 
 def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: DatasetsProvider) -> TrainState:
@@ -300,7 +319,11 @@ def pretrain(cfg: Config, model_provider: ModelProvider, datasets_provider: Data
         # SIGTERM/SIGINT are caught from here until the last save has completed (finalize()).
         exits = ExitConditions(cfg.checkpoint, runtime.device, announce=runtime.is_main)
         try:
-            train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults, builder, test_iter)
+            if cfg.eval.skip_train:  # Megatron's --skip-train: evaluate the loaded model, save nothing
+                log0(runtime, f"> skipping training (eval.skip_train): evaluating iteration {progress.iteration}")
+                final_evaluation(cfg, state, metrics, valid_iter, test_iter, SKIP_TRAIN)
+            else:
+                train(cfg, runtime, state, train_iter, valid_iter, metrics, checkpointer, exits, faults, builder, test_iter)
         finally:
             metrics.close()
             try:
@@ -325,11 +348,13 @@ def run_validation(cfg: Config, state: TrainState, valid_iter: Iterator) -> floa
 
 
 def final_evaluation(cfg: Config, state: TrainState, metrics: MetricsLogger, valid_iter, test_iter, reason: str) -> None:
-    """After the last iteration: validation (unless just done) and test, as Megatron ends a run."""
+    """After the last iteration (or instead of training, under eval.skip_train): validation (unless
+    just done) and test, as Megatron ends a run."""
     iteration = state.progress.iteration
-    if reason != "train_iters reached" or not cfg.eval.eval_iters:
+    if reason not in (TRAIN_ITERS_REACHED, SKIP_TRAIN) or not cfg.eval.eval_iters:
         return
-    if valid_iter is not None and iteration % cfg.eval.eval_interval:  # not just evaluated
+    just_evaluated = reason == TRAIN_ITERS_REACHED and iteration % cfg.eval.eval_interval == 0
+    if valid_iter is not None and not just_evaluated:
         metrics.log_eval(iteration, "validation", run_validation(cfg, state, valid_iter))
     if test_iter is not None:
         metrics.log_eval(iteration, "test", evaluate(cfg, state.model, test_iter, cfg.eval.eval_iters))

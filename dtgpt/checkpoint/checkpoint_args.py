@@ -13,6 +13,7 @@ import dataclasses
 from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import with_architecture_of, with_megatron_architecture
 from dtgpt.checkpoint.megatron.reader import MegatronReader
+from dtgpt.checkpoint.resume_controls import pretrained_start, resume_root
 from dtgpt.checkpoint.tokenizer_args import with_megatron_tokenizer
 from dtgpt.config import Config, ConfigError, validate
 from dtgpt.config.sections import require
@@ -20,10 +21,12 @@ from dtgpt.config.sections import require
 
 def with_checkpoint_architecture(cfg: Config) -> tuple[Config, str]:
     """(cfg with the checkpoint's architecture, a line for the log saying where it came from);
-    cfg unchanged when there is no checkpoint yet to resume (auto_resume's first run)."""
-    c = cfg.checkpoint
-    root = c.load or (c.save if c.auto_resume else "")
-    require(bool(root), "checkpoint.use_checkpoint_args=true needs checkpoint.load: the checkpoint whose architecture to take")
+    cfg unchanged when there is no checkpoint yet to resume (auto_resume's first run). While the load
+    directory holds none, checkpoint.pretrained_checkpoint's architecture is taken, as Megatron takes it."""
+    c = pretrained_start(cfg).checkpoint
+    root = resume_root(c)
+    require(bool(root), "checkpoint.use_checkpoint_args=true needs checkpoint.load (or checkpoint.pretrained_checkpoint): "
+            "the checkpoint whose architecture to take")
     directory = megatron.find(root, c.load_iteration)
     if directory is not None:
         args = MegatronReader(directory).common.get("args")

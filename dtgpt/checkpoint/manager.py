@@ -32,7 +32,7 @@ from dtgpt.checkpoint import layout, megatron
 from dtgpt.checkpoint.architecture import saved_difference
 from dtgpt.checkpoint.integrity import ChecksummingWriter, CorruptCheckpoint, read_problem
 from dtgpt.checkpoint.mesh import mesh_info, mesh_text, same_rng_coordinates
-from dtgpt.checkpoint.resume_controls import fresh_note, load_plan, resume_schedule, saved_without_optimizer
+from dtgpt.checkpoint.resume_controls import fit_to_checkpoint, fresh_note, load_plan, resume_root, resume_schedule, start_from_scratch
 from dtgpt.checkpoint.layout import CheckpointError
 from dtgpt.checkpoint.rejoin import Rejoining
 from dtgpt.checkpoint.retain import retire_previous
@@ -124,7 +124,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
     def _load(self) -> str:
         """Load per the config; returns the root loaded from ("" when none)."""
         c = self.cfg
-        root = c.load or (c.save if c.auto_resume else "")
+        root = resume_root(c)
         if not root:
             return ""
         if c.trust_pickles:
@@ -144,7 +144,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
             for warning in found.warnings:
                 self._log(warning, "WARNING: ")
             if found.directory is None:
-                self._log(f"{found.note}: starting from scratch")
+                self._log(start_from_scratch(c, found.note))
                 return root
             start = time.perf_counter()
             try:
@@ -179,11 +179,9 @@ class Checkpointer(Rejoining, RankZeroCalls):
         marker = layout.read_marker(directory)
         where, saved = f"checkpoint {directory} does not fit this model: ", layout.stored_config(directory)
 
-        plan = load_plan(c, self.state.resumable)
-        if plan.optimizer and has_section(metadata, "train_state") and not has_section(metadata, "lr_schedule"):
-            plan = saved_without_optimizer(plan)
-            self._log("the checkpoint was saved without its optimizer (checkpoint.save_optimizer=false): fresh optimizer "
-                      "state, LR schedule and loss scale, as checkpoint.load_optimizer=false")  # fmt: skip
+        plan, notes = fit_to_checkpoint(load_plan(c, self.state.resumable), metadata)
+        for note in notes:
+            self._log(note)
         stateful = "lr_schedule" in plan.sections
         if stateful and not has_section(metadata, "train_state"):
             raise CheckpointError(
@@ -272,7 +270,7 @@ class Checkpointer(Rejoining, RankZeroCalls):
         self._poll(wait=True)  # at most one save in flight
         verdict = self.state.health.verdict(self.state.weights_finite())
         directory = self._from_rank0(lambda: self._prepare(iteration))
-        state = self.state.state_dict(optimizer=self.cfg.save_optimizer)
+        state = self.state.state_dict(optimizer=self.cfg.save_optimizer, rng=self.cfg.save_rng)
         writer = self._faults.storage_writer(directory, iteration) or ChecksummingWriter(directory)
         if self.cfg.async_save if background is None else background:
             self._stager = stager_for_next_save(self._stager, cuda=self.runtime.device.type == "cuda")
@@ -310,8 +308,9 @@ class Checkpointer(Rejoining, RankZeroCalls):
         verdict = self.state.health.verdict(self.state.weights_finite(group))
         box = [self._prepare(iteration) if leader else None]
         dist.broadcast_object_list(box, group=group, group_src=0)
-        state = self.state.state_dict(optimizer=self.cfg.save_optimizer)
-        state["rng"] = rng if rng is not None else state["rng"]
+        state = self.state.state_dict(optimizer=self.cfg.save_optimizer, rng=self.cfg.save_rng)
+        if rng is not None and self.cfg.save_rng:
+            state["rng"] = rng
         writer = ChecksummingWriter(box[0])
         dcp.save(state, checkpoint_id=str(box[0]), storage_writer=writer, process_group=group)
         self._complete(iteration, box[0], verdict, writer.records, leader=leader)

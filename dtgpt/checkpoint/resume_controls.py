@@ -7,7 +7,12 @@
     checkpoint.load_rng=false        the generators keep their fresh seeding (--no-load-rng)
 
 A checkpoint saved with checkpoint.save_optimizer=false (--no-save-optim) holds no optimizer state,
-LR schedule or loss scale: a resume from it is planned as with checkpoint.load_optimizer=false.
+LR schedule or loss scale: a resume from it is planned as with checkpoint.load_optimizer=false. One
+saved with checkpoint.save_rng=false (--no-save-rng) holds no generator states: as checkpoint.load_rng=false.
+With checkpoint.exit_on_missing_checkpoint (--exit-on-missing-checkpoint), a load directory holding no
+checkpoint is an error even where the run would otherwise start from scratch (it is the save directory).
+With checkpoint.pretrained_checkpoint (--pretrained-checkpoint), a load directory holding none yet makes
+the run fine-tune from that checkpoint instead.
 
 A loaded LR schedule is checked as Megatron's OptimizerParamScheduler checks it: its peak and
 minimum LR (and the embedding and output layer's, optimizer.decoupled_lr), warmup and decay
@@ -19,9 +24,14 @@ optimizer.use_checkpoint_opt_param_scheduler (the checkpoint's are used).
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import NamedTuple
 
-from dtgpt.checkpoint.layout import CheckpointError
+from torch.distributed.checkpoint.metadata import Metadata
+
+from dtgpt.checkpoint.layout import POINTER, CheckpointError
+from dtgpt.checkpoint.stored import has_section
 from dtgpt.config import CheckpointConfig, Config
 from dtgpt.config.decoupled_lr_rules import embedding_output_bounds
 from dtgpt.config.derived import lr_decay_length, lr_warmup_length, wd_incr_length
@@ -47,9 +57,45 @@ def load_plan(c: CheckpointConfig, resumable: bool) -> LoadPlan:
     return LoadPlan(optimizer, sections, c.load_rng)
 
 
-def saved_without_optimizer(plan: LoadPlan) -> LoadPlan:
-    """The plan for a checkpoint saved without its optimizer: load_optimizer=false's."""
-    return plan._replace(optimizer=False, sections=tuple(s for s in plan.sections if s == "train_state"))
+def fit_to_checkpoint(plan: LoadPlan, metadata: Metadata) -> tuple[LoadPlan, list[str]]:
+    """The plan for what a checkpoint holds, and a line for the log about each part it lacks: one
+    saved without its optimizer is loaded as with load_optimizer=false, one without its generator
+    states as with load_rng=false."""
+    notes = []
+    if plan.optimizer and has_section(metadata, "train_state") and not has_section(metadata, "lr_schedule"):
+        plan = plan._replace(optimizer=False, sections=tuple(s for s in plan.sections if s == "train_state"))
+        notes.append("the checkpoint was saved without its optimizer (checkpoint.save_optimizer=false): fresh optimizer "
+                     "state, LR schedule and loss scale, as checkpoint.load_optimizer=false")  # fmt: skip
+    if plan.rng and has_section(metadata, "train_state") and not has_section(metadata, "rng"):
+        plan = plan._replace(rng=False)
+        notes.append("the checkpoint was saved without its generator states (checkpoint.save_rng=false): they keep "
+                     "their fresh seeding, as checkpoint.load_rng=false")  # fmt: skip
+    return plan, notes
+
+
+def resume_root(c: CheckpointConfig) -> str:
+    """The directory a run resumes from: checkpoint.load, or under auto_resume checkpoint.save ("": none)."""
+    return c.load or (c.save if c.auto_resume else "")
+
+
+def pretrained_start(cfg: Config) -> Config:
+    """Megatron's --pretrained-checkpoint: while the directory the run resumes from holds no
+    checkpoint (no latest_checkpointed_iteration.txt), the config of a fine-tuning start from
+    checkpoint.pretrained_checkpoint (weights only, as checkpoint.finetune); otherwise `cfg`."""
+    c = cfg.checkpoint
+    root = resume_root(c)
+    if not c.pretrained_checkpoint or (root and (Path(root) / POINTER).exists()):
+        return cfg
+    start = dataclasses.replace(c, load=c.pretrained_checkpoint, finetune=True, auto_resume=False)
+    return dataclasses.replace(cfg, checkpoint=start)
+
+
+def start_from_scratch(c: CheckpointConfig, note: str) -> str:
+    """The log line of a load that found no checkpoint where the run may start from scratch (the load
+    directory is also the save directory, or auto_resume); an error under exit_on_missing_checkpoint."""
+    if c.exit_on_missing_checkpoint:
+        raise CheckpointError(f"{note}; checkpoint.exit_on_missing_checkpoint=true refuses to start from scratch: fix the path, or unset it")
+    return f"{note}: starting from scratch"
 
 
 def fresh_note(c: CheckpointConfig) -> str:

@@ -19,6 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
+from dtgpt.config.checkpoint_keys import CheckpointKeys
 from dtgpt.config.megatron_flags import CONFLICT_WORDS, translate
 from dtgpt.config.megatron_launch import apply_megatron_launch_rules
 from dtgpt.config.megatron_vocab import apply_megatron_vocab_multiple
@@ -266,7 +267,7 @@ def _toml_value(value: Any) -> str:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML; unset optional keys appear as comments."""
     lines = []
-    later = {f.name for keys in (MoEKeys, MuonKeys, PipelineSplitKeys, TokenizerKeys) for f in dataclasses.fields(keys)}
+    later = {f.name for keys in (MoEKeys, MuonKeys, PipelineSplitKeys, TokenizerKeys, CheckpointKeys) for f in dataclasses.fields(keys)}
     for section_field in dataclasses.fields(cfg):
         section = getattr(cfg, section_field.name)
         if section_field.name == "faults":

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import typing
 from functools import lru_cache
 from typing import NamedTuple
 
+from dtgpt.config.checkpoint_keys import EXIT_SIGNALS
+from dtgpt.config.megatron_data_args import DATA_ARGS_PATH, PER_SPLIT_DATA_ARGS_PATH, data_args_overrides, toml_list
 from dtgpt.config.megatron_names import MEGATRON_0_16_FLAGS, NEWER_FLAGS
 from dtgpt.config.megatron_noted import EXAMPLE_SCRIPTS, NOTED, noted_section
 from dtgpt.config.megatron_tested import NEWER as TESTED_NEWER
@@ -55,9 +56,22 @@ CHOICES = {
     # different values are the error of two settings of one key (CONFLICT_WORDS)
     "megatron-fsdp-main-grads-dtype": (GRAD_DTYPE_KEY, GRAD_DTYPE),
     "megatron-fsdp-grad-comm-dtype": (GRAD_DTYPE_KEY, GRAD_DTYPE),
+    "exit-signal": ("checkpoint.exit_signal", {name: name for name in EXIT_SIGNALS}),
 }
 """flag -> (dtgpt key, each value Megatron accepts -> the key's value, None: the value sets nothing and is
 noted): a flag whose value names a setting."""
+
+FROM_FILE = (DATA_ARGS_PATH, PER_SPLIT_DATA_ARGS_PATH)
+"""Flags naming a file whose contents are the values of data keys (dtgpt/config/megatron_data_args.py)."""
+
+WHY_REFUSED = {
+    "model-parallel-size": "Megatron-LM refuses it too (its old name of the tensor-parallel size): give --tensor-model-parallel-size",
+    "full-validation": "dtgpt evaluates --eval-iters global batches of the validation split, not the whole split; "
+    "give --eval-iters",
+    "multiple-validation-sets": "dtgpt evaluates one validation set (one blend of the --valid-data-path datasets); "
+    "give one blend",
+}
+"""flag -> why it is refused, where a reason says more than "not implemented"."""
 
 CONFLICT_WORDS = {
     GRAD_DTYPE_KEY: "ask for different gradient dtypes: dtgpt accumulates and reduces gradients in one dtype "
@@ -75,9 +89,10 @@ IGNORED = (
     "no-async-tensor-model-parallel-allreduce", "use-cpu-initialization", "empty-unused-memory-level",
     "manual-gc", "manual-gc-interval", "dataloader-type", "no-mmap-bin-files",
     "no-create-attention-mask-in-dataloader", "ckpt-format", "ckpt-fully-parallel-load",
-    "ckpt-assume-constant-structure", "log-throughput", "log-timers-to-tensorboard",
+    "ckpt-assume-constant-structure", "use-dist-ckpt", "dist-ckpt-format", "log-throughput", "log-timers-to-tensorboard",
     "log-validation-ppl-to-tensorboard", "log-memory-to-tensorboard", "log-params-norm",
-    "log-num-zeros-in-grad", "no-log-loss-scale-to-tensorboard", "tensorboard-log-interval",
+    "log-num-zeros-in-grad", "no-log-loss-scale-to-tensorboard", "disable-log-loss-scale-to-tensorboard",
+    "log-world-size-to-tensorboard", "log-memory-interval", "tensorboard-log-interval",
     "tensorboard-queue-size", "profile", "use-pytorch-profiler",
     "moe-permute-fusion", "moe-router-fusion", "moe-shared-expert-overlap",
     *NOTED,  # Megatron's example scripts' flags, each with what dtgpt does (dtgpt/config/megatron_noted.py)
@@ -177,7 +192,9 @@ def translate(args: list[str]) -> Translated:
             i += 1
         _check_arity(arg, flag, values)
         check_tested_value(name, values)
-        if name in IGNORED:
+        if name in FROM_FILE:
+            overrides.extend(data_args_overrides(name, values[0]))
+        elif name in IGNORED:
             ignored.append(" ".join(["--" + name, *values]))
         elif name in flag_table():
             mapping = flag_table()[name]
@@ -186,6 +203,8 @@ def translate(args: list[str]) -> Translated:
                 ignored.append(" ".join(["--" + name, *values]))
             else:
                 overrides.append((mapping.key, text, " ".join(["--" + name, *values])))
+        elif name in WHY_REFUSED:
+            raise ConfigError(f"--{name} is refused: {WHY_REFUSED[name]}")
         else:
             raise ConfigError(f"--{name} is a Megatron-LM flag dtgpt does not implement (docs/megatron_flags.md lists the ones it maps)")
     return Translated(padded_vocabulary_wins(overrides), ignored)
@@ -213,7 +232,7 @@ def _as_text(mapping: Mapping, values: list[str]) -> str | None:
     if mapping.flag.arity == "1":
         return values[0]
     if _key_type(mapping.key) in (list[str], typing.Optional[list[str]]):
-        return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+        return toml_list(values)
     return " ".join(values)
 
 
@@ -226,7 +245,7 @@ def _key_type(dotted: str):
 def _unknown(arg: str) -> str:
     if not arg.startswith("--"):
         return f"unexpected argument {arg!r}; overrides look like --section.key=value"
-    known = [*DTGPT_OPTIONS, *("--" + n for n in flag_table()), *("--" + n for n in IGNORED)]
+    known = [*DTGPT_OPTIONS, *("--" + n for n in (*flag_table(), *IGNORED, *FROM_FILE))]
     match = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.6)
     hint = f"did you mean '{match[0]}'?" if match else "overrides look like --section.key=value, or Megatron-LM's flags"
     return f"unexpected argument {arg!r}; {hint}"
@@ -271,6 +290,10 @@ def markdown_table() -> str:
             continue
         arity = {"0": m.value if isinstance(m.value, str) else str(m.value).lower(), "1": "its value", "*": "its values (a list)"}.get(m.flag.arity, f"its {m.flag.arity} values (a list)")
         lines.append(f"| `--{name}` | `{m.key}` | {arity} |")
+    lines += ["", f"Read from a file (docs/data.md): `--{DATA_ARGS_PATH}` sets `data.data_path` to the file's words, "
+              f"`--{PER_SPLIT_DATA_ARGS_PATH}` sets `data.train_data_path`, `data.valid_data_path` and "
+              "`data.test_data_path` from its JSON object's \"train\", \"valid\" and \"test\"."]  # fmt: skip
+    lines += ["", "Refused, with the reason:", "", *(f"- `--{name}`: {why}." for name, why in WHY_REFUSED.items())]
     lines += ["", "Accepted and ignored (with a note):", "", ", ".join(f"`--{n}`" for n in IGNORED), ""]
     lines += ["## Megatron's example scripts", "", *EXAMPLE_SCRIPTS, "", *noted_section(), ""]
     lines += ["## Megatron's functional tests", "", *TESTED_SCRIPTS, "", *tested_section(), ""]

@@ -12,6 +12,8 @@
   true (every token of the global batch weighs the same). A launch script that does not give the
   flag gets Megatron's `false`, so an MTP run or one under `--eod-mask-loss` continues Megatron's
   loss (docs/schedules.md); a config file keeps dtgpt's.
+- `--skip-train` (eval.skip_train): the optimizer state is not loaded, as Megatron turns on
+  `--no-load-optim` then (nor is the LR schedule checked against the checkpoint's).
 - `--no-position-embedding`: Megatron refuses it unless the positions are rotary (its own
   deprecation), where the model has no learned position table anyway; so does dtgpt.
 """
@@ -34,14 +36,16 @@ def megatron_nan_policy(cfg: Config) -> str:
 
 
 def apply_megatron_launch_rules(cfg: Config, spellings: list[str], ignored: list[str], levels: dict, has_file: bool) -> None:
-    """In place: Megatron's NaN check and loss normalisation for a launch script; refuse
-    --no-position-embedding without rope."""
+    """In place: Megatron's NaN check and loss normalisation for a launch script; no optimizer load
+    under skip_train; refuse --no-position-embedding without rope."""
     launch = megatron_launch(spellings, ignored, has_file)
     if launch and NAN_KEY not in levels:
         cfg.training.nan_policy = megatron_nan_policy(cfg)
     if launch and PER_TOKEN_KEY not in levels:
         cfg.training.calculate_per_token_loss = False
     check_eval_batch(cfg, ignored)
+    if cfg.eval.skip_train:
+        cfg.checkpoint.load_optimizer = False
     if NO_POSITION_EMBEDDING in ignored and cfg.model.position_embedding_type != "rope":
         raise ConfigError(
             f"{NO_POSITION_EMBEDDING} needs --position-embedding-type rope (model.position_embedding_type is "

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dtgpt.config.checkpoint_keys import CheckpointKeys
 from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.mtp_keys import MTPKeys
@@ -181,6 +182,9 @@ class TrainingConfig:
     """'auto' (CUDA when present, else CPU), 'cpu' or 'cuda'."""
     nan_policy: str = "skip"
     """What a non-finite loss does: 'skip' the iteration or 'stop' the run."""
+    iterations_to_skip: list[int] = field(default_factory=list)
+    """Megatron's --iterations-to-skip: these iterations (1-based) read their batch and count it as
+    consumed, but take no forward, backward or update (the LR schedule does not move)."""
     exit_skipped_iters: int = 100
     """Stop with an error after this many skipped iterations in a row (0: never)."""
     check_weight_hash_across_dp_replicas_interval: int = 0
@@ -310,7 +314,9 @@ class DataConfig(TokenizerKeys):
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(CheckpointKeys):
+    """[checkpoint]: saving and loading here; what a save keeps and the exit signal in CheckpointKeys."""
+
     save: str = ""
     load: str = ""
     load_iteration: int = 0
@@ -375,6 +381,9 @@ class LoggingConfig:
 class EvalConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
+    skip_train: bool = False
+    """Megatron's --skip-train: no training and no save; evaluate eval_iters batches of validation and
+    of test, each from its first sample, at the loaded iteration, then exit."""
 
 
 @dataclass

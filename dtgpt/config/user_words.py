@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from dtgpt.config.megatron_flags import CHOICES, Mapping, flag_table
+from dtgpt.config.megatron_flags import CHOICES, FROM_FILE, Mapping, flag_table
 
 KEY_MENTION = re.compile(r"(?<![\w./-])(?:--)?([a-z]+)\.([a-z][a-z0-9_]*)(?:=(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;:)]+))?")
 """`section.key`, `--section.key` or `section.key=value` (a list, a quoted value, or one up to a space or punctuation)."""
@@ -23,13 +23,16 @@ class UserWords:
         the config file sets."""
         self.typed_flags: dict[str, str] = {}  # key -> the Megatron flag's name the user typed
         self.typed_keys = set(file_keys)
+        self.from_file: dict[str, str] = {}  # key -> the flag and file its value was read from
         for key, _value, spelling in overrides:
             word = spelling.split()[0].split("=")[0][2:]
-            if "." in word:
+            if word in FROM_FILE:
+                self.from_file[key] = spelling
+            elif "." in word:
                 self.typed_keys.add(key)
             else:
                 self.typed_flags[key] = word
-        self.speaks_megatron = bool(self.typed_flags)
+        self.speaks_megatron = bool(self.typed_flags or self.from_file)
 
     def say(self, message: str) -> str:
         """The message with each dtgpt key the user would not have typed named as a Megatron flag."""
@@ -37,6 +40,8 @@ class UserWords:
 
     def _mention(self, match: re.Match) -> str:
         key, value = f"{match[1]}.{match[2]}", match[3]
+        if key in self.from_file:  # the words of a file: the key with them, and where they came from
+            return f"{match[0]} (read from {self.from_file[key]})"
         if key in self.typed_keys:
             return match[0]
         tail = ""

@@ -29,6 +29,7 @@ from dtgpt.config.moe_rules import MOE_CHOICES, check_expert_mesh, check_moe
 from dtgpt.config.parallel_rules import PIPELINE_SCHEDULES, check_parallelism, check_pipeline_microbatches
 from dtgpt.config.precedence import check_conflicts
 from dtgpt.config.ranges import check_ranges
+from dtgpt.config.run_control_rules import check_run_controls
 from dtgpt.config.recompute_rules import apply_moe_layer_recompute, check_recompute_modules
 from dtgpt.config.sections import Config
 from dtgpt.config.sections import require as _require
@@ -345,6 +346,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_muon(cfg)
     _check_data(cfg)
     _check_checkpoint_logging_faults(cfg)
+    check_run_controls(cfg)
 
     if world_size is not None:
         validate_mesh(cfg, world_size)

@@ -24,18 +24,26 @@ def signal_handler_enabled(cfg: CheckpointConfig) -> bool:
     return bool(cfg.save) if cfg.exit_signal_handler is None else cfg.exit_signal_handler
 
 
+DEFAULT_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_signals(cfg: CheckpointConfig) -> tuple[signal.Signals, ...]:
+    """The signals the handler catches: checkpoint.exit_signal alone (Megatron's --exit-signal), or
+    SIGTERM and SIGINT when it is unset."""
+    return (signal.Signals[cfg.exit_signal],) if cfg.exit_signal else DEFAULT_EXIT_SIGNALS
+
+
 class SignalFlag:
-    """Record SIGTERM/SIGINT instead of dying; a second signal while saving is ignored too."""
+    """Record the exit signals (SIGTERM/SIGINT by default) instead of dying; a second one while
+    saving is ignored too."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, enabled: bool, announce: bool = True):
+    def __init__(self, enabled: bool, announce: bool = True, signals: tuple[signal.Signals, ...] = DEFAULT_EXIT_SIGNALS):
         """`announce`: print what was received (one rank does: Ctrl-C reaches every rank at once)."""
         self.enabled, self.announce = enabled, announce
         self.received: int | None = None
         self._previous = {}
         if enabled:
-            for sig in self.SIGNALS:
+            for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
@@ -62,7 +70,7 @@ class ExitConditions:
         self.cfg = cfg
         self.device = device
         self.start = time.monotonic()
-        self.signals = SignalFlag(signal_handler_enabled(cfg), announce)
+        self.signals = SignalFlag(signal_handler_enabled(cfg), announce, exit_signals(cfg))
 
     def reason(self, iteration: int) -> str | None:
         """Why training should stop after `iteration`, agreed across ranks; None to go on."""
