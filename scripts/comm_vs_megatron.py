@@ -52,7 +52,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dtgpt.config import load_config, num_microbatches, padded_vocabulary  # noqa: E402
+from dtgpt.cli import print_error  # noqa: E402
+from dtgpt.config import ConfigError, load_config, num_microbatches, padded_vocabulary  # noqa: E402
 from dtgpt.plan.comm import (  # noqa: E402
     FP32,
     Collective,
@@ -187,7 +188,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--world-size", type=int)
     args, overrides = parser.parse_known_args(argv)
-    cfg = load_config(args.config, overrides, check=False)
+    try:
+        cfg = load_config(args.config, overrides, check=False)
+    except (ConfigError, OSError) as e:  # a key misspelled, a config file missing
+        print_error(str(e))
+        return 2
     p = cfg.parallel
     if cfg.model.moe_enabled and p.tensor_model_parallel_size > 1:
         print("error: MoE under tp is not compared (module docstring): set parallel.tensor_model_parallel_size=1")

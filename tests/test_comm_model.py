@@ -166,3 +166,12 @@ def test_mixtral_experts_have_owners_under_muon():
         muon = [col for col in rank_collectives(c, 1, 1, shard_rank) if col.what.startswith("muon")]
         experts = [(col.kind, col.dim, col.count, col.message_bytes) for col in muon if "expert" in col.what]
         assert experts == [("all_to_all", "efsdp", 1, stacks // 8)] * 2, experts
+
+
+def test_a_misspelled_key_is_one_error_line(capfd):
+    """scripts/comm_vs_megatron.py takes config overrides: a key no section has is one `error:`
+    line and exit 2, not the loader's traceback."""
+    script = load_script("comm_vs_megatron")
+    assert script.main(["--config", str(REPO / "configs" / "mixtral_8x7b.toml"), "--training.world_size=8"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: unknown key --training.world_size") and err.count("\n") == 1, err
