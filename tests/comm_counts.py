@@ -4,11 +4,12 @@
     torchrun --nproc-per-node 8 tests/comm_counts.py twin --config configs/gpt3_175b_twin.toml --out counts.json
 
 Each layout's model is built in turn on the same process group through the library API and one
-iteration profiled: the first, whose collectives are those of any later one (measured: the counts
-and bytes of the first and second were equal on every layout, an MoE's all-to-all bytes summed
-over the ranks, as each rank's follow its routing), except under a pipeline, whose first
-iteration also infers the stages' shapes: a pipeline trains one untimed iteration, then is
-profiled for one more. --micro counts micro-batches per rank, times pp under a pipeline. Rank r
+iteration profiled per micro-batch count: any iteration's collectives are those of the first
+(measured: the counts and bytes of the first and second were equal on every layout, an MoE's
+all-to-all bytes summed over the ranks, as each rank's follow its routing), so one model serves
+every count, except under a pipeline, whose schedule is built for its count and whose first
+iteration also infers the stages' shapes: a pipeline is built per count and trains one untimed
+iteration, then is profiled for one more. --micro counts micro-batches per rank, times pp under a pipeline. Rank r
 writes {"counts": {layout: {micro: {kind: [count, bytes]}}}, "large_fp32":
 {layout: {micro: [[op, elements], ...]}}} to OUT with '.r' appended: the second lists every fp32
 collective of LARGE elements or more other than FSDP's gradient reduce-scatters.
@@ -294,6 +295,18 @@ def count_layout(cfg, runtime, n_micro: int, vocab: int) -> tuple[dict[str, list
     return profile_iteration(cfg, state, batch)
 
 
+def count_micro_counts(cfgs: list, runtime, n_micros: list[int], vocab: int) -> list[tuple[dict[str, list[int]], list]]:
+    """count_layout of one layout's configs, which differ only in their global batch (cfgs[i]
+    makes n_micros[i] micro-batches per data-parallel rank). Without a pipeline one model counts
+    them all, an iteration each (module doc): a build less per count. A pipeline's schedule is
+    built for its count: a model each."""
+    if cfgs[0].parallel.pipeline_model_parallel_size > 1:
+        return [count_layout(cfg, runtime, n, vocab) for cfg, n in zip(cfgs, n_micros)]
+    model = dtgpt.build_model(cfgs[0], runtime, vocab_size=vocab)
+    state = dtgpt.build_train_state(cfgs[0], model)
+    return [profile_iteration(cfg, state, rank_batch(cfg, model, n, vocab)) for cfg, n in zip(cfgs, n_micros)]
+
+
 def count_config_file(path: str, overrides: list[str]) -> tuple:
     """One config file's layout at its final global batch size (from the first iteration on:
     train_step takes its batch size from the ramp-up, which is dropped here)."""
@@ -327,8 +340,9 @@ def main() -> None:
         names = args.layouts.split(",")
         runtime = dtgpt.init_distributed(layout_config(names[0], world, 1))
         for name in names:
-            for n in micro_counts(name, args.micro):
-                counts, large = count_layout(layout_config(name, world, n), runtime, n, 100)
+            micros = micro_counts(name, args.micro)
+            cfgs = [layout_config(name, world, n) for n in micros]
+            for n, (counts, large) in zip(micros, count_micro_counts(cfgs, runtime, micros, 100)):
                 result["counts"][name][n], result["large_fp32"][name][n] = counts, large
     with open(f"{args.out}.{runtime.rank}", "w") as f:
         json.dump(result, f)
