@@ -50,8 +50,12 @@ from tests.runs import REPO, Run, result_of, selected_cases, train_runs
 STEPS = 4
 SHORT = 3
 # what every run of the comparison shares; its checkpoints are read for the model only (tests/runs.py
-# read_run), so they leave out the optimizer's state: two thirds of what each save writes
-RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}", "--checkpoint.save_optimizer=false"]
+# read_run), so they leave out the optimizer's state: two thirds of what each save writes. A global
+# batch of 4 (TINY's is 8) still gives every dp2 rank 2 micro-batches to accumulate and every
+# pipeline at least as many micro-batches as stages, at half the micro-batches per iteration.
+GLOBAL_BATCH = 4
+RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}", "--checkpoint.save_optimizer=false",
+       f"--training.global_batch_size={GLOBAL_BATCH}"]  # fmt: skip
 
 UNTIED = "--model.untie_embeddings_and_output_weights=true"
 PP2 = "--parallel.pipeline_model_parallel_size=2"
@@ -104,8 +108,8 @@ MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-
 LAYOUTS = {
     # name: (ranks, overrides)
     "dp_shard2": (2, ["--parallel.data_parallel_shard_size=2"]),
-    # one micro-batch per rank (above: 4, accumulated without gradient sync until the last)
-    "dp_shard2_one_micro": (2, ["--parallel.data_parallel_shard_size=2", "--training.micro_batch_size=4"]),
+    # one micro-batch per rank (above: 2, accumulated without gradient sync until the last)
+    "dp_shard2_one_micro": (2, ["--parallel.data_parallel_shard_size=2", f"--training.micro_batch_size={GLOBAL_BATCH // 2}"]),
     # ZeRO-3 resharding: parameters re-gathered every micro-batch, gradients still reduced once
     "llama_dp_shard2_reshard_always": (2, [*LLAMA, "--parallel.data_parallel_shard_size=2", "--parallel.fsdp_reshard_after_forward=always"]),
     "tp2_sp": (2, ["--parallel.tensor_model_parallel_size=2", "--parallel.sequence_parallel=true"]),

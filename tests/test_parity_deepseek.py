@@ -3,7 +3,7 @@ multi-latent attention (compressed query, norms, YaRN), one dense block then thr
 8 fine-grained experts and a shared one, sigmoid routing with the expert bias, group-limited to
 2 of 4 groups, the weights scaled by 2.5, and one multi-token prediction module (logged as
 `mtp_1 loss`, compared too). It trains as on one process on tp2 + SP x ep2
-(configs/deepseek_v3_twin.toml itself, whose model is this one), on pp2 with full recomputation,
+(configs/deepseek_v3_twin.toml itself at a global batch of 4, whose model is this one), on pp2 with full recomputation,
 and on cp2 (FSDP over the cp ranks; the prediction module's shifted tokens and labels cross the
 cp chunks) with selective recomputation; and the attention alone with its query projected in one, on tp2 without sequence
 parallelism (also under Megatron's Muon) and on tp2 + SP with 2 sequences per micro-batch: the loss, the gradient norm
@@ -19,7 +19,8 @@ from tests.parity_oracle import assert_same_training
 from tests.runs import REPO, SECONDS_PER_RUN, TINY, Run, result_of, selected_cases, train_runs
 
 STEPS = 5
-RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}"]
+# a global batch of 4 (the twin's and TINY's 8): every layout still accumulates 2 micro-batches or more per rank
+RUN = [f"--training.train_iters={STEPS}", f"--optimizer.lr_decay_iters={STEPS}", "--training.global_batch_size=4"]
 TWIN = str(REPO / "configs" / "deepseek_v3_twin.toml")
 DEEPSEEK = [
     "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
