@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dtgpt.config.checkpoint_keys import CheckpointKeys
+from dtgpt.config.init_keys import InitKeys
 from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.mtp_keys import MTPKeys
@@ -30,7 +31,7 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
-class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
+class ModelConfig(InitKeys, MTPKeys, MLAKeys, MoEKeys):
     """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys, multi-latent attention's in MLAKeys,
     multi-token prediction's in MTPKeys."""
 
@@ -67,11 +68,6 @@ class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
     max_position_embeddings: int = 0
     """Rows of the learned position table; 0 means seq_length."""
     init_method_std: float = 0.02
-    embedding_init_method_std: Optional[float] = None
-    """Std of the word and position embeddings' normal init (unset: init_method_std): dtgpt.inits.Init.EMBEDDING."""
-    init_method_xavier_uniform: bool = False
-    """Every weight drawn from N(0, init_method_std) or its scaled output form draws from xavier_uniform
-    instead (embeddings too, unless embedding_init_method_std differs from init_method_std)."""
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' (GPT-3) or 'rope'."""
     rotary_base: int = 10000
