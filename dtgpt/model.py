@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt import varlen_kernel
-from dtgpt.attention_varlen import Documents, documents_attention
+from dtgpt.attention_sink import attend_with_sink
+from dtgpt.attention_varlen import Documents, WholeRows, documents_attention
 from dtgpt.config import ModelConfig
 from dtgpt.discard import normed_sublayer
 from dtgpt.inits import DeclaredInits, Init, fill_normal, linear_inits
@@ -106,14 +107,18 @@ class Embedding(nn.Module):
 
 
 def allowed_keys(
-    q_idx: torch.Tensor, k_idx: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None
+    q_idx: torch.Tensor, k_idx: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The attention mask as a predicate on global token indices: key j is visible to query i
-    when j <= i (and both are in the same document when document ids are given).
+    when j <= i (and i - j <= window under a sliding window; and both are in the same document
+    when document ids are given).
 
     q_idx (Tq,), k_idx (Tk,) -> (Tq, Tk); with q_docs (B, Tq), k_docs (B, Tk) -> (B, 1, Tq, Tk).
     """
     mask = k_idx[None, :] <= q_idx[:, None]
+    if window is not None:
+        mask = mask & (k_idx[None, :] >= q_idx[:, None] - window)
     if q_docs is not None:
         mask = (mask & (q_docs[:, :, None] == k_docs[:, None, :])).unsqueeze(1)  # broadcast over heads
     return mask
@@ -128,16 +133,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout; no parameters.
+    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout; a sliding window and
+    an attention sink (a learned logit per head: softmax_offset) where [model] asks for them.
 
     Megatron's "core attention": what selective recomputation recomputes in backward, since its
     (B, nh, T, T) scores are the largest activations of a block when a kernel materialises them.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """index: the block's place in the whole model (from 0), which picks its window."""
         super().__init__()
         self.attention_dropout = cfg.attention_dropout
         self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
+        self.window = cfg.attention_window(index)  # how far back a query sees; None: its whole past
+        self.whole_rows = WholeRows()  # the varlen kernel's bounds for a window without documents
+        self.off_by_one = cfg.softmax_type == "off-by-one"
+        learnable = cfg.softmax_type == "learnable"  # under tp this rank's heads (dtgpt.parallel.tensor)
+        self.softmax_offset = nn.Parameter(torch.empty(cfg.num_attention_heads)) if learnable else None
+
+    def declared_inits(self) -> DeclaredInits:
+        return [(self.softmax_offset, Init.NORMAL)] if self.softmax_offset is not None else []
 
     def forward(
         self,
@@ -150,18 +165,21 @@ class CoreAttention(nn.Module):
         """q (B, nh, T, hd); k, v (B, ng, T, hd) with ng dividing nh (see attend); document_ids
         (B, T), or Documents where the batch counted their bounds (dtgpt/attention_varlen.py)."""
         dropout = self.attention_dropout if self.training else 0.0
-        if isinstance(document_ids, Documents):
-            # On CUDA, flash attention's varlen kernel without a mask (it has no dropout).
-            kernel = varlen_kernel.kernel_for(q) if not dropout else None
-            if kernel is not None:
-                return documents_attention(kernel, q, k, v, document_ids.bounds)  # (B, nh, T, hd)
-            document_ids = document_ids.ids
-        # Documents elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
+        sink = q.new_zeros(q.shape[1]) if self.off_by_one else self.softmax_offset  # (nh,)
+        # On CUDA, flash attention's varlen kernel without a mask (it has no dropout, no sink).
+        kernel = varlen_kernel.windowed_kernel_for(q, self.window) if not dropout and sink is None else None
+        if kernel is not None and (isinstance(document_ids, Documents) or self.window is not None):
+            bounds = document_ids.bounds if document_ids is not None else self.whole_rows(q.shape[0], q.shape[2], q.device)
+            return documents_attention(kernel, q, k, v, bounds, self.window)  # (B, nh, T, hd)
+        # Elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
+        document_ids = document_ids.ids if isinstance(document_ids, Documents) else document_ids
         mask = None
-        if document_ids is not None:
+        if document_ids is not None or self.window is not None or sink is not None:
             idx = torch.arange(q.shape[2], device=q.device)
-            mask = allowed_keys(idx, idx, document_ids, document_ids)
+            mask = allowed_keys(idx, idx, document_ids, document_ids, self.window)
         with self.stream() if dropout else contextlib.nullcontext():
+            if sink is not None:
+                return attend_with_sink(q, k, v, mask, sink, dropout)  # (B, nh, T, hd)
             return attend(q, k, v, mask=mask, dropout=dropout)  # (B, nh, T, hd)
 
 
@@ -177,14 +195,15 @@ class Attention(nn.Module):
     (`shared_group`).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """index: the block's place in the whole model (from 0), which picks its window."""
         super().__init__()
         hd, nh, ng = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.head_dim, self.queries_per_group = hd, nh // ng
         self.qkv = nn.Linear(cfg.hidden_size, (nh + 2 * ng) * hd, bias=cfg.qkv_bias)
         self.q_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
         self.k_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
-        self.core = CoreAttention(cfg)
+        self.core = CoreAttention(cfg, index)
         self.proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.cfg = cfg  # RoPE's frequencies are drawn from it on the activations' device
         self.rope = cfg.position_embedding_type == "rope"
@@ -232,7 +251,7 @@ class Block(nn.Module):
         """index: the block's place in the whole model (from 0), which picks MLP or MoE."""
         super().__init__()
         self.input_norm = build_norm(cfg)
-        self.attention = MLASelfAttention(cfg, CoreAttention(cfg)) if cfg.multi_latent_attention else Attention(cfg)
+        self.attention = MLASelfAttention(cfg, CoreAttention(cfg, index)) if cfg.multi_latent_attention else Attention(cfg, index)
         self.mlp_norm = build_norm(cfg)
         self.mlp: nn.Module = MLP(cfg)
         if cfg.is_moe_layer(index):

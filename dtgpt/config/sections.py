@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dtgpt.config.attention_keys import AttentionVariantKeys
 from dtgpt.config.mla_keys import MLAKeys
 from dtgpt.config.moe_keys import MoEKeys
 from dtgpt.config.mtp_keys import MTPKeys
@@ -28,9 +29,9 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
-class ModelConfig(MTPKeys, MLAKeys, MoEKeys):
+class ModelConfig(AttentionVariantKeys, MTPKeys, MLAKeys, MoEKeys):
     """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys, multi-latent attention's in MLAKeys,
-    multi-token prediction's in MTPKeys."""
+    multi-token prediction's in MTPKeys, sliding windows, sinks and the gated MLP's clamp in AttentionVariantKeys."""
 
     num_layers: int = 2
     """Transformer blocks."""

@@ -1,0 +1,41 @@
+"""The attention and activation variants of [model] that gpt-oss made common, with Megatron-LM's
+names, defaults and meanings: sliding-window attention, attention sinks (softmax_type), and the
+clamped, offset SwiGLU. A base of ModelConfig (dtgpt/config/sections.py), as MLAKeys
+is; the rules are dtgpt/config/attention_rules.py's, the modules dtgpt/model.py's CoreAttention,
+dtgpt/attention_sink.py and dtgpt/mlp.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dtgpt.config.layer_freq import layer_pattern
+
+
+@dataclass
+class AttentionVariantKeys:
+    window_size: Optional[list[int]] = None
+    """Sliding-window attention, [left, right] as Transformer Engine's window: query i sees keys
+    i - left .. i + right (-1: unbounded). GPT attention is causal, so right must be 0; unset: full
+    causal attention in every block."""
+    window_attn_skip_freq: int | str = 0
+    """Which blocks keep full attention under window_size. An int N: block i (from 1) is windowed
+    unless i % N == 0 (one full block after N - 1 windowed ones); or a per-block list of 0/1 as
+    text, 1 = windowed, e.g. "[1,0]*6"; 0 (Megatron's None): every block windowed."""
+    softmax_type: str = "vanilla"
+    """'vanilla', 'off-by-one' (one more term, e^0, in the softmax's denominator: a sink no key
+    fills) or 'learnable' (the sink's logit a learned parameter per head, softmax_offset)."""
+    glu_linear_offset: float = 0.0
+    """SwiGLU: silu(gate) * (fc1 + offset) (gpt-oss: 1)."""
+    activation_func_clamp_value: Optional[float] = None
+    """SwiGLU: the gate clamped to at most this, fc1 to [-this, this], before the product (gpt-oss: 7,
+    DeepSeek-V4: 10)."""
+
+    def attention_window(self, index: int) -> Optional[int]:
+        """How far back block `index` (from 0) attends (its window's left side), or None: full causal."""
+        if not self.window_size or self.window_size[0] < 0:
+            return None
+        freq = self.window_attn_skip_freq
+        if freq and not layer_pattern(freq, self.num_layers, "model.window_attn_skip_freq", from_one=True)[index]:
+            return None
+        return self.window_size[0]
