@@ -98,8 +98,14 @@ SGD = ["--optimizer=sgd", "--sgd-momentum=0.8"]
 # bf16, rounds the layouts' fp32 gradient differences up to bf16's): dtgpt/muon.py
 MUON = ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high"]
 
+# gpt-oss's attention and MLP as its launch script spells them: a 5-token sliding window in every
+# other block (from 1), learned attention sinks, the clamped SwiGLU with fc1 offset by 1
+WINDOW = ["--window-size=5,0", "--window-attn-skip-freq=2"]
+GPT_OSS = [*LLAMA, *WINDOW, "--softmax-type=learnable", "--glu-linear-offset=1.0", "--activation-func-clamp-value=0.5"]
+
 # overrides that change the model or what it trains on: the reference gets them too
-MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-")
+MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-",
+              "--window-", "--softmax-type", "--glu-linear-offset", "--activation-func-clamp-value")  # fmt: skip
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -251,6 +257,10 @@ LAYOUTS = {
     # rows split over efsdp 2 (gathered for Newton-Schulz). (ep2 x tp2 + SP, whose router has an
     # FSDP unit of its own, costs 20 s more here; its collectives are counted in tests/test_comm_counts.py.)
     "muon_moe_ep2_dp_shard4": (4, [*MUON, *MOE_GROUPED, "--model.swiglu=true", "--parallel.data_parallel_shard_size=4", ep(2)]),
+    # the sinks' logits split by head over tp, each rank's slice FSDP-sharded; windows cut across
+    # the cp chunks, in global positions (the context-parallel core has no sink: refused there)
+    "gpt_oss_dp_shard2_tp2_sp": (4, [*GPT_OSS, DP_SHARD2, *TP2_SP]),
+    "llama_window_cp2": (2, [*LLAMA, *WINDOW, CP2]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
