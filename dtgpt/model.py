@@ -168,11 +168,12 @@ class CoreAttention(nn.Module):
         sink = q.new_zeros(q.shape[1]) if self.off_by_one else self.softmax_offset  # (nh,)
         # On CUDA, flash attention's varlen kernel without a mask (it has no dropout, no sink).
         kernel = varlen_kernel.windowed_kernel_for(q, self.window) if not dropout and sink is None else None
-        if kernel is not None and (isinstance(document_ids, Documents) or self.window is not None):
-            bounds = document_ids.bounds if document_ids is not None else self.whole_rows(q.shape[0], q.shape[2], q.device)
+        documents = isinstance(document_ids, Documents)
+        if kernel is not None and (documents or (document_ids is None and self.window is not None)):
+            bounds = document_ids.bounds if documents else self.whole_rows(q.shape[0], q.shape[2], q.device)
             return documents_attention(kernel, q, k, v, bounds, self.window)  # (B, nh, T, hd)
         # Elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
-        document_ids = document_ids.ids if isinstance(document_ids, Documents) else document_ids
+        document_ids = document_ids.ids if documents else document_ids
         mask = None
         if document_ids is not None or self.window is not None or sink is not None:
             idx = torch.arange(q.shape[2], device=q.device)

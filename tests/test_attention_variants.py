@@ -99,3 +99,80 @@ def test_variant_matches_megatron(megatron, case):
     for name, p in ours.named_parameters():
         key, rows = mapped[name]
         torch.testing.assert_close(p.grad, params[key].grad[rows], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("with_documents", [True, False])
+def test_windowed_varlen_kernel_equals_the_masked_path(monkeypatch, with_documents):
+    """The CUDA path, on a CPU stand-in of flash's varlen kernel (tests/test_attention_varlen.py):
+    a window goes to the kernel as window_size (documents or not: whole rows are one document
+    each), with the masked path's output and gradients; a kernel that takes no window (torch's
+    varlen_attn without window_size) leaves the masked path to run."""
+    from dtgpt import varlen_kernel
+    from dtgpt.attention_varlen import Documents
+    from dtgpt.data.batch import TokenOptions, build_batch
+    from dtgpt.model import CoreAttention
+    from tests.test_attention_varlen import EOD, masked_and_varlen, packed_samples, qkv, reference_kernel
+
+    windows = []
+
+    def kernel(*args, window=None, **kwargs):
+        windows.append(window)
+        return reference_kernel(*args, window=window, **kwargs)
+
+    kernel.takes_window = True
+    monkeypatch.setattr(varlen_kernel, "kernel_for", lambda q: kernel)
+    core = CoreAttention(dtgpt_cfg(dict(window_size=(WINDOW, 0))), 0).eval()
+    batch = build_batch(packed_samples(), TokenOptions(EOD, reset_attention_mask=with_documents))
+    documents = batch.model_inputs()["document_ids"] if with_documents else Documents(None, None)
+
+    def run(q, k, v, document_ids):  # the plain ids: the masked path; Documents: the kernel
+        if not with_documents and isinstance(document_ids, Documents):
+            return core(q, k, v)  # the kernel on the core's whole rows
+        if not with_documents:  # the masked path: a kernel without window_size is not taken
+            monkeypatch.setattr(kernel, "takes_window", False)
+            try:
+                return core(q, k, v)
+            finally:
+                monkeypatch.setattr(kernel, "takes_window", True)
+        return core(q, k, v, document_ids=document_ids)
+
+    (masked, masked_grads), (varlen, varlen_grads) = masked_and_varlen(run, qkv(nh=4, ng=2), documents)
+    assert windows == [WINDOW], windows  # the masked run called no kernel; the varlen run one, with the window
+    torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
+    for a, b in zip(varlen_grads, masked_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_window_pattern_is_megatrons():
+    """window_attn_skip_freq N: blocks 1.. (from 1) windowed unless a multiple of N; a list: 1 = windowed."""
+    every_other = dtgpt_cfg(dict(window_size=(WINDOW, 0), window_attn_skip_freq=2))
+    assert [every_other.attention_window(i) for i in range(LAYERS)] == [WINDOW, None, WINDOW, None]
+    listed = dtgpt_cfg(dict(window_size=(WINDOW, 0), window_attn_skip_freq=[0, 1, 1, 0]))
+    assert [listed.attention_window(i) for i in range(LAYERS)] == [None, WINDOW, WINDOW, None]
+    unbounded = dtgpt_cfg(dict(window_size=(-1, 0)))
+    assert [unbounded.attention_window(i) for i in range(LAYERS)] == [None] * LAYERS
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--window-size=4,2"], "model.window_size=[4, 2]: right must be 0 (GPT attention is causal"),
+        (["--window-size=4"], "model.window_size=[4] must be two numbers [left, right]"),
+        (["--window-attn-skip-freq=2"], "model.window_attn_skip_freq=2 needs model.window_size"),
+        (["--window-size=4,0", "--window-attn-skip-freq=[1,0]"], "model.window_attn_skip_freq='[1,0]' lists 2 blocks, but model.num_layers=4"),
+        (["--softmax-type=sinkhorn"], "model.softmax_type='sinkhorn' is not one of: 'vanilla', 'off-by-one', 'learnable'"),
+        (["--softmax-type=learnable", "--context-parallel-size=2", "--model.hidden_dropout=0", "--model.attention_dropout=0"], "model.softmax_type='learnable' with parallel.context_parallel_size=2"),
+        (["--softmax-type=off-by-one", "--model.multi_latent_attention=true", "--model.position_embedding_type=rope"],
+         "model.softmax_type='off-by-one' is not built with model.multi_latent_attention=true"),
+        (["--window-size=4,0", "--model.attention_dropout=0.1", "--model.dropout_rng=layout_invariant"],
+         "model.window_size=[4, 0] with model.dropout_rng='layout_invariant'"),
+        (["--window-size=4,0", "--model.mtp_num_layers=1"], "model.window_size=[4, 0] with model.mtp_num_layers=1"),
+        (["--glu-linear-offset=1.0"], "model.glu_linear_offset=1.0 needs model.swiglu=true"),
+        (["--swiglu", "--activation-func-clamp-value=0"], "model.activation_func_clamp_value=0.0 must be > 0"),
+    ],
+)  # fmt: skip
+def test_a_variant_not_built_is_one_line(args, message):
+    base = ["--data.mock_data=true", "--model.num_layers=4", "--model.seq_length=32"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, *args])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
