@@ -176,3 +176,45 @@ def test_a_variant_not_built_is_one_line(args, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [*base, *args])
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_sinks_go_out_to_megatron_and_come_back_with_the_same_logits(tmp_path):
+    """A dtgpt checkpoint of gpt-oss's attention (learned sinks drawn wide, windows, the clamped
+    SwiGLU) converted to Megatron's torch_dist and to its per-rank files at tp 2: the sinks are
+    core_attention.softmax_offset, stacked by layer in torch_dist and split by head over the tp
+    ranks' files, and Megatron's checkpoint loads back into the same model (same logits)."""
+    import dtgpt
+    from dtgpt.checkpoint.megatron import find, load_megatron_model
+    from dtgpt.checkpoint.megatron.reader import MegatronReader
+    from tests.test_checkpoint_convert import load_script
+
+    model = {**dtgpt_cfg(CASES["window_learnable_sink"]).__dict__, **CASES["clamped_swiglu"], "window_size": [WINDOW, 0],
+             "window_attn_skip_freq": 2, "make_vocab_size_divisible_by": VOCAB // 2}  # fmt: skip
+    cfg = dtgpt.make_config(model=model, data=dict(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+                            training=dict(micro_batch_size=2, global_batch_size=2))  # fmt: skip
+    runtime = dtgpt.init_distributed(cfg)
+    try:
+        built = dtgpt.build_model(cfg, runtime, VOCAB)
+        sinks = {name: p for name, p in built.parts[0].named_parameters() if name.endswith("softmax_offset")}
+        with torch.no_grad():
+            for p in sinks.values():
+                p.copy_(torch.linspace(-2.0, 3.0, HEADS))
+        ckpt = dtgpt.save_checkpoint(tmp_path / "dtgpt", cfg, runtime, built, iteration=1)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            ours = built.parts[0].eval()(tokens)
+    finally:
+        dtgpt.shutdown()
+    script = load_script()
+    assert script.main(["to-megatron", str(ckpt.parent), str(tmp_path / "torch_dist")]) == 0
+    assert script.main(["to-megatron", str(ckpt.parent), str(tmp_path / "per_rank"), "--format", "per-rank", "--tp", "2"]) == 0
+    stored = MegatronReader(find(tmp_path / "torch_dist")).common["args"]
+    assert (stored.softmax_type, tuple(stored.window_size), stored.window_attn_skip_freq) == ("learnable", (WINDOW, 0), 2)
+    for fmt in ("torch_dist", "per_rank"):
+        with torch.no_grad():
+            theirs = load_megatron_model(find(tmp_path / fmt), cfg.model, VOCAB).eval()
+            torch.testing.assert_close(theirs(tokens), ours, rtol=1e-6, atol=1e-6, msg=fmt)
+        assert torch.equal(theirs.layers["1"].attention.core.softmax_offset, torch.linspace(-2.0, 3.0, HEADS))
+    first_rank = torch.load(next(find(tmp_path / "per_rank").glob("mp_rank_00*/model_optim_rng.pt")), weights_only=False)["model"]
+    assert torch.equal(first_rank["decoder.layers.0.self_attention.core_attention.softmax_offset"], torch.linspace(-2.0, 3.0, HEADS)[:2])

@@ -45,7 +45,7 @@ _TOP = {
 
 def gpt2_problems(m: ModelConfig) -> list[str]:
     wanted = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False, "qk_layernorm": False,
-              "multi_latent_attention": False, "squared_relu": False}  # fmt: skip
+              "multi_latent_attention": False, "squared_relu": False, "window_size": None, "softmax_type": "vanilla"}  # fmt: skip
     problems = unmet(m, wanted)
     if m.query_groups != m.num_attention_heads:
         problems.append(need("group_query_attention", False, m))

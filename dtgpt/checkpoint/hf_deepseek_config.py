@@ -59,7 +59,8 @@ def shared_experts(m: ModelConfig) -> int | None:
 
 def deepseek_problems(m: ModelConfig) -> list[str]:
     wanted = {"multi_latent_attention": True, "qk_layernorm": True, "normalization": "RMSNorm", "swiglu": True,
-              "add_bias_linear": False, "norm_epsilon": LATENT_NORM_EPS}  # fmt: skip
+              "add_bias_linear": False, "norm_epsilon": LATENT_NORM_EPS, "glu_linear_offset": 0.0,
+              "activation_func_clamp_value": None}  # fmt: skip
     problems = unmet(m, wanted)
     if not m.moe_enabled:
         return problems + [need("num_experts", "a count", m)]
