@@ -35,7 +35,7 @@ from dtgpt.mla import MLASelfAttention
 from dtgpt.mlp import MLP
 from dtgpt.moe.layer import MoELayer
 from dtgpt.mtp import MultiTokenPrediction
-from dtgpt.norms import build_norm, norm_inits
+from dtgpt.norms import build_norm, l2_norm, norm_inits
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
 WORD_EMBEDDING = "embedding.word.weight"
@@ -133,12 +133,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout; a sliding window and
-    an attention sink (a learned logit per head: softmax_offset) where [model] asks for them.
-
-    Megatron's "core attention": what selective recomputation recomputes in backward, since its
-    (B, nh, T, T) scores are the largest activations of a block when a kernel materialises them.
-    """
+    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout, a sliding window and
+    a sink (softmax_offset: dtgpt/attention_sink.py) where [model] asks. Megatron's "core attention":
+    what selective recomputation recomputes, its (B, nh, T, T) scores a block's largest activations."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         """index: the block's place in the whole model (from 0), which picks its window."""
@@ -197,7 +194,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
-        """index: the block's place in the whole model (from 0), which picks its window."""
+        """index: the block's place in the whole model (from 0), which picks its window and RoPE."""
         super().__init__()
         hd, nh, ng = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.head_dim, self.queries_per_group = hd, nh // ng
@@ -207,7 +204,8 @@ class Attention(nn.Module):
         self.core = CoreAttention(cfg, index)
         self.proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.cfg = cfg  # RoPE's frequencies are drawn from it on the activations' device
-        self.rope = cfg.position_embedding_type == "rope"
+        self.rope = cfg.position_embedding_type == "rope" and not cfg.skips_rope(index)
+        self.l2_eps = cfg.norm_epsilon if cfg.qk_l2_norm else None  # Llama 4's weightless qk norm
         # (ranks sharing a group, this rank's index among all of them): set by dtgpt.parallel.tensor
         # when there are fewer key/value groups than tp ranks; None: this rank holds whole groups.
         self.shared_group: tuple[int, int] | None = None
@@ -230,12 +228,14 @@ class Attention(nn.Module):
             first = rank % sharing * queries
             qkv = torch.cat((group[:, :, :, first : first + queries], group[:, :, :, -2:]), dim=3)
         q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]  # (B, T, nh or ng, hd)
-        if self.q_norm is not None or self.rope:
+        if self.q_norm is not None or self.rope or self.l2_eps is not None:
             # The norms and RoPE make new tensors of q and k; a view that backward keeps (a
             # norm's input, attention's v) would keep the whole QKV output alive: copies keep just it.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.l2_eps is not None:
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
         if self.rope:
             inv_freq = rotary_frequencies(self.cfg, x.device)
             q = apply_rotary(q, inv_freq, position_ids, self.cfg.rotary_interleaved)

@@ -1,4 +1,5 @@
-"""Sliding-window attention, attention sinks (softmax_type) and the clamped, offset SwiGLU against
+"""Sliding-window attention, attention sinks (softmax_type), the clamped, offset SwiGLU and Llama 4's
+qk L2 norm and NoPE blocks (no_rope_freq) against
 megatron-core's GPTModel (local layer spec), on CPU in the test process (the patches of
 tests/megatron_moe.py): the same weights (every name mapped by Megatron's key map, the learnable
 sink's included) and tokens give the same logits, loss and gradient of every parameter.
@@ -25,6 +26,8 @@ CASES = {
     "window_learnable_sink": dict(window_size=(WINDOW, 0), window_attn_skip_freq=2, softmax_type="learnable"),
     "window_pattern_off_by_one": dict(window_size=(WINDOW, 0), window_attn_skip_freq=[0, 1, 1, 0], softmax_type="off-by-one"),
     "clamped_swiglu": dict(glu_linear_offset=1.0, activation_func_clamp_value=0.5),
+    # Llama 4's: weightless RMS norms of each query and key head, RoPE skipped in blocks 2 and 4
+    "qk_l2_norm_nope": dict(qk_l2_norm=True, no_rope_freq=2),
 }  # fmt: skip
 
 
@@ -61,7 +64,8 @@ def megatron_gpt(case: dict):
         **case,
     )  # fmt: skip
     torch.manual_seed(7)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB, max_sequence_length=SEQ,
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_l2_norm=case.get("qk_l2_norm", False))
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)  # fmt: skip
     with torch.no_grad():  # norms away from one, weights large enough that a mix-up shows, sinks near the scores
         for name, p in model.named_parameters():
@@ -149,6 +153,8 @@ def test_the_window_pattern_is_megatrons():
     assert [every_other.attention_window(i) for i in range(LAYERS)] == [WINDOW, None, WINDOW, None]
     listed = dtgpt_cfg(dict(window_size=(WINDOW, 0), window_attn_skip_freq=[0, 1, 1, 0]))
     assert [listed.attention_window(i) for i in range(LAYERS)] == [None, WINDOW, WINDOW, None]
+    nope = dtgpt_cfg(dict(no_rope_freq=2))  # Megatron's [0]*(N-1)+[1], repeated: 1 = no RoPE
+    assert [nope.skips_rope(i) for i in range(LAYERS)] == [False, True, False, True]
     unbounded = dtgpt_cfg(dict(window_size=(-1, 0)))
     assert [unbounded.attention_window(i) for i in range(LAYERS)] == [None] * LAYERS
 
@@ -169,6 +175,9 @@ def test_the_window_pattern_is_megatrons():
         (["--window-size=4,0", "--model.mtp_num_layers=1"], "model.window_size=[4, 0] with model.mtp_num_layers=1"),
         (["--glu-linear-offset=1.0"], "model.glu_linear_offset=1.0 needs model.swiglu=true"),
         (["--swiglu", "--activation-func-clamp-value=0"], "model.activation_func_clamp_value=0.0 must be > 0"),
+        (["--qk-l2-norm", "--qk-layernorm"], "model.qk_l2_norm=true and model.qk_layernorm=true: choose one"),
+        (["--no-rope-freq=3", "--model.position_embedding_type=rope"], "model.no_rope_freq=3 must be >= 1 and divide model.num_layers=4"),
+        (["--no-rope-freq=2"], "model.no_rope_freq=2 needs model.position_embedding_type='rope'"),
     ],
 )  # fmt: skip
 def test_a_variant_not_built_is_one_line(args, message):

@@ -101,7 +101,7 @@ def test_flag_list_is_megatrons():
 
 
 FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)", "optimizer.optimizer": "sgd",
-             "model.window_attn_skip_freq": "[1,1,1,0]*3", "model.softmax_type": "learnable"}
+             "model.window_attn_skip_freq": "[1,1,1,0]*3", "model.no_rope_freq": "([0]*3+[1])*3", "model.softmax_type": "learnable"}
 """Keys whose strings have a format (or choices) checked as they are read: a well-formed value."""
 
 

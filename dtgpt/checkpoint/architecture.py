@@ -36,9 +36,10 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 have it (rope_type as its effective value: unset is YaRN there)."""
 
 VARIANTS = {"window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla", "glu_linear_offset": 0.0,
-            "activation_func_clamp_value": None}  # fmt: skip
-"""Sliding windows, sinks and SwiGLU's clamp, with Megatron's defaults: args that lack one (from
-before the flag) are that default. Always compared, window_attn_skip_freq as its per-block pattern."""
+            "activation_func_clamp_value": None, "qk_l2_norm": False, "no_rope_freq": None}  # fmt: skip
+"""Sliding windows, sinks, SwiGLU's clamp and Llama 4's options, with Megatron's defaults: args that
+lack one (from before the flag) are that default. Always compared, window_attn_skip_freq and
+no_rope_freq as their per-block patterns."""
 
 FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
@@ -68,6 +69,7 @@ def architecture(m: ModelConfig) -> dict[str, object]:
         arch["mtp_num_layers"] = m.mtp_num_layers
     arch |= {key: getattr(m, key) for key in VARIANTS} | {"window_size": list(m.window_size) if m.window_size else None}
     arch["window_attn_skip_freq"] = [int(m.attention_window(i) is not None) for i in range(m.num_layers)] if m.window_size else None
+    arch["no_rope_freq"] = [int(m.skips_rope(i)) for i in range(m.num_layers)] if m.no_rope_freq else None
     if m.multi_latent_attention:
         arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
     arch["squared_relu"] = m.squared_relu  # a checkpoint saved before the key has none: not compared
@@ -137,6 +139,10 @@ def _megatron_variants(args) -> dict[str, object]:
     if window:
         pattern = ModelConfig(num_layers=args.num_layers, window_size=list(window), window_attn_skip_freq=str(freq) if freq else 0)
         variants["window_attn_skip_freq"] = [int(pattern.attention_window(i) is not None) for i in range(args.num_layers)]
+    nope = variants["no_rope_freq"]  # an int or the list validate_args expands it to
+    if nope:
+        pattern = ModelConfig(num_layers=args.num_layers, no_rope_freq=str(nope))
+        variants["no_rope_freq"] = [int(pattern.skips_rope(i)) for i in range(args.num_layers)]
     return variants
 
 
@@ -181,7 +187,8 @@ def with_megatron_architecture(args, m: ModelConfig) -> ModelConfig:
     changes = {key: stored[key] for key in FIELDS if key in stored and key not in ("num_query_groups", "kv_channels", "add_qkv_bias")}
     if isinstance(changes.get("moe_layer_freq"), list):
         changes["moe_layer_freq"] = str(changes["moe_layer_freq"])  # [model]'s list expression
-    changes["window_attn_skip_freq"] = str(stored["window_attn_skip_freq"]) if stored.get("window_attn_skip_freq") else 0
+    for key in ("window_attn_skip_freq", "no_rope_freq"):  # a per-block pattern: [model]'s list expression
+        changes[key] = str(stored[key]) if stored.get(key) else 0
     if "num_layers" in stored and "num_experts" not in stored:
         changes["num_experts"] = None  # a dense checkpoint
     if "num_query_groups" in stored:
@@ -215,6 +222,7 @@ def megatron_args(m: ModelConfig) -> dict[str, object]:
         "moe_ffn_hidden_size": m.expert_ffn_size if m.moe_enabled else None,  # filled in, as Megatron's validate_args does
         "moe_layer_freq": _layer_freq(m),
         "window_size": tuple(m.window_size) if m.window_size else None, "window_attn_skip_freq": m.window_attn_skip_freq or None,
+        "no_rope_freq": m.no_rope_freq or None,
     }  # fmt: skip
     return args
 

@@ -1,6 +1,6 @@
 """The attention and activation variants of [model] that gpt-oss made common, with Megatron-LM's
-names, defaults and meanings: sliding-window attention, attention sinks (softmax_type), and the
-clamped, offset SwiGLU. A base of ModelConfig (dtgpt/config/sections.py), as MLAKeys
+names, defaults and meanings: sliding-window attention, attention sinks (softmax_type), the clamped,
+offset SwiGLU, and Llama 4's qk L2 norm and NoPE blocks. A base of ModelConfig (dtgpt/config/sections.py), as MLAKeys
 is; the rules are dtgpt/config/attention_rules.py's, the modules dtgpt/model.py's CoreAttention,
 dtgpt/attention_sink.py and dtgpt/mlp.py."""
 
@@ -27,9 +27,26 @@ class AttentionVariantKeys:
     fills) or 'learnable' (the sink's logit a learned parameter per head, softmax_offset)."""
     glu_linear_offset: float = 0.0
     """SwiGLU: silu(gate) * (fc1 + offset) (gpt-oss: 1)."""
+    qk_l2_norm: bool = False
+    """Llama 4's query and key norm: each head's q and k divided by their root mean square (no
+    weights, eps norm_epsilon), where qk_layernorm would normalise them."""
+    no_rope_freq: int | str = 0
+    """Blocks that skip RoPE (Llama 4's NoPE layers). An int N: every N-th block (from 1); or a
+    per-block list of 0/1 as text, 1 = no RoPE, e.g. "([0]*3+[1])*2"; 0 (Megatron's None): none."""
     activation_func_clamp_value: Optional[float] = None
     """SwiGLU: the gate clamped to at most this, fc1 to [-this, this], before the product (gpt-oss: 7,
     DeepSeek-V4: 10)."""
+
+    def skips_rope(self, index: int) -> bool:
+        """Whether block `index` (from 0) attends without RoPE (no_rope_freq)."""
+        freq = self.no_rope_freq
+        if isinstance(freq, str) and freq.strip().isdigit():
+            freq = int(freq)
+        if not freq:
+            return False
+        if isinstance(freq, int):
+            return (index + 1) % freq == 0
+        return layer_pattern(freq, self.num_layers, "model.no_rope_freq")[index]
 
     def attention_window(self, index: int) -> Optional[int]:
         """How far back block `index` (from 0) attends (its window's left side), or None: full causal."""

@@ -1,6 +1,6 @@
 """The rules of the attention and activation variants ([model] window_size, window_attn_skip_freq,
-softmax_type, glu_linear_offset, activation_func_clamp_value): check_attention_variants needs no
-world size."""
+softmax_type, glu_linear_offset, activation_func_clamp_value, qk_l2_norm, no_rope_freq):
+check_attention_variants needs no world size."""
 
 from __future__ import annotations
 
@@ -36,9 +36,45 @@ def check_attention_variants(cfg: Config) -> None:
     for key, off in (("glu_linear_offset", 0.0), ("activation_func_clamp_value", None)):
         value = getattr(m, key)
         _require(value == off or m.swiglu, f"model.{key}={value} needs model.swiglu=true (it shapes the gated unit)")
+    _check_llama4(cfg)
     clamp = m.activation_func_clamp_value
     _require(clamp is None or clamp > 0, f"model.activation_func_clamp_value={clamp} must be > 0 (or unset)")
     _require(math.isfinite(m.glu_linear_offset), f"model.glu_linear_offset={m.glu_linear_offset} must be finite")
+
+
+def _check_llama4(cfg: Config) -> None:
+    m = cfg.model
+    for key, on in (("qk_l2_norm", m.qk_l2_norm), ("no_rope_freq", m.no_rope_freq)):
+        _require(
+            not on or not m.multi_latent_attention,
+            f"model.{key}={getattr(m, key)!r} is not built with model.multi_latent_attention=true (Megatron refuses it too)",
+        )
+    _require(
+        not (m.qk_l2_norm and m.qk_layernorm),
+        "model.qk_l2_norm=true and model.qk_layernorm=true: choose one norm of the queries and keys",
+    )
+    freq = m.no_rope_freq
+    if not freq:
+        return
+    _require(
+        m.position_embedding_type == "rope",
+        f"model.no_rope_freq={freq!r} needs model.position_embedding_type='rope' (it picks the blocks that skip RoPE)",
+    )
+    _require(
+        not m.mtp_num_layers,
+        f"model.no_rope_freq={freq!r} with model.mtp_num_layers={m.mtp_num_layers}: whether the prediction modules' "
+        "blocks skip RoPE is not built; unset one",
+    )
+    if isinstance(freq, int) or freq.strip().isdigit():
+        _require(
+            int(freq) >= 1 and m.num_layers % int(freq) == 0,
+            f"model.no_rope_freq={freq} must be >= 1 and divide model.num_layers={m.num_layers} (as Megatron's pattern)",
+        )
+        return
+    try:
+        layer_pattern(freq, m.num_layers, "model.no_rope_freq")
+    except ValueError as e:
+        _require(False, str(e))
 
 
 def _check_window(cfg: Config) -> None:
