@@ -227,3 +227,15 @@ def test_sinks_go_out_to_megatron_and_come_back_with_the_same_logits(tmp_path):
         assert torch.equal(theirs.layers["1"].attention.core.softmax_offset, torch.linspace(-2.0, 3.0, HEADS))
     first_rank = torch.load(next(find(tmp_path / "per_rank").glob("mp_rank_00*/model_optim_rng.pt")), weights_only=False)["model"]
     assert torch.equal(first_rank["decoder.layers.0.self_attention.core_attention.softmax_offset"], torch.linspace(-2.0, 3.0, HEADS)[:2])
+
+
+def test_post_layernorm_residual_is_a_flag_megatron_core_does_not_read(megatron):
+    """--apply-residual-connection-post-layernorm is accepted with a note: megatron-core's GPTModel
+    gives the same logits with it as without (only the legacy model read it), as dtgpt does."""
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    positions, causal = torch.arange(SEQ).expand(BATCH, SEQ), torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        plain, flagged = (megatron_gpt(dict(apply_residual_connection_post_layernorm=on))(tokens, positions, causal) for on in (False, True))
+    assert torch.equal(plain, flagged)
+    base = ["--data.mock_data=true"]
+    assert load_config(None, [*base, "--apply-residual-connection-post-layernorm"]).model == load_config(None, base).model
