@@ -239,3 +239,25 @@ def test_post_layernorm_residual_is_a_flag_megatron_core_does_not_read(megatron)
     assert torch.equal(plain, flagged)
     base = ["--data.mock_data=true"]
     assert load_config(None, [*base, "--apply-residual-connection-post-layernorm"]).model == load_config(None, base).model
+
+
+@pytest.mark.cuda
+def test_the_cuda_kernel_takes_the_window_as_the_masked_path_does():
+    """On a GPU whose torch's varlen_attn takes window_size: the windowed core through flash's
+    kernel (with documents, bf16) as close to the fp32 masked path as bf16 through the masked path is."""
+    from dtgpt import varlen_kernel
+    from dtgpt.data.batch import TokenOptions, build_batch
+    from dtgpt.model import CoreAttention
+    from tests.test_attention_varlen import EOD, close_to_fp32, masked_and_varlen, on_cuda, packed_samples, qkv
+
+    batch = build_batch(packed_samples(B=2, T=256), TokenOptions(EOD, reset_attention_mask=True))
+    documents = batch.map(lambda t: t.cuda()).model_inputs()["document_ids"]
+    inputs = qkv(B=2, nh=4, ng=2, T=256)
+    if varlen_kernel.windowed_kernel_for(on_cuda(inputs, torch.bfloat16)[0], 64) is None:
+        pytest.skip("this torch's varlen_attn takes no window_size: the masked path runs")
+    core = CoreAttention(dtgpt_cfg(dict(window_size=(64, 0))), 0).eval().cuda()
+    (masked, masked_grads), (varlen, varlen_grads) = masked_and_varlen(core, on_cuda(inputs, torch.bfloat16), documents)
+    (fp32, fp32_grads), _ = masked_and_varlen(core, on_cuda(inputs, torch.float32), documents)
+    close_to_fp32(varlen, masked, fp32, "output")
+    for name, a, b, c in zip("qkv", varlen_grads, masked_grads, fp32_grads):
+        close_to_fp32(a, b, c, f"grad {name}")

@@ -16,7 +16,8 @@ tp+SP with a shared expert, pp with recomputation and the expert bias, and exper
 output layer at their own LR) on pp2 with the tied head on the other stage and on FSDP (dp2), and
 Megatron's --optimizer sgd (momentum 0.8) on dp_shard2 x tp2, and --optimizer muon (Nesterov) on
 the Llama-style model at dp_shard2 x tp2 + SP and at pp2, and on the MoE with SwiGLU experts at
-ep2 x efsdp2.
+ep2 x efsdp2, and gpt-oss's attention and MLP (learned sinks, sliding windows, the clamped SwiGLU)
+on dp_shard2 x tp2 + SP, and windows with Llama 4's qk L2 norm and NoPE blocks on cp2.
 Every other pipeline schedule runs SHORT
 iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
@@ -102,10 +103,12 @@ MUON = ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high"]
 # other block (from 1), learned attention sinks, the clamped SwiGLU with fc1 offset by 1
 WINDOW = ["--window-size=5,0", "--window-attn-skip-freq=2"]
 GPT_OSS = [*LLAMA, *WINDOW, "--softmax-type=learnable", "--glu-linear-offset=1.0", "--activation-func-clamp-value=0.5"]
+# Llama 4's weightless qk norm and NoPE blocks (RoPE skipped in blocks 2 and 4), with the windows
+LLAMA4_WINDOW = [*(o for o in LLAMA if "qk_layernorm" not in o), "--qk-l2-norm", "--no-rope-freq=2", *WINDOW]
 
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-",
-              "--window-", "--softmax-type", "--glu-linear-offset", "--activation-func-clamp-value")  # fmt: skip
+              "--window-", "--softmax-type", "--glu-linear-offset", "--activation-func-clamp-value", "--qk-l2-norm", "--no-rope-freq")  # fmt: skip
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -260,7 +263,7 @@ LAYOUTS = {
     # the sinks' logits split by head over tp, each rank's slice FSDP-sharded; windows cut across
     # the cp chunks, in global positions (the context-parallel core has no sink: refused there)
     "gpt_oss_dp_shard2_tp2_sp": (4, [*GPT_OSS, DP_SHARD2, *TP2_SP]),
-    "llama_window_cp2": (2, [*LLAMA, *WINDOW, CP2]),
+    "llama4_window_cp2": (2, [*LLAMA4_WINDOW, CP2]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
