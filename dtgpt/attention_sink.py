@@ -15,7 +15,26 @@ is the masked path (a boolean mask, no fused sink kernel here).
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+from dtgpt.inits import DeclaredInits, Init
+
+
+class AttentionSink(nn.Module):
+    """The learned sink logit of each head, `softmax_offset` (nh,), drawn as Megatron's: normal with
+    init_method_std. A module of its own, on the attention beside its core (which stays parameter-free, so
+    recomputation and cp may swap or wrap it): under tp it holds this rank's heads (dtgpt.parallel.tensor)."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.softmax_offset = nn.Parameter(torch.empty(heads))
+
+    def declared_inits(self) -> DeclaredInits:
+        return [(self.softmax_offset, Init.NORMAL)]
+
+    def forward(self) -> torch.Tensor:
+        return self.softmax_offset
 
 
 def attend_with_sink(

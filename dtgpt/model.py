@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt import varlen_kernel
-from dtgpt.attention_sink import attend_with_sink
+from dtgpt.attention_sink import AttentionSink, attend_with_sink
 from dtgpt.attention_varlen import Documents, WholeRows, documents_attention
 from dtgpt.config import ModelConfig
 from dtgpt.discard import normed_sublayer
@@ -144,12 +144,6 @@ class CoreAttention(nn.Module):
         self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
         self.window = cfg.attention_window(index)  # how far back a query sees; None: its whole past
         self.whole_rows = WholeRows()  # the varlen kernel's bounds for a window without documents
-        self.off_by_one = cfg.softmax_type == "off-by-one"
-        learnable = cfg.softmax_type == "learnable"  # under tp this rank's heads (dtgpt.parallel.tensor)
-        self.softmax_offset = nn.Parameter(torch.empty(cfg.num_attention_heads)) if learnable else None
-
-    def declared_inits(self) -> DeclaredInits:
-        return [(self.softmax_offset, Init.NORMAL)] if self.softmax_offset is not None else []
 
     def forward(
         self,
@@ -158,11 +152,12 @@ class CoreAttention(nn.Module):
         v: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,  # unused: as Dropout
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (B, nh, T, hd); k, v (B, ng, T, hd) with ng dividing nh (see attend); document_ids
-        (B, T), or Documents where the batch counted their bounds (dtgpt/attention_varlen.py)."""
+        (B, T), or Documents where the batch counted their bounds (dtgpt/attention_varlen.py);
+        sink (nh,): each head's sink logit (dtgpt/attention_sink.py), None: none."""
         dropout = self.attention_dropout if self.training else 0.0
-        sink = q.new_zeros(q.shape[1]) if self.off_by_one else self.softmax_offset  # (nh,)
         # On CUDA, flash attention's varlen kernel without a mask (it has no dropout, no sink).
         kernel = varlen_kernel.windowed_kernel_for(q, self.window) if not dropout and sink is None else None
         documents = isinstance(document_ids, Documents)
@@ -202,6 +197,8 @@ class Attention(nn.Module):
         self.q_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
         self.k_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
         self.core = CoreAttention(cfg, index)
+        self.sink = AttentionSink(nh) if cfg.softmax_type == "learnable" else None  # Megatron's core_attention.softmax_offset
+        self.off_by_one = cfg.softmax_type == "off-by-one"
         self.proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.cfg = cfg  # RoPE's frequencies are drawn from it on the activations' device
         self.rope = cfg.position_embedding_type == "rope" and not cfg.skips_rope(index)
@@ -243,7 +240,8 @@ class Attention(nn.Module):
         # Head-major views of token-major tensors: attention's output keeps the token-major
         # layout, so the projection's input below is a view of it, not a copy.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or ng, T, hd)
-        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, hd)
+        sink = self.sink() if self.sink is not None else q.new_zeros(q.shape[1]) if self.off_by_one else None  # (nh,)
+        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index, sink=sink)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * hd)
 
 

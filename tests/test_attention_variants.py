@@ -167,7 +167,6 @@ def test_the_window_pattern_is_megatrons():
         (["--window-attn-skip-freq=2"], "model.window_attn_skip_freq=2 needs model.window_size"),
         (["--window-size=4,0", "--window-attn-skip-freq=[1,0]"], "model.window_attn_skip_freq='[1,0]' lists 2 blocks, but model.num_layers=4"),
         (["--softmax-type=sinkhorn"], "model.softmax_type='sinkhorn' is not one of: 'vanilla', 'off-by-one', 'learnable'"),
-        (["--softmax-type=learnable", "--context-parallel-size=2", "--model.hidden_dropout=0", "--model.attention_dropout=0"], "model.softmax_type='learnable' with parallel.context_parallel_size=2"),
         (["--softmax-type=off-by-one", "--model.multi_latent_attention=true", "--model.position_embedding_type=rope"],
          "model.softmax_type='off-by-one' is not built with model.multi_latent_attention=true"),
         (["--window-size=4,0", "--model.attention_dropout=0.1", "--model.dropout_rng=layout_invariant"],
@@ -224,7 +223,7 @@ def test_sinks_go_out_to_megatron_and_come_back_with_the_same_logits(tmp_path):
         with torch.no_grad():
             theirs = load_megatron_model(find(tmp_path / fmt), cfg.model, VOCAB).eval()
             torch.testing.assert_close(theirs(tokens), ours, rtol=1e-6, atol=1e-6, msg=fmt)
-        assert torch.equal(theirs.layers["1"].attention.core.softmax_offset, torch.linspace(-2.0, 3.0, HEADS))
+        assert torch.equal(theirs.layers["1"].attention.sink.softmax_offset, torch.linspace(-2.0, 3.0, HEADS))
     first_rank = torch.load(next(find(tmp_path / "per_rank").glob("mp_rank_00*/model_optim_rng.pt")), weights_only=False)["model"]
     assert torch.equal(first_rank["decoder.layers.0.self_attention.core_attention.softmax_offset"], torch.linspace(-2.0, 3.0, HEADS)[:2])
 

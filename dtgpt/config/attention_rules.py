@@ -14,7 +14,7 @@ SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def check_attention_variants(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     _require(m.softmax_type in SOFTMAX_TYPES, f"model.softmax_type={m.softmax_type!r} is not one of: {', '.join(map(repr, SOFTMAX_TYPES))}")
     _check_window(cfg)
     variants = [f"model.{key}={getattr(m, key)!r}" for key, off in (("window_size", None), ("softmax_type", "vanilla")) if getattr(m, key) != off]
@@ -22,11 +22,6 @@ def check_attention_variants(cfg: Config) -> None:
         _require(
             not m.multi_latent_attention,
             f"{what} is not built with model.multi_latent_attention=true (dtgpt's windows and sinks are checked on grouped-query attention only)",
-        )
-        _require(
-            p.context_parallel_size == 1 or what.startswith("model.window_size"),
-            f"{what} with parallel.context_parallel_size={p.context_parallel_size}: the context-parallel attention has no "
-            "attention sink; use softmax_type='vanilla' or context_parallel_size=1",
         )
         _require(
             m.dropout_rng != "layout_invariant" or m.attention_dropout == 0.0,

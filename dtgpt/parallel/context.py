@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtgpt import varlen_kernel
+from dtgpt.attention_sink import attend_with_sink
 from dtgpt.attention_varlen import Documents, WholeRows, context_parallel_documents_attention, document_tensor
 from dtgpt.model import GPT, CoreAttention, allowed_keys, attend
 from dtgpt.mtp import named_blocks
@@ -83,15 +84,17 @@ class ContextParallelAttention(nn.Module):
         k_docs = self.gather(document_ids, dim=1) if document_ids is not None else None
         return allowed_keys(q_idx, k_idx, document_ids, k_docs, self.window)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None, sink=None) -> torch.Tensor:
         """As CoreAttention.forward (no dropout: token_index is unused)."""
         k_all, v_all = self.gather(k, dim=2), self.gather(v, dim=2)  # (B, nh, T, hd)
-        kernel = varlen_kernel.windowed_kernel_for(q, self.window)
+        kernel = varlen_kernel.windowed_kernel_for(q, self.window) if sink is None else None
         if kernel is not None and (document_ids is None or isinstance(document_ids, Documents)):
             bounds = document_ids.bounds if document_ids is not None else self.whole_rows(q.shape[0], k_all.shape[2], q.device)
             return context_parallel_documents_attention(kernel, q, k_all, v_all, bounds, self.cp_rank, self.cp_size, self.window)
         mask = self.allowed(q.shape[2], document_ids, q.device)
         # Every query sees at least its own key, so no row of the mask is empty.
+        if sink is not None:
+            return attend_with_sink(q, k_all, v_all, mask, sink)  # (B, nh, T_local, hd)
         return attend(q, k_all, v_all, mask=mask)  # (B, nh, T_local, hd)
 
 
