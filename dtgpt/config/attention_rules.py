@@ -42,7 +42,7 @@ def _check_llama4(cfg: Config) -> None:
     for key, on in (("qk_l2_norm", m.qk_l2_norm), ("no_rope_freq", m.no_rope_freq)):
         _require(
             not on or not m.multi_latent_attention,
-            f"model.{key}={getattr(m, key)!r} is not built with model.multi_latent_attention=true (Megatron refuses it too)",
+            f"model.{key}={getattr(m, key)!r} is not built with model.multi_latent_attention=true (its RoPE and norms are its own)",
         )
     _require(
         not (m.qk_l2_norm and m.qk_layernorm),
