@@ -260,3 +260,25 @@ def test_the_cuda_kernel_takes_the_window_as_the_masked_path_does():
     close_to_fp32(varlen, masked, fp32, "output")
     for name, a, b, c in zip("qkv", varlen_grads, masked_grads, fp32_grads):
         close_to_fp32(a, b, c, f"grad {name}")
+
+
+def test_the_variants_are_compared_with_megatrons_args_and_taken_from_them():
+    """Megatron-LM's args of gpt-oss's attention against a plain [model]: one line naming the key;
+    use_checkpoint_args takes every variant (the patterns as [model]'s list text); args from
+    before the flags read as Megatron's defaults."""
+    import argparse
+
+    from dtgpt.checkpoint.architecture import VARIANTS, difference, megatron_architecture, megatron_args, with_megatron_architecture
+
+    oss = dtgpt_cfg({**CASES["window_learnable_sink"], **CASES["clamped_swiglu"], "no_rope_freq": 2})
+    plain = dtgpt_cfg({})
+    args = argparse.Namespace(**megatron_args(oss))
+    assert args.window_size == (WINDOW, 0) and args.window_attn_skip_freq == 2
+    assert difference(megatron_architecture(args), oss) is None
+    assert difference(megatron_architecture(args), plain).startswith(f"model.window_size: the checkpoint has [{WINDOW}, 0] but the config has")
+    taken = with_megatron_architecture(args, plain)
+    assert difference(megatron_architecture(args), taken) is None
+    assert [taken.attention_window(i) for i in range(LAYERS)] == [WINDOW, None, WINDOW, None]
+    assert (taken.softmax_type, taken.glu_linear_offset, taken.activation_func_clamp_value) == ("learnable", 1.0, 0.5)
+    older = argparse.Namespace(**{k: v for k, v in megatron_args(plain).items() if k not in VARIANTS})
+    assert difference(megatron_architecture(older), plain) is None
