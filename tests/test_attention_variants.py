@@ -282,3 +282,15 @@ def test_the_variants_are_compared_with_megatrons_args_and_taken_from_them():
     assert (taken.softmax_type, taken.glu_linear_offset, taken.activation_func_clamp_value) == ("learnable", 1.0, 0.5)
     older = argparse.Namespace(**{k: v for k, v in megatron_args(plain).items() if k not in VARIANTS})
     assert difference(megatron_architecture(older), plain) is None
+
+
+def test_clamped_swiglu_experts_match_megatron(megatron):
+    """The routed experts' SwiGLU with gpt-oss's offset and a clamp that bites (the experts' fc1
+    outputs at Megatron's init are about 0.1): megatron-core's MoELayer (tests/test_moe.py's
+    comparison: output, router, input and expert gradients)."""
+    from tests.megatron_moe import build_layer
+    from tests.test_moe import AUX, same_layer_as_megatron
+
+    glu = dict(glu_linear_offset=1.0, activation_func_clamp_value=0.05)
+    theirs = build_layer(num_moe_experts=4, moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu, **AUX, **glu)
+    same_layer_as_megatron(theirs, {**AUX, **glu, "swiglu": True})
