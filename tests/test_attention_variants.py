@@ -8,7 +8,10 @@ One more patch: megatron-core builds its sliding-window mask with device="cuda"
 (transformer.utils.get_sliding_window_causal_mask); its module sees a torch whose `ones` drops
 that device, nothing else changed. Megatron's local path masks with -10000 instead of -inf and
 replaces the causal mask by the band [i - left, i]: the same probabilities in fp32.
-Plus the config rules, one line each, and the window pattern of window_attn_skip_freq.
+Plus: the routed experts' clamped SwiGLU against megatron-core's MoELayer; the windowed varlen
+path (CUDA) on a CPU stand-in of flash's kernel; the window and NoPE patterns; the config rules,
+one line each; Megatron-LM's args compared and taken; the Megatron checkpoint round trip of the
+sinks (slow); --apply-residual-connection-post-layernorm, which megatron-core does not read.
 """
 
 import pytest
