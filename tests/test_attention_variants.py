@@ -297,3 +297,15 @@ def test_clamped_swiglu_experts_match_megatron(megatron):
     glu = dict(glu_linear_offset=1.0, activation_func_clamp_value=0.05)
     theirs = build_layer(num_moe_experts=4, moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu, **AUX, **glu)
     same_layer_as_megatron(theirs, {**AUX, **glu, "swiglu": True})
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "llama"])
+def test_hugging_face_formats_refuse_what_they_cannot_hold(layout):
+    """GPT-2's and Llama's formats have no window, sink, clamp or NoPE: an export names the key."""
+    from dtgpt.checkpoint.gpt2 import gpt2_problems
+    from dtgpt.checkpoint.hf_llama import llama_problems
+
+    problems = {"gpt2": gpt2_problems, "llama": llama_problems}[layout]
+    assert not any("softmax_type" in p or "window_size" in p for p in problems(dtgpt_cfg({})))
+    said = " ".join(problems(dtgpt_cfg({**CASES["window_learnable_sink"], **CASES["qk_l2_norm_nope"]})))
+    assert all(f"model.{key}" in said for key in ("window_size", "softmax_type", "qk_l2_norm", "no_rope_freq")), said

@@ -12,6 +12,11 @@ from typing import Optional
 from dtgpt.config.layer_freq import layer_pattern
 
 
+VARIANTS_OFF = {"window_size": None, "window_attn_skip_freq": 0, "softmax_type": "vanilla", "qk_l2_norm": False,
+                "no_rope_freq": 0, "glu_linear_offset": 0.0, "activation_func_clamp_value": None}  # fmt: skip
+"""These keys at their defaults: what a format without them (GPT-2's, Llama's, DeepSeek-V3's) needs."""
+
+
 @dataclass
 class AttentionVariantKeys:
     window_size: Optional[list[int]] = None
