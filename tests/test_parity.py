@@ -17,7 +17,7 @@ output layer at their own LR) on pp2 with the tied head on the other stage and o
 Megatron's --optimizer sgd (momentum 0.8) on dp_shard2 x tp2, and --optimizer muon (Nesterov) on
 the Llama-style model at dp_shard2 x tp2 + SP and at pp2, and on the MoE with SwiGLU experts at
 ep2 x efsdp2, and gpt-oss's attention and MLP (learned sinks, sliding windows, the clamped SwiGLU)
-on dp_shard2 x tp2 + SP, and windows and sinks with Llama 4's qk L2 norm and NoPE blocks on cp2.
+with Llama 4's qk L2 norm and NoPE blocks on cp2 x tp2 + SP with selective recomputation.
 Every other pipeline schedule runs SHORT
 iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
@@ -99,12 +99,12 @@ SGD = ["--optimizer=sgd", "--sgd-momentum=0.8"]
 # bf16, rounds the layouts' fp32 gradient differences up to bf16's): dtgpt/muon.py
 MUON = ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high"]
 
-# gpt-oss's attention and MLP as its launch script spells them: a 5-token sliding window in every
-# other block (from 1), learned attention sinks, the clamped SwiGLU with fc1 offset by 1
-WINDOW = ["--window-size=5,0", "--window-attn-skip-freq=2"]
-GPT_OSS = [*LLAMA, *WINDOW, "--softmax-type=learnable", "--glu-linear-offset=1.0", "--activation-func-clamp-value=0.5"]
-# Llama 4's weightless qk norm and NoPE blocks (RoPE skipped in blocks 2 and 4), with the windows
-LLAMA4_WINDOW = [*(o for o in LLAMA if "qk_layernorm" not in o), "--qk-l2-norm", "--no-rope-freq=2", *WINDOW, "--softmax-type=learnable"]
+# gpt-oss's attention and MLP as its launch script spells them (a 5-token sliding window in every
+# other block from 1, learned attention sinks, the clamped SwiGLU with fc1 offset by 1) on the
+# Llama-style model with Llama 4's weightless qk norm and NoPE blocks (RoPE skipped in blocks 2 and 4)
+GPT_OSS = [*(o for o in LLAMA if "qk_layernorm" not in o), "--window-size=5,0", "--window-attn-skip-freq=2",
+           "--softmax-type=learnable", "--glu-linear-offset=1.0", "--activation-func-clamp-value=0.5", "--qk-l2-norm",
+           "--no-rope-freq=2"]  # fmt: skip
 
 # overrides that change the model or what it trains on: the reference gets them too
 MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-",
@@ -260,11 +260,9 @@ LAYOUTS = {
     # rows split over efsdp 2 (gathered for Newton-Schulz). (ep2 x tp2 + SP, whose router has an
     # FSDP unit of its own, costs 20 s more here; its collectives are counted in tests/test_comm_counts.py.)
     "muon_moe_ep2_dp_shard4": (4, [*MUON, *MOE_GROUPED, "--model.swiglu=true", "--parallel.data_parallel_shard_size=4", ep(2)]),
-    # the sinks' logits split by head over tp, each rank's slice FSDP-sharded, the recomputed core
-    # handed this rank's sinks; windows cut across
-    # the cp chunks, in global positions, beside sinks over the gathered keys
-    "gpt_oss_dp_shard2_tp2_sp_selective_ac": (4, [*GPT_OSS, DP_SHARD2, *TP2_SP, "--training.recompute_granularity=selective"]),
-    "llama4_window_cp2": (2, [*LLAMA4_WINDOW, CP2]),
+    # the sinks' logits split by head over tp, the recomputed core handed this rank's; windows cut
+    # across the cp chunks in global positions, sinks over the gathered keys
+    "gpt_oss_cp2_tp2_sp_selective_ac": (4, [*GPT_OSS, CP2, *TP2_SP, "--training.recompute_granularity=selective"]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 
