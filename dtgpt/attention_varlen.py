@@ -175,24 +175,46 @@ def tokens_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+class WholeRows:
+    """Plain causal attention as one document per row, for the varlen kernel: the bounds of a
+    micro-batch shape, made on first use and kept. One may be shared by the cores of a model part
+    (dtgpt.parallel.context.apply_cp hands each cp core the same), so what the bounds derive
+    (under cp the key index and sequence bounds of this rank's chunks, built on the host and
+    copied to the device: DocumentBounds.context_parallel) is made once per shape, not once per
+    layer. The bounds depend on the shape alone, the same for every layer and micro-batch."""
+
+    def __init__(self):
+        self.by_shape: dict[tuple, DocumentBounds] = {}
+
+    def __call__(self, rows: int, seq_length: int, device: torch.device) -> DocumentBounds:
+        key = (rows, seq_length, device)
+        if key not in self.by_shape:
+            self.by_shape[key] = DocumentBounds.whole_rows(rows, seq_length).to(device)
+        return self.by_shape[key]
+
+
 @torch.compiler.disable
-def documents_attention(kernel: varlen_kernel.Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: DocumentBounds) -> torch.Tensor:
-    """Causal attention within each document: q (B, nh, T, d), k, v (B, ng, T, d or dv) -> (B, nh, T, dv)."""
+def documents_attention(
+    kernel: varlen_kernel.Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: DocumentBounds, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention within each document (a window: the last window + 1 keys of it at most):
+    q (B, nh, T, d), k, v (B, ng, T, d or dv) -> (B, nh, T, dv)."""
     B, nh, T, _ = q.shape
     cu, longest = bounds.packed()
-    out = varlen_kernel.causal_varlen(kernel, tokens_major(q), tokens_major(k), tokens_major(v), cu, cu, longest, longest)
+    out = varlen_kernel.causal_varlen(kernel, tokens_major(q), tokens_major(k), tokens_major(v), cu, cu, longest, longest, window)
     return out.view(B, T, nh, -1).transpose(1, 2)
 
 
 @torch.compiler.disable
 def context_parallel_documents_attention(
     kernel: varlen_kernel.Kernel, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, bounds: DocumentBounds,
-    cp_rank: int, cp_size: int,
+    cp_rank: int, cp_size: int, window: int | None = None,
 ) -> torch.Tensor:
     """q (B, nh, T_local, d) of this cp rank's chunks over the gathered k_all, v_all (B, ng, T, ...)
-    in cp-rank order -> (B, nh, T_local, dv): causal within each document, by global position."""
+    in cp-rank order -> (B, nh, T_local, dv): causal within each document, by global position
+    (a window counts back in global positions too: each segment's keys are contiguous in them)."""
     B, nh, local, _ = q.shape
     cu_q, cu_k, index, max_q, max_k = bounds.context_parallel(cp_rank, cp_size)
     keys, values = tokens_major(k_all).index_select(0, index), tokens_major(v_all).index_select(0, index)
-    out = varlen_kernel.causal_varlen(kernel, tokens_major(q), keys, values, cu_q, cu_k, max_q, max_k)
+    out = varlen_kernel.causal_varlen(kernel, tokens_major(q), keys, values, cu_q, cu_k, max_q, max_k, window)
     return out.view(B, local, nh, -1).transpose(1, 2)

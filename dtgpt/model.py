@@ -26,7 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtgpt import varlen_kernel
-from dtgpt.attention_varlen import Documents, documents_attention
+from dtgpt.attention_sink import AttentionSink, attend_with_sink
+from dtgpt.attention_varlen import Documents, WholeRows, documents_attention
 from dtgpt.config import ModelConfig
 from dtgpt.discard import normed_sublayer
 from dtgpt.inits import DeclaredInits, Draw, Init, fill_draw, initial_draw, linear_inits
@@ -34,7 +35,7 @@ from dtgpt.mla import MLASelfAttention
 from dtgpt.mlp import MLP
 from dtgpt.moe.layer import MoELayer
 from dtgpt.mtp import MultiTokenPrediction
-from dtgpt.norms import build_norm, norm_inits
+from dtgpt.norms import build_norm, l2_norm, norm_inits
 from dtgpt.rope import apply_rotary, rotary_frequencies
 
 WORD_EMBEDDING = "embedding.word.weight"
@@ -106,14 +107,18 @@ class Embedding(nn.Module):
 
 
 def allowed_keys(
-    q_idx: torch.Tensor, k_idx: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None
+    q_idx: torch.Tensor, k_idx: torch.Tensor, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The attention mask as a predicate on global token indices: key j is visible to query i
-    when j <= i (and both are in the same document when document ids are given).
+    when j <= i (and i - j <= window under a sliding window; and both are in the same document
+    when document ids are given).
 
     q_idx (Tq,), k_idx (Tk,) -> (Tq, Tk); with q_docs (B, Tq), k_docs (B, Tk) -> (B, 1, Tq, Tk).
     """
     mask = k_idx[None, :] <= q_idx[:, None]
+    if window is not None:
+        mask = mask & (k_idx[None, :] >= q_idx[:, None] - window)
     if q_docs is not None:
         mask = (mask & (q_docs[:, :, None] == k_docs[:, None, :])).unsqueeze(1)  # broadcast over heads
     return mask
@@ -128,16 +133,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout; no parameters.
+    """softmax(q k^T / sqrt(hd)) v with causal masking and attention dropout, a sliding window and
+    a sink (softmax_offset: dtgpt/attention_sink.py) where [model] asks. Megatron's "core attention":
+    what selective recomputation recomputes, its (B, nh, T, T) scores a block's largest activations."""
 
-    Megatron's "core attention": what selective recomputation recomputes in backward, since its
-    (B, nh, T, T) scores are the largest activations of a block when a kernel materialises them.
-    """
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """index: the block's place in the whole model (from 0), which picks its window."""
         super().__init__()
         self.attention_dropout = cfg.attention_dropout
         self.stream: RandomStream = contextlib.nullcontext  # under tp: this rank's heads only
+        self.window = cfg.attention_window(index)  # how far back a query sees; None: its whole past
+        self.whole_rows = WholeRows()  # the varlen kernel's bounds for a window without documents
 
     def forward(
         self,
@@ -146,22 +152,27 @@ class CoreAttention(nn.Module):
         v: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         token_index: torch.Tensor | None = None,  # unused: as Dropout
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (B, nh, T, hd); k, v (B, ng, T, hd) with ng dividing nh (see attend); document_ids
-        (B, T), or Documents where the batch counted their bounds (dtgpt/attention_varlen.py)."""
+        (B, T), or Documents where the batch counted their bounds (dtgpt/attention_varlen.py);
+        sink (nh,): each head's sink logit (dtgpt/attention_sink.py), None: none."""
         dropout = self.attention_dropout if self.training else 0.0
-        if isinstance(document_ids, Documents):
-            # On CUDA, flash attention's varlen kernel without a mask (it has no dropout).
-            kernel = varlen_kernel.kernel_for(q) if not dropout else None
-            if kernel is not None:
-                return documents_attention(kernel, q, k, v, document_ids.bounds)  # (B, nh, T, hd)
-            document_ids = document_ids.ids
-        # Documents elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
+        # On CUDA, flash attention's varlen kernel without a mask (it has no dropout, no sink).
+        kernel = varlen_kernel.windowed_kernel_for(q, self.window) if not dropout and sink is None else None
+        documents = isinstance(document_ids, Documents)
+        if kernel is not None and (documents or (document_ids is None and self.window is not None)):
+            bounds = document_ids.bounds if documents else self.whole_rows(q.shape[0], q.shape[2], q.device)
+            return documents_attention(kernel, q, k, v, bounds, self.window)  # (B, nh, T, hd)
+        # Elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
+        document_ids = document_ids.ids if documents else document_ids
         mask = None
-        if document_ids is not None:
+        if document_ids is not None or self.window is not None or sink is not None:
             idx = torch.arange(q.shape[2], device=q.device)
-            mask = allowed_keys(idx, idx, document_ids, document_ids)
+            mask = allowed_keys(idx, idx, document_ids, document_ids, self.window)
         with self.stream() if dropout else contextlib.nullcontext():
+            if sink is not None:
+                return attend_with_sink(q, k, v, mask, sink, dropout)  # (B, nh, T, hd)
             return attend(q, k, v, mask=mask, dropout=dropout)  # (B, nh, T, hd)
 
 
@@ -177,17 +188,21 @@ class Attention(nn.Module):
     (`shared_group`).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """index: the block's place in the whole model (from 0), which picks its window and RoPE."""
         super().__init__()
         hd, nh, ng = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.head_dim, self.queries_per_group = hd, nh // ng
         self.qkv = nn.Linear(cfg.hidden_size, (nh + 2 * ng) * hd, bias=cfg.qkv_bias)
         self.q_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
         self.k_norm = build_norm(cfg, hd) if cfg.qk_layernorm else None
-        self.core = CoreAttention(cfg)
+        self.core = CoreAttention(cfg, index)
+        self.sink = AttentionSink(nh) if cfg.softmax_type == "learnable" else None  # Megatron's core_attention.softmax_offset
+        self.off_by_one = cfg.softmax_type == "off-by-one"
         self.proj = nn.Linear(nh * hd, cfg.hidden_size, bias=cfg.add_bias_linear)
         self.cfg = cfg  # RoPE's frequencies are drawn from it on the activations' device
-        self.rope = cfg.position_embedding_type == "rope"
+        self.rope = cfg.position_embedding_type == "rope" and not cfg.skips_rope(index)
+        self.l2_eps = cfg.norm_epsilon if cfg.qk_l2_norm else None  # Llama 4's weightless qk norm
         # (ranks sharing a group, this rank's index among all of them): set by dtgpt.parallel.tensor
         # when there are fewer key/value groups than tp ranks; None: this rank holds whole groups.
         self.shared_group: tuple[int, int] | None = None
@@ -210,12 +225,14 @@ class Attention(nn.Module):
             first = rank % sharing * queries
             qkv = torch.cat((group[:, :, :, first : first + queries], group[:, :, :, -2:]), dim=3)
         q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]  # (B, T, nh or ng, hd)
-        if self.q_norm is not None or self.rope:
+        if self.q_norm is not None or self.rope or self.l2_eps is not None:
             # The norms and RoPE make new tensors of q and k; a view that backward keeps (a
             # norm's input, attention's v) would keep the whole QKV output alive: copies keep just it.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.l2_eps is not None:
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
         if self.rope:
             inv_freq = rotary_frequencies(self.cfg, x.device)
             q = apply_rotary(q, inv_freq, position_ids, self.cfg.rotary_interleaved)
@@ -223,7 +240,8 @@ class Attention(nn.Module):
         # Head-major views of token-major tensors: attention's output keeps the token-major
         # layout, so the projection's input below is a view of it, not a copy.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh or ng, T, hd)
-        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index)  # (B, nh, T, hd)
+        sink = self.sink() if self.sink is not None else q.new_zeros(q.shape[1]) if self.off_by_one else None  # (nh,)
+        y = self.core(q, k, v, document_ids=document_ids, token_index=token_index, sink=sink)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # from (B, T, nh * hd)
 
 
@@ -232,7 +250,7 @@ class Block(nn.Module):
         """index: the block's place in the whole model (from 0), which picks MLP or MoE."""
         super().__init__()
         self.input_norm = build_norm(cfg)
-        self.attention = MLASelfAttention(cfg, CoreAttention(cfg)) if cfg.multi_latent_attention else Attention(cfg)
+        self.attention = MLASelfAttention(cfg, CoreAttention(cfg, index)) if cfg.multi_latent_attention else Attention(cfg, index)
         self.mlp_norm = build_norm(cfg)
         self.mlp: nn.Module = MLP(cfg)
         if cfg.is_moe_layer(index):

@@ -42,7 +42,8 @@ def _attention(cfg: ModelConfig) -> int:
     q, kv = cfg.num_attention_heads * hd, cfg.query_groups * hd  # query and key (or value) widths
     qkv = h * (q + 2 * kv) + ((q + 2 * kv) if cfg.qkv_bias else 0)
     proj = q * h + (h if cfg.add_bias_linear else 0)
-    return qkv + proj + (2 * _norm(cfg, hd) if cfg.qk_layernorm else 0)
+    sinks = cfg.num_attention_heads if cfg.softmax_type == "learnable" else 0  # one learned logit per head
+    return qkv + proj + (2 * _norm(cfg, hd) if cfg.qk_layernorm else 0) + sinks
 
 
 def num_moe_layers(cfg: ModelConfig) -> int:

@@ -39,6 +39,11 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight.to(x.dtype), self.eps).to(self.weight.dtype)
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its root mean square along the last dim, in fp32, no weight (Megatron's qk_l2_norm)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+
+
 def build_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
     """model.normalization over `size` channels (default: the hidden size)."""
     norm = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm

@@ -30,7 +30,9 @@ CHECKED_TORCH = ("2.11", "2.12", "2.13")
 """Where the signature forms above were seen or are expected (2.11, 2.12: by the gpu check)."""
 
 Kernel = Callable[..., torch.Tensor]
-"""kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=) -> (Nq, heads, d): causal, bottom-right."""
+"""kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=, window=None) -> (Nq, heads, d): causal,
+bottom-right; a window w: each query sees only the keys at most w before it (sliding-window
+attention, flash's window_size=(w, 0)). `kernel.takes_window` says whether it can."""
 
 
 @functools.cache
@@ -41,15 +43,13 @@ def _torch_kernel() -> Kernel | None:
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    if "window_size" in params:
-        causal = {"window_size": (-1, 0)}
-    elif "is_causal" in params:
-        causal = {"is_causal": True}
-    else:
+    windowed = "window_size" in params
+    if not windowed and "is_causal" not in params:
         return None
     gqa, scaled = "enable_gqa" in params, "scale" in params
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):
+        causal = {"window_size": (-1 if window is None else window, 0)} if windowed else {"is_causal": True}
         extra = {"enable_gqa": k.shape[1] != q.shape[1]} if gqa else {}
         if scaled:
             extra["scale"] = scale
@@ -57,6 +57,7 @@ def _torch_kernel() -> Kernel | None:
             q = q * (scale * q.shape[-1] ** 0.5)
         return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **causal, **extra)
 
+    kernel.takes_window = windowed
     return kernel
 
 
@@ -73,6 +74,13 @@ def kernel_for(q: torch.Tensor) -> Kernel | None:
     return _torch_kernel()
 
 
+def windowed_kernel_for(q: torch.Tensor, window: int | None) -> Kernel | None:
+    """kernel_for(q), where window is set only a kernel that takes it (torch's varlen_attn with
+    window_size); else None: the masked path runs (on CUDA, with its dense mask)."""
+    kernel = kernel_for(q)
+    return kernel if window is None or getattr(kernel, "takes_window", False) else None
+
+
 @functools.cache
 def _major_capability(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
@@ -83,10 +91,12 @@ def _pad_to(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def causal_varlen(
-    kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int
+    kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Packed q (Nq, nh, d), k (Nk, ng, d), v (Nk, ng, dv) -> (Nq, nh, dv), scaled by d ** -0.5 as SDPA."""
     d, dv = q.shape[-1], v.shape[-1]
     padded = -(-max(d, dv) // 8) * 8
-    out = kernel(_pad_to(q, padded), _pad_to(k, padded), _pad_to(v, padded), cu_q, cu_k, max_q, max_k, scale=d**-0.5)
+    windowed = {"window": window} if window is not None else {}  # a stand-in kernel without the keyword still runs
+    out = kernel(_pad_to(q, padded), _pad_to(k, padded), _pad_to(v, padded), cu_q, cu_k, max_q, max_k, scale=d**-0.5, **windowed)
     return out[..., :dv]

@@ -27,8 +27,9 @@ from tests.test_context import GatheredByHand
 EOD = 0
 
 
-def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """What the varlen kernel computes, segment by segment (checks the host integers too)."""
+def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):
+    """What the varlen kernel computes, segment by segment (checks the host integers too); a
+    window: each query sees the keys at most `window` before it (flash's window_size=(window, 0))."""
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
     assert cu_q[0] == cu_k[0] == 0 and cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
     assert max_q == max(np.diff(cu_q)) and max_k == max(np.diff(cu_k))
@@ -38,6 +39,8 @@ def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         qs, ks, vs = (x[a:b].transpose(0, 1) for x, (a, b) in ((q, cu_q[i : i + 2]), (k, cu_k[i : i + 2]), (v, cu_k[i : i + 2])))
         nq, nk = qs.shape[1], ks.shape[1]
         allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)  # bottom-right
+        if window is not None:
+            allowed &= torch.arange(nk)[None, :] >= torch.arange(nq)[:, None] + (nk - nq) - window
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, enable_gqa=True).transpose(0, 1))
     return torch.cat(outs)
 

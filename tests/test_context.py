@@ -31,9 +31,9 @@ class GatheredByHand(ContextParallelAttention):
     """The cp core of rank `cp_rank` whose all-gathers return the given tensors, in call order
     (the keys, the values, then the document ids)."""
 
-    def __init__(self, cp_rank: int, cp_size: int, gathered: list[torch.Tensor]):
+    def __init__(self, cp_rank: int, cp_size: int, gathered: list[torch.Tensor], window: int | None = None):
         torch.nn.Module.__init__(self)
-        self.cp_rank, self.cp_size, self.gathered = cp_rank, cp_size, list(gathered)
+        self.cp_rank, self.cp_size, self.gathered, self.window = cp_rank, cp_size, list(gathered), window
         self.whole_rows = WholeRows()
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -42,15 +42,20 @@ class GatheredByHand(ContextParallelAttention):
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("with_documents", [False, True])
-def test_cp_attention_equals_full_sequence_attention(cp, with_documents):
-    """Each rank's output is its chunks of the one-process output (causal, and within documents)."""
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window3"])
+@pytest.mark.parametrize("sink", [None, (-1.0, 0.0, 2.0)], ids=["no_sink", "sink"])
+def test_cp_attention_equals_full_sequence_attention(cp, with_documents, window, sink):
+    """Each rank's output is its chunks of the one-process output (causal, and within documents;
+    a sliding window counts back in global positions, across the chunks' bounds; a sink logit per head)."""
     torch.manual_seed(0)
     B, nh, T, hd = 2, 3, 16, 8
     q, k, v = (torch.randn(B, nh, T, hd) for _ in range(3))
     docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if with_documents else None
-    core = CoreAttention(load_config(None, ["--data.mock_data=true"]).model).eval()
-    expected = core(q, k, v, document_ids=docs)
-    if with_documents:  # the one-process reference itself: a document attends to itself alone
+    windowed = [f"--model.window_size={window},0"] if window else []
+    core = CoreAttention(load_config(None, ["--data.mock_data=true", *windowed]).model).eval()
+    sink = torch.tensor(sink) if sink else None
+    expected = core(q, k, v, document_ids=docs, sink=sink)
+    if with_documents and not window and sink is None:  # the one-process reference itself: a document attends to itself alone
         second = slice(5, 12)
         alone = core(q[:1, :, second], k[:1, :, second], v[:1, :, second])
         torch.testing.assert_close(expected[:1, :, second], alone)
@@ -63,7 +68,7 @@ def test_cp_attention_equals_full_sequence_attention(cp, with_documents):
     for r in range(cp):
         local = [split_sequence(t, r, cp, dim=2) for t in (q, k, v)]
         local_docs = split_sequence(docs, r, cp) if with_documents else None
-        out = GatheredByHand(r, cp, gathered)(*local, document_ids=local_docs)
+        out = GatheredByHand(r, cp, gathered, core.window)(*local, document_ids=local_docs, sink=sink)
         torch.testing.assert_close(out, split_sequence(expected, r, cp, dim=2), rtol=1e-5, atol=1e-6)
 
 

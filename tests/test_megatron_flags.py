@@ -103,7 +103,8 @@ def test_flag_list_is_megatrons():
     assert {name for name in megatron_flags() if name not in NEWER_FLAGS.split()} <= theirs
 
 
-FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)", "optimizer.optimizer": "sgd"}
+FORMATTED = {"training.step_batch_size_schedule": "0:4 1K:8", "model.moe_layer_freq": "([0]*3+[1]*58)", "optimizer.optimizer": "sgd",
+             "model.window_attn_skip_freq": "[1,1,1,0]*3", "model.no_rope_freq": "([0]*3+[1])*3", "model.softmax_type": "learnable"}
 """Keys whose strings have a format (or choices) checked as they are read: a well-formed value."""
 
 
@@ -134,6 +135,8 @@ def test_every_key_with_a_megatron_flag_maps_and_round_trips():
         else:
             expected = _value_for(m.key, types[m.key])
             values = expected if isinstance(expected, list) else [str(expected)]
+            if m.flag.arity == "1" and isinstance(expected, list):  # one value holding the list: Megatron's tuple_type, "128,0"
+                values = [",".join(map(str, expected))]
             argv = [f"--{name}", *(str(v) for v in values)]
         cfg = load_config(None, argv, check=False)
         assert _get(cfg, m.key) == expected, (name, _get(cfg, m.key))

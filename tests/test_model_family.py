@@ -85,6 +85,7 @@ FAMILY = {
               "--model.untie_embeddings_and_output_weights=true"],
     "options": ["--model.kv_channels=8", "--model.qk_layernorm=true", "--model.add_bias_linear=false",
                 "--model.add_qkv_bias=true", "--model.ffn_hidden_size=96"],
+    "sinks": ["--model.softmax_type=learnable"],  # a learned logit per head and block
 }  # fmt: skip
 
 

@@ -78,13 +78,9 @@ def megatron_key(name: str) -> tuple[str, slice]:
     return f"{prefix}.{LOCAL_NORM_NAMES.get(key, key)}", rows
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["micro_batch_mean", "per_token"])
-def test_mtp_matches_megatron(megatron, per_token):
-    """per_token: calculate_per_token_loss, where Megatron sums token losses (the MTP term too)
-    and divides the gradients by the LM loss tokens at the end."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
-
-    theirs, ours = megatron_gpt(per_token), dtgpt_gpt()
+def take_megatron_weights(ours: GPT, theirs) -> tuple[dict, dict]:
+    """Copy megatron-core's GPTModel's weights into dtgpt's model of the same shape: (Megatron's
+    parameters by name, dtgpt name -> (Megatron name, rows)); every Megatron tensor is mapped once."""
     params = dict(theirs.named_parameters())
     mapped = {name: megatron_key(name) for name, _ in ours.named_parameters()}
     assert sorted({key for key, _ in mapped.values()}) == sorted(params), "every Megatron tensor mapped once"
@@ -92,6 +88,17 @@ def test_mtp_matches_megatron(megatron, per_token):
         for name, p in ours.named_parameters():
             key, rows = mapped[name]
             p.copy_(params[key][rows])
+    return params, mapped
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["micro_batch_mean", "per_token"])
+def test_mtp_matches_megatron(megatron, per_token):
+    """per_token: calculate_per_token_loss, where Megatron sums token losses (the MTP term too)
+    and divides the gradients by the LM loss tokens at the end."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    theirs, ours = megatron_gpt(per_token), dtgpt_gpt()
+    params, mapped = take_megatron_weights(ours, theirs)
     g = torch.Generator().manual_seed(3)
     tokens, labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     loss_mask = torch.ones(BATCH, SEQ)

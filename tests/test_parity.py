@@ -16,7 +16,8 @@ tp+SP with a shared expert, pp with recomputation and the expert bias, and exper
 output layer at their own LR) on pp2 with the tied head on the other stage and on FSDP (dp2), and
 Megatron's --optimizer sgd (momentum 0.8) on dp_shard2 x tp2, and --optimizer muon (Nesterov) on
 the Llama-style model at dp_shard2 x tp2 + SP and at pp2, and on the MoE with SwiGLU experts at
-ep2 x efsdp2.
+ep2 x efsdp2, and gpt-oss's attention and MLP (learned sinks, sliding windows, the clamped SwiGLU)
+with Llama 4's qk L2 norm and NoPE blocks on cp2 x tp2 + SP with selective recomputation.
 Every other pipeline schedule runs SHORT
 iterations, compared
 with the start of the same reference: the LR schedule is pinned to STEPS iterations
@@ -102,8 +103,16 @@ SGD = ["--optimizer=sgd", "--sgd-momentum=0.8"]
 # bf16, rounds the layouts' fp32 gradient differences up to bf16's): dtgpt/muon.py
 MUON = ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high"]
 
+# gpt-oss's attention and MLP as its launch script spells them (a 5-token sliding window in every
+# other block from 1, learned attention sinks, the clamped SwiGLU with fc1 offset by 1) on the
+# Llama-style model with Llama 4's weightless qk norm and NoPE blocks (RoPE skipped in blocks 2 and 4)
+GPT_OSS = [*(o for o in LLAMA if "qk_layernorm" not in o), "--window-size=5,0", "--window-attn-skip-freq=2",
+           "--softmax-type=learnable", "--glu-linear-offset=1.0", "--activation-func-clamp-value=0.5", "--qk-l2-norm",
+           "--no-rope-freq=2"]  # fmt: skip
+
 # overrides that change the model or what it trains on: the reference gets them too
-MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-")
+MODEL_KEYS = ("--model.", "--data.eod_mask_loss", "--data.reset_", "--decoupled-", "--optimizer=", "--sgd-momentum", "--muon-",
+              "--window-", "--softmax-type", "--glu-linear-offset", "--activation-func-clamp-value", "--qk-l2-norm", "--no-rope-freq")  # fmt: skip
 
 LAYOUTS = {
     # name: (ranks, overrides)
@@ -257,6 +266,9 @@ LAYOUTS = {
     # costs 30 s more here: it runs in tests/test_moe_resume.py; its collectives are counted in
     # tests/test_comm_counts.py.)
     "muon_moe_ep2_dp_shard4": (4, [*MUON, *MOE_GROUPED, "--model.swiglu=true", "--parallel.data_parallel_shard_size=4", ep(2)]),
+    # the sinks' logits split by head over tp, the recomputed core handed this rank's; windows cut
+    # across the cp chunks in global positions, sinks over the gathered keys
+    "gpt_oss_cp2_tp2_sp_selective_ac": (4, [*GPT_OSS, CP2, *TP2_SP, "--training.recompute_granularity=selective"]),
     "moe_ep2_capacity_pp2": (4, [*MOE_GROUPED, "--model.moe_expert_capacity_factor=1.0", "--model.moe_pad_expert_input_to_capacity=true", DP_SHARD2, PP2, "--parallel.pipeline_schedule=1F1B", ep(2)]),
 }
 

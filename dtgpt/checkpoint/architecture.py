@@ -35,12 +35,18 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 """Multi-latent attention's keys that Megatron-LM keeps in its args, compared where both sides
 have it (rope_type as its effective value: unset is YaRN there)."""
 
+VARIANTS = {"window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla", "glu_linear_offset": 0.0,
+            "activation_func_clamp_value": None, "qk_l2_norm": False, "no_rope_freq": None}  # fmt: skip
+"""Sliding windows, sinks, SwiGLU's clamp and Llama 4's options, with Megatron's defaults: args that
+lack one (from before the flag) are that default. Always compared, window_attn_skip_freq and
+no_rope_freq as their per-block patterns."""
+
 FIELDS = (
     "num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups", "kv_channels",
     "ffn_hidden_size", "swiglu", "squared_relu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
     "apply_layernorm_1p", "normalization", "norm_epsilon", "position_embedding_type", "max_position_embeddings",
     "rotary_base", "rotary_interleaved", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "untie_embeddings_and_output_weights", *MOE_FIELDS, "multi_latent_attention", *MLA_FIELDS, "mtp_num_layers",
+    "untie_embeddings_and_output_weights", *MOE_FIELDS, "multi_latent_attention", *MLA_FIELDS, "mtp_num_layers", *VARIANTS,
 )  # fmt: skip
 """The [model] fields that make the architecture (use_checkpoint_args takes these)."""
 
@@ -61,6 +67,9 @@ def architecture(m: ModelConfig) -> dict[str, object]:
     }  # fmt: skip
     if m.mtp_num_layers:
         arch["mtp_num_layers"] = m.mtp_num_layers
+    arch |= {key: getattr(m, key) for key in VARIANTS} | {"window_size": list(m.window_size) if m.window_size else None}
+    arch["window_attn_skip_freq"] = [int(m.attention_window(i) is not None) for i in range(m.num_layers)] if m.window_size else None
+    arch["no_rope_freq"] = [int(m.skips_rope(i)) for i in range(m.num_layers)] if m.no_rope_freq else None
     if m.multi_latent_attention:
         arch |= {key: getattr(m, key) for key in MLA_FIELDS} | {"rope_type": m.rope_type or "yarn"}
     arch["squared_relu"] = m.squared_relu  # a checkpoint saved before the key has none: not compared
@@ -119,7 +128,22 @@ def megatron_architecture(args) -> dict[str, object]:
             arch["gelu"] = "tanh" if get("openai_gelu", False) or (get("bias_gelu_fusion", True) and bias) else "none"
     if arch["position_embedding_type"] == "rope":
         arch |= {key: get(key) for key in ROPE_KEYS}
-    return {key: value for key, value in arch.items() if value is not None} | latent | _megatron_moe(args)
+    return {key: value for key, value in arch.items() if value is not None} | latent | _megatron_moe(args) | _megatron_variants(args)
+
+
+def _megatron_variants(args) -> dict[str, object]:
+    """VARIANTS from Megatron-LM's args, window_attn_skip_freq as architecture() gives it."""
+    variants = {key: getattr(args, key, default) for key, default in VARIANTS.items()}
+    window, freq = variants["window_size"], variants["window_attn_skip_freq"]
+    variants["window_size"] = list(window) if window else None
+    if window:
+        pattern = ModelConfig(num_layers=args.num_layers, window_size=list(window), window_attn_skip_freq=str(freq) if freq else 0)
+        variants["window_attn_skip_freq"] = [int(pattern.attention_window(i) is not None) for i in range(args.num_layers)]
+    nope = variants["no_rope_freq"]  # an int or the list validate_args expands it to
+    if nope:
+        pattern = ModelConfig(num_layers=args.num_layers, no_rope_freq=str(nope))
+        variants["no_rope_freq"] = [int(pattern.skips_rope(i)) for i in range(args.num_layers)]
+    return variants
 
 
 SETTINGS = {
@@ -163,6 +187,8 @@ def with_megatron_architecture(args, m: ModelConfig) -> ModelConfig:
     changes = {key: stored[key] for key in FIELDS if key in stored and key not in ("num_query_groups", "kv_channels", "add_qkv_bias")}
     if isinstance(changes.get("moe_layer_freq"), list):
         changes["moe_layer_freq"] = str(changes["moe_layer_freq"])  # [model]'s list expression
+    for key in ("window_attn_skip_freq", "no_rope_freq"):  # a per-block pattern: [model]'s list expression
+        changes[key] = str(stored[key]) if stored.get(key) else 0
     if "num_layers" in stored and "num_experts" not in stored:
         changes["num_experts"] = None  # a dense checkpoint
     if "num_query_groups" in stored:
@@ -195,6 +221,8 @@ def megatron_args(m: ModelConfig) -> dict[str, object]:
         "max_position_embeddings": m.max_positions, "seq_length": m.seq_length,
         "moe_ffn_hidden_size": m.expert_ffn_size if m.moe_enabled else None,  # filled in, as Megatron's validate_args does
         "moe_layer_freq": _layer_freq(m),
+        "window_size": tuple(m.window_size) if m.window_size else None, "window_attn_skip_freq": m.window_attn_skip_freq or None,
+        "no_rope_freq": m.no_rope_freq or None,
     }  # fmt: skip
     return args
 

@@ -17,6 +17,7 @@ import torch
 
 from dtgpt.checkpoint.hf_files import HFLayout, Named, Tensors, bias_or_zeros, need, plain_architecture, top_from_hf, top_to_hf, unmet
 from dtgpt.config import ModelConfig
+from dtgpt.config.attention_keys import VARIANTS_OFF
 
 PREFIX = "transformer."
 LM_HEAD = "lm_head.weight"
@@ -45,7 +46,7 @@ _TOP = {
 
 def gpt2_problems(m: ModelConfig) -> list[str]:
     wanted = {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False, "qk_layernorm": False,
-              "multi_latent_attention": False, "squared_relu": False}  # fmt: skip
+              "multi_latent_attention": False, "squared_relu": False, **VARIANTS_OFF}  # fmt: skip
     problems = unmet(m, wanted)
     if m.query_groups != m.num_attention_heads:
         problems.append(need("group_query_attention", False, m))

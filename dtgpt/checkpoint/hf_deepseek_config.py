@@ -33,6 +33,7 @@ import math
 from dtgpt.checkpoint.hf_checks import config_value
 from dtgpt.checkpoint.hf_files import need, plain_architecture, rope_keys, unmet
 from dtgpt.config import ModelConfig
+from dtgpt.config.attention_keys import VARIANTS_OFF
 from dtgpt.config.layer_freq import moe_layer_pattern
 from dtgpt.rope import yarn_mscale
 
@@ -59,7 +60,7 @@ def shared_experts(m: ModelConfig) -> int | None:
 
 def deepseek_problems(m: ModelConfig) -> list[str]:
     wanted = {"multi_latent_attention": True, "qk_layernorm": True, "normalization": "RMSNorm", "swiglu": True,
-              "add_bias_linear": False, "norm_epsilon": LATENT_NORM_EPS}  # fmt: skip
+              "add_bias_linear": False, "norm_epsilon": LATENT_NORM_EPS, **VARIANTS_OFF}  # fmt: skip
     problems = unmet(m, wanted)
     if not m.moe_enabled:
         return problems + [need("num_experts", "a count", m)]

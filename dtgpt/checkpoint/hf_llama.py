@@ -26,6 +26,7 @@ from dtgpt.checkpoint.hf_files import (
     HFLayout, Named, Tensors, bias_or_zeros, plain_architecture, rope_keys, top_from_hf, top_to_hf, unmet,
 )  # fmt: skip
 from dtgpt.config import ModelConfig
+from dtgpt.config.attention_keys import VARIANTS_OFF
 from dtgpt.model import WORD_EMBEDDING
 
 LM_HEAD = "lm_head.weight"
@@ -47,7 +48,7 @@ _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 def llama_problems(m: ModelConfig) -> list[str]:
     wanted = {"normalization": "RMSNorm", "position_embedding_type": "rope", "swiglu": True, "qk_layernorm": False,
-              "rotary_percent": 1.0, "multi_latent_attention": False}  # fmt: skip
+              "rotary_percent": 1.0, "multi_latent_attention": False, **VARIANTS_OFF}  # fmt: skip
     problems = unmet(m, wanted)
     if m.hidden_size % m.num_attention_heads:  # LlamaConfig refuses it, whatever head_dim says
         problems.append(f"model.num_attention_heads dividing model.hidden_size (the config has {m.num_attention_heads} and {m.hidden_size})")

@@ -39,6 +39,9 @@ NOTED = {
     "as Megatron refuses it",
     "trust-remote-code": "dtgpt's HuggingFaceTokenizer reads tokenizer.json with the `tokenizers` library and never "
     "runs code from the tokenizer's directory",
+    "apply-residual-connection-post-layernorm": "megatron-core's GPTModel, which pretrain_gpt.py builds (the legacy "
+    "model, `--use-legacy-models`, is refused), never reads it (core 0.16.1): its layers add each sub-layer to the "
+    "block's input, the norm's output is no residual, so the model is the same with or without it, as in dtgpt",
 }
 """flag -> what dtgpt does instead (accepted, and named in the one note rank 0 prints)."""
 

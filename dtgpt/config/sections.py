@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dtgpt.config.attention_keys import AttentionVariantKeys
 from dtgpt.config.checkpoint_keys import CheckpointKeys
 from dtgpt.config.init_keys import InitKeys
 from dtgpt.config.mla_keys import MLAKeys
@@ -31,9 +32,9 @@ def require(ok: bool, message: str) -> None:
 
 
 @dataclass
-class ModelConfig(InitKeys, MTPKeys, MLAKeys, MoEKeys):
+class ModelConfig(AttentionVariantKeys, InitKeys, MTPKeys, MLAKeys, MoEKeys):
     """[model]: the dense keys here, the mixture-of-experts ones in MoEKeys, multi-latent attention's in MLAKeys,
-    multi-token prediction's in MTPKeys."""
+    multi-token prediction's in MTPKeys, sliding windows, sinks and the gated MLP's clamp in AttentionVariantKeys."""
 
     num_layers: int = 2
     """Transformer blocks."""

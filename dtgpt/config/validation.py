@@ -21,6 +21,7 @@ from dtgpt.config.decoupled_lr_rules import check_decoupled_lr
 from dtgpt.config.weight_decay_keys import WEIGHT_DECAY_INCR_STYLES
 from dtgpt.config.weight_decay_rules import check_apply_wd_to_qk_layernorm, check_weight_decay_schedule
 from dtgpt.config.init_rules import check_init
+from dtgpt.config.attention_rules import check_attention_variants
 from dtgpt.config.mla_rules import check_mla
 from dtgpt.config.mtp_rules import check_mtp
 from dtgpt.config.muon_rules import MUON_OPTIMIZERS, check_muon
@@ -337,6 +338,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     check_moe(cfg)
     check_mla(cfg)
     check_mtp(cfg)
+    check_attention_variants(cfg)
     _check_batch_sizes(cfg)
     _check_precision(cfg)
     _check_learning_rate(cfg)

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dtgpt.discard import discard_until_backward
 from dtgpt.inits import named_normal
+from dtgpt.mlp import SwiGLU
 
 _GEMM_ALIGNMENT_BYTES = 16
 
@@ -93,11 +94,13 @@ class GroupedExperts(nn.Module):
         init_std: float,
         output_init_std: float,
         gelu_approximation: str = "none",
+        glu: SwiGLU = SwiGLU(),
     ):
         super().__init__()
         fc1_rows = 2 * ffn_hidden_size if swiglu else ffn_hidden_size
         self.num_experts, self.ffn_hidden_size = num_experts, ffn_hidden_size
         self.swiglu, self.grouped_gemm, self.gelu_approximation = swiglu, grouped_gemm, gelu_approximation
+        self.glu = glu  # SwiGLU's offset and clamp (dtgpt/mlp.py)
         self.init_std, self.output_init_std = init_std, output_init_std
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, fc1_rows, hidden_size))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -181,7 +184,7 @@ class GroupedExperts(nn.Module):
         """SwiGLU of fc1's [gate; up] output, or GeLU."""
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return self.glu(gate, up)
         return F.gelu(h, approximate=self.gelu_approximation)
 
     @staticmethod

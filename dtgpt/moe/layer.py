@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from dtgpt.config import ModelConfig
 from dtgpt.inits import DeclaredInits, Init
+from dtgpt.mlp import SwiGLU
 from dtgpt.moe.dispatch import LocalDispatcher
 from dtgpt.moe.experts import GroupedExperts
 from dtgpt.moe.router import Router, Routing
@@ -58,6 +59,7 @@ class MoELayer(nn.Module):
             init_std=cfg.init_method_std,
             output_init_std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers),
             gelu_approximation=cfg.gelu_approximation,
+            glu=SwiGLU.of(cfg),
         )
         # Replaced by an expert-parallel dispatcher with the same methods under EP.
         self.dispatcher = LocalDispatcher(cfg.num_experts)

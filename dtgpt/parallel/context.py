@@ -28,7 +28,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtgpt import varlen_kernel
-from dtgpt.attention_varlen import DocumentBounds, Documents, context_parallel_documents_attention, document_tensor
+from dtgpt.attention_sink import attend_with_sink
+from dtgpt.attention_varlen import Documents, WholeRows, context_parallel_documents_attention, document_tensor
 from dtgpt.model import GPT, CoreAttention, allowed_keys, attend
 from dtgpt.mtp import named_blocks
 from dtgpt.parallel.collectives import all_gather_autograd
@@ -49,35 +50,18 @@ def global_indices(local_length: int, cp_rank: int, cp_size: int, device: torch.
     return split_sequence(torch.arange(local_length * cp_size, device=device), cp_rank, cp_size, dim=0)
 
 
-class WholeRows:
-    """Plain causal attention as one document per row, for the varlen kernel: the bounds of a
-    micro-batch shape, made on first use and kept. One is shared by every cp core of a model part
-    (apply_cp hands each the same), so what the bounds derive for this rank's chunks (the key
-    index and sequence bounds, built on the host and copied to the device:
-    DocumentBounds.context_parallel) is made once per shape, not once per layer, and held once.
-    The bounds depend on the shape alone, the same for every layer and micro-batch."""
-
-    def __init__(self):
-        self.by_shape: dict[tuple, DocumentBounds] = {}
-
-    def __call__(self, rows: int, seq_length: int, device: torch.device) -> DocumentBounds:
-        key = (rows, seq_length, device)
-        if key not in self.by_shape:
-            self.by_shape[key] = DocumentBounds.whole_rows(rows, seq_length).to(device)
-        return self.by_shape[key]
-
-
 class ContextParallelAttention(nn.Module):
     """CoreAttention over a sequence split across the cp group: gathered keys, global causal mask.
 
     Takes and returns what CoreAttention does, (B, nh, T_local, hd); the keys it gathers are in
     cp-rank order (each rank's two chunks in turn), and the mask follows their global indices.
     whole_rows: the bounds it runs the varlen kernel on without documents, shared by the cores of
-    a model part (a core of its own where None).
+    a model part (a core of its own where None). window: the core's sliding window (CoreAttention.window).
     """
 
-    def __init__(self, cp_mesh: DeviceMesh, whole_rows: WholeRows | None = None):
+    def __init__(self, cp_mesh: DeviceMesh, whole_rows: WholeRows | None = None, window: int | None = None):
         super().__init__()
+        self.window = window
         self.cp_mesh = cp_mesh
         self.cp_rank = cp_mesh.get_local_rank()
         self.cp_size = cp_mesh.size()
@@ -98,17 +82,19 @@ class ContextParallelAttention(nn.Module):
         # Document ids are gathered in the order of the keys (no gradient flows through them).
         document_ids = document_tensor(document_ids)
         k_docs = self.gather(document_ids, dim=1) if document_ids is not None else None
-        return allowed_keys(q_idx, k_idx, document_ids, k_docs)
+        return allowed_keys(q_idx, k_idx, document_ids, k_docs, self.window)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None, sink=None) -> torch.Tensor:
         """As CoreAttention.forward (no dropout: token_index is unused)."""
         k_all, v_all = self.gather(k, dim=2), self.gather(v, dim=2)  # (B, nh, T, hd)
-        kernel = varlen_kernel.kernel_for(q)
+        kernel = varlen_kernel.windowed_kernel_for(q, self.window) if sink is None else None
         if kernel is not None and (document_ids is None or isinstance(document_ids, Documents)):
             bounds = document_ids.bounds if document_ids is not None else self.whole_rows(q.shape[0], k_all.shape[2], q.device)
-            return context_parallel_documents_attention(kernel, q, k_all, v_all, bounds, self.cp_rank, self.cp_size)
+            return context_parallel_documents_attention(kernel, q, k_all, v_all, bounds, self.cp_rank, self.cp_size, self.window)
         mask = self.allowed(q.shape[2], document_ids, q.device)
         # Every query sees at least its own key, so no row of the mask is empty.
+        if sink is not None:
+            return attend_with_sink(q, k_all, v_all, mask, sink)  # (B, nh, T_local, hd)
         return attend(q, k_all, v_all, mask=mask)  # (B, nh, T_local, hd)
 
 
@@ -123,4 +109,4 @@ def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:
     for block in named_blocks(model).values():
         if not isinstance(block.attention.core, CoreAttention):
             raise TypeError("apply_cp must run before recomputation wraps the attention core")
-        block.attention.core = ContextParallelAttention(cp_mesh, whole_rows)
+        block.attention.core = ContextParallelAttention(cp_mesh, whole_rows, block.attention.core.window)

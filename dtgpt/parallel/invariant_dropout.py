@@ -89,8 +89,9 @@ class InvariantAttention(nn.Module):
         self.p, self.seed, self.site, self.head_offset = p, seed, site, head_offset
         self.inner = inner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None) -> torch.Tensor:
-        """As CoreAttention.forward, with attention dropout keyed on token_index."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids=None, token_index=None, sink=None) -> torch.Tensor:
+        """As CoreAttention.forward, with attention dropout keyed on token_index (no sink: config
+        validation refuses one beside this dropout)."""
         if not self.training:
             return self.inner(q, k, v, document_ids=document_ids)
         if isinstance(self.inner, ContextParallelAttention):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 
@@ -21,14 +21,21 @@ class LocalReplicaParallel(ParallelStyle):
     tokens (a sequence-parallel chunk) with the local values of its parameters, whose gradients
     come back as pending sums over tp (Partial: reduce_pending_grads sums them once). Buffers
     (the expert bias) stay plain.
+
+    placement: Shard(0) instead holds each rank's slice (the attention sink's logits of its own
+    heads), whose gradients are that slice's, with nothing to sum.
     """
+
+    def __init__(self, placement: Placement = Replicate()):
+        super().__init__()
+        self.placement = placement
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # Not distribute_module: it makes every buffer a DTensor too, and the router adds its
         # expert bias to plain scores.
         for sub in module.modules():
             for key, param in list(sub.named_parameters(recurse=False)):
-                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()]), param.requires_grad))
+                sub.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [self.placement]), param.requires_grad))
         module.register_forward_pre_hook(_local_parameters)
         module.register_forward_hook(_replicated_parameters)
         return module

@@ -118,6 +118,8 @@ def _attention_plan(prefix: str, attention: Attention, tp_mesh: DeviceMesh, seq)
         # weights' gradients are summed over tp like a sequence-parallel norm's.
         for norm in ("q_norm", "k_norm"):
             plan[prefix + "attention." + norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if attention.sink is not None:  # the attention sink's logits of this rank's heads
+        plan[prefix + "attention.sink"] = LocalReplicaParallel(Shard(0))
     plan.update(
         {
             prefix + "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),

@@ -44,6 +44,7 @@ LAYER_KEYS = {
     "attention.q_norm.bias": "self_attention.q_layernorm.bias",
     "attention.k_norm.weight": "self_attention.k_layernorm.weight",
     "attention.k_norm.bias": "self_attention.k_layernorm.bias",
+    "attention.sink.softmax_offset": "self_attention.core_attention.softmax_offset",  # softmax_type='learnable'
     "attention.proj.weight": "self_attention.linear_proj.weight",
     "attention.proj.bias": "self_attention.linear_proj.bias",
     "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from dtgpt.checkpoint.megatron.bucket_blocks import generic
 from dtgpt.checkpoint.megatron.expert_buckets import EXPERTS
 
-_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_ATTENTION = ("self_attention.core_attention.softmax_offset", "self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
 _INPUT_NORM = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _MLA_INPUT_NORM = ("input_layernorm.weight", "input_layernorm.bias")  # a module of its own before MLA, under either spec
 _MLA_LOCAL = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.weight",
@@ -69,6 +69,7 @@ TP_DIM = {
     "decoder.layers.self_attention.linear_qkv.weight": 0, "decoder.layers.self_attention.linear_qkv.bias": 0,
     "decoder.layers.mlp.linear_fc1.weight": 0, "decoder.layers.mlp.linear_fc1.bias": 0,  # column-parallel
     "decoder.layers.self_attention.linear_proj.weight": 1, "decoder.layers.mlp.linear_fc2.weight": 1,  # row-parallel
+    "decoder.layers.self_attention.core_attention.softmax_offset": 0,  # the attention sink's logits, by head
     "decoder.layers.mlp.shared_experts.linear_fc1.weight": 0, "decoder.layers.mlp.shared_experts.linear_fc1.bias": 0,
     "decoder.layers.mlp.shared_experts.linear_fc2.weight": 1,  # an MoE layer's shared expert, split as the dense MLP
     # multi-latent attention's projections are column-parallel (the down-projections under the local spec;

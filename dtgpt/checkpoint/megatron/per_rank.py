@@ -26,14 +26,14 @@ from dtgpt.config.pipeline_split import PER_VIRTUAL, SPLIT_KEYS, keyed_stage_lay
 TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
           "word_embeddings.weight": 0, "output_layer.weight": 0, "linear_proj.weight": 1, "linear_fc2.weight": 1,
           "linear_q_proj.weight": 0, "linear_q_up_proj.weight": 0, "linear_kv_up_proj.weight": 0, "eh_proj.weight": 0,
-          "linear_q_down_proj.weight": 0, "linear_kv_down_proj.weight": 0}  # fmt: skip
+          "linear_q_down_proj.weight": 0, "linear_kv_down_proj.weight": 0, "core_attention.softmax_offset": 0}  # fmt: skip
 """How the per-rank format splits a tensor over TP ranks (column parallel: rows; row parallel:
 columns); anything not named is replicated (norms, routers). Multi-latent attention's
 up-projections are column parallel (their rows are the heads in turn), and under the local layer
 spec, which megatron-core builds on CPU and dtgpt writes, so are its down-projections
 (ColumnParallelLinear, their output gathered in the forward); Transformer Engine's spec keeps
 those duplicated on every rank (DUPLICATED), as its fused norm names tell. The multi-token
-prediction module's eh_proj is column parallel."""
+prediction module's eh_proj is column parallel, the attention sink's logits split by head."""
 
 DUPLICATED = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 TE_MLA_NORM = ".self_attention.linear_kv_up_proj.layer_norm_weight"
