@@ -2,9 +2,10 @@
 
 Same mesh: per-iteration losses equal exactly (dropout on, so the RNG state must come back too).
 Another mesh: the model and optimizer are resharded and the losses match to fp32 rounding.
-Each uninterrupted run saves at iteration SAVED (4: past the LR warmup, into the decay) and goes
-on to ITERS (8); resuming from iteration SAVED (checkpoint.load_iteration) must reproduce
-iterations SAVED+1..ITERS.
+Each uninterrupted run saves at iteration SAVED (3: past the LR warmup, into the decay) and goes
+on to ITERS (6); resuming from iteration SAVED (checkpoint.load_iteration) must reproduce
+iterations SAVED+1..ITERS. A global batch of BATCH (4) samples: what a checkpoint holds does not
+grow with the micro-batch count, and every pipeline still runs a micro-batch per stage or more.
 
 The runs share launches (tests/runs.py launch_commands): one per rank count, each resume after
 the run it resumes, 4 ranks first (their checkpoints are resumed on 1 and 2 ranks), then 1, then
@@ -27,10 +28,11 @@ from tests.runs import REPO, Command, launch_commands, read_metrics, selected_ca
 
 pytestmark = pytest.mark.slow  # train.py and torchrun runs
 
-ITERS, SAVED = 8, 4
+ITERS, SAVED = 6, 3
+BATCH = 4  # samples per iteration
 BASE = [
     "--model.num_layers=2", "--model.hidden_size=32", "--model.num_attention_heads=4", "--model.seq_length=32",
-    "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", "--training.global_batch_size=8",
+    "--model.make_vocab_size_divisible_by=64", "--training.micro_batch_size=2", f"--training.global_batch_size={BATCH}",
     f"--training.train_iters={ITERS}", "--optimizer.lr=3e-3", "--optimizer.lr_warmup_iters=2",
     "--optimizer.lr_decay_style=cosine", "--data.mock_data=true", "--data.tokenizer_type=NullTokenizer",
     "--data.vocab_size=128", "--data.num_workers=0", "--eval.eval_iters=0", f"--logging.log_interval={SAVED}",
@@ -49,7 +51,7 @@ MUON = ["--optimizer=muon", "--muon-fp32-matmul-prec=high"]
 EMBEDDING_ALONE = "--pipeline-model-parallel-layout=E|t*2L"
 
 
-SECONDS = 180  # per run: 8 tiny iterations on up to 4 ranks, 2 loaded cores
+SECONDS = 180  # per run: 6 tiny iterations on up to 4 ranks, 2 loaded cores
 LAUNCH_ORDER = (4, 1, 2)  # rank counts: a 4-rank checkpoint is resumed on 1 and 2 ranks
 
 
@@ -86,8 +88,8 @@ def runs(request, tmp_path_factory) -> dict:
         commands += [uninterrupted(d, "bitwise", args, 1), resume(d, "bitwise_resumed", d / "bitwise_ckpt", args, 1)]
     if selected(test_evaluation_after_a_resume_continues_the_validation_stream):
         d = directory("evaluation")
-        commands += [train(d, "eval", EVAL + [f"--checkpoint.save={d / 'eval_ckpt'}", "--checkpoint.save_interval=4"]),
-                     train(d, "eval_resumed", EVAL + [f"--checkpoint.load={d / 'eval_ckpt'}", "--checkpoint.load_iteration=4"])]  # fmt: skip
+        commands += [train(d, "eval", EVAL + [f"--checkpoint.save={d / 'eval_ckpt'}", f"--checkpoint.save_interval={SAVED}"]),
+                     train(d, "eval_resumed", EVAL + [f"--checkpoint.load={d / 'eval_ckpt'}", f"--checkpoint.load_iteration={SAVED}"])]  # fmt: skip
     if selected(test_resume_two_ranks_bitwise_and_async_equals_sync):
         d = directory("two_ranks")
         args = DROPOUT + DECOUPLED + PP2 + [EMBEDDING_ALONE]
@@ -157,31 +159,33 @@ def test_resume_one_process_is_bitwise_identical(runs):
     reference, _ = uninterrupted_run(runs, "bitwise")
     resumed, out = resumed_run(runs, "bitwise_resumed")
     assert resumed == {it: reference[it] for it in range(SAVED + 1, ITERS + 1)}
-    assert "loaded checkpoint" in out and f"iteration {SAVED}, consumed samples {SAVED * 8}" in out
+    assert "loaded checkpoint" in out and f"iteration {SAVED}, consumed samples {SAVED * BATCH}" in out
 
 
 def evaluation_lines(output: str) -> dict[str, str]:
-    """The printed validation/test results, by where they were taken ("iteration 8", "iteration 8 on test set")."""
+    """The printed validation/test results, by where they were taken ("iteration 6", "iteration 6 on test set")."""
     found = re.findall(r" validation loss at (iteration \d+(?: on test set)?) \| (lm loss value: \S+)", output)
     return dict(found)
 
 
-EVAL = DROPOUT + ["--training.train_iters=8", "--eval.eval_interval=4", "--eval.eval_iters=2"]
+EVAL = DROPOUT + [f"--eval.eval_interval={SAVED}", "--eval.eval_iters=2"]
 
 
 def test_evaluation_after_a_resume_continues_the_validation_stream(runs):
-    """8 iterations evaluating every 4 vs 4 + save + resume to 8: the resumed run's validation at
-    iteration 8 reads the batches the uninterrupted one read there (consumed_valid_samples is in
-    the checkpoint, as Megatron's args.consumed_valid_samples), and the test split starts at 0."""
+    """ITERS iterations evaluating every SAVED vs SAVED + save + resume to ITERS: the resumed run's
+    validation at iteration ITERS reads the batches the uninterrupted one read there
+    (consumed_valid_samples is in the checkpoint, as Megatron's args.consumed_valid_samples), and
+    the test split starts at 0."""
     _, full = losses_of(runs, "eval")
     _, resumed = losses_of(runs, "eval_resumed")
     root = runs["eval"][1] / "eval_ckpt"
     reference, after = evaluation_lines(full), evaluation_lines(resumed)
-    assert set(reference) == {"iteration 4", "iteration 8", "iteration 8 on test set"}
-    assert reference["iteration 4"] != reference["iteration 8"]
-    assert after == {k: reference[k] for k in ("iteration 8", "iteration 8 on test set")}
-    progress = read_sections(layout.iteration_dir(root, 4), ("train_state",))["train_state"]
-    assert int(progress["consumed_valid_samples"]) == 2 * 8  # eval_iters global batches of 8
+    saved, last, test = f"iteration {SAVED}", f"iteration {ITERS}", f"iteration {ITERS} on test set"
+    assert set(reference) == {saved, last, test}
+    assert reference[saved] != reference[last]
+    assert after == {k: reference[k] for k in (last, test)}
+    progress = read_sections(layout.iteration_dir(root, SAVED), ("train_state",))["train_state"]
+    assert int(progress["consumed_valid_samples"]) == 2 * BATCH  # eval_iters global batches
 
 
 def test_resume_two_ranks_bitwise_and_async_equals_sync(runs):
@@ -253,12 +257,13 @@ def test_generate_from_dp2_tp2_checkpoint(dp2_tp2):
 SLOW_MESHES = {
     "pp2_1f1b": (2, ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=1F1B"]),
     "tp4": (4, ["--parallel.tensor_model_parallel_size=4"]),
-    "dp4": (4, []),
+    "dp4_mbs1": (4, ["--training.micro_batch_size=1"]),  # a batch of 4 over 4 ranks
     "hsdp2x2_mbs1": (4, ["--parallel.data_parallel_replicate_size=2", "--training.micro_batch_size=1"]),
     "cp2_tp2": (4, ["--parallel.context_parallel_size=2", "--parallel.tensor_model_parallel_size=2"]),  # saved at cp 1
 }
+# 4 stages: a micro-batch of 1 gives the 4 micro-batches DualPipeV needs (the saved run's 2 are of 2)
 DUALPIPEV = ["--parallel.pipeline_model_parallel_size=2", "--parallel.pipeline_schedule=DualPipeV",
-             "--parallel.virtual_pipeline_stages_per_rank=2"]  # fmt: skip
+             "--parallel.virtual_pipeline_stages_per_rank=2", "--training.micro_batch_size=1"]  # fmt: skip
 
 
 @pytest.mark.parametrize("mesh", sorted(SLOW_MESHES))

@@ -34,7 +34,9 @@ def ep(size: int) -> str:
 
 # the expert bias on: it is state a resume must restore (its Adam-free updates come from the counts)
 EXPERT_BIAS = ["--model.moe_router_score_function=sigmoid", "--model.moe_router_enable_expert_bias=true", "--model.moe_router_bias_update_rate=0.05"]
-RESUME = [*TINY, *MOE, *EXPERT_BIAS, f"--training.train_iters={ITERS}", f"--optimizer.lr_decay_iters={ITERS}"]
+# TINY's batch of 8 in micro-batches of 2: 4 a step on one process, 2 on each of 2 data-parallel ranks
+RESUME = [*TINY, *MOE, *EXPERT_BIAS, f"--training.train_iters={ITERS}", f"--optimizer.lr_decay_iters={ITERS}",
+          "--training.micro_batch_size=2"]  # fmt: skip
 # Muon with Nesterov, its iteration in fp32 (bf16's would round the meshes' fp32 differences up);
 # block 0 dense (SwiGLU's gate and fc1: one matrix), the experts SwiGLU too
 MUON = ["--optimizer=muon", "--muon-nesterov", "--muon-fp32-matmul-prec=high", "--model.swiglu=true", "--model.moe_layer_freq=[0,1,1,1]"]
