@@ -34,14 +34,25 @@ def save_moe_adam(root: Path, ep: int, build, state: dict) -> None:
         model = build()
         distinct_experts(model, ep)
         ddp, optimizer = build_optimizer(model, bucket_size=bucket_size)
-        # at ep > 1 the experts have an optimizer of their own (chained_1); at ep 1 the dense one holds them
-        assert len(optimizer.chained_optimizers) == 1 + (ep > 1)
+        assert len(optimizer.chained_optimizers) == 1 + experts_apart(ep)
         # no clipping: its global norm sums the dense and the expert norms in an order that the
         # bucket count changes at ep 2, so the two saves would differ in the last bit
         optimizer.config.clip_grad = 0.0
         synthetic_step(model, ddp, optimizer)
         save(model, optimizer, directory, sharding, state)
     dist.barrier()
+
+
+def experts_apart(ep: int) -> bool:
+    """Whether megatron-core gives the experts an optimizer of their own (chained_1) beside the dense
+    one: at ep > 1; and, after 0.16, wherever the expert tp differs from tp (their data-parallel
+    group is not the dense one's: megatron-core 0.19.2 at tp 2 with expert tp 1). Else the dense one
+    holds them."""
+    from megatron.core import parallel_state
+    from megatron.core.package_info import __version__
+
+    etp_apart = parallel_state.get_expert_tensor_parallel_world_size() != parallel_state.get_tensor_model_parallel_world_size()
+    return ep > 1 or (etp_apart and __version__ != "0.16.1")
 
 
 @torch.no_grad()
@@ -67,7 +78,8 @@ def distinct_experts(model, ep: int) -> None:
 TP2_LAYOUTS = ((1, 1), (1, 2), (2, 1), (2, 2))
 """(expert tp, ep) of the saves at tp 2 on 4 ranks (save_moe_adam_tp2): the experts whole on each
 tp rank (expert tp 1, Mixtral's and DeepSeek's usual choice) or split as the dense MLP (expert tp =
-tp, Megatron's default), in the dense buffer (ep 1) or in their own (chained_1, ep 2)."""
+tp, Megatron's default), in the dense buffer (ep 1; megatron-core 0.19 gives expert tp 1 a chained_1 of its own at ep 1 too)
+or in their own (chained_1, ep 2)."""
 
 
 def save_moe_adam_tp2(root: Path) -> None:
