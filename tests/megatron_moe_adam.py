@@ -28,13 +28,16 @@ each expert buffer (two experts of 2 layers, 4 x 2 x 32 x 64 elements at ep 2)."
 def save_moe_adam(root: Path, ep: int, build, state: dict) -> None:
     """The two saves of the module doc at expert parallelism `ep` (Megatron's groups set up for
     it); `build()` gives the seeded model, `state` Megatron-LM's common part."""
+    from megatron.core import parallel_state
+
     from tests.megatron_adam import build_optimizer, save, synthetic_step
 
     for bucket_size, sharding, directory in ((None, "fully_reshardable", root), (BUCKET_SIZE, "dp_reshardable", root / "dp_reshardable")):
         model = build()
         distinct_experts(model, ep)
         ddp, optimizer = build_optimizer(model, bucket_size=bucket_size)
-        assert len(optimizer.chained_optimizers) == 1 + experts_apart(ep)
+        etp, tp = parallel_state.get_expert_tensor_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
+        assert len(optimizer.chained_optimizers) == 1 + experts_apart(ep, etp, tp)
         # no clipping: its global norm sums the dense and the expert norms in an order that the
         # bucket count changes at ep 2, so the two saves would differ in the last bit
         optimizer.config.clip_grad = 0.0
@@ -43,16 +46,14 @@ def save_moe_adam(root: Path, ep: int, build, state: dict) -> None:
     dist.barrier()
 
 
-def experts_apart(ep: int) -> bool:
+def experts_apart(ep: int, etp: int, tp: int) -> bool:
     """Whether megatron-core gives the experts an optimizer of their own (chained_1) beside the dense
     one: at ep > 1; and, after 0.16, wherever the expert tp differs from tp (their data-parallel
     group is not the dense one's: megatron-core 0.19.2 at tp 2 with expert tp 1). Else the dense one
     holds them."""
-    from megatron.core import parallel_state
     from megatron.core.package_info import __version__
 
-    etp_apart = parallel_state.get_expert_tensor_parallel_world_size() != parallel_state.get_tensor_model_parallel_world_size()
-    return ep > 1 or (etp_apart and __version__ != "0.16.1")
+    return ep > 1 or (etp != tp and __version__ != "0.16.1")
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from dtgpt.checkpoint.megatron.buckets import BucketLayout
 from dtgpt.checkpoint.megatron.keys import full_model_shapes, is_buffer
 from dtgpt.checkpoint.megatron.reader import MegatronReader
 from tests.megatron_gpt import ITERATION
-from tests.megatron_moe_adam import PIPELINE_LAYOUTS, TP2_LAYOUTS, pipeline_layout_name
+from tests.megatron_moe_adam import PIPELINE_LAYOUTS, TP2_LAYOUTS, experts_apart, pipeline_layout_name
 from tests.megatron_moe_gpt import EXPERT_FFN
 from tests.test_megatron_moe_checkpoint import MODEL, assert_steps_on_alike, model_cfg
 
@@ -61,11 +61,11 @@ def holders(found: BucketLayout, layer: int, expert: int) -> list[tuple]:
 @pytest.mark.parametrize("etp, ep", TP2_LAYOUTS)
 def test_moe_adam_state_saved_at_tp2_reads_as_megatron_gathers_it(adam_tp2pp2, etp, ep):
     """The shared expert from each tp rank's shard, the router from tp rank 0's copy, each routed
-    expert from the buffer that holds it (the dense ones at ep 1, chained_1 of expert
+    expert from the buffer that holds it (the dense ones at ep 1 but where experts_apart, chained_1 of expert
     model-parallel rank etp rank + etp x ep rank at ep 2), whole or as its expert tp shards."""
     found = assert_reads_as_gathered(adam_tp2pp2 / "moe_tp2" / f"etp{etp}_ep{ep}", MODEL_TP2, ROWS_TP2)
     # expert 3 of 4: ep rank 1's at ep 2; at expert tp 2 its fc1 is 2 shards of [gate; up] rows
-    buffer = "chained_1.optimizer.distributed.dp_group_idx_{}.gbuf_idx_0" if ep == 2 else "optimizer.distributed.dp_group_idx_{}.gbuf_idx_0"
+    buffer = ("chained_1." if experts_apart(ep, etp, 2) else "") + "optimizer.distributed.dp_group_idx_{}.gbuf_idx_0"
     rank = lambda tp_rank: tp_rank + etp * (ep - 1) if ep == 2 else tp_rank  # noqa: E731
     half = EXPERT_FFN // etp
     expected = [((3, 0, 0), buffer.format(rank(0)))] if etp == 1 else [
