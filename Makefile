@@ -25,7 +25,7 @@ EMERGING_OPTIMIZERS := .oracle/emerging-optimizers
 ORACLE_TESTS := tests/test_data_megatron_oracle.py tests/test_data_tokens_oracle.py tests/test_megatron_oracle_schedules.py \
 	tests/test_loss_scaler.py tests/test_megatron_family.py tests/test_moe.py tests/test_megatron_checkpoint.py tests/test_megatron_checkpoint_resume.py \
 	tests/test_megatron_moe_checkpoint.py tests/test_megatron_moe_tp2_adam.py tests/test_megatron_parallel_adam.py tests/test_training_controls.py tests/test_data_tokenizer.py \
-	tests/test_data_tokenizer_sp_tiktoken.py
+	tests/test_data_tokenizer_sp_tiktoken.py tests/test_attention_variants.py tests/test_megatron_weight_decay.py tests/test_inits.py
 
 # The torch floor: pyproject accepts torch>=2.11, so a subset of the suite that covers every torch
 # subsystem dtgpt uses (DTensor TP, FSDP2, pipelining, DCP and async saves, torchrun ranks) runs
