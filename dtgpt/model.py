@@ -159,9 +159,10 @@ class CoreAttention(nn.Module):
         sink (nh,): each head's sink logit (dtgpt/attention_sink.py), None: none."""
         dropout = self.attention_dropout if self.training else 0.0
         # On CUDA, flash attention's varlen kernel without a mask (it has no dropout, no sink).
-        kernel = varlen_kernel.windowed_kernel_for(q, self.window) if not dropout and sink is None else None
         documents = isinstance(document_ids, Documents)
-        if kernel is not None and (documents or (document_ids is None and self.window is not None)):
+        varlen = documents or (document_ids is None and self.window is not None)  # else no kernel is looked up
+        kernel = varlen_kernel.windowed_kernel_for(q, self.window) if varlen and not dropout and sink is None else None
+        if kernel is not None:
             bounds = document_ids.bounds if documents else self.whole_rows(q.shape[0], q.shape[2], q.device)
             return documents_attention(kernel, q, k, v, bounds, self.window)  # (B, nh, T, hd)
         # Elsewhere: SDPA with an explicit boolean mask (docs/data.md says why not flex attention).
